@@ -1,0 +1,78 @@
+"""Crash-safe file writes: temp file in the same directory, fsync, rename, fsync the directory.
+
+A reader never sees a half-written file under its final name: either the old state or the
+complete new file. On macOS ``fsync`` does not flush the drive's cache, so ``F_FULLFSYNC`` is used
+where available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from .errors import InputError
+
+
+def fsync_fd(fd: int) -> None:
+    """Flush a file descriptor's data to stable storage (F_FULLFSYNC on macOS)."""
+    full = getattr(fcntl, "F_FULLFSYNC", None)
+    if full is not None:
+        try:
+            fcntl.fcntl(fd, full)
+            return
+        except OSError:
+            pass
+    os.fsync(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory entry (so a rename inside it survives a crash)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fsync_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """A short, user-facing description of an OSError (disk full gets its own words)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on the destination device"
+    return exc.strerror or str(exc)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
+    """Open a temp file next to ``path``; on clean exit fsync it and rename it onto ``path``.
+
+    On any exception the temp file is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, mode) as fh:
+            yield fh
+            fh.flush()
+            fsync_fd(fh.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise InputError(path, describe_os_error(exc)) from exc
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> None:
+    """Write ``obj`` as JSON to ``path`` crash-safely."""
+    with atomic_output(path, "w") as fh:
+        json.dump(obj, fh, indent=indent, sort_keys=False)
+        fh.write("\n")

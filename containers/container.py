@@ -1,0 +1,293 @@
+"""The container model: a directory of safetensors shards plus ``config.json``.
+
+Opening a container parses every shard header (strictly), indexes every tensor by name, groups
+routed experts by ``(layer, expert)`` with their six tensors, infers each expert's quantisation
+format from its byte counts, and records whether its three weight tensors are byte-adjacent in
+one file (the runtime's one-read fast path). Nothing is ever written to the container.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError
+from .geometry import PROJECTIONS, ExpertFormat, projection_shape
+from .safetensors_io import ShardHeader, TensorEntry, read_header
+
+MAX_FILES = 512
+"""The runtime globs at most this many ``*.safetensors`` files."""
+
+MANIFEST_NAME = "relayout.manifest.json"
+EXPERT_TENSOR_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(\.qs)?$")
+
+
+def expert_tensor_name(layer: int, expert: int, proj: str, scales: bool = False) -> str:
+    """The runtime's name of one routed-expert tensor."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight" + (".qs" if scales else "")
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor located in a container: the shard file (by index into ``Container.files``)."""
+
+    file: int
+    entry: TensorEntry
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What relayout needs from ``config.json`` (GLM and Qwen3 key spellings accepted)."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    num_hidden_layers: int
+    first_moe_layer: int
+    mtp_layers: int
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_moe_layer, self.num_hidden_layers))
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.mtp_layers))
+
+    @classmethod
+    def load(cls, path: Path) -> "ModelConfig":
+        if not path.is_file():
+            raise InputError(path, "missing (a container needs config.json)")
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InputError(path, f"not valid JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise InputError(path, "not a JSON object")
+
+        def pick(*keys, default=None):
+            for k in keys:
+                if k in obj:
+                    v = obj[k]
+                    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                        raise InputError(path, f"{k} must be a non-negative integer")
+                    return v
+            if default is None:
+                raise InputError(path, f"missing {' or '.join(keys)}")
+            return default
+
+        return cls(
+            hidden_size=pick("hidden_size"),
+            moe_intermediate_size=pick("moe_intermediate_size"),
+            n_routed_experts=pick("n_routed_experts", "num_experts", "num_local_experts"),
+            num_experts_per_tok=pick("num_experts_per_tok"),
+            num_hidden_layers=pick("num_hidden_layers"),
+            first_moe_layer=pick("first_k_dense_replace", default=0),
+            mtp_layers=pick("num_nextn_predict_layers", default=0),
+        )
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One routed expert: its three weight tensors and three scale tensors, by projection."""
+
+    layer: int
+    expert: int
+    weights: dict[str, TensorRef]
+    scales: dict[str, TensorRef]
+    format: str | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.weights.values()) + sum(t.nbytes for t in self.scales.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.weights.values())
+
+    @property
+    def fast_path(self) -> bool:
+        """True when the three weight tensors are byte-adjacent in one file (one pread)."""
+        refs = sorted(self.weights.values(), key=lambda r: r.entry.begin)
+        if len({r.file for r in refs}) != 1:
+            return False
+        return all(a.entry.end == b.entry.begin for a, b in zip(refs, refs[1:]))
+
+
+def infer_format(
+    weight_bytes: dict[str, int], scale_bytes: dict[str, int], hidden: int, ffn: int
+) -> str | None:
+    """The expert format whose byte counts match, or None.
+
+    int4 and int8 are told apart by weight bytes; per-row vs group-G scales by the scale count
+    (G is the power of two, 16..1024, consistent with all three projections).
+    """
+    for bits in (4, 8):
+        candidates = [ExpertFormat(bits, None)] + [ExpertFormat(bits, 1 << k) for k in range(4, 11)]
+        for fmt in candidates:
+            ok = True
+            for proj in PROJECTIONS:
+                rows, cols = projection_shape(proj, hidden, ffn)
+                if weight_bytes[proj] != fmt.weight_bytes(rows, cols):
+                    ok = False
+                    break
+                if scale_bytes[proj] != 4 * fmt.scale_count(rows, cols):
+                    ok = False
+                    break
+            if ok:
+                return fmt.name
+    return None
+
+
+@dataclass
+class Container:
+    """A colibrì container directory, opened read-only."""
+
+    root: Path
+    files: list[Path]
+    other_files: list[Path]
+    headers: list[ShardHeader]
+    tensors: dict[str, TensorRef]
+    config: ModelConfig
+    experts: dict[tuple[int, int], Expert]
+    problems: list[str]
+
+    @classmethod
+    def open(cls, root: str | Path) -> "Container":
+        """Parse and index the container at ``root``; raises :class:`InputError` on bad input."""
+        root = Path(root)
+        if not root.is_dir():
+            raise InputError(root, "not a directory")
+        files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+        if not files:
+            raise InputError(root, "no *.safetensors files")
+        if len(files) > MAX_FILES:
+            raise InputError(root, f"{len(files)} safetensors files; the runtime loads at most {MAX_FILES}")
+        config = ModelConfig.load(root / "config.json")
+        others = sorted(
+            p for p in root.iterdir()
+            if p.is_file() and p.suffix != ".safetensors" and p.name != MANIFEST_NAME
+            and not p.name.startswith(".")
+        )
+        headers = [read_header(p) for p in files]
+        tensors: dict[str, TensorRef] = {}
+        for i, h in enumerate(headers):
+            for name, entry in h.tensors.items():
+                if name in tensors:
+                    first = files[tensors[name].file].name
+                    raise InputError(
+                        root, f"tensor {name!r} appears in both {first} and {files[i].name} (the runtime would silently pick one)"
+                    )
+                tensors[name] = TensorRef(i, entry)
+        experts, problems = _group_experts(tensors, config)
+        return cls(root, files, others, headers, tensors, config, experts, problems)
+
+    def require_clean(self) -> None:
+        """Raise the first problem found, for commands that need a sound container."""
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more; see relayout inspect)" if len(self.problems) > 1 else ""
+            raise InputError(self.root, self.problems[0] + more)
+
+    @property
+    def routed_layers(self) -> list[int]:
+        return sorted({layer for layer, _ in self.experts})
+
+    def layer_experts(self, layer: int) -> list[Expert]:
+        return [self.experts[k] for k in sorted(k for k in self.experts if k[0] == layer)]
+
+    def total_bytes(self) -> int:
+        return sum(h.file_size for h in self.headers) + sum(p.stat().st_size for p in self.other_files)
+
+    def report(self) -> dict:
+        """The ``relayout inspect`` summary (JSON-ready)."""
+        per_layer = Counter(layer for layer, _ in self.experts)
+        by_format: dict[str, Counter] = defaultdict(Counter)
+        for e in self.experts.values():
+            by_format[e.format or "unknown"][e.nbytes] += 1
+        off_path = [e for e in self.experts.values() if not e.fast_path]
+        return {
+            "root": str(self.root),
+            "files": len(self.files),
+            "other_files": [p.name for p in self.other_files],
+            "tensors": len(self.tensors),
+            "total_bytes": self.total_bytes(),
+            "moe_layers": [layer for layer in self.routed_layers if layer < self.config.num_hidden_layers],
+            "mtp_layers": [layer for layer in self.routed_layers if layer >= self.config.num_hidden_layers],
+            "experts_per_layer": {str(k): v for k, v in sorted(per_layer.items())},
+            "routed_experts": len(self.experts),
+            "routed_bytes": sum(e.nbytes for e in self.experts.values()),
+            "bytes_per_expert": {
+                fmt: {str(size): n for size, n in sorted(c.items())} for fmt, c in sorted(by_format.items())
+            },
+            "fast_path_experts": len(self.experts) - len(off_path),
+            "off_fast_path_experts": len(off_path),
+            "off_fast_path_examples": [f"{e.layer}.{e.expert}" for e in sorted(off_path, key=lambda e: (e.layer, e.expert))[:20]],
+            "config": {
+                "hidden_size": self.config.hidden_size,
+                "moe_intermediate_size": self.config.moe_intermediate_size,
+                "n_routed_experts": self.config.n_routed_experts,
+                "num_experts_per_tok": self.config.num_experts_per_tok,
+            },
+            "problems": list(self.problems),
+        }
+
+
+def _group_experts(tensors: dict[str, TensorRef], config: ModelConfig):
+    parts: dict[tuple[int, int], dict[tuple[str, bool], TensorRef]] = defaultdict(dict)
+    for name, ref in tensors.items():
+        m = EXPERT_TENSOR_RE.match(name)
+        if m:
+            parts[(int(m.group(1)), int(m.group(2)))][(m.group(3), m.group(4) is not None)] = ref
+    experts: dict[tuple[int, int], Expert] = {}
+    problems: list[str] = []
+    routed = set(config.moe_layers) | set(config.mtp_layer_ids)
+    for (layer, expert), found in sorted(parts.items()):
+        missing = [
+            expert_tensor_name(layer, expert, p, s) for p in PROJECTIONS for s in (False, True) if (p, s) not in found
+        ]
+        if missing:
+            problems.append(f"expert {layer}.{expert} is missing {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+            continue
+        if layer not in routed:
+            problems.append(f"expert {layer}.{expert}: layer {layer} is not a MoE or MTP layer per config.json")
+        if expert >= config.n_routed_experts:
+            problems.append(f"expert {layer}.{expert}: id beyond n_routed_experts={config.n_routed_experts}")
+        weights = {p: found[(p, False)] for p in PROJECTIONS}
+        scales = {p: found[(p, True)] for p in PROJECTIONS}
+        bad_dtype = [r.entry.name for r in weights.values() if r.entry.dtype not in ("U8", "I8")]
+        bad_dtype += [r.entry.name for r in scales.values() if r.entry.dtype != "F32"]
+        if bad_dtype:
+            problems.append(f"expert {layer}.{expert}: unexpected dtype of {bad_dtype[0]}")
+        fmt = infer_format(
+            {p: r.nbytes for p, r in weights.items()},
+            {p: r.nbytes for p, r in scales.items()},
+            config.hidden_size,
+            config.moe_intermediate_size,
+        )
+        if fmt is None:
+            problems.append(
+                f"expert {layer}.{expert}: byte counts match no known format for hidden={config.hidden_size}, ffn={config.moe_intermediate_size}"
+            )
+        experts[(layer, expert)] = Expert(layer, expert, weights, scales, fmt)
+    per_layer = Counter(layer for layer, _ in experts)
+    for layer in sorted(routed):
+        n = per_layer.get(layer, 0)
+        if n and n != config.n_routed_experts:
+            problems.append(f"layer {layer} has {n} experts, config.json says {config.n_routed_experts}")
+    if config.moe_layers and (config.moe_layers[0], 0) not in experts:
+        problems.append(f"probe expert {config.moe_layers[0]}.0 (first MoE layer) is missing")
+    for layer in config.mtp_layer_ids:
+        if per_layer.get(layer) and (layer, 0) not in experts:
+            problems.append(f"probe expert {layer}.0 (MTP layer) is missing")
+    formats = Counter(e.format for e in experts.values() if e.layer in set(config.moe_layers))
+    if len(formats) > 1:
+        problems.append(f"MoE layers mix expert formats: {dict(formats)}")
+    return experts, problems

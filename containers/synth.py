@@ -1,0 +1,180 @@
+"""Synthetic containers: real safetensors files with the runtime's tensor names, laid out the way
+the colibrì converter lays them out, filled with deterministic pseudo-random bytes.
+
+Layout rules (FACTS section 1): tensors are taken in source-checkpoint order (layer by layer,
+expert by expert) and cut into shards by size, each source tensor's weight and scales together;
+inside a shard the official writer's order applies (F32 first, then by name, contiguous), so
+scales sit together far from the weights and an expert cut by a shard boundary straddles files.
+The MTP layer's tensors go to their own ``out-mtp-NNNNN`` shards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .atomic import fsync_dir, write_json_atomic
+from .container import expert_tensor_name
+from .errors import InputError
+from .geometry import PROJECTIONS, ExpertFormat, Geometry, projection_shape
+from .safetensors_io import DTYPE_SIZES, TensorSpec, write_shard
+from .sources import SeededBytes, SeededScales
+
+
+@dataclass(frozen=True)
+class SourceUnit:
+    """One tensor of the source checkpoint: after conversion, one or two output tensors."""
+
+    specs: tuple[TensorSpec, ...]
+    mtp: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+def _quantised(name: str, rows: int, cols: int, fmt: ExpertFormat, seed: int, mtp: bool) -> SourceUnit:
+    wbytes = fmt.weight_bytes(rows, cols)
+    sbytes = 4 * fmt.scale_count(rows, cols)
+    return SourceUnit(
+        (
+            TensorSpec(name, "U8", (wbytes,), SeededBytes(seed, name, wbytes)),
+            TensorSpec(name + ".qs", "F32", (sbytes // 4,), SeededScales(seed, name + ".qs", sbytes)),
+        ),
+        mtp,
+    )
+
+
+def _plain(name: str, dtype: str, shape: tuple[int, ...], seed: int, mtp: bool = False) -> SourceUnit:
+    n = DTYPE_SIZES[dtype]
+    for d in shape:
+        n *= d
+    src = SeededScales(seed, name, n) if dtype == "F32" else SeededBytes(seed, name, n)
+    return SourceUnit((TensorSpec(name, dtype, shape, src),), mtp)
+
+
+def source_units(g: Geometry, seed: int) -> list[SourceUnit]:
+    """Every tensor of the model in source-checkpoint order."""
+    H, F, E = g.hidden_size, g.moe_intermediate_size, g.n_routed_experts
+    units = [_plain("model.embed_tokens.weight", "BF16", (g.vocab_size, H), seed)]
+    for layer in range(g.num_hidden_layers + g.mtp_layers):
+        mtp = layer >= g.num_hidden_layers
+        fmt = g.format_of_layer(layer)
+        p = f"model.layers.{layer}"
+        units.append(_plain(f"{p}.input_layernorm.weight", "F32", (H,), seed, mtp))
+        units.append(_plain(f"{p}.post_attention_layernorm.weight", "F32", (H,), seed, mtp))
+        for proj in ("q_proj", "o_proj"):
+            units.append(_quantised(f"{p}.self_attn.{proj}.weight", H, H, fmt, seed, mtp))
+        if layer < g.first_moe_layer:
+            for proj in PROJECTIONS:
+                rows, cols = projection_shape(proj, H, g.dense_intermediate_size)
+                units.append(_quantised(f"{p}.mlp.{proj}_proj.weight", rows, cols, fmt, seed, mtp))
+            continue
+        units.append(_plain(f"{p}.mlp.gate.weight", "F32", (E, H), seed, mtp))
+        if g.config_style == "glm":
+            units.append(_plain(f"{p}.mlp.gate.e_score_correction_bias", "F32", (E,), seed, mtp))
+        if g.n_shared_experts:
+            for proj in PROJECTIONS:
+                rows, cols = projection_shape(proj, H, F * g.n_shared_experts)
+                units.append(_quantised(f"{p}.mlp.shared_experts.{proj}_proj.weight", rows, cols, fmt, seed, mtp))
+        for e in range(E):
+            for proj in PROJECTIONS:
+                rows, cols = projection_shape(proj, H, F)
+                units.append(_quantised(expert_tensor_name(layer, e, proj), rows, cols, fmt, seed, mtp))
+    units.append(_plain("model.norm.weight", "F32", (H,), seed))
+    units.append(_plain("lm_head.weight", "BF16", (g.vocab_size, H), seed))
+    return units
+
+
+def cut_shards(units: list[SourceUnit], shard_bytes: int, seed: int = 0) -> list[list[TensorSpec]]:
+    """Cut source units into shards in order, each about ``shard_bytes``.
+
+    Source checkpoints' shards vary in size, so each shard's limit is drawn (by seed) from
+    0.9-1.1 x ``shard_bytes``; cuts then fall inside some experts, which straddle two files.
+    """
+    rng = np.random.default_rng(seed)
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    limit = shard_bytes * rng.uniform(0.9, 1.1)
+    for u in units:
+        if current and size + u.nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+            limit = shard_bytes * rng.uniform(0.9, 1.1)
+        current.extend(u.specs)
+        size += u.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def converter_order(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The official writer's physical order: larger dtypes first (F32 before U8), then by name."""
+    return sorted(specs, key=lambda s: (-DTYPE_SIZES[s.dtype], s.name))
+
+
+def config_json(g: Geometry) -> dict:
+    """A ``config.json`` matching the geometry, in the model family's key spelling."""
+    cfg = dict(g.extra_config)
+    cfg.update(
+        hidden_size=g.hidden_size,
+        intermediate_size=g.dense_intermediate_size,
+        moe_intermediate_size=g.moe_intermediate_size,
+        num_hidden_layers=g.num_hidden_layers,
+        num_experts_per_tok=g.num_experts_per_tok,
+        vocab_size=g.vocab_size,
+    )
+    if g.config_style == "qwen3":
+        cfg.update(num_experts=g.n_routed_experts, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        cfg.update(
+            n_routed_experts=g.n_routed_experts,
+            n_shared_experts=g.n_shared_experts,
+            first_k_dense_replace=g.first_moe_layer,
+            num_nextn_predict_layers=g.mtp_layers,
+        )
+    cfg["relayout_synthetic"] = {"geometry": g.name}
+    return cfg
+
+
+def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress: bool = True) -> Path:
+    """Write a synthetic container for geometry ``g`` at ``out`` (built in ``out.partial``)."""
+    out = Path(out)
+    if out.exists():
+        raise InputError(out, "already exists; choose a new output directory")
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    units = source_units(g, seed)
+    main = cut_shards([u for u in units if not u.mtp], g.shard_bytes, seed)
+    mtp = cut_shards([u for u in units if u.mtp], g.shard_bytes, seed + 1)
+    total = sum(u.nbytes for u in units)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=None if progress else True) as bar:
+        for prefix, shards in (("out", main), ("out-mtp", mtp)):
+            for i, specs in enumerate(shards, 1):
+                write_shard(
+                    partial / f"{prefix}-{i:05d}.safetensors",
+                    converter_order(specs),
+                    alignment=1,
+                    metadata={"format": "pt"},
+                    on_bytes=bar.update,
+                )
+    write_json_atomic(partial / "config.json", config_json(g))
+    write_json_atomic(partial / "generation_config.json", {"do_sample": False, "relayout_synthetic": True})
+    write_json_atomic(partial / "tokenizer_config.json", {"model_max_length": 131072, "relayout_synthetic": True})
+    vocab = {f"<t{i}>": i for i in range(min(g.vocab_size, 256))}
+    write_json_atomic(partial / "tokenizer.json", {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab}}, indent=None)
+    fsync_dir(partial)
+    os.replace(partial, out)
+    fsync_dir(out.parent)
+    return out
+
+
+__all__ = ["synth_container", "source_units", "cut_shards", "converter_order", "config_json"]

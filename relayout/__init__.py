@@ -1,0 +1,3 @@
+"""relayout: co-activation layouts for MoE expert containers streamed from NVMe."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,53 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from containers.geometry import load_geometry
+from containers.synth import synth_container
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+SMALL = dict(moe_layers=3, experts=16, hidden=512, ffn=128, shard_bytes=1_500_000, vocab=256)
+
+
+def small_geometry(name="glm-5.2-int4-g64", **kw):
+    return load_geometry(name).scaled(**{**SMALL, **kw})
+
+
+@pytest.fixture(scope="session")
+def small_container(tmp_path_factory):
+    """A ~10 MB GLM-5.2-g64-structured container (int8 MTP layer included). Treat as read-only."""
+    out = tmp_path_factory.mktemp("containers") / "small"
+    synth_container(out, small_geometry(), seed=7, progress=False)
+    return out
+
+
+@pytest.fixture
+def container_copy(small_container, tmp_path):
+    """A private copy of the small container that a test may damage."""
+    dst = tmp_path / "copy"
+    shutil.copytree(small_container, dst)
+    return dst
+
+
+def run_cli(*args, cwd=None):
+    """Run ``python -m relayout ARGS`` in a subprocess; returns CompletedProcess."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "relayout", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def tree_state(root: Path) -> dict:
+    """(size, mtime_ns, content hash) of every file below ``root``: proof nothing was touched."""
+    import xxhash
+
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns, xxhash.xxh3_128_hexdigest(p.read_bytes()))
+    return out
