@@ -1,82 +1,33 @@
-"""Streaming xxh3-128 hashing of whole files and of the tensor byte ranges inside them.
+"""Streaming xxh3-128 hashing of files and of the tensor byte ranges inside them, in one pass.
 
-Each file is read once, sequentially, in fixed-size chunks into one reusable buffer (memory is
-bounded by the chunk size whatever the file size). A reader thread fills the next buffer while
-the caller's thread hashes the current one; xxhash releases the GIL, so the two overlap.
+A file is cut into segments: its tensors, and the bytes between them (header, padding, tail).
+Every segment gets its own xxh3-128; the file digest is the xxh3-128 of the file size and the
+segment digests in physical order, so every byte of the file is covered exactly once and each
+byte is hashed once. (It is therefore not the digest ``xxhsum`` prints for the file.)
+
+Files are mapped and hashed one window at a time (64 MiB), so memory stays bounded whatever the
+file size and no bytes are copied out of the page cache. The segments of a window are shared
+between two threads (xxhash releases the GIL), and the kernel is asked to read the next window
+ahead while the current one is hashed.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
-import queue
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import xxhash
 
 from .errors import InputError
 
-CHUNK_BYTES = 16 * 1024 * 1024
-"""Read size for hashing (bytes)."""
+WINDOW_BYTES = 64 * 1024 * 1024
+"""Bytes mapped and hashed at a time (a multiple of the page size)."""
 
-
-def iter_file_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES, start: int = 0, length: int | None = None) -> Iterator[tuple[int, memoryview]]:
-    """Yield ``(offset, chunk)`` covering ``length`` bytes of ``path`` from ``start``.
-
-    Two buffers rotate between a reader thread and the consumer, so reading overlaps the
-    consumer's work. Each yielded chunk is valid until the next one is requested.
-    """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size if length is None else start + length
-        try:
-            os.posix_fadvise(fd, start, size - start, os.POSIX_FADV_SEQUENTIAL)
-        except (AttributeError, OSError):
-            pass
-        free: queue.Queue = queue.Queue()
-        for _ in range(2):
-            free.put(bytearray(chunk_bytes))
-        full: queue.Queue = queue.Queue(maxsize=2)
-        stop = threading.Event()
-
-        def reader():
-            pos = start
-            try:
-                while pos < size and not stop.is_set():
-                    buf = free.get()
-                    if buf is None:
-                        return
-                    want = min(chunk_bytes, size - pos)
-                    got = os.preadv(fd, [memoryview(buf)[:want]], pos)
-                    if got <= 0:
-                        full.put(InputError(path, f"unexpected end of file at byte {pos} (truncated?)"))
-                        return
-                    full.put((pos, buf, got))
-                    pos += got
-                full.put(None)
-            except OSError as exc:
-                full.put(InputError(path, exc.strerror or str(exc)))
-
-        t = threading.Thread(target=reader, daemon=True)
-        t.start()
-        try:
-            while True:
-                item = full.get()
-                if item is None:
-                    break
-                if isinstance(item, Exception):
-                    raise item
-                pos, buf, got = item
-                yield pos, memoryview(buf)[:got]
-                free.put(buf)
-        finally:
-            stop.set()
-            free.put(None)
-            t.join()
-    finally:
-        os.close(fd)
+_HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash")
 
 
 @dataclass(frozen=True)
@@ -88,35 +39,108 @@ class Range:
     end: int
 
 
+def _segments(ranges: Sequence[Range], size: int) -> list[Range]:
+    """Tensors plus the gaps between them, covering ``[0, size)`` in order."""
+    out, pos = [], 0
+    for r in sorted(ranges, key=lambda r: r.begin):
+        if r.begin < pos:
+            raise ValueError(f"range {r.name!r} overlaps the previous one")
+        if r.begin > pos:
+            out.append(Range(f"gap@{pos}", pos, r.begin))
+        out.append(r)
+        pos = r.end
+    if pos < size:
+        out.append(Range(f"gap@{pos}", pos, size))
+    return out
+
+
+def file_digest(size: int, segment_digests: Sequence[bytes]) -> str:
+    """The file digest from its size and its segments' digests in physical order."""
+    return xxhash.xxh3_128_hexdigest(size.to_bytes(8, "little") + b"".join(segment_digests))
+
+
 def hash_file(
     path: Path,
     ranges: Sequence[Range] = (),
     on_bytes: Callable[[int], None] | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
+    window_bytes: int = WINDOW_BYTES,
 ) -> tuple[str, dict[str, str]]:
-    """Hash a whole file and each of ``ranges`` in one sequential pass.
+    """Hash a file and each of ``ranges`` (absolute, non-overlapping) in one sequential pass.
 
-    Returns ``(file xxh3-128 hex, {range name: xxh3-128 hex})``. Ranges must not overlap.
+    Returns ``(file digest hex, {range name: xxh3-128 hex})``.
     """
-    file_h = xxhash.xxh3_128()
-    ordered = sorted((r for r in ranges), key=lambda r: r.begin)
-    hashers = {r.name: xxhash.xxh3_128() for r in ordered}
-    i = 0
-    for pos, chunk in iter_file_chunks(path, chunk_bytes):
-        file_h.update(chunk)
-        end = pos + len(chunk)
-        while i < len(ordered) and ordered[i].end <= pos:
-            i += 1
-        j = i
-        while j < len(ordered) and ordered[j].begin < end:
-            r = ordered[j]
-            a, b = max(r.begin, pos), min(r.end, end)
-            if a < b:
-                hashers[r.name].update(chunk[a - pos : b - pos])
-            j += 1
-        if on_bytes is not None:
-            on_bytes(len(chunk))
-    return file_h.hexdigest(), {name: h.hexdigest() for name, h in hashers.items()}
+    gran = mmap.ALLOCATIONGRANULARITY
+    window_bytes = max(gran, window_bytes // gran * gran)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise InputError(path, exc.strerror or str(exc)) from None
+    try:
+        size = os.fstat(fd).st_size
+        if ranges and max(r.end for r in ranges) > size:
+            raise InputError(path, f"file is {size} bytes but a tensor ends beyond it (truncated?)")
+        segments = _segments(ranges, size)
+        hashers = [xxhash.xxh3_128() for _ in segments]
+        first = 0
+        pos = 0
+        while pos < size:
+            length = min(window_bytes, size - pos)
+            end = pos + length
+            if end < size:
+                _advise(fd, end, min(window_bytes, size - end))
+            while segments[first].end <= pos:
+                first += 1
+            pieces = []
+            j = first
+            while j < len(segments) and segments[j].begin < end:
+                a, b = max(segments[j].begin, pos), min(segments[j].end, end)
+                pieces.append((j, a - pos, b - pos))
+                j += 1
+            with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=pos) as window:
+                view = memoryview(window)
+                try:
+                    _hash_pieces(view, pieces, hashers)
+                finally:
+                    view.release()
+            pos = end
+            if on_bytes is not None:
+                on_bytes(length)
+    except OSError as exc:
+        raise InputError(path, exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    digests = [h.digest() for h in hashers]
+    names = {r.name for r in ranges}
+    per_range = {seg.name: h.hexdigest() for seg, h in zip(segments, hashers) if seg.name in names}
+    for r in ranges:
+        if r.begin == r.end:
+            per_range[r.name] = xxhash.xxh3_128_hexdigest(b"")
+    return file_digest(size, digests), per_range
+
+
+def _hash_pieces(view: memoryview, pieces: list[tuple[int, int, int]], hashers) -> None:
+    """Hash each (segment index, start, end) piece of a window, sharing the work with a thread."""
+    total = sum(b - a for _, a, b in pieces)
+    mine, theirs, acc = [], [], 0
+    for piece in pieces:
+        (mine if acc < total / 2 else theirs).append(piece)
+        acc += piece[2] - piece[1]
+
+    def run(batch):
+        for j, a, b in batch:
+            hashers[j].update(view[a:b])
+
+    pending = _HASH_POOL.submit(run, theirs) if theirs else None
+    run(mine)
+    if pending is not None:
+        pending.result()
+
+
+def _advise(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):
+        pass
 
 
 def digest_of(obj_bytes: bytes) -> str:
