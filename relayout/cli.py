@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.geometry import geometry_names, load_geometry
@@ -75,14 +77,7 @@ def _per_layer(d: dict) -> str:
 
 
 def cmd_synth_container(args) -> int:
-    geometry = load_geometry(args.geometry).scaled(
-        moe_layers=args.moe_layers,
-        experts=args.experts,
-        hidden=args.hidden,
-        ffn=args.ffn,
-        shard_bytes=None if args.shard_mb is None else int(args.shard_mb * 1_000_000),
-        vocab=args.vocab,
-    )
+    geometry = _scaled_geometry(args)
     out = synth_container(args.out, geometry, seed=args.seed)
     container = Container.open(out)
     r = container.report()
@@ -109,6 +104,103 @@ def cmd_manifest(args) -> int:
     write_manifest(manifest, out)
     print(f"wrote {out}: {len(manifest['files'])} files, {len(manifest['tensors'])} tensors, "
           f"fingerprint {manifest['fingerprint']}")
+    return 0
+
+
+def _scaled_geometry(args, shard_attr: str = "shard_mb"):
+    shard_mb = getattr(args, shard_attr, None)
+    return load_geometry(args.geometry).scaled(
+        moe_layers=args.moe_layers,
+        experts=args.experts,
+        hidden=getattr(args, "hidden", None),
+        ffn=getattr(args, "ffn", None),
+        shard_bytes=None if shard_mb is None else int(shard_mb * 1_000_000),
+        vocab=getattr(args, "vocab", None),
+    )
+
+
+def cmd_trace_import(args) -> int:
+    from .trace import save_trace
+    from .trace_import import import_traces
+
+    n_experts = None
+    geometry = "inferred"
+    if args.geometry:
+        g = load_geometry(args.geometry)
+        n_experts, geometry = g.n_routed_experts, g.name
+    trace, warnings = import_traces([Path(p) for p in args.inputs], args.format, n_experts, geometry)
+    for w in warnings:
+        print(f"relayout: warning: {w}", file=sys.stderr)
+    save_trace(trace, args.output)
+    what = "heat only" if trace.heat_only else f"{trace.n_selections:,} selections in {trace.n_forwards:,} forwards"
+    print(f"wrote {args.output}: {len(trace.sessions)} session(s), {len(trace.layers)} layers, {what}")
+    return 0
+
+
+def cmd_trace_stats(args) -> int:
+    from .trace import load_trace
+    from .trace_stats import format_stats, trace_stats
+
+    stats = trace_stats(load_trace(args.trace))
+    print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
+    return 0
+
+
+def cmd_synth_trace(args) -> int:
+    from .trace import save_trace
+    from .trace_synth import SynthParams, fit_atlas, load_atlas, synth_trace
+
+    g = _scaled_geometry(args)
+    params = SynthParams()
+    base_heat = None
+    if args.fit:
+        atlas = load_atlas(args.fit)
+        if atlas.n_experts != g.n_routed_experts or atlas.k != g.num_experts_per_tok:
+            raise InputError(args.fit, f"atlas has {atlas.n_experts} experts top-{atlas.k}; geometry {g.name} has "
+                                       f"{g.n_routed_experts} top-{g.num_experts_per_tok}")
+        params, report = fit_atlas(atlas, seed=args.seed)
+        for line in report.lines():
+            print(line)
+        by_layer = dict(zip(atlas.layers, atlas.heat))
+        base_heat = np.vstack([by_layer.get(l, atlas.heat.mean(axis=0)) for l in g.moe_layers])
+    trace = synth_trace(g.moe_layers, g.n_routed_experts, g.num_experts_per_tok, args.tokens, args.sessions,
+                        args.seed, params, base_heat, geometry=g.name)
+    save_trace(trace, args.out)
+    print(f"wrote {args.out}: {args.tokens} decode tokens, {args.sessions} sessions, layers "
+          f"{g.moe_layers[0]}-{g.moe_layers[-1]}, {g.n_routed_experts} experts, top-{g.num_experts_per_tok}")
+    return 0
+
+
+def cmd_export_coli_pairs(args) -> int:
+    from .coactivation import write_coli_pairs
+    from .trace import load_trace
+
+    n = write_coli_pairs(load_trace(args.trace), args.output)
+    print(f"wrote {args.output}: {n} coupling lines")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .layout import PackOptions
+    from .plan import SplitOptions, make_plan, plan_summary, save_plan, source_from_container, source_from_geometry
+    from .trace import load_trace
+
+    if bool(args.container) == bool(args.geometry):
+        raise InputError(None, "give exactly one of --container DIR or --geometry NAME")
+    source = source_from_container(args.container, args.manifest) if args.container else source_from_geometry(_scaled_geometry(args, "source_shard_mb"), args.synth_seed)
+    trace = load_trace(args.trace)
+    split = None
+    if args.split_ratio is not None:
+        if args.split_ram_gb is None:
+            raise InputError(None, "--split-ratio needs --split-ram-gb (RAM for resident top segments)")
+        split = SplitOptions(args.split_ratio, int(args.split_ram_gb * 1e9), args.split_rule, int((args.cache_gb or 0) * 1e9))
+    pack = PackOptions(shard_bytes=int(args.shard_mb * 1e6), alignment=args.alignment, scales_with_weights=args.scales_with_weights)
+    plan = make_plan(trace, source, args.method, args.train_fraction, args.seed, args.resolution, args.weight,
+                     args.min_support, pack, split)
+    save_plan(plan, args.output)
+    print(f"wrote {args.output} (plan {plan['plan_digest']})")
+    for line in plan_summary(plan):
+        print("  " + line)
     return 0
 
 
@@ -141,6 +233,65 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shard-mb", type=float, help="target shard size in MB (10^6 bytes)")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=cmd_synth_container)
+
+    c = synth.add_parser("trace", help="write a synthetic routing trace with real structure")
+    c.add_argument("out")
+    c.add_argument("--geometry", required=True, help=f"one of {', '.join(geometry_names())} or a geometry JSON file")
+    c.add_argument("--moe-layers", type=int, help="number of MoE layers (match a scaled container)")
+    c.add_argument("--experts", type=int, help="routed experts per layer (match a scaled container)")
+    c.add_argument("--tokens", type=int, default=2000, help="decode tokens in all")
+    c.add_argument("--sessions", type=int, default=8)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--fit", metavar="ATLAS.json", help="fit heat and lift to a co-activation atlas and report the error")
+    c.set_defaults(func=cmd_synth_trace)
+
+    s = sub.add_parser("trace", help="import routing traces and describe them")
+    tsub = s.add_subparsers(dest="what", required=True, metavar="WHAT")
+    c = tsub.add_parser("import", help="convert ROUTE_TRACE / STALL_TRACE / MBLT / .coli_usage into a relayout trace")
+    c.add_argument("inputs", nargs="+", help="input files; each is one session, in the order given")
+    c.add_argument("-o", "--output", required=True)
+    c.add_argument("--format", choices=["route", "stall", "mblt", "coli_usage"], help="default: sniffed")
+    c.add_argument("--geometry", help="check expert ids against this geometry and record its name")
+    c.set_defaults(func=cmd_trace_import)
+    c = tsub.add_parser("stats", help="heat entropy, lift, cross-layer lift, reuse distance per layer")
+    c.add_argument("trace")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_trace_stats)
+
+    s = sub.add_parser("export", help="export tables for the runtime")
+    esub = s.add_subparsers(dest="what", required=True, metavar="WHAT")
+    c = esub.add_parser("coli-pairs", help="cross-layer coupling table in colibri's .coli_pairs format")
+    c.add_argument("trace")
+    c.add_argument("-o", "--output", required=True)
+    c.set_defaults(func=cmd_export_coli_pairs)
+
+    s = sub.add_parser("plan", help="cluster, order and pack: write plan.json")
+    s.add_argument("--trace", required=True)
+    s.add_argument("--container", help="the container the plan is for")
+    s.add_argument("--manifest", help=f"its manifest (default DIR/{MANIFEST_NAME}; hashed now if absent)")
+    s.add_argument("--geometry", help="plan for a geometry's converter layout instead of a container")
+    s.add_argument("--moe-layers", type=int)
+    s.add_argument("--experts", type=int)
+    s.add_argument("--hidden", type=int)
+    s.add_argument("--ffn", type=int)
+    s.add_argument("--vocab", type=int)
+    s.add_argument("--source-shard-mb", type=float, help="with --geometry: the source's shard size, MB (as given to synth)")
+    s.add_argument("--synth-seed", type=int, default=0, help="seed of the synthetic container the geometry layout mirrors")
+    s.add_argument("-o", "--output", required=True)
+    s.add_argument("--method", default="louvain", choices=["louvain", "greedy-modularity", "heat", "stock", "random"])
+    s.add_argument("--train-fraction", type=float, default=0.7, help="first fraction of sessions to learn from")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--resolution", type=float, default=1.0, help="Louvain resolution")
+    s.add_argument("--weight", default="count", choices=["count", "lift", "pmi"], help="co-activation edge weight")
+    s.add_argument("--min-support", type=int, default=1, help="minimum co-selections for an edge")
+    s.add_argument("--shard-mb", type=float, default=4000, help="target size of new shards, MB")
+    s.add_argument("--alignment", type=int, default=4096, help="block alignment in bytes (e.g. a RAID chunk size)")
+    s.add_argument("--scales-with-weights", action="store_true", help="put each expert's scales right after its weights")
+    s.add_argument("--split-ratio", type=float, help="vertical split: fraction of the FFN in the top segment")
+    s.add_argument("--split-ram-gb", type=float, help="RAM for resident top segments, GB")
+    s.add_argument("--split-rule", default="stall", choices=["heat", "stall"])
+    s.add_argument("--cache-gb", type=float, help="LRU cache the split competes with, GB (stall rule)")
+    s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("manifest", help="write or check the xxh3-128 checksum manifest of a container")
     s.add_argument("dir")

@@ -1,0 +1,148 @@
+"""Co-activation statistics and graphs.
+
+For one layer, a token's selected experts form a set; two experts *co-activate* when they are in
+the same set. From the rows of a layer we count:
+
+* ``heat[e]``: rows selecting ``e``;
+* ``C[i, j]``: rows selecting both ``i`` and ``j`` (symmetric, zero diagonal).
+
+Edge weights derived from them: ``count`` (C), ``lift`` = C N / (heat_i heat_j) and
+``pmi`` = log2(lift). Graphs keep edges with count >= ``min_support``.
+
+Cross-layer coupling counts, for the same (forward, position), expert ``e`` at layer L followed
+by expert ``f`` at layer L+dL; :func:`write_coli_pairs` exports them in colibrì's ``.coli_pairs``
+format for the runtime's coupled prefetch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import networkx as nx
+import numpy as np
+
+from containers.atomic import atomic_output
+from containers.errors import InputError
+
+from .trace import RoutingTrace
+
+WEIGHTS = ("count", "lift", "pmi")
+
+
+def pair_counts(experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """Symmetric co-activation counts [E, E] (int64) of rows ``experts`` [N, k] (-1 = padding)."""
+    N, k = experts.shape
+    C = np.zeros(n_experts * n_experts, dtype=np.int64)
+    ex = experts.astype(np.int64)
+    for a in range(k):
+        for b in range(a + 1, k):
+            i, j = ex[:, a], ex[:, b]
+            ok = (i >= 0) & (j >= 0)
+            C += np.bincount(i[ok] * n_experts + j[ok], minlength=n_experts * n_experts)
+    C = C.reshape(n_experts, n_experts)
+    C = C + C.T
+    np.fill_diagonal(C, 0)
+    return C
+
+
+def heat_of(experts: np.ndarray, n_experts: int) -> np.ndarray:
+    ex = experts[experts >= 0].astype(np.int64)
+    return np.bincount(ex, minlength=n_experts)
+
+
+def lift_matrix(C: np.ndarray, heat: np.ndarray, n_rows: int) -> np.ndarray:
+    """Lift = P(i,j) / (P(i) P(j)); 0 where undefined."""
+    h = heat.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        L = C * float(n_rows) / np.outer(h, h)
+    return np.nan_to_num(L, nan=0.0, posinf=0.0)
+
+
+def coactivation_graph(experts: np.ndarray, n_experts: int, weight: str = "count", min_support: int = 1) -> nx.Graph:
+    """Graph over all experts of a layer; edges with count >= ``min_support``, weighted as asked.
+
+    Node attribute ``heat``; edge attributes ``count``, ``lift``, ``pmi`` and ``weight``
+    (the selected one; PMI edges with non-positive PMI are dropped, Louvain needs positive weights).
+    """
+    if weight not in WEIGHTS:
+        raise InputError(None, f"unknown edge weight {weight!r} (choose {', '.join(WEIGHTS)})")
+    N = experts.shape[0]
+    heat = heat_of(experts, n_experts)
+    C = pair_counts(experts, n_experts)
+    L = lift_matrix(C, heat, N)
+    G = nx.Graph()
+    G.add_nodes_from((e, {"heat": int(heat[e])}) for e in range(n_experts))
+    iu, ju = np.nonzero(np.triu(C >= max(min_support, 1), 1))
+    for i, j in zip(iu.tolist(), ju.tolist()):
+        c, lift = int(C[i, j]), float(L[i, j])
+        pmi = float(np.log2(lift)) if lift > 0 else float("-inf")
+        w = {"count": float(c), "lift": lift, "pmi": pmi}[weight]
+        if w <= 0:
+            continue
+        G.add_edge(i, j, count=c, lift=lift, pmi=pmi, weight=w)
+    return G
+
+
+def aligned_rows(trace: RoutingTrace, layer_a: int, layer_b: int, forwards: np.ndarray | None = None):
+    """Rows of ``layer_a`` and ``layer_b`` for the same (forward, position): two index arrays."""
+    ra = trace.layer_rows(layer_a, forwards)
+    rb = trace.layer_rows(layer_b, forwards)
+    P = int(trace.row_position.max()) + 1 if trace.n_rows else 1
+    ka = trace.row_forward[ra].astype(np.int64) * P + trace.row_position[ra]
+    kb = trace.row_forward[rb].astype(np.int64) * P + trace.row_position[rb]
+    common, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+    return ra[ia], rb[ib]
+
+
+def cross_layer_counts(trace: RoutingTrace, layer: int, dl: int, forwards: np.ndarray | None = None) -> np.ndarray:
+    """Counts [E, E]: expert e at ``layer`` with expert f at ``layer + dl`` in the same position."""
+    E, k = trace.n_experts, trace.top_k
+    ra, rb = aligned_rows(trace, layer, layer + dl, forwards)
+    A = trace.experts[ra].astype(np.int64)
+    B = trace.experts[rb].astype(np.int64)
+    out = np.zeros(E * E, dtype=np.int64)
+    for a in range(k):
+        for b in range(k):
+            i, j = A[:, a], B[:, b]
+            ok = (i >= 0) & (j >= 0)
+            out += np.bincount(i[ok] * E + j[ok], minlength=E * E)
+    return out.reshape(E, E)
+
+
+def cross_layer_lift(trace: RoutingTrace, layer: int, dl: int = 1, min_count: int = 5) -> np.ndarray:
+    """Lifts of (e at L, f at L+dl) pairs with at least ``min_count`` co-occurrences."""
+    ra, rb = aligned_rows(trace, layer, layer + dl)
+    if not len(ra):
+        return np.zeros(0)
+    X = cross_layer_counts(trace, layer, dl)
+    ha = heat_of(trace.experts[ra], trace.n_experts).astype(np.float64)
+    hb = heat_of(trace.experts[rb], trace.n_experts).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        L = X * len(ra) / np.outer(ha, hb)
+    return L[X >= min_count]
+
+
+def write_coli_pairs(trace: RoutingTrace, path: str | os.PathLike, max_targets: int = 16, forwards: np.ndarray | None = None) -> int:
+    """Write colibrì's ``.coli_pairs`` coupling table; returns the number of lines.
+
+    Format: ``COLIPAIRS 1 <n_lines>`` then ``<L> <dL> <e> f1:c1 f2:c2 ...`` with dL in {1, 2}, at
+    most ``max_targets`` targets per line, raw counts, sorted by count (descending, then id).
+    """
+    trace.require_rows("a coupling table")
+    layers = set(int(x) for x in trace.layers)
+    lines = []
+    for layer in sorted(layers):
+        for dl in (1, 2):
+            if layer + dl not in layers:
+                continue
+            X = cross_layer_counts(trace, layer, dl, forwards)
+            for e in np.flatnonzero(X.sum(axis=1)):
+                row = X[e]
+                targets = np.flatnonzero(row)
+                targets = targets[np.lexsort((targets, -row[targets]))][:max_targets]
+                lines.append(f"{layer} {dl} {e} " + " ".join(f"{f}:{row[f]}" for f in targets))
+    with atomic_output(path, "w") as fh:
+        fh.write(f"COLIPAIRS 1 {len(lines)}\n")
+        for line in lines:
+            fh.write(line + "\n")
+    return len(lines)

@@ -1,0 +1,300 @@
+"""Physical layouts: where every routed expert's six tensors sit (file, offset, bytes), and the
+packer that builds a new layout from per-layer orders.
+
+A :class:`Layout` is what the replay model reads and what a rewrite writes. The source layout
+comes from a real container (:func:`layout_from_container`) or, for planning without the bytes,
+from the converter rules for a geometry (:func:`layout_from_geometry`, the layout
+``relayout synth container`` would write). :func:`pack_layout` produces a new one:
+
+* experts of a layer in the planned order, each expert's three weight tensors byte-adjacent
+  (down, gate, up) with the block aligned (4096 default, or a RAID chunk size);
+* no expert straddles files: files are cut only between blocks, at about ``shard_bytes``;
+* scales either together per layer (the converter's habit) or right after their expert's
+  weights (``scales_with_weights``);
+* non-expert tensors kept, in their source order, in the first files; MTP layers in
+  ``out-mtp-NNNNN`` files; at most 512 files, unique names.
+
+Offsets are computed with the same :func:`containers.safetensors_io.plan_shard` the rewriter uses,
+so the plan's offsets are the offsets the new container will have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from containers.container import MAX_FILES, Container, expert_tensor_name
+from containers.errors import InputError
+from containers.geometry import PROJECTIONS, Geometry
+from containers.hashing import digest_of
+from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
+from containers.synth import converter_order, cut_shards, source_units
+
+SLOTS = tuple(f"{p}.weight" for p in PROJECTIONS) + tuple(f"{p}.scales" for p in PROJECTIONS)
+"""The six tensors of an expert, in ``expert_loc`` slot order."""
+WEIGHT_SLOTS = (0, 1, 2)
+SCALE_SLOTS = (3, 4, 5)
+
+
+@dataclass
+class Layout:
+    """Placement of routed experts. ``expert_loc[l, e, slot] = (file, offset, nbytes)``."""
+
+    files: list[str]
+    file_sizes: list[int]
+    layers: list[int]
+    n_experts: int
+    expert_loc: np.ndarray                     # int64 [L, E, 6, 3]
+    alignment: int = 1
+    other_tensors: list[list] = field(default_factory=list)   # [name, file, offset, nbytes]
+    file_metadata: list[dict] = field(default_factory=list)
+
+    def layer_index(self, layer: int) -> int:
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise InputError(None, f"layer {layer} is not a routed layer of this layout") from None
+
+    def expert_bytes(self) -> np.ndarray:
+        """Bytes of each expert [L, E] (weights plus scales)."""
+        return self.expert_loc[:, :, :, 2].sum(axis=2)
+
+    def weight_extents(self, li: int, e: int) -> list[tuple[int, int, int]]:
+        """The reads that fetch an expert's weights: one when byte-adjacent in one file, else three."""
+        loc = self.expert_loc[li, e, list(WEIGHT_SLOTS)]
+        if len(set(loc[:, 0].tolist())) == 1:
+            srt = loc[np.argsort(loc[:, 1])]
+            if all(srt[i, 1] + srt[i, 2] == srt[i + 1, 1] for i in range(2)):
+                return [(int(srt[0, 0]), int(srt[0, 1]), int(srt[:, 2].sum()))]
+        return [tuple(int(x) for x in row) for row in loc]
+
+    def fast_path_fraction(self) -> float:
+        n = sum(len(self.weight_extents(li, e)) == 1 for li in range(len(self.layers)) for e in range(self.n_experts))
+        return n / (len(self.layers) * self.n_experts)
+
+    def physical_order(self, li: int) -> np.ndarray:
+        """Expert ids of a layer sorted by where their first weight byte sits (file, offset)."""
+        loc = self.expert_loc[li, :, list(WEIGHT_SLOTS)]           # [3, E, 3]
+        first = np.argmin(loc[:, :, 0] * (1 << 44) + loc[:, :, 1], axis=0)
+        f = loc[first, np.arange(self.n_experts), 0]
+        o = loc[first, np.arange(self.n_experts), 1]
+        return np.lexsort((o, f))
+
+    def to_json(self) -> dict:
+        return {
+            "alignment": self.alignment,
+            "files": [{"name": n, "size": s, **({"metadata": m} if m else {})}
+                      for n, s, m in zip(self.files, self.file_sizes, self.file_metadata or [{}] * len(self.files))],
+            "layers": self.layers,
+            "n_experts": self.n_experts,
+            "experts": {str(l): self.expert_loc[i].reshape(self.n_experts, 18).tolist() for i, l in enumerate(self.layers)},
+            "other_tensors": self.other_tensors,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str) -> "Layout":
+        try:
+            layers = [int(x) for x in obj["layers"]]
+            E = int(obj["n_experts"])
+            loc = np.array([obj["experts"][str(l)] for l in layers], dtype=np.int64).reshape(len(layers), E, 6, 3)
+            files = obj["files"]
+            return cls(
+                files=[f["name"] for f in files], file_sizes=[int(f["size"]) for f in files],
+                layers=layers, n_experts=E, expert_loc=loc, alignment=int(obj.get("alignment", 1)),
+                other_tensors=obj.get("other_tensors", []), file_metadata=[f.get("metadata", {}) for f in files],
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise InputError(where, f"malformed layout ({exc})") from None
+
+
+def _slot_name(layer: int, e: int, slot: int) -> str:
+    proj = PROJECTIONS[slot % 3]
+    return expert_tensor_name(layer, e, proj, scales=slot >= 3)
+
+
+def layout_from_container(c: Container) -> Layout:
+    """The physical layout of an opened container (its stock layout)."""
+    layers = c.routed_layers
+    E = c.config.n_routed_experts
+    loc = np.zeros((len(layers), E, 6, 3), dtype=np.int64)
+    for li, layer in enumerate(layers):
+        for e in range(E):
+            ex = c.experts.get((layer, e))
+            if ex is None:
+                raise InputError(c.root, f"expert {layer}.{e} is missing")
+            for slot in range(6):
+                ref = (ex.weights if slot < 3 else ex.scales)[PROJECTIONS[slot % 3]]
+                loc[li, e, slot] = (ref.file, ref.entry.begin, ref.entry.nbytes)
+    expert_names = {_slot_name(l, e, s) for l in layers for e in range(E) for s in range(6)}
+    others = sorted(
+        ([n, r.file, r.entry.begin, r.entry.nbytes] for n, r in c.tensors.items() if n not in expert_names),
+        key=lambda t: (t[1], t[2]),
+    )
+    return Layout([p.name for p in c.files], [h.file_size for h in c.headers], layers, E, loc, 1, others,
+                  [h.metadata for h in c.headers])
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, dtype, shape and size of a tensor to be placed (bytes not needed to plan)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class _Sized:
+    """A byte source that only knows its size (planning never reads bytes)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def chunks(self):
+        raise AssertionError("a planning placeholder has no bytes")
+
+    def describe(self) -> str:
+        return "planning placeholder"
+
+
+def _spec(t: TensorInfo, alignment: int | None = None) -> TensorSpec:
+    return TensorSpec(t.name, t.dtype, t.shape, _Sized(t.nbytes), alignment)
+
+
+def layout_from_geometry(g: Geometry, seed: int = 0) -> tuple[Layout, list[TensorInfo]]:
+    """The layout ``relayout synth container`` writes for ``g`` and ``seed``, without writing it.
+
+    Also returns every tensor (in source order) for packing a new layout.
+    """
+    units = source_units(g, seed)
+    files, sizes, placed, metas = [], [], {}, []
+    main = cut_shards([u for u in units if not u.mtp], g.shard_bytes, seed)
+    mtp = cut_shards([u for u in units if u.mtp], g.shard_bytes, seed + 1)
+    for prefix, shards in (("out", main), ("out-mtp", mtp)):
+        for i, specs in enumerate(shards, 1):
+            lay = plan_shard(converter_order(specs), alignment=1, metadata={"format": "pt"})
+            fi = len(files)
+            files.append(f"{prefix}-{i:05d}.safetensors")
+            sizes.append(lay.file_size)
+            metas.append({"format": "pt"})
+            for spec, begin in lay.placements:
+                placed[spec.name] = (fi, begin, spec.nbytes)
+    layers = g.routed_layers
+    E = g.n_routed_experts
+    loc = np.zeros((len(layers), E, 6, 3), dtype=np.int64)
+    for li, layer in enumerate(layers):
+        for e in range(E):
+            for slot in range(6):
+                loc[li, e, slot] = placed[_slot_name(layer, e, slot)]
+    expert_names = {_slot_name(l, e, s) for l in layers for e in range(E) for s in range(6)}
+    others = sorted(([n, *placed[n]] for n in placed if n not in expert_names), key=lambda t: (t[1], t[2]))
+    tensors = [TensorInfo(s.name, s.dtype, s.shape, s.nbytes) for u in units for s in u.specs]
+    return Layout(files, sizes, layers, E, loc, 1, others, metas), tensors
+
+
+def tensors_of_container(c: Container) -> list[TensorInfo]:
+    """Every tensor of a container, in physical order (file, offset)."""
+    refs = sorted(c.tensors.values(), key=lambda r: (r.file, r.entry.begin))
+    return [TensorInfo(r.entry.name, r.entry.dtype, r.entry.shape, r.entry.nbytes) for r in refs]
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """How a new container is cut and aligned. Sizes in bytes."""
+
+    shard_bytes: int = 4_000_000_000
+    alignment: int = 4096
+    scales_with_weights: bool = False
+    mtp_files: bool = True
+
+
+def pack_layout(
+    tensors: list[TensorInfo],
+    layers: list[int],
+    n_experts: int,
+    orders: dict[int, np.ndarray],
+    mtp_layers: set[int],
+    options: PackOptions = PackOptions(),
+    metadata: dict[str, str] | None = None,
+) -> Layout:
+    """Place every tensor in new files following ``orders`` (see module doc for the rules)."""
+    by_name = {t.name: t for t in tensors}
+    expert_names = set()
+    for layer in layers:
+        order = np.asarray(orders[layer])
+        if sorted(order.tolist()) != list(range(n_experts)):
+            raise InputError(None, f"order for layer {layer} is not a permutation of 0..{n_experts - 1}")
+        for e in range(n_experts):
+            for slot in range(6):
+                name = _slot_name(layer, e, slot)
+                if name not in by_name:
+                    raise InputError(None, f"tensor {name} is missing from the source")
+                expert_names.add(name)
+    al = options.alignment
+
+    def layer_of(name: str) -> int | None:
+        parts = name.split(".")
+        return int(parts[2]) if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() else None
+
+    # blocks: lists of (TensorInfo, alignment) that must stay in one file, in order
+    series: dict[str, list[list[tuple[TensorInfo, int | None]]]] = {"out": [], "out-mtp": []}
+    for t in tensors:
+        if t.name in expert_names:
+            continue
+        target = "out-mtp" if options.mtp_files and layer_of(t.name) in mtp_layers else "out"
+        series[target].append([(t, None)])
+    for layer in layers:
+        target = "out-mtp" if options.mtp_files and layer in mtp_layers else "out"
+        order = [int(e) for e in orders[layer]]
+        if not options.scales_with_weights:
+            for e in order:
+                series[target].append([(by_name[_slot_name(layer, e, s)], None if s == 3 else 1) for s in SCALE_SLOTS])
+        for e in order:
+            block = [(by_name[_slot_name(layer, e, 2)], None), (by_name[_slot_name(layer, e, 0)], 1), (by_name[_slot_name(layer, e, 1)], 1)]
+            if options.scales_with_weights:
+                block += [(by_name[_slot_name(layer, e, s)], 1) for s in SCALE_SLOTS]
+            series[target].append(block)
+
+    files: list[tuple[str, list[TensorSpec]]] = []
+    for prefix, blocks in series.items():
+        cur: list[TensorSpec] = []
+        size = 0
+        n = 0
+        for block in blocks:
+            bsize = sum(t.nbytes for t, _ in block) + al
+            if cur and size + bsize > options.shard_bytes:
+                n += 1
+                files.append((f"{prefix}-{n:05d}.safetensors", cur))
+                cur, size = [], 0
+            cur += [_spec(t, a) for t, a in block]
+            size += bsize
+        if cur:
+            n += 1
+            files.append((f"{prefix}-{n:05d}.safetensors", cur))
+    if len(files) > MAX_FILES:
+        raise InputError(None, f"the layout needs {len(files)} files, more than the runtime's {MAX_FILES}; raise the shard size")
+
+    placeholder = {**(metadata or {}), "relayout.layout": "0" * 32}
+    layouts = [plan_shard(specs, al, placeholder) for _, specs in files]
+    digest = digest_of(repr([(name, [(s.name, b) for s, b in lay.placements]) for (name, _), lay in zip(files, layouts)]).encode())
+    meta = {**placeholder, "relayout.layout": digest}
+    final = [plan_shard(specs, al, meta) for _, specs in files]
+    assert [l.placements[-1][1] for l in final] == [l.placements[-1][1] for l in layouts], "metadata changed offsets"
+
+    placed = {}
+    for fi, lay in enumerate(final):
+        for spec, begin in lay.placements:
+            placed[spec.name] = (fi, begin, spec.nbytes)
+    loc = np.zeros((len(layers), n_experts, 6, 3), dtype=np.int64)
+    for li, layer in enumerate(layers):
+        for e in range(n_experts):
+            for slot in range(6):
+                loc[li, e, slot] = placed[_slot_name(layer, e, slot)]
+    others = sorted(([n, *placed[n]] for n in placed if n not in expert_names), key=lambda t: (t[1], t[2]))
+    return Layout([n for n, _ in files], [l.file_size for l in final], list(layers), n_experts, loc, al, others,
+                  [dict(meta) for _ in files])
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_SIZES[dtype]

@@ -1,0 +1,347 @@
+"""Layout plans: from a routing trace and a container (or a geometry) to ``plan.json``.
+
+A plan records everything replay and rewrite need, so that replay runs far from the container:
+the container's fingerprints and geometry, the training sessions (held-out discipline), the
+method and its parameters, the per-layer expert order, the source's physical layout (the stock
+baseline, straddling experts included), the new layout (files, offsets, alignment) and an
+optional vertical split plan. Schema: ``manifests/schemas/plan.schema.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from containers.atomic import write_json_atomic
+from containers.container import MANIFEST_NAME, MAX_FILES, Container
+from containers.errors import InputError
+from containers.geometry import ExpertFormat, Geometry
+from containers.hashing import digest_of
+from containers.manifest import build_manifest, load_manifest
+
+from . import __version__
+from .layout import Layout, PackOptions, TensorInfo, layout_from_container, layout_from_geometry, pack_layout, tensors_of_container
+from .ordering import METHODS, LayerOrder, greedy_modularity_order, heat_order, louvain_order, random_order, runs_per_token
+from .split import RULES, choose_resident, segment_sizes
+from .trace import FORWARD_KINDS, RoutingTrace
+
+PLAN_FORMAT = "relayout.plan"
+PLAN_VERSION = 1
+
+
+@dataclass
+class PlanSource:
+    """What a plan is made for: a real container or a geometry's synthetic converter layout."""
+
+    kind: str                      # "container" | "geometry"
+    name: str                      # path or geometry name
+    geometry: dict
+    stock: Layout
+    tensors: list[TensorInfo]
+    fingerprint: str | None
+    content_fingerprint: str | None
+
+    @property
+    def mtp_layers(self) -> set[int]:
+        return set(self.geometry["mtp_layers"])
+
+
+def _geometry_dict(hidden, ffn, E, k, routed, mtp, formats, expert_bytes) -> dict:
+    return {
+        "hidden_size": hidden, "moe_intermediate_size": ffn, "n_experts": E, "top_k": k,
+        "routed_layers": routed, "mtp_layers": mtp,
+        "expert_formats": {str(l): f for l, f in formats.items()},
+        "expert_bytes": {str(l): b for l, b in expert_bytes.items()},
+    }
+
+
+def source_from_container(root: str | os.PathLike, manifest_path: str | os.PathLike | None = None) -> PlanSource:
+    """Open a container; its fingerprints come from its manifest (hashed now if there is none)."""
+    c = Container.open(root)
+    c.require_clean()
+    mpath = Path(manifest_path) if manifest_path else Path(root) / MANIFEST_NAME
+    if mpath.exists():
+        manifest = load_manifest(mpath)
+        recorded = {f["name"]: f["size"] for f in manifest["files"] if f["kind"] == "safetensors"}
+        actual = {p.name: h.file_size for p, h in zip(c.files, c.headers)}
+        if recorded != actual:
+            raise InputError(mpath, "manifest does not match the container's files (re-run relayout manifest)")
+    else:
+        manifest = build_manifest(c)
+    stock = layout_from_container(c)
+    formats = {l: c.experts[(l, 0)].format for l in stock.layers}
+    sizes = {l: c.experts[(l, 0)].nbytes for l in stock.layers}
+    cfg = c.config
+    geometry = _geometry_dict(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                              stock.layers, [l for l in stock.layers if l >= cfg.num_hidden_layers], formats, sizes)
+    return PlanSource("container", str(root), geometry, stock, tensors_of_container(c),
+                      manifest["fingerprint"], manifest["content_fingerprint"])
+
+
+def source_from_geometry(g: Geometry, seed: int = 0) -> PlanSource:
+    """Plan against the layout ``relayout synth container`` would write for ``g`` and ``seed``."""
+    stock, tensors = layout_from_geometry(g, seed)
+    formats = {l: g.format_of_layer(l).name for l in stock.layers}
+    sizes = {l: g.expert_bytes(l) for l in stock.layers}
+    geometry = _geometry_dict(g.hidden_size, g.moe_intermediate_size, g.n_routed_experts, g.num_experts_per_tok,
+                              stock.layers, g.mtp_layer_ids, formats, sizes)
+    geometry["name"] = g.name
+    geometry["synth_seed"] = seed
+    return PlanSource("geometry", g.name, geometry, stock, tensors, None, None)
+
+
+def split_sessions(n_sessions: int, train_fraction: float) -> tuple[list[int], list[int]]:
+    """Chronological split by session: the first ``train_fraction`` train, the rest are held out.
+
+    At least one session trains; at least one is held out when there are two or more.
+    """
+    if not 0 < train_fraction <= 1:
+        raise InputError(None, "--train-fraction must be in (0, 1]")
+    n_train = max(1, int(round(n_sessions * train_fraction)))
+    if n_sessions >= 2:
+        n_train = min(n_train, n_sessions - 1)
+    return list(range(n_train)), list(range(n_train, n_sessions))
+
+
+def training_rows(trace: RoutingTrace, sessions: list[int]) -> np.ndarray:
+    """Forward mask [F] of the decode and verify forwards of ``sessions`` (prefill excluded)."""
+    return trace.session_forward_mask(sessions) & (trace.fwd_kind != FORWARD_KINDS.index("prefill"))
+
+
+def check_trace_fits(trace: RoutingTrace, geometry: dict, where: str) -> None:
+    trace.require_rows("planning")
+    if trace.n_experts > geometry["n_experts"]:
+        raise InputError(where, f"trace has expert ids up to {trace.n_experts - 1}, the container has {geometry['n_experts']} per layer")
+    extra = sorted(set(trace.layers.tolist()) - set(geometry["routed_layers"]))
+    if extra:
+        raise InputError(where, f"trace routes layers {extra[:5]} that are not routed layers of the container")
+
+
+def order_layer(method: str, rows: np.ndarray, E: int, stock_order: np.ndarray, layer: int, seed: int,
+                resolution: float, weight: str, min_support: int) -> LayerOrder:
+    if method == "stock" or (len(rows) == 0 and method != "random"):
+        return LayerOrder(stock_order, "stock")
+    if method == "louvain":
+        return louvain_order(rows, E, resolution, seed, weight, min_support)
+    if method == "greedy-modularity":
+        return greedy_modularity_order(rows, E)
+    if method == "heat":
+        return heat_order(rows, E)
+    if method == "random":
+        return random_order(E, seed, layer)
+    raise InputError(None, f"unknown method {method!r} (choose {', '.join(METHODS)})")
+
+
+@dataclass
+class SplitOptions:
+    ratio: float
+    ram_bytes: int
+    rule: str = "stall"
+    cache_bytes: int = 0
+
+
+def make_plan(
+    trace: RoutingTrace,
+    source: PlanSource,
+    method: str = "louvain",
+    train_fraction: float = 0.7,
+    seed: int = 0,
+    resolution: float = 1.0,
+    weight: str = "count",
+    min_support: int = 1,
+    pack: PackOptions = PackOptions(),
+    split: SplitOptions | None = None,
+    progress: bool = True,
+) -> dict:
+    """Build a plan (JSON-ready dict). See the module doc for what it records."""
+    check_trace_fits(trace, source.geometry, trace.source)
+    if method not in METHODS:
+        raise InputError(None, f"unknown method {method!r} (choose {', '.join(METHODS)})")
+    train, held = split_sessions(len(trace.sessions), train_fraction)
+    fmask = training_rows(trace, train)
+    E = source.geometry["n_experts"]
+    orders: dict[int, np.ndarray] = {}
+    per_layer = {}
+    layers = source.stock.layers
+    for li, layer in enumerate(tqdm(layers, desc=f"plan ({method})", disable=None if progress else True)):
+        stock_order = source.stock.physical_order(li)
+        traced = layer in set(trace.layers.tolist())
+        rows = trace.experts[trace.layer_rows(layer, fmask)].astype(np.int64) if traced else np.zeros((0, trace.top_k), np.int64)
+        lo = order_layer(method, rows, E, stock_order, layer, seed, resolution, weight, min_support)
+        orders[layer] = np.asarray(lo.order, dtype=np.int64)
+        per_layer[str(layer)] = {
+            "trained_rows": int(len(rows)),
+            "communities": len(lo.communities),
+            "modularity": lo.modularity,
+            "train_runs_per_token": runs_per_token(rows, orders[layer]) if len(rows) else None,
+            "stock_train_runs_per_token": runs_per_token(rows, stock_order) if len(rows) else None,
+        }
+    layout = pack_layout(source.tensors, layers, E, orders, source.mtp_layers, pack,
+                         metadata={"relayout.version": __version__, "relayout.method": method})
+    plan = {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "tool_version": __version__,
+        "source": {"kind": source.kind, "name": source.name, "fingerprint": source.fingerprint,
+                   "content_fingerprint": source.content_fingerprint},
+        "geometry": source.geometry,
+        "method": method,
+        "parameters": {"seed": seed, "resolution": resolution, "weight": weight, "min_support": min_support,
+                       "train_fraction": train_fraction, "shard_bytes": pack.shard_bytes, "alignment": pack.alignment,
+                       "scales_with_weights": pack.scales_with_weights},
+        "training": {"trace": trace.source, "trace_fingerprint": trace.fingerprint(),
+                     "sessions": [trace.sessions[i] for i in train], "held_out_sessions": [trace.sessions[i] for i in held],
+                     "forwards": int(fmask.sum())},
+        "orders": {str(l): orders[l].tolist() for l in layers},
+        "layers": per_layer,
+        "split": None,
+        "source_layout": source.stock.to_json(),
+        "layout": layout.to_json(),
+    }
+    if split is not None:
+        plan["split"] = split_plan(trace, source, fmask, split)
+    plan["plan_digest"] = plan_digest(plan)
+    return plan
+
+
+def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: SplitOptions) -> dict:
+    g = source.geometry
+    layers = source.stock.layers
+    sizes, ebytes = [], []
+    heat = np.zeros((len(layers), g["n_experts"]), dtype=np.int64)
+    for li, layer in enumerate(layers):
+        fmt = ExpertFormat.parse(g["expert_formats"][str(layer)])
+        sizes.append(segment_sizes(fmt, g["hidden_size"], g["moe_intermediate_size"], opt.ratio))
+        ebytes.append(int(g["expert_bytes"][str(layer)]))
+        rows = trace.experts[trace.layer_rows(layer, fmask)] if layer in set(trace.layers.tolist()) else np.zeros((0, 1), np.int16)
+        heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=g["n_experts"])
+    tokens = int(fmask.sum())
+    resident = choose_resident(heat, tokens, sizes, ebytes, opt.ram_bytes, opt.rule, opt.cache_bytes)
+    return {
+        "ratio": opt.ratio, "rule": opt.rule, "ram_bytes": opt.ram_bytes, "cache_bytes": opt.cache_bytes,
+        "segments": {str(l): {"top_rows": s.top_rows, "top_bytes": s.top_bytes, "bottom_bytes": s.bottom_bytes}
+                     for l, s in zip(layers, sizes)},
+        "resident": {str(l): r.tolist() for l, r in zip(layers, resident)},
+        "resident_bytes": int(sum(len(r) * s.top_bytes for r, s in zip(resident, sizes))),
+    }
+
+
+def plan_digest(plan: dict) -> str:
+    body = {k: v for k, v in plan.items() if k != "plan_digest"}
+    return digest_of(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def save_plan(plan: dict, path: str | os.PathLike) -> None:
+    write_json_atomic(path, plan, indent=None)
+
+
+@dataclass
+class Plan:
+    """A loaded, validated plan."""
+
+    path: str
+    raw: dict
+    stock: Layout
+    layout: Layout
+    orders: dict[int, np.ndarray]
+    split: dict | None = None
+    geometry: dict = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        return self.raw["plan_digest"]
+
+    @property
+    def training_sessions(self) -> list[str]:
+        return list(self.raw["training"]["sessions"])
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read and validate ``plan.json``: complete permutations, runtime limits, consistent layouts."""
+    path = Path(path)
+    where = str(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(path, "no such plan file") from None
+    except (OSError, ValueError) as exc:
+        raise InputError(path, f"not a readable plan ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
+        raise InputError(path, "not a relayout plan")
+    if raw.get("version") != PLAN_VERSION:
+        raise InputError(path, f"plan version {raw.get('version')!r} is not supported (expected {PLAN_VERSION})")
+    for key in ("geometry", "orders", "source_layout", "layout", "training", "source", "plan_digest"):
+        if key not in raw:
+            raise InputError(path, f"plan lacks {key!r}")
+    if plan_digest(raw) != raw["plan_digest"]:
+        raise InputError(path, "plan digest does not match its content (edited or corrupt)")
+    g = raw["geometry"]
+    E = int(g["n_experts"])
+    stock = Layout.from_json(raw["source_layout"], where)
+    layout = Layout.from_json(raw["layout"], where)
+    if stock.layers != g["routed_layers"] or layout.layers != g["routed_layers"]:
+        raise InputError(path, "layouts do not cover the geometry's routed layers")
+    orders = {}
+    for layer in g["routed_layers"]:
+        o = raw["orders"].get(str(layer))
+        if o is None or sorted(o) != list(range(E)):
+            raise InputError(path, f"order of layer {layer} is not a complete permutation of 0..{E - 1}")
+        orders[layer] = np.asarray(o, dtype=np.int64)
+    check_runtime_constraints(layout, where)
+    if not np.array_equal(stock.expert_bytes(), layout.expert_bytes()):
+        raise InputError(path, "new layout's expert sizes differ from the source's")
+    return Plan(where, raw, stock, layout, orders, raw.get("split"), g)
+
+
+def check_runtime_constraints(layout: Layout, where: str) -> None:
+    """At most 512 unique files; every expert's weights byte-adjacent in one file; no overlaps."""
+    if len(layout.files) > MAX_FILES:
+        raise InputError(where, f"layout has {len(layout.files)} files; the runtime loads at most {MAX_FILES}")
+    if len(set(layout.files)) != len(layout.files):
+        raise InputError(where, "layout repeats a file name")
+    for li, layer in enumerate(layout.layers):
+        for e in range(layout.n_experts):
+            if len(layout.weight_extents(li, e)) != 1:
+                raise InputError(where, f"expert {layer}.{e}: weights are not byte-adjacent in one file")
+    loc = layout.expert_loc.reshape(-1, 3)
+    other = np.array([[t[1], t[2], t[3]] for t in layout.other_tensors], dtype=np.int64).reshape(-1, 3)
+    allx = np.vstack([loc, other])
+    allx = allx[np.lexsort((allx[:, 1], allx[:, 0]))]
+    same = allx[1:, 0] == allx[:-1, 0]
+    if (same & (allx[1:, 1] < allx[:-1, 1] + allx[:-1, 2])).any():
+        raise InputError(where, "layout places two tensors over each other")
+    sizes = np.asarray(layout.file_sizes)
+    if ((allx[:, 1] + allx[:, 2]) > sizes[allx[:, 0]]).any():
+        raise InputError(where, "layout places a tensor beyond its file's end")
+
+
+def plan_summary(plan: dict) -> list[str]:
+    """Human-readable lines about a plan."""
+    layers = plan["layers"]
+    runs = [v["train_runs_per_token"] for v in layers.values() if v["train_runs_per_token"] is not None]
+    stock = [v["stock_train_runs_per_token"] for v in layers.values() if v["stock_train_runs_per_token"] is not None]
+    mods = [v["modularity"] for v in layers.values() if v["modularity"] is not None]
+    lay = plan["layout"]
+    lines = [
+        f"method {plan['method']}: {len(layers)} layers, trained on {len(plan['training']['sessions'])} sessions "
+        f"({plan['training']['forwards']} forwards), {len(plan['training']['held_out_sessions'])} held out",
+        f"layout: {len(lay['files'])} files, alignment {lay['alignment']} B, every expert one read",
+    ]
+    if runs:
+        lines.append(f"training runs/token (mean over layers): plan {np.mean(runs):.3f}, stock {np.mean(stock):.3f}")
+    if mods:
+        lines.append(f"modularity: mean {np.mean(mods):.3f} over {len(mods)} layers")
+    if plan.get("split"):
+        s = plan["split"]
+        n = sum(len(v) for v in s["resident"].values())
+        lines.append(f"split r={s['ratio']}: {n} resident tops ({s['resident_bytes'] / 1e9:.2f} GB, rule {s['rule']})")
+    return lines
+
+
+__all__ = ["RULES", "Plan", "PlanSource", "SplitOptions", "load_plan", "make_plan", "save_plan", "source_from_container",
+           "source_from_geometry", "split_sessions", "plan_summary", "training_rows"]

@@ -1,0 +1,123 @@
+"""Vertical expert splits (seed 5.5, FACTS section 6): which experts keep a top segment in RAM.
+
+A SwiGLU expert splits exactly along its FFN dimension: the top segment is rows [0, rF) of gate
+and up plus columns [0, rF) of down, and y = y_top + y_bottom. ``rF`` is rounded to whole
+quantisation groups (group-G formats group the input dimension, which for down is the FFN
+dimension) and to whole bytes of packed weights. With per-row scales, down's scales belong to its output rows
+and are needed by both segments, so each segment carries a copy.
+
+Resident tops are chosen greedily by value per byte under a RAM budget:
+
+* ``heat``: selections per byte;
+* ``stall``: expected stall avoided per resident byte. Closed form until a replay-based value is
+  plugged in: a needed expert whose top is resident saves reading the top segment on the critical
+  path (one request cost plus its bytes at the array's bandwidth), but only when the expert is not
+  already in the LRU cache. The LRU hit probability comes from Che's approximation: with
+  per-token need probability p_e and a cache of c experts, hit_e = 1 - exp(-p_e T) where T solves
+  sum_e (1 - exp(-p_e T)) = c.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from containers.errors import InputError
+from containers.geometry import ExpertFormat
+
+RULES = ("heat", "stall")
+
+
+@dataclass(frozen=True)
+class SegmentSizes:
+    """Bytes of the top and bottom segments of one expert (weights plus scales)."""
+
+    top_rows: int
+    top_bytes: int
+    bottom_bytes: int
+
+
+def segment_sizes(fmt: ExpertFormat, hidden: int, ffn: int, ratio: float) -> SegmentSizes:
+    """Exact segment sizes for split ``ratio`` of an expert of ``fmt`` (rows rounded to groups)."""
+    if not 0 < ratio < 1:
+        raise InputError(None, f"split ratio must be between 0 and 1 (got {ratio})")
+    step = fmt.group or (8 // math.gcd(8, fmt.bits))
+    rows = max(step, min(ffn - step, int(round(ratio * ffn / step)) * step))
+
+    def part(r: int) -> int:
+        gate_up = 2 * (fmt.weight_bytes(r, hidden) + 4 * fmt.scale_count(r, hidden))
+        down = fmt.weight_bytes(hidden, r) + 4 * fmt.scale_count(hidden, r)
+        return gate_up + down
+
+    top = part(rows)
+    bottom = part(ffn - rows)
+    return SegmentSizes(rows, top, bottom)
+
+
+def che_hit_probability(p: np.ndarray, capacity: float) -> np.ndarray:
+    """Che's approximation of LRU hit probability per item for need probabilities ``p``."""
+    if capacity <= 0:
+        return np.zeros_like(p)
+    if capacity >= (p > 0).sum():
+        return (p > 0).astype(float)
+    lo, hi = 0.0, 1.0
+    while np.sum(1 - np.exp(-p * hi)) < capacity:
+        hi *= 2
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if np.sum(1 - np.exp(-p * mid)) < capacity:
+            lo = mid
+        else:
+            hi = mid
+    return 1 - np.exp(-p * (lo + hi) / 2)
+
+
+def choose_resident(
+    heat: np.ndarray,
+    tokens: int,
+    sizes: list[SegmentSizes],
+    expert_bytes: list[int],
+    ram_budget: int,
+    rule: str = "stall",
+    cache_bytes: int = 0,
+    request_seconds: float = 80e-6,
+    bandwidth: float = 12e9,
+) -> list[np.ndarray]:
+    """Experts (per layer) whose top segment stays resident, best value per byte first.
+
+    ``heat`` [L, E]: training selections; ``tokens``: training tokens; ``sizes`` and
+    ``expert_bytes`` per layer; ``ram_budget`` bytes for tops; ``cache_bytes`` the LRU budget
+    that competes for the same experts (the ``stall`` rule discounts what the cache already holds).
+    """
+    if rule not in RULES:
+        raise InputError(None, f"unknown split rule {rule!r} (choose {', '.join(RULES)})")
+    L, E = heat.shape
+    p = heat / max(tokens, 1)
+    values, costs, ids = [], [], []
+    for li in range(L):
+        top = sizes[li].top_bytes
+        if rule == "heat":
+            v = p[li] / top
+        else:
+            per_layer_cache = cache_bytes / L / max(expert_bytes[li], 1)
+            miss = 1 - che_hit_probability(p[li], per_layer_cache)
+            v = p[li] * miss * (request_seconds + top / bandwidth) / top
+        values.append(v)
+        costs.append(np.full(E, top))
+        ids.append(np.stack([np.full(E, li), np.arange(E)], axis=1))
+    v = np.concatenate(values)
+    c = np.concatenate(costs)
+    idx = np.concatenate(ids)
+    order = np.lexsort((idx[:, 1], idx[:, 0], -v))
+    chosen = [[] for _ in range(L)]
+    used = 0
+    for i in order:
+        if v[i] <= 0:
+            break
+        if used + c[i] > ram_budget:
+            continue
+        used += c[i]
+        chosen[idx[i, 0]].append(int(idx[i, 1]))
+    return [np.array(sorted(x), dtype=np.int64) for x in chosen]

@@ -1,0 +1,124 @@
+"""``relayout trace stats``: the routing structure a layout can exploit, with its sample sizes.
+
+Per layer: heat entropy (bits; log2(E) means uniform), the within-layer lift distribution of pairs
+seen at least ``min_count`` times, the lift from layer L to L+1 for the same position, and the
+reuse distance (forwards between two uses of the same expert at the same layer).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .coactivation import cross_layer_lift, heat_of, lift_matrix, pair_counts
+from .trace import FORWARD_KINDS, RoutingTrace
+from .trace_synth import entropy_bits
+
+
+def _q(x: np.ndarray, qs=(50, 90, 99)) -> dict:
+    if not len(x):
+        return {f"p{q}" if q != 50 else "median": None for q in qs}
+    v = np.percentile(x, qs)
+    return {("median" if q == 50 else f"p{q}"): round(float(val), 4) for q, val in zip(qs, v)}
+
+
+def reuse_distances(trace: RoutingTrace, layer: int) -> np.ndarray:
+    """Forwards between consecutive uses of the same expert at ``layer`` (within a session)."""
+    rows = trace.layer_rows(layer)
+    ex = trace.experts[rows].astype(np.int64)
+    fw = np.repeat(trace.row_forward[rows].astype(np.int64), ex.shape[1])
+    ss = trace.fwd_session[fw]
+    e = ex.ravel()
+    ok = e >= 0
+    e, fw, ss = e[ok], fw[ok], ss[ok]
+    order = np.lexsort((fw, e, ss))
+    e, fw, ss = e[order], fw[order], ss[order]
+    same = (e[1:] == e[:-1]) & (ss[1:] == ss[:-1])
+    d = fw[1:] - fw[:-1]
+    return d[same & (d > 0)]
+
+
+def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
+    """All statistics as a JSON-ready dict."""
+    kinds = {k: int((trace.fwd_kind == i).sum()) for i, k in enumerate(FORWARD_KINDS)}
+    out = {
+        "source": trace.source,
+        "geometry": trace.geometry,
+        "sessions": len(trace.sessions),
+        "forwards": trace.n_forwards,
+        "forwards_by_kind": {k: v for k, v in kinds.items() if v},
+        "committed_tokens": int(trace.fwd_committed.sum()),
+        "rows": trace.n_rows,
+        "selections": trace.n_selections if not trace.heat_only else int(trace.heat.sum()),
+        "n_experts": trace.n_experts,
+        "top_k": trace.top_k,
+        "heat_only": trace.heat_only,
+        "layers": [],
+    }
+    layer_set = set(trace.layers.tolist())
+    for li, layer in enumerate(trace.layers.tolist()):
+        entry = {"layer": layer}
+        if trace.heat_only:
+            entry["heat_entropy_bits"] = round(float(entropy_bits(trace.heat[li].astype(float))), 4)
+            entry["selections"] = int(trace.heat[li].sum())
+            out["layers"].append(entry)
+            continue
+        rows = trace.layer_rows(layer)
+        ex = trace.experts[rows].astype(np.int64)
+        heat = heat_of(ex, trace.n_experts)
+        C = pair_counts(ex, trace.n_experts)
+        L = lift_matrix(C, heat, len(rows))
+        iu = np.triu_indices(trace.n_experts, 1)
+        lifts = L[iu][C[iu] >= min_count]
+        entry.update(
+            rows=int(len(rows)),
+            sessions=int(len(np.unique(trace.fwd_session[trace.row_forward[rows]]))),
+            heat_entropy_bits=round(float(entropy_bits(heat.astype(float))), 4),
+            experts_seen=int((heat > 0).sum()),
+            pairs_supported=int(len(lifts)),
+            lift=_q(lifts),
+            reuse_distance=_q(reuse_distances(trace, layer).astype(float)),
+        )
+        if layer + 1 in layer_set:
+            entry["cross_layer_lift"] = _q(cross_layer_lift(trace, layer, 1, min_count))
+        out["layers"].append(entry)
+    if not trace.heat_only and out["layers"]:
+        def med(key, sub):
+            vals = [l[key][sub] for l in out["layers"] if key in l and l[key][sub] is not None]
+            return round(float(np.median(vals)), 4) if vals else None
+        out["summary"] = {
+            "heat_entropy_bits_median": round(float(np.median([l["heat_entropy_bits"] for l in out["layers"]])), 4),
+            "max_entropy_bits": round(float(np.log2(trace.n_experts)), 4),
+            "lift_median": med("lift", "median"), "lift_p90": med("lift", "p90"), "lift_p99": med("lift", "p99"),
+            "cross_layer_lift_median": med("cross_layer_lift", "median"), "cross_layer_lift_p99": med("cross_layer_lift", "p99"),
+            "reuse_distance_median": med("reuse_distance", "median"),
+        }
+    return out
+
+
+def format_stats(s: dict) -> str:
+    lines = [
+        f"trace      {s['source']}  (geometry {s['geometry']})",
+        f"sessions   {s['sessions']}, forwards {s['forwards']} {s['forwards_by_kind']}, committed tokens {s['committed_tokens']}",
+        f"selections {s['selections']:,} in {s['rows']:,} rows, {s['n_experts']} experts, top-{s['top_k']}",
+    ]
+    if s["heat_only"]:
+        lines.append("heat only (.coli_usage): no co-activation, cross-layer or reuse statistics can be computed")
+    if "summary" in s:
+        m = s["summary"]
+        lines += [
+            f"heat entropy (median over layers) {m['heat_entropy_bits_median']} bits of {m['max_entropy_bits']} max",
+            f"within-layer lift (pairs >= 5 co-selections): median {m['lift_median']}, p90 {m['lift_p90']}, p99 {m['lift_p99']}",
+            f"cross-layer lift L->L+1: median {m['cross_layer_lift_median']}, p99 {m['cross_layer_lift_p99']}",
+            f"reuse distance (forwards): median {m['reuse_distance_median']}",
+        ]
+    lines.append("")
+    lines.append("layer  rows  sessions  entropy  lift-med  lift-p90  lift-p99  xlift-med  reuse-med")
+    for l in s["layers"]:
+        if s["heat_only"]:
+            lines.append(f"{l['layer']:>5}  selections {l['selections']}  entropy {l['heat_entropy_bits']}")
+            continue
+        x = l.get("cross_layer_lift", {}).get("median")
+        lines.append(f"{l['layer']:>5} {l['rows']:>5} {l['sessions']:>9} {l['heat_entropy_bits']:>8} "
+                     f"{str(l['lift']['median']):>9} {str(l['lift']['p90']):>9} {str(l['lift']['p99']):>9} "
+                     f"{str(x):>10} {str(l['reuse_distance']['median']):>10}")
+    return "\n".join(lines)

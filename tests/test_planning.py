@@ -1,0 +1,184 @@
+"""Orderings and plans: planted structure is found, held-out runs beat baselines, plans are valid."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import run_cli, small_geometry
+from containers.errors import InputError
+from containers.geometry import ExpertFormat, load_geometry
+from relayout.coactivation import pair_counts
+from relayout.layout import PackOptions
+from relayout.ordering import improve_path, louvain_order, path_weight, runs_per_token
+from relayout.plan import (SplitOptions, load_plan, make_plan, save_plan, source_from_container,
+                           source_from_geometry, split_sessions, training_rows)
+from relayout.split import segment_sizes
+from relayout.trace import save_trace
+from relayout.trace_synth import SynthParams, synth_trace
+
+STRONG = SynthParams(clique_strength=0.95, coupling=0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 6))
+def test_runs_equal_set_size_minus_adjacent_pair_weight(seed, k):
+    """The identity the optimiser relies on: mean runs = mean |S| - path weight / N."""
+    rng = np.random.default_rng(seed)
+    E = 12
+    rows = np.array([rng.choice(E, size=k, replace=False) for _ in range(40)])
+    order = rng.permutation(E)
+    C = pair_counts(rows, E)
+    assert runs_per_token(rows, order) == pytest.approx(k - path_weight(order, C) / len(rows))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_local_search_never_loses_weight_and_keeps_a_permutation(seed):
+    rng = np.random.default_rng(seed)
+    C = rng.integers(0, 20, size=(15, 15))
+    C = C + C.T
+    start = rng.permutation(15)
+    out = improve_path(start, C)
+    assert sorted(out.tolist()) == list(range(15))
+    assert path_weight(out, C) >= path_weight(start, C)
+
+
+def clique_trace(E=64, k=8, tokens=3000, sessions=6, seed=1):
+    return synth_trace([3, 4, 5], E, k, tokens, sessions, seed, STRONG)
+
+
+def test_planted_cliques_come_out_contiguous():
+    tr = clique_trace()
+    for layer in (3, 4, 5):
+        rows = tr.experts[tr.row_layer == layer].astype(np.int64)
+        lo = louvain_order(rows, 64, seed=0)
+        pos = np.empty(64, dtype=int)
+        pos[lo.order] = np.arange(64)
+        expressed = 0
+        for clique in tr.meta["planted_cliques"][str(layer)]:
+            together = (np.isin(rows, clique).sum(axis=1) >= 6).sum()
+            if together < 30:
+                continue  # a clique no topic draws leaves no trace to find
+            expressed += 1
+            p = sorted(pos[clique])
+            assert p[-1] - p[0] == len(clique) - 1, f"layer {layer}: clique {clique} at {p}"
+        assert expressed >= 4
+
+
+def test_a_shuffled_control_does_not_beat_the_real_plan():
+    tr = clique_trace()
+    train, held = split_sessions(len(tr.sessions), 0.7)
+    fm_train, fm_held = training_rows(tr, train), training_rows(tr, held)
+    rng = np.random.default_rng(0)
+    for layer in (3, 4, 5):
+        rows = tr.experts[tr.layer_rows(layer, fm_train)].astype(np.int64)
+        held_rows = tr.experts[tr.layer_rows(layer, fm_held)].astype(np.int64)
+        shuffled = rng.permuted(rng.permutation(64)[rows], axis=0)  # relabel and mix across tokens
+        shuffled = np.sort(shuffled, axis=1)
+        ok = np.array([len(set(r)) == len(r) for r in shuffled])
+        real = louvain_order(rows, 64).order
+        control = louvain_order(shuffled[ok], 64).order
+        assert runs_per_token(held_rows, real) < runs_per_token(held_rows, control)
+
+
+@pytest.fixture(scope="module")
+def planning_setup(tmp_path_factory):
+    g = small_geometry("glm-5.2-int4-g64", moe_layers=3, experts=32)
+    tr = synth_trace(g.moe_layers, 32, 8, 2400, 6, seed=4, params=STRONG, geometry=g.name)
+    return g, tr
+
+
+@pytest.mark.parametrize("method", ["louvain", "greedy-modularity", "heat", "stock", "random"])
+def test_every_method_gives_a_valid_plan(planning_setup, tmp_path, method):
+    g, tr = planning_setup
+    plan = make_plan(tr, source_from_geometry(g), method, progress=False, pack=PackOptions(shard_bytes=2_000_000))
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    loaded = load_plan(path)
+    assert loaded.layout.fast_path_fraction() == 1.0
+    assert set(loaded.orders) == set(g.routed_layers)
+    assert loaded.training_sessions == tr.sessions[:4] and plan["training"]["held_out_sessions"] == tr.sessions[4:]
+    assert len(loaded.layout.files) >= 2
+    # the expert bytes are the geometry's; offsets honour the alignment
+    assert (loaded.layout.expert_bytes()[0] == g.expert_bytes(3)).all()
+    first_weight = loaded.layout.expert_loc[:, :, 2, 1]  # down weight starts each block
+    assert (first_weight % 4096 == 0).all()
+
+
+def test_held_out_runs_beat_stock_random_and_match_or_beat_greedy_modularity(planning_setup):
+    g, tr = planning_setup
+    src = source_from_geometry(g)
+    _, held = split_sessions(len(tr.sessions), 0.7)
+    fm = training_rows(tr, held)
+    result = {}
+    for method in ("louvain", "greedy-modularity", "stock", "random"):
+        plan = make_plan(tr, src, method, progress=False)
+        runs = [runs_per_token(tr.experts[tr.layer_rows(l, fm)].astype(np.int64), np.array(plan["orders"][str(l)]))
+                for l in g.moe_layers]
+        result[method] = np.mean(runs)
+    assert result["louvain"] < result["stock"] - 1 and result["louvain"] < result["random"] - 1
+    assert result["louvain"] <= result["greedy-modularity"] * 1.02
+
+
+def test_plan_from_a_real_container_matches_its_layout(small_container, tmp_path):
+    g = small_geometry()
+    tr = synth_trace(g.moe_layers, g.n_routed_experts, 8, 600, 3, seed=2, geometry=g.name)
+    src = source_from_container(small_container)
+    plan = make_plan(tr, src, progress=False)
+    assert plan["source"]["fingerprint"] and plan["source"]["kind"] == "container"
+    assert src.stock.fast_path_fraction() < 1.0  # the converter layout has straddlers
+    assert plan["orders"][str(g.mtp_layer_ids[0])] == src.stock.physical_order(len(g.moe_layers)).tolist()  # untraced MTP layer keeps stock order
+
+
+def test_plan_refusals(planning_setup, tmp_path):
+    g, tr = planning_setup
+    plan = make_plan(tr, source_from_geometry(g), progress=False)
+    path = tmp_path / "p.json"
+    save_plan(plan, path)
+    raw = json.loads(path.read_text())
+    raw["orders"]["3"][0] = raw["orders"]["3"][1]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(InputError, match="digest"):
+        load_plan(path)
+    other = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, experts=16)
+    with pytest.raises(InputError, match="not routed layers|expert ids"):
+        make_plan(tr, source_from_geometry(other), progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["int4-row", "int4-g64", "int8-row"])
+@pytest.mark.parametrize("ratio", [0.1, 0.25, 0.5, 0.9])
+def test_split_segments_are_exact(fmt, ratio):
+    f = ExpertFormat.parse(fmt)
+    H, F = 6144, 2048
+    s = segment_sizes(f, H, F, ratio)
+    whole = sum(f.weight_bytes(*shape) + 4 * f.scale_count(*shape) for shape in ((F, H), (F, H), (H, F)))
+    shared_down_scales = 4 * H if f.group is None else 0  # per-row scales of down serve both halves
+    assert s.top_bytes + s.bottom_bytes == whole + shared_down_scales
+    assert s.top_rows % (f.group or (2 if f.bits == 4 else 1)) == 0 and 0 < s.top_rows < F
+    assert abs(s.top_rows / F - ratio) <= (f.group or 2) / F
+
+
+def test_split_plan_respects_budget_and_rules_differ(planning_setup):
+    g, tr = planning_setup
+    src = source_from_geometry(g)
+    budget = 10 * segment_sizes(g.format_of_layer(3), g.hidden_size, g.moe_intermediate_size, 0.25).top_bytes
+    heat = make_plan(tr, src, split=SplitOptions(0.25, budget, "heat"), progress=False)["split"]
+    stall = make_plan(tr, src, split=SplitOptions(0.25, budget, "stall", cache_bytes=40 * g.expert_bytes(3)), progress=False)["split"]
+    assert heat["resident_bytes"] <= budget and stall["resident_bytes"] <= budget
+    assert sum(len(v) for v in heat["resident"].values()) == 10
+    # with a cache holding the hottest experts, the stall rule prefers others
+    assert heat["resident"] != stall["resident"]
+
+
+def test_plan_cli_on_geometry(tmp_path):
+    t = tmp_path / "t.rt"
+    save_trace(synth_trace(list(range(3, 6)), 16, 8, 300, 3, seed=1, geometry="glm-5.2-int4-row"), t)
+    res = run_cli("plan", "--trace", t, "--geometry", "glm-5.2-int4-row", "--moe-layers", 3, "--experts", 16,
+                  "--hidden", 256, "--ffn", 64, "--vocab", 64, "-o", tmp_path / "p.json")
+    assert res.returncode == 0, res.stderr
+    assert "training runs/token" in res.stdout
+    res = run_cli("plan", "--trace", t, "-o", tmp_path / "q.json")
+    assert res.returncode == 2 and "exactly one of" in res.stderr

@@ -1,0 +1,266 @@
+"""Routing traces: the canonical file, every importer, synthetic generation and statistics."""
+
+import io
+import json
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SHARED, run_cli
+from containers.errors import InputError
+from relayout.coactivation import pair_counts, write_coli_pairs
+from relayout.trace import FORWARD_KINDS, load_trace, save_trace
+from relayout.trace_import import import_traces
+from relayout.trace_stats import reuse_distances, trace_stats
+from relayout.trace_synth import SynthParams, fit_atlas, load_atlas, synth_trace
+
+ROUTE = """\
+0 0 3 5:0.5000 1:0.2500
+0 1 3 2:0.6000 5:0.1000
+1 0 4 7:0.9000 0:0.0100
+1 1 4 1:0.5000 2:0.5000
+2 0 3 5:0.7000 6:0.2000
+3 0 4 0:0.8000 3:0.1000
+4 0 3 4:0.3000 5:0.2000
+5 0 4 1:0.4000 2:0.3000
+"""
+
+
+def test_route_trace_forwards_kinds_and_rows(tmp_path):
+    p = tmp_path / "a.route"
+    p.write_text(ROUTE)
+    tr, warn = import_traces([p])
+    assert warn == []
+    assert tr.n_forwards == 3
+    assert [FORWARD_KINDS[k] for k in tr.fwd_kind] == ["prefill", "decode", "decode"]
+    assert tr.fwd_evaluated.tolist() == [2, 1, 1] and tr.fwd_committed.tolist() == [0, 1, 1]
+    assert tr.layers.tolist() == [3, 4] and tr.top_k == 2 and tr.n_experts == 8
+    # rows sorted by forward, layer, position; selection order kept
+    assert tr.experts.tolist() == [[5, 1], [2, 5], [7, 0], [1, 2], [5, 6], [0, 3], [4, 5], [1, 2]]
+    assert tr.gates[0].tolist() == pytest.approx([0.5, 0.25])
+
+
+def test_fast_and_careful_route_parsers_agree(tmp_path):
+    a = tmp_path / "a.route"
+    b = tmp_path / "b.route"
+    a.write_text(ROUTE)
+    b.write_text("# comment\n" + ROUTE.replace(" 5:0.5000", "  5:0.5") + "\n\n")
+    ta, _ = import_traces([a])
+    tb, _ = import_traces([b])
+    assert ta.experts.tolist() == tb.experts.tolist()
+    assert np.allclose(ta.gates, tb.gates)
+    assert ta.fwd_kind.tolist() == tb.fwd_kind.tolist()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 30), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_route_round_trip_property(tmp_path, forwards, k, seed):
+    rng = np.random.default_rng(seed)
+    lines, truth = [], []
+    call = 0
+    for f in range(forwards):
+        for layer in (3, 4, 5):
+            ids = rng.choice(16, size=k, replace=False)
+            g = rng.random(k)
+            lines.append(f"{call} 0 {layer} " + " ".join(f"{e}:{x:.4f}" for e, x in zip(ids, g)))
+            truth.append(ids.tolist())
+            call += 1
+    p = tmp_path / "r.route"
+    p.write_text("\n".join(lines) + "\n")
+    tr, _ = import_traces([p])
+    assert tr.n_forwards == forwards
+    assert tr.experts.tolist() == truth
+
+
+def test_malformed_route_line_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.route"
+    p.write_text(ROUTE + "6 0 3 x:0.1 2:0.2\n")
+    with pytest.raises(InputError) as exc:
+        import_traces([p])
+    assert str(exc.value).startswith(f"{p}:9:")
+    res = run_cli("trace", "import", p, "-o", tmp_path / "o.rt")
+    assert res.returncode == 2 and f"{p.name}:9" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "o.rt").exists()
+
+
+def test_duplicate_expert_in_a_row_is_refused(tmp_path):
+    p = tmp_path / "dup.route"
+    p.write_text("0 0 3 1:0.5 1:0.4\n")
+    with pytest.raises(InputError, match=":1: an expert is selected twice"):
+        import_traces([p])
+
+
+def test_several_files_are_several_sessions(tmp_path):
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"s{i}.route"
+        p.write_text(ROUTE)
+        paths.append(p)
+    tr, _ = import_traces(paths)
+    assert tr.sessions == ["s0.route", "s1.route", "s2.route"]
+    assert tr.fwd_session.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def stall_records():
+    recs = []
+    for step in range(3):
+        recs.append({"record": "step", "run_id": "r", "request_id": 1, "step": step, "evaluated_positions": 2, "committed_tokens": 1 + step % 2})
+        for layer in (3, 4):
+            for e in (step, step + 1):
+                recs.append({"run_id": "r", "request_id": 1, "step": step, "layer": layer, "expert_id": e,
+                             "required": True, "router_probability": 0.1 * (e + 1), "issue_ns": 0, "ready_ns": 1})
+            recs.append({"run_id": "r", "request_id": 1, "step": step, "layer": layer, "expert_id": 9, "required": False})
+    return recs
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_stall_trace_import(tmp_path, compressed):
+    text = "\n".join(json.dumps(r) for r in stall_records()) + "\n"
+    p = tmp_path / ("s.jsonl.zst" if compressed else "s.jsonl")
+    p.write_bytes(zstandard.ZstdCompressor().compress(text.encode()) if compressed else text.encode())
+    tr, _ = import_traces([p])
+    assert tr.n_forwards == 3
+    assert tr.fwd_evaluated.tolist() == [2, 2, 2] and tr.fwd_committed.tolist() == [1, 2, 1]
+    assert sorted(tr.experts[0].tolist()) == [0, 1]
+    assert 9 not in tr.experts  # not required: not routing
+
+
+def test_stall_trace_bad_record(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text(json.dumps({"step": 0, "layer": 3, "expert_id": 1}) + "\n{not json\n")
+    with pytest.raises(InputError, match=r"s\.jsonl:2: not JSON"):
+        import_traces([p])
+
+
+def mblt_bytes(records, n_expert=16):
+    out = struct.pack("<III", 0x544C424D, 1, n_expert)
+    for layer, ids in records:
+        ids = np.asarray(ids, dtype="<i4")
+        out += struct.pack("<III", layer, ids.shape[1], ids.shape[0]) + ids.tobytes()
+    return out
+
+
+def test_mblt_import_tolerates_torn_last_record(tmp_path):
+    recs = [(0, [[1, 2], [3, 4]]), (1, [[5, 6], [7, 8]]), (0, [[1, 3]]), (1, [[2, 4]])]
+    data = mblt_bytes(recs)
+    p = tmp_path / "t.mblt"
+    p.write_bytes(data + struct.pack("<III", 0, 2, 5) + b"\x01\x00")
+    tr, warn = import_traces([p])
+    assert any("torn" in w for w in warn)
+    assert tr.n_forwards == 2 and tr.fwd_evaluated.tolist() == [2, 1]
+    assert tr.experts.tolist() == [[1, 2], [3, 4], [5, 6], [7, 8], [1, 3], [2, 4]]
+    assert tr.n_experts == 16
+
+
+def test_mblt_bad_ids(tmp_path):
+    p = tmp_path / "t.mblt"
+    p.write_bytes(mblt_bytes([(0, [[1, 99]])]))
+    with pytest.raises(InputError, match="record 1"):
+        import_traces([p])
+
+
+def test_coli_usage_is_heat_only_and_says_so(tmp_path):
+    p = tmp_path / "x.coli_usage"
+    p.write_text("-1 2 8\n-2 1 7\n3 1 10\n3 2 5\n4 7 1\n")
+    tr, warn = import_traces([p])
+    assert tr.heat_only and any("heat only" in w for w in warn)
+    assert tr.expert_heat()[0, 1] == 10 and tr.expert_heat()[1, 7] == 1
+    out = tmp_path / "x.rt"
+    save_trace(tr, out)
+    assert load_trace(out).heat_only
+    with pytest.raises(InputError, match="heat only"):
+        write_coli_pairs(tr, tmp_path / "p")
+    assert "no co-activation" in run_cli("trace", "stats", out).stdout
+
+
+def test_trace_file_round_trip_and_corruption(tmp_path):
+    tr = synth_trace([3, 4, 5], 32, 4, 300, 3, seed=5)
+    p = tmp_path / "t.rt"
+    save_trace(tr, p)
+    back = load_trace(p)
+    for name in ("row_forward", "row_layer", "experts", "gates", "fwd_session", "fwd_committed"):
+        assert np.array_equal(getattr(tr, name), getattr(back, name), equal_nan=True)
+    assert back.fingerprint() == tr.fingerprint() and back.sessions == tr.sessions
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=str(p)):
+        load_trace(p)
+    (tmp_path / "junk").write_bytes(b"hello world, not a trace")
+    with pytest.raises(InputError, match="not a relayout trace"):
+        load_trace(tmp_path / "junk")
+
+
+def test_synth_trace_is_deterministic_and_structured():
+    a = synth_trace([3, 4], 64, 8, 500, 4, seed=1)
+    b = synth_trace([3, 4], 64, 8, 500, 4, seed=1)
+    c = synth_trace([3, 4], 64, 8, 500, 4, seed=2)
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    assert all(len(set(r)) == 8 for r in a.experts.tolist())
+    s = trace_stats(a)
+    assert s["summary"]["heat_entropy_bits_median"] < np.log2(64)
+    assert s["summary"]["lift_p99"] > 2.0  # cliques make some pairs far likelier than chance
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 6))
+def test_pair_counts_match_brute_force(seed, k):
+    rng = np.random.default_rng(seed)
+    rows = np.array([rng.choice(10, size=k, replace=False) for _ in range(30)])
+    rows[0, -1] = -1
+    C = pair_counts(rows, 10)
+    brute = np.zeros((10, 10), dtype=np.int64)
+    for r in rows:
+        r = [x for x in r if x >= 0]
+        for i in r:
+            for j in r:
+                if i != j:
+                    brute[i, j] += 1
+    assert np.array_equal(C, brute)
+
+
+def test_reuse_distance_counts_forwards_between_uses():
+    tr = synth_trace([3], 16, 2, 50, 1, seed=0)
+    d = reuse_distances(tr, 3)
+    rows = tr.experts.tolist()
+    brute = []
+    last = {}
+    for f, r in enumerate(rows):
+        for e in r:
+            if e in last:
+                brute.append(f - last[e])
+            last[e] = f
+    assert sorted(d.tolist()) == sorted(brute)
+
+
+def test_coli_pairs_format(tmp_path):
+    tr = synth_trace([3, 4, 5], 16, 4, 200, 2, seed=3)
+    out = tmp_path / "t.coli_pairs"
+    n = write_coli_pairs(tr, out)
+    lines = out.read_text().splitlines()
+    assert lines[0] == f"COLIPAIRS 1 {n}" and len(lines) == n + 1
+    for line in lines[1:]:
+        parts = line.split()
+        L, dL, e = map(int, parts[:3])
+        assert dL in (1, 2) and L + dL <= 5 and 1 <= len(parts) - 3 <= 16
+        counts = [int(p.split(":")[1]) for p in parts[3:]]
+        assert counts == sorted(counts, reverse=True) and min(counts) > 0
+    # the first target of (3, 1, e) is the count of the commonest follower, checked by hand
+    first = lines[1].split()
+    L, dL, e = map(int, first[:3])
+    rows3 = tr.experts[tr.row_layer == L]
+    rows4 = tr.experts[tr.row_layer == L + dL]
+    follow = np.bincount(rows4[(rows3 == e).any(axis=1)].ravel(), minlength=16)
+    assert int(first[3].split(":")[1]) == follow.max()
+
+
+def test_fit_to_the_glm_atlas_reports_a_small_error():
+    atlas = load_atlas(SHARED / "data" / "glm52-coactivation-atlas.json")
+    params, report = fit_atlas(atlas, seed=0, layer_sample=4)
+    syn_med, atlas_med = report.lift_median
+    assert abs(syn_med / atlas_med - 1) < 0.1
+    assert report.entropy_error_bits < 0.6
+    assert 0 < params.clique_strength < 0.97
