@@ -182,3 +182,13 @@ def test_plan_cli_on_geometry(tmp_path):
     assert "training runs/token" in res.stdout
     res = run_cli("plan", "--trace", t, "-o", tmp_path / "q.json")
     assert res.returncode == 2 and "exactly one of" in res.stderr
+
+
+def test_plan_matches_its_schema(planning_setup):
+    import jsonschema
+
+    from conftest import REPO
+
+    g, tr = planning_setup
+    plan = make_plan(tr, source_from_geometry(g), split=SplitOptions(0.25, 10**6), progress=False)
+    jsonschema.validate(json.loads(json.dumps(plan)), json.loads((REPO / "manifests/schemas/plan.schema.json").read_text()))
