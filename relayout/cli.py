@@ -204,6 +204,53 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _runtime_config(args):
+    from replay.runtime import RuntimeConfig
+
+    return RuntimeConfig(
+        ram_bytes=int(args.ram_gb * 1e9), workers=args.workers, batched=args.batched, coalesce=args.coalesce,
+        coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered, pin_bytes=int(args.pin_gb * 1e9),
+        dense_seconds=args.dense_ms / 1e3, compute_bytes_per_second=args.compute_gbps * 1e9,
+        other_seconds_per_token=args.other_ms / 1e3,
+    )
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise InputError(None, f"expected comma-separated numbers, got {text!r}") from None
+
+
+def cmd_replay(args) -> int:
+    from containers.atomic import write_json_atomic
+    from replay.device import load_device
+    from replay.gate import compare, format_gate, format_sweep, sweep
+
+    from .plan import load_plan
+    from .trace import load_trace
+
+    plan = load_plan(args.layout)
+    trace = load_trace(args.trace)
+    device = load_device(args.device)
+    config = _runtime_config(args)
+    baseline = None if args.baseline == "stock" else load_plan(args.baseline)
+    if args.sweep:
+        cells = sweep(plan, trace, device, config, _floats(args.sweep_ram), [int(w) for w in _floats(args.sweep_workers)],
+                      args.threshold, baseline)
+        if args.output:
+            write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
+        print(json.dumps(cells, indent=1) if args.json else format_sweep(cells))
+        return 0
+    gate = compare(plan, trace, device, config, baseline, args.threshold)
+    if args.output:
+        write_json_atomic(args.output, gate)
+    print(json.dumps(gate, indent=1) if args.json else format_gate(gate))
+    if args.output and not args.json:
+        print(f"\nwrote {args.output}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -292,6 +339,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split-rule", default="stall", choices=["heat", "stall"])
     s.add_argument("--cache-gb", type=float, help="LRU cache the split competes with, GB (stall rule)")
     s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("replay", help="replay held-out routing through baseline and plan layouts; gate the rewrite")
+    s.add_argument("--layout", required=True, metavar="PLAN.json")
+    s.add_argument("--trace", required=True)
+    s.add_argument("--device", required=True, help="a shipped profile name or a profile JSON")
+    s.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
+    s.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
+    s.add_argument("--batched", action="store_true", help="batched queue (io_uring-style, 64 loads in flight) instead of workers")
+    s.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file")
+    s.add_argument("--coalesce-max-mb", type=float, default=268.435456, help="largest coalesced read, MB")
+    s.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
+    s.add_argument("--pin-gb", type=float, default=0.0, help="pin the hottest experts (training heat), GB")
+    s.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms")
+    s.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second")
+    s.add_argument("--other-ms", type=float, default=0.0, help="other overhead per token (O in TPOT), ms")
+    s.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
+    s.add_argument("--threshold", type=float, default=0.05, help="gate: fraction of baseline TPOT the CI low end must save")
+    s.add_argument("-o", "--output", help="write gate.json (or the sweep table as JSON)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--sweep", action="store_true", help="regime map over RAM budgets x workers x coalesce")
+    s.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
+    s.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
+    s.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("manifest", help="write or check the xxh3-128 checksum manifest of a container")
     s.add_argument("dir")

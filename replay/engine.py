@@ -1,0 +1,395 @@
+"""The timing model: replays routing through a layout on a device and measures stall.
+
+**Why layers can be simulated independently.** Loads are demand-only: a layer's routing is known
+only once its attention has run, and its compute cannot finish before every expert it needs has
+arrived. So when a layer ends, every read it issued has completed and the drives are idle. Given
+the RAM state (computed beforehand, see :mod:`replay.runtime`), each (forward, layer) *instance*
+is an independent small queueing problem. Instances with the same number of load jobs are
+simulated together, vectorised with numpy.
+
+**One instance.** Time 0 is when routing is known. Every missing expert becomes a *job* for the
+reader pool (with ``coalesce``, experts contiguous in one file share a job): its weight read(s)
+(one pread when the three weight tensors are byte-adjacent, three when not; O_DIRECT widens them
+to 4 KiB) and its three buffered scale preads, executed in order by one worker. Workers take jobs
+in issue order (physical order); at each step the worker that is free earliest performs its next
+read, so reads reach the drives in time order. A read is split over the array's members
+(:func:`replay.device.member_split`); a member overlaps the per-request cost of up to
+``queue_slots`` requests but transfers large reads one at a time; small reads (up to
+``SMALL_READ_BYTES``) queue among themselves beside the large ones and delay them by their own
+transfer time; the host link caps the aggregate rate the same way.
+
+The compute thread first runs the resident experts' matmuls, then, in issue order, waits for
+each missing expert and runs its matmul. Stall is the time it waits, measured on that critical
+path, never summed per expert. With a split plan, a missing expert whose top segment is resident
+runs its top part at once and waits only for its bottom segment.
+
+The **oracle** replaces the drives by a stream at the array's full bandwidth with no per-request
+cost: the lower bound on stall that no layout can beat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from relayout.layout import WEIGHT_SLOTS, SCALE_SLOTS, Layout
+from relayout.trace import RoutingTrace
+
+from .device import ArrayProfile, member_split, widen_direct
+from .runtime import RuntimeConfig, lru_capacities, lru_hits
+
+FILE_ALIGNMENT = 1 << 20
+"""Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
+
+MEMORY_BANDWIDTH = 10e9
+"""Bytes/s for reads served from the OS page cache."""
+
+SMALL_READ_BYTES = 256 * 1024
+"""Reads up to this size queue among themselves, beside the large transfers, as a drive's internal
+parallelism serves them (their transfer time still delays the large transfers)."""
+
+BATCH_INSTANCES = 8192
+
+
+@dataclass
+class InstanceResult:
+    """Per (forward, layer) instance, arrays [I]."""
+
+    forward: np.ndarray
+    layer: np.ndarray          # layout layer index
+    stall: np.ndarray          # s
+    compute: np.ndarray        # s, dense + matmuls
+    oracle_stall: np.ndarray   # s
+    union_experts: np.ndarray
+    union_bytes: np.ndarray
+    hits: np.ndarray
+    misses: np.ndarray
+    reads: np.ndarray
+    read_bytes: np.ndarray
+
+
+@dataclass
+class DeviceUsage:
+    """Totals over the whole replay, per member: busy transfer seconds, requests, residence seconds."""
+
+    transfer_seconds: np.ndarray
+    requests: np.ndarray
+    residence_seconds: np.ndarray
+
+
+def file_bases(layout: Layout) -> np.ndarray:
+    sizes = -(-np.asarray(layout.file_sizes, dtype=np.int64) // FILE_ALIGNMENT) * FILE_ALIGNMENT
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]])
+
+
+@dataclass
+class SplitState:
+    """Per layout layer: resident-top mask [L, E] and the top segment's share of the FFN [L].
+
+    A missing expert with a resident top reads the rest of its weights and scales (the bottom
+    segment, modelled as one read at the expert's place) and computes its top part at once.
+    """
+
+    resident: np.ndarray
+    top_fraction: np.ndarray
+
+
+def split_state(split: dict | None, layout: Layout, ffn: int) -> SplitState | None:
+    if not split:
+        return None
+    L, E = len(layout.layers), layout.n_experts
+    resident = np.zeros((L, E), dtype=bool)
+    frac = np.zeros(L)
+    for li, layer in enumerate(layout.layers):
+        resident[li, split["resident"][str(layer)]] = True
+        frac[li] = split["segments"][str(layer)]["top_rows"] / ffn
+    return SplitState(resident, frac)
+
+
+def simulate(
+    trace: RoutingTrace,
+    forwards: np.ndarray,
+    layout: Layout,
+    device: ArrayProfile,
+    config: RuntimeConfig,
+    pinned: np.ndarray | None = None,
+    split: SplitState | None = None,
+) -> tuple[InstanceResult, DeviceUsage]:
+    """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``."""
+    L, E = len(layout.layers), layout.n_experts
+    layer_idx = np.full(int(max(layout.layers)) + 2, -1, dtype=np.int64)
+    layer_idx[layout.layers] = np.arange(L)
+    tl = trace.row_layer.astype(np.int64)
+    rows = np.flatnonzero(forwards[trace.row_forward] & (tl < len(layer_idx)) & (layer_idx[np.minimum(tl, len(layer_idx) - 1)] >= 0))
+    r_fwd = trace.row_forward[rows].astype(np.int64)
+    r_li = layer_idx[tl[rows]]
+    inst_key, row_inst = np.unique(r_fwd * L + r_li, return_inverse=True)
+    inst_fwd, inst_li = inst_key // L, inst_key % L
+    inst_session = trace.fwd_session[inst_fwd].astype(np.int64)
+    I = len(inst_key)
+
+    ex = trace.experts[rows].astype(np.int64)
+    valid = ex >= 0
+    sel_key, mult = np.unique((np.repeat(row_inst, ex.shape[1]).reshape(ex.shape) * E + ex)[valid], return_counts=True)
+    sel_inst, sel_e = sel_key // E, sel_key % E
+    sel_li = inst_li[sel_inst]
+
+    ebytes = layout.expert_bytes()                         # [L, E]
+    wbytes = layout.expert_loc[:, :, list(WEIGHT_SLOTS), 2].sum(axis=2)
+    comp = wbytes / config.compute_bytes_per_second        # [L, E] seconds per position
+
+    capacity = lru_capacities(config.ram_bytes, ebytes[:, 0])
+    pin = pinned if pinned is not None else np.zeros((L, E), dtype=bool)
+    hit = lru_hits(inst_li, inst_session, sel_inst, sel_e, capacity, pin)
+
+    union_experts = np.bincount(sel_inst, minlength=I)
+    union_bytes = np.bincount(sel_inst, weights=ebytes[sel_li, sel_e], minlength=I)
+    hits_n = np.bincount(sel_inst, weights=hit, minlength=I).astype(np.int64)
+
+    sel_comp = comp[sel_li, sel_e] * mult
+    resident_comp = np.bincount(sel_inst, weights=np.where(hit, sel_comp, 0.0), minlength=I)
+    top_res = np.zeros(len(sel_e), dtype=bool)
+    if split is not None:
+        top_res = split.resident[sel_li, sel_e] & ~hit
+        resident_comp += np.bincount(sel_inst, weights=np.where(top_res, sel_comp * split.top_fraction[sel_li], 0.0), minlength=I)
+
+    # ---- missing experts, in issue (physical) order
+    miss = np.flatnonzero(~hit)
+    m_inst, m_li, m_e = sel_inst[miss], sel_li[miss], sel_e[miss]
+    m_top = top_res[miss]
+    wloc = layout.expert_loc[:, :, list(WEIGHT_SLOTS)]     # [L, E, 3, 3]
+    first_w = np.argmin(wloc[:, :, :, 1] + wloc[:, :, :, 0] * (1 << 44), axis=2)
+    pos_file = np.take_along_axis(wloc[:, :, :, 0], first_w[..., None], axis=2)[..., 0]
+    pos_off = np.take_along_axis(wloc[:, :, :, 1], first_w[..., None], axis=2)[..., 0]
+    order = np.lexsort((pos_off[m_li, m_e], pos_file[m_li, m_e], m_inst))
+    m_inst, m_li, m_e, m_top = m_inst[order], m_li[order], m_e[order], m_top[order]
+    m_comp = (sel_comp[miss])[order]
+    if split is not None:
+        m_comp = np.where(m_top, m_comp * (1 - split.top_fraction[m_li]), m_comp)
+    keep = 1 - split.top_fraction[m_li] if split is not None else np.ones(len(m_e))
+    keep = np.where(m_top, keep, 1.0)                      # share of weights and scales still to read
+    m_wlen = np.ceil(wbytes[m_li, m_e] * keep).astype(np.int64)
+    misses_n = np.bincount(m_inst, minlength=I)
+
+    # ---- weight extents of each missing expert (1 when adjacent, else 3; a resident top leaves a bottom read)
+    adjacent = _adjacent(wloc)                              # [L, E]
+    n_ext = np.where(adjacent[m_li, m_e] | m_top, 1, 3)
+    x_miss = np.repeat(np.arange(len(m_e)), n_ext)
+    x_k = np.arange(len(x_miss)) - np.repeat(np.cumsum(n_ext) - n_ext, n_ext)
+    x_li, x_e = m_li[x_miss], m_e[x_miss]
+    single = n_ext[x_miss] == 1
+    x_file = np.where(single, pos_file[x_li, x_e], wloc[x_li, x_e, x_k, 0])
+    x_off = np.where(single, pos_off[x_li, x_e], wloc[x_li, x_e, x_k, 1])
+    x_len = np.where(single, m_wlen[x_miss], wloc[x_li, x_e, x_k, 2])
+
+    # ---- jobs: one per missing expert; with coalescing, runs of single-extent experts contiguous
+    # in one file (gap <= coalesce_gap_bytes, span <= coalesce_max_bytes) share one job and one read
+    m_single = n_ext == 1
+    m_start = pos_off[m_li, m_e]
+    m_end = m_start + m_wlen
+    if config.coalesce and len(m_e):
+        m_file = pos_file[m_li, m_e]
+        gap = m_start[1:] - m_end[:-1]
+        joins = (m_inst[1:] == m_inst[:-1]) & m_single[1:] & m_single[:-1] & (m_file[1:] == m_file[:-1]) \
+            & (gap >= 0) & (gap <= config.coalesce_gap_bytes)
+        brk = np.concatenate([[True], ~joins])
+        run_start = np.flatnonzero(brk)
+        run = np.cumsum(brk) - 1
+        chunk = (np.maximum(m_end - m_start[run_start][run], 1) - 1) // config.coalesce_max_bytes
+        newjob = brk.copy()
+        newjob[1:] |= chunk[1:] != chunk[:-1]
+        m_job = np.cumsum(newjob) - 1
+    else:
+        m_job = np.arange(len(m_e))
+    n_jobs_total = int(m_job[-1]) + 1 if len(m_job) else 0
+    job_size = np.bincount(m_job, minlength=n_jobs_total)
+    merged = job_size[m_job] > 1
+    # weight reads: a merged job reads its span once; any other job reads its expert's extents
+    x_keep = ~merged[x_miss]
+    jstart = np.full(n_jobs_total, np.iinfo(np.int64).max)
+    jend = np.zeros(n_jobs_total, dtype=np.int64)
+    np.minimum.at(jstart, m_job[merged], m_start[merged])
+    np.maximum.at(jend, m_job[merged], m_end[merged])
+    jfile = np.zeros(n_jobs_total, dtype=np.int64)
+    jfile[m_job[merged]] = pos_file[m_li, m_e][merged]
+    mj = np.flatnonzero(job_size > 1)
+    w_job = np.concatenate([m_job[x_miss][x_keep], mj])
+    w_file = np.concatenate([x_file[x_keep], jfile[mj]])
+    w_off = np.concatenate([x_off[x_keep], jstart[mj]])
+    w_len = np.concatenate([x_len[x_keep], jend[mj] - jstart[mj]])
+    # scale reads: three buffered preads per missing expert, after its job's weight reads
+    sloc = layout.expert_loc[:, :, list(SCALE_SLOTS)]
+    s_job = np.repeat(m_job, 3)
+    s_file = sloc[m_li, m_e, :, 0].ravel()
+    s_off = sloc[m_li, m_e, :, 1].ravel()
+    s_len = np.ceil(sloc[m_li, m_e, :, 2] * keep[:, None]).astype(np.int64).ravel()
+
+    r_job = np.concatenate([w_job, s_job])
+    r_file = np.concatenate([w_file, s_file])
+    r_off = np.concatenate([w_off, s_off])
+    r_len = np.concatenate([w_len, s_len])
+    r_direct = np.concatenate([np.full(len(w_job), config.direct), np.zeros(len(s_job), dtype=bool)])
+    r_order = np.lexsort((np.arange(len(r_job)), r_job))
+    r_job, r_file, r_off, r_len, r_direct = r_job[r_order], r_file[r_order], r_off[r_order], r_len[r_order], r_direct[r_order]
+    addr = file_bases(layout)[r_file] + r_off
+    d_addr, d_len = widen_direct(addr, r_len, device.direct_alignment)
+    addr = np.where(r_direct, d_addr, addr)
+    rlen = np.where(r_direct, d_len, r_len)
+    pieces, nbytes = member_split(device, addr, rlen)
+    # scale reads are buffered: after an expert's first load in a session its scales are in the OS
+    # page cache; a declared warm fraction of the device serves weight reads from RAM too
+    first_touch = _first_in_session(inst_session[m_inst], m_li * E + m_e)
+    s_warm = np.repeat(~first_touch, 3)
+    m_bytes = m_wlen + np.where(first_touch, s_len.reshape(-1, 3).sum(axis=1), 0)   # bytes from the drives
+    w_warm = np.zeros(len(w_job), dtype=bool)
+    if device.page_cache_fraction > 0:
+        key = (w_file * 1_000_003 + w_off // 4096) % 10_000
+        w_warm = key < device.page_cache_fraction * 10_000
+    warm = np.concatenate([w_warm, s_warm])[r_order]
+
+    job_inst = np.zeros(n_jobs_total, dtype=np.int64)
+    job_inst[m_job] = m_inst
+    job_nreads = np.bincount(r_job, minlength=n_jobs_total)
+    job_first_read = np.concatenate([[0], np.cumsum(job_nreads)[:-1]])
+    inst_njobs = np.bincount(job_inst, minlength=I) if n_jobs_total else np.zeros(I, dtype=np.int64)
+    inst_first_job = np.concatenate([[0], np.cumsum(inst_njobs)[:-1]])
+
+    job_done = np.zeros(n_jobs_total)
+    usage = DeviceUsage(np.zeros(device.members), np.zeros(device.members, dtype=np.int64), np.zeros(device.members))
+    insts_with_jobs = np.flatnonzero(inst_njobs)
+    for nj in np.unique(inst_njobs[insts_with_jobs]):
+        group = insts_with_jobs[inst_njobs[insts_with_jobs] == nj]
+        for b in range(0, len(group), BATCH_INSTANCES):
+            g = group[b : b + BATCH_INSTANCES]
+            jobs = inst_first_job[g][:, None] + np.arange(nj)[None, :]          # [G, J]
+            _run_jobs(jobs, job_nreads, job_first_read, job_done, pieces, nbytes, rlen, warm, device, config, usage)
+
+    # ---- the compute thread, per instance with misses
+    stall = np.zeros(I)
+    oracle = np.zeros(I)
+    m_first = np.concatenate([[0], np.cumsum(misses_n)[:-1]])
+    m_ready = job_done[m_job] if len(m_job) else np.zeros(0)
+    full_bw = device.full_bandwidth
+    m_cum = _cumsum_by_group(m_bytes.astype(np.float64), m_inst)
+    m_oracle_ready = m_cum / full_bw
+    with_miss = np.flatnonzero(misses_n)
+    for k in np.unique(misses_n[with_miss]):
+        group = with_miss[misses_n[with_miss] == k]
+        idx = m_first[group][:, None] + np.arange(k)[None, :]
+        stall[group] = _compute_thread(resident_comp[group], m_ready[idx], m_comp[idx])
+        oracle[group] = _compute_thread(resident_comp[group], m_oracle_ready[idx], m_comp[idx])
+
+    compute = config.dense_seconds + np.bincount(sel_inst, weights=sel_comp, minlength=I)
+    reads = np.bincount(job_inst[r_job], minlength=I) if len(r_job) else np.zeros(I, dtype=np.int64)
+    read_bytes = np.bincount(job_inst[r_job], weights=rlen, minlength=I) if len(r_job) else np.zeros(I)
+    return InstanceResult(inst_fwd, inst_li, stall, compute, oracle, union_experts, union_bytes, hits_n, misses_n,
+                          reads, read_bytes), usage
+
+
+def _first_in_session(session: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """True where (session, key) occurs for the first time, in array order."""
+    if not len(key):
+        return np.zeros(0, dtype=bool)
+    _, first = np.unique(session * (int(key.max()) + 1) + key, return_index=True)
+    out = np.zeros(len(key), dtype=bool)
+    out[first] = True
+    return out
+
+
+def _adjacent(wloc: np.ndarray) -> np.ndarray:
+    """[L, E]: the three weight tensors are byte-adjacent in one file."""
+    order = np.argsort(wloc[:, :, :, 1], axis=2)
+    s = np.take_along_axis(wloc, order[..., None], axis=2)
+    same_file = (s[:, :, 0, 0] == s[:, :, 1, 0]) & (s[:, :, 1, 0] == s[:, :, 2, 0])
+    touching = (s[:, :, 0, 1] + s[:, :, 0, 2] == s[:, :, 1, 1]) & (s[:, :, 1, 1] + s[:, :, 1, 2] == s[:, :, 2, 1])
+    return same_file & touching
+
+
+def _cumsum_by_group(x: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Inclusive cumulative sum of ``x`` restarting at each new value of sorted ``group``."""
+    if not len(x):
+        return x
+    c = np.cumsum(x)
+    starts = np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]]))
+    offset = np.concatenate([[0.0], c[starts[1:] - 1]])
+    return c - np.repeat(offset, np.diff(np.concatenate([starts, [len(x)]])))
+
+
+def _compute_thread(resident: np.ndarray, ready: np.ndarray, comp: np.ndarray) -> np.ndarray:
+    """Stall [G] of a compute thread that runs resident work, then waits for each expert in order."""
+    t = resident.copy()
+    stall = np.zeros(len(t))
+    for k in range(ready.shape[1]):
+        wait = np.maximum(ready[:, k] - t, 0.0)
+        stall += wait
+        t = t + wait + comp[:, k]
+    return stall
+
+
+def _run_jobs(jobs, job_nreads, job_first_read, job_done, pieces, nbytes, rlen, warm, device: ArrayProfile,
+              config: RuntimeConfig, usage: DeviceUsage) -> None:
+    """Event-ordered simulation of the reader pool for a batch of instances with J jobs each."""
+    G, J = jobs.shape
+    W = config.in_flight
+    M = device.members
+    drive = device.drive
+    wfree = np.zeros((G, W))
+    wjob = np.full((G, W), -1, dtype=np.int64)
+    wpos = np.zeros((G, W), dtype=np.int64)
+    next_job = np.zeros(G, dtype=np.int64)
+    mfree = np.zeros((G, M))        # large-transfer channel of each member
+    sfree = np.zeros((G, M))        # small reads, served beside large transfers
+    hfree = np.zeros(G)
+    hsfree = np.zeros(G)
+    rows = np.arange(G)
+    nreads = job_nreads[jobs]                       # [G, J]
+    total_steps = int(nreads.sum(axis=1).max())
+    for _ in range(total_steps):
+        has_work = (wjob >= 0) | (next_job < J)[:, None]
+        t_w = np.where(has_work, wfree, np.inf)
+        w = np.argmin(t_w, axis=1)
+        t = t_w[rows, w]
+        act = np.isfinite(t)
+        if not act.any():
+            break
+        g = rows[act]
+        w = w[act]
+        t = t[act]
+        take = wjob[g, w] < 0
+        if take.any():
+            gt = g[take]
+            wjob[gt, w[take]] = next_job[gt]
+            wpos[gt, w[take]] = 0
+            next_job[gt] += 1
+        j = wjob[g, w]
+        job = jobs[g, j]
+        r = job_first_read[job] + wpos[g, w]
+        nb = nbytes[r]                                  # [A, M]
+        pc = pieces[r]
+        lat = drive.request_seconds * np.ceil(pc / drive.queue_slots)
+        on = nb > 0
+        small = (rlen[r] <= SMALL_READ_BYTES)[:, None]
+        xm = nb / drive.bandwidth
+        queued_start = np.maximum(t[:, None] + lat, np.where(small, sfree[g], mfree[g]))
+        mdone = np.where(on, queued_start + xm, -np.inf)
+        usage.residence_seconds += np.where(on, mdone - t[:, None], 0.0).sum(axis=0)
+        usage.transfer_seconds += (nb / drive.bandwidth).sum(axis=0)
+        usage.requests += pc.sum(axis=0)
+        mfree[g] = np.where(on, np.where(small, mfree[g] + xm, mdone), mfree[g])
+        sfree[g] = np.where(on & small, mdone, sfree[g])
+        total = rlen[r]
+        small1 = small[:, 0]
+        xfer = total / device.host_bandwidth
+        hdone = np.maximum(np.where(small1, hsfree[g], hfree[g]), t) + xfer
+        dev_done = np.maximum(mdone.max(axis=1), hdone)
+        hw = warm[r]
+        hfree[g] = np.where(hw, hfree[g], np.where(small1, hfree[g] + xfer, hdone))
+        hsfree[g] = np.where(~hw & small1, hdone, hsfree[g])
+        done = np.where(hw, t + total / MEMORY_BANDWIDTH, dev_done)
+        wfree[g, w] = done
+        wpos[g, w] += 1
+        finished = wpos[g, w] >= job_nreads[job]
+        if finished.any():
+            job_done[job[finished]] = done[finished]
+            wjob[g[finished], w[finished]] = -1

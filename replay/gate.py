@@ -1,0 +1,227 @@
+"""Paired replay of two layouts on held-out sessions, the oracle bound, and the rewrite gate.
+
+The gate passes only when the lower end of the 95% interval of predicted stall saved per
+committed token is at least ``threshold`` x the baseline's predicted TPOT, on sessions the plan
+did not learn from, for the chosen device profile and runtime configuration. Its record,
+``gate.json``, holds everything needed to audit the decision.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from containers.errors import InputError
+from relayout import __version__
+from relayout.layout import Layout
+from relayout.plan import Plan
+from relayout.trace import FORWARD_KINDS, RoutingTrace
+
+from .device import ArrayProfile
+from .engine import simulate, split_state
+from .metrics import session_sums, step_table, summarize
+from .runtime import RuntimeConfig, pinned_experts
+from .stats import paired_saving, step_blocks
+
+GATE_FORMAT = "relayout.gate"
+DEFAULT_THRESHOLD = 0.05
+
+
+def evaluation_forwards(trace: RoutingTrace, excluded_sessions: set[str]) -> tuple[np.ndarray, list[int]]:
+    """Decode and verify forwards of the sessions not in ``excluded_sessions`` (held-out discipline)."""
+    keep = [i for i, s in enumerate(trace.sessions) if s not in excluded_sessions]
+    if not keep:
+        raise InputError(trace.source or None, "every session of this trace was used to train the plan; "
+                         "replay needs held-out sessions (record more, or plan with a smaller --train-fraction)")
+    mask = trace.session_forward_mask(keep) & (trace.fwd_kind != FORWARD_KINDS.index("prefill"))
+    if not mask.any():
+        raise InputError(trace.source or None, "held-out sessions contain no decode steps")
+    return mask, keep
+
+
+def check_trace_matches(trace: RoutingTrace, plan: Plan) -> None:
+    trace.require_rows("replay")
+    g = plan.geometry
+    if trace.n_experts > g["n_experts"]:
+        raise InputError(trace.source or None, f"trace has expert ids up to {trace.n_experts - 1}; the plan's model has {g['n_experts']} per layer")
+    extra = sorted(set(trace.layers.tolist()) - set(g["routed_layers"]))
+    if extra:
+        raise InputError(trace.source or None, f"trace routes layers {extra[:5]} the plan does not cover")
+
+
+@dataclass
+class LayoutRun:
+    name: str
+    steps: object
+    summary: dict
+    sessions: dict
+
+
+def run_layout(name: str, trace: RoutingTrace, mask: np.ndarray, layout: Layout, device: ArrayProfile,
+               config: RuntimeConfig, pinned: np.ndarray, split=None) -> LayoutRun:
+    inst, usage = simulate(trace, mask, layout, device, config, pinned, split)
+    steps = step_table(trace, mask, inst)
+    return LayoutRun(name, steps, summarize(steps, usage, config.other_seconds_per_token), session_sums(steps, len(trace.sessions)))
+
+
+def _pins(trace: RoutingTrace, plan: Plan, config: RuntimeConfig) -> np.ndarray:
+    L, E = len(plan.layout.layers), plan.layout.n_experts
+    if config.pin_bytes <= 0:
+        return np.zeros((L, E), dtype=bool)
+    train = [i for i, s in enumerate(trace.sessions) if s in set(plan.training_sessions)]
+    if not train:
+        raise InputError(trace.source or None, "pinning needs the plan's training sessions in the trace (to rank experts by heat)")
+    fm = trace.session_forward_mask(train)
+    heat = np.zeros((L, E))
+    for li, layer in enumerate(plan.layout.layers):
+        rows = trace.experts[trace.layer_rows(layer, fm)]
+        heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=E)[:E]
+    return pinned_experts(heat, plan.layout.expert_bytes()[:, 0], config.pin_bytes)
+
+
+def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
+            baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0) -> dict:
+    """Replay baseline (stock, or another plan's layout) and the plan; gate; return gate.json."""
+    check_trace_matches(trace, plan)
+    if baseline is not None and baseline.raw["source"]["fingerprint"] != plan.raw["source"]["fingerprint"]:
+        raise InputError(baseline.path, "baseline plan is for a different container than the plan")
+    excluded = set(plan.training_sessions) | (set(baseline.training_sessions) if baseline else set())
+    mask, evaluated = evaluation_forwards(trace, excluded)
+    pins = _pins(trace, plan, config)
+    split = split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
+    plan_config = config
+    if split is not None:
+        plan_config = replace(config, ram_bytes=max(0, config.ram_bytes - int(plan.split["ram_bytes"])))
+    base_layout = baseline.layout if baseline is not None else plan.stock
+    base = run_layout("baseline", trace, mask, base_layout, device, config, pins)
+    new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split)
+
+    n_eval = len(evaluated)
+    if n_eval >= 2:
+        units = np.array(evaluated)
+        b, p, a = base.sessions["stall"][units], new.sessions["stall"][units], base.sessions["committed"][units]
+        unit = "session"
+    else:
+        blk = step_blocks(base.steps.session)
+        b = np.bincount(blk, weights=base.steps.stall)
+        p = np.bincount(blk, weights=new.steps.stall)
+        a = np.bincount(blk, weights=base.steps.committed)
+        unit = "block of steps (one held-out session only)"
+    saving = paired_saving(b, p, a, unit, seed=seed)
+    tpot = base.summary["tpot_s"]
+    need = threshold * tpot
+    headroom = base.summary["stall_per_token_s"] - base.summary["oracle_stall_per_token_s"]
+    passed = saving.low >= need
+    reason = _reason(passed, saving, tpot, threshold, headroom, base.summary)
+    return {
+        "format": GATE_FORMAT,
+        "version": 1,
+        "verdict": "pass" if passed else "fail",
+        "reason": reason,
+        "tool_version": __version__,
+        "plan": {"path": plan.path, "digest": plan.digest, "method": plan.raw["method"],
+                 "source_fingerprint": plan.raw["source"]["fingerprint"], "source_kind": plan.raw["source"]["kind"]},
+        "baseline": {"kind": "plan", "path": baseline.path, "digest": baseline.digest} if baseline else {"kind": "stock"},
+        "trace": {"path": trace.source, "fingerprint": trace.fingerprint(),
+                  "sessions_evaluated": [trace.sessions[i] for i in evaluated],
+                  "sessions_excluded_as_training": sorted(excluded & set(trace.sessions))},
+        "device": {"name": device.name, "digest": device.digest(), "profile": device.to_json()},
+        "runtime": config.to_json(),
+        "threshold": {"fraction_of_tpot": threshold, "seconds_per_token": need},
+        "saving_per_token_s": saving.to_json(),
+        "saving_fraction_of_tpot": {"estimate": saving.estimate / tpot, "low": saving.low / tpot, "high": saving.high / tpot},
+        "headroom": {"baseline_stall_s": base.summary["stall_per_token_s"], "oracle_stall_s": base.summary["oracle_stall_per_token_s"],
+                     "max_saving_s": headroom, "max_saving_fraction_of_tpot": headroom / tpot},
+        "baseline_metrics": base.summary,
+        "plan_metrics": new.summary,
+        "per_session": [
+            {"session": trace.sessions[i], "committed": int(base.sessions["committed"][i]),
+             "baseline_stall_s": float(base.sessions["stall"][i]), "plan_stall_s": float(new.sessions["stall"][i]),
+             "oracle_stall_s": float(base.sessions["oracle"][i])}
+            for i in evaluated
+        ],
+    }
+
+
+def _reason(passed: bool, s, tpot: float, threshold: float, headroom: float, base: dict) -> str:
+    ms = 1e3
+    text = (f"predicted saving {s.estimate * ms:.3f} ms/token (95% CI {s.low * ms:.3f} to {s.high * ms:.3f}, over "
+            f"{s.n_units} {s.unit}s) = {s.low / tpot:.1%} of baseline TPOT {tpot * ms:.1f} ms at the interval's low end; "
+            f"the gate needs {threshold:.0%}.")
+    if passed:
+        return "PASS: " + text
+    if headroom < threshold * tpot:
+        return (f"FAIL: {text} No headroom: baseline stall {base['stall_per_token_s'] * ms:.2f} ms/token is within "
+                f"{headroom * ms:.2f} ms of the oracle bound ({headroom / tpot:.1%} of TPOT), so no layout can reach the threshold here.")
+    return f"FAIL: {text} The bound leaves {headroom / tpot:.1%} of TPOT of headroom, but this layout does not capture enough of it."
+
+
+def format_gate(g: dict) -> str:
+    ms = 1e3
+    b, p = g["baseline_metrics"], g["plan_metrics"]
+    lines = [
+        f"verdict: {g['verdict'].upper()}",
+        g["reason"],
+        "",
+        f"{'':28}{'baseline':>12}{'plan':>12}",
+        f"{'stall S (ms/token)':28}{b['stall_per_token_s'] * ms:12.3f}{p['stall_per_token_s'] * ms:12.3f}",
+        f"{'TPOT estimate (ms)':28}{b['tpot_s'] * ms:12.2f}{p['tpot_s'] * ms:12.2f}",
+        f"{'oracle bound (ms/token)':28}{b['oracle_stall_per_token_s'] * ms:12.3f}{p['oracle_stall_per_token_s'] * ms:12.3f}",
+        f"{'reads/token':28}{b['reads_per_token']:12.1f}{p['reads_per_token']:12.1f}",
+        f"{'read MB/token':28}{b['read_bytes_per_token'] / 1e6:12.2f}{p['read_bytes_per_token'] / 1e6:12.2f}",
+        f"{'union MB/committed token':28}{b['union_bytes_per_token'] / 1e6:12.2f}{p['union_bytes_per_token'] / 1e6:12.2f}",
+        f"{'RAM hit rate':28}{b['ram_hit_rate']:12.3f}{p['ram_hit_rate']:12.3f}",
+        f"{'step stall p50/p99 (ms)':28}{b['step_stall_s']['p50'] * ms:6.2f}/{b['step_stall_s']['p99'] * ms:<5.2f}"
+        f"{p['step_stall_s']['p50'] * ms:6.2f}/{p['step_stall_s']['p99'] * ms:.2f}",
+        f"{'drive utilisation':28}{max(b['drive_utilisation']):12.2f}{max(p['drive_utilisation']):12.2f}",
+        "",
+        f"held-out sessions: {len(g['trace']['sessions_evaluated'])} evaluated, "
+        f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training; device {g['device']['name']}; "
+        f"RAM {g['runtime']['ram_bytes'] / 1e9:g} GB, workers {g['runtime']['workers']}{' (batched)' if g['runtime']['batched'] else ''}, "
+        f"coalesce {'on' if g['runtime']['coalesce'] else 'off'}",
+        "prefetch: none modelled (demand reads only), so timely recall, unused prefetched bytes and lead slack do not apply",
+    ]
+    return "\n".join(lines)
+
+
+def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
+          workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None) -> list[dict]:
+    """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing."""
+    cells = []
+    for ram in ram_gb:
+        for w in workers:
+            for co in (False, True):
+                cfg = replace(config, ram_bytes=int(ram * 1e9), workers=w, coalesce=co, batched=False)
+                g = compare(plan, trace, device, cfg, baseline, threshold)
+                cells.append({"ram_gb": ram, "workers": w, "coalesce": co, "verdict": g["verdict"],
+                              "baseline_stall_s": g["baseline_metrics"]["stall_per_token_s"],
+                              "plan_stall_s": g["plan_metrics"]["stall_per_token_s"],
+                              "oracle_stall_s": g["headroom"]["oracle_stall_s"],
+                              "saving": g["saving_per_token_s"], "saving_fraction_of_tpot": g["saving_fraction_of_tpot"],
+                              "tpot_s": g["baseline_metrics"]["tpot_s"]})
+    return cells
+
+
+def format_sweep(cells: list[dict]) -> str:
+    ms = 1e3
+    head = f"{'RAM GB':>7} {'workers':>7} {'coalesce':>8} {'stock S':>9} {'plan S':>9} {'oracle':>9} {'saved (95% CI) ms/token':>28} {'% TPOT':>7}  verdict"
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        s = c["saving"]
+        lines.append(f"{c['ram_gb']:>7g} {c['workers']:>7} {'on' if c['coalesce'] else 'off':>8} "
+                     f"{c['baseline_stall_s'] * ms:9.3f} {c['plan_stall_s'] * ms:9.3f} {c['oracle_stall_s'] * ms:9.3f} "
+                     f"{s['estimate'] * ms:9.3f} [{s['low'] * ms:7.3f},{s['high'] * ms:7.3f}] "
+                     f"{c['saving_fraction_of_tpot']['estimate']:7.1%}  {c['verdict']}")
+    return "\n".join(lines)
+
+
+def load_gate(path) -> dict:
+    try:
+        g = json.loads(open(path).read())
+    except (OSError, ValueError) as exc:
+        raise InputError(path, f"not a readable gate record ({exc})") from None
+    if g.get("format") != GATE_FORMAT or g.get("verdict") not in ("pass", "fail"):
+        raise InputError(path, "not a relayout gate record")
+    return g

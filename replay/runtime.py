@@ -1,0 +1,125 @@
+"""The runtime being modelled: its knobs, and its RAM tiers (pinned experts, per-layer LRU).
+
+This follows the colibrì demand path (FACTS section 2): per MoE layer of a forward, route all
+positions, take the batch union of unique experts, serve each from the pinned store, then from a
+per-layer LRU in RAM, and load the misses from storage with a pool of reader workers.
+
+Cache state does not depend on timing (loads are demand-only), so hits and misses are computed
+first, for the whole trace, and the timing model runs afterwards. Each session is a separate run
+that starts with a cold LRU (pinned experts are loaded before the run starts).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from containers.errors import InputError
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Runtime knobs and the compute model. Bytes, seconds, bytes/s."""
+
+    ram_bytes: int = 0                 # LRU budget for whole experts (0 = no cache)
+    workers: int = 8                   # reader workers (PIPE_WORKERS), 1-16
+    batched: bool = False              # io_uring-style queue: up to 64 loads in flight
+    coalesce: bool = False             # one read for experts contiguous in one file
+    coalesce_max_bytes: int = 256 * 1024 * 1024
+    coalesce_gap_bytes: int = 64 * 1024
+    direct: bool = True                # O_DIRECT weight reads (scales are always buffered)
+    pin_bytes: int = 0                 # hottest experts pinned in RAM (by training heat)
+    dense_seconds: float = 1.0e-3      # per layer and forward, before routing: attention, router
+    compute_bytes_per_second: float = 50e9  # an expert's matmul streams its weights at this rate, per position
+    other_seconds_per_token: float = 0.0    # O in TPOT = C + S + O
+
+    def __post_init__(self):
+        if not self.batched and not 1 <= self.workers <= 16:
+            raise InputError(None, f"--workers must be 1-16 (got {self.workers})")
+        if self.ram_bytes < 0 or self.pin_bytes < 0:
+            raise InputError(None, "RAM budgets must be >= 0")
+        if self.compute_bytes_per_second <= 0 or self.dense_seconds < 0:
+            raise InputError(None, "compute model needs a positive rate and non-negative dense time")
+
+    @property
+    def in_flight(self) -> int:
+        """Loads that can be outstanding at once."""
+        return 64 if self.batched else self.workers
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def lru_capacities(ram_bytes: int, expert_bytes: np.ndarray) -> np.ndarray:
+    """Experts each layer's LRU holds when ``ram_bytes`` is shared evenly by the layers."""
+    L = len(expert_bytes)
+    if ram_bytes <= 0:
+        return np.zeros(L, dtype=np.int64)
+    return (ram_bytes // L // np.maximum(expert_bytes, 1)).astype(np.int64)
+
+
+def pinned_experts(heat: np.ndarray, expert_bytes: np.ndarray, pin_bytes: int) -> np.ndarray:
+    """Boolean [L, E]: hottest experts (selections per byte) until ``pin_bytes`` is used."""
+    L, E = heat.shape
+    out = np.zeros((L, E), dtype=bool)
+    if pin_bytes <= 0:
+        return out
+    value = heat / np.maximum(expert_bytes, 1)[:, None]
+    order = np.argsort(-value, axis=None, kind="stable")
+    used = 0
+    for flat in order:
+        li, e = divmod(int(flat), E)
+        if heat[li, e] <= 0:
+            break
+        if used + expert_bytes[li] > pin_bytes:
+            break
+        used += int(expert_bytes[li])
+        out[li, e] = True
+    return out
+
+
+def lru_hits(
+    inst_layer: np.ndarray,
+    inst_session: np.ndarray,
+    sel_inst: np.ndarray,
+    sel_expert: np.ndarray,
+    capacity: np.ndarray,
+    pinned: np.ndarray,
+) -> np.ndarray:
+    """Which union selections are served from RAM.
+
+    Instances (one per forward and layer) are in time order; ``sel_*`` list the union experts of
+    each instance (grouped by instance, ascending). Returns a boolean hit mask over selections.
+    """
+    hits = pinned[inst_layer[sel_inst], sel_expert].copy()
+    n_layers = len(capacity)
+    starts = np.searchsorted(sel_inst, np.arange(len(inst_layer) + 1))
+    for li in range(n_layers):
+        cap = int(capacity[li])
+        if cap <= 0:
+            continue
+        insts = np.flatnonzero(inst_layer == li)
+        lru: OrderedDict = OrderedDict()
+        session = -1
+        for i in insts.tolist():
+            if inst_session[i] != session:
+                session = inst_session[i]
+                lru.clear()
+            a, b = starts[i], starts[i + 1]
+            missed = []
+            for k in range(a, b):
+                if hits[k]:
+                    continue
+                e = int(sel_expert[k])
+                if e in lru:
+                    lru.move_to_end(e)
+                    hits[k] = True
+                else:
+                    missed.append(e)
+            for e in missed:
+                lru[e] = None
+            while len(lru) > cap:
+                lru.popitem(last=False)
+    return hits
