@@ -220,7 +220,22 @@ def simulate(
     w_len = np.concatenate([x_len[x_keep], jend[mj] - jstart[mj]])
     # scale reads: three buffered preads per missing expert, after its job's weight reads
     sloc = layout.expert_loc[:, :, list(SCALE_SLOTS)]
-    s_job = np.repeat(m_job, 3)
+    # with coalescing, each expert's scale preads are a job of their own, queued after the run's
+    # weight job, so other workers take them while the merged read streams
+    if config.coalesce and len(m_job):
+        run_first = np.concatenate([[0], np.flatnonzero(np.diff(m_job)) + 1])
+        wkey = 2 * run_first[m_job]
+        skey = 2 * np.arange(len(m_job)) + 1
+        keys, inv = np.unique(np.concatenate([wkey, skey]), return_inverse=True)
+        renum_w, m_sjob = inv[: len(m_job)], inv[len(m_job):]
+        remap = np.zeros(n_jobs_total, dtype=np.int64)
+        remap[m_job] = renum_w
+        w_job = remap[w_job]
+        m_job = renum_w
+        n_jobs_total = len(keys)
+    else:
+        m_sjob = m_job
+    s_job = np.repeat(m_sjob, 3)
     s_file = sloc[m_li, m_e, :, 0].ravel()
     s_off = sloc[m_li, m_e, :, 1].ravel()
     s_len = np.ceil(sloc[m_li, m_e, :, 2] * keep[:, None]).astype(np.int64).ravel()
@@ -250,6 +265,7 @@ def simulate(
 
     job_inst = np.zeros(n_jobs_total, dtype=np.int64)
     job_inst[m_job] = m_inst
+    job_inst[m_sjob] = m_inst
     job_nreads = np.bincount(r_job, minlength=n_jobs_total)
     job_first_read = np.concatenate([[0], np.cumsum(job_nreads)[:-1]])
     inst_njobs = np.bincount(job_inst, minlength=I) if n_jobs_total else np.zeros(I, dtype=np.int64)
@@ -269,7 +285,7 @@ def simulate(
     stall = np.zeros(I)
     oracle = np.zeros(I)
     m_first = np.concatenate([[0], np.cumsum(misses_n)[:-1]])
-    m_ready = job_done[m_job] if len(m_job) else np.zeros(0)
+    m_ready = np.maximum(job_done[m_job], job_done[m_sjob]) if len(m_job) else np.zeros(0)
     full_bw = device.full_bandwidth
     m_cum = _cumsum_by_group(m_bytes.astype(np.float64), m_inst)
     m_oracle_ready = m_cum / full_bw

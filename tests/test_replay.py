@@ -1,0 +1,229 @@
+"""The replay model: closed-form cases, striping by hand, both directions of the gate."""
+
+import json
+
+import numpy as np
+import pytest
+
+from containers.errors import InputError
+from containers.geometry import load_geometry
+from relayout.layout import Layout
+from relayout.plan import load_plan, make_plan, save_plan, source_from_geometry
+from relayout.trace import RoutingTrace
+from relayout.trace_synth import SynthParams, synth_trace
+from replay.device import ArrayProfile, DriveProfile, load_device, member_split
+from replay.engine import simulate
+from replay.gate import compare
+from replay.metrics import step_table, summarize
+from replay.runtime import RuntimeConfig, lru_hits
+from replay.stats import paired_saving
+
+NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
+
+
+def one_drive(latency=1e-4, bw=1e9, host=1e12, slots=32):
+    return ArrayProfile("test-drive", DriveProfile("d", latency, bw, slots), 1, 0, "none", host)
+
+
+def simple_layout(E=16, wbytes=(8192, 8192, 16384), sbytes=(4096, 4096, 4096), layers=(3,)):
+    """One file: per expert its three weights adjacent, then its three scales; 4 KiB aligned."""
+    loc = np.zeros((len(layers), E, 6, 3), dtype=np.int64)
+    off = 4096
+    for li in range(len(layers)):
+        for e in range(E):
+            for slot, n in enumerate(list(wbytes) + list(sbytes)):
+                loc[li, e, slot] = (0, off, n)
+                off += n
+    return Layout(["f.safetensors"], [off], list(layers), E, loc, 4096)
+
+
+def make_trace(rows, layers=(3,), committed=None, evaluated=None, sessions=None, E=16):
+    """rows: per forward a list of positions, each a list of expert ids (same k)."""
+    rf, rl, rp, ex = [], [], [], []
+    for f, positions in enumerate(rows):
+        for layer in layers:
+            for p, sel in enumerate(positions):
+                rf.append(f)
+                rl.append(layer)
+                rp.append(p)
+                ex.append(sel)
+    F = len(rows)
+    ev = np.array(evaluated or [len(p) for p in rows], dtype=np.int32)
+    sess = np.array(sessions or [0] * F, dtype=np.int32)
+    return RoutingTrace(
+        layers=np.array(layers, dtype=np.int16), n_experts=E, top_k=len(ex[0]), geometry="test",
+        sessions=[f"s{i}" for i in range(int(sess.max()) + 1)],
+        row_forward=np.array(rf, dtype=np.int32), row_layer=np.array(rl, dtype=np.int16), row_position=np.array(rp, dtype=np.int32),
+        experts=np.array(ex, dtype=np.int16), gates=np.full((len(ex), len(ex[0])), np.nan, dtype=np.float32),
+        fwd_session=sess, fwd_kind=np.zeros(F, dtype=np.int8), fwd_evaluated=ev,
+        fwd_committed=np.array(committed or [1] * F, dtype=np.int32),
+    )
+
+
+def test_one_drive_no_cache_no_compute_stall_is_the_sum_of_request_costs():
+    lat, bw = 1e-4, 1e9
+    lay = simple_layout()
+    tr = make_trace([[[0, 1, 2]], [[3, 4, 5]]])
+    inst, _ = simulate(tr, np.ones(2, bool), lay, one_drive(lat, bw), RuntimeConfig(workers=1, **NO_COMPUTE))
+    per_expert = (lat + 32768 / bw) + 3 * (lat + 4096 / bw)  # one weight read + three scale reads
+    assert inst.stall == pytest.approx([3 * per_expert, 3 * per_expert], rel=1e-9)
+    assert inst.reads.tolist() == [12, 12]
+
+
+def test_straddling_expert_costs_three_weight_reads():
+    lay = simple_layout()
+    lay.expert_loc[0, 0, 1, 1] += 4096 * 1000  # move expert 0's up weight away: no longer adjacent
+    lay.file_sizes[0] += 4096 * 1001
+    tr = make_trace([[[0]]])
+    inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), RuntimeConfig(workers=1, **NO_COMPUTE))
+    assert inst.reads.tolist() == [6]
+
+
+def test_everything_resident_means_zero_stall():
+    lay = simple_layout()
+    tr = make_trace([[[0, 1, 2]], [[0, 1, 2]], [[2, 1, 0]]])
+    pinned = np.zeros((1, 16), bool)
+    pinned[0, :3] = True
+    inst, _ = simulate(tr, np.ones(3, bool), lay, one_drive(), RuntimeConfig(workers=1), pinned)
+    assert inst.stall.sum() == 0 and inst.reads.sum() == 0
+    # an LRU large enough holds them after the first forward
+    inst, _ = simulate(tr, np.ones(3, bool), lay, one_drive(), RuntimeConfig(workers=1, ram_bytes=10**9))
+    assert inst.stall[0] > 0 and inst.stall[1:].sum() == 0
+
+
+def test_compute_longer_than_io_with_enough_workers_hides_all_stall():
+    lay = simple_layout()
+    tr = make_trace([[[0, 1, 2, 3, 4, 5]]] * 4)
+    pinned = np.zeros((1, 16), bool)
+    pinned[0, :3] = True                    # experts 0-2 resident, 3-5 loaded
+    slow = RuntimeConfig(workers=8, dense_seconds=0.0, compute_bytes_per_second=1e6)  # 32 KB -> 33 ms each
+    inst, _ = simulate(tr, np.ones(4, bool), lay, one_drive(), slow, pinned)
+    assert inst.stall.sum() == 0
+    fast = RuntimeConfig(workers=8, **NO_COMPUTE)
+    inst, _ = simulate(tr, np.ones(4, bool), lay, one_drive(), fast, pinned)
+    assert inst.stall.sum() > 0
+
+
+def test_md_striping_by_hand():
+    md = ArrayProfile("md", DriveProfile("d", 1e-4, 1e9), 4, 512 * 1024, "md", 1e12)
+    # 1 MiB starting 100 KiB into chunk 2: pieces on chunks 2, 3, 4 -> members 2, 3, 0
+    pieces, nbytes = member_split(md, np.array([2 * 524288 + 102400]), np.array([1048576]))
+    assert pieces.tolist() == [[1, 0, 1, 1]]
+    assert nbytes.tolist() == [[102400, 0, 524288 - 102400, 524288]]
+    # 9 chunks from chunk 0: member 0 gets chunks 0, 4, 8 -> three requests
+    pieces, nbytes = member_split(md, np.array([0]), np.array([9 * 524288]))
+    assert pieces.tolist() == [[3, 2, 2, 2]] and nbytes.sum() == 9 * 524288
+
+
+def test_apple_striping_by_hand():
+    apple = ArrayProfile("apple", DriveProfile("d", 1e-4, 1e9), 4, 32768, "apple", 1e12)
+    pieces, nbytes = member_split(apple, np.array([0]), np.array([18915328]))  # a GLM expert
+    assert pieces.tolist() == [[1, 1, 1, 1]]
+    assert nbytes.tolist() == [[4751360, 4726784, 4718592, 4718592]]  # 577 chunks: 145, 144, 144, 144
+    pieces, nbytes = member_split(apple, np.array([32768 + 10]), np.array([100]))
+    assert pieces.tolist() == [[0, 1, 0, 0]] and nbytes.tolist() == [[0, 100, 0, 0]]
+
+
+def test_lru_evicts_least_recently_used_and_resets_per_session():
+    # instances of one layer; capacity 2
+    inst_layer = np.zeros(5, dtype=np.int64)
+    inst_session = np.array([0, 0, 0, 0, 1])
+    seq = [[1], [2], [1], [3], [1]]           # 1 hit at i=2; 3 evicts 2; new session: 1 misses
+    sel_inst = np.concatenate([[i] * len(s) for i, s in enumerate(seq)])
+    sel_e = np.concatenate(seq)
+    hits = lru_hits(inst_layer, inst_session, sel_inst, sel_e, np.array([2]), np.zeros((1, 8), bool))
+    assert hits.tolist() == [False, False, True, False, False]
+
+
+def test_rejected_positions_charge_stall_but_not_tokens():
+    lay = simple_layout()
+    tr = make_trace([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], committed=[1, 1], evaluated=[2, 2])
+    mask = np.ones(2, bool)
+    inst, usage = simulate(tr, mask, lay, one_drive(), RuntimeConfig(workers=1, **NO_COMPUTE))
+    steps = step_table(tr, mask, inst)
+    s = summarize(steps, usage, 0.0)
+    assert inst.misses.tolist() == [4, 4]  # the union of both positions is loaded
+    assert s["committed_tokens"] == 2 and s["evaluated_positions"] == 4
+    assert s["stall_per_token_s"] == pytest.approx(inst.stall.sum() / 2)
+
+
+def test_paired_bootstrap_interval():
+    base = np.array([10.0, 11, 9, 10, 12])
+    same = paired_saving(base, base, np.ones(5), "session")
+    assert same.estimate == same.low == same.high == 0
+    better = paired_saving(base, base - 1, np.ones(5), "session")
+    assert better.low == pytest.approx(1) and better.high == pytest.approx(1)
+    noisy = paired_saving(base, base - np.array([2, 0, 1, 3, -1]), np.ones(5), "session")
+    assert noisy.low < noisy.estimate < noisy.high
+
+
+# ---------------------------------------------------------------- both directions of the gate
+
+
+def plan_for(tmp_path, g, tr, name):
+    p = make_plan(tr, source_from_geometry(g), progress=False)
+    path = tmp_path / f"{name}.json"
+    save_plan(p, path)
+    return load_plan(path)
+
+
+def test_glm_whole_experts_default_runtime_show_no_headroom(tmp_path):
+    g = load_geometry("glm-5.2-int4-row")
+    tr = synth_trace(g.moe_layers, 256, 8, 120, 4, seed=3, params=SynthParams(clique_strength=0.9))
+    plan = plan_for(tmp_path, g, tr, "glm")
+    gate = compare(plan, tr, load_device("mac-pro-2019-applraid-4x"), RuntimeConfig())
+    assert gate["verdict"] == "fail"
+    assert "No headroom" in gate["reason"]
+    assert abs(gate["saving_fraction_of_tpot"]["estimate"]) < 0.02
+
+
+@pytest.fixture(scope="module")
+def small_expert_case(tmp_path_factory):
+    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=6, ffn=384)   # 1.19 MB experts
+    tr = synth_trace(g.moe_layers, 128, 8, 1200, 6, seed=1, params=SynthParams(clique_strength=0.9))
+    return g, tr, plan_for(tmp_path_factory.mktemp("p"), g, tr, "small")
+
+
+def test_small_experts_coalesced_with_few_workers_show_a_clear_gain(small_expert_case):
+    g, tr, plan = small_expert_case
+    dev = load_device("mac-pro-2019-applraid-4x")
+    gate = compare(plan, tr, dev, RuntimeConfig(workers=1, coalesce=True))
+    assert gate["verdict"] == "pass", gate["reason"]
+    assert gate["saving_per_token_s"]["low"] > 0.05 * gate["baseline_metrics"]["tpot_s"]
+    assert gate["plan_metrics"]["reads_per_token"] < gate["baseline_metrics"]["reads_per_token"]
+    # two workers: still a gain on md RAID-0, whose 512 KiB chunks cost a request per MB per read
+    assert compare(plan, tr, load_device("linux-md-raid0-4x"), RuntimeConfig(workers=2, coalesce=True))["verdict"] == "pass"
+
+
+def test_gain_shrinks_toward_the_bandwidth_bound_as_workers_rise(small_expert_case):
+    g, tr, plan = small_expert_case
+    dev = load_device("linux-md-raid0-4x")
+    savings, headroom = [], []
+    for w in (1, 2, 4, 8):
+        gate = compare(plan, tr, dev, RuntimeConfig(workers=w, coalesce=True))
+        savings.append(gate["saving_fraction_of_tpot"]["estimate"])
+        headroom.append(gate["headroom"]["max_saving_fraction_of_tpot"])
+        assert gate["plan_metrics"]["stall_per_token_s"] >= gate["headroom"]["oracle_stall_s"] * 0.999
+    assert savings[0] > savings[1] > savings[3]
+    assert headroom[0] > headroom[1] > headroom[3]
+    assert abs(savings[3]) < headroom[3]  # what is left is within what bandwidth alone allows
+
+
+def test_replay_is_deterministic_and_refuses_training_sessions(small_expert_case):
+    g, tr, plan = small_expert_case
+    dev = load_device("linux-md-raid0-4x")
+    a = compare(plan, tr, dev, RuntimeConfig(workers=2))
+    b = compare(plan, tr, dev, RuntimeConfig(workers=2))
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert set(a["trace"]["sessions_excluded_as_training"]) == set(plan.training_sessions)
+    assert not set(a["trace"]["sessions_evaluated"]) & set(plan.training_sessions)
+    only_train = tr.subset(list(range(len(plan.training_sessions))))
+    with pytest.raises(InputError, match="held-out"):
+        compare(plan, only_train, dev, RuntimeConfig())
+
+
+def test_more_ram_never_lowers_the_hit_rate(small_expert_case):
+    g, tr, plan = small_expert_case
+    dev = load_device("single-nvme")
+    rates = [compare(plan, tr, dev, RuntimeConfig(ram_bytes=int(x * 1e9)))["baseline_metrics"]["ram_hit_rate"] for x in (0, 0.2, 0.5, 2)]
+    assert rates == sorted(rates) and rates[0] == 0 and rates[-1] > 0.5
