@@ -42,7 +42,7 @@ class Range:
 def _segments(ranges: Sequence[Range], size: int) -> list[Range]:
     """Tensors plus the gaps between them, covering ``[0, size)`` in order."""
     out, pos = [], 0
-    for r in sorted(ranges, key=lambda r: r.begin):
+    for r in sorted(ranges, key=lambda r: (r.begin, r.end, r.name)):
         if r.begin < pos:
             raise ValueError(f"range {r.name!r} overlaps the previous one")
         if r.begin > pos:

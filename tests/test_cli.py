@@ -7,6 +7,8 @@ def test_demo_runs(tmp_path):
     res = run_cli("demo", "--dir", tmp_path / "demo")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "re-check: 0 mismatches" in res.stdout
+    assert "1 worker, coalescing reads" in res.stdout and "-> PASS" in res.stdout
+    assert (tmp_path / "demo" / "gate.json").exists() and (tmp_path / "demo" / "plan.json").exists()
 
 
 def test_unknown_geometry_is_one_line(tmp_path):
