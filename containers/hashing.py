@@ -39,7 +39,7 @@ class Range:
     end: int
 
 
-def _segments(ranges: Sequence[Range], size: int) -> list[Range]:
+def segments(ranges: Sequence[Range], size: int) -> list[Range]:
     """Tensors plus the gaps between them, covering ``[0, size)`` in order."""
     out, pos = [], 0
     for r in sorted(ranges, key=lambda r: (r.begin, r.end, r.name)):
@@ -79,8 +79,8 @@ def hash_file(
         size = os.fstat(fd).st_size
         if ranges and max(r.end for r in ranges) > size:
             raise InputError(path, f"file is {size} bytes but a tensor ends beyond it (truncated?)")
-        segments = _segments(ranges, size)
-        hashers = [xxhash.xxh3_128() for _ in segments]
+        segs = segments(ranges, size)
+        hashers = [xxhash.xxh3_128() for _ in segs]
         first = 0
         pos = 0
         while pos < size:
@@ -88,12 +88,12 @@ def hash_file(
             end = pos + length
             if end < size:
                 _advise(fd, end, min(window_bytes, size - end))
-            while segments[first].end <= pos:
+            while segs[first].end <= pos:
                 first += 1
             pieces = []
             j = first
-            while j < len(segments) and segments[j].begin < end:
-                a, b = max(segments[j].begin, pos), min(segments[j].end, end)
+            while j < len(segs) and segs[j].begin < end:
+                a, b = max(segs[j].begin, pos), min(segs[j].end, end)
                 pieces.append((j, a - pos, b - pos))
                 j += 1
             with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=pos) as window:
@@ -111,7 +111,7 @@ def hash_file(
         os.close(fd)
     digests = [h.digest() for h in hashers]
     names = {r.name for r in ranges}
-    per_range = {seg.name: h.hexdigest() for seg, h in zip(segments, hashers) if seg.name in names}
+    per_range = {seg.name: h.hexdigest() for seg, h in zip(segs, hashers) if seg.name in names}
     for r in ranges:
         if r.begin == r.end:
             per_range[r.name] = xxhash.xxh3_128_hexdigest(b"")
@@ -134,6 +134,40 @@ def _hash_pieces(view: memoryview, pieces: list[tuple[int, int, int]], hashers) 
     run(mine)
     if pending is not None:
         pending.result()
+
+
+def hash_range(path: Path, begin: int, end: int, window_bytes: int = WINDOW_BYTES) -> str:
+    """xxh3-128 hex digest of bytes ``[begin, end)`` of ``path``, mapped window by window."""
+    gran = mmap.ALLOCATIONGRANULARITY
+    h = xxhash.xxh3_128()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise InputError(path, exc.strerror or str(exc)) from None
+    try:
+        if end > os.fstat(fd).st_size:
+            raise InputError(path, f"range ends at byte {end}, beyond the end of the file (truncated?)")
+        pos = begin
+        while pos < end:
+            base = pos // gran * gran
+            length = min(window_bytes, end - base)
+            with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=base) as window:
+                view = memoryview(window)
+                try:
+                    h.update(view[pos - base : length])
+                finally:
+                    view.release()
+            pos = base + length
+    except OSError as exc:
+        raise InputError(path, exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def gap_digest(data: bytes) -> bytes:
+    """Segment digest (raw 16 bytes) of a gap's bytes."""
+    return xxhash.xxh3_128_digest(data)
 
 
 def _advise(fd: int, offset: int, length: int) -> None:

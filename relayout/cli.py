@@ -242,13 +242,64 @@ def cmd_replay(args) -> int:
             write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
         print(json.dumps(cells, indent=1) if args.json else format_sweep(cells))
         return 0
+    if bool(args.container) != bool(args.out):
+        raise InputError(None, "--container and --out go together (rewrite after a passing gate)")
     gate = compare(plan, trace, device, config, baseline, args.threshold)
     if args.output:
         write_json_atomic(args.output, gate)
     print(json.dumps(gate, indent=1) if args.json else format_gate(gate))
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
+    if not args.container:
+        return 0
+    if gate["verdict"] != "pass" and not args.force:
+        print(f"gate failed: {args.container} is not rewritten (pass --force to rewrite anyway)")
+        return 0
+    from .apply import apply_plan
+
+    m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest)
+    print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
+          + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
+    return _verify_and_report(args.container, args.out, False, False)
+
+
+def cmd_rewrite(args) -> int:
+    from replay.gate import load_gate
+
+    from .apply import apply_plan
+    from .plan import load_plan
+
+    plan = load_plan(args.layout)
+    gate = load_gate(args.gate) if args.gate else None
+    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest)
+    forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
+    print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
+          f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
+    if args.verify:
+        return _verify_and_report(args.src, args.out, False, False)
     return 0
+
+
+def _verify_and_report(src, dst, full: bool, as_json: bool) -> int:
+    from .apply import verify
+
+    problems, summary = verify(src, dst, full)
+    if as_json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for p in problems:
+            print(p)
+        if not problems:
+            how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
+            print(f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}; runtime constraints hold")
+    if problems:
+        print(f"relayout: error: {dst}: {len(problems)} problem(s) found by verify", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_verify(args) -> int:
+    return _verify_and_report(args.src, args.dst, args.full, args.json)
 
 
 def cmd_demo(args) -> int:
@@ -361,7 +412,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sweep", action="store_true", help="regime map over RAM budgets x workers x coalesce")
     s.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
     s.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
+    s.add_argument("--container", metavar="SRC", help="on a pass, rewrite this container (needs --out)")
+    s.add_argument("--out", metavar="DST", help="destination of the rewritten container")
+    s.add_argument("--manifest", help=f"SRC's manifest (default SRC/{MANIFEST_NAME}; hashed now if absent)")
+    s.add_argument("--force", action="store_true", help="rewrite even if the gate fails (recorded in DST's manifest)")
     s.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("rewrite", help="stream-rewrite a container into the plan's layout (needs a passing gate)")
+    s.add_argument("src")
+    s.add_argument("--layout", required=True, metavar="PLAN.json")
+    s.add_argument("--out", required=True, metavar="DST")
+    s.add_argument("--gate", help="gate.json from relayout replay")
+    s.add_argument("--manifest", help=f"SRC's manifest (default SRC/{MANIFEST_NAME}; hashed now if absent)")
+    s.add_argument("--force", action="store_true", help="rewrite without a passing gate (recorded in DST's manifest)")
+    s.add_argument("--verify", action="store_true", help="verify DST against SRC afterwards")
+    s.set_defaults(func=cmd_rewrite)
+
+    s = sub.add_parser("verify", help="prove DST equals SRC tensor by tensor and meets the runtime's constraints")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--full", action="store_true", help="also compare bytes, not only xxh3-128")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("manifest", help="write or check the xxh3-128 checksum manifest of a container")
     s.add_argument("dir")

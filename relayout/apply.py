@@ -1,0 +1,102 @@
+"""Apply a plan: check it against the container and the gate, rewrite, verify.
+
+The rewrite refuses unless a passing ``gate.json`` for this plan and this container exists;
+``force`` overrides that, and the override is recorded in the new container's manifest.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from containers.container import MANIFEST_NAME, Container
+from containers.errors import InputError
+from containers.hashing import digest_of
+from containers.manifest import build_manifest, load_manifest
+from containers.rewrite import OutputFile, rewrite_container
+from containers.verify import verify_containers
+
+from . import __version__
+from .layout import SLOTS, _slot_name
+from .plan import Plan
+
+
+def output_files(plan: Plan) -> list[OutputFile]:
+    """The plan's new layout as the rewriter's per-file tensor lists."""
+    lay = plan.layout
+    per_file: list[list[tuple[str, int]]] = [[] for _ in lay.files]
+    for li, layer in enumerate(lay.layers):
+        for e in range(lay.n_experts):
+            for slot in range(len(SLOTS)):
+                f, off, _ = lay.expert_loc[li, e, slot].tolist()
+                per_file[f].append((_slot_name(layer, e, slot), off))
+    for name, f, off, _ in lay.other_tensors:
+        per_file[f].append((name, off))
+    return [OutputFile(n, dict(m), sorted(t, key=lambda x: x[1]), s, lay.alignment)
+            for n, m, t, s in zip(lay.files, lay.file_metadata, per_file, lay.file_sizes)]
+
+
+def source_manifest(src: Container, manifest_path: str | os.PathLike | None) -> dict:
+    """The source's manifest: the recorded one when present (names and sizes re-checked), else hashed now."""
+    path = Path(manifest_path) if manifest_path else src.root / MANIFEST_NAME
+    if path.exists():
+        m = load_manifest(path)
+        recorded = {f["name"]: f["size"] for f in m["files"]}
+        actual = {p.name: p.stat().st_size for p in list(src.files) + list(src.other_files)}
+        if recorded != actual:
+            raise InputError(path, "manifest does not match the container's files (re-run relayout manifest)")
+        return m
+    return build_manifest(src)
+
+
+def check_gate(gate: dict | None, plan: Plan, fingerprint: str, force: bool) -> dict:
+    """Provenance for the new manifest; raises unless a passing gate for this plan exists or ``force``."""
+    problem = None
+    if gate is None:
+        problem = "no gate.json given (run relayout replay ... -o gate.json first)"
+    elif gate["plan"]["digest"] != plan.digest:
+        problem = "the gate was run for a different plan"
+    elif gate["plan"]["source_fingerprint"] != fingerprint:
+        problem = "the gate was run for a different container"
+    elif gate["verdict"] != "pass":
+        problem = f"the gate failed: {gate['reason']}"
+    if problem and not force:
+        raise InputError(None, f"rewrite refused: {problem}; pass --force to override (recorded in the new manifest)")
+    return {
+        "tool_version": __version__,
+        "plan_digest": plan.digest,
+        "plan_method": plan.raw["method"],
+        "gate_digest": digest_of(repr(sorted(gate.items())).encode()) if gate else None,
+        "gate_verdict": gate["verdict"] if gate else None,
+        "forced": bool(problem),
+        "override_reason": problem,
+    }
+
+
+def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: dict | None = None,
+               force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True) -> dict:
+    """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest."""
+    if plan.raw["source"]["kind"] != "container":
+        raise InputError(plan.path, "this plan was made for a geometry, not a container; plan against the container to rewrite it")
+    if plan.split:
+        raise InputError(plan.path, "rewriting vertical split plans is not implemented yet; replay them, or plan without --split-ratio")
+    src = Container.open(src_dir)
+    src.require_clean()
+    manifest = source_manifest(src, manifest_path)
+    if manifest["fingerprint"] != plan.raw["source"]["fingerprint"]:
+        raise InputError(src_dir, "this is not the container the plan was made for (fingerprints differ)")
+    provenance = check_gate(gate, plan, manifest["fingerprint"], force)
+    return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress)
+
+
+def verify(src_dir, dst_dir, full: bool = False, progress: bool = True) -> tuple[list[str], dict]:
+    problems, summary = verify_containers(src_dir, dst_dir, full, progress)
+    rec = Path(dst_dir) / MANIFEST_NAME
+    if rec.exists():
+        m = load_manifest(rec)
+        if "rewrite" in m:
+            summary["rewrite"] = m["rewrite"]
+    return problems, summary
+
+
+__all__ = ["apply_plan", "check_gate", "output_files", "source_manifest", "verify"]
