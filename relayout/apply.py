@@ -6,6 +6,7 @@ The rewrite refuses unless a passing ``gate.json`` for this plan and this contai
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def check_gate(gate: dict | None, plan: Plan, fingerprint: str, force: bool) -> 
         "tool_version": __version__,
         "plan_digest": plan.digest,
         "plan_method": plan.raw["method"],
-        "gate_digest": digest_of(repr(sorted(gate.items())).encode()) if gate else None,
+        "gate_digest": digest_of(json.dumps(gate, sort_keys=True, separators=(",", ":")).encode()) if gate else None,
         "gate_verdict": gate["verdict"] if gate else None,
         "forced": bool(problem),
         "override_reason": problem,

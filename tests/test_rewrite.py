@@ -1,0 +1,185 @@
+"""The rewrite: gated, resumable after SIGKILL, clean on full disks, verified byte for byte."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_cli, small_geometry, tree_state
+from containers.container import MANIFEST_NAME, Container
+from containers.errors import InputError
+from containers.manifest import build_manifest, write_manifest
+from containers.synth import synth_container
+from relayout.apply import apply_plan, verify
+from relayout.layout import PackOptions
+from relayout.plan import load_plan, make_plan, save_plan, source_from_container
+from relayout.trace import save_trace
+from relayout.trace_synth import SynthParams, synth_trace
+from replay.device import load_device
+from replay.gate import compare
+from replay.runtime import RuntimeConfig
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A source container with its manifest, a trace, a plan cut into many small files, and gates."""
+    root = tmp_path_factory.mktemp("rw")
+    g = small_geometry(moe_layers=3, experts=32, ffn=256)
+    src = root / "src"
+    synth_container(src, g, seed=11, progress=False)
+    write_manifest(build_manifest(Container.open(src), progress=False), src / MANIFEST_NAME)
+    tr = synth_trace(g.moe_layers, 32, 8, 1200, 6, seed=2, params=SynthParams(clique_strength=0.9), geometry=g.name)
+    save_trace(tr, root / "t.rt")
+    plan_path = root / "plan.json"
+    save_plan(make_plan(tr, source_from_container(src), pack=PackOptions(shard_bytes=1_500_000), progress=False), plan_path)
+    plan = load_plan(plan_path)
+    passing = compare(plan, tr, load_device("linux-md-raid0-4x"), RuntimeConfig(workers=1, coalesce=True))
+    failing = compare(plan, tr, load_device("linux-md-raid0-4x"), RuntimeConfig(workers=1, coalesce=True), threshold=0.9)
+    assert passing["verdict"] == "pass" and failing["verdict"] == "fail"
+    (root / "gate.json").write_text(json.dumps(passing))
+    return dict(root=root, src=src, plan=plan, plan_path=plan_path, trace=root / "t.rt", passing=passing, failing=failing)
+
+
+def test_rewrite_is_identical_verified_and_leaves_the_source_untouched(setup, tmp_path):
+    before = tree_state(setup["src"])
+    dst = tmp_path / "dst"
+    m = apply_plan(setup["src"], setup["plan"], dst, setup["passing"], progress=False)
+    assert tree_state(setup["src"]) == before
+    src_m = json.loads((setup["src"] / MANIFEST_NAME).read_text())
+    assert m["content_fingerprint"] == src_m["content_fingerprint"]
+    assert m["fingerprint"] != src_m["fingerprint"]
+    assert m["rewrite"]["forced"] is False and m["rewrite"]["plan_digest"] == setup["plan"].digest
+    assert len(m["files"]) > 5
+    problems, _ = verify(setup["src"], dst, full=True, progress=False)
+    assert problems == []
+    c = Container.open(dst)
+    assert all(e.fast_path for e in c.experts.values()) and c.problems == []
+    for h in c.headers:  # blocks aligned as the plan says; metadata str -> str
+        assert h.metadata["relayout.layout"] and all(isinstance(v, str) for v in h.metadata.values())
+    assert not (tmp_path / "dst.partial").exists()
+    # the new manifest is what a fresh hash of DST gives
+    fresh = build_manifest(c, progress=False)
+    assert fresh["fingerprint"] == m["fingerprint"] and fresh["tensors"] == m["tensors"]
+
+
+def test_rewrite_refusals(setup, tmp_path):
+    plan = setup["plan"]
+    with pytest.raises(InputError, match="no gate.json"):
+        apply_plan(setup["src"], plan, tmp_path / "a", None, progress=False)
+    with pytest.raises(InputError, match="the gate failed"):
+        apply_plan(setup["src"], plan, tmp_path / "b", setup["failing"], progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    m = apply_plan(setup["src"], plan, tmp_path / "c", setup["failing"], force=True, progress=False)
+    assert m["rewrite"]["forced"] is True and "gate failed" in m["rewrite"]["override_reason"]
+    with pytest.raises(InputError, match="already exists"):
+        apply_plan(setup["src"], plan, tmp_path / "c", setup["passing"], progress=False)
+    other = tmp_path / "other"
+    synth_container(other, small_geometry(moe_layers=3, experts=32, ffn=256), seed=12, progress=False)
+    with pytest.raises(InputError, match="not the container the plan was made for"):
+        apply_plan(other, plan, tmp_path / "d", setup["passing"], progress=False)
+
+
+def test_flipped_byte_in_dst_is_named_by_verify(setup, tmp_path):
+    dst = tmp_path / "dst"
+    m = apply_plan(setup["src"], setup["plan"], dst, setup["passing"], progress=False)
+    name = "model.layers.4.mlp.experts.7.gate_proj.weight"
+    t = m["tensors"][name]
+    path = dst / t["file"]
+    with open(path, "r+b") as fh:
+        fh.seek(t["offset"] + 5)
+        b = fh.read(1)
+        fh.seek(t["offset"] + 5)
+        fh.write(bytes([b[0] ^ 0x80]))
+    problems, _ = verify(setup["src"], dst, progress=False)
+    assert any(p.startswith(f"tensor {name} ") for p in problems)
+    res = run_cli("verify", setup["src"], dst)
+    assert res.returncode == 2 and name in res.stdout
+
+
+def _rewrite_cmd(setup, dst):
+    return [sys.executable, "-m", "relayout", "rewrite", str(setup["src"]), "--layout", str(setup["plan_path"]),
+            "--out", str(dst), "--gate", str(setup["root"] / "gate.json")]
+
+
+def test_sigkill_at_random_points_then_resume_gives_identical_bytes(setup, tmp_path):
+    ref = tmp_path / "ref"
+    apply_plan(setup["src"], setup["plan"], ref, setup["passing"], progress=False)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    dst = tmp_path / "dst"
+    rng = random.Random(5)
+    kills = 0
+    for attempt in range(40):
+        proc = subprocess.Popen(_rewrite_cmd(setup, dst), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(0.05, 0.9))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            assert not dst.exists(), "a killed rewrite must not leave a complete-looking destination"
+            continue
+        assert proc.returncode == 0, proc.stderr.read()
+        break
+    else:
+        res = subprocess.run(_rewrite_cmd(setup, dst), env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    assert kills >= 1, "the test must interrupt at least one run"
+    ref_state = {k: v[2] for k, v in tree_state(ref).items()}
+    dst_state = {k: v[2] for k, v in tree_state(dst).items()}
+    assert ref_state == dst_state
+    assert verify(setup["src"], dst, full=True, progress=False)[0] == []
+
+
+def test_write_failure_is_clean_and_resumable(setup, tmp_path):
+    """RLIMIT_FSIZE makes the kernel refuse writes past 300 kB: a real write failure, mid-rewrite."""
+    dst = tmp_path / "dst"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    code = ("import resource, signal, sys, runpy; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1_200_000, 1_200_000)); "
+            f"sys.argv = {['relayout'] + _rewrite_cmd(setup, dst)[3:]!r}; runpy.run_module('relayout', run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1 and "resume" in res.stderr
+    assert not dst.exists() and (tmp_path / "dst.partial").exists()
+    res = subprocess.run(_rewrite_cmd(setup, dst), env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert verify(setup["src"], dst, progress=False)[0] == []
+
+
+def test_tiny_filesystem_is_refused_before_writing(setup, tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(InputError, match="GB free"):
+            apply_plan(setup["src"], setup["plan"], mnt / "dst", setup["passing"], progress=False)
+        assert not (mnt / "dst").exists()
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_truncated_source_is_a_clean_error(setup, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(setup["src"], src)
+    shard = sorted(src.glob("out-0*.safetensors"))[0]
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size - 100)
+    res = subprocess.run(_rewrite_cmd({**setup, "src": src}, tmp_path / "dst"), env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and shard.name in res.stderr and "Traceback" not in res.stderr
+
+
+def test_headline_replay_command_rewrites_on_pass(setup, tmp_path):
+    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+                  "--workers", 1, "--coalesce", "--container", setup["src"], "--out", tmp_path / "dst", "-o", tmp_path / "gate.json")
+    assert res.returncode == 0, res.stderr
+    assert "verdict: PASS" in res.stdout and "verified" in res.stdout
+    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+                  "--workers", 1, "--coalesce", "--threshold", 0.9, "--container", setup["src"], "--out", tmp_path / "dst2")
+    assert res.returncode == 0 and "not rewritten" in res.stdout and not (tmp_path / "dst2").exists()
