@@ -20,7 +20,7 @@ from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
 
 from . import __version__
-from .textfmt import human_bytes, table
+from .textfmt import human_bytes
 
 
 def cmd_inspect(args) -> int:

@@ -9,6 +9,7 @@ optional vertical split plan. Schema: ``manifests/schemas/plan.schema.json``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -173,6 +174,7 @@ def make_plan(
         traced = layer in set(trace.layers.tolist())
         rows = trace.experts[trace.layer_rows(layer, fmask)].astype(np.int64) if traced else np.zeros((0, trace.top_k), np.int64)
         lo = order_layer(method, rows, E, stock_order, layer, seed, resolution, weight, min_support)
+        gc.collect()  # the co-activation graphs are cyclic garbage; free them now, not 75 layers later
         orders[layer] = np.asarray(lo.order, dtype=np.int64)
         per_layer[str(layer)] = {
             "trained_rows": int(len(rows)),

@@ -378,7 +378,7 @@ def read_coli_usage(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
         if nums[0] == -1:
             if len(nums) != 3:
                 raise InputError(where, "expected '-1 <n_layers> <n_experts>'")
-            n_layers, n_experts = nums[1], nums[2]
+            n_experts = nums[2]
         elif nums[0] == -2:
             continue
         else:

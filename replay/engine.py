@@ -50,6 +50,8 @@ SMALL_READ_BYTES = 256 * 1024
 parallelism serves them (their transfer time still delays the large transfers)."""
 
 BATCH_INSTANCES = 8192
+CHUNK_INSTANCES = 50_000
+"""Instances timed together; bounds memory whatever the trace length."""
 
 
 @dataclass
@@ -154,17 +156,55 @@ def simulate(
         top_res = split.resident[sel_li, sel_e] & ~hit
         resident_comp += np.bincount(sel_inst, weights=np.where(top_res, sel_comp * split.top_fraction[sel_li], 0.0), minlength=I)
 
+    first_access = _first_in_session(inst_session[sel_inst], sel_li * E + sel_e)
+    geo = _LayoutArrays(layout)
+    stall = np.zeros(I)
+    oracle = np.zeros(I)
+    reads = np.zeros(I, dtype=np.int64)
+    read_bytes = np.zeros(I)
+    misses_n = np.zeros(I, dtype=np.int64)
+    usage = DeviceUsage(np.zeros(device.members), np.zeros(device.members, dtype=np.int64), np.zeros(device.members))
+    sel_start = np.searchsorted(sel_inst, np.arange(I + 1))
+    for c0 in range(0, I, CHUNK_INSTANCES):
+        c1 = min(I, c0 + CHUNK_INSTANCES)
+        s0, s1 = sel_start[c0], sel_start[c1]
+        miss = s0 + np.flatnonzero(~hit[s0:s1])
+        out = _simulate_chunk(
+            c1 - c0, sel_inst[miss] - c0, sel_li[miss], sel_e[miss], top_res[miss], sel_comp[miss], first_access[miss],
+            resident_comp[c0:c1], geo, device, config, split, usage)
+        stall[c0:c1], oracle[c0:c1], reads[c0:c1], read_bytes[c0:c1], misses_n[c0:c1] = out
+
+    compute = config.dense_seconds + np.bincount(sel_inst, weights=sel_comp, minlength=I)
+    return InstanceResult(inst_fwd, inst_li, stall, compute, oracle, union_experts, union_bytes, hits_n, misses_n,
+                          reads, read_bytes), usage
+
+
+class _LayoutArrays:
+    """Per (layer, expert) arrays of a layout that the timing model looks up."""
+
+    def __init__(self, layout: Layout):
+        wloc = layout.expert_loc[:, :, list(WEIGHT_SLOTS)]     # [L, E, 3, 3]
+        first_w = np.argmin(wloc[:, :, :, 1] + wloc[:, :, :, 0] * (1 << 44), axis=2)
+        self.wloc = wloc
+        self.sloc = layout.expert_loc[:, :, list(SCALE_SLOTS)]
+        self.pos_file = np.take_along_axis(wloc[:, :, :, 0], first_w[..., None], axis=2)[..., 0]
+        self.pos_off = np.take_along_axis(wloc[:, :, :, 1], first_w[..., None], axis=2)[..., 0]
+        self.wbytes = wloc[:, :, :, 2].sum(axis=2)
+        self.adjacent = _adjacent(wloc)
+        self.bases = file_bases(layout)
+        self.n_experts = layout.n_experts
+
+
+def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, resident_comp, geo: _LayoutArrays,
+                    device: ArrayProfile, config: RuntimeConfig, split: SplitState | None, usage: DeviceUsage):
+    """The timing model for instances ``0..I-1`` of a chunk, given their missing experts."""
+    wloc, sloc, pos_file, pos_off, wbytes = geo.wloc, geo.sloc, geo.pos_file, geo.pos_off, geo.wbytes
+
+
     # ---- missing experts, in issue (physical) order
-    miss = np.flatnonzero(~hit)
-    m_inst, m_li, m_e = sel_inst[miss], sel_li[miss], sel_e[miss]
-    m_top = top_res[miss]
-    wloc = layout.expert_loc[:, :, list(WEIGHT_SLOTS)]     # [L, E, 3, 3]
-    first_w = np.argmin(wloc[:, :, :, 1] + wloc[:, :, :, 0] * (1 << 44), axis=2)
-    pos_file = np.take_along_axis(wloc[:, :, :, 0], first_w[..., None], axis=2)[..., 0]
-    pos_off = np.take_along_axis(wloc[:, :, :, 1], first_w[..., None], axis=2)[..., 0]
     order = np.lexsort((pos_off[m_li, m_e], pos_file[m_li, m_e], m_inst))
     m_inst, m_li, m_e, m_top = m_inst[order], m_li[order], m_e[order], m_top[order]
-    m_comp = (sel_comp[miss])[order]
+    m_comp, first_touch = m_comp[order], m_first_access[order]
     if split is not None:
         m_comp = np.where(m_top, m_comp * (1 - split.top_fraction[m_li]), m_comp)
     keep = 1 - split.top_fraction[m_li] if split is not None else np.ones(len(m_e))
@@ -173,8 +213,7 @@ def simulate(
     misses_n = np.bincount(m_inst, minlength=I)
 
     # ---- weight extents of each missing expert (1 when adjacent, else 3; a resident top leaves a bottom read)
-    adjacent = _adjacent(wloc)                              # [L, E]
-    n_ext = np.where(adjacent[m_li, m_e] | m_top, 1, 3)
+    n_ext = np.where(geo.adjacent[m_li, m_e] | m_top, 1, 3)
     x_miss = np.repeat(np.arange(len(m_e)), n_ext)
     x_k = np.arange(len(x_miss)) - np.repeat(np.cumsum(n_ext) - n_ext, n_ext)
     x_li, x_e = m_li[x_miss], m_e[x_miss]
@@ -219,7 +258,6 @@ def simulate(
     w_off = np.concatenate([x_off[x_keep], jstart[mj]])
     w_len = np.concatenate([x_len[x_keep], jend[mj] - jstart[mj]])
     # scale reads: three buffered preads per missing expert, after its job's weight reads
-    sloc = layout.expert_loc[:, :, list(SCALE_SLOTS)]
     # with coalescing, each expert's scale preads are a job of their own, queued after the run's
     # weight job, so other workers take them while the merged read streams
     if config.coalesce and len(m_job):
@@ -247,14 +285,13 @@ def simulate(
     r_direct = np.concatenate([np.full(len(w_job), config.direct), np.zeros(len(s_job), dtype=bool)])
     r_order = np.lexsort((np.arange(len(r_job)), r_job))
     r_job, r_file, r_off, r_len, r_direct = r_job[r_order], r_file[r_order], r_off[r_order], r_len[r_order], r_direct[r_order]
-    addr = file_bases(layout)[r_file] + r_off
+    addr = geo.bases[r_file] + r_off
     d_addr, d_len = widen_direct(addr, r_len, device.direct_alignment)
     addr = np.where(r_direct, d_addr, addr)
     rlen = np.where(r_direct, d_len, r_len)
     pieces, nbytes = member_split(device, addr, rlen)
     # scale reads are buffered: after an expert's first load in a session its scales are in the OS
     # page cache; a declared warm fraction of the device serves weight reads from RAM too
-    first_touch = _first_in_session(inst_session[m_inst], m_li * E + m_e)
     s_warm = np.repeat(~first_touch, 3)
     m_bytes = m_wlen + np.where(first_touch, s_len.reshape(-1, 3).sum(axis=1), 0)   # bytes from the drives
     w_warm = np.zeros(len(w_job), dtype=bool)
@@ -272,7 +309,6 @@ def simulate(
     inst_first_job = np.concatenate([[0], np.cumsum(inst_njobs)[:-1]])
 
     job_done = np.zeros(n_jobs_total)
-    usage = DeviceUsage(np.zeros(device.members), np.zeros(device.members, dtype=np.int64), np.zeros(device.members))
     insts_with_jobs = np.flatnonzero(inst_njobs)
     for nj in np.unique(inst_njobs[insts_with_jobs]):
         group = insts_with_jobs[inst_njobs[insts_with_jobs] == nj]
@@ -296,12 +332,9 @@ def simulate(
         stall[group] = _compute_thread(resident_comp[group], m_ready[idx], m_comp[idx])
         oracle[group] = _compute_thread(resident_comp[group], m_oracle_ready[idx], m_comp[idx])
 
-    compute = config.dense_seconds + np.bincount(sel_inst, weights=sel_comp, minlength=I)
     reads = np.bincount(job_inst[r_job], minlength=I) if len(r_job) else np.zeros(I, dtype=np.int64)
     read_bytes = np.bincount(job_inst[r_job], weights=rlen, minlength=I) if len(r_job) else np.zeros(I)
-    return InstanceResult(inst_fwd, inst_li, stall, compute, oracle, union_experts, union_bytes, hits_n, misses_n,
-                          reads, read_bytes), usage
-
+    return stall, oracle, reads, read_bytes, misses_n
 
 def _first_in_session(session: np.ndarray, key: np.ndarray) -> np.ndarray:
     """True where (session, key) occurs for the first time, in array order."""

@@ -1,6 +1,5 @@
 """Routing traces: the canonical file, every importer, synthetic generation and statistics."""
 
-import io
 import json
 import struct
 
@@ -16,7 +15,7 @@ from relayout.coactivation import pair_counts, write_coli_pairs
 from relayout.trace import FORWARD_KINDS, load_trace, save_trace
 from relayout.trace_import import import_traces
 from relayout.trace_stats import reuse_distances, trace_stats
-from relayout.trace_synth import SynthParams, fit_atlas, load_atlas, synth_trace
+from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
 
 ROUTE = """\
 0 0 3 5:0.5000 1:0.2500

@@ -1,0 +1,58 @@
+"""Replay model speed: modelled expert requests per second and a 10k-token GLM-5.2 replay.
+
+Usage: python benchmarks/bench_replay.py [--tokens 10000]
+
+Prints the wall time and peak RSS (fresh process) of replaying --tokens decode tokens of the
+GLM-5.2 geometry (75 layers, top-8) through stock and plan layouts on the Mac Pro profile, and
+the rate of modelled expert requests (expert loads simulated) per second on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from common import child_peak_rss_mb
+
+from containers.geometry import load_geometry
+from relayout.plan import source_from_geometry
+from relayout.trace import save_trace
+from relayout.trace_synth import synth_trace
+from replay.device import load_device
+from replay.engine import simulate
+from replay.runtime import RuntimeConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=10000)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="relayout-bench-replay-"))
+    g = load_geometry("glm-5.2-int4-row")
+    trace = synth_trace(g.moe_layers, 256, 8, args.tokens, 4, seed=1, geometry=g.name)
+    save_trace(trace, work / "t.rt")
+    src = source_from_geometry(g)
+    dev = load_device("mac-pro-2019-applraid-4x")
+    mask = np.ones(trace.n_forwards, dtype=bool)
+    for label, cfg in (("no cache, 8 workers", RuntimeConfig()), ("64 GB LRU, 8 workers, coalesce", RuntimeConfig(ram_bytes=64 * 10**9, coalesce=True))):
+        t = time.perf_counter()
+        inst, _ = simulate(trace, mask, src.stock, dev, cfg)
+        dt = time.perf_counter() - t
+        loads = int(inst.misses.sum())
+        lookups = int(inst.union_experts.sum())
+        print(f"{label}: {args.tokens} tokens x 75 layers in {dt:.1f} s; {lookups:,} expert lookups, {loads:,} expert loads "
+              f"({int(inst.reads.sum()):,} reads) = {loads / dt / 1e6:.2f} M modelled expert loads/s, "
+              f"{lookups / dt / 1e6:.2f} M lookups/s")
+    code = (f"import numpy as np; from relayout.trace import load_trace; from relayout.plan import source_from_geometry; "
+            f"from containers.geometry import load_geometry; from replay.device import load_device; from replay.engine import simulate; "
+            f"from replay.runtime import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "
+            f"simulate(tr, np.ones(tr.n_forwards, bool), source_from_geometry(load_geometry('glm-5.2-int4-row')).stock, "
+            f"load_device('mac-pro-2019-applraid-4x'), RuntimeConfig())")
+    print(f"peak RSS of one replay in a fresh process: {child_peak_rss_mb(code):.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

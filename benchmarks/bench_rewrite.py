@@ -1,0 +1,101 @@
+"""Rewrite and verify throughput against plain copies and reads, side by side, plus peak memory.
+
+Usage: python benchmarks/bench_rewrite.py [--gb 2] [--work /tmp/relayout-bench] [--reps 3]
+
+For a GLM-5.2 int4-row container with full-size experts (``--gb`` routed GB), in one run with
+interleaved repetitions:
+* ``cp -r SRC COPY`` vs ``relayout rewrite SRC --out DST`` (hashing on), same disk;
+* a plain sequential read of SRC and DST vs ``relayout verify SRC DST``;
+* peak RSS of the rewrite, for this container and one a quarter its size.
+The source is evicted from the page cache (posix_fadvise) before each timed pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import big_container, child_peak_rss_mb, drop_file_cache, plain_read
+
+from containers.container import MANIFEST_NAME, Container
+from containers.manifest import build_manifest, write_manifest
+from relayout.layout import PackOptions
+from relayout.plan import make_plan, save_plan, source_from_container
+from relayout.trace_synth import synth_trace
+
+
+def files_of(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_file())
+
+
+def prepare(work: Path, gb: float) -> tuple[Path, Path]:
+    src = big_container(work, gb)
+    if not (src / MANIFEST_NAME).exists():
+        write_manifest(build_manifest(Container.open(src)), src / MANIFEST_NAME)
+    plan = src.with_name(src.name + ".plan.json")
+    if not plan.exists():
+        c = Container.open(src)
+        layers = [l for l in c.routed_layers if l < c.config.num_hidden_layers]
+        tr = synth_trace(layers, c.config.n_routed_experts, 8, 2000, 6, seed=1)
+        save_plan(make_plan(tr, source_from_container(src), pack=PackOptions(shard_bytes=1_000_000_000), progress=False), plan)
+    return src, plan
+
+
+def run(cmd: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=2.0)
+    ap.add_argument("--work", default="/tmp/relayout-bench")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    src, plan = prepare(work, args.gb)
+    size = sum(p.stat().st_size for p in files_of(src))
+    print(f"container {src}: {size / 1e9:.2f} GB")
+    rel = [sys.executable, "-m", "relayout"]
+    cp_t, rw_t, rd_t, vf_t = [], [], [], []
+    for _ in range(args.reps):
+        for d in (work / "copy", work / "dst"):
+            shutil.rmtree(d, ignore_errors=True)
+        drop_file_cache(files_of(src))
+        cp_t.append(run(["cp", "-r", str(src), str(work / "copy")]))
+        drop_file_cache(files_of(src))
+        rw_t.append(run(rel + ["rewrite", str(src), "--layout", str(plan), "--out", str(work / "dst"), "--force"]))
+        both = files_of(src) + files_of(work / "dst")
+        drop_file_cache(both)
+        t = time.perf_counter()
+        plain_read(both)
+        rd_t.append(time.perf_counter() - t)
+        drop_file_cache(both)
+        vf_t.append(run(rel + ["verify", str(src), str(work / "dst")]))
+    cp, rw, rd, vf = (statistics.median(x) for x in (cp_t, rw_t, rd_t, vf_t))
+    print(f"cp -r: {size / cp / 1e9:.2f} GB/s; relayout rewrite (hashing on): {size / rw / 1e9:.2f} GB/s; "
+          f"ratio {cp / rw:.2f} (per pair: {' '.join(f'{a / b:.2f}' for a, b in zip(cp_t, rw_t))}; target >= 0.85)")
+    print(f"plain read of SRC+DST: {2 * size / rd / 1e9:.2f} GB/s; relayout verify: {2 * size / vf / 1e9:.2f} GB/s; "
+          f"ratio {rd / vf:.2f} (per pair: {' '.join(f'{a / b:.2f}' for a, b in zip(rd_t, vf_t))}; target >= 0.9)")
+    small_src, small_plan = prepare(work, args.gb / 4)
+    for label, s, p in (("small", small_src, small_plan), ("large", src, plan)):
+        d = work / f"mem-{label}"
+        shutil.rmtree(d, ignore_errors=True)
+        mb = child_peak_rss_mb(
+            f"from relayout.apply import apply_plan; from relayout.plan import load_plan; "
+            f"apply_plan({str(s)!r}, load_plan({str(p)!r}), {str(d)!r}, None, force=True, progress=False)")
+        shutil.rmtree(d, ignore_errors=True)
+        print(f"peak RSS of a rewrite, {label} container ({sum(x.stat().st_size for x in files_of(s)) / 1e9:.2f} GB): {mb:.0f} MB")
+    for d in (work / "copy", work / "dst"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
