@@ -364,7 +364,7 @@ def read_mblt(path: Path, warnings: list[str]) -> tuple[SessionRows, int]:
 def read_coli_usage(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
     """Parse a ``.coli_usage`` file: returns (layers, heat[L, E], n_experts)."""
     text = _read_bytes(path).decode("utf-8", errors="replace")
-    n_layers = n_experts = None
+    n_experts = None
     entries = []
     for lineno, line in enumerate(text.splitlines(), 1):
         parts = line.split()

@@ -121,7 +121,8 @@ def test_sigkill_at_random_points_then_resume_gives_identical_bytes(setup, tmp_p
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
-            assert not dst.exists(), "a killed rewrite must not leave a complete-looking destination"
+            if dst.exists():  # the kill landed after the final rename: DST only ever appears complete
+                break
             continue
         assert proc.returncode == 0, proc.stderr.read()
         break
