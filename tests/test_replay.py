@@ -227,3 +227,16 @@ def test_more_ram_never_lowers_the_hit_rate(small_expert_case):
     dev = load_device("single-nvme")
     rates = [compare(plan, tr, dev, RuntimeConfig(ram_bytes=int(x * 1e9)))["baseline_metrics"]["ram_hit_rate"] for x in (0, 0.2, 0.5, 2)]
     assert rates == sorted(rates) and rates[0] == 0 and rates[-1] > 0.5
+
+
+def test_gate_record_matches_its_schema(small_expert_case, tmp_path):
+    import jsonschema
+
+    from conftest import REPO
+    from containers.atomic import write_json_atomic
+
+    g, tr, plan = small_expert_case
+    gate = compare(plan, tr, load_device("single-nvme"), RuntimeConfig(workers=2))
+    write_json_atomic(tmp_path / "gate.json", gate)
+    jsonschema.validate(json.loads((tmp_path / "gate.json").read_text()),
+                        json.loads((REPO / "manifests/schemas/gate.schema.json").read_text()))
