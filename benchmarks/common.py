@@ -4,7 +4,6 @@ peak-memory measurement in a child process."""
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -65,8 +64,14 @@ def timed(fn, *a, **kw):
 
 
 def child_peak_rss_mb(code: str) -> float:
-    """Run python ``code`` in a child process and return its peak RSS in MB."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); {code}"], check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(before, after) / 1024
+    """Run python ``code`` in a fresh process and return its peak RSS in MB.
+
+    The peak is the child's own ``VmHWM`` (Linux), read just before it exits: the high-water
+    mark of the child's address space after exec. (``ru_maxrss`` would include the pages of this
+    possibly large parent that the child had before exec.)
+    """
+    probe = "; print('VmHWM', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
+    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); {code}{probe}"],
+                         check=True, capture_output=True, text=True).stdout
+    kb = [line.split()[1] for line in out.splitlines() if line.startswith("VmHWM")][-1]
+    return int(kb) / 1024

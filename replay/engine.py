@@ -289,7 +289,6 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
     d_addr, d_len = widen_direct(addr, r_len, device.direct_alignment)
     addr = np.where(r_direct, d_addr, addr)
     rlen = np.where(r_direct, d_len, r_len)
-    pieces, nbytes = member_split(device, addr, rlen)
     # scale reads are buffered: after an expert's first load in a session its scales are in the OS
     # page cache; a declared warm fraction of the device serves weight reads from RAM too
     s_warm = np.repeat(~first_touch, 3)
@@ -303,6 +302,17 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
     job_inst = np.zeros(n_jobs_total, dtype=np.int64)
     job_inst[m_job] = m_inst
     job_inst[m_sjob] = m_inst
+    reads = np.bincount(job_inst[r_job], minlength=I) if len(r_job) else np.zeros(I, dtype=np.int64)
+    read_bytes = np.bincount(job_inst[r_job], weights=rlen, minlength=I) if len(r_job) else np.zeros(I)
+    # reads served from the page cache cost memory time on their worker and never touch a drive:
+    # fold them into their job's tail, keeping one of them for a job that has nothing else
+    mem_time = rlen / MEMORY_BANDWIDTH
+    cold_per_job = np.bincount(r_job[~warm], minlength=n_jobs_total)
+    first_of_job = np.concatenate([[True], r_job[1:] != r_job[:-1]])
+    keep = ~warm | (first_of_job & (cold_per_job[r_job] == 0))
+    job_tail = np.bincount(r_job, weights=np.where(keep, 0.0, mem_time), minlength=n_jobs_total)
+    r_job, addr, rlen, warm = r_job[keep], addr[keep], rlen[keep], warm[keep]
+    pieces, nbytes = member_split(device, addr, rlen)
     job_nreads = np.bincount(r_job, minlength=n_jobs_total)
     job_first_read = np.concatenate([[0], np.cumsum(job_nreads)[:-1]])
     inst_njobs = np.bincount(job_inst, minlength=I) if n_jobs_total else np.zeros(I, dtype=np.int64)
@@ -315,7 +325,7 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
         for b in range(0, len(group), BATCH_INSTANCES):
             g = group[b : b + BATCH_INSTANCES]
             jobs = inst_first_job[g][:, None] + np.arange(nj)[None, :]          # [G, J]
-            _run_jobs(jobs, job_nreads, job_first_read, job_done, pieces, nbytes, rlen, warm, device, config, usage)
+            _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbytes, rlen, warm, device, config, usage)
 
     # ---- the compute thread, per instance with misses
     stall = np.zeros(I)
@@ -332,8 +342,6 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
         stall[group] = _compute_thread(resident_comp[group], m_ready[idx], m_comp[idx])
         oracle[group] = _compute_thread(resident_comp[group], m_oracle_ready[idx], m_comp[idx])
 
-    reads = np.bincount(job_inst[r_job], minlength=I) if len(r_job) else np.zeros(I, dtype=np.int64)
-    read_bytes = np.bincount(job_inst[r_job], weights=rlen, minlength=I) if len(r_job) else np.zeros(I)
     return stall, oracle, reads, read_bytes, misses_n
 
 def _first_in_session(session: np.ndarray, key: np.ndarray) -> np.ndarray:
@@ -376,7 +384,7 @@ def _compute_thread(resident: np.ndarray, ready: np.ndarray, comp: np.ndarray) -
     return stall
 
 
-def _run_jobs(jobs, job_nreads, job_first_read, job_done, pieces, nbytes, rlen, warm, device: ArrayProfile,
+def _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbytes, rlen, warm, device: ArrayProfile,
               config: RuntimeConfig, usage: DeviceUsage) -> None:
     """Event-ordered simulation of the reader pool for a batch of instances with J jobs each."""
     G, J = jobs.shape
@@ -436,9 +444,10 @@ def _run_jobs(jobs, job_nreads, job_first_read, job_done, pieces, nbytes, rlen, 
         hfree[g] = np.where(hw, hfree[g], np.where(small1, hfree[g] + xfer, hdone))
         hsfree[g] = np.where(~hw & small1, hdone, hsfree[g])
         done = np.where(hw, t + total / MEMORY_BANDWIDTH, dev_done)
-        wfree[g, w] = done
         wpos[g, w] += 1
         finished = wpos[g, w] >= job_nreads[job]
+        done = np.where(finished, done + job_tail[job], done)
+        wfree[g, w] = done
         if finished.any():
             job_done[job[finished]] = done[finished]
             wjob[g[finished], w[finished]] = -1
