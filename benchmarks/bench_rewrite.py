@@ -13,6 +13,7 @@ The source is evicted from the page cache (posix_fadvise) before each timed pass
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import big_container, child_peak_rss_mb, drop_file_cache, plain_read
+from common import REPO, big_container, child_peak_rss_mb, drop_file_cache, plain_read
 
 from containers.container import MANIFEST_NAME, Container
 from containers.manifest import build_manifest, write_manifest
@@ -48,7 +49,7 @@ def prepare(work: Path, gb: float) -> tuple[Path, Path]:
 
 def run(cmd: list[str]) -> float:
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(REPO)))
     return time.perf_counter() - t
 
 
