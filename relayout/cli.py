@@ -209,9 +209,9 @@ def _runtime_config(args):
 
     return RuntimeConfig(
         ram_bytes=int(args.ram_gb * 1e9), workers=args.workers, batched=args.batched, coalesce=args.coalesce,
-        coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered, pin_bytes=int(args.pin_gb * 1e9),
-        dense_seconds=args.dense_ms / 1e3, compute_bytes_per_second=args.compute_gbps * 1e9,
-        other_seconds_per_token=args.other_ms / 1e3,
+        coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered,
+        pin_bytes=int(getattr(args, "pin_gb", 0.0) * 1e9), dense_seconds=args.dense_ms / 1e3,
+        compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
     )
 
 
@@ -300,6 +300,59 @@ def _verify_and_report(src, dst, full: bool, as_json: bool) -> int:
 
 def cmd_verify(args) -> int:
     return _verify_and_report(args.src, args.dst, args.full, args.json)
+
+
+def cmd_calibrate(args) -> int:
+    from containers.atomic import write_json_atomic
+    from replay.calibrate import calibrate, format_calibration
+
+    profile = calibrate(args.path, args.size_mb, args.seconds, args.name)
+    write_json_atomic(args.output, profile)
+    print(format_calibration(profile))
+    print(f"wrote {args.output} (use it as --device {args.output})")
+    return 0
+
+
+def cmd_measure(args) -> int:
+    from containers.container import Container
+    from replay.gate import evaluation_forwards
+    from replay.measure import measure
+
+    from .plan import load_plan
+    from .trace import load_trace
+
+    trace = load_trace(args.trace)
+    excluded = set(load_plan(args.layout).training_sessions) if args.layout else set()
+    mask, _ = evaluation_forwards(trace, excluded)
+    if args.tokens:
+        mask &= np.cumsum(mask) <= args.tokens
+    result = measure(Container.open(args.container), trace, mask, _runtime_config(args), args.output,
+                     run_id=args.run_id, cold=not args.warm, record=not args.no_trace)
+    s = result.stall_ns / max(result.committed, 1) / 1e6
+    print(f"{result.steps} steps, {result.committed} committed tokens in {result.wall_seconds:.2f} s; "
+          f"S = {s:.3f} ms/token; {result.cold}; weights read {'with O_DIRECT' if result.direct else 'buffered'}")
+    if result.path:
+        print(f"wrote {result.path}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from replay.stalltrace import format_report, report
+
+    r = report(args.runs)
+    print(json.dumps(r, indent=1) if args.json else format_report(r))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from replay.stalltrace import compare, format_compare
+
+    c = compare(args.runs)
+    print(json.dumps(c, indent=1) if args.json else format_compare(c))
+    if c["correctness_failures"]:
+        print(f"relayout: error: {len(c['correctness_failures'])} run(s) emitted different tokens (a correctness failure, not noise)", file=sys.stderr)
+        return 2
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -427,6 +480,43 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="rewrite without a passing gate (recorded in DST's manifest)")
     s.add_argument("--verify", action="store_true", help="verify DST against SRC afterwards")
     s.set_defaults(func=cmd_rewrite)
+
+    s = sub.add_parser("calibrate", help="measure the device holding PATH and fit a device profile")
+    s.add_argument("path", help="a directory (a temporary test file is written there) or a large file")
+    s.add_argument("-o", "--output", required=True, metavar="device.json")
+    s.add_argument("--size-mb", type=int, default=1024, help="test file size when PATH is a directory")
+    s.add_argument("--seconds", type=float, default=0.4, help="time per (request size, queue depth) cell")
+    s.add_argument("--name", help="profile name")
+    s.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("measure", help="perform the runtime's demand path for real; write a STALL_TRACE")
+    s.add_argument("--container", required=True)
+    s.add_argument("--trace", required=True)
+    s.add_argument("--layout", metavar="PLAN.json", help="evaluate only sessions this plan did not train on")
+    s.add_argument("--tokens", type=int, help="stop after this many held-out steps")
+    s.add_argument("--ram-gb", type=float, default=0.0)
+    s.add_argument("--workers", type=int, default=8)
+    s.add_argument("--batched", action="store_true")
+    s.add_argument("--coalesce", action="store_true")
+    s.add_argument("--coalesce-max-mb", type=float, default=268.435456)
+    s.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
+    s.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms (slept)")
+    s.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB/s (slept)")
+    s.add_argument("--warm", action="store_true", help="do not drop the page cache first")
+    s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
+    s.add_argument("--run-id", default="run")
+    s.add_argument("-o", "--output", help="STALL_TRACE JSONL (.zst compresses)")
+    s.set_defaults(func=cmd_measure)
+
+    s = sub.add_parser("report", help="S and the seed 4.3 metrics from STALL_TRACE files")
+    s.add_argument("runs", nargs="+")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("compare", help="paired comparison of STALL_TRACE files (first = control)")
+    s.add_argument("runs", nargs="+")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("verify", help="prove DST equals SRC tensor by tensor and meets the runtime's constraints")
     s.add_argument("src")

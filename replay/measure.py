@@ -1,0 +1,301 @@
+"""``relayout measure``: perform the runtime's demand path for real and record a STALL_TRACE.
+
+Per held-out forward and MoE layer, exactly as the replay model assumes: the batch union of
+experts; pinned and LRU-resident experts served from RAM; every missing expert becomes a job for
+a pool of ``workers`` threads (weights: one ``pread`` when byte-adjacent, three when not,
+O_DIRECT where the file system allows; then three buffered scale preads; with coalescing, one
+read for a run of contiguous experts and the scale reads as separate jobs). The calling thread
+plays the compute thread: it sleeps for each layer's dense time, for the resident experts'
+matmuls, then for each missing expert in issue order waits for its bytes and sleeps for its
+matmul. Every wait is timed with the monotonic clock (ns).
+
+Output: seed Appendix A expert records plus step records, the format a patched runtime emits,
+readable by :mod:`replay.stalltrace`. Bytes read are discarded; buffers are reused, so memory is
+bounded by ``workers`` x the largest read (reads longer than 64 MiB are issued in 64 MiB pieces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zstandard
+from tqdm import tqdm
+
+from containers.atomic import atomic_output
+from containers.container import Container
+from containers.errors import InputError
+from relayout.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
+from relayout.trace import RoutingTrace
+
+from .runtime import RuntimeConfig, lru_capacities
+
+MAX_READ = 64 * 1024 * 1024
+ALIGN = 4096
+
+
+@dataclass
+class MeasureResult:
+    path: Path | None
+    cold: str
+    direct: bool
+    wall_seconds: float
+    steps: int
+    committed: int
+    stall_ns: int
+
+
+def drop_cache(paths: list[Path]) -> str:
+    """Evict files from the page cache; returns how the cache was controlled."""
+    ok = True
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError):
+            ok = False
+        finally:
+            os.close(fd)
+    return "cold (page cache dropped with posix_fadvise DONTNEED)" if ok else "warm (could not drop the page cache)"
+
+
+class _Reader:
+    """Per-file descriptors (O_DIRECT twin when possible) and per-thread aligned buffers."""
+
+    def __init__(self, files: list[Path], direct: bool):
+        self.buffered = [os.open(p, os.O_RDONLY) for p in files]
+        self.direct = None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files]
+                probe = mmap.mmap(-1, ALIGN)
+                os.preadv(fds[0], [probe], 0)
+                self.direct = fds
+            except OSError:
+                self.direct = None
+        self.local = threading.local()
+
+    def _buffer(self, n: int) -> mmap.mmap:
+        buf = getattr(self.local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = mmap.mmap(-1, max(n, ALIGN))
+            self.local.buf = buf
+        return buf
+
+    def read(self, f: int, off: int, n: int, direct: bool) -> None:
+        if direct and self.direct is not None:
+            a = off // ALIGN * ALIGN
+            e = -(-(off + n) // ALIGN) * ALIGN
+            fd, off, n = self.direct[f], a, e - a
+        else:
+            fd = self.buffered[f]
+        while n > 0:
+            step = min(n, MAX_READ)
+            buf = self._buffer(min(step, MAX_READ))
+            got = os.preadv(fd, [memoryview(buf)[:step]], off)
+            if got < step:
+                if direct and got >= 0:
+                    return  # an O_DIRECT window may reach past the end of the file
+                raise InputError(None, f"short read at byte {off}")
+            off += got
+            n -= got
+
+    def close(self) -> None:
+        for fd in self.buffered + (self.direct or []):
+            os.close(fd)
+
+
+def measure(
+    container: Container,
+    trace: RoutingTrace,
+    forwards: np.ndarray,
+    config: RuntimeConfig,
+    out: str | os.PathLike | None,
+    run_id: str = "run",
+    cold: bool = True,
+    record: bool = True,
+    progress: bool = True,
+) -> MeasureResult:
+    """Run the demand path on ``container`` for the forwards in mask ``forwards``."""
+    layout = layout_from_container(container)
+    L, E = len(layout.layers), layout.n_experts
+    layer_index = {layer: i for i, layer in enumerate(layout.layers)}
+    missing = sorted(set(trace.layers.tolist()) - set(layer_index))
+    if missing or trace.n_experts > E:
+        raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
+    loc = layout.expert_loc
+    wloc = loc[:, :, list(WEIGHT_SLOTS)]
+    wbytes = wloc[:, :, :, 2].sum(axis=2)
+    ebytes = layout.expert_bytes()
+    capacity = lru_capacities(config.ram_bytes, ebytes[:, 0])
+    comp = wbytes / config.compute_bytes_per_second
+
+    def extents(li: int, e: int):
+        w = layout.weight_extents(li, e)
+        s = [tuple(int(x) for x in loc[li, e, slot]) for slot in SCALE_SLOTS]
+        return w, s
+
+    ext = {}
+    how = drop_cache(container.files) if cold else "warm (page cache left as found)"
+    reader = _Reader(container.files, config.direct)
+    pool = ThreadPoolExecutor(max_workers=config.in_flight, thread_name_prefix="relayout-io")
+    sink = _Sink(out, record)
+    fw = np.flatnonzero(forwards)
+    row_start = np.searchsorted(trace.row_forward, np.arange(trace.n_forwards + 1))
+    lrus = [OrderedDict() for _ in range(L)]
+    session = -1
+    total_stall = 0
+    t_start = time.perf_counter_ns()
+
+    def job(reads):
+        t0 = time.perf_counter_ns()
+        for f, off, n, direct in reads:
+            reader.read(f, off, n, direct)
+        return t0, time.perf_counter_ns()
+
+    try:
+        for f in tqdm(fw, desc="measure", disable=None if progress else True):
+            if trace.fwd_session[f] != session:
+                session = int(trace.fwd_session[f])
+                for lru in lrus:
+                    lru.clear()
+            request = trace.sessions[session]
+            step_t0 = time.perf_counter_ns()
+            compute_ns = stall_ns = 0
+            rows = slice(row_start[f], row_start[f + 1])
+            r_layer = trace.row_layer[rows]
+            r_ex = trace.experts[rows]
+            for layer in np.unique(r_layer).tolist():
+                li = layer_index[layer]
+                sel = r_ex[r_layer == layer]
+                union, mult = np.unique(sel[sel >= 0], return_counts=True)
+                c0 = time.perf_counter_ns()
+                _sleep(config.dense_seconds)
+                lru = lrus[li]
+                hits, misses = [], []
+                for e, m in zip(union.tolist(), mult.tolist()):
+                    if capacity[li] > 0 and e in lru:
+                        lru.move_to_end(e)
+                        hits.append((e, m))
+                    else:
+                        misses.append((e, m))
+                misses.sort(key=lambda em: layout.weight_extents(li, em[0])[0][:2])
+                futures = _submit(pool, job, misses, li, extents, ext, config)
+                t_route = time.perf_counter_ns()
+                _sleep(sum(comp[li, e] * m for e, m in hits))
+                layer_stall = 0
+                for (e, m), fut in zip(misses, futures):
+                    need = time.perf_counter_ns()
+                    issue, ready = _wait(fut)
+                    if ready > need:
+                        layer_stall += ready - need
+                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, "nvme")
+                    _sleep(comp[li, e] * m)
+                for e, m in hits:
+                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), t_route, t_route, t_route, "ram")
+                for e, _ in misses:
+                    if capacity[li] > 0:
+                        lru[e] = None
+                while len(lru) > capacity[li]:
+                    lru.popitem(last=False)
+                stall_ns += layer_stall
+                compute_ns += time.perf_counter_ns() - c0 - layer_stall
+            wall = time.perf_counter_ns() - step_t0
+            total_stall += stall_ns
+            sink.step(run_id, request, int(f), int(trace.fwd_committed[f]), int(trace.fwd_evaluated[f]), compute_ns, wall, stall_ns)
+    except BaseException as exc:
+        sink.abort(exc)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        reader.close()
+    wall_s = (time.perf_counter_ns() - t_start) / 1e9
+    path = sink.close()
+    return MeasureResult(path, how, reader.direct is not None, wall_s, len(fw), int(trace.fwd_committed[fw].sum()), total_stall)
+
+
+def _submit(pool, job, misses, li, extents, cache, config: RuntimeConfig):
+    """Submit the layer's jobs in issue order; returns one future (or future pair) per missing expert."""
+    out = []
+    i = 0
+    while i < len(misses):
+        e = misses[i][0]
+        w, s = cache.setdefault((li, e), extents(li, e))
+        run = [e]
+        if config.coalesce and len(w) == 1:
+            f, start, n = w[0]
+            end = start + n
+            while i + len(run) < len(misses):
+                e2 = misses[i + len(run)][0]
+                w2, _ = cache.setdefault((li, e2), extents(li, e2))
+                if len(w2) != 1 or w2[0][0] != f or not 0 <= w2[0][1] - end <= config.coalesce_gap_bytes \
+                        or w2[0][1] + w2[0][2] - start > config.coalesce_max_bytes:
+                    break
+                end = w2[0][1] + w2[0][2]
+                run.append(e2)
+            weights = pool.submit(job, [(f, start, end - start, config.direct)])
+            for e2 in run:
+                _, s2 = cache[(li, e2)]
+                scales = pool.submit(job, [(sf, so, sn, False) for sf, so, sn in s2])
+                out.append((weights, scales))
+        else:
+            reads = [(f, off, n, config.direct) for f, off, n in w] + [(sf, so, sn, False) for sf, so, sn in s]
+            out.append((pool.submit(job, reads),))
+        i += len(run)
+    return out
+
+
+def _wait(futs) -> tuple[int, int]:
+    times = [f.result() for f in futs]
+    return min(t[0] for t in times), max(t[1] for t in times)
+
+
+def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class _Sink:
+    """Streams records to a (zstd) JSONL temp file, renamed into place on success only."""
+
+    def __init__(self, out, record: bool):
+        self.out = Path(out) if out is not None and record else None
+        self.stack = contextlib.ExitStack()
+        self.fh = self.z = None
+        if self.out is not None:
+            self.fh = self.stack.enter_context(atomic_output(self.out, "wb"))
+            if self.out.suffix == ".zst":
+                self.z = zstandard.ZstdCompressor(level=3).stream_writer(self.fh, closefd=False)
+
+    def _write(self, rec: dict) -> None:
+        if self.out is not None:
+            (self.z or self.fh).write((json.dumps(rec, separators=(",", ":")) + "\n").encode())
+
+    def expert(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier):
+        self._write({"run_id": run, "request_id": request, "step": step, "layer": layer, "expert_id": e, "segment_id": 0,
+                     "required": required, "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need,
+                     "tier_served": tier, "tier_at_prediction": tier, "priority": "demand", "prediction_source": "demand",
+                     "used_before_eviction": True, "cancelled": False})
+
+    def step(self, run, request, step, committed, evaluated, compute_ns, wall_ns, stall_ns):
+        self._write({"record": "step", "run_id": run, "request_id": request, "step": step, "committed_tokens": committed,
+                     "evaluated_positions": evaluated, "compute_ns": compute_ns, "stall_ns": stall_ns,
+                     "other_ns": max(0, wall_ns - compute_ns - stall_ns), "wall_ns": wall_ns, "token_hashes": None})
+
+    def close(self) -> Path | None:
+        if self.z is not None:
+            self.z.flush(zstandard.FLUSH_FRAME)
+        self.stack.close()
+        return self.out
+
+    def abort(self, exc: BaseException) -> None:
+        self.stack.__exit__(type(exc), exc, exc.__traceback__)
