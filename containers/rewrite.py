@@ -130,11 +130,23 @@ def rewrite_container(
         raise InputError(partial, f"needs {(need + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")
 
     src_tensors = source_manifest["tensors"]
+
+    def finish(w: _Written) -> None:
+        journal.files[w.of.name] = _finish_file(w, partial, src, src_tensors)
+        journal.save()
+
     with tqdm(total=need, unit="B", unit_scale=True, desc="rewrite", disable=None if progress else True) as bar, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-verify") as pool:
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher:
+        # file i is fsynced, checked, renamed and journaled while file i+1 is being copied
+        pending = None
         for of in todo:
-            journal.files[of.name] = _write_file(src, of, partial, src_tensors, pool, bar.update)
-            journal.save()
+            written = _copy_file(src, of, partial, pool, bar.update)
+            if pending is not None:
+                pending.result()
+            pending = finisher.submit(finish, written)
+        if pending is not None:
+            pending.result()
         for p in todo_others:
             journal.files[p.name] = _copy_other(p, partial, bar.update)
             journal.save()
@@ -194,7 +206,20 @@ def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int, bu
         n -= done
 
 
-def _write_file(src: Container, of: OutputFile, partial: Path, src_tensors: dict, pool, on_bytes) -> dict:
+@dataclass
+class _Written:
+    """A file whose bytes are written (not yet durable): what the finisher needs."""
+
+    of: OutputFile
+    fd: int
+    tmp: Path
+    target: Path
+    layout: object
+    hashes: dict
+
+
+def _copy_file(src: Container, of: OutputFile, partial: Path, pool, on_bytes) -> _Written:
+    """Write one output file's bytes to its temp name; tensors are hashed as their copy ends."""
     specs = _specs_for(src, of)
     layout = plan_shard(specs, of.alignment, of.metadata)
     planned = dict(of.tensors)
@@ -207,38 +232,51 @@ def _write_file(src: Container, of: OutputFile, partial: Path, src_tensors: dict
     tmp = partial / f".{of.name}.tmp-{os.getpid()}"
     buf = bytearray(8 * 1024 * 1024)
     hashes = {}
+    fd = None
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.pwrite(fd, layout.header, 0)
-            os.ftruncate(fd, layout.file_size)           # padding reads back as zeros
-            for spec, begin in layout.placements:
-                rng = spec.source
-                hashes[spec.name] = pool.submit(hash_range, rng.path, rng.offset, rng.offset + rng.nbytes)
-                sfd = os.open(rng.path, os.O_RDONLY)
-                try:
-                    _copy_range(sfd, fd, rng.offset, begin, rng.nbytes, buf, rng.path)
-                finally:
-                    os.close(sfd)
-                on_bytes(rng.nbytes)
-            fsync_fd(fd)
-        finally:
+        os.pwrite(fd, layout.header, 0)
+        os.ftruncate(fd, layout.file_size)           # padding reads back as zeros
+        for spec, begin in layout.placements:
+            rng = spec.source
+            sfd = os.open(rng.path, os.O_RDONLY)
+            try:
+                _copy_range(sfd, fd, rng.offset, begin, rng.nbytes, buf, rng.path)
+            finally:
+                os.close(sfd)
+            # the source bytes are in the page cache now: hash them there while the next copy runs
+            hashes[spec.name] = pool.submit(hash_range, rng.path, rng.offset, rng.offset + rng.nbytes)
+            on_bytes(rng.nbytes)
+        return _Written(of, fd, tmp, target, layout, hashes)
+    except BaseException as exc:
+        if fd is not None:
             os.close(fd)
-        digests = {name: f.result() for name, f in hashes.items()}
+        _discard(tmp)
+        if isinstance(exc, OSError):
+            raise InputError(target, describe_os_error(exc) + " (the partial rewrite is kept; run the same command again to resume)") from None
+        raise
+
+
+def _finish_file(w: _Written, partial: Path, src: Container, src_tensors: dict) -> dict:
+    """Make a written file durable and check it: fsync, verify hashes, rename, fsync the directory."""
+    try:
+        try:
+            fsync_fd(w.fd)
+        finally:
+            os.close(w.fd)
+        digests = {name: f.result() for name, f in w.hashes.items()}
         for name, d in digests.items():
             want = src_tensors.get(name, {}).get("xxh3_128")
             if want is not None and want != d:
                 raise InputError(src.root, f"tensor {name!r} does not match the source manifest (the source changed or a read failed)")
-        os.replace(tmp, target)
+        os.replace(w.tmp, w.target)
         fsync_dir(partial)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise InputError(target, describe_os_error(exc) + " (the partial rewrite is kept; run the same command again to resume)") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    except BaseException as exc:
+        _discard(w.tmp)
+        if isinstance(exc, OSError):
+            raise InputError(w.target, describe_os_error(exc) + " (the partial rewrite is kept; run the same command again to resume)") from None
         raise
+    layout = w.layout
     ranges = [Range(s.name, b, b + s.nbytes) for s, b in layout.placements]
     seg_digests = []
     for seg in segments(ranges, layout.file_size):
@@ -250,6 +288,11 @@ def _write_file(src: Container, of: OutputFile, partial: Path, src_tensors: dict
             seg_digests.append(gap_digest(bytes(seg.end - seg.begin)))
     return {"size": layout.file_size, "xxh3_128": file_digest(layout.file_size, seg_digests),
             "tensor_sizes": {s.name: s.nbytes for s, _ in layout.placements}, "tensor_digests": digests}
+
+
+def _discard(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def _copy_other(path: Path, partial: Path, on_bytes) -> dict:

@@ -1,0 +1,98 @@
+"""Model validation (issue 6): replay-predicted S against S measured on real reads, per cell.
+
+Usage: python benchmarks/validate_model.py [--gb 2] [--work /tmp/relayout-bench] [--tokens 40]
+
+Builds (or reuses) a GLM-5.2 int4-row container with full-size 18.9 MB experts, calibrates the
+disk holding it, rewrites it into two more layouts (Louvain and random orders), then for each
+layout x RAM budget (no cache, and a quarter of the routed bytes) measures S cold with
+``relayout measure`` semantics and predicts it with the replay model on the calibrated profile,
+for the same held-out steps. Also measures tracing overhead (trace on vs off, paired).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from common import big_container
+
+from containers.container import MANIFEST_NAME, Container
+from containers.manifest import build_manifest, write_manifest
+from relayout.apply import apply_plan
+from relayout.plan import load_plan, make_plan, save_plan, source_from_container
+from relayout.trace_synth import SynthParams, synth_trace
+from replay.calibrate import calibrate, format_calibration
+from replay.device import load_device
+from replay.engine import simulate
+from replay.gate import evaluation_forwards
+from replay.measure import measure
+from replay.metrics import step_table, summarize
+from replay.runtime import RuntimeConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=2.0)
+    ap.add_argument("--work", default="/tmp/relayout-bench")
+    ap.add_argument("--tokens", type=int, default=40)
+    ap.add_argument("--workers", type=int, default=8)
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    src = big_container(work, args.gb)
+    if not (src / MANIFEST_NAME).exists():
+        write_manifest(build_manifest(Container.open(src)), src / MANIFEST_NAME)
+    c = Container.open(src)
+    layers = [l for l in c.routed_layers if l < c.config.num_hidden_layers]
+    trace = synth_trace(layers, c.config.n_routed_experts, 8, 8 * 60, 8, seed=5, params=SynthParams(clique_strength=0.8))
+    profile_path = work / "calibrated.json"
+    profile = calibrate(src.parent, size_mb=1024, seconds=0.3, name="this-disk")
+    profile_path.write_text(json.dumps(profile))
+    print(format_calibration(profile))
+    device = load_device(str(profile_path))
+
+    layouts = {}
+    for method in ("stock", "louvain", "random"):
+        plan_path = work / f"validate-{method}.plan.json"
+        save_plan(make_plan(trace, source_from_container(src), method, train_fraction=0.75, progress=False), plan_path)
+        plan = load_plan(plan_path)
+        if method == "stock":
+            layouts[method] = (src, plan.stock, plan)
+            continue
+        dst = work / f"validate-{method}"
+        if dst.exists():
+            shutil.rmtree(dst)
+        apply_plan(src, plan, dst, None, force=True, progress=False)
+        layouts[method] = (dst, plan.layout, plan)
+
+    mask, _ = evaluation_forwards(trace, set(layouts["stock"][2].training_sessions))
+    mask &= np.cumsum(mask) <= args.tokens
+    routed = sum(e.nbytes for e in c.experts.values() if e.layer in set(layers))
+    print(f"\n{'layout':<9}{'RAM GB':>8}{'measured S ms':>15}{'predicted S ms':>16}{'ratio':>8}")
+    rows = []
+    for ram in (0, routed // 4):
+        cfg = RuntimeConfig(ram_bytes=int(ram), workers=args.workers)
+        for method, (path, layout, _) in layouts.items():
+            res = measure(Container.open(path), trace, mask, cfg, None, record=False, progress=False)
+            measured = res.stall_ns / res.committed / 1e6
+            inst, usage = simulate(trace, mask, layout, device, cfg)
+            predicted = summarize(step_table(trace, mask, inst), usage, 0.0)["stall_per_token_s"] * 1e3
+            ratio = predicted / measured if measured else float("inf")
+            rows.append((method, ram / 1e9, measured, predicted, ratio))
+            print(f"{method:<9}{ram / 1e9:>8.2f}{measured:>15.2f}{predicted:>16.2f}{ratio:>8.2f}")
+    cfg = RuntimeConfig(workers=args.workers)
+    on, off = [], []
+    for _ in range(2):
+        on.append(measure(c, trace, mask, cfg, work / "overhead.jsonl", progress=False).wall_seconds)
+        off.append(measure(c, trace, mask, cfg, None, record=False, progress=False).wall_seconds)
+    print(f"\ntracing overhead: wall {np.mean(on):.2f} s traced vs {np.mean(off):.2f} s untraced "
+          f"({(np.mean(on) / np.mean(off) - 1):+.1%}, 2 interleaved pairs)")
+    for method in ("louvain", "random"):
+        shutil.rmtree(work / f"validate-{method}", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
