@@ -9,7 +9,7 @@ def test_demo_runs(tmp_path):
     assert "re-check: 0 mismatches" in res.stdout
     assert "1 worker, coalescing reads" in res.stdout and "-> PASS" in res.stdout
     assert (tmp_path / "demo" / "gate.json").exists() and (tmp_path / "demo" / "plan.json").exists()
-    assert "verify --full: 0 problems" in res.stdout and (tmp_path / "demo" / "relaid" / "relayout.manifest.json").exists()
+    assert "verify --full: 0 problems" in res.stdout and "measured S: stock" in res.stdout and (tmp_path / "demo" / "relaid" / "relayout.manifest.json").exists()
 
 
 def test_unknown_geometry_is_one_line(tmp_path):
