@@ -337,10 +337,14 @@ def cmd_measure(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from replay.stalltrace import format_report, report
+    from replay.gate import load_gate
+    from replay.stalltrace import format_report, public_report, report, write_plots
 
     r = report(args.runs)
-    print(json.dumps(r, indent=1) if args.json else format_report(r))
+    print(json.dumps(public_report(r), indent=1) if args.json else format_report(r))
+    if args.plots:
+        for path in write_plots(r, args.plots, load_gate(args.predicted) if args.predicted else None):
+            print(f"wrote {path}")
     return 0
 
 
@@ -511,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("report", help="S and the seed 4.3 metrics from STALL_TRACE files")
     s.add_argument("runs", nargs="+")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--plots", metavar="DIR", help="write PNG figures (needs the 'plots' extra: matplotlib)")
+    s.add_argument("--predicted", metavar="gate.json", help="with --plots: add predicted vs measured S")
     s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("compare", help="paired comparison of STALL_TRACE files (first = control)")

@@ -157,12 +157,14 @@ def run_metrics(run: Run) -> dict:
     for i, k in enumerate(keys):
         groups.setdefault(k, []).append(i)
     stall_by_step: dict[tuple, int] = {}
+    stall_by_layer: dict[int, int] = {}
     union_bytes = 0
     for (request, step, layer), idx in groups.items():
         idx = np.array(idx)
         late = idx[req[idx] & (ready[idx] > need[idx])]
         w = interval_union(need[late], ready[late]) if len(late) else 0
         stall_by_step[(request, step)] = stall_by_step.get((request, step), 0) + w
+        stall_by_layer[layer] = stall_by_layer.get(layer, 0) + w
         seen = {}
         for i in idx[req[idx]]:
             seen[(run.expert[i], run.segment[i])] = nb[i]
@@ -192,6 +194,7 @@ def run_metrics(run: Run) -> dict:
         "union_bytes_per_committed_token": float(union_bytes / max(A, 1)),
         "records": len(keys),
         "_step_keys": step_keys,
+        "_layer_stall": dict(sorted(stall_by_layer.items())),
         "_stall": stall,
         "_committed": committed,
     }
@@ -205,6 +208,69 @@ def public(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith("_") and k != "token_hashes"}
 
 
+def public_report(r: dict) -> dict:
+    """The report without its internal arrays (JSON-ready)."""
+    return {k: v for k, v in r.items() if not k.startswith("_")}
+
+
+def write_plots(r: dict, out_dir: str | Path, predicted: dict | None = None) -> list[Path]:
+    """PNG figures: step-stall CDF, stall per layer, and predicted vs measured S (with a gate.json).
+
+    Needs matplotlib (``pip install 'relayout[plots]'``); text output never does.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError(None, "--plots needs matplotlib: pip install 'relayout[plots]'") from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in r["_runs"]:
+        per = np.sort(m["_stall"] / np.maximum(m["_committed"], 1)) / 1e6
+        ax.plot(per, np.arange(1, len(per) + 1) / max(len(per), 1), label=m["run_id"])
+    ax.set_xlabel("stall per committed token in a step (ms)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title("Step stall CDF")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out / "stall_cdf.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(len(r["_runs"]), 1)
+    for i, m in enumerate(r["_runs"]):
+        layers = list(m["_layer_stall"])
+        vals = [m["_layer_stall"][l] / max(m["committed_tokens"], 1) / 1e6 for l in layers]
+        ax.bar(np.arange(len(layers)) + i * width, vals, width, label=m["run_id"])
+        ax.set_xticks(np.arange(len(layers)), [str(l) for l in layers], fontsize=6)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("stall per committed token (ms)")
+    ax.set_title("Stall per layer")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out / "stall_per_layer.png"))
+    if predicted is not None:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        measured = [m["stall_per_committed_token_ns"] / 1e6 for m in r["runs"]]
+        pred = [predicted["baseline_metrics"]["stall_per_token_s"] * 1e3, predicted["plan_metrics"]["stall_per_token_s"] * 1e3]
+        ax.bar(["predicted baseline", "predicted plan"], pred, color="tab:gray")
+        ax.bar([f"measured {m['run_id']}" for m in r["runs"]], measured, color="tab:blue")
+        ax.set_ylabel("S (ms per committed token)")
+        ax.set_title("Predicted vs measured stall")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        written.append(_save(fig, out / "predicted_vs_measured.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
 def report(paths: list[str | Path]) -> dict:
     """Metrics of every run in ``paths`` and of all of them pooled."""
     runs = []
@@ -213,7 +279,8 @@ def report(paths: list[str | Path]) -> dict:
             runs.append(run_metrics(run))
     stall = sum(int(m["_stall"].sum()) for m in runs)
     A = sum(int(m["_committed"].sum()) for m in runs)
-    return {"runs": [public(m) for m in runs], "stall_per_committed_token_ns": stall / max(A, 1), "committed_tokens": A}
+    return {"runs": [public(m) for m in runs], "stall_per_committed_token_ns": stall / max(A, 1), "committed_tokens": A,
+            "_runs": runs}
 
 
 def compare(paths: list[str | Path], seed: int = 0) -> dict:

@@ -92,3 +92,15 @@ def test_compare_pairs_repetitions_and_flags_token_divergence(tmp_path):
     bad = config("bad", 400, tokens=("a", "z"))
     c = compare([a, bad])
     assert len(c["correctness_failures"]) == 4 and "request:step 0:1" in c["correctness_failures"][0]
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from replay.stalltrace import write_plots
+
+    recs = [step(0), step(1), expert(0, 3, 1, 0, 500, 200), expert(1, 4, 2, 0, 900, 100)]
+    r = report([write(tmp_path / "t.jsonl", recs)])
+    gate = {"baseline_metrics": {"stall_per_token_s": 0.001}, "plan_metrics": {"stall_per_token_s": 0.0005}}
+    paths = write_plots(r, tmp_path / "plots", gate)
+    assert [p.name for p in paths] == ["stall_cdf.png", "stall_per_layer.png", "predicted_vs_measured.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
