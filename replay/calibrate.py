@@ -5,7 +5,8 @@ outstanding request), each cell for a fixed time. The page cache is bypassed wit
 the file system allows it, else the test file is evicted with ``posix_fadvise`` before each cell;
 the profile says which. The fit, for the single-drive model of :mod:`replay.device`:
 
-* ``bandwidth``: the best throughput of large (>= 4 MiB) reads;
+* ``bandwidth``: the median throughput of large (>= 4 MiB) reads over all queue depths (the best
+  cell overstates a drive that cannot sustain it);
 * ``request_seconds``: the 4 KiB latency at queue depth 1 minus its transfer time;
 * ``queue_slots``: 4 KiB IOPS at the deepest queue x ``request_seconds`` (Little's law).
 
@@ -114,7 +115,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         if made is not None:
             made.unlink(missing_ok=True)
     big = [c for c in cells if c.size >= 4 * 1024 * 1024]
-    bandwidth = max(c.throughput for c in big)
+    bandwidth = float(np.median([c.throughput for c in big]))
     small_qd1 = next(c for c in cells if c.size == SIZES[0] and c.depth == 1)
     request_seconds = max(0.0, small_qd1.mean_latency - SIZES[0] / bandwidth)
     deep = max((c for c in cells if c.size == SIZES[0]), key=lambda c: c.depth)
