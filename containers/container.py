@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
-from .geometry import PROJECTIONS, ExpertFormat, projection_shape
+from .geometry import PROJECTIONS, ExpertFormat, LayerNumbering, projection_shape
 from .safetensors_io import ShardHeader, TensorEntry, read_header
 
 MAX_FILES = 512
@@ -43,7 +43,7 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerNumbering):
     """What relayout needs from ``config.json`` (GLM and Qwen3 key spellings accepted)."""
 
     hidden_size: int
@@ -53,14 +53,6 @@ class ModelConfig:
     num_hidden_layers: int
     first_moe_layer: int
     mtp_layers: int
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(range(self.first_moe_layer, self.num_hidden_layers))
-
-    @property
-    def mtp_layer_ids(self) -> list[int]:
-        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.mtp_layers))
 
     @classmethod
     def load(cls, path: Path) -> "ModelConfig":

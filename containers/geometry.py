@@ -54,8 +54,27 @@ def projection_shape(proj: str, hidden: int, ffn: int) -> tuple[int, int]:
     return (hidden, ffn) if proj == "down" else (ffn, hidden)
 
 
+class LayerNumbering:
+    """Layer numbers from ``first_moe_layer``, ``num_hidden_layers`` and ``mtp_layers``.
+
+    MoE layers are ``first_moe_layer .. num_hidden_layers-1``; MTP layers follow them.
+    """
+
+    first_moe_layer: int
+    num_hidden_layers: int
+    mtp_layers: int
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_moe_layer, self.num_hidden_layers))
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.mtp_layers))
+
+
 @dataclass(frozen=True)
-class Geometry:
+class Geometry(LayerNumbering):
     """A MoE model's shape. Layers keep the model's absolute numbers.
 
     MoE layers are ``first_moe_layer .. num_hidden_layers-1``; MTP layers follow them
@@ -80,14 +99,6 @@ class Geometry:
     config_style: str = "glm"
     description: str = ""
     extra_config: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(range(self.first_moe_layer, self.num_hidden_layers))
-
-    @property
-    def mtp_layer_ids(self) -> list[int]:
-        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.mtp_layers))
 
     @property
     def routed_layers(self) -> list[int]:

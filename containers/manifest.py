@@ -20,6 +20,7 @@ from .atomic import write_json_atomic
 from .container import MANIFEST_NAME, Container
 from .errors import InputError
 from .hashing import Range, digest_of, hash_file
+from .jsonfile import read_document
 
 MANIFEST_FORMAT = "relayout.manifest"
 MANIFEST_VERSION = 1
@@ -95,21 +96,8 @@ def write_manifest(manifest: dict, path: str | os.PathLike) -> None:
 
 def load_manifest(path: str | os.PathLike) -> dict:
     """Read a manifest and check its basic shape."""
-    path = Path(path)
-    try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(path, "no manifest here (run relayout manifest first)") from None
-    except (OSError, ValueError) as exc:
-        raise InputError(path, f"not a readable manifest ({exc})") from None
-    if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT:
-        raise InputError(path, "not a relayout manifest")
-    if obj.get("version") != MANIFEST_VERSION:
-        raise InputError(path, f"manifest version {obj.get('version')!r} is not supported (expected {MANIFEST_VERSION})")
-    for key in ("files", "tensors", "fingerprint", "content_fingerprint"):
-        if key not in obj:
-            raise InputError(path, f"manifest lacks {key!r}")
-    return obj
+    return read_document(path, MANIFEST_FORMAT, MANIFEST_VERSION, ("files", "tensors", "fingerprint", "content_fingerprint"),
+                         "manifest", missing="no manifest here (run relayout manifest first)")
 
 
 def compare_manifests(expected: dict, actual: dict) -> list[str]:

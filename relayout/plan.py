@@ -23,6 +23,7 @@ from containers.container import MANIFEST_NAME, MAX_FILES, Container
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, Geometry
 from containers.hashing import digest_of
+from containers.jsonfile import read_document
 from containers.manifest import build_manifest, load_manifest
 
 from . import __version__
@@ -267,19 +268,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
     """Read and validate ``plan.json``: complete permutations, runtime limits, consistent layouts."""
     path = Path(path)
     where = str(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(path, "no such plan file") from None
-    except (OSError, ValueError) as exc:
-        raise InputError(path, f"not a readable plan ({exc})") from None
-    if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
-        raise InputError(path, "not a relayout plan")
-    if raw.get("version") != PLAN_VERSION:
-        raise InputError(path, f"plan version {raw.get('version')!r} is not supported (expected {PLAN_VERSION})")
-    for key in ("geometry", "orders", "source_layout", "layout", "training", "source", "plan_digest"):
-        if key not in raw:
-            raise InputError(path, f"plan lacks {key!r}")
+    raw = read_document(path, PLAN_FORMAT, PLAN_VERSION,
+                        ("geometry", "orders", "source_layout", "layout", "training", "source", "plan_digest"), "plan",
+                        missing="no such plan file")
     if plan_digest(raw) != raw["plan_digest"]:
         raise InputError(path, "plan digest does not match its content (edited or corrupt)")
     g = raw["geometry"]

@@ -17,16 +17,14 @@ Each input file is one session, in the order given. Malformed input raises
 
 from __future__ import annotations
 
-import io
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import zstandard
 
 from containers.errors import InputError
+from containers.jsonfile import iter_jsonl, read_bytes
 
 from .trace import FORWARD_KINDS, RoutingTrace
 
@@ -179,7 +177,7 @@ def _careful_route_parse(path: Path, data: bytes):
 
 def read_route_trace(path: Path, n_experts: int | None = None) -> SessionRows:
     """Parse one ROUTE_TRACE text file (one session)."""
-    data = _read_bytes(path)
+    data = read_bytes(path)
     parsed = _fast_route_parse(data)
     if parsed is not None:
         calls, rows, layers, experts, gates, lines = parsed
@@ -213,38 +211,15 @@ def _session_from_rows(name, forward, layers, position, experts, gates, committe
     )
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise InputError(path, exc.strerror or str(exc)) from None
-    if raw[:4] == b"\x28\xb5\x2f\xfd":
-        try:
-            return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read()
-        except zstandard.ZstdError as exc:
-            raise InputError(path, f"corrupt zstd data ({exc})") from None
-    return raw
-
-
 # ------------------------------------------------------------------ STALL_TRACE
 
 
 def read_stall_trace(path: Path, n_experts: int | None = None) -> list[SessionRows]:
     """Parse a STALL_TRACE JSONL file; each (run_id, request_id) is one session."""
-    data = _read_bytes(path)
     groups: dict[tuple, dict] = {}
     step_info: dict[tuple, dict] = {}
     order: list[tuple] = []
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            rec = json.loads(raw)
-        except ValueError as exc:
-            raise InputError(where, f"not JSON ({exc})") from None
-        if not isinstance(rec, dict):
-            raise InputError(where, "record is not a JSON object")
+    for where, rec in iter_jsonl(path):
         sess = (str(rec.get("run_id", "")), str(rec.get("request_id", 0)))
         if sess not in groups:
             groups[sess] = {}
@@ -311,7 +286,7 @@ def read_stall_trace(path: Path, n_experts: int | None = None) -> list[SessionRo
 
 def read_mblt(path: Path, warnings: list[str]) -> tuple[SessionRows, int]:
     """Parse mbolt's MBLT v1; returns the session and the header's n_expert."""
-    data = _read_bytes(path)
+    data = read_bytes(path)
     if len(data) < 12:
         raise InputError(path, "too short for an MBLT header")
     magic, version, n_expert = struct.unpack_from("<III", data, 0)
@@ -363,7 +338,7 @@ def read_mblt(path: Path, warnings: list[str]) -> tuple[SessionRows, int]:
 
 def read_coli_usage(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
     """Parse a ``.coli_usage`` file: returns (layers, heat[L, E], n_experts)."""
-    text = _read_bytes(path).decode("utf-8", errors="replace")
+    text = read_bytes(path).decode("utf-8", errors="replace")
     n_experts = None
     entries = []
     for lineno, line in enumerate(text.splitlines(), 1):

@@ -8,12 +8,12 @@ did not learn from, for the chosen device profile and runtime configuration. Its
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from containers.errors import InputError
+from containers.jsonfile import read_document
 from relayout import __version__
 from relayout.layout import Layout
 from relayout.plan import Plan
@@ -218,10 +218,7 @@ def format_sweep(cells: list[dict]) -> str:
 
 
 def load_gate(path) -> dict:
-    try:
-        g = json.loads(open(path).read())
-    except (OSError, ValueError) as exc:
-        raise InputError(path, f"not a readable gate record ({exc})") from None
-    if g.get("format") != GATE_FORMAT or g.get("verdict") not in ("pass", "fail"):
-        raise InputError(path, "not a relayout gate record")
+    g = read_document(path, GATE_FORMAT, 1, ("verdict", "plan", "reason"), "gate record")
+    if g["verdict"] not in ("pass", "fail"):
+        raise InputError(path, "gate record has no verdict")
     return g

@@ -13,34 +13,19 @@ positions are charged in the numerator and not counted in the denominator.
 
 from __future__ import annotations
 
-import io
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import zstandard
 
 from containers.errors import InputError
+from containers.jsonfile import iter_jsonl
 
 from .stats import paired_saving
 
 REQUIRED_EXPERT = ("run_id", "request_id", "step", "layer", "expert_id", "required", "bytes")
 TIMED = ("issue_ns", "ready_ns", "need_ns")
 REQUIRED_STEP = ("run_id", "request_id", "step", "committed_tokens", "evaluated_positions")
-
-
-def _lines(path: Path):
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise InputError(path, exc.strerror or str(exc)) from None
-    if raw[:4] == b"\x28\xb5\x2f\xfd":
-        try:
-            raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read()
-        except zstandard.ZstdError as exc:
-            raise InputError(path, f"corrupt zstd data ({exc})") from None
-    return raw.split(b"\n")
 
 
 def _int(rec: dict, key: str, where: str, minimum: int = 0) -> int:
@@ -74,16 +59,7 @@ def read_stall_trace(path: str | Path) -> dict[str, Run]:
     """Parse and validate; returns runs by run_id in order of first appearance."""
     path = Path(path)
     runs: dict[str, Run] = {}
-    for lineno, raw in enumerate(_lines(path), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            rec = json.loads(raw)
-        except ValueError as exc:
-            raise InputError(where, f"not JSON ({exc})") from None
-        if not isinstance(rec, dict):
-            raise InputError(where, "record is not a JSON object")
+    for where, rec in iter_jsonl(path):
         is_step = rec.get("record") == "step"
         for key in REQUIRED_STEP if is_step else REQUIRED_EXPERT:
             if key not in rec:
