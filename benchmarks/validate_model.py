@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/relayout-bench")
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=2, help="measured repetitions per cell (interleaved)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -71,18 +72,20 @@ def main() -> None:
     mask, _ = evaluation_forwards(trace, set(layouts["stock"][2].training_sessions))
     mask &= np.cumsum(mask) <= args.tokens
     routed = sum(e.nbytes for e in c.experts.values() if e.layer in set(layers))
-    print(f"\n{'layout':<9}{'RAM GB':>8}{'measured S ms':>15}{'predicted S ms':>16}{'ratio':>8}")
-    rows = []
+    print(f"\n{'layout':<9}{'RAM GB':>8}{'measured S ms (each rep)':>30}{'predicted S ms':>16}{'ratio':>8}")
     for ram in (0, routed // 4):
         cfg = RuntimeConfig(ram_bytes=int(ram), workers=args.workers)
-        for method, (path, layout, _) in layouts.items():
-            res = measure(Container.open(path), trace, mask, cfg, None, record=False, progress=False)
-            measured = res.stall_ns / res.committed / 1e6
+        measured = {m: [] for m in layouts}
+        for _ in range(args.reps):
+            for method, (path, _, _) in layouts.items():
+                res = measure(Container.open(path), trace, mask, cfg, None, record=False, progress=False)
+                measured[method].append(res.stall_ns / res.committed / 1e6)
+        for method, (_, layout, _) in layouts.items():
             inst, usage = simulate(trace, mask, layout, device, cfg)
             predicted = summarize(step_table(trace, mask, inst), usage, 0.0)["stall_per_token_s"] * 1e3
-            ratio = predicted / measured if measured else float("inf")
-            rows.append((method, ram / 1e9, measured, predicted, ratio))
-            print(f"{method:<9}{ram / 1e9:>8.2f}{measured:>15.2f}{predicted:>16.2f}{ratio:>8.2f}")
+            mean = float(np.mean(measured[method]))
+            each = " ".join(f"{x:.1f}" for x in measured[method])
+            print(f"{method:<9}{ram / 1e9:>8.2f}{mean:>10.2f} ({each}){'':>4}{predicted:>12.2f}{predicted / mean:>8.2f}")
     cfg = RuntimeConfig(workers=args.workers)
     on, off = [], []
     for _ in range(2):

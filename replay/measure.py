@@ -154,6 +154,7 @@ def measure(
     lrus = [OrderedDict() for _ in range(L)]
     session = -1
     total_stall = 0
+    _sleep = _ComputeClock()
     t_start = time.perf_counter_ns()
 
     def job(reads):
@@ -259,9 +260,32 @@ def _wait(futs) -> tuple[int, int]:
     return min(t[0] for t in times), max(t[1] for t in times)
 
 
-def _sleep(seconds: float) -> None:
-    if seconds > 0:
-        time.sleep(seconds)
+SPIN_SECONDS = 300e-6
+
+
+class _ComputeClock:
+    """Emulated compute: sleeps that add up to the requested time.
+
+    A sleep wakes late by tens of microseconds; the lateness is carried as debt and taken off the
+    next sleeps, so the total emulated compute matches the compute model. The last stretch of a
+    sleep yields the GIL in a loop instead of blocking, so reader threads are never starved.
+    """
+
+    def __init__(self):
+        self.debt = 0.0
+
+    def __call__(self, seconds: float) -> None:
+        want = seconds - self.debt
+        if want <= 0:
+            self.debt = -want
+            return
+        t0 = time.perf_counter()
+        deadline = t0 + want
+        if want > SPIN_SECONDS:
+            time.sleep(want - SPIN_SECONDS)
+        while time.perf_counter() < deadline:
+            time.sleep(0)
+        self.debt = time.perf_counter() - t0 - want
 
 
 class _Sink:
