@@ -48,10 +48,12 @@ def prepare(work: Path, gb: float) -> tuple[Path, Path]:
     return src, plan
 
 
-def settle(src: Path) -> None:
-    """Flush earlier writes and evict the source, so every timed pass starts alike."""
+def settle(*roots: Path) -> None:
+    """Flush earlier writes, let writeback finish, evict the inputs: every timed pass starts alike."""
     os.sync()
-    drop_file_cache(files_of(src))
+    time.sleep(2)
+    for root in roots:
+        drop_file_cache(files_of(root))
 
 
 def run(cmd: list[str]) -> float:
@@ -85,12 +87,11 @@ def main() -> None:
         settle(src)
         rw_t.append(run(rel + ["rewrite", str(src), "--layout", str(plan), "--out", str(work / "dst"), "--force"]))
         both = files_of(src) + files_of(work / "dst")
-        os.sync()
-        drop_file_cache(both)
+        settle(src, work / "dst")
         t = time.perf_counter()
         plain_read(both)
         rd_t.append(time.perf_counter() - t)
-        drop_file_cache(both)
+        settle(src, work / "dst")
         vf_t.append(run(rel + ["verify", str(src), str(work / "dst")]))
     cp, cps, rw, rd, vf = (statistics.median(x) for x in (cp_t, cps_t, rw_t, rd_t, vf_t))
     print(f"cp -r: {size / cp / 1e9:.2f} GB/s (to the page cache), cp -r + sync: {size / cps / 1e9:.2f} GB/s (durable); "
