@@ -192,9 +192,6 @@ class Container:
     def routed_layers(self) -> list[int]:
         return sorted({layer for layer, _ in self.experts})
 
-    def layer_experts(self, layer: int) -> list[Expert]:
-        return [self.experts[k] for k in sorted(k for k in self.experts if k[0] == layer)]
-
     def total_bytes(self) -> int:
         return sum(h.file_size for h in self.headers) + sum(p.stat().st_size for p in self.other_files)
 

@@ -28,7 +28,7 @@ from containers.container import MAX_FILES, Container, expert_tensor_name
 from containers.errors import InputError
 from containers.geometry import PROJECTIONS, Geometry
 from containers.hashing import digest_of
-from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
+from containers.safetensors_io import TensorSpec, plan_shard
 from containers.synth import converter_order, cut_shards, source_units
 
 SLOTS = tuple(f"{p}.weight" for p in PROJECTIONS) + tuple(f"{p}.scales" for p in PROJECTIONS)
@@ -294,7 +294,3 @@ def pack_layout(
     others = sorted(([n, *placed[n]] for n in placed if n not in expert_names), key=lambda t: (t[1], t[2]))
     return Layout([n for n, _ in files], [l.file_size for l in final], list(layers), n_experts, loc, al, others,
                   [dict(meta) for _ in files])
-
-
-def dtype_bytes(dtype: str) -> int:
-    return DTYPE_SIZES[dtype]

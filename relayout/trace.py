@@ -231,10 +231,3 @@ def _read_exact(reader: io.RawIOBase, n: int, path: Path) -> bytes:
         chunks.append(b)
         left -= len(b)
     return b"".join(chunks)
-
-
-def empty_forward_arrays():
-    return dict(
-        fwd_session=np.zeros(0, np.int32), fwd_kind=np.zeros(0, np.int8),
-        fwd_evaluated=np.zeros(0, np.int32), fwd_committed=np.zeros(0, np.int32),
-    )

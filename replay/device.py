@@ -80,15 +80,6 @@ class ArrayProfile:
     def digest(self) -> str:
         return digest_of(json.dumps(self.to_json(), sort_keys=True).encode())
 
-    def with_changes(self, **kw) -> "ArrayProfile":
-        d = self.to_json()
-        drive = d.pop("drive")
-        for key in ("request_seconds", "bandwidth", "queue_slots"):
-            if key in kw:
-                drive[key] = kw.pop(key)
-        d.update(kw)
-        return ArrayProfile(drive=DriveProfile(**drive), **d)
-
 
 def device_names() -> list[str]:
     folder = resources.files("manifests") / "devices"
