@@ -7,14 +7,12 @@ tensor sizes for each quantisation format. All sizes are in bytes.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
-from pathlib import Path
 
 from .errors import InputError
+from .jsonfile import load_shipped, shipped_names
 
 PROJECTIONS = ("gate", "up", "down")
 """The three matrices of a SwiGLU expert: gate/up are [ffn, hidden], down is [hidden, ffn]."""
@@ -165,24 +163,15 @@ def _positive(v: int, flag: str) -> int:
 
 def geometry_names() -> list[str]:
     """Names of the geometries shipped in ``manifests/geometries``."""
-    folder = resources.files("manifests") / "geometries"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+    return shipped_names("geometries")
 
 
 def load_geometry(name_or_path: str) -> Geometry:
     """Load a shipped geometry by name, or a geometry JSON file by path."""
-    path = Path(name_or_path)
-    if path.suffix == ".json" and path.exists():
-        text, where = path.read_text(), path
-    else:
-        res = resources.files("manifests") / "geometries" / f"{name_or_path}.json"
-        if not res.is_file():
-            raise InputError(None, f"unknown geometry {name_or_path!r} (known: {', '.join(geometry_names())})")
-        text, where = res.read_text(), name_or_path
+    obj, where = load_shipped("geometries", name_or_path, "geometry")
     try:
-        obj = json.loads(text)
         geometry = Geometry(**obj)
-    except (ValueError, TypeError) as exc:
+    except TypeError as exc:
         raise InputError(where, f"not a valid geometry ({exc})") from None
     for fmt in (geometry.expert_format, geometry.mtp_expert_format):
         ExpertFormat.parse(fmt)

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from importlib import resources
+
 import zstandard
 
 from .errors import InputError
@@ -69,3 +71,31 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
         if not isinstance(rec, dict):
             raise InputError(where, "record is not a JSON object")
         yield where, rec
+
+
+def shipped_names(folder: str) -> list[str]:
+    """Names of the JSON data files shipped in ``manifests/<folder>``."""
+    root = resources.files("manifests") / folder
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_shipped(folder: str, name_or_path: str, what: str) -> tuple[dict, str]:
+    """A JSON data file: a path ending in .json, else ``manifests/<folder>/<name>.json``.
+
+    Returns ``(object, where)``; unknown names list the shipped ones.
+    """
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.exists():
+        text, where = path.read_text(), str(path)
+    else:
+        res = resources.files("manifests") / folder / f"{name_or_path}.json"
+        if not res.is_file():
+            raise InputError(None, f"unknown {what} {name_or_path!r} (known: {', '.join(shipped_names(folder))}, or a JSON file)")
+        text, where = res.read_text(), name_or_path
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise InputError(where, f"not a valid {what} ({exc})") from None
+    if not isinstance(obj, dict):
+        raise InputError(where, f"not a valid {what} (not a JSON object)")
+    return obj, where

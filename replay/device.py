@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
 
 from containers.errors import InputError
 from containers.hashing import digest_of
+from containers.jsonfile import load_shipped, shipped_names
 
 SPLIT_RULES = ("md", "apple", "none")
 
@@ -82,22 +81,13 @@ class ArrayProfile:
 
 
 def device_names() -> list[str]:
-    folder = resources.files("manifests") / "devices"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+    return shipped_names("devices")
 
 
 def load_device(name_or_path: str) -> ArrayProfile:
     """Load a shipped profile by name, or a profile JSON (e.g. from ``relayout calibrate``)."""
-    path = Path(name_or_path)
-    if path.suffix == ".json" and path.exists():
-        text, where = path.read_text(), str(path)
-    else:
-        res = resources.files("manifests") / "devices" / f"{name_or_path}.json"
-        if not res.is_file():
-            raise InputError(None, f"unknown device {name_or_path!r} (known: {', '.join(device_names())}, or a profile JSON file)")
-        text, where = res.read_text(), name_or_path
+    obj, where = load_shipped("devices", name_or_path, "device profile")
     try:
-        obj = json.loads(text)
         obj = {k: v for k, v in obj.items() if k in ArrayProfile.__dataclass_fields__}
         drive = DriveProfile(**obj.pop("drive"))
         return ArrayProfile(drive=drive, **obj)
