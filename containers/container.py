@@ -22,7 +22,8 @@ MAX_FILES = 512
 """The runtime globs at most this many ``*.safetensors`` files."""
 
 MANIFEST_NAME = "relayout.manifest.json"
-EXPERT_TENSOR_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(\.qs)?$")
+EXPERT_TENSOR_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(\.qs)?(?:\.(top|bottom))?$")
+"""An expert tensor; the optional ``.top``/``.bottom`` suffix marks a vertical split segment."""
 
 
 def expert_tensor_name(layer: int, expert: int, proj: str, scales: bool = False) -> str:
@@ -96,19 +97,27 @@ class Expert:
     weights: dict[str, TensorRef]
     scales: dict[str, TensorRef]
     format: str | None
+    segments: dict | None = None   # (proj, is_scale, part) -> TensorRef for a split expert
 
     @property
     def nbytes(self) -> int:
+        if self.segments:
+            return sum(t.nbytes for t in self.segments.values())
         return sum(t.nbytes for t in self.weights.values()) + sum(t.nbytes for t in self.scales.values())
 
     @property
     def weight_bytes(self) -> int:
+        if self.segments:
+            return sum(t.nbytes for (_, scale, _), t in self.segments.items() if not scale)
         return sum(t.nbytes for t in self.weights.values())
 
     @property
     def fast_path(self) -> bool:
-        """True when the three weight tensors are byte-adjacent in one file (one pread)."""
-        refs = sorted(self.weights.values(), key=lambda r: r.entry.begin)
+        """True when the weight tensors (or, split, all six weight segments) are byte-adjacent in one file."""
+        if self.segments:
+            refs = sorted((t for (_, scale, _), t in self.segments.items() if not scale), key=lambda r: r.entry.begin)
+        else:
+            refs = sorted(self.weights.values(), key=lambda r: r.entry.begin)
         if len({r.file for r in refs}) != 1:
             return False
         return all(a.entry.end == b.entry.begin for a, b in zip(refs, refs[1:]))
@@ -231,14 +240,33 @@ class Container:
 
 def _group_experts(tensors: dict[str, TensorRef], config: ModelConfig):
     parts: dict[tuple[int, int], dict[tuple[str, bool], TensorRef]] = defaultdict(dict)
+    segs: dict[tuple[int, int], dict[tuple[str, bool, str], TensorRef]] = defaultdict(dict)
     for name, ref in tensors.items():
         m = EXPERT_TENSOR_RE.match(name)
         if m:
-            parts[(int(m.group(1)), int(m.group(2)))][(m.group(3), m.group(4) is not None)] = ref
+            key = (int(m.group(1)), int(m.group(2)))
+            if m.group(5):
+                segs[key][(m.group(3), m.group(4) is not None, m.group(5))] = ref
+            else:
+                parts[key][(m.group(3), m.group(4) is not None)] = ref
     experts: dict[tuple[int, int], Expert] = {}
     problems: list[str] = []
     routed = set(config.moe_layers) | set(config.mtp_layer_ids)
+    for (layer, expert), found in sorted(segs.items()):
+        if (layer, expert) in parts:
+            problems.append(f"expert {layer}.{expert} has both whole tensors and split segments")
+            continue
+        want = [(p, s, part) for part in ("top", "bottom") for p in PROJECTIONS for s in (False, True)]
+        missing = [k for k in want if k not in found]
+        if missing:
+            p, s, part = missing[0]
+            problems.append(f"expert {layer}.{expert} is missing segment {expert_tensor_name(layer, expert, p, s)}.{part}")
+            continue
+        experts[(layer, expert)] = Expert(layer, expert, {p: found[(p, False, "top")] for p in PROJECTIONS},
+                                          {p: found[(p, True, "top")] for p in PROJECTIONS}, "split", dict(found))
     for (layer, expert), found in sorted(parts.items()):
+        if (layer, expert) in segs:
+            continue
         missing = [
             expert_tensor_name(layer, expert, p, s) for p in PROJECTIONS for s in (False, True) if (p, s) not in found
         ]

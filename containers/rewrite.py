@@ -26,10 +26,11 @@ import contextlib
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import xxhash
 from tqdm import tqdm
 
 from .atomic import describe_os_error, fsync_dir, fsync_fd, write_json_atomic
@@ -37,7 +38,8 @@ from .container import MANIFEST_NAME, Container
 from .errors import InputError
 from .hashing import Range, file_digest, gap_digest, hash_file, hash_range, segments
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, content_fingerprint, layout_fingerprint
-from .safetensors_io import TensorSpec, plan_shard
+from .safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
+from .segments import SegmentSpec
 from .sources import FileRange
 
 JOURNAL_NAME = "relayout.journal.json"
@@ -47,14 +49,27 @@ READ_AHEAD_TENSORS = 4
 
 
 @dataclass(frozen=True)
+class Derived:
+    """A tensor of the new container made from part of a source tensor (a split segment)."""
+
+    original: str
+    part: str
+    spec: SegmentSpec
+
+
+@dataclass(frozen=True)
 class OutputFile:
-    """One file of the new container: tensors (by name) at absolute offsets, in physical order."""
+    """One file of the new container: tensors (by name) at absolute offsets, in physical order.
+
+    Names in ``derived`` are split segments of a source tensor; all others are source tensors.
+    """
 
     name: str
     metadata: dict
     tensors: list[tuple[str, int]]
     size: int
     alignment: int
+    derived: dict = field(default_factory=dict)
 
 
 def _specs_for(src: Container, of: OutputFile) -> list[TensorSpec]:
@@ -64,13 +79,19 @@ def _specs_for(src: Container, of: OutputFile) -> list[TensorSpec]:
     data_start = min(off for _, off in of.tensors)
     specs = []
     for name, off in sorted(of.tensors, key=lambda t: t[1]):
-        ref = src.tensors.get(name)
+        d = of.derived.get(name)
+        ref = src.tensors.get(d.original if d else name)
         if ref is None:
-            raise InputError(src.root, f"the plan places tensor {name!r}, which the container does not have")
+            raise InputError(src.root, f"the plan places tensor {d.original if d else name!r}, which the container does not have")
         e = ref.entry
-        aligned = (off - data_start) % of.alignment == 0
-        specs.append(TensorSpec(name, e.dtype, e.shape, FileRange(src.files[ref.file], e.begin, e.nbytes),
-                                None if aligned else 1))
+        aligned = None if (off - data_start) % of.alignment == 0 else 1
+        if d is None:
+            specs.append(TensorSpec(name, e.dtype, e.shape, FileRange(src.files[ref.file], e.begin, e.nbytes), aligned))
+            continue
+        if d.spec.rows * d.spec.row_bytes != e.nbytes:
+            raise InputError(src.root, f"tensor {d.original!r} has {e.nbytes} bytes, the plan's split expects {d.spec.rows * d.spec.row_bytes}")
+        n = d.spec.nbytes(d.part)
+        specs.append(TensorSpec(name, e.dtype, (n // DTYPE_SIZES[e.dtype],), d.spec.source(d.part, src.files[ref.file], e.begin), aligned))
     return specs
 
 
@@ -246,10 +267,13 @@ def _copy_file(src: Container, of: OutputFile, partial: Path, pool, on_bytes) ->
             rng = spec.source
             for ahead, _ in order[i + 1 : i + 1 + READ_AHEAD_TENSORS]:
                 _advise_willneed(fds, ahead.source)
-            sfd = _source_fd(fds, rng.path)
-            _copy_range(sfd, fd, rng.offset, begin, rng.nbytes, buf, rng.path)
-            # the source bytes are in the page cache now: hash them there while the next copy runs
-            hashes[spec.name] = pool.submit(hash_range, rng.path, rng.offset, rng.offset + rng.nbytes)
+            if isinstance(rng, FileRange):
+                sfd = _source_fd(fds, rng.path)
+                _copy_range(sfd, fd, rng.offset, begin, rng.nbytes, buf, rng.path)
+                # the source bytes are in the page cache now: hash them there while the next copy runs
+                hashes[spec.name] = pool.submit(hash_range, rng.path, rng.offset, rng.offset + rng.nbytes)
+            else:
+                hashes[spec.name] = _write_stream(fd, begin, rng)
             on_bytes(rng.nbytes)
         for sfd in fds.values():
             os.close(sfd)
@@ -298,15 +322,34 @@ def _finish_file(w: _Written, partial: Path, src: Container, src_tensors: dict) 
             "tensor_sizes": {s.name: s.nbytes for s, _ in layout.placements}, "tensor_digests": digests}
 
 
+def _write_stream(fd: int, begin: int, source) -> Future:
+    """Write a gathered source (a column segment) at ``begin``, hashing it on the way."""
+    h = xxhash.xxh3_128()
+    pos = begin
+    for chunk in source.chunks():
+        view = memoryview(chunk)
+        while view:
+            n = os.pwrite(fd, view, pos)
+            h.update(view[:n])
+            view = view[n:]
+            pos += n
+    if pos - begin != source.nbytes:
+        raise InputError(None, f"{source.describe()} gave {pos - begin} bytes, expected {source.nbytes}")
+    done: Future = Future()
+    done.set_result(h.hexdigest())
+    return done
+
+
 def _source_fd(fds: dict, path: Path) -> int:
     if path not in fds:
         fds[path] = os.open(path, os.O_RDONLY)
     return fds[path]
 
 
-def _advise_willneed(fds: dict, rng: FileRange) -> None:
+def _advise_willneed(fds: dict, rng) -> None:
+    span = rng.nbytes if isinstance(rng, FileRange) else rng.rows * rng.row_bytes
     try:
-        os.posix_fadvise(_source_fd(fds, rng.path), rng.offset, rng.nbytes, os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(_source_fd(fds, rng.path), rng.offset, span, os.POSIX_FADV_WILLNEED)
     except (AttributeError, OSError):
         pass
 
@@ -343,14 +386,21 @@ def _copy_other(path: Path, partial: Path, on_bytes) -> dict:
 
 def _manifest(files: list[OutputFile], others: list[Path], journal: _Journal, source_manifest: dict,
               src_tensors: dict, provenance: dict) -> dict:
-    entries, tensors = [], {}
+    entries, tensors, seg_map = [], {}, {}
     for of in files:
         j = journal.files[of.name]
         entries.append({"name": of.name, "kind": "safetensors", "size": j["size"], "xxh3_128": j["xxh3_128"]})
         for name, off in of.tensors:
-            t = src_tensors[name]
-            tensors[name] = {"file": of.name, "dtype": t["dtype"], "shape": t["shape"], "offset": off,
-                             "nbytes": t["nbytes"], "xxh3_128": j["tensor_digests"][name]}
+            d = of.derived.get(name)
+            t = src_tensors[d.original if d else name]
+            if d is None:
+                dtype, shape, nbytes = t["dtype"], t["shape"], t["nbytes"]
+            else:
+                nbytes = d.spec.nbytes(d.part)
+                dtype, shape = t["dtype"], [nbytes // DTYPE_SIZES[t["dtype"]]]
+                seg_map.setdefault(d.original, {**d.spec.to_json()})[d.part] = name
+            tensors[name] = {"file": of.name, "dtype": dtype, "shape": shape, "offset": off,
+                             "nbytes": nbytes, "xxh3_128": j["tensor_digests"][name]}
     for p in others:
         j = journal.files[p.name]
         entries.append({"name": p.name, "kind": "other", "size": j["size"], "xxh3_128": j["xxh3_128"]})
@@ -365,4 +415,5 @@ def _manifest(files: list[OutputFile], others: list[Path], journal: _Journal, so
         "tensors": dict(sorted(tensors.items())),
         "rewrite": {**provenance, "source_fingerprint": source_manifest["fingerprint"],
                     "source_content_fingerprint": source_manifest["content_fingerprint"]},
+        **({"segments": dict(sorted(seg_map.items()))} if seg_map else {}),
     }

@@ -151,3 +151,42 @@ class InlineBytes:
 
     def describe(self) -> str:
         return "inline bytes"
+
+
+@dataclass(frozen=True)
+class StridedRange:
+    """Bytes ``[start, start+length)`` of every row of a row-major region of ``path``.
+
+    The region begins at ``offset`` and has ``rows`` rows of ``row_bytes`` bytes; rows are read in
+    blocks of at most ``chunk_bytes`` and their slices concatenated (a column block of a matrix).
+    """
+
+    path: Path
+    offset: int
+    rows: int
+    row_bytes: int
+    start: int
+    length: int
+    chunk_bytes: int = CHUNK_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.length
+
+    def chunks(self) -> Iterator[bytes]:
+        per = max(1, self.chunk_bytes // max(self.row_bytes, 1))
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for r0 in range(0, self.rows, per):
+                n = min(per, self.rows - r0)
+                want = n * self.row_bytes
+                block = os.pread(fd, want, self.offset + r0 * self.row_bytes)
+                if len(block) != want:
+                    raise InputError(self.path, f"unexpected end of file near byte {self.offset + r0 * self.row_bytes} (truncated?)")
+                rows = np.frombuffer(block, dtype=np.uint8).reshape(n, self.row_bytes)
+                yield rows[:, self.start : self.start + self.length].tobytes()
+        finally:
+            os.close(fd)
+
+    def describe(self) -> str:
+        return f"{self.path}@{self.offset} (columns {self.start}+{self.length} of {self.rows} rows)"

@@ -5,7 +5,8 @@ Checks, each reported as one line naming what is wrong:
 * DST opens cleanly (every header passes the strict reader; at most 512 files; no duplicate
   names; every expert complete) and its manifest matches its files (re-hashed now);
 * the same tensor names in SRC and DST, none missing, none extra;
-* every tensor's xxh3-128 in DST equals SRC's (``full=True`` also compares the bytes);
+* every tensor's xxh3-128 in DST equals SRC's (``full=True`` also compares the bytes); a tensor
+  stored as split segments (the manifest's segment map) is reassembled from them and compared;
 * the runtime's constraints: each expert's three weight tensors byte-adjacent in one file, and
   the probe experts (expert 0 of the first MoE layer and of each MTP layer) present.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from .container import MANIFEST_NAME, MAX_FILES, Container
 from .errors import InputError
 from .manifest import build_manifest, compare_manifests, load_manifest
+from .segments import SegmentSpec, reassembled_digest
 
 COMPARE_CHUNK = 16 * 1024 * 1024
 
@@ -40,12 +42,17 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     problems: list[str] = []
     src_m = _source_manifest(src, progress)
     dst_m = build_manifest(dst, progress=progress)
-    recorded = Path(dst_dir) / MANIFEST_NAME
-    if recorded.exists():
-        problems += [f"DST manifest: {p}" for p in compare_manifests(load_manifest(recorded), dst_m)]
+    recorded_path = Path(dst_dir) / MANIFEST_NAME
+    segments: dict = {}
+    if recorded_path.exists():
+        recorded = load_manifest(recorded_path)
+        problems += [f"DST manifest: {p}" for p in compare_manifests(recorded, dst_m)]
+        segments = recorded.get("segments", {})
     else:
         problems.append(f"DST has no {MANIFEST_NAME}")
-    st, dt = src_m["tensors"], dst_m["tensors"]
+    st = dict(src_m["tensors"])
+    dt = dict(dst_m["tensors"])
+    problems += _check_segments(src, dst, st, dt, segments)
     problems += [f"tensor {n}: missing from DST" for n in sorted(st.keys() - dt.keys())]
     problems += [f"tensor {n}: in DST but not in SRC" for n in sorted(dt.keys() - st.keys())]
     for name in sorted(st.keys() & dt.keys()):
@@ -63,11 +70,43 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     if off_path:
         problems.append(f"DST: {len(off_path)} experts are not one read (weights not byte-adjacent), e.g. {off_path[0]}")
     summary = {
-        "src": str(src.root), "dst": str(dst.root), "tensors": len(dt), "files": len(dst.files),
+        "src": str(src.root), "dst": str(dst.root), "tensors": len(dt), "split_tensors": len(segments), "files": len(dst.files),
         "full_byte_compare": full, "src_content_fingerprint": src_m["content_fingerprint"],
         "dst_content_fingerprint": dst_m["content_fingerprint"], "problems": problems,
     }
     return problems, summary
+
+
+def _check_segments(src: Container, dst: Container, st: dict, dt: dict, segments: dict) -> list[str]:
+    """Reassemble every split tensor from its DST segments and compare it with SRC.
+
+    Removes the checked names from ``st`` and ``dt`` so the by-name comparison skips them.
+    """
+    out = []
+    for orig, spec_json in sorted(segments.items()):
+        spec = SegmentSpec(spec_json["kind"], spec_json["rows"], spec_json["row_bytes"], spec_json["split"])
+        top, bottom = spec_json.get("top"), spec_json.get("bottom")
+        src_entry = st.pop(orig, None)
+        refs = [dst.tensors.get(top), dst.tensors.get(bottom)]
+        dt.pop(top, None)
+        dt.pop(bottom, None)
+        if src_entry is None:
+            out.append(f"tensor {orig}: split in DST but not in SRC")
+            continue
+        if None in refs:
+            out.append(f"tensor {orig}: segment {top if refs[0] is None else bottom} missing from DST")
+            continue
+        if spec.rows * spec.row_bytes != src_entry["nbytes"] or refs[0].nbytes != spec.nbytes("top") or refs[1].nbytes != spec.nbytes("bottom"):
+            out.append(f"tensor {orig}: segment sizes do not match the segment map")
+            continue
+        digest = reassembled_digest(spec, (dst.files[refs[0].file], refs[0].entry.begin), (dst.files[refs[1].file], refs[1].entry.begin))
+        if digest != src_entry["xxh3_128"]:
+            out.append(f"tensor {orig} ({dst.files[refs[0].file].name}): segments do not reassemble to SRC's bytes")
+        elif spec.kind == "shared":
+            other = reassembled_digest(spec, (dst.files[refs[1].file], refs[1].entry.begin), (dst.files[refs[1].file], refs[1].entry.begin))
+            if other != digest:
+                out.append(f"tensor {orig}: its bottom copy differs from its top")
+    return out
 
 
 def _byte_compare(src: Container, dst: Container, names: list[str]) -> list[str]:

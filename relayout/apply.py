@@ -14,7 +14,8 @@ from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.hashing import digest_of
 from containers.manifest import build_manifest, load_manifest
-from containers.rewrite import OutputFile, rewrite_container
+from containers.rewrite import Derived, OutputFile, rewrite_container
+from containers.segments import PARTS, SegmentSpec
 from containers.verify import verify_containers
 
 from . import __version__
@@ -23,17 +24,27 @@ from .plan import Plan
 
 
 def output_files(plan: Plan) -> list[OutputFile]:
-    """The plan's new layout as the rewriter's per-file tensor lists."""
+    """The plan's new layout as the rewriter's per-file tensor lists (split segments derived)."""
     lay = plan.layout
     per_file: list[list[tuple[str, int]]] = [[] for _ in lay.files]
-    for li, layer in enumerate(lay.layers):
-        for e in range(lay.n_experts):
-            for slot in range(len(SLOTS)):
-                f, off, _ = lay.expert_loc[li, e, slot].tolist()
-                per_file[f].append((_slot_name(layer, e, slot), off))
+    derived: dict[str, Derived] = {}
+    if lay.segmented:
+        for name, f, off, _ in lay.segment_tensors:
+            per_file[f].append((name, off))
+        for orig, spec in lay.segments.items():
+            s = SegmentSpec(spec["kind"], spec["rows"], spec["row_bytes"], spec["split"])
+            for part in PARTS:
+                derived[spec[part]] = Derived(orig, part, s)
+    else:
+        for li, layer in enumerate(lay.layers):
+            for e in range(lay.n_experts):
+                for slot in range(len(SLOTS)):
+                    f, off, _ = lay.expert_loc[li, e, slot].tolist()
+                    per_file[f].append((_slot_name(layer, e, slot), off))
     for name, f, off, _ in lay.other_tensors:
         per_file[f].append((name, off))
-    return [OutputFile(n, dict(m), sorted(t, key=lambda x: x[1]), s, lay.alignment)
+    return [OutputFile(n, dict(m), sorted(t, key=lambda x: x[1]), s, lay.alignment,
+                       {name: derived[name] for name, _ in t if name in derived})
             for n, m, t, s in zip(lay.files, lay.file_metadata, per_file, lay.file_sizes)]
 
 
@@ -79,8 +90,6 @@ def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, g
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest."""
     if plan.raw["source"]["kind"] != "container":
         raise InputError(plan.path, "this plan was made for a geometry, not a container; plan against the container to rewrite it")
-    if plan.split:
-        raise InputError(plan.path, "rewriting vertical split plans is not implemented yet; replay them, or plan without --split-ratio")
     src = Container.open(src_dir)
     src.require_clean()
     manifest = source_manifest(src, manifest_path)

@@ -49,7 +49,7 @@ def format_inspect(r: dict) -> str:
     for fmt, sizes in r["bytes_per_expert"].items():
         for size, n in sizes.items():
             lines.append(f"  {fmt:<12} {n} experts x {int(size):,} B")
-    lines.append(f"fast path      {r['fast_path_experts']} experts in one read, {r['off_fast_path_experts']} straddle files or are split")
+    lines.append(f"fast path      {r['fast_path_experts']} experts in one read, {r['off_fast_path_experts']} need more than one")
     if r["off_fast_path_examples"]:
         lines.append(f"  off the fast path: {', '.join(r['off_fast_path_examples'])}" + (" ..." if r["off_fast_path_experts"] > 20 else ""))
     lines.append(f"problems       {len(r['problems']) or 'none'}")
@@ -291,7 +291,8 @@ def _verify_and_report(src, dst, full: bool, as_json: bool) -> int:
             print(p)
         if not problems:
             how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
-            print(f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}; runtime constraints hold")
+            split = f", {summary['split_tensors']} split tensors reassembled exactly from their segments" if summary["split_tensors"] else ""
+            print(f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold")
     if problems:
         print(f"relayout: error: {dst}: {len(problems)} problem(s) found by verify", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from containers.container import MAX_FILES, Container, expert_tensor_name
 from containers.errors import InputError
 from containers.geometry import PROJECTIONS, Geometry
 from containers.hashing import digest_of
-from containers.safetensors_io import TensorSpec, plan_shard
+from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
 from containers.synth import converter_order, cut_shards, source_units
 
 SLOTS = tuple(f"{p}.weight" for p in PROJECTIONS) + tuple(f"{p}.scales" for p in PROJECTIONS)
@@ -49,6 +49,15 @@ class Layout:
     alignment: int = 1
     other_tensors: list[list] = field(default_factory=list)   # [name, file, offset, nbytes]
     file_metadata: list[dict] = field(default_factory=list)
+    segments: dict = field(default_factory=dict)                # original name -> SegmentSpec JSON
+    segment_tensors: list[list] = field(default_factory=list)  # [name, file, offset, nbytes]
+
+    @property
+    def segmented(self) -> bool:
+        """Experts are stored as vertical split segments; ``expert_loc`` then describes each expert's
+        segment blocks as contiguous logical extents (for the replay model), and the real tensors
+        are ``segment_tensors``."""
+        return bool(self.segments)
 
     def layer_index(self, layer: int) -> int:
         try:
@@ -90,6 +99,7 @@ class Layout:
             "n_experts": self.n_experts,
             "experts": {str(l): self.expert_loc[i].reshape(self.n_experts, 18).tolist() for i, l in enumerate(self.layers)},
             "other_tensors": self.other_tensors,
+            **({"segments": self.segments, "segment_tensors": self.segment_tensors} if self.segments else {}),
         }
 
     @classmethod
@@ -103,6 +113,7 @@ class Layout:
                 files=[f["name"] for f in files], file_sizes=[int(f["size"]) for f in files],
                 layers=layers, n_experts=E, expert_loc=loc, alignment=int(obj.get("alignment", 1)),
                 other_tensors=obj.get("other_tensors", []), file_metadata=[f.get("metadata", {}) for f in files],
+                segments=obj.get("segments", {}), segment_tensors=obj.get("segment_tensors", []),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise InputError(where, f"malformed layout ({exc})") from None
@@ -117,6 +128,8 @@ def layout_from_container(c: Container) -> Layout:
     """The physical layout of an opened container (its stock layout)."""
     layers = c.routed_layers
     E = c.config.n_routed_experts
+    if any(e.segments for e in c.experts.values()):
+        raise InputError(c.root, "this container stores experts as split segments; plan and measure against the unsplit source")
     loc = np.zeros((len(layers), E, 6, 3), dtype=np.int64)
     for li, layer in enumerate(layers):
         for e in range(E):
@@ -217,8 +230,15 @@ def pack_layout(
     mtp_layers: set[int],
     options: PackOptions = PackOptions(),
     metadata: dict[str, str] | None = None,
+    segments: dict[int, dict] | None = None,
 ) -> Layout:
-    """Place every tensor in new files following ``orders`` (see module doc for the rules)."""
+    """Place every tensor in new files following ``orders`` (see module doc for the rules).
+
+    With ``segments`` (layer -> ``{(proj, is_scale): SegmentSpec}``, a vertical split plan), each
+    expert tensor is stored as its ``.top`` and ``.bottom`` segments: the six weight segments form
+    one block (tops first), the six scale segments another (``docs/SPLIT_SEGMENTS.md``).
+    """
+    segments = segments or {}
     by_name = {t.name: t for t in tensors}
     expert_names = set()
     for layer in layers:
@@ -244,17 +264,40 @@ def pack_layout(
             continue
         target = "out-mtp" if options.mtp_files and layer_of(t.name) in mtp_layers else "out"
         series[target].append([(t, None)])
+    seg_infos: dict[str, TensorInfo] = {}
+    seg_map: dict[str, dict] = {}
+
+    def pieces(layer: int, e: int, slots) -> list[TensorInfo]:
+        """The tensors stored for these slots: the originals, or their top then bottom segments."""
+        if layer not in segments:
+            return [by_name[_slot_name(layer, e, s)] for s in slots]
+        out = []
+        for part in ("top", "bottom"):
+            for s in slots:
+                orig = by_name[_slot_name(layer, e, s)]
+                spec = segments[layer][(PROJECTIONS[s % 3], s >= 3)]
+                if spec.rows * spec.row_bytes != orig.nbytes:
+                    raise InputError(None, f"{orig.name}: {orig.nbytes} bytes do not fit the split geometry")
+                n = spec.nbytes(part)
+                info = TensorInfo(f"{orig.name}.{part}", orig.dtype, (n // DTYPE_SIZES[orig.dtype],), n)
+                seg_infos[info.name] = info
+                seg_map[orig.name] = {**spec.to_json(), "top": f"{orig.name}.top", "bottom": f"{orig.name}.bottom"}
+                out.append(info)
+        return out
+
+    weight_order = (2, 0, 1)  # down, gate, up: the converter's name order
     for layer in layers:
         target = "out-mtp" if options.mtp_files and layer in mtp_layers else "out"
         order = [int(e) for e in orders[layer]]
         if not options.scales_with_weights:
             for e in order:
-                series[target].append([(by_name[_slot_name(layer, e, s)], None if s == 3 else 1) for s in SCALE_SLOTS])
+                ts = pieces(layer, e, SCALE_SLOTS)
+                series[target].append([(t, None if i == 0 else 1) for i, t in enumerate(ts)])
         for e in order:
-            block = [(by_name[_slot_name(layer, e, 2)], None), (by_name[_slot_name(layer, e, 0)], 1), (by_name[_slot_name(layer, e, 1)], 1)]
+            ts = pieces(layer, e, weight_order)
             if options.scales_with_weights:
-                block += [(by_name[_slot_name(layer, e, s)], 1) for s in SCALE_SLOTS]
-            series[target].append(block)
+                ts += pieces(layer, e, SCALE_SLOTS)
+            series[target].append([(t, None if i == 0 else 1) for i, t in enumerate(ts)])
 
     files: list[tuple[str, list[TensorSpec]]] = []
     for prefix, blocks in series.items():
@@ -289,8 +332,20 @@ def pack_layout(
     loc = np.zeros((len(layers), n_experts, 6, 3), dtype=np.int64)
     for li, layer in enumerate(layers):
         for e in range(n_experts):
-            for slot in range(6):
-                loc[li, e, slot] = placed[_slot_name(layer, e, slot)]
-    others = sorted(([n, *placed[n]] for n in placed if n not in expert_names), key=lambda t: (t[1], t[2]))
+            if layer not in segments:
+                for slot in range(6):
+                    loc[li, e, slot] = placed[_slot_name(layer, e, slot)]
+                continue
+            # logical extents: each original tensor's size, laid contiguously from its block's start
+            for slots in (weight_order, SCALE_SLOTS):
+                first = f"{_slot_name(layer, e, slots[0])}.top"
+                f, pos, _ = placed[first]
+                for slot in sorted(slots):
+                    n = by_name[_slot_name(layer, e, slot)].nbytes
+                    loc[li, e, slot] = (f, pos, n)
+                    pos += n
+    names_stored = set(seg_infos)
+    others = sorted(([n, *placed[n]] for n in placed if n not in expert_names and n not in names_stored), key=lambda t: (t[1], t[2]))
+    segs = sorted(([n, *placed[n]] for n in names_stored), key=lambda t: (t[1], t[2]))
     return Layout([n for n, _ in files], [l.file_size for l in final], list(layers), n_experts, loc, al, others,
-                  [dict(meta) for _ in files])
+                  [dict(meta) for _ in files], dict(sorted(seg_map.items())), segs)

@@ -19,9 +19,10 @@ import numpy as np
 from tqdm import tqdm
 
 from containers.atomic import write_json_atomic
-from containers.container import MANIFEST_NAME, MAX_FILES, Container
+from containers.container import MANIFEST_NAME, MAX_FILES, Container, expert_tensor_name
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, Geometry
+from containers.segments import expert_segment_specs
 from containers.hashing import digest_of
 from containers.jsonfile import read_document
 from containers.manifest import build_manifest, load_manifest
@@ -184,8 +185,15 @@ def make_plan(
             "train_runs_per_token": runs_per_token(rows, orders[layer]) if len(rows) else None,
             "stock_train_runs_per_token": runs_per_token(rows, stock_order) if len(rows) else None,
         }
+    split_json = split_plan(trace, source, fmask, split) if split is not None else None
+    segments = None
+    if split_json is not None:
+        g = source.geometry
+        segments = {layer: expert_segment_specs(ExpertFormat.parse(g["expert_formats"][str(layer)]), g["hidden_size"],
+                                                g["moe_intermediate_size"], split_json["segments"][str(layer)]["top_rows"])
+                    for layer in layers}
     layout = pack_layout(source.tensors, layers, E, orders, source.mtp_layers, pack,
-                         metadata={"relayout.version": __version__, "relayout.method": method})
+                         metadata={"relayout.version": __version__, "relayout.method": method}, segments=segments)
     plan = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
@@ -202,12 +210,10 @@ def make_plan(
                      "forwards": int(fmask.sum())},
         "orders": {str(l): orders[l].tolist() for l in layers},
         "layers": per_layer,
-        "split": None,
+        "split": split_json,
         "source_layout": source.stock.to_json(),
         "layout": layout.to_json(),
     }
-    if split is not None:
-        plan["split"] = split_plan(trace, source, fmask, split)
     plan["plan_digest"] = plan_digest(plan)
     return plan
 
@@ -301,7 +307,11 @@ def check_runtime_constraints(layout: Layout, where: str) -> None:
         for e in range(layout.n_experts):
             if len(layout.weight_extents(li, e)) != 1:
                 raise InputError(where, f"expert {layer}.{e}: weights are not byte-adjacent in one file")
-    loc = layout.expert_loc.reshape(-1, 3)
+    if layout.segmented:
+        _check_segment_blocks(layout, where)
+        loc = np.array([[t[1], t[2], t[3]] for t in layout.segment_tensors], dtype=np.int64).reshape(-1, 3)
+    else:
+        loc = layout.expert_loc.reshape(-1, 3)
     other = np.array([[t[1], t[2], t[3]] for t in layout.other_tensors], dtype=np.int64).reshape(-1, 3)
     allx = np.vstack([loc, other])
     allx = allx[np.lexsort((allx[:, 1], allx[:, 0]))]
@@ -311,6 +321,21 @@ def check_runtime_constraints(layout: Layout, where: str) -> None:
     sizes = np.asarray(layout.file_sizes)
     if ((allx[:, 1] + allx[:, 2]) > sizes[allx[:, 0]]).any():
         raise InputError(where, "layout places a tensor beyond its file's end")
+
+
+def _check_segment_blocks(layout: Layout, where: str) -> None:
+    """Each expert's six weight segments are byte-adjacent in one file (one read for the expert)."""
+    placed = {t[0]: (t[1], t[2], t[3]) for t in layout.segment_tensors}
+    for orig, spec in layout.segments.items():
+        for part in ("top", "bottom"):
+            if spec[part] not in placed:
+                raise InputError(where, f"segment {spec[part]} is not placed")
+    for layer in layout.layers:
+        for e in range(layout.n_experts):
+            names = [f"{expert_tensor_name(layer, e, p)}.{part}" for part in ("top", "bottom") for p in ("gate", "up", "down")]
+            ext = sorted(placed[n] for n in names if n in placed)
+            if len(ext) != 6 or len({f for f, _, _ in ext}) != 1 or any(a[1] + a[2] != b[1] for a, b in zip(ext, ext[1:])):
+                raise InputError(where, f"expert {layer}.{e}: weight segments are not byte-adjacent in one file")
 
 
 def plan_summary(plan: dict) -> list[str]:
