@@ -1,6 +1,5 @@
 """Vertical split segments: exact slicing and reassembly, and a split plan rewritten and verified."""
 
-import json
 
 import numpy as np
 import pytest
