@@ -273,45 +273,46 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
         n_jobs_total = len(keys)
     else:
         m_sjob = m_job
-    s_job = np.repeat(m_sjob, 3)
-    s_file = sloc[m_li, m_e, :, 0].ravel()
-    s_off = sloc[m_li, m_e, :, 1].ravel()
-    s_len = np.ceil(sloc[m_li, m_e, :, 2] * keep[:, None]).astype(np.int64).ravel()
+    job_inst = np.zeros(n_jobs_total, dtype=np.int64)
+    job_inst[m_job] = m_inst
+    job_inst[m_sjob] = m_inst
 
-    r_job = np.concatenate([w_job, s_job])
-    r_file = np.concatenate([w_file, s_file])
-    r_off = np.concatenate([w_off, s_off])
-    r_len = np.concatenate([w_len, s_len])
-    r_direct = np.concatenate([np.full(len(w_job), config.direct), np.zeros(len(s_job), dtype=bool)])
-    r_order = np.lexsort((np.arange(len(r_job)), r_job))
-    r_job, r_file, r_off, r_len, r_direct = r_job[r_order], r_file[r_order], r_off[r_order], r_len[r_order], r_direct[r_order]
-    addr = geo.bases[r_file] + r_off
-    d_addr, d_len = widen_direct(addr, r_len, device.direct_alignment)
-    addr = np.where(r_direct, d_addr, addr)
-    rlen = np.where(r_direct, d_len, r_len)
-    # scale reads are buffered: after an expert's first load in a session its scales are in the OS
-    # page cache; a declared warm fraction of the device serves weight reads from RAM too
-    s_warm = np.repeat(~first_touch, 3)
-    m_bytes = m_wlen + np.where(first_touch, s_len.reshape(-1, 3).sum(axis=1), 0)   # bytes from the drives
+    # weight reads: O_DIRECT widens them; a declared warm fraction of the device serves some from RAM
+    w_addr = geo.bases[w_file] + w_off
+    if config.direct:
+        w_addr, w_len = widen_direct(w_addr, w_len, device.direct_alignment)
     w_warm = np.zeros(len(w_job), dtype=bool)
     if device.page_cache_fraction > 0:
         key = (w_file * 1_000_003 + w_off // 4096) % 10_000
         w_warm = key < device.page_cache_fraction * 10_000
-    warm = np.concatenate([w_warm, s_warm])[r_order]
+    # scale reads are buffered: the first load of an expert in a session reads them from the drives;
+    # later loads find them in the OS page cache
+    s_len3 = np.ceil(sloc[m_li, m_e, :, 2] * keep[:, None]).astype(np.int64)      # [misses, 3]
+    s_bytes = s_len3.sum(axis=1)
+    m_bytes = m_wlen + np.where(first_touch, s_bytes, 0)                       # bytes from the drives
+    reads = (np.bincount(job_inst[w_job], minlength=I) + 3 * misses_n) if len(w_job) else 3 * misses_n
+    read_bytes = np.bincount(job_inst[w_job], weights=w_len, minlength=I) + np.bincount(m_inst, weights=s_bytes, minlength=I)
 
-    job_inst = np.zeros(n_jobs_total, dtype=np.int64)
-    job_inst[m_job] = m_inst
-    job_inst[m_sjob] = m_inst
-    reads = np.bincount(job_inst[r_job], minlength=I) if len(r_job) else np.zeros(I, dtype=np.int64)
-    read_bytes = np.bincount(job_inst[r_job], weights=rlen, minlength=I) if len(r_job) else np.zeros(I)
-    # reads served from the page cache cost memory time on their worker and never touch a drive:
-    # fold them into their job's tail, keeping one of them for a job that has nothing else
-    mem_time = rlen / MEMORY_BANDWIDTH
-    cold_per_job = np.bincount(r_job[~warm], minlength=n_jobs_total)
-    first_of_job = np.concatenate([[True], r_job[1:] != r_job[:-1]])
-    keep = ~warm | (first_of_job & (cold_per_job[r_job] == 0))
-    job_tail = np.bincount(r_job, weights=np.where(keep, 0.0, mem_time), minlength=n_jobs_total)
-    r_job, addr, rlen, warm = r_job[keep], addr[keep], rlen[keep], warm[keep]
+    cold = np.flatnonzero(first_touch)
+    s_job = np.repeat(m_sjob[cold], 3)
+    s_addr = (geo.bases[sloc[m_li[cold], m_e[cold], :, 0]] + sloc[m_li[cold], m_e[cold], :, 1]).ravel()
+    s_len = s_len3[cold].ravel()
+    # page-cache reads cost memory time on their worker and never touch a drive: fold them into their
+    # job's tail; a job left with no read at all keeps one empty read to carry it
+    warm_time = np.where(first_touch, 0.0, s_bytes / MEMORY_BANDWIDTH)
+    job_tail = np.bincount(m_sjob, weights=warm_time, minlength=n_jobs_total)
+    job_tail += np.bincount(w_job, weights=np.where(w_warm, w_len / MEMORY_BANDWIDTH, 0.0), minlength=n_jobs_total)
+    w_keep = ~w_warm
+    has_read = np.zeros(n_jobs_total, dtype=bool)
+    has_read[w_job[w_keep]] = True
+    has_read[s_job] = True
+    empty = np.flatnonzero(~has_read)
+    r_job = np.concatenate([w_job[w_keep], s_job, empty])
+    addr = np.concatenate([w_addr[w_keep], s_addr, np.zeros(len(empty), dtype=np.int64)])
+    rlen = np.concatenate([w_len[w_keep], s_len, np.zeros(len(empty), dtype=np.int64)])
+    warm = np.concatenate([np.zeros(int(w_keep.sum()) + len(s_job), dtype=bool), np.ones(len(empty), dtype=bool)])
+    r_order = np.argsort(r_job, kind="stable")
+    r_job, addr, rlen, warm = r_job[r_order], addr[r_order], rlen[r_order], warm[r_order]
     pieces, nbytes = member_split(device, addr, rlen)
     job_nreads = np.bincount(r_job, minlength=n_jobs_total)
     job_first_read = np.concatenate([[0], np.cumsum(job_nreads)[:-1]])
