@@ -117,8 +117,8 @@ def member_split(device: ArrayProfile, start: np.ndarray, length: np.ndarray) ->
     head = start - c0 * c                                   # bytes of the first chunk before the read
     tail = (c1 + 1) * c - end                                # bytes of the last chunk after the read
     rows = np.arange(R)
-    np.subtract.at(nbytes, (rows, c0 % M), head)
-    np.subtract.at(nbytes, (rows, c1 % M), tail)
+    nbytes[rows, c0 % M] -= head      # one index per row: plain fancy assignment is exact
+    nbytes[rows, c1 % M] -= tail
     empty = length <= 0
     pieces[empty] = 0
     nbytes[empty] = 0

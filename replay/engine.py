@@ -193,6 +193,10 @@ class _LayoutArrays:
         self.adjacent = _adjacent(wloc)
         self.bases = file_bases(layout)
         self.n_experts = layout.n_experts
+        # each expert's place in its layer's physical order (file, then offset): the issue order
+        self.rank = np.empty((len(layout.layers), layout.n_experts), dtype=np.int64)
+        for li in range(len(layout.layers)):
+            self.rank[li, np.lexsort((self.pos_off[li], self.pos_file[li]))] = np.arange(layout.n_experts)
 
 
 def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, resident_comp, geo: _LayoutArrays,
@@ -202,7 +206,7 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
 
 
     # ---- missing experts, in issue (physical) order
-    order = np.lexsort((pos_off[m_li, m_e], pos_file[m_li, m_e], m_inst))
+    order = np.argsort((m_inst * geo.n_experts + geo.rank[m_li, m_e]).astype(np.int32 if I * geo.n_experts < 2**31 else np.int64))
     m_inst, m_li, m_e, m_top = m_inst[order], m_li[order], m_e[order], m_top[order]
     m_comp, first_touch = m_comp[order], m_first_access[order]
     if split is not None:
@@ -314,6 +318,10 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
     r_order = np.argsort(r_job, kind="stable")
     r_job, addr, rlen, warm = r_job[r_order], addr[r_order], rlen[r_order], warm[r_order]
     pieces, nbytes = member_split(device, addr, rlen)
+    if warm.any():
+        pieces, nbytes = np.where(warm[:, None], 0, pieces), np.where(warm[:, None], 0, nbytes)
+    usage.transfer_seconds += nbytes.sum(axis=0) / device.drive.bandwidth
+    usage.requests += pieces.sum(axis=0)
     job_nreads = np.bincount(r_job, minlength=n_jobs_total)
     job_first_read = np.concatenate([[0], np.cumsum(job_nreads)[:-1]])
     inst_njobs = np.bincount(job_inst, minlength=I) if n_jobs_total else np.zeros(I, dtype=np.int64)
@@ -321,8 +329,12 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
 
     job_done = np.zeros(n_jobs_total)
     insts_with_jobs = np.flatnonzero(inst_njobs)
-    for nj in np.unique(inst_njobs[insts_with_jobs]):
-        group = insts_with_jobs[inst_njobs[insts_with_jobs] == nj]
+    # batch instances with the same number of jobs and of reads: every one of them takes every step
+    inst_nreads = np.bincount(job_inst, weights=job_nreads, minlength=I).astype(np.int64)
+    key = inst_njobs[insts_with_jobs] * (int(inst_nreads.max(initial=0)) + 1) + inst_nreads[insts_with_jobs]
+    for k in np.unique(key):
+        group = insts_with_jobs[key == k]
+        nj = int(inst_njobs[group[0]])
         for b in range(0, len(group), BATCH_INSTANCES):
             g = group[b : b + BATCH_INSTANCES]
             jobs = inst_first_job[g][:, None] + np.arange(nj)[None, :]          # [G, J]
@@ -349,7 +361,10 @@ def _first_in_session(session: np.ndarray, key: np.ndarray) -> np.ndarray:
     """True where (session, key) occurs for the first time, in array order."""
     if not len(key):
         return np.zeros(0, dtype=bool)
-    _, first = np.unique(session * (int(key.max()) + 1) + key, return_index=True)
+    combined = session * (int(key.max()) + 1) + key
+    if combined.max() < 2**31:
+        combined = combined.astype(np.int32)
+    _, first = np.unique(combined, return_index=True)
     out = np.zeros(len(key), dtype=bool)
     out[first] = True
     return out
@@ -409,11 +424,15 @@ def _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbyt
         w = np.argmin(t_w, axis=1)
         t = t_w[rows, w]
         act = np.isfinite(t)
-        if not act.any():
+        if act.all():
+            g, gi = rows, slice(None)        # every instance steps: per-instance state is used in place
+        elif act.any():
+            g = rows[act]
+            gi = g
+            w = w[act]
+            t = t[act]
+        else:
             break
-        g = rows[act]
-        w = w[act]
-        t = t[act]
         take = wjob[g, w] < 0
         if take.any():
             gt = g[take]
@@ -422,31 +441,30 @@ def _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbyt
             next_job[gt] += 1
         j = wjob[g, w]
         job = jobs[g, j]
-        r = job_first_read[job] + wpos[g, w]
+        pos = wpos[g, w]
+        r = job_first_read[job] + pos
         nb = nbytes[r]                                  # [A, M]
-        pc = pieces[r]
-        lat = drive.request_seconds * np.ceil(pc / drive.queue_slots)
+        lat = drive.request_seconds * np.ceil(pieces[r] / drive.queue_slots)
         on = nb > 0
-        small = (rlen[r] <= SMALL_READ_BYTES)[:, None]
-        xm = nb / drive.bandwidth
-        queued_start = np.maximum(t[:, None] + lat, np.where(small, sfree[g], mfree[g]))
-        mdone = np.where(on, queued_start + xm, -np.inf)
-        usage.residence_seconds += np.where(on, mdone - t[:, None], 0.0).sum(axis=0)
-        usage.transfer_seconds += (nb / drive.bandwidth).sum(axis=0)
-        usage.requests += pc.sum(axis=0)
-        mfree[g] = np.where(on, np.where(small, mfree[g] + xm, mdone), mfree[g])
-        sfree[g] = np.where(on & small, mdone, sfree[g])
         total = rlen[r]
-        small1 = small[:, 0]
+        small1 = total <= SMALL_READ_BYTES
+        small = small1[:, None]
+        xm = nb / drive.bandwidth
+        mf, sf = mfree[gi], sfree[gi]
+        mdone = np.where(on, np.maximum(t[:, None] + lat, np.where(small, sf, mf)) + xm, -np.inf)
+        usage.residence_seconds += np.where(on, mdone - t[:, None], 0.0).sum(axis=0)
+        mfree[gi] = np.where(on, np.where(small, mf + xm, mdone), mf)
+        sfree[gi] = np.where(on & small, mdone, sf)
         xfer = total / device.host_bandwidth
-        hdone = np.maximum(np.where(small1, hsfree[g], hfree[g]), t) + xfer
-        dev_done = np.maximum(mdone.max(axis=1), hdone)
+        hf, hs = hfree[gi], hsfree[gi]
+        hdone = np.maximum(np.where(small1, hs, hf), t) + xfer
         hw = warm[r]
-        hfree[g] = np.where(hw, hfree[g], np.where(small1, hfree[g] + xfer, hdone))
-        hsfree[g] = np.where(~hw & small1, hdone, hsfree[g])
-        done = np.where(hw, t + total / MEMORY_BANDWIDTH, dev_done)
-        wpos[g, w] += 1
-        finished = wpos[g, w] >= job_nreads[job]
+        hfree[gi] = np.where(hw, hf, np.where(small1, hf + xfer, hdone))
+        hsfree[gi] = np.where(~hw & small1, hdone, hs)
+        done = np.where(hw, t + total / MEMORY_BANDWIDTH, np.maximum(mdone.max(axis=1), hdone))
+        pos = pos + 1
+        wpos[g, w] = pos
+        finished = pos >= job_nreads[job]
         done = np.where(finished, done + job_tail[job], done)
         wfree[g, w] = done
         if finished.any():
