@@ -133,8 +133,16 @@ def simulate(
 
     ex = trace.experts[rows].astype(np.int64)
     valid = ex >= 0
-    sel_key, mult = np.unique((np.repeat(row_inst, ex.shape[1]).reshape(ex.shape) * E + ex)[valid], return_counts=True)
-    sel_inst, sel_e = sel_key // E, sel_key % E
+    if len(row_inst) == I:
+        # one position per instance (plain decode): the union is the row itself, sorted
+        srt = np.sort(np.where(valid, ex, E), axis=1)
+        keep = srt < E
+        sel_inst = np.repeat(np.arange(I), keep.sum(axis=1))
+        sel_e = srt[keep]
+        mult = np.ones(len(sel_e), dtype=np.int64)
+    else:
+        sel_key, mult = np.unique((np.repeat(row_inst, ex.shape[1]).reshape(ex.shape) * E + ex)[valid], return_counts=True)
+        sel_inst, sel_e = sel_key // E, sel_key % E
     sel_li = inst_li[sel_inst]
 
     ebytes = layout.expert_bytes()                         # [L, E]
@@ -400,13 +408,40 @@ def _compute_thread(resident: np.ndarray, ready: np.ndarray, comp: np.ndarray) -
     return stall
 
 
+def _device_read(r, t, gi, pieces, nbytes, rlen, warm, device: ArrayProfile, mfree, sfree, hfree, hsfree,
+                 usage: DeviceUsage) -> np.ndarray:
+    """Serve reads ``r`` issued at times ``t`` (one per instance ``gi``); returns their completion times.
+
+    Updates the members' large and small channels and the host link in place.
+    """
+    drive = device.drive
+    nb = nbytes[r]                                  # [A, M]
+    lat = drive.request_seconds * np.ceil(pieces[r] / drive.queue_slots)
+    on = nb > 0
+    total = rlen[r]
+    small1 = total <= SMALL_READ_BYTES
+    small = small1[:, None]
+    xm = nb / drive.bandwidth
+    mf, sf = mfree[gi], sfree[gi]
+    mdone = np.where(on, np.maximum(t[:, None] + lat, np.where(small, sf, mf)) + xm, -np.inf)
+    usage.residence_seconds += np.where(on, mdone - t[:, None], 0.0).sum(axis=0)
+    mfree[gi] = np.where(on, np.where(small, mf + xm, mdone), mf)
+    sfree[gi] = np.where(on & small, mdone, sf)
+    xfer = total / device.host_bandwidth
+    hf, hs = hfree[gi], hsfree[gi]
+    hdone = np.maximum(np.where(small1, hs, hf), t) + xfer
+    hw = warm[r]
+    hfree[gi] = np.where(hw, hf, np.where(small1, hf + xfer, hdone))
+    hsfree[gi] = np.where(~hw & small1, hdone, hs)
+    return np.where(hw, t + total / MEMORY_BANDWIDTH, np.maximum(mdone.max(axis=1), hdone))
+
+
 def _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbytes, rlen, warm, device: ArrayProfile,
               config: RuntimeConfig, usage: DeviceUsage) -> None:
     """Event-ordered simulation of the reader pool for a batch of instances with J jobs each."""
     G, J = jobs.shape
     W = config.in_flight
     M = device.members
-    drive = device.drive
     wfree = np.zeros((G, W))
     wjob = np.full((G, W), -1, dtype=np.int64)
     wpos = np.zeros((G, W), dtype=np.int64)
@@ -418,6 +453,14 @@ def _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbyt
     rows = np.arange(G)
     nreads = job_nreads[jobs]                       # [G, J]
     total_steps = int(nreads.sum(axis=1).max())
+    if W >= J and (nreads == 1).all():
+        # every job is one read and has a worker of its own: all are issued at time 0, in order
+        for i in range(J):
+            job = jobs[:, i]
+            r = job_first_read[job]
+            done = _device_read(r, np.zeros(G), slice(None), pieces, nbytes, rlen, warm, device, mfree, sfree, hfree, hsfree, usage)
+            job_done[job] = done + job_tail[job]
+        return
     for _ in range(total_steps):
         has_work = (wjob >= 0) | (next_job < J)[:, None]
         t_w = np.where(has_work, wfree, np.inf)
@@ -443,25 +486,7 @@ def _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbyt
         job = jobs[g, j]
         pos = wpos[g, w]
         r = job_first_read[job] + pos
-        nb = nbytes[r]                                  # [A, M]
-        lat = drive.request_seconds * np.ceil(pieces[r] / drive.queue_slots)
-        on = nb > 0
-        total = rlen[r]
-        small1 = total <= SMALL_READ_BYTES
-        small = small1[:, None]
-        xm = nb / drive.bandwidth
-        mf, sf = mfree[gi], sfree[gi]
-        mdone = np.where(on, np.maximum(t[:, None] + lat, np.where(small, sf, mf)) + xm, -np.inf)
-        usage.residence_seconds += np.where(on, mdone - t[:, None], 0.0).sum(axis=0)
-        mfree[gi] = np.where(on, np.where(small, mf + xm, mdone), mf)
-        sfree[gi] = np.where(on & small, mdone, sf)
-        xfer = total / device.host_bandwidth
-        hf, hs = hfree[gi], hsfree[gi]
-        hdone = np.maximum(np.where(small1, hs, hf), t) + xfer
-        hw = warm[r]
-        hfree[gi] = np.where(hw, hf, np.where(small1, hf + xfer, hdone))
-        hsfree[gi] = np.where(~hw & small1, hdone, hs)
-        done = np.where(hw, t + total / MEMORY_BANDWIDTH, np.maximum(mdone.max(axis=1), hdone))
+        done = _device_read(r, t, gi, pieces, nbytes, rlen, warm, device, mfree, sfree, hfree, hsfree, usage)
         pos = pos + 1
         wpos[g, w] = pos
         finished = pos >= job_nreads[job]
