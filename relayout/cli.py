@@ -367,7 +367,11 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relayout", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="relayout",
+        description="Co-activation layouts for MoE expert containers streamed from NVMe: plan, replay and gate, "
+                    "rewrite, verify, measure.",
+    )
     p.add_argument("--version", action="version", version=f"relayout {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -376,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("synth", help="generate synthetic containers")
+    s = sub.add_parser("synth", help="generate synthetic containers and routing traces")
     synth = s.add_subparsers(dest="what", required=True, metavar="WHAT")
     c = synth.add_parser("container", help="write a synthetic container")
     c.add_argument("out")
