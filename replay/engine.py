@@ -207,42 +207,69 @@ class _LayoutArrays:
             self.rank[li, np.lexsort((self.pos_off[li], self.pos_file[li]))] = np.arange(layout.n_experts)
 
 
-def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, resident_comp, geo: _LayoutArrays,
-                    device: ArrayProfile, config: RuntimeConfig, split: SplitState | None, usage: DeviceUsage):
-    """The timing model for instances ``0..I-1`` of a chunk, given their missing experts."""
-    wloc, sloc, pos_file, pos_off, wbytes = geo.wloc, geo.sloc, geo.pos_file, geo.pos_off, geo.wbytes
+@dataclass
+class _Misses:
+    """The missing experts of a chunk's instances, in issue (physical) order within each instance."""
+
+    inst: np.ndarray
+    li: np.ndarray
+    e: np.ndarray
+    top: np.ndarray          # a resident top segment leaves only the bottom to read
+    comp: np.ndarray         # compute still to do after the bytes arrive (s)
+    first_touch: np.ndarray  # first load of this expert in its session (scales not yet in the page cache)
+    keep: np.ndarray         # share of the expert's bytes still to read
+    wlen: np.ndarray         # weight bytes to read
 
 
-    # ---- missing experts, in issue (physical) order
-    order = np.argsort((m_inst * geo.n_experts + geo.rank[m_li, m_e]).astype(np.int32 if I * geo.n_experts < 2**31 else np.int64))
+@dataclass
+class _Jobs:
+    """Load jobs: each missing expert's weight job and scale job (the same job unless coalescing)."""
+
+    n: int
+    weight_job: np.ndarray   # per missing expert
+    scale_job: np.ndarray    # per missing expert
+    inst: np.ndarray         # per job
+    w_job: np.ndarray        # per weight read
+    w_file: np.ndarray
+    w_off: np.ndarray
+    w_len: np.ndarray
+
+
+def _order_misses(m_inst, m_li, m_e, m_top, m_comp, m_first_access, I, geo: "_LayoutArrays", split) -> _Misses:
+    key = m_inst * geo.n_experts + geo.rank[m_li, m_e]
+    order = np.argsort(key.astype(np.int32 if I * geo.n_experts < 2**31 else np.int64))
     m_inst, m_li, m_e, m_top = m_inst[order], m_li[order], m_e[order], m_top[order]
-    m_comp, first_touch = m_comp[order], m_first_access[order]
+    comp = m_comp[order]
+    keep = np.ones(len(m_e))
     if split is not None:
-        m_comp = np.where(m_top, m_comp * (1 - split.top_fraction[m_li]), m_comp)
-    keep = 1 - split.top_fraction[m_li] if split is not None else np.ones(len(m_e))
-    keep = np.where(m_top, keep, 1.0)                      # share of weights and scales still to read
-    m_wlen = np.ceil(wbytes[m_li, m_e] * keep).astype(np.int64)
-    misses_n = np.bincount(m_inst, minlength=I)
+        comp = np.where(m_top, comp * (1 - split.top_fraction[m_li]), comp)
+        keep = np.where(m_top, 1 - split.top_fraction[m_li], 1.0)
+    wlen = np.ceil(geo.wbytes[m_li, m_e] * keep).astype(np.int64)
+    return _Misses(m_inst, m_li, m_e, m_top, comp, m_first_access[order], keep, wlen)
 
-    # ---- weight extents of each missing expert (1 when adjacent, else 3; a resident top leaves a bottom read)
-    n_ext = np.where(geo.adjacent[m_li, m_e] | m_top, 1, 3)
-    x_miss = np.repeat(np.arange(len(m_e)), n_ext)
+
+def _plan_jobs(ms: _Misses, geo: "_LayoutArrays", config: RuntimeConfig) -> _Jobs:
+    """One job per missing expert (weights: one extent when byte-adjacent, else three; then its
+    scales); with coalescing, runs of one-extent experts contiguous in one file (gap <=
+    ``coalesce_gap_bytes``, span <= ``coalesce_max_bytes``) share one weight read, and each expert's
+    scale preads become a job of their own queued after it, so other workers take them."""
+    wloc, pos_file, pos_off = geo.wloc, geo.pos_file, geo.pos_off
+    n_ext = np.where(geo.adjacent[ms.li, ms.e] | ms.top, 1, 3)
+    x_miss = np.repeat(np.arange(len(ms.e)), n_ext)
     x_k = np.arange(len(x_miss)) - np.repeat(np.cumsum(n_ext) - n_ext, n_ext)
-    x_li, x_e = m_li[x_miss], m_e[x_miss]
+    x_li, x_e = ms.li[x_miss], ms.e[x_miss]
     single = n_ext[x_miss] == 1
     x_file = np.where(single, pos_file[x_li, x_e], wloc[x_li, x_e, x_k, 0])
     x_off = np.where(single, pos_off[x_li, x_e], wloc[x_li, x_e, x_k, 1])
-    x_len = np.where(single, m_wlen[x_miss], wloc[x_li, x_e, x_k, 2])
+    x_len = np.where(single, ms.wlen[x_miss], wloc[x_li, x_e, x_k, 2])
 
-    # ---- jobs: one per missing expert; with coalescing, runs of single-extent experts contiguous
-    # in one file (gap <= coalesce_gap_bytes, span <= coalesce_max_bytes) share one job and one read
     m_single = n_ext == 1
-    m_start = pos_off[m_li, m_e]
-    m_end = m_start + m_wlen
-    if config.coalesce and len(m_e):
-        m_file = pos_file[m_li, m_e]
+    m_start = pos_off[ms.li, ms.e]
+    m_end = m_start + ms.wlen
+    if config.coalesce and len(ms.e):
+        m_file = pos_file[ms.li, ms.e]
         gap = m_start[1:] - m_end[:-1]
-        joins = (m_inst[1:] == m_inst[:-1]) & m_single[1:] & m_single[:-1] & (m_file[1:] == m_file[:-1]) \
+        joins = (ms.inst[1:] == ms.inst[:-1]) & m_single[1:] & m_single[:-1] & (m_file[1:] == m_file[:-1]) \
             & (gap >= 0) & (gap <= config.coalesce_gap_bytes)
         brk = np.concatenate([[True], ~joins])
         run_start = np.flatnonzero(brk)
@@ -252,70 +279,78 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
         newjob[1:] |= chunk[1:] != chunk[:-1]
         m_job = np.cumsum(newjob) - 1
     else:
-        m_job = np.arange(len(m_e))
-    n_jobs_total = int(m_job[-1]) + 1 if len(m_job) else 0
-    job_size = np.bincount(m_job, minlength=n_jobs_total)
+        m_job = np.arange(len(ms.e))
+    n_jobs = int(m_job[-1]) + 1 if len(m_job) else 0
+    job_size = np.bincount(m_job, minlength=n_jobs)
     merged = job_size[m_job] > 1
     # weight reads: a merged job reads its span once; any other job reads its expert's extents
     x_keep = ~merged[x_miss]
-    jstart = np.full(n_jobs_total, np.iinfo(np.int64).max)
-    jend = np.zeros(n_jobs_total, dtype=np.int64)
+    jstart = np.full(n_jobs, np.iinfo(np.int64).max)
+    jend = np.zeros(n_jobs, dtype=np.int64)
     np.minimum.at(jstart, m_job[merged], m_start[merged])
     np.maximum.at(jend, m_job[merged], m_end[merged])
-    jfile = np.zeros(n_jobs_total, dtype=np.int64)
-    jfile[m_job[merged]] = pos_file[m_li, m_e][merged]
+    jfile = np.zeros(n_jobs, dtype=np.int64)
+    jfile[m_job[merged]] = pos_file[ms.li, ms.e][merged]
     mj = np.flatnonzero(job_size > 1)
     w_job = np.concatenate([m_job[x_miss][x_keep], mj])
     w_file = np.concatenate([x_file[x_keep], jfile[mj]])
     w_off = np.concatenate([x_off[x_keep], jstart[mj]])
     w_len = np.concatenate([x_len[x_keep], jend[mj] - jstart[mj]])
-    # scale reads: three buffered preads per missing expert, after its job's weight reads
-    # with coalescing, each expert's scale preads are a job of their own, queued after the run's
-    # weight job, so other workers take them while the merged read streams
     if config.coalesce and len(m_job):
         run_first = np.concatenate([[0], np.flatnonzero(np.diff(m_job)) + 1])
         wkey = 2 * run_first[m_job]
         skey = 2 * np.arange(len(m_job)) + 1
         keys, inv = np.unique(np.concatenate([wkey, skey]), return_inverse=True)
         renum_w, m_sjob = inv[: len(m_job)], inv[len(m_job):]
-        remap = np.zeros(n_jobs_total, dtype=np.int64)
+        remap = np.zeros(n_jobs, dtype=np.int64)
         remap[m_job] = renum_w
         w_job = remap[w_job]
         m_job = renum_w
-        n_jobs_total = len(keys)
+        n_jobs = len(keys)
     else:
         m_sjob = m_job
-    job_inst = np.zeros(n_jobs_total, dtype=np.int64)
-    job_inst[m_job] = m_inst
-    job_inst[m_sjob] = m_inst
+    job_inst = np.zeros(n_jobs, dtype=np.int64)
+    job_inst[m_job] = ms.inst
+    job_inst[m_sjob] = ms.inst
+    return _Jobs(n_jobs, m_job, m_sjob, job_inst, w_job, w_file, w_off, w_len)
+
+
+def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, resident_comp, geo: _LayoutArrays,
+                    device: ArrayProfile, config: RuntimeConfig, split: SplitState | None, usage: DeviceUsage):
+    """The timing model for instances ``0..I-1`` of a chunk, given their missing experts."""
+    ms = _order_misses(m_inst, m_li, m_e, m_top, m_comp, m_first_access, I, geo, split)
+    misses_n = np.bincount(ms.inst, minlength=I)
+    jb = _plan_jobs(ms, geo, config)
+    w_job, w_len = jb.w_job, jb.w_len
 
     # weight reads: O_DIRECT widens them; a declared warm fraction of the device serves some from RAM
-    w_addr = geo.bases[w_file] + w_off
+    w_addr = geo.bases[jb.w_file] + jb.w_off
     if config.direct:
         w_addr, w_len = widen_direct(w_addr, w_len, device.direct_alignment)
     w_warm = np.zeros(len(w_job), dtype=bool)
     if device.page_cache_fraction > 0:
-        key = (w_file * 1_000_003 + w_off // 4096) % 10_000
+        key = (jb.w_file * 1_000_003 + jb.w_off // 4096) % 10_000
         w_warm = key < device.page_cache_fraction * 10_000
     # scale reads are buffered: the first load of an expert in a session reads them from the drives;
     # later loads find them in the OS page cache
-    s_len3 = np.ceil(sloc[m_li, m_e, :, 2] * keep[:, None]).astype(np.int64)      # [misses, 3]
+    sloc = geo.sloc
+    s_len3 = np.ceil(sloc[ms.li, ms.e, :, 2] * ms.keep[:, None]).astype(np.int64)      # [misses, 3]
     s_bytes = s_len3.sum(axis=1)
-    m_bytes = m_wlen + np.where(first_touch, s_bytes, 0)                       # bytes from the drives
-    reads = (np.bincount(job_inst[w_job], minlength=I) + 3 * misses_n) if len(w_job) else 3 * misses_n
-    read_bytes = np.bincount(job_inst[w_job], weights=w_len, minlength=I) + np.bincount(m_inst, weights=s_bytes, minlength=I)
+    m_bytes = ms.wlen + np.where(ms.first_touch, s_bytes, 0)                       # bytes from the drives
+    reads = (np.bincount(jb.inst[w_job], minlength=I) + 3 * misses_n) if len(w_job) else 3 * misses_n
+    read_bytes = np.bincount(jb.inst[w_job], weights=w_len, minlength=I) + np.bincount(ms.inst, weights=s_bytes, minlength=I)
 
-    cold = np.flatnonzero(first_touch)
-    s_job = np.repeat(m_sjob[cold], 3)
-    s_addr = (geo.bases[sloc[m_li[cold], m_e[cold], :, 0]] + sloc[m_li[cold], m_e[cold], :, 1]).ravel()
+    cold = np.flatnonzero(ms.first_touch)
+    s_job = np.repeat(jb.scale_job[cold], 3)
+    s_addr = (geo.bases[sloc[ms.li[cold], ms.e[cold], :, 0]] + sloc[ms.li[cold], ms.e[cold], :, 1]).ravel()
     s_len = s_len3[cold].ravel()
     # page-cache reads cost memory time on their worker and never touch a drive: fold them into their
     # job's tail; a job left with no read at all keeps one empty read to carry it
-    warm_time = np.where(first_touch, 0.0, s_bytes / MEMORY_BANDWIDTH)
-    job_tail = np.bincount(m_sjob, weights=warm_time, minlength=n_jobs_total)
-    job_tail += np.bincount(w_job, weights=np.where(w_warm, w_len / MEMORY_BANDWIDTH, 0.0), minlength=n_jobs_total)
+    warm_time = np.where(ms.first_touch, 0.0, s_bytes / MEMORY_BANDWIDTH)
+    job_tail = np.bincount(jb.scale_job, weights=warm_time, minlength=jb.n)
+    job_tail += np.bincount(w_job, weights=np.where(w_warm, w_len / MEMORY_BANDWIDTH, 0.0), minlength=jb.n)
     w_keep = ~w_warm
-    has_read = np.zeros(n_jobs_total, dtype=bool)
+    has_read = np.zeros(jb.n, dtype=bool)
     has_read[w_job[w_keep]] = True
     has_read[s_job] = True
     empty = np.flatnonzero(~has_read)
@@ -325,20 +360,40 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
     warm = np.concatenate([np.zeros(int(w_keep.sum()) + len(s_job), dtype=bool), np.ones(len(empty), dtype=bool)])
     r_order = np.argsort(r_job, kind="stable")
     r_job, addr, rlen, warm = r_job[r_order], addr[r_order], rlen[r_order], warm[r_order]
+
+    job_done = _time_jobs(I, jb, r_job, addr, rlen, warm, job_tail, device, config, usage)
+
+    # ---- the compute thread, and the oracle's, per instance with misses
+    m_ready = np.maximum(job_done[jb.weight_job], job_done[jb.scale_job]) if len(ms.e) else np.zeros(0)
+    m_oracle_ready = _cumsum_by_group(m_bytes.astype(np.float64), ms.inst) / device.full_bandwidth
+    stall = np.zeros(I)
+    oracle = np.zeros(I)
+    m_first = np.concatenate([[0], np.cumsum(misses_n)[:-1]])
+    with_miss = np.flatnonzero(misses_n)
+    for k in np.unique(misses_n[with_miss]):
+        group = with_miss[misses_n[with_miss] == k]
+        idx = m_first[group][:, None] + np.arange(k)[None, :]
+        stall[group] = _compute_thread(resident_comp[group], m_ready[idx], ms.comp[idx])
+        oracle[group] = _compute_thread(resident_comp[group], m_oracle_ready[idx], ms.comp[idx])
+    return stall, oracle, reads, read_bytes, misses_n
+
+
+def _time_jobs(I, jb: _Jobs, r_job, addr, rlen, warm, job_tail, device: ArrayProfile, config: RuntimeConfig,
+               usage: DeviceUsage) -> np.ndarray:
+    """Completion time of every job: reads split over the members, then the reader-pool simulation,
+    batched over instances with the same numbers of jobs and reads."""
     pieces, nbytes = member_split(device, addr, rlen)
     if warm.any():
         pieces, nbytes = np.where(warm[:, None], 0, pieces), np.where(warm[:, None], 0, nbytes)
     usage.transfer_seconds += nbytes.sum(axis=0) / device.drive.bandwidth
     usage.requests += pieces.sum(axis=0)
-    job_nreads = np.bincount(r_job, minlength=n_jobs_total)
+    job_nreads = np.bincount(r_job, minlength=jb.n)
     job_first_read = np.concatenate([[0], np.cumsum(job_nreads)[:-1]])
-    inst_njobs = np.bincount(job_inst, minlength=I) if n_jobs_total else np.zeros(I, dtype=np.int64)
+    inst_njobs = np.bincount(jb.inst, minlength=I) if jb.n else np.zeros(I, dtype=np.int64)
     inst_first_job = np.concatenate([[0], np.cumsum(inst_njobs)[:-1]])
-
-    job_done = np.zeros(n_jobs_total)
+    job_done = np.zeros(jb.n)
     insts_with_jobs = np.flatnonzero(inst_njobs)
-    # batch instances with the same number of jobs and of reads: every one of them takes every step
-    inst_nreads = np.bincount(job_inst, weights=job_nreads, minlength=I).astype(np.int64)
+    inst_nreads = np.bincount(jb.inst, weights=job_nreads, minlength=I).astype(np.int64)
     key = inst_njobs[insts_with_jobs] * (int(inst_nreads.max(initial=0)) + 1) + inst_nreads[insts_with_jobs]
     for k in np.unique(key):
         group = insts_with_jobs[key == k]
@@ -347,23 +402,8 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
             g = group[b : b + BATCH_INSTANCES]
             jobs = inst_first_job[g][:, None] + np.arange(nj)[None, :]          # [G, J]
             _run_jobs(jobs, job_nreads, job_first_read, job_tail, job_done, pieces, nbytes, rlen, warm, device, config, usage)
+    return job_done
 
-    # ---- the compute thread, per instance with misses
-    stall = np.zeros(I)
-    oracle = np.zeros(I)
-    m_first = np.concatenate([[0], np.cumsum(misses_n)[:-1]])
-    m_ready = np.maximum(job_done[m_job], job_done[m_sjob]) if len(m_job) else np.zeros(0)
-    full_bw = device.full_bandwidth
-    m_cum = _cumsum_by_group(m_bytes.astype(np.float64), m_inst)
-    m_oracle_ready = m_cum / full_bw
-    with_miss = np.flatnonzero(misses_n)
-    for k in np.unique(misses_n[with_miss]):
-        group = with_miss[misses_n[with_miss] == k]
-        idx = m_first[group][:, None] + np.arange(k)[None, :]
-        stall[group] = _compute_thread(resident_comp[group], m_ready[idx], m_comp[idx])
-        oracle[group] = _compute_thread(resident_comp[group], m_oracle_ready[idx], m_comp[idx])
-
-    return stall, oracle, reads, read_bytes, misses_n
 
 def _first_in_session(session: np.ndarray, key: np.ndarray) -> np.ndarray:
     """True where (session, key) occurs for the first time, in array order."""
