@@ -193,7 +193,8 @@ def cmd_plan(args) -> int:
     if args.split_ratio is not None:
         if args.split_ram_gb is None:
             raise InputError(None, "--split-ratio needs --split-ram-gb (RAM for resident top segments)")
-        split = SplitOptions(args.split_ratio, int(args.split_ram_gb * 1e9), args.split_rule, int((args.cache_gb or 0) * 1e9))
+        split = SplitOptions(args.split_ratio, int(args.split_ram_gb * 1e9), args.split_rule, int((args.cache_gb or 0) * 1e9),
+                             args.split_device, args.split_workers)
     pack = PackOptions(shard_bytes=int(args.shard_mb * 1e6), alignment=args.alignment, scales_with_weights=args.scales_with_weights)
     plan = make_plan(trace, source, args.method, args.train_fraction, args.seed, args.resolution, args.weight,
                      args.min_support, pack, split)
@@ -449,8 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scales-with-weights", action="store_true", help="put each expert's scales right after its weights")
     s.add_argument("--split-ratio", type=float, help="vertical split: fraction of the FFN in the top segment")
     s.add_argument("--split-ram-gb", type=float, help="RAM for resident top segments, GB")
-    s.add_argument("--split-rule", default="stall", choices=["heat", "stall"])
-    s.add_argument("--cache-gb", type=float, help="LRU cache the split competes with, GB (stall rule)")
+    s.add_argument("--split-rule", default="stall", choices=["heat", "stall", "replay"],
+                   help="rank tops by heat per byte, closed-form stall per byte, or replayed wait per byte")
+    s.add_argument("--cache-gb", type=float, help="LRU cache the split competes with, GB (stall and replay rules)")
+    s.add_argument("--split-device", default="mac-pro-2019-applraid-4x", help="device profile for the replay rule")
+    s.add_argument("--split-workers", type=int, default=8, help="reader workers for the replay rule")
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("replay", help="replay held-out routing through baseline and plan layouts; gate the rewrite")

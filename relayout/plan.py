@@ -30,7 +30,7 @@ from containers.manifest import build_manifest, load_manifest
 from . import __version__
 from .layout import Layout, PackOptions, TensorInfo, layout_from_container, layout_from_geometry, pack_layout, tensors_of_container
 from .ordering import METHODS, LayerOrder, greedy_modularity_order, heat_order, louvain_order, random_order, runs_per_token
-from .split import RULES, choose_resident, segment_sizes
+from .split import RULES, choose_resident, choose_resident_by_wait, segment_sizes
 from .trace import FORWARD_KINDS, RoutingTrace
 
 PLAN_FORMAT = "relayout.plan"
@@ -142,10 +142,16 @@ def order_layer(method: str, rows: np.ndarray, E: int, stock_order: np.ndarray, 
 
 @dataclass
 class SplitOptions:
+    """A vertical split: FFN share of the top segment, RAM for resident tops (bytes), the rule that
+    ranks experts, the LRU budget it competes with (bytes), and for the ``replay`` rule the device
+    profile and reader workers to replay with."""
+
     ratio: float
     ram_bytes: int
     rule: str = "stall"
     cache_bytes: int = 0
+    device: str = "mac-pro-2019-applraid-4x"
+    workers: int = 8
 
 
 def make_plan(
@@ -185,7 +191,10 @@ def make_plan(
             "train_runs_per_token": runs_per_token(rows, orders[layer]) if len(rows) else None,
             "stock_train_runs_per_token": runs_per_token(rows, stock_order) if len(rows) else None,
         }
-    split_json = split_plan(trace, source, fmask, split) if split is not None else None
+    split_json = None
+    if split is not None:
+        unsplit = pack_layout(source.tensors, layers, E, orders, source.mtp_layers, pack) if split.rule == "replay" else None
+        split_json = split_plan(trace, source, fmask, split, unsplit)
     segments = None
     if split_json is not None:
         g = source.geometry
@@ -218,7 +227,8 @@ def make_plan(
     return plan
 
 
-def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: SplitOptions) -> dict:
+def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: SplitOptions,
+               layout: Layout | None = None) -> dict:
     g = source.geometry
     layers = source.stock.layers
     sizes, ebytes = [], []
@@ -230,9 +240,19 @@ def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: 
         rows = trace.experts[trace.layer_rows(layer, fmask)] if layer in set(trace.layers.tolist()) else np.zeros((0, 1), np.int16)
         heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=g["n_experts"])
     tokens = int(fmask.sum())
-    resident = choose_resident(heat, tokens, sizes, ebytes, opt.ram_bytes, opt.rule, opt.cache_bytes)
+    if opt.rule == "replay":
+        from replay.device import load_device
+        from replay.engine import simulate
+        from replay.runtime import RuntimeConfig
+
+        inst, _ = simulate(trace, fmask, layout, load_device(opt.device), RuntimeConfig(ram_bytes=opt.cache_bytes, workers=opt.workers))
+        frac = np.array([s.top_rows / g["moe_intermediate_size"] for s in sizes])
+        resident = choose_resident_by_wait(inst.expert_wait, frac, sizes, opt.ram_bytes)
+    else:
+        resident = choose_resident(heat, tokens, sizes, ebytes, opt.ram_bytes, opt.rule, opt.cache_bytes)
     return {
         "ratio": opt.ratio, "rule": opt.rule, "ram_bytes": opt.ram_bytes, "cache_bytes": opt.cache_bytes,
+        **({"device": opt.device, "workers": opt.workers} if opt.rule == "replay" else {}),
         "segments": {str(l): {"top_rows": s.top_rows, "top_bytes": s.top_bytes, "bottom_bytes": s.bottom_bytes}
                      for l, s in zip(layers, sizes)},
         "resident": {str(l): r.tolist() for l, r in zip(layers, resident)},

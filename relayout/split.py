@@ -9,12 +9,16 @@ and are needed by both segments, so each segment carries a copy.
 Resident tops are chosen greedily by value per byte under a RAM budget:
 
 * ``heat``: selections per byte;
-* ``stall``: expected stall avoided per resident byte. Closed form until a replay-based value is
-  plugged in: a needed expert whose top is resident saves reading the top segment on the critical
-  path (one request cost plus its bytes at the array's bandwidth), but only when the expert is not
-  already in the LRU cache. The LRU hit probability comes from Che's approximation: with
-  per-token need probability p_e and a cache of c experts, hit_e = 1 - exp(-p_e T) where T solves
-  sum_e (1 - exp(-p_e T)) = c.
+* ``stall``: expected stall avoided per resident byte, in closed form: a needed expert whose top
+  is resident saves reading the top segment on the critical path (one request cost plus its bytes
+  at the array's bandwidth), but only when the expert is not already in the LRU cache. The LRU
+  hit probability comes from Che's approximation: with per-token need probability p_e and a
+  cache of c experts, hit_e = 1 - exp(-p_e T) where T solves sum_e (1 - exp(-p_e T)) = c.
+* ``replay``: the replay model's own account. The training sessions are replayed through the
+  packed layout on a device profile with the LRU budget; each expert is credited with the time
+  the compute thread waited right before its matmul; a resident top removes the top's share of
+  that wait (first order: queueing effects on the other experts are ignored). Value per byte =
+  wait x top share / top bytes.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 from containers.errors import InputError
 from containers.geometry import ExpertFormat
 
-RULES = ("heat", "stall")
+RULES = ("heat", "stall", "replay")
 
 
 @dataclass(frozen=True)
@@ -120,4 +124,24 @@ def choose_resident(
             continue
         used += c[i]
         chosen[idx[i, 0]].append(int(idx[i, 1]))
+    return [np.array(sorted(x), dtype=np.int64) for x in chosen]
+
+
+def choose_resident_by_wait(expert_wait: np.ndarray, top_fraction: np.ndarray, sizes: list[SegmentSizes],
+                            ram_budget: int) -> list[np.ndarray]:
+    """Tops to keep resident, by replayed wait avoided per byte (the ``replay`` rule)."""
+    L, E = expert_wait.shape
+    top = np.array([s.top_bytes for s in sizes], dtype=np.float64)
+    value = expert_wait * top_fraction[:, None] / top[:, None]
+    order = np.lexsort((np.tile(np.arange(E), L), np.repeat(np.arange(L), E), -value.ravel()))
+    chosen = [[] for _ in range(L)]
+    used = 0
+    for flat in order:
+        li, e = divmod(int(flat), E)
+        if value[li, e] <= 0:
+            break
+        if used + top[li] > ram_budget:
+            continue
+        used += int(top[li])
+        chosen[li].append(e)
     return [np.array(sorted(x), dtype=np.int64) for x in chosen]

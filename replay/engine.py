@@ -69,6 +69,7 @@ class InstanceResult:
     misses: np.ndarray
     reads: np.ndarray
     read_bytes: np.ndarray
+    expert_wait: np.ndarray    # [L, E] s the compute thread waited right before each expert's matmul
 
 
 @dataclass
@@ -172,6 +173,7 @@ def simulate(
     read_bytes = np.zeros(I)
     misses_n = np.zeros(I, dtype=np.int64)
     usage = DeviceUsage(np.zeros(device.members), np.zeros(device.members, dtype=np.int64), np.zeros(device.members))
+    expert_wait = np.zeros((L, E))
     sel_start = np.searchsorted(sel_inst, np.arange(I + 1))
     for c0 in range(0, I, CHUNK_INSTANCES):
         c1 = min(I, c0 + CHUNK_INSTANCES)
@@ -179,12 +181,12 @@ def simulate(
         miss = s0 + np.flatnonzero(~hit[s0:s1])
         out = _simulate_chunk(
             c1 - c0, sel_inst[miss] - c0, sel_li[miss], sel_e[miss], top_res[miss], sel_comp[miss], first_access[miss],
-            resident_comp[c0:c1], geo, device, config, split, usage)
+            resident_comp[c0:c1], geo, device, config, split, usage, expert_wait)
         stall[c0:c1], oracle[c0:c1], reads[c0:c1], read_bytes[c0:c1], misses_n[c0:c1] = out
 
     compute = config.dense_seconds + np.bincount(sel_inst, weights=sel_comp, minlength=I)
     return InstanceResult(inst_fwd, inst_li, stall, compute, oracle, union_experts, union_bytes, hits_n, misses_n,
-                          reads, read_bytes), usage
+                          reads, read_bytes, expert_wait), usage
 
 
 class _LayoutArrays:
@@ -316,7 +318,8 @@ def _plan_jobs(ms: _Misses, geo: "_LayoutArrays", config: RuntimeConfig) -> _Job
 
 
 def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, resident_comp, geo: _LayoutArrays,
-                    device: ArrayProfile, config: RuntimeConfig, split: SplitState | None, usage: DeviceUsage):
+                    device: ArrayProfile, config: RuntimeConfig, split: SplitState | None, usage: DeviceUsage,
+                    expert_wait: np.ndarray):
     """The timing model for instances ``0..I-1`` of a chunk, given their missing experts."""
     ms = _order_misses(m_inst, m_li, m_e, m_top, m_comp, m_first_access, I, geo, split)
     misses_n = np.bincount(ms.inst, minlength=I)
@@ -373,8 +376,9 @@ def _simulate_chunk(I, m_inst, m_li, m_e, m_top, m_comp, m_first_access, residen
     for k in np.unique(misses_n[with_miss]):
         group = with_miss[misses_n[with_miss] == k]
         idx = m_first[group][:, None] + np.arange(k)[None, :]
-        stall[group] = _compute_thread(resident_comp[group], m_ready[idx], ms.comp[idx])
-        oracle[group] = _compute_thread(resident_comp[group], m_oracle_ready[idx], ms.comp[idx])
+        stall[group], waits = _compute_thread(resident_comp[group], m_ready[idx], ms.comp[idx])
+        np.add.at(expert_wait, (ms.li[idx], ms.e[idx]), waits)
+        oracle[group], _ = _compute_thread(resident_comp[group], m_oracle_ready[idx], ms.comp[idx])
     return stall, oracle, reads, read_bytes, misses_n
 
 
@@ -437,15 +441,17 @@ def _cumsum_by_group(x: np.ndarray, group: np.ndarray) -> np.ndarray:
     return c - np.repeat(offset, np.diff(np.concatenate([starts, [len(x)]])))
 
 
-def _compute_thread(resident: np.ndarray, ready: np.ndarray, comp: np.ndarray) -> np.ndarray:
-    """Stall [G] of a compute thread that runs resident work, then waits for each expert in order."""
+def _compute_thread(resident: np.ndarray, ready: np.ndarray, comp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A compute thread that runs resident work, then waits for each expert in order.
+
+    Returns the stall [G] and each wait [G, k] (the time spent waiting right before expert k).
+    """
     t = resident.copy()
-    stall = np.zeros(len(t))
+    waits = np.zeros(ready.shape)
     for k in range(ready.shape[1]):
-        wait = np.maximum(ready[:, k] - t, 0.0)
-        stall += wait
-        t = t + wait + comp[:, k]
-    return stall
+        waits[:, k] = np.maximum(ready[:, k] - t, 0.0)
+        t = t + waits[:, k] + comp[:, k]
+    return waits.sum(axis=1), waits
 
 
 def _device_read(r, t, gi, pieces, nbytes, rlen, warm, device: ArrayProfile, mfree, sfree, hfree, hsfree,

@@ -192,3 +192,33 @@ def test_plan_matches_its_schema(planning_setup):
     g, tr = planning_setup
     plan = make_plan(tr, source_from_geometry(g), split=SplitOptions(0.25, 10**6), progress=False)
     jsonschema.validate(json.loads(json.dumps(plan)), json.loads((REPO / "manifests/schemas/plan.schema.json").read_text()))
+
+
+def test_replay_split_rule_ranks_by_replayed_wait_per_byte():
+    from relayout.split import SegmentSizes, choose_resident_by_wait
+
+    wait = np.array([[0.0, 5.0, 1.0], [2.0, 0.0, 4.0]])
+    sizes = [SegmentSizes(1, 100, 300), SegmentSizes(1, 50, 150)]
+    chosen = choose_resident_by_wait(wait, np.array([0.25, 0.25]), sizes, ram_budget=160)
+    # values per byte: L0 [0, .0125, .0025], L1 [.01, 0, .02]; greedy: L1e2 (50 B), L0e1 (150 B),
+    # L1e0 would need 200 B > 160, L0e2 250 B; an expert never waited for is never chosen
+    assert [c.tolist() for c in chosen] == [[1], [2]]
+
+
+def test_replay_split_rule_does_not_lose_to_heat_in_the_replay_model(tmp_path):
+    from replay.device import load_device
+    from replay.gate import compare
+    from replay.runtime import RuntimeConfig
+
+    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=6, ffn=384)
+    tr = synth_trace(g.moe_layers, 128, 8, 1200, 6, seed=1)
+    src = source_from_geometry(g)
+    tops, cache = 80 * g.expert_bytes(0) // 4, 6 * 40 * g.expert_bytes(0)
+    stall = {}
+    for rule in ("heat", "replay"):
+        plan = make_plan(tr, src, split=SplitOptions(0.25, tops, rule, cache_bytes=cache, device="single-nvme", workers=2), progress=False)
+        save_plan(plan, tmp_path / f"{rule}.json")
+        assert plan["split"]["resident_bytes"] <= tops
+        gate = compare(load_plan(tmp_path / f"{rule}.json"), tr, load_device("single-nvme"), RuntimeConfig(workers=2, ram_bytes=cache + tops))
+        stall[rule] = gate["plan_metrics"]["stall_per_token_s"]
+    assert stall["replay"] <= stall["heat"]
