@@ -30,6 +30,7 @@ import numpy as np
 
 from containers.errors import InputError
 from containers.geometry import ExpertFormat
+from replay.runtime import greedy_by_value
 
 RULES = ("heat", "stall", "replay")
 
@@ -99,49 +100,24 @@ def choose_resident(
         raise InputError(None, f"unknown split rule {rule!r} (choose {', '.join(RULES)})")
     L, E = heat.shape
     p = heat / max(tokens, 1)
-    values, costs, ids = [], [], []
+    value = np.zeros((L, E))
+    top = np.array([s.top_bytes for s in sizes], dtype=np.float64)
     for li in range(L):
-        top = sizes[li].top_bytes
         if rule == "heat":
-            v = p[li] / top
+            value[li] = p[li] / top[li]
         else:
             per_layer_cache = cache_bytes / L / max(expert_bytes[li], 1)
             miss = 1 - che_hit_probability(p[li], per_layer_cache)
-            v = p[li] * miss * (request_seconds + top / bandwidth) / top
-        values.append(v)
-        costs.append(np.full(E, top))
-        ids.append(np.stack([np.full(E, li), np.arange(E)], axis=1))
-    v = np.concatenate(values)
-    c = np.concatenate(costs)
-    idx = np.concatenate(ids)
-    order = np.lexsort((idx[:, 1], idx[:, 0], -v))
-    chosen = [[] for _ in range(L)]
-    used = 0
-    for i in order:
-        if v[i] <= 0:
-            break
-        if used + c[i] > ram_budget:
-            continue
-        used += c[i]
-        chosen[idx[i, 0]].append(int(idx[i, 1]))
-    return [np.array(sorted(x), dtype=np.int64) for x in chosen]
+            value[li] = p[li] * miss * (request_seconds + top[li] / bandwidth) / top[li]
+    return _per_layer(greedy_by_value(value, top, ram_budget))
+
+
+def _per_layer(mask: np.ndarray) -> list[np.ndarray]:
+    return [np.flatnonzero(row).astype(np.int64) for row in mask]
 
 
 def choose_resident_by_wait(expert_wait: np.ndarray, top_fraction: np.ndarray, sizes: list[SegmentSizes],
                             ram_budget: int) -> list[np.ndarray]:
     """Tops to keep resident, by replayed wait avoided per byte (the ``replay`` rule)."""
-    L, E = expert_wait.shape
     top = np.array([s.top_bytes for s in sizes], dtype=np.float64)
-    value = expert_wait * top_fraction[:, None] / top[:, None]
-    order = np.lexsort((np.tile(np.arange(E), L), np.repeat(np.arange(L), E), -value.ravel()))
-    chosen = [[] for _ in range(L)]
-    used = 0
-    for flat in order:
-        li, e = divmod(int(flat), E)
-        if value[li, e] <= 0:
-            break
-        if used + top[li] > ram_budget:
-            continue
-        used += int(top[li])
-        chosen[li].append(e)
-    return [np.array(sorted(x), dtype=np.int64) for x in chosen]
+    return _per_layer(greedy_by_value(expert_wait * top_fraction[:, None] / top[:, None], top, ram_budget))

@@ -60,24 +60,32 @@ def lru_capacities(ram_bytes: int, expert_bytes: np.ndarray) -> np.ndarray:
     return (ram_bytes // L // np.maximum(expert_bytes, 1)).astype(np.int64)
 
 
-def pinned_experts(heat: np.ndarray, expert_bytes: np.ndarray, pin_bytes: int) -> np.ndarray:
-    """Boolean [L, E]: hottest experts (selections per byte) until ``pin_bytes`` is used."""
-    L, E = heat.shape
+def greedy_by_value(value: np.ndarray, cost: np.ndarray, budget: float) -> np.ndarray:
+    """Boolean [L, E]: items taken best value first (ties by layer, then id) while they fit.
+
+    ``value`` [L, E] is value per byte; ``cost`` [L] bytes per item of a layer. Items of value
+    <= 0 are never taken; an item that does not fit is skipped and smaller ones may still fit.
+    """
+    L, E = value.shape
     out = np.zeros((L, E), dtype=bool)
-    if pin_bytes <= 0:
-        return out
-    value = heat / np.maximum(expert_bytes, 1)[:, None]
-    order = np.argsort(-value, axis=None, kind="stable")
-    used = 0
-    for flat in order:
-        li, e = divmod(int(flat), E)
-        if heat[li, e] <= 0:
+    order = np.lexsort((np.tile(np.arange(E), L), np.repeat(np.arange(L), E), -value.ravel()))
+    used = 0.0
+    for flat in order.tolist():
+        li, e = divmod(flat, E)
+        if value[li, e] <= 0:
             break
-        if used + expert_bytes[li] > pin_bytes:
-            break
-        used += int(expert_bytes[li])
+        if used + cost[li] > budget:
+            continue
+        used += cost[li]
         out[li, e] = True
     return out
+
+
+def pinned_experts(heat: np.ndarray, expert_bytes: np.ndarray, pin_bytes: int) -> np.ndarray:
+    """Boolean [L, E]: hottest experts (selections per byte) until ``pin_bytes`` is used."""
+    if pin_bytes <= 0:
+        return np.zeros(heat.shape, dtype=bool)
+    return greedy_by_value(heat / np.maximum(expert_bytes, 1)[:, None], np.asarray(expert_bytes, dtype=np.float64), pin_bytes)
 
 
 def lru_hits(
