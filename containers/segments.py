@@ -57,10 +57,6 @@ class SegmentSpec:
         return asdict(self)
 
 
-def segment_name(name: str, part: str) -> str:
-    return f"{name}.{part}"
-
-
 def expert_segment_specs(fmt: ExpertFormat, hidden: int, ffn: int, top_rows: int) -> dict[tuple[str, bool], SegmentSpec]:
     """``{(proj, is_scale): spec}`` for an expert split after ``top_rows`` FFN rows."""
     out = {}

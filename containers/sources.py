@@ -1,5 +1,6 @@
-"""Where tensor bytes come from when a shard is written: a byte range of an existing file, or
-deterministic pseudo-random bytes for synthetic containers.
+"""Where tensor bytes come from when a shard is written: a byte range of an existing file, a
+column block of a row-major region (a split segment), or deterministic pseudo-random bytes for
+synthetic containers.
 
 A source knows its length and yields its bytes in bounded chunks, so writers never hold a
 whole tensor in memory.
@@ -133,24 +134,6 @@ class SeededScales:
 
     def describe(self) -> str:
         return f"seeded scales {self.key!r}"
-
-
-@dataclass(frozen=True)
-class InlineBytes:
-    """A small in-memory byte string (file headers, JSON side files)."""
-
-    data: bytes
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
-
-    def chunks(self) -> Iterator[bytes]:
-        if self.data:
-            yield self.data
-
-    def describe(self) -> str:
-        return "inline bytes"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 from containers.errors import InputError
 from containers.hashing import digest_of
-from containers.jsonfile import load_shipped, shipped_names
+from containers.jsonfile import load_shipped
 
 SPLIT_RULES = ("md", "apple", "none")
 
@@ -78,10 +78,6 @@ class ArrayProfile:
 
     def digest(self) -> str:
         return digest_of(json.dumps(self.to_json(), sort_keys=True).encode())
-
-
-def device_names() -> list[str]:
-    return shipped_names("devices")
 
 
 def load_device(name_or_path: str) -> ArrayProfile:

@@ -189,7 +189,7 @@ def measure(
                         hits.append((e, m))
                     else:
                         misses.append((e, m))
-                misses.sort(key=lambda em: layout.weight_extents(li, em[0])[0][:2])
+                misses.sort(key=lambda em: ext.setdefault((li, em[0]), extents(li, em[0]))[0][0][:2])
                 futures = _submit(pool, job, misses, li, extents, ext, config)
                 t_route = time.perf_counter_ns()
                 _sleep(sum(comp[li, e] * m for e, m in hits))

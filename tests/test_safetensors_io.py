@@ -9,7 +9,20 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard, read_header, write_shard
-from containers.sources import FileRange, InlineBytes, SeededBytes
+from containers.sources import FileRange, SeededBytes
+
+
+class InlineBytes:
+    """A byte source of known bytes, for tests."""
+
+    def __init__(self, data: bytes):
+        self.data, self.nbytes = data, len(data)
+
+    def chunks(self):
+        yield self.data
+
+    def describe(self):
+        return "inline bytes"
 
 
 def raw_file(path, header_obj, data=b"", pad_to=None):
