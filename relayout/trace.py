@@ -148,6 +148,9 @@ class RoutingTrace:
             raise InputError(where, f"an expert id is >= n_experts ({self.n_experts})")
         if F and (self.fwd_session.max() >= len(self.sessions)):
             raise InputError(where, "a forward points at a session that does not exist")
+        run_sessions = self.fwd_session[np.flatnonzero(np.diff(self.fwd_session, prepend=-1))]
+        if len(np.unique(run_sessions)) != len(run_sessions):
+            raise InputError(where, "a session's forwards are not contiguous (sessions interleave)")
         if (self.fwd_committed > self.fwd_evaluated).any():
             raise InputError(where, "a forward commits more tokens than it evaluated")
         if R and not np.isin(self.row_layer, self.layers).all():

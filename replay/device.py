@@ -24,12 +24,17 @@ import json
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from numba import njit
 
 from containers.errors import InputError
 from containers.hashing import digest_of
 from containers.jsonfile import load_shipped
 
-SPLIT_RULES = ("md", "apple", "none")
+from .jit import HELPER, LOOP
+
+SPLIT_RULES = ("none", "md", "apple")
+"""Split rules; the compiled timing model takes a rule as its index here."""
+APPLE = SPLIT_RULES.index("apple")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class ArrayProfile:
             raise InputError(self.name, "an array needs members >= 1 and a positive chunk size")
         if self.split_rule == "none" and self.members != 1:
             raise InputError(self.name, "split rule 'none' is for a single drive")
+        if self.direct_alignment < 1:
+            raise InputError(self.name, "direct_alignment must be >= 1 byte")
         if not 0 <= self.page_cache_fraction <= 1:
             raise InputError(self.name, "page_cache_fraction must be in [0, 1]")
         if self.drive.request_seconds < 0 or self.drive.bandwidth <= 0 or self.host_bandwidth <= 0 or self.drive.queue_slots < 1:
@@ -91,36 +98,49 @@ def load_device(name_or_path: str) -> ArrayProfile:
         raise InputError(where, f"not a valid device profile ({exc})") from None
 
 
-def member_split(device: ArrayProfile, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """How reads ``[start, start+length)`` of the logical address space land on members.
+@njit(**HELPER)
+def split_read(start: int, length: int, members: int, chunk: int, rule: int, pieces: np.ndarray, nbytes: np.ndarray) -> None:
+    """How one read ``[start, start+length)`` of the logical address space lands on the members.
 
-    Returns ``(pieces, nbytes)``, each int64 [R, members]: the number of member requests and the
-    bytes each member transfers. Vectorised over reads; exact for both splitting rules.
+    Fills ``pieces`` (member requests) and ``nbytes`` (bytes each member transfers), int64
+    [members]; ``rule`` is an index into :data:`SPLIT_RULES`. Exact for both splitting rules.
     """
-    start = np.asarray(start, dtype=np.int64)
-    length = np.asarray(length, dtype=np.int64)
-    R, M = len(start), device.members
-    if M == 1:
-        return (length > 0).astype(np.int64)[:, None], length[:, None].copy()
-    c = device.chunk_bytes
-    end = start + length
-    c0 = start // c
-    c1 = (np.maximum(end, start + 1) - 1) // c
-    m = np.arange(M)[None, :]
-    first = c0[:, None] + (m - c0[:, None]) % M           # first chunk index on member m
-    pieces = np.where(first <= c1[:, None], (c1[:, None] - first) // M + 1, 0)
-    nbytes = pieces * c
-    head = start - c0 * c                                   # bytes of the first chunk before the read
-    tail = (c1 + 1) * c - end                                # bytes of the last chunk after the read
-    rows = np.arange(R)
-    nbytes[rows, c0 % M] -= head      # one index per row: plain fancy assignment is exact
-    nbytes[rows, c1 % M] -= tail
-    empty = length <= 0
-    pieces[empty] = 0
-    nbytes[empty] = 0
-    if device.split_rule == "apple":
-        pieces = (nbytes > 0).astype(np.int64)
+    if length <= 0:
+        for m in range(members):
+            pieces[m], nbytes[m] = 0, 0
+        return
+    if members == 1:
+        pieces[0] = 1
+        nbytes[0] = length
+        return
+    c0 = start // chunk                                 # first and last chunk of the read
+    c1 = (start + length - 1) // chunk
+    rounds, extra = divmod(c1 - c0 + 1, members)         # chunks go round the members from c0's
+    first = c0 % members
+    for m in range(members):
+        d = m - first if m >= first else m - first + members    # rank of member m in the round
+        pieces[m] = rounds + 1 if d < extra else rounds
+        nbytes[m] = pieces[m] * chunk
+    nbytes[first] -= start - c0 * chunk                 # bytes of the first chunk before the read
+    nbytes[c1 % members] -= (c1 + 1) * chunk - start - length   # bytes of the last chunk after it
+    if rule == APPLE:
+        for m in range(members):
+            pieces[m] = 1 if nbytes[m] > 0 else 0
+
+
+@njit(**LOOP)
+def _split_reads(start, length, members, chunk, rule):
+    pieces = np.zeros((len(start), members), dtype=np.int64)
+    nbytes = np.zeros((len(start), members), dtype=np.int64)
+    for i in range(len(start)):
+        split_read(start[i], length[i], members, chunk, rule, pieces[i], nbytes[i])
     return pieces, nbytes
+
+
+def member_split(device: ArrayProfile, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`split_read` over arrays of reads: ``(pieces, nbytes)``, each int64 [R, members]."""
+    return _split_reads(np.asarray(start, dtype=np.int64), np.asarray(length, dtype=np.int64),
+                        device.members, device.chunk_bytes, SPLIT_RULES.index(device.split_rule))
 
 
 def widen_direct(start: np.ndarray, length: np.ndarray, alignment: int) -> tuple[np.ndarray, np.ndarray]:

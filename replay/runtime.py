@@ -11,12 +11,14 @@ that starts with a cold LRU (pinned experts are loaded before the run starts).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from numba import njit
 
 from containers.errors import InputError
+
+from .jit import HELPER, LOOP
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class RuntimeConfig:
             raise InputError(None, f"--workers must be 1-16 (got {self.workers})")
         if self.ram_bytes < 0 or self.pin_bytes < 0:
             raise InputError(None, "RAM budgets must be >= 0")
+        if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
+            raise InputError(None, "coalescing needs a span of at least 1 byte and a gap >= 0")
         if self.compute_bytes_per_second <= 0 or self.dense_seconds < 0:
             raise InputError(None, "compute model needs a positive rate and non-negative dense time")
 
@@ -91,43 +95,98 @@ def pinned_experts(heat: np.ndarray, expert_bytes: np.ndarray, pin_bytes: int) -
 def lru_hits(
     inst_layer: np.ndarray,
     inst_session: np.ndarray,
-    sel_inst: np.ndarray,
+    sel_start: np.ndarray,
     sel_expert: np.ndarray,
     capacity: np.ndarray,
     pinned: np.ndarray,
 ) -> np.ndarray:
     """Which union selections are served from RAM.
 
-    Instances (one per forward and layer) are in time order; ``sel_*`` list the union experts of
-    each instance (grouped by instance, ascending). Returns a boolean hit mask over selections.
+    Instances (one per forward and layer) are in time order; instance ``i``'s union experts are
+    ``sel_expert[sel_start[i]:sel_start[i+1]]``, ascending. Returns a boolean hit mask over them.
     """
-    hits = pinned[inst_layer[sel_inst], sel_expert].copy()
-    n_layers = len(capacity)
-    starts = np.searchsorted(sel_inst, np.arange(len(inst_layer) + 1))
-    for li in range(n_layers):
-        cap = int(capacity[li])
+    sel_layer = np.repeat(np.asarray(inst_layer, dtype=np.int64), np.diff(sel_start))
+    hits = pinned[sel_layer, sel_expert]
+    if (np.asarray(capacity) > 0).any():
+        _lru(np.asarray(inst_layer, dtype=np.int64), np.asarray(inst_session, dtype=np.int64), np.asarray(sel_start, dtype=np.int64),
+             np.asarray(sel_expert, dtype=np.int64), np.asarray(capacity, dtype=np.int64), pinned.shape[1], hits)
+    return hits
+
+
+@njit(**LOOP)
+def _lru(inst_layer, inst_session, starts, sel_expert, capacity, n_experts, hits):
+    """Per-layer LRU of ``capacity[layer]`` experts, cleared when a session starts; marks ``hits``.
+
+    An instance first looks up all its (unpinned) experts, refreshing the hits; then its misses
+    are inserted in order, and the least recently used are evicted down to the capacity. Each
+    layer's LRU is a doubly linked list over expert ids (``-1`` ends it), so every step is O(1).
+    """
+    L = len(capacity)
+    newer = np.full((L, n_experts), -1, np.int64)
+    older = np.full((L, n_experts), -1, np.int64)
+    cached = np.zeros((L, n_experts), np.bool_)
+    oldest = np.full(L, -1, np.int64)
+    newest = np.full(L, -1, np.int64)
+    size = np.zeros(L, np.int64)
+    session = np.full(L, -1, np.int64)
+    missed = np.empty(max(1, n_experts), np.int64)
+    for i in range(len(inst_layer)):
+        li = inst_layer[i]
+        cap = capacity[li]
         if cap <= 0:
             continue
-        insts = np.flatnonzero(inst_layer == li)
-        lru: OrderedDict = OrderedDict()
-        session = -1
-        for i in insts.tolist():
-            if inst_session[i] != session:
-                session = inst_session[i]
-                lru.clear()
-            a, b = starts[i], starts[i + 1]
-            missed = []
-            for k in range(a, b):
-                if hits[k]:
-                    continue
-                e = int(sel_expert[k])
-                if e in lru:
-                    lru.move_to_end(e)
-                    hits[k] = True
-                else:
-                    missed.append(e)
-            for e in missed:
-                lru[e] = None
-            while len(lru) > cap:
-                lru.popitem(last=False)
-    return hits
+        if inst_session[i] != session[li]:
+            session[li] = inst_session[i]
+            e = oldest[li]
+            while e >= 0:
+                cached[li, e] = False
+                e = newer[li, e]
+            oldest[li] = newest[li] = -1
+            size[li] = 0
+        n_missed = 0
+        for j in range(starts[i], starts[i + 1]):
+            if hits[j]:
+                continue
+            e = sel_expert[j]
+            if cached[li, e]:
+                hits[j] = True
+                _unlink(li, e, newer, older, oldest, newest)
+                _append(li, e, newer, older, oldest, newest)
+            else:
+                missed[n_missed] = e
+                n_missed += 1
+        for m in range(n_missed):
+            e = missed[m]
+            cached[li, e] = True
+            _append(li, e, newer, older, oldest, newest)
+            size[li] += 1
+        while size[li] > cap:
+            e = oldest[li]
+            _unlink(li, e, newer, older, oldest, newest)
+            cached[li, e] = False
+            size[li] -= 1
+
+
+@njit(**HELPER)
+def _unlink(li, e, newer, older, oldest, newest):
+    n, o = newer[li, e], older[li, e]
+    if o >= 0:
+        newer[li, o] = n
+    else:
+        oldest[li] = n
+    if n >= 0:
+        older[li, n] = o
+    else:
+        newest[li] = o
+
+
+@njit(**HELPER)
+def _append(li, e, newer, older, oldest, newest):
+    """Make ``e`` the most recently used expert of layer ``li``."""
+    older[li, e] = newest[li]
+    newer[li, e] = -1
+    if newest[li] >= 0:
+        newer[li, newest[li]] = e
+    else:
+        oldest[li] = e
+    newest[li] = e

@@ -1,9 +1,12 @@
 """The replay model: closed-form cases, striping by hand, both directions of the gate."""
 
 import json
+from collections import Counter, OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
@@ -12,7 +15,7 @@ from relayout.plan import load_plan, make_plan, save_plan, source_from_geometry
 from relayout.trace import RoutingTrace
 from relayout.trace_synth import SynthParams, synth_trace
 from replay.device import ArrayProfile, DriveProfile, load_device, member_split
-from replay.engine import simulate
+from replay.engine import instance_unions, simulate
 from replay.gate import compare
 from replay.metrics import step_table, summarize
 from replay.runtime import RuntimeConfig, lru_hits
@@ -115,6 +118,76 @@ def test_md_striping_by_hand():
     assert pieces.tolist() == [[3, 2, 2, 2]] and nbytes.sum() == 9 * 524288
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([512, 4096, 32768]), st.sampled_from(["md", "apple"]),
+       st.integers(0, 10**6), st.integers(0, 200_000))
+def test_striping_matches_a_chunk_by_chunk_walk(members, chunk, rule, start, length):
+    rule = rule if members > 1 else "none"
+    dev = ArrayProfile("a", DriveProfile("d", 1e-4, 1e9), members, chunk, rule, 1e12)
+    pieces, nbytes = member_split(dev, np.array([start]), np.array([length]))
+    want_bytes = [0] * members
+    want_pieces = [0] * members
+    pos = start
+    while pos < start + length:                       # one chunk (or its part) at a time
+        c = pos // chunk
+        n = min((c + 1) * chunk, start + length) - pos
+        want_bytes[c % members] += n
+        want_pieces[c % members] += 1
+        pos += n
+    if rule != "md":
+        want_pieces = [int(b > 0) for b in want_bytes]
+    assert nbytes[0].tolist() == want_bytes and pieces[0].tolist() == want_pieces
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.lists(st.integers(0, 11), max_size=6, unique=True)),
+                min_size=1, max_size=40),
+       st.lists(st.integers(0, 5), min_size=3, max_size=3))
+def test_lru_matches_an_ordered_dict(steps, caps):
+    # instances of up to 3 layers, sessions in runs; the reference is the runtime's LRU written plainly
+    steps = sorted(steps, key=lambda s: s[1])              # sessions contiguous, as in a trace
+    inst_layer = np.array([s[0] for s in steps])
+    inst_session = np.array([s[1] for s in steps])
+    sels = [sorted(s[2]) for s in steps]
+    sel_start = np.concatenate([[0], np.cumsum([len(x) for x in sels])])
+    sel_e = np.array([e for x in sels for e in x], dtype=np.int64)
+    pinned = np.zeros((3, 12), bool)
+    pinned[:, 11] = True
+    got = lru_hits(inst_layer, inst_session, sel_start, sel_e, np.array(caps), pinned)
+    want = []
+    caches = {}
+    for (li, sess, _), x in zip(steps, sels):
+        lru = caches.setdefault((li, sess), OrderedDict())
+        missed = []
+        for e in x:
+            if e == 11:
+                want.append(True)
+            elif e in lru:
+                lru.move_to_end(e)
+                want.append(True)
+            else:
+                want.append(False)
+                missed.append(e)
+        if caps[li] > 0:
+            for e in missed:
+                lru[e] = None
+            while len(lru) > caps[li]:
+                lru.popitem(last=False)
+    assert got.tolist() == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(-1, 9), min_size=3, max_size=3), min_size=1, max_size=4), min_size=1, max_size=6))
+def test_batch_union_counts_positions_per_expert(forwards):
+    rows = [r for f in forwards for r in f]
+    row_start = np.concatenate([[0], np.cumsum([len(f) for f in forwards])])
+    sel_start, sel_e, sel_mult = instance_unions(row_start, np.arange(len(rows)), np.array(rows, dtype=np.int16), 10)
+    for i, f in enumerate(forwards):
+        counts = Counter(e for r in f for e in r if e >= 0)
+        a, b = sel_start[i], sel_start[i + 1]
+        assert sel_e[a:b].tolist() == sorted(counts) and sel_mult[a:b].tolist() == [counts[e] for e in sorted(counts)]
+
+
 def test_apple_striping_by_hand():
     apple = ArrayProfile("apple", DriveProfile("d", 1e-4, 1e9), 4, 32768, "apple", 1e12)
     pieces, nbytes = member_split(apple, np.array([0]), np.array([18915328]))  # a GLM expert
@@ -129,9 +202,9 @@ def test_lru_evicts_least_recently_used_and_resets_per_session():
     inst_layer = np.zeros(5, dtype=np.int64)
     inst_session = np.array([0, 0, 0, 0, 1])
     seq = [[1], [2], [1], [3], [1]]           # 1 hit at i=2; 3 evicts 2; new session: 1 misses
-    sel_inst = np.concatenate([[i] * len(s) for i, s in enumerate(seq)])
+    sel_start = np.concatenate([[0], np.cumsum([len(s) for s in seq])])
     sel_e = np.concatenate(seq)
-    hits = lru_hits(inst_layer, inst_session, sel_inst, sel_e, np.array([2]), np.zeros((1, 8), bool))
+    hits = lru_hits(inst_layer, inst_session, sel_start, sel_e, np.array([2]), np.zeros((1, 8), bool))
     assert hits.tolist() == [False, False, True, False, False]
 
 

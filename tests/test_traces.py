@@ -193,6 +193,15 @@ def test_trace_file_round_trip_and_corruption(tmp_path):
         load_trace(tmp_path / "junk")
 
 
+def test_interleaved_sessions_are_refused(tmp_path):
+    # the replay model starts each session with a cold cache: a session must be one run of forwards
+    tr = synth_trace([3], 16, 2, 30, 3, seed=1)
+    tr.validate()
+    tr.fwd_session[[0, 15]] = tr.fwd_session[[15, 0]]
+    with pytest.raises(InputError, match="not contiguous"):
+        tr.validate()
+
+
 def test_synth_trace_is_deterministic_and_structured():
     a = synth_trace([3, 4], 64, 8, 500, 4, seed=1)
     b = synth_trace([3, 4], 64, 8, 500, 4, seed=1)

@@ -1,0 +1,382 @@
+"""One (forward, layer) instance of the timing model: load jobs, reads, the reader pool, the compute thread.
+
+Compiled with numba: an instance is a small sequential event simulation (a handful of jobs of a
+few reads each) and a trace holds hundreds of thousands of them, so a plain loop compiled to
+machine code is both the clearest form of the model and several times faster than vectorising
+across instances with numpy. :func:`simulate_instances` walks the instances in order; the model
+itself is described in :mod:`replay.engine`.
+
+Units: bytes, seconds, bytes/s.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from .device import split_read
+from .jit import HELPER, LOOP
+
+MEMORY_BANDWIDTH = 10e9
+"""Bytes/s for reads served from the OS page cache."""
+
+SMALL_READ_BYTES = 256 * 1024
+"""Reads up to this size queue among themselves, beside the large transfers, as a drive's internal
+parallelism serves them (their transfer time still delays the large transfers)."""
+
+WARM_BUCKETS = 10_000
+"""A weight read is warm when a hash of its (file, 4 KiB page) falls in the first
+``page_cache_fraction`` of this many buckets."""
+
+LayoutArrays = namedtuple(
+    "LayoutArrays", "rank adjacent pos_file pos_off wbytes ebytes seconds top_resident top_fraction wloc sloc bases")
+"""A layout as arrays. Per [L, E]: issue rank (place in the layer's physical order), weights in one
+extent, first weight byte (file, offset), weight bytes, expert bytes (weights and scales), matmul
+seconds per position, top segment resident. Per layer [L]: the FFN share of a top segment.
+Weight and scale extents [L, E, 3, (file, offset, bytes)]; file base addresses [F]."""
+
+ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction")
+"""How the runtime reads: coalescing (largest gap and span, bytes), O_DIRECT (alignment, bytes),
+loads in flight, and the device's declared page-cache fraction of weight reads."""
+
+Array = namedtuple("Array", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth")
+"""A :class:`replay.device.ArrayProfile` as plain numbers (``rule`` indexes ``SPLIT_RULES``)."""
+
+Results = namedtuple("Results", "union_experts union_bytes hits matmul stall oracle misses reads read_bytes "
+                                "expert_wait member_bytes member_requests residence")
+"""Outputs, filled in place. Per instance [I]: union experts and bytes, RAM hits, matmul time of
+all positions (s), stall and oracle stall (s), misses, reads, bytes read. [L, E]: the compute
+thread's wait right before each expert's matmul (s). Per member [M]: bytes transferred,
+requests, residence (s)."""
+
+
+@njit(**LOOP)
+def simulate_instances(sel_start, sel_e, sel_mult, hit, inst_li, inst_session, lay, pol, dev, out):
+    """Time every instance, in order. Instance ``i`` is layer ``inst_li[i]`` of a forward of session
+    ``inst_session[i]``; its union experts are ``sel_e[sel_start[i]:sel_start[i+1]]`` (each needed by
+    ``sel_mult`` positions), of which ``hit`` ones are in RAM. Results go into ``out``.
+    """
+    I = len(sel_start) - 1
+    L, E = lay.rank.shape
+    K = 1
+    for i in range(I):
+        K = max(K, sel_start[i + 1] - sel_start[i])
+    seen = np.full((L, E), -1, np.int64)  # the session that last accessed each expert
+    # the misses of one instance, in issue (physical) order
+    miss_e = np.empty(K, np.int64)
+    miss_top = np.empty(K, np.bool_)     # its top segment is resident: only the bottom is read
+    miss_comp = np.empty(K)              # its matmul time over all positions (s)
+    miss_first = np.empty(K, np.bool_)   # first access in the session: its scales are not yet in the page cache
+    wlen = np.empty(K, np.int64)         # weight bytes it reads
+    sbytes = np.empty(K, np.int64)       # its scale bytes
+    new_job = np.empty(K, np.bool_)      # it starts a new weight job
+    wjob = np.empty(K, np.int64)         # the job carrying its weights
+    sjob = np.empty(K, np.int64)         # the job carrying its scales
+    # the reader pool's jobs and reads
+    job_read = np.empty(2 * K + 1, np.int64)   # first read of each job; one past the last
+    job_tail = np.empty(2 * K)           # page-cache time after a job's reads (s)
+    job_done = np.empty(2 * K)           # completion time of each job (s)
+    r_addr = np.empty(8 * K, np.int64)
+    r_len = np.empty(8 * K, np.int64)
+    r_warm = np.empty(8 * K, np.bool_)
+    wfree = np.empty(pol.workers)        # each worker's free time (s)
+    wjob_of = np.empty(pol.workers, np.int64)  # each worker's job, -1 when idle
+    wpos = np.empty(pol.workers, np.int64)     # its next read within that job
+    mfree = np.empty(dev.members)        # each member's large-transfer channel free time (s)
+    sfree = np.empty(dev.members)        # each member's small-read channel free time (s)
+    host = np.empty(2)                   # the host link's large / small channel free times (s)
+    pieces = np.empty(dev.members, np.int64)
+    nbytes = np.empty(dev.members, np.int64)
+    for i in range(I):
+        li = inst_li[i]
+        k, resident = _select(i, li, sel_start, sel_e, sel_mult, hit, inst_session[i], seen, lay, out,
+                              miss_e, miss_top, miss_comp, miss_first)
+        if k == 0:
+            continue
+        _weight_jobs(li, k, miss_e, miss_top, lay, pol, wlen, new_job)
+        n_jobs = _plan_reads(i, li, k, miss_e, miss_top, miss_first, lay, pol, out, wlen, new_job,
+                             sbytes, wjob, sjob, job_read, job_tail, r_addr, r_len, r_warm)
+        _reader_pool(n_jobs, pol.workers, job_read, job_tail, r_addr, r_len, r_warm, dev,
+                     out.member_bytes, out.member_requests, out.residence, job_done,
+                     wfree, wjob_of, wpos, mfree, sfree, host, pieces, nbytes)
+        _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, resident, lay, dev,
+                        wlen, sbytes, wjob, sjob, job_done, out)
+
+
+@njit(**HELPER)
+def _select(i, li, sel_start, sel_e, sel_mult, hit, session, seen, lay, out, miss_e, miss_top, miss_comp, miss_first):
+    """Count instance ``i``'s union, hits and matmul time; list its misses in issue order.
+
+    Returns the number of misses and the compute on resident work (s): the matmuls of experts in
+    RAM, and the top parts of missing experts whose top segment is resident.
+    """
+    rank, seconds, ebytes, top_resident = lay.rank[li], lay.seconds[li], lay.ebytes[li], lay.top_resident[li]
+    top_fraction = lay.top_fraction[li]
+    layer_seen = seen[li]
+    k, hits = 0, 0
+    union_bytes, matmul, on_hits, on_tops = 0.0, 0.0, 0.0, 0.0
+    for j in range(sel_start[i], sel_start[i + 1]):
+        e = sel_e[j]
+        comp = seconds[e] * sel_mult[j]
+        union_bytes += ebytes[e]
+        matmul += comp
+        first = layer_seen[e] != session
+        layer_seen[e] = session
+        if hit[j]:
+            hits += 1
+            on_hits += comp
+            continue
+        if top_resident[e]:
+            on_tops += comp * top_fraction
+        q = k                                    # insert by physical place
+        while q > 0 and rank[miss_e[q - 1]] > rank[e]:
+            miss_e[q], miss_top[q], miss_comp[q], miss_first[q] = miss_e[q - 1], miss_top[q - 1], miss_comp[q - 1], miss_first[q - 1]
+            q -= 1
+        miss_e[q], miss_top[q], miss_comp[q], miss_first[q] = e, top_resident[e], comp, first
+        k += 1
+    out.hits[i] = hits
+    out.union_experts[i] = sel_start[i + 1] - sel_start[i]
+    out.union_bytes[i] = union_bytes
+    out.matmul[i] = matmul
+    out.misses[i] = k
+    return k, on_hits + on_tops
+
+
+@njit(**HELPER)
+def _one_extent(adjacent, e, top):
+    """An expert's weights are read as one extent: byte-adjacent, or only its bottom segment."""
+    return adjacent[e] or top
+
+
+@njit(**HELPER)
+def _weight_jobs(li, k, miss_e, miss_top, lay, pol, wlen, new_job):
+    """Weight bytes per miss, and which misses start a new weight job.
+
+    Without coalescing every miss is a job. With it, runs of one-extent experts contiguous in one
+    file (gap <= ``gap_bytes``) share a job, cut every ``span_bytes`` from the run's start.
+    """
+    adjacent, wbytes, pos_file, pos_off = lay.adjacent[li], lay.wbytes[li], lay.pos_file[li], lay.pos_off[li]
+    keep_top = 1.0 - lay.top_fraction[li]
+    run_start = 0
+    prev_chunk = -1
+    for p in range(k):
+        e = miss_e[p]
+        wlen[p] = np.int64(np.ceil(wbytes[e] * (keep_top if miss_top[p] else 1.0)))
+        start = pos_off[e]
+        brk = True
+        if pol.coalesce and p > 0:
+            f = miss_e[p - 1]
+            if (_one_extent(adjacent, e, miss_top[p]) and _one_extent(adjacent, f, miss_top[p - 1])
+                    and pos_file[e] == pos_file[f]):
+                gap = start - (pos_off[f] + wlen[p - 1])
+                brk = not (0 <= gap <= pol.gap_bytes)
+        if brk:
+            run_start = start
+        chunk = (max(start + wlen[p] - run_start, 1) - 1) // pol.span_bytes
+        new_job[p] = brk or chunk != prev_chunk
+        prev_chunk = chunk
+
+
+@njit(**HELPER)
+def _plan_reads(i, li, k, miss_e, miss_top, miss_first, lay, pol, out, wlen, new_job,
+                sbytes, wjob, sjob, job_read, job_tail, r_addr, r_len, r_warm):
+    """The reader pool's jobs and their reads, in issue order; returns the number of jobs.
+
+    A weight job of several experts reads their span once; a job of one expert reads its extent,
+    or its three weight tensors when they are not adjacent. Each expert's three buffered scale
+    preads follow in the same job, or, with coalescing, in a job of their own queued right after,
+    so other workers take them. Scales go to the drives only on the expert's first access in the
+    session; otherwise they, like warm weight reads, cost memory time at the end of their job. A
+    job left with no drive read keeps one empty warm read to carry it. Reads and bytes read
+    (O_DIRECT-widened weights, whole scales) are counted into ``out``.
+    """
+    adjacent, pos_file, pos_off, wloc = lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wloc[li]
+    sloc, bases = lay.sloc[li], lay.bases
+    keep_top = 1.0 - lay.top_fraction[li]
+    n_jobs, n_reads = 0, 0
+    n_weight, read_bytes = 0, 0
+    p = 0
+    while p < k:
+        q = p + 1
+        while q < k and not new_job[q]:
+            q += 1
+        e = miss_e[p]
+        job = n_jobs
+        n_jobs += 1
+        job_read[job] = n_reads
+        wtail = 0.0
+        three = q - p == 1 and not _one_extent(adjacent, e, miss_top[p])
+        for t in range(3 if three else 1):
+            if three:
+                file, off, n = wloc[e, t, 0], wloc[e, t, 1], wloc[e, t, 2]
+            else:   # the span of a merged job, or one expert's extent
+                file, off, n = pos_file[e], pos_off[e], pos_off[miss_e[q - 1]] + wlen[q - 1] - pos_off[e]
+            n_reads, wtail, n = _weight_read(file, off, n, bases, pol, n_reads, wtail, r_addr, r_len, r_warm)
+            n_weight += 1
+            read_bytes += n
+        if pol.coalesce:
+            job_tail[job] = wtail
+            n_reads = _close_job(job, job_read, n_reads, r_addr, r_len, r_warm)
+        for r in range(p, q):
+            wjob[r] = job
+            if pol.coalesce:
+                job = n_jobs
+                n_jobs += 1
+                job_read[job] = n_reads
+            sjob[r] = job
+            n_reads, stail, sbytes[r] = _scale_reads(sloc, miss_e[r], keep_top if miss_top[r] else 1.0, miss_first[r],
+                                                     bases, n_reads, r_addr, r_len, r_warm)
+            read_bytes += sbytes[r]
+            job_tail[job] = stail if pol.coalesce else stail + wtail
+            n_reads = _close_job(job, job_read, n_reads, r_addr, r_len, r_warm)
+        p = q
+    job_read[n_jobs] = n_reads
+    out.reads[i] = n_weight + 3 * k
+    out.read_bytes[i] = read_bytes
+    return n_jobs
+
+
+@njit(**HELPER)
+def _weight_read(file, off, n, bases, pol, n_reads, wtail, r_addr, r_len, r_warm):
+    """Queue one weight read of ``n`` bytes at ``off`` in ``file`` (O_DIRECT widens it); a warm one
+    adds its memory time to ``wtail`` instead. Returns the new read count, tail (s) and bytes read."""
+    addr = bases[file] + off
+    if pol.direct:
+        end = -(-(addr + n) // pol.alignment) * pol.alignment
+        addr = addr // pol.alignment * pol.alignment
+        n = end - addr
+    if pol.warm_fraction > 0 and (file * 1_000_003 + off // 4096) % WARM_BUCKETS < pol.warm_fraction * WARM_BUCKETS:
+        return n_reads, wtail + n / MEMORY_BANDWIDTH, n
+    r_addr[n_reads], r_len[n_reads], r_warm[n_reads] = addr, n, False
+    return n_reads + 1, wtail, n
+
+
+@njit(**HELPER)
+def _scale_reads(sloc, e, keep, first, bases, n_reads, r_addr, r_len, r_warm):
+    """Queue expert ``e``'s three scale preads (extents ``sloc[e]`` [3, (file, offset, bytes)], the
+    share ``keep`` of them still to read) if this is its first access in the session.
+
+    Returns the new read count, the page-cache time when they are warm (s), and their bytes.
+    """
+    total = 0
+    for t in range(3):
+        n = np.int64(np.ceil(sloc[e, t, 2] * keep))
+        total += n
+        if first:
+            r_addr[n_reads], r_len[n_reads], r_warm[n_reads] = bases[sloc[e, t, 0]] + sloc[e, t, 1], n, False
+            n_reads += 1
+    return n_reads, 0.0 if first else total / MEMORY_BANDWIDTH, total
+
+
+@njit(**HELPER)
+def _close_job(job, job_read, n_reads, r_addr, r_len, r_warm):
+    """Give a job with no drive read one empty warm read, so the pool still runs it."""
+    if n_reads == job_read[job]:
+        r_addr[n_reads], r_len[n_reads], r_warm[n_reads] = 0, 0, True
+        n_reads += 1
+    return n_reads
+
+
+@njit(**HELPER)
+def _reader_pool(n_jobs, workers, job_read, job_tail, r_addr, r_len, r_warm, dev, member_bytes, member_requests, residence,
+                 job_done, wfree, wjob, wpos, mfree, sfree, host, pieces, nbytes):
+    """Event-ordered reader pool: ``job_done`` [n_jobs] gets each job's completion time (s).
+
+    Workers take jobs in issue order and run each job's reads one after another; at every step the
+    worker that is free earliest (lowest index on ties) issues its next read, so reads reach the
+    drives in time order.
+    """
+    W = min(workers, n_jobs)
+    for w in range(W):
+        wfree[w], wjob[w], wpos[w] = 0.0, -1, 0
+    for m in range(len(mfree)):
+        mfree[m], sfree[m] = 0.0, 0.0
+    host[0], host[1] = 0.0, 0.0
+    next_job = 0
+    while True:
+        w, t = -1, np.inf
+        for v in range(W):
+            if (wjob[v] >= 0 or next_job < n_jobs) and wfree[v] < t:
+                w, t = v, wfree[v]
+        if w < 0:
+            return
+        if wjob[w] < 0:
+            wjob[w], wpos[w] = next_job, 0
+            next_job += 1
+        job = wjob[w]
+        r = job_read[job] + wpos[w]
+        done = _serve_read(r_addr[r], r_len[r], r_warm[r], t, dev, member_bytes, member_requests, residence, mfree, sfree, host, pieces, nbytes)
+        wpos[w] += 1
+        if r + 1 == job_read[job + 1]:
+            done += job_tail[job]
+            job_done[job] = done
+            wjob[w] = -1
+        wfree[w] = done
+
+
+@njit(**HELPER)
+def _serve_read(addr, n, warm, t, dev, member_bytes, member_requests, residence, mfree, sfree, host, pieces, nbytes):
+    """Serve one read issued at ``t`` (s); returns its completion time (s).
+
+    The read is split over the members. A member overlaps the per-request cost of up to
+    ``queue_slots`` requests but transfers large reads one at a time; small reads (up to
+    ``SMALL_READ_BYTES``) queue among themselves beside the large ones and delay them by their own
+    transfer time. The host link (``host``: large, small channel free times) caps the aggregate
+    rate the same way. A warm read costs memory time only.
+    """
+    if warm:
+        return t + n / MEMORY_BANDWIDTH
+    split_read(addr, n, dev.members, dev.chunk, dev.rule, pieces, nbytes)
+    small = n <= SMALL_READ_BYTES
+    done = -np.inf
+    for m in range(dev.members):
+        member_bytes[m] += nbytes[m]
+        member_requests[m] += pieces[m]
+        if nbytes[m] > 0:
+            xfer = nbytes[m] / dev.bandwidth
+            ready = t + dev.request_seconds * np.ceil(pieces[m] / dev.queue_slots)
+            mdone = max(ready, sfree[m] if small else mfree[m]) + xfer
+            residence[m] += mdone - t
+            if small:
+                mfree[m] += xfer
+                sfree[m] = mdone
+            else:
+                mfree[m] = mdone
+            done = max(done, mdone)
+    xfer = n / dev.host_bandwidth
+    if small:
+        hdone = max(host[1], t) + xfer
+        host[0] += xfer
+        host[1] = hdone
+    else:
+        hdone = max(host[0], t) + xfer
+        host[0] = hdone
+    return max(done, hdone)
+
+
+@njit(**HELPER)
+def _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, resident, lay, dev, wlen, sbytes, wjob, sjob,
+                    job_done, out):
+    """The compute thread runs resident work, then, in issue order, waits for each missing expert
+    and runs its matmul (only the bottom part when its top is resident). Stall is the time it
+    waits, on that critical path. The oracle's thread does the same with bytes streaming at the
+    array's full bandwidth with no per-request cost."""
+    expert_wait = out.expert_wait[li]
+    keep_top = 1 - lay.top_fraction[li]
+    t = resident
+    t_oracle = resident
+    stall, oracle, streamed = 0.0, 0.0, 0.0
+    for p in range(k):
+        comp = miss_comp[p] * keep_top if miss_top[p] else miss_comp[p]
+        wait = max(max(job_done[wjob[p]], job_done[sjob[p]]) - t, 0.0)
+        t = t + wait + comp
+        stall += wait
+        expert_wait[miss_e[p]] += wait
+        streamed += wlen[p] + (sbytes[p] if miss_first[p] else 0)
+        wait = max(streamed / dev.full_bandwidth - t_oracle, 0.0)
+        t_oracle = t_oracle + wait + comp
+        oracle += wait
+    out.stall[i] = stall
+    out.oracle[i] = oracle
