@@ -27,6 +27,9 @@ from replay.engine import simulate
 from replay.runtime import RuntimeConfig
 
 
+TARGET_LOADS_PER_S = 2e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10000)
@@ -51,7 +54,8 @@ def main() -> None:
         lookups = int(inst.union_experts.sum())
         print(f"{label}: {args.tokens} tokens x 75 layers in {dt:.1f} s; {lookups:,} expert lookups, {loads:,} expert loads "
               f"({int(inst.reads.sum()):,} reads) = {loads / dt / 1e6:.2f} M modelled expert loads/s, "
-              f"{lookups / dt / 1e6:.2f} M lookups/s, {inst.reads.sum() / dt / 1e6:.2f} M modelled preads/s")
+              f"{lookups / dt / 1e6:.2f} M lookups/s, {inst.reads.sum() / dt / 1e6:.2f} M modelled preads/s; "
+              f"{loads / dt / TARGET_LOADS_PER_S:.2f}x the target of 2 M loads/s")
     code = (f"import numpy as np; from relayout.trace import load_trace; from relayout.plan import source_from_geometry; "
             f"from containers.geometry import load_geometry; from replay.device import load_device; from replay.engine import simulate; "
             f"from replay.runtime import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "

@@ -105,23 +105,23 @@ def lru_hits(
     Instances (one per forward and layer) are in time order; instance ``i``'s union experts are
     ``sel_expert[sel_start[i]:sel_start[i+1]]``, ascending. Returns a boolean hit mask over them.
     """
-    sel_layer = np.repeat(np.asarray(inst_layer, dtype=np.int64), np.diff(sel_start))
-    hits = pinned[sel_layer, sel_expert]
-    if (np.asarray(capacity) > 0).any():
-        _lru(np.asarray(inst_layer, dtype=np.int64), np.asarray(inst_session, dtype=np.int64), np.asarray(sel_start, dtype=np.int64),
-             np.asarray(sel_expert, dtype=np.int64), np.asarray(capacity, dtype=np.int64), pinned.shape[1], hits)
+    hits = np.zeros(len(sel_expert), dtype=bool)
+    _ram_tiers(np.asarray(inst_layer, dtype=np.int64), np.asarray(inst_session, dtype=np.int64),
+               np.asarray(sel_start, dtype=np.int64), np.asarray(sel_expert, dtype=np.int64),
+               np.asarray(capacity, dtype=np.int64), np.asarray(pinned, dtype=bool), hits)
     return hits
 
 
 @njit(**LOOP)
-def _lru(inst_layer, inst_session, starts, sel_expert, capacity, n_experts, hits):
-    """Per-layer LRU of ``capacity[layer]`` experts, cleared when a session starts; marks ``hits``.
+def _ram_tiers(inst_layer, inst_session, starts, sel_expert, capacity, pinned, hits):
+    """Marks ``hits``: pinned experts, then a per-layer LRU of ``capacity[layer]`` experts that is
+    cleared when a session starts.
 
-    An instance first looks up all its (unpinned) experts, refreshing the hits; then its misses
+    An instance first looks up all its unpinned experts, refreshing the hits; then its misses
     are inserted in order, and the least recently used are evicted down to the capacity. Each
     layer's LRU is a doubly linked list over expert ids (``-1`` ends it), so every step is O(1).
     """
-    L = len(capacity)
+    L, n_experts = pinned.shape
     newer = np.full((L, n_experts), -1, np.int64)
     older = np.full((L, n_experts), -1, np.int64)
     cached = np.zeros((L, n_experts), np.bool_)
@@ -132,6 +132,8 @@ def _lru(inst_layer, inst_session, starts, sel_expert, capacity, n_experts, hits
     missed = np.empty(max(1, n_experts), np.int64)
     for i in range(len(inst_layer)):
         li = inst_layer[i]
+        for j in range(starts[i], starts[i + 1]):
+            hits[j] = pinned[li, sel_expert[j]]
         cap = capacity[li]
         if cap <= 0:
             continue
