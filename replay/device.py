@@ -141,10 +141,3 @@ def member_split(device: ArrayProfile, start: np.ndarray, length: np.ndarray) ->
     """:func:`split_read` over arrays of reads: ``(pieces, nbytes)``, each int64 [R, members]."""
     return _split_reads(np.asarray(start, dtype=np.int64), np.asarray(length, dtype=np.int64),
                         device.members, device.chunk_bytes, SPLIT_RULES.index(device.split_rule))
-
-
-def widen_direct(start: np.ndarray, length: np.ndarray, alignment: int) -> tuple[np.ndarray, np.ndarray]:
-    """O_DIRECT window: start rounded down, end rounded up to ``alignment``."""
-    a = np.asarray(start, dtype=np.int64) // alignment * alignment
-    e = -(-(np.asarray(start, dtype=np.int64) + length) // alignment) * alignment
-    return a, e - a
