@@ -5,7 +5,7 @@ only once its attention has run, and its compute cannot finish before every expe
 arrived. So when a layer ends, every read it issued has completed and the drives are idle. Given
 the RAM state (computed beforehand, see :mod:`replay.runtime`), each (forward, layer) *instance*
 is an independent small queueing problem, simulated one after another by the compiled loop in
-:mod:`replay.instance`. Hits, misses and first accesses are found beforehand for the whole trace.
+:mod:`replay.instance`. RAM hits are found beforehand for the whole trace.
 
 **One instance.** Time 0 is when routing is known. Every missing expert becomes a *job* for the
 reader pool (with ``coalesce``, experts contiguous in one file share a job): its weight read(s)
