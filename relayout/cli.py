@@ -213,6 +213,7 @@ def _runtime_config(args):
         coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered,
         pin_bytes=int(getattr(args, "pin_gb", 0.0) * 1e9), dense_seconds=args.dense_ms / 1e3,
         compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
+        prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
     )
 
 
@@ -471,6 +472,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms")
     s.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second")
     s.add_argument("--other-ms", type=float, default=0.0, help="other overhead per token (O in TPOT), ms")
+    s.add_argument("--prefetch", choices=("none", "oracle", "coupled"), default="none",
+                   help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, "
+                        "a bound), coupled (cross-layer pair counts of the training sessions, like COUPLE)")
+    s.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetcher loads per layer (K, 1-64)")
     s.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
     s.add_argument("--threshold", type=float, default=0.05, help="gate: fraction of baseline TPOT the CI low end must save")
     s.add_argument("-o", "--output", help="write gate.json (or the sweep table as JSON)")

@@ -32,15 +32,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
+from containers.errors import InputError
 from relayout.layout import WEIGHT_SLOTS, SCALE_SLOTS, Layout
 from relayout.trace import RoutingTrace
 
 from .device import SPLIT_RULES, ArrayProfile
-from .jit import LOOP
 from .instance import Array, LayoutArrays, ReadPolicy, Results, simulate_instances
-from .runtime import RuntimeConfig, lru_capacities, lru_hits
+from .runtime import PREFETCH_SOURCES, RuntimeConfig, lru_capacities, new_lru
+from .unions import trace_instances
 
 FILE_ALIGNMENT = 1 << 20
 """Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
@@ -62,6 +62,26 @@ class InstanceResult:
     reads: np.ndarray
     read_bytes: np.ndarray
     expert_wait: np.ndarray    # [L, E] s the compute thread waited right before each expert's matmul
+    prefetch: "PrefetchResult | None" = None
+
+
+@dataclass
+class PrefetchResult:
+    """Per instance [I], when a prefetch source runs. Bytes and seconds.
+
+    ``issued``: bytes the prefetcher loaded while the instance ran (for the next layer).
+    ``required``: bytes of the instance's experts not in RAM when the previous layer predicted.
+    ``timely``, ``timely_n``, ``slack``: of those, the bytes (and experts) a prefetch made ready
+    before the compute thread needed them, and the sum of their lead slack.
+    ``unused``: bytes prefetched for this layer that it did not select.
+    """
+
+    issued: np.ndarray
+    required: np.ndarray
+    timely: np.ndarray
+    timely_n: np.ndarray
+    slack: np.ndarray
+    unused: np.ndarray
 
 
 @dataclass
@@ -110,73 +130,38 @@ def simulate(
     config: RuntimeConfig,
     pinned: np.ndarray | None = None,
     split: SplitState | None = None,
+    coupling: np.ndarray | None = None,
 ) -> tuple[InstanceResult, DeviceUsage]:
-    """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``."""
+    """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``.
+
+    ``coupling`` is the coupled prefetch source's table (:func:`replay.prefetch.coupling_table`,
+    learned from training sessions), needed when ``config.prefetch == "coupled"``.
+    """
     L, E = len(layout.layers), layout.n_experts
-    layer_idx = np.full(int(max(layout.layers)) + 2, -1, dtype=np.int64)
-    layer_idx[layout.layers] = np.arange(L)
-    tl = trace.row_layer.astype(np.int64)
-    rows = np.flatnonzero(forwards[trace.row_forward] & (tl < len(layer_idx)) & (layer_idx[np.minimum(tl, len(layer_idx) - 1)] >= 0))
-    r_fwd = trace.row_forward[rows].astype(np.int64)
-    r_li = layer_idx[tl[rows]]
-    inst_key, row_inst = np.unique(r_fwd * L + r_li, return_inverse=True)
-    inst_fwd, inst_li = inst_key // L, inst_key % L
-    inst_session = trace.fwd_session[inst_fwd].astype(np.int64)
-    I = len(inst_key)
-
-    if len(row_inst) > 1 and (np.diff(row_inst) < 0).any():
-        by_inst = np.argsort(row_inst, kind="stable")
-        rows, row_inst = rows[by_inst], row_inst[by_inst]
-    sel_start, sel_e, sel_mult = instance_unions(np.searchsorted(row_inst, np.arange(I + 1)), rows, trace.experts, E)
-
-    capacity = lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0])
-    pin = pinned if pinned is not None else np.zeros((L, E), dtype=bool)
-    hit = lru_hits(inst_li, inst_session, sel_start, sel_e, capacity, pin)
-
-    out = Results(np.zeros(I, dtype=np.int64), np.zeros(I), np.zeros(I, dtype=np.int64), np.zeros(I), np.zeros(I),
-                  np.zeros(I), np.zeros(I, dtype=np.int64), np.zeros(I, dtype=np.int64), np.zeros(I),
+    inst = trace_instances(trace, forwards, layout)
+    I = len(inst)
+    if config.prefetch == "coupled" and coupling is None:
+        raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
+    table = coupling if config.prefetch == "coupled" else np.zeros((1, 1, 1), dtype=np.int32)
+    out = Results(*(np.zeros(I, dtype=np.int64) if name in _COUNTS else np.zeros(I) for name in Results._fields[:9]),
                   np.zeros((L, E)), np.zeros(device.members, dtype=np.int64), np.zeros(device.members, dtype=np.int64),
-                  np.zeros(device.members))
-    simulate_instances(sel_start, sel_e, sel_mult, hit, inst_li, inst_session, layout_arrays(layout, config, split),
+                  np.zeros(device.members),
+                  *(np.zeros(I, dtype=np.int64) if name in _COUNTS else np.zeros(I) for name in Results._fields[13:]))
+    simulate_instances(inst.forward, inst.layer, inst.session, inst.sel_start, inst.sel_e, inst.sel_mult,
+                       np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
+                       new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
+                       np.ascontiguousarray(table, dtype=np.int32), layout_arrays(layout, config, split),
                        read_policy(config, device), device_numbers(device), out)
     usage = DeviceUsage(out.member_bytes / device.drive.bandwidth, out.member_requests, out.residence)
-    return InstanceResult(inst_fwd, inst_li, out.stall, config.dense_seconds + out.matmul, out.oracle, out.union_experts,
-                          out.union_bytes, out.hits, out.misses, out.reads, out.read_bytes, out.expert_wait), usage
+    prefetch = None
+    if config.prefetch != "none":
+        prefetch = PrefetchResult(out.pf_bytes, out.pf_required, out.pf_timely, out.pf_timely_n, out.pf_slack, out.pf_unused)
+    return InstanceResult(inst.forward, inst.layer, out.stall, config.dense_seconds + out.matmul, out.oracle,
+                          out.union_experts, out.union_bytes, out.hits, out.misses, out.reads, out.read_bytes,
+                          out.expert_wait, prefetch), usage
 
 
-@njit(**LOOP)
-def instance_unions(row_start, rows, experts, n_experts):
-    """The batch union of each instance: the distinct experts its positions select, ascending.
-
-    Instance ``i`` has trace rows ``rows[row_start[i]:row_start[i+1]]``; ``experts`` [R, k] holds
-    -1 for no expert. Returns ``sel_start`` [I+1], ``sel_e`` and ``sel_mult`` (positions selecting
-    each union expert).
-    """
-    I = len(row_start) - 1
-    count = np.zeros(n_experts, np.int64)
-    sel_start = np.zeros(I + 1, np.int64)
-    sel_e = np.empty(len(rows) * experts.shape[1], np.int64)
-    sel_mult = np.empty(len(sel_e), np.int64)
-    n = 0
-    for i in range(I):
-        first = n
-        for r in rows[row_start[i]:row_start[i + 1]]:
-            for e in experts[r]:
-                if e < 0:
-                    continue
-                if count[e] == 0:
-                    q = n                           # insert, keeping the union ascending
-                    while q > first and sel_e[q - 1] > e:
-                        sel_e[q] = sel_e[q - 1]
-                        q -= 1
-                    sel_e[q] = e
-                    n += 1
-                count[e] += 1
-        for j in range(first, n):
-            sel_mult[j] = count[sel_e[j]]
-            count[sel_e[j]] = 0
-        sel_start[i + 1] = n
-    return sel_start, sel_e[:n].copy(), sel_mult[:n].copy()
+_COUNTS = {"union_experts", "hits", "misses", "reads", "pf_timely_n"}
 
 
 def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | None) -> LayoutArrays:
@@ -202,7 +187,8 @@ def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | Non
 def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
     return ReadPolicy(bool(config.coalesce), int(config.coalesce_gap_bytes), int(config.coalesce_max_bytes),
                       bool(config.direct), int(device.direct_alignment), int(config.in_flight),
-                      float(device.page_cache_fraction))
+                      float(device.page_cache_fraction), float(config.dense_seconds),
+                      PREFETCH_SOURCES.index(config.prefetch), int(config.prefetch_experts))
 
 
 def device_numbers(device: ArrayProfile) -> Array:

@@ -22,6 +22,7 @@ from relayout.trace import FORWARD_KINDS, RoutingTrace
 from .device import ArrayProfile
 from .engine import simulate, split_state
 from .metrics import session_sums, step_table, summarize
+from .prefetch import coupling_table
 from .runtime import RuntimeConfig, pinned_experts
 from .stats import paired_saving, step_blocks
 
@@ -60,20 +61,30 @@ class LayoutRun:
 
 
 def run_layout(name: str, trace: RoutingTrace, mask: np.ndarray, layout: Layout, device: ArrayProfile,
-               config: RuntimeConfig, pinned: np.ndarray, split=None) -> LayoutRun:
-    inst, usage = simulate(trace, mask, layout, device, config, pinned, split)
+               config: RuntimeConfig, pinned: np.ndarray, split=None, coupling=None) -> LayoutRun:
+    inst, usage = simulate(trace, mask, layout, device, config, pinned, split, coupling)
     steps = step_table(trace, mask, inst)
     return LayoutRun(name, steps, summarize(steps, usage, config.other_seconds_per_token), session_sums(steps, len(trace.sessions)))
+
+
+def _training_forwards(trace: RoutingTrace, plan: Plan, what: str) -> np.ndarray:
+    train = [i for i, s in enumerate(trace.sessions) if s in set(plan.training_sessions)]
+    if not train:
+        raise InputError(trace.source or None, f"{what} needs the plan's training sessions in the trace")
+    return trace.session_forward_mask(train)
+
+
+def _coupling(trace: RoutingTrace, plan: Plan, config: RuntimeConfig) -> np.ndarray | None:
+    if config.prefetch != "coupled":
+        return None
+    return coupling_table(trace, _training_forwards(trace, plan, "the coupled prefetch source (its pair table)"), plan.layout)
 
 
 def _pins(trace: RoutingTrace, plan: Plan, config: RuntimeConfig) -> np.ndarray:
     L, E = len(plan.layout.layers), plan.layout.n_experts
     if config.pin_bytes <= 0:
         return np.zeros((L, E), dtype=bool)
-    train = [i for i, s in enumerate(trace.sessions) if s in set(plan.training_sessions)]
-    if not train:
-        raise InputError(trace.source or None, "pinning needs the plan's training sessions in the trace (to rank experts by heat)")
-    fm = trace.session_forward_mask(train)
+    fm = _training_forwards(trace, plan, "pinning (to rank experts by heat)")
     heat = np.zeros((L, E))
     for li, layer in enumerate(plan.layout.layers):
         rows = trace.experts[trace.layer_rows(layer, fm)]
@@ -95,8 +106,9 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
     if split is not None:
         plan_config = replace(config, ram_bytes=max(0, config.ram_bytes - int(plan.split["ram_bytes"])))
     base_layout = baseline.layout if baseline is not None else plan.stock
-    base = run_layout("baseline", trace, mask, base_layout, device, config, pins)
-    new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split)
+    coupling = _coupling(trace, plan, config)
+    base = run_layout("baseline", trace, mask, base_layout, device, config, pins, coupling=coupling)
+    new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split, coupling)
 
     n_eval = len(evaluated)
     if n_eval >= 2:
@@ -181,9 +193,23 @@ def format_gate(g: dict) -> str:
         f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training; device {g['device']['name']}; "
         f"RAM {g['runtime']['ram_bytes'] / 1e9:g} GB, workers {g['runtime']['workers']}{' (batched)' if g['runtime']['batched'] else ''}, "
         f"coalesce {'on' if g['runtime']['coalesce'] else 'off'}",
-        "prefetch: none modelled (demand reads only), so timely recall, unused prefetched bytes and lead slack do not apply",
+        _prefetch_line(g["runtime"], b["prefetch"], p["prefetch"]),
     ]
     return "\n".join(lines)
+
+
+def _prefetch_line(runtime: dict, b: dict | None, p: dict | None) -> str:
+    if b is None:
+        return "prefetch: none (demand reads only), so timely recall, unused prefetched bytes and lead slack do not apply"
+
+    def one(m):
+        recall = "n/a" if m["timely_required_byte_recall"] is None else f"{m['timely_required_byte_recall']:.1%}"
+        slack = "n/a" if m["mean_lead_slack_s"] is None else f"{m['mean_lead_slack_s'] * 1e3:.2f} ms"
+        return (f"timely recall {recall}, {m['prefetched_bytes_per_token'] / 1e6:.1f} MB/token prefetched, "
+                f"{m['unused_prefetched_bytes_per_token'] / 1e6:.1f} MB/token unused, lead slack {slack}")
+
+    return (f"prefetch: {runtime['prefetch']} source, K={runtime['prefetch_experts']} per layer\n"
+            f"  baseline: {one(b)}\n  plan:     {one(p)}")
 
 
 def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],

@@ -18,6 +18,8 @@ from numba import njit
 
 from .device import split_read
 from .jit import HELPER, LOOP
+from .prefetch import predict_next
+from .runtime import lru_add, lru_start, lru_touch
 
 MEMORY_BANDWIDTH = 10e9
 """Bytes/s for reads served from the OS page cache."""
@@ -37,38 +39,48 @@ extent, first weight byte (file, offset), weight bytes, expert bytes (weights an
 seconds per position, top segment resident. Per layer [L]: the FFN share of a top segment.
 Weight and scale extents [L, E, 3, (file, offset, bytes)]; file base addresses [F]."""
 
-ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction")
+ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
+                                      "dense_seconds prefetch prefetch_experts")
 """How the runtime reads: coalescing (largest gap and span, bytes), O_DIRECT (alignment, bytes),
-loads in flight, and the device's declared page-cache fraction of weight reads."""
+loads in flight, the device's declared page-cache fraction of weight reads, the dense time before
+a layer is routed (s), the prefetch source (index into ``PREFETCH_SOURCES``) and its K."""
 
 Array = namedtuple("Array", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth")
 """A :class:`replay.device.ArrayProfile` as plain numbers (``rule`` indexes ``SPLIT_RULES``)."""
 
 Results = namedtuple("Results", "union_experts union_bytes hits matmul stall oracle misses reads read_bytes "
-                                "expert_wait member_bytes member_requests residence")
+                                "expert_wait member_bytes member_requests residence "
+                                "pf_bytes pf_required pf_timely pf_timely_n pf_slack pf_unused")
 """Outputs, filled in place. Per instance [I]: union experts and bytes, RAM hits, matmul time of
-all positions (s), stall and oracle stall (s), misses, reads, bytes read. [L, E]: the compute
-thread's wait right before each expert's matmul (s). Per member [M]: bytes transferred,
-requests, residence (s)."""
+all positions (s), stall and oracle stall (s), misses, reads, bytes read (prefetch included).
+[L, E]: the compute thread's wait right before each expert's matmul (s). Per member [M]: bytes
+transferred, requests, residence (s). Prefetch, per instance [I]: bytes the prefetcher loaded
+while this instance ran (for the next layer); of this instance's experts, the bytes that were
+not in RAM when the previous layer predicted (required), those a prefetch made ready in time
+(timely: bytes, count, and the sum of their lead slack, s); prefetched bytes it did not use."""
 
 
 @njit(**LOOP)
-def simulate_instances(sel_start, sel_e, sel_mult, hit, inst_li, inst_session, lay, pol, dev, out):
-    """Time every instance, in order. Instance ``i`` is layer ``inst_li[i]`` of a forward of session
-    ``inst_session[i]``; its union experts are ``sel_e[sel_start[i]:sel_start[i+1]]`` (each needed by
-    ``sel_mult`` positions), of which ``hit`` ones are in RAM. Results go into ``out``.
+def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mult, pinned, lru, table, lay, pol, dev, out):
+    """Time every instance, in order. Instance ``i`` is layer ``inst_li[i]`` of forward
+    ``inst_fwd[i]`` of session ``inst_session[i]``; its union experts are
+    ``sel_e[sel_start[i]:sel_start[i+1]]``, each needed by ``sel_mult`` positions. ``pinned`` [L, E]
+    and ``lru`` (:class:`replay.runtime.Lru`) are the RAM tiers; ``table`` the coupled prefetch
+    source's counts. Results go into ``out``.
     """
     I = len(sel_start) - 1
     L, E = lay.rank.shape
     K = 1
     for i in range(I):
         K = max(K, sel_start[i + 1] - sel_start[i])
-    seen = np.full((L, E), -1, np.int64)  # the session that last accessed each expert
+    seen = np.full((L, E), -1, np.int64)  # the session that last accessed each expert (scale pages cached)
     # the misses of one instance, in issue (physical) order
     miss_e = np.empty(K, np.int64)
     miss_top = np.empty(K, np.bool_)     # its top segment is resident: only the bottom is read
     miss_comp = np.empty(K)              # its matmul time over all positions (s)
     miss_first = np.empty(K, np.bool_)   # first access in the session: its scales are not yet in the page cache
+    miss_ready = np.empty(K)             # >= 0: a prefetch of it is in flight and completes then (s); -1: demand
+    missed = np.empty(K, np.int64)       # the misses in lookup order, for the LRU
     wlen = np.empty(K, np.int64)         # weight bytes it reads
     sbytes = np.empty(K, np.int64)       # its scale bytes
     new_job = np.empty(K, np.bool_)      # it starts a new weight job
@@ -78,44 +90,86 @@ def simulate_instances(sel_start, sel_e, sel_mult, hit, inst_li, inst_session, l
     job_read = np.empty(2 * K + 1, np.int64)   # first read of each job; one past the last
     job_tail = np.empty(2 * K)           # page-cache time after a job's reads (s)
     job_done = np.empty(2 * K)           # completion time of each job (s)
-    r_addr = np.empty(8 * K, np.int64)
-    r_len = np.empty(8 * K, np.int64)
-    r_warm = np.empty(8 * K, np.bool_)
+    R = max(8 * K, 7)
+    r_addr = np.empty(R, np.int64)
+    r_len = np.empty(R, np.int64)
+    r_warm = np.empty(R, np.bool_)
     wfree = np.empty(pol.workers)        # each worker's free time (s)
     wjob_of = np.empty(pol.workers, np.int64)  # each worker's job, -1 when idle
     wpos = np.empty(pol.workers, np.int64)     # its next read within that job
-    mfree = np.empty(dev.members)        # each member's large-transfer channel free time (s)
-    sfree = np.empty(dev.members)        # each member's small-read channel free time (s)
-    host = np.empty(2)                   # the host link's large / small channel free times (s)
+    mfree = np.zeros(dev.members)        # each member's large-transfer channel free time (s)
+    sfree = np.zeros(dev.members)        # each member's small-read channel free time (s)
+    host = np.zeros(2)                   # the host link's large / small channel free times (s)
     pieces = np.empty(dev.members, np.int64)
     nbytes = np.empty(dev.members, np.int64)
+    # prefetches made for the next instance: ready time in its clock (s), bytes, and the list
+    pf_for = -1
+    pf_ready = np.full(E, np.inf)
+    pf_bytes = np.zeros(E, np.int64)
+    pf_list = np.empty(64, np.int64)
+    pf_n = 0
+    score = np.empty(E)
     for i in range(I):
         li = inst_li[i]
-        k, resident = _select(i, li, sel_start, sel_e, sel_mult, hit, inst_session[i], seen, lay, out,
-                              miss_e, miss_top, miss_comp, miss_first)
-        if k == 0:
+        lru_start(lru, li, inst_session[i])
+        predicted = pf_for == i
+        if not predicted:
+            pf_n = 0
+        k, resident = _select(i, li, sel_start, sel_e, sel_mult, inst_session[i], seen, pinned, lru, lay, out,
+                              predicted, pf_ready, pf_bytes, pf_list, pf_n,
+                              miss_e, miss_top, miss_comp, miss_first, miss_ready, missed)
+        for p in range(pf_n):
+            pf_ready[pf_list[p]] = np.inf
+        n_jobs, end = 0, resident
+        if k > 0:
+            _weight_jobs(li, k, miss_e, miss_top, miss_ready, lay, pol, wlen, new_job)
+            n_jobs = _plan_reads(i, li, k, miss_e, miss_top, miss_first, miss_ready, lay, pol, out, wlen, new_job,
+                                 sbytes, wjob, sjob, job_read, job_tail, r_addr, r_len, r_warm)
+            _reader_pool(n_jobs, pol.workers, job_read, job_tail, r_addr, r_len, r_warm, dev,
+                         out.member_bytes, out.member_requests, out.residence, job_done,
+                         wfree, wjob_of, wpos, mfree, sfree, host, pieces, nbytes)
+            end = _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, miss_ready, resident, lay, dev,
+                                  wlen, sbytes, wjob, sjob, job_done, out)
+        if pol.prefetch == 0:
+            for m in range(dev.members):
+                mfree[m], sfree[m] = 0.0, 0.0
+            host[0], host[1] = 0.0, 0.0
             continue
-        _weight_jobs(li, k, miss_e, miss_top, lay, pol, wlen, new_job)
-        n_jobs = _plan_reads(i, li, k, miss_e, miss_top, miss_first, lay, pol, out, wlen, new_job,
-                             sbytes, wjob, sjob, job_read, job_tail, r_addr, r_len, r_warm)
-        _reader_pool(n_jobs, pol.workers, job_read, job_tail, r_addr, r_len, r_warm, dev,
-                     out.member_bytes, out.member_requests, out.residence, job_done,
-                     wfree, wjob_of, wpos, mfree, sfree, host, pieces, nbytes)
-        _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, resident, lay, dev,
-                        wlen, sbytes, wjob, sjob, job_done, out)
+        # the prefetcher starts once this layer's demand loads (and any prefetch still in flight) are done
+        start = 0.0
+        for j in range(n_jobs):
+            start = max(start, job_done[j])
+        for p in range(k):
+            start = max(start, miss_ready[p])
+        next_at = end + pol.dense_seconds      # the next layer is routed then: later loads are dropped
+        pf_n = 0
+        if i + 1 < I and inst_fwd[i + 1] == inst_fwd[i] and inst_li[i + 1] == li + 1:
+            lru_start(lru, li + 1, inst_session[i])
+            pf_n = _prefetch(i, li + 1, inst_session[i], start, next_at, sel_start, sel_e, sel_mult, table, score,
+                             seen, pinned, lru, lay, pol, dev, out, pf_ready, pf_bytes, pf_list,
+                             r_addr, r_len, r_warm, mfree, sfree, host, pieces, nbytes)
+            pf_for = i + 1
+        for m in range(dev.members):           # the drives' state, in the next instance's clock
+            mfree[m], sfree[m] = max(mfree[m] - next_at, 0.0), max(sfree[m] - next_at, 0.0)
+        host[0], host[1] = max(host[0] - next_at, 0.0), max(host[1] - next_at, 0.0)
 
 
 @njit(**HELPER)
-def _select(i, li, sel_start, sel_e, sel_mult, hit, session, seen, lay, out, miss_e, miss_top, miss_comp, miss_first):
-    """Count instance ``i``'s union, hits and matmul time; list its misses in issue order.
+def _select(i, li, sel_start, sel_e, sel_mult, session, seen, pinned, lru, lay, out, predicted, pf_ready, pf_bytes,
+            pf_list, pf_n, miss_e, miss_top, miss_comp, miss_first, miss_ready, missed):
+    """Serve instance ``i``'s union from the RAM tiers; list its misses in issue order.
 
-    Returns the number of misses and the compute on resident work (s): the matmuls of experts in
-    RAM, and the top parts of missing experts whose top segment is resident.
+    An expert is served by the pinned store, then the layer's LRU, then (with no LRU) a prefetch
+    that completed before routing; a prefetch still in flight makes a miss that waits for it
+    instead of reading. The misses then enter the LRU. Counts the union, hits, matmul time and the
+    prefetch metrics (when the previous layer ``predicted`` this one). Returns the number of misses and the compute on resident work (s): the
+    matmuls of experts in RAM and the top parts of missing experts whose top segment is resident.
     """
     rank, seconds, ebytes, top_resident = lay.rank[li], lay.seconds[li], lay.ebytes[li], lay.top_resident[li]
     top_fraction = lay.top_fraction[li]
-    layer_seen = seen[li]
-    k, hits = 0, 0
+    layer_seen, layer_pinned = seen[li], pinned[li]
+    no_cache = lru.capacity[li] <= 0
+    k, hits, n_missed = 0, 0, 0
     union_bytes, matmul, on_hits, on_tops = 0.0, 0.0, 0.0, 0.0
     for j in range(sel_start[i], sel_start[i + 1]):
         e = sel_e[j]
@@ -124,18 +178,41 @@ def _select(i, li, sel_start, sel_e, sel_mult, hit, session, seen, lay, out, mis
         matmul += comp
         first = layer_seen[e] != session
         layer_seen[e] = session
-        if hit[j]:
+        if layer_pinned[e]:
             hits += 1
             on_hits += comp
             continue
+        prefetched = pf_ready[e] < np.inf
+        if predicted and (prefetched or not lru.cached[li, e]):
+            out.pf_required[i] += ebytes[e]
+        if lru_touch(lru, li, e) or (no_cache and prefetched and pf_ready[e] <= 0):
+            hits += 1
+            on_hits += comp
+            if prefetched:
+                out.pf_timely[i] += pf_bytes[e]
+                out.pf_timely_n[i] += 1
+                out.pf_slack[i] += -pf_ready[e]
+            continue
+        missed[n_missed] = e
+        n_missed += 1
         if top_resident[e]:
             on_tops += comp * top_fraction
         q = k                                    # insert by physical place
         while q > 0 and rank[miss_e[q - 1]] > rank[e]:
-            miss_e[q], miss_top[q], miss_comp[q], miss_first[q] = miss_e[q - 1], miss_top[q - 1], miss_comp[q - 1], miss_first[q - 1]
+            miss_e[q], miss_top[q], miss_comp[q] = miss_e[q - 1], miss_top[q - 1], miss_comp[q - 1]
+            miss_first[q], miss_ready[q] = miss_first[q - 1], miss_ready[q - 1]
             q -= 1
         miss_e[q], miss_top[q], miss_comp[q], miss_first[q] = e, top_resident[e], comp, first
+        miss_ready[q] = pf_ready[e] if prefetched and pf_ready[e] > 0 else -1.0
         k += 1
+    for m in range(n_missed):
+        lru_add(lru, li, missed[m])
+    for p in range(pf_n):                        # prefetched, not selected: wasted (an LRU keeps them)
+        e = pf_list[p]
+        if not _selected(e, sel_e, sel_start[i], sel_start[i + 1]):
+            out.pf_unused[i] += pf_bytes[e]
+            if pf_ready[e] > 0:
+                lru_add(lru, li, e)
     out.hits[i] = hits
     out.union_experts[i] = sel_start[i + 1] - sel_start[i]
     out.union_bytes[i] = union_bytes
@@ -145,17 +222,26 @@ def _select(i, li, sel_start, sel_e, sel_mult, hit, session, seen, lay, out, mis
 
 
 @njit(**HELPER)
+def _selected(e, sel_e, a, b):
+    for j in range(a, b):
+        if sel_e[j] == e:
+            return True
+    return False
+
+
+@njit(**HELPER)
 def _one_extent(adjacent, e, top):
     """An expert's weights are read as one extent: byte-adjacent, or only its bottom segment."""
     return adjacent[e] or top
 
 
 @njit(**HELPER)
-def _weight_jobs(li, k, miss_e, miss_top, lay, pol, wlen, new_job):
+def _weight_jobs(li, k, miss_e, miss_top, miss_ready, lay, pol, wlen, new_job):
     """Weight bytes per miss, and which misses start a new weight job.
 
     Without coalescing every miss is a job. With it, runs of one-extent experts contiguous in one
-    file (gap <= ``gap_bytes``) share a job, cut every ``span_bytes`` from the run's start.
+    file (gap <= ``gap_bytes``) share a job, cut every ``span_bytes`` from the run's start. A miss
+    whose prefetch is in flight is no job and ends a run.
     """
     adjacent, wbytes, pos_file, pos_off = lay.adjacent[li], lay.wbytes[li], lay.pos_file[li], lay.pos_off[li]
     keep_top = 1.0 - lay.top_fraction[li]
@@ -166,7 +252,7 @@ def _weight_jobs(li, k, miss_e, miss_top, lay, pol, wlen, new_job):
         wlen[p] = np.int64(np.ceil(wbytes[e] * (keep_top if miss_top[p] else 1.0)))
         start = pos_off[e]
         brk = True
-        if pol.coalesce and p > 0:
+        if pol.coalesce and p > 0 and miss_ready[p] < 0 and miss_ready[p - 1] < 0:
             f = miss_e[p - 1]
             if (_one_extent(adjacent, e, miss_top[p]) and _one_extent(adjacent, f, miss_top[p - 1])
                     and pos_file[e] == pos_file[f]):
@@ -180,7 +266,7 @@ def _weight_jobs(li, k, miss_e, miss_top, lay, pol, wlen, new_job):
 
 
 @njit(**HELPER)
-def _plan_reads(i, li, k, miss_e, miss_top, miss_first, lay, pol, out, wlen, new_job,
+def _plan_reads(i, li, k, miss_e, miss_top, miss_first, miss_ready, lay, pol, out, wlen, new_job,
                 sbytes, wjob, sjob, job_read, job_tail, r_addr, r_len, r_warm):
     """The reader pool's jobs and their reads, in issue order; returns the number of jobs.
 
@@ -203,6 +289,10 @@ def _plan_reads(i, li, k, miss_e, miss_top, miss_first, lay, pol, out, wlen, new
         while q < k and not new_job[q]:
             q += 1
         e = miss_e[p]
+        if miss_ready[p] >= 0:                   # its prefetch is in flight: nothing to read
+            wjob[p], sjob[p], sbytes[p] = -1, -1, 0
+            p = q
+            continue
         job = n_jobs
         n_jobs += 1
         job_read[job] = n_reads
@@ -229,11 +319,12 @@ def _plan_reads(i, li, k, miss_e, miss_top, miss_first, lay, pol, out, wlen, new
             n_reads, stail, sbytes[r] = _scale_reads(sloc, miss_e[r], keep_top if miss_top[r] else 1.0, miss_first[r],
                                                      bases, n_reads, r_addr, r_len, r_warm)
             read_bytes += sbytes[r]
+            n_weight += 3
             job_tail[job] = stail if pol.coalesce else stail + wtail
             n_reads = _close_job(job, job_read, n_reads, r_addr, r_len, r_warm)
         p = q
     job_read[n_jobs] = n_reads
-    out.reads[i] = n_weight + 3 * k
+    out.reads[i] = n_weight
     out.read_bytes[i] = read_bytes
     return n_jobs
 
@@ -286,14 +377,11 @@ def _reader_pool(n_jobs, workers, job_read, job_tail, r_addr, r_len, r_warm, dev
 
     Workers take jobs in issue order and run each job's reads one after another; at every step the
     worker that is free earliest (lowest index on ties) issues its next read, so reads reach the
-    drives in time order.
+    drives in time order. The drives' state (``mfree``, ``sfree``, ``host``) is the caller's.
     """
     W = min(workers, n_jobs)
     for w in range(W):
         wfree[w], wjob[w], wpos[w] = 0.0, -1, 0
-    for m in range(len(mfree)):
-        mfree[m], sfree[m] = 0.0, 0.0
-    host[0], host[1] = 0.0, 0.0
     next_job = 0
     while True:
         w, t = -1, np.inf
@@ -357,20 +445,29 @@ def _serve_read(addr, n, warm, t, dev, member_bytes, member_requests, residence,
 
 
 @njit(**HELPER)
-def _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, resident, lay, dev, wlen, sbytes, wjob, sjob,
-                    job_done, out):
+def _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, miss_ready, resident, lay, dev, wlen, sbytes,
+                    wjob, sjob, job_done, out):
     """The compute thread runs resident work, then, in issue order, waits for each missing expert
     and runs its matmul (only the bottom part when its top is resident). Stall is the time it
     waits, on that critical path. The oracle's thread does the same with bytes streaming at the
-    array's full bandwidth with no per-request cost."""
+    array's full bandwidth with no per-request cost. Returns when the layer's compute ends (s)."""
     expert_wait = out.expert_wait[li]
     keep_top = 1 - lay.top_fraction[li]
+    ebytes = lay.ebytes[li]
     t = resident
     t_oracle = resident
     stall, oracle, streamed = 0.0, 0.0, 0.0
     for p in range(k):
         comp = miss_comp[p] * keep_top if miss_top[p] else miss_comp[p]
-        wait = max(max(job_done[wjob[p]], job_done[sjob[p]]) - t, 0.0)
+        if miss_ready[p] >= 0:                   # a prefetch in flight
+            ready = miss_ready[p]
+            if ready <= t:
+                out.pf_timely[i] += ebytes[miss_e[p]]
+                out.pf_timely_n[i] += 1
+                out.pf_slack[i] += t - ready
+        else:
+            ready = max(job_done[wjob[p]], job_done[sjob[p]])
+        wait = max(ready - t, 0.0)
         t = t + wait + comp
         stall += wait
         expert_wait[miss_e[p]] += wait
@@ -380,3 +477,58 @@ def _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, resident,
         oracle += wait
     out.stall[i] = stall
     out.oracle[i] = oracle
+    return t
+
+
+@njit(**HELPER)
+def _prefetch(i, li, session, start, deadline, sel_start, sel_e, sel_mult, table, score, seen, pinned, lru, lay, pol, dev,
+              out, pf_ready, pf_bytes, pf_list, r_addr, r_len, r_warm, mfree, sfree, host, pieces, nbytes):
+    """The prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs.
+
+    It predicts up to K experts (:func:`replay.prefetch.predict_next`), skips those already in
+    RAM, and loads the rest one at a time, best first, from ``start`` (this layer's demand loads
+    done) until ``deadline`` (the next layer is routed): a load not started by then is dropped,
+    one in flight completes. A load reads the expert's weights and, on its first access in the
+    session, its scales; it enters the LRU when it completes before the deadline. Records each
+    expert's ready time in the next instance's clock and returns how many were loaded.
+    """
+    n = predict_next(pol.prefetch, i, li - 1, sel_start, sel_e, sel_mult, table, pol.prefetch_experts, score, pf_list)
+    adjacent, pos_file, pos_off, wloc = lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wloc[li]
+    sloc, bases, wbytes = lay.sloc[li], lay.bases, lay.wbytes[li]
+    keep_top = 1.0 - lay.top_fraction[li]
+    t = start
+    loaded = 0
+    for p in range(n):
+        e = pf_list[p]
+        if pinned[li, e] or lru.cached[li, e]:
+            continue
+        if t >= deadline:
+            break
+        top = lay.top_resident[li, e]
+        n_reads, tail, total = 0, 0.0, 0
+        if _one_extent(adjacent, e, top):
+            n_reads, tail, nb = _weight_read(pos_file[e], pos_off[e], np.int64(np.ceil(wbytes[e] * (keep_top if top else 1.0))),
+                                             bases, pol, n_reads, tail, r_addr, r_len, r_warm)
+            total += nb
+        else:
+            for x in range(3):
+                n_reads, tail, nb = _weight_read(wloc[e, x, 0], wloc[e, x, 1], wloc[e, x, 2], bases, pol, n_reads, tail,
+                                                 r_addr, r_len, r_warm)
+                total += nb
+        n_reads, stail, sb = _scale_reads(sloc, e, keep_top if top else 1.0, seen[li, e] != session, bases, n_reads,
+                                          r_addr, r_len, r_warm)
+        seen[li, e] = session
+        out.reads[i] += (1 if _one_extent(adjacent, e, top) else 3) + 3
+        out.read_bytes[i] += total + sb
+        for r in range(n_reads):
+            t = _serve_read(r_addr[r], r_len[r], r_warm[r], t, dev, out.member_bytes, out.member_requests,
+                            out.residence, mfree, sfree, host, pieces, nbytes)
+        t += tail + stail
+        pf_ready[e] = t - deadline
+        pf_bytes[e] = lay.ebytes[li, e]
+        out.pf_bytes[i] += pf_bytes[e]
+        pf_list[loaded] = e
+        loaded += 1
+        if t <= deadline:
+            lru_add(lru, li, e)
+    return loaded

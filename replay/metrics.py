@@ -31,6 +31,7 @@ class StepTable:
     read_bytes: np.ndarray
     hits: np.ndarray
     lookups: np.ndarray
+    prefetch: dict | None = None   # per step sums of the prefetch metrics, when a source runs
 
 
 def step_table(trace: RoutingTrace, forwards: np.ndarray, inst: InstanceResult) -> StepTable:
@@ -48,6 +49,8 @@ def step_table(trace: RoutingTrace, forwards: np.ndarray, inst: InstanceResult) 
         committed=trace.fwd_committed[fw].astype(np.float64), evaluated=trace.fwd_evaluated[fw].astype(np.float64),
         union_bytes=per_step(inst.union_bytes), reads=per_step(inst.reads), read_bytes=per_step(inst.read_bytes),
         hits=per_step(inst.hits), lookups=per_step(inst.union_experts),
+        prefetch=None if inst.prefetch is None else {
+            name: per_step(getattr(inst.prefetch, name)) for name in ("issued", "required", "timely", "timely_n", "slack", "unused")},
     )
 
 
@@ -78,7 +81,21 @@ def summarize(steps: StepTable, usage: DeviceUsage, other_seconds_per_token: flo
         "drive_utilisation": (usage.transfer_seconds / max(elapsed, 1e-12)).round(4).tolist(),
         "drive_queue_depth": (usage.residence_seconds / max(elapsed, 1e-12)).round(3).tolist(),
         "drive_requests_per_token": (usage.requests / A).round(2).tolist(),
-        "prefetch": None,
+        "prefetch": _prefetch_metrics(steps.prefetch, A),
+    }
+
+
+def _prefetch_metrics(p: dict | None, committed: float) -> dict | None:
+    """Seed 4.3 for a modelled prefetch source: timely required-byte recall, unused prefetched
+    bytes (not selected by the layer they were loaded for) and mean lead slack."""
+    if p is None:
+        return None
+    required, timely_n = p["required"].sum(), p["timely_n"].sum()
+    return {
+        "prefetched_bytes_per_token": p["issued"].sum() / committed,
+        "timely_required_byte_recall": p["timely"].sum() / required if required else None,
+        "unused_prefetched_bytes_per_token": p["unused"].sum() / committed,
+        "mean_lead_slack_s": p["slack"].sum() / timely_n if timely_n else None,
     }
 
 

@@ -11,6 +11,7 @@ that starts with a cold LRU (pinned experts are loaded before the run starts).
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -19,6 +20,9 @@ from numba import njit
 from containers.errors import InputError
 
 from .jit import HELPER, LOOP
+
+PREFETCH_SOURCES = ("none", "oracle", "coupled")
+"""Prefetch sources (see :mod:`replay.prefetch`); the compiled model takes a source as its index here."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,8 @@ class RuntimeConfig:
     dense_seconds: float = 1.0e-3      # per layer and forward, before routing: attention, router
     compute_bytes_per_second: float = 50e9  # an expert's matmul streams its weights at this rate, per position
     other_seconds_per_token: float = 0.0    # O in TPOT = C + S + O
+    prefetch: str = "none"             # prefetch source for the next layer: none, oracle, coupled
+    prefetch_experts: int = 6          # K: experts predicted per layer (colibrì PILOT_K)
 
     def __post_init__(self):
         if not self.batched and not 1 <= self.workers <= 16:
@@ -44,6 +50,10 @@ class RuntimeConfig:
             raise InputError(None, "RAM budgets must be >= 0")
         if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
             raise InputError(None, "coalescing needs a span of at least 1 byte and a gap >= 0")
+        if self.prefetch not in PREFETCH_SOURCES:
+            raise InputError(None, f"unknown prefetch source {self.prefetch!r} (choose {', '.join(PREFETCH_SOURCES)})")
+        if not 1 <= self.prefetch_experts <= 64:
+            raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
         if self.compute_bytes_per_second <= 0 or self.dense_seconds < 0:
             raise InputError(None, "compute model needs a positive rate and non-negative dense time")
 
@@ -92,6 +102,20 @@ def pinned_experts(heat: np.ndarray, expert_bytes: np.ndarray, pin_bytes: int) -
     return greedy_by_value(heat / np.maximum(expert_bytes, 1)[:, None], np.asarray(expert_bytes, dtype=np.float64), pin_bytes)
 
 
+Lru = namedtuple("Lru", "capacity newer older cached oldest newest size session")
+"""Per-layer LRUs over expert ids. ``capacity`` [L] in experts (0 = no cache); per [L, E] the
+newer and older neighbour in the layer's list (-1 ends it) and membership; per [L] the oldest
+and newest expert, the size, and the session the contents belong to. Every step is O(1)."""
+
+
+def new_lru(capacity: np.ndarray, n_experts: int) -> Lru:
+    L = len(capacity)
+    return Lru(np.asarray(capacity, dtype=np.int64), np.full((L, n_experts), -1, dtype=np.int64),
+               np.full((L, n_experts), -1, dtype=np.int64), np.zeros((L, n_experts), dtype=bool),
+               np.full(L, -1, dtype=np.int64), np.full(L, -1, dtype=np.int64), np.zeros(L, dtype=np.int64),
+               np.full(L, -1, dtype=np.int64))
+
+
 def lru_hits(
     inst_layer: np.ndarray,
     inst_session: np.ndarray,
@@ -100,95 +124,97 @@ def lru_hits(
     capacity: np.ndarray,
     pinned: np.ndarray,
 ) -> np.ndarray:
-    """Which union selections are served from RAM.
+    """Which union selections are served from RAM, demand loads only (the replay model runs the
+    same steps inside its timing loop, where prefetched experts enter the LRU too).
 
     Instances (one per forward and layer) are in time order; instance ``i``'s union experts are
     ``sel_expert[sel_start[i]:sel_start[i+1]]``, ascending. Returns a boolean hit mask over them.
     """
     hits = np.zeros(len(sel_expert), dtype=bool)
-    _ram_tiers(np.asarray(inst_layer, dtype=np.int64), np.asarray(inst_session, dtype=np.int64),
-               np.asarray(sel_start, dtype=np.int64), np.asarray(sel_expert, dtype=np.int64),
-               np.asarray(capacity, dtype=np.int64), np.asarray(pinned, dtype=bool), hits)
+    _demand_pass(np.asarray(inst_layer, dtype=np.int64), np.asarray(inst_session, dtype=np.int64),
+                 np.asarray(sel_start, dtype=np.int64), np.asarray(sel_expert, dtype=np.int64),
+                 np.asarray(pinned, dtype=bool), new_lru(capacity, pinned.shape[1]), hits)
     return hits
 
 
 @njit(**LOOP)
-def _ram_tiers(inst_layer, inst_session, starts, sel_expert, capacity, pinned, hits):
-    """Marks ``hits``: pinned experts, then a per-layer LRU of ``capacity[layer]`` experts that is
-    cleared when a session starts.
-
-    An instance first looks up all its unpinned experts, refreshing the hits; then its misses
-    are inserted in order, and the least recently used are evicted down to the capacity. Each
-    layer's LRU is a doubly linked list over expert ids (``-1`` ends it), so every step is O(1).
-    """
-    L, n_experts = pinned.shape
-    newer = np.full((L, n_experts), -1, np.int64)
-    older = np.full((L, n_experts), -1, np.int64)
-    cached = np.zeros((L, n_experts), np.bool_)
-    oldest = np.full(L, -1, np.int64)
-    newest = np.full(L, -1, np.int64)
-    size = np.zeros(L, np.int64)
-    session = np.full(L, -1, np.int64)
-    missed = np.empty(max(1, n_experts), np.int64)
+def _demand_pass(inst_layer, inst_session, starts, sel_expert, pinned, lru, hits):
+    """Marks ``hits``: pinned experts, then each layer's LRU (see :func:`lru_touch`, :func:`lru_add`)."""
+    missed = np.empty(max(1, pinned.shape[1]), np.int64)
     for i in range(len(inst_layer)):
         li = inst_layer[i]
-        for j in range(starts[i], starts[i + 1]):
-            hits[j] = pinned[li, sel_expert[j]]
-        cap = capacity[li]
-        if cap <= 0:
-            continue
-        if inst_session[i] != session[li]:
-            session[li] = inst_session[i]
-            e = oldest[li]
-            while e >= 0:
-                cached[li, e] = False
-                e = newer[li, e]
-            oldest[li] = newest[li] = -1
-            size[li] = 0
+        lru_start(lru, li, inst_session[i])
         n_missed = 0
         for j in range(starts[i], starts[i + 1]):
-            if hits[j]:
-                continue
             e = sel_expert[j]
-            if cached[li, e]:
-                hits[j] = True
-                _unlink(li, e, newer, older, oldest, newest)
-                _append(li, e, newer, older, oldest, newest)
-            else:
+            hits[j] = pinned[li, e] or lru_touch(lru, li, e)
+            if not hits[j]:
                 missed[n_missed] = e
                 n_missed += 1
         for m in range(n_missed):
-            e = missed[m]
-            cached[li, e] = True
-            _append(li, e, newer, older, oldest, newest)
-            size[li] += 1
-        while size[li] > cap:
-            e = oldest[li]
-            _unlink(li, e, newer, older, oldest, newest)
-            cached[li, e] = False
-            size[li] -= 1
+            lru_add(lru, li, missed[m])
 
 
 @njit(**HELPER)
-def _unlink(li, e, newer, older, oldest, newest):
-    n, o = newer[li, e], older[li, e]
+def lru_start(lru, li, session):
+    """Empty layer ``li``'s LRU when a new session starts (each session is a fresh run)."""
+    if session == lru.session[li]:
+        return
+    lru.session[li] = session
+    e = lru.oldest[li]
+    while e >= 0:
+        lru.cached[li, e] = False
+        e = lru.newer[li, e]
+    lru.oldest[li] = lru.newest[li] = -1
+    lru.size[li] = 0
+
+
+@njit(**HELPER)
+def lru_touch(lru, li, e):
+    """Look ``e`` up in layer ``li``'s LRU; a hit becomes the most recently used. Returns the hit."""
+    if not lru.cached[li, e]:
+        return False
+    _unlink(lru, li, e)
+    _append(lru, li, e)
+    return True
+
+
+@njit(**HELPER)
+def lru_add(lru, li, e):
+    """Insert ``e`` as the most recently used, then evict the least recently used down to the
+    capacity (an instance inserts all its misses after its lookups)."""
+    if lru.capacity[li] <= 0 or lru.cached[li, e]:
+        return
+    lru.cached[li, e] = True
+    _append(lru, li, e)
+    lru.size[li] += 1
+    while lru.size[li] > lru.capacity[li]:
+        old = lru.oldest[li]
+        _unlink(lru, li, old)
+        lru.cached[li, old] = False
+        lru.size[li] -= 1
+
+
+@njit(**HELPER)
+def _unlink(lru, li, e):
+    n, o = lru.newer[li, e], lru.older[li, e]
     if o >= 0:
-        newer[li, o] = n
+        lru.newer[li, o] = n
     else:
-        oldest[li] = n
+        lru.oldest[li] = n
     if n >= 0:
-        older[li, n] = o
+        lru.older[li, n] = o
     else:
-        newest[li] = o
+        lru.newest[li] = o
 
 
 @njit(**HELPER)
-def _append(li, e, newer, older, oldest, newest):
+def _append(lru, li, e):
     """Make ``e`` the most recently used expert of layer ``li``."""
-    older[li, e] = newest[li]
-    newer[li, e] = -1
-    if newest[li] >= 0:
-        newer[li, newest[li]] = e
+    lru.older[li, e] = lru.newest[li]
+    lru.newer[li, e] = -1
+    if lru.newest[li] >= 0:
+        lru.newer[li, lru.newest[li]] = e
     else:
-        oldest[li] = e
-    newest[li] = e
+        lru.oldest[li] = e
+    lru.newest[li] = e

@@ -2,6 +2,7 @@
 
 import json
 from collections import Counter, OrderedDict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,11 +16,12 @@ from relayout.plan import load_plan, make_plan, save_plan, source_from_geometry
 from relayout.trace import RoutingTrace
 from relayout.trace_synth import SynthParams, synth_trace
 from replay.device import ArrayProfile, DriveProfile, load_device, member_split
-from replay.engine import instance_unions, simulate
+from replay.engine import simulate
 from replay.gate import compare
 from replay.metrics import step_table, summarize
 from replay.runtime import RuntimeConfig, lru_hits
 from replay.stats import paired_saving
+from replay.unions import instance_unions
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
 
@@ -302,14 +304,101 @@ def test_more_ram_never_lowers_the_hit_rate(small_expert_case):
     assert rates == sorted(rates) and rates[0] == 0 and rates[-1] > 0.5
 
 
-def test_gate_record_matches_its_schema(small_expert_case, tmp_path):
+@pytest.mark.parametrize("prefetch", ["none", "coupled"])
+def test_gate_record_matches_its_schema(small_expert_case, tmp_path, prefetch):
     import jsonschema
 
     from conftest import REPO
     from containers.atomic import write_json_atomic
 
     g, tr, plan = small_expert_case
-    gate = compare(plan, tr, load_device("single-nvme"), RuntimeConfig(workers=2))
+    gate = compare(plan, tr, load_device("single-nvme"), RuntimeConfig(workers=2, prefetch=prefetch))
     write_json_atomic(tmp_path / "gate.json", gate)
     jsonschema.validate(json.loads((tmp_path / "gate.json").read_text()),
                         json.loads((REPO / "manifests/schemas/gate.schema.json").read_text()))
+    assert (gate["baseline_metrics"]["prefetch"] is None) == (prefetch == "none")
+
+
+# ---- prefetch: layer 3 is routed, the prefetcher loads layer 4's predicted experts until layer 4 is routed
+
+TWO_LAYERS = dict(layers=(3, 4))
+EXPERT = 32768 + 3 * 4096               # simple_layout: weights + scales, bytes
+
+
+def two_layer_case(ram_bytes=0, dense=0.0, **kw):
+    """One forward: layer 3 needs experts 0 and 1, layer 4 needs 2 and 3; no matmul time."""
+    lay = simple_layout(layers=(3, 4))
+    tr = make_trace([[[0, 1]]], **TWO_LAYERS)
+    tr.experts[1] = [2, 3]
+    cfg = RuntimeConfig(workers=1, ram_bytes=ram_bytes, dense_seconds=dense, compute_bytes_per_second=1e30, **kw)
+    return lay, tr, cfg
+
+
+def test_oracle_prefetch_with_time_to_spare_removes_the_next_layers_stall():
+    lay, tr, none = two_layer_case(dense=0.01)
+    base, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), none)
+    inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="oracle"))
+    assert base.stall[1] > 0 and inst.stall[1] == 0
+    assert inst.stall[0] == pytest.approx(base.stall[0], rel=1e-12)       # demand reads go first
+    assert inst.hits.tolist() == [0, 2] and inst.reads.sum() == base.reads.sum()
+    p = inst.prefetch
+    assert p.issued.tolist() == [2 * EXPERT, 0] and p.required.tolist() == [0, 2 * EXPERT]
+    assert p.timely.tolist() == [0, 2 * EXPERT] and p.unused.sum() == 0
+    per_expert = (1e-4 + 32768 / 1e9) + 3 * (1e-4 + 4096 / 1e9)
+    # both loads end 2 x per_expert after layer 3's demand loads; layer 4 is routed 10 ms after that
+    assert p.slack.sum() == pytest.approx((0.01 - per_expert) + (0.01 - 2 * per_expert), rel=1e-9)
+
+
+def test_prefetch_with_no_time_before_the_next_layer_changes_nothing():
+    lay, tr, none = two_layer_case(dense=0.0)
+    base, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), none)
+    inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="oracle"))
+    assert inst.stall.tolist() == base.stall.tolist() and inst.prefetch.issued.sum() == 0
+    assert inst.prefetch.required[1] == 2 * EXPERT and inst.prefetch.timely.sum() == 0
+
+
+def test_a_wrong_prefetch_in_flight_delays_the_demand_it_did_not_predict():
+    lay, tr, none = two_layer_case(dense=1e-5)
+    table = np.zeros((2, 16, 16), dtype=np.int32)
+    table[0, 0, 9] = 5                                   # "after expert 0 comes expert 9": wrong
+    base, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), none)
+    inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="coupled"), coupling=table)
+    assert inst.prefetch.issued[0] == EXPERT and inst.prefetch.unused[1] == EXPERT
+    assert inst.prefetch.timely.sum() == 0
+    assert inst.stall[1] > base.stall[1]                 # the drive was busy with expert 9
+    # with a cache, a wrong prefetch also takes a slot: here it evicts layer 4's expert 2
+    lay, tr, none = two_layer_case(dense=0.01, ram_bytes=2 * 2 * EXPERT)   # one expert per layer
+    tr2 = make_trace([[[0, 1]], [[0, 1]]], **TWO_LAYERS)
+    tr2.experts[1] = [2, 0]
+    tr2.experts[3] = [2, 0]
+    table[0, 1, 9] = 5
+    base, _ = simulate(tr2, np.ones(2, bool), lay, one_drive(), none)
+    inst, _ = simulate(tr2, np.ones(2, bool), lay, one_drive(), replace(none, prefetch="coupled"), coupling=table)
+    assert inst.hits.sum() < base.hits.sum()
+
+
+def test_coupled_source_learns_which_experts_follow(tmp_path):
+    from replay.prefetch import coupling_table
+
+    # layer 4 always picks the two experts after layer 3's: a coupling a table can learn
+    rng = np.random.default_rng(0)
+    rows = []
+    for f in range(40):
+        a = sorted(rng.choice(14, 2, replace=False).tolist())
+        rows.append(a)
+    tr = make_trace([[r] for r in rows], sessions=[0] * 20 + [1] * 20, **TWO_LAYERS)
+    tr.experts[1::2] = tr.experts[0::2] + 2
+    train = tr.session_forward_mask([0])
+    table = coupling_table(tr, train, simple_layout(layers=(3, 4)))
+    want = np.zeros((2, 16, 16), dtype=np.int32)
+    for a in tr.experts[0:40:2]:
+        for e in a:
+            for f in a + 2:
+                want[0, e, f] += 1
+    assert np.array_equal(table, want)
+    lay, _, cfg = two_layer_case(dense=0.01)
+    test = tr.session_forward_mask([1])
+    coupled, _ = simulate(tr, test, lay, one_drive(), replace(cfg, prefetch="coupled", prefetch_experts=2), coupling=table)
+    oracle, _ = simulate(tr, test, lay, one_drive(), replace(cfg, prefetch="oracle", prefetch_experts=2))
+    recall = coupled.prefetch.timely.sum() / coupled.prefetch.required.sum()
+    assert recall > 0.5 and oracle.prefetch.timely.sum() / oracle.prefetch.required.sum() == 1.0
