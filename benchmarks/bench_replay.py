@@ -3,7 +3,8 @@
 Usage: python benchmarks/bench_replay.py [--tokens 10000]
 
 Prints the wall time and peak RSS (fresh process) of replaying --tokens decode tokens of the
-GLM-5.2 geometry (75 layers, top-8) through stock and plan layouts on the Mac Pro profile, and
+GLM-5.2 geometry (75 layers, top-8) through the stock layout on the Mac Pro profile, without and
+with a prefetch source (the coupled table learned from the first two of four sessions), and
 the rate of modelled expert requests (expert loads simulated) per second on one core, after a
 first tiny replay that loads (or, on a new machine, compiles) the model.
 """
@@ -24,6 +25,7 @@ from relayout.trace import save_trace
 from relayout.trace_synth import synth_trace
 from replay.device import load_device
 from replay.engine import simulate
+from replay.prefetch import coupling_table
 from replay.runtime import RuntimeConfig
 
 
@@ -46,11 +48,19 @@ def main() -> None:
     simulate(small, np.ones(small.n_forwards, dtype=bool), src.stock, dev, RuntimeConfig())
     print(f"compiled model ready in {time.perf_counter() - t:.1f} s (numba compiles on the first run on a machine, "
           f"then loads from its on-disk cache)")
-    for label, cfg in (("no cache, 8 workers", RuntimeConfig()), ("64 GB LRU, 8 workers, coalesce", RuntimeConfig(ram_bytes=64 * 10**9, coalesce=True))):
+    train = trace.session_forward_mask([0, 1])
+    t = time.perf_counter()
+    coupling = coupling_table(trace, train, src.stock)
+    print(f"coupled prefetch table from {int(train.sum())} training forwards in {time.perf_counter() - t:.1f} s")
+    configs = (("no cache, 8 workers", RuntimeConfig()),
+               ("64 GB LRU, 8 workers, coalesce", RuntimeConfig(ram_bytes=64 * 10**9, coalesce=True)),
+               ("no cache, oracle prefetch K=6", RuntimeConfig(prefetch="oracle")),
+               ("64 GB LRU, coupled prefetch K=6", RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled")))
+    for label, cfg in configs:
         t = time.perf_counter()
-        inst, _ = simulate(trace, mask, src.stock, dev, cfg)
+        inst, _ = simulate(trace, mask, src.stock, dev, cfg, coupling=coupling)
         dt = time.perf_counter() - t
-        loads = int(inst.misses.sum())
+        loads = int(inst.misses.sum()) + (int(inst.prefetch.loads.sum()) if inst.prefetch is not None else 0)
         lookups = int(inst.union_experts.sum())
         print(f"{label}: {args.tokens} tokens x 75 layers in {dt:.1f} s; {lookups:,} expert lookups, {loads:,} expert loads "
               f"({int(inst.reads.sum()):,} reads) = {loads / dt / 1e6:.2f} M modelled expert loads/s, "

@@ -122,6 +122,15 @@ def cross_layer_lift(trace: RoutingTrace, layer: int, dl: int = 1, min_count: in
     return L[X >= min_count]
 
 
+def top_targets(X: np.ndarray, max_targets: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``max_targets`` largest non-zero counts of ``X`` [E, E], by count (descending)
+    then id: ``(targets, counts)``, int64 [E, max_targets], padded with -1 and 0."""
+    E = X.shape[0]
+    order = np.lexsort((np.tile(np.arange(X.shape[1]), (E, 1)), -X), axis=1)[:, :max_targets]
+    counts = np.take_along_axis(X, order, axis=1).astype(np.int64)
+    return np.where(counts > 0, order, -1).astype(np.int64), counts
+
+
 def write_coli_pairs(trace: RoutingTrace, path: str | os.PathLike, max_targets: int = 16, forwards: np.ndarray | None = None) -> int:
     """Write colibrì's ``.coli_pairs`` coupling table; returns the number of lines.
 
@@ -135,12 +144,10 @@ def write_coli_pairs(trace: RoutingTrace, path: str | os.PathLike, max_targets: 
         for dl in (1, 2):
             if layer + dl not in layers:
                 continue
-            X = cross_layer_counts(trace, layer, dl, forwards)
-            for e in np.flatnonzero(X.sum(axis=1)):
-                row = X[e]
-                targets = np.flatnonzero(row)
-                targets = targets[np.lexsort((targets, -row[targets]))][:max_targets]
-                lines.append(f"{layer} {dl} {e} " + " ".join(f"{f}:{row[f]}" for f in targets))
+            targets, counts = top_targets(cross_layer_counts(trace, layer, dl, forwards), max_targets)
+            for e in np.flatnonzero(counts[:, 0]):
+                n = int((targets[e] >= 0).sum())
+                lines.append(f"{layer} {dl} {e} " + " ".join(f"{f}:{c}" for f, c in zip(targets[e, :n], counts[e, :n])))
     with atomic_output(path, "w") as fh:
         fh.write(f"COLIPAIRS 1 {len(lines)}\n")
         for line in lines:

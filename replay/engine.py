@@ -1,11 +1,11 @@
 """The timing model: replays routing through a layout on a device and measures stall.
 
-**Why layers can be simulated independently.** Loads are demand-only: a layer's routing is known
-only once its attention has run, and its compute cannot finish before every expert it needs has
-arrived. So when a layer ends, every read it issued has completed and the drives are idle. Given
-the RAM state (computed beforehand, see :mod:`replay.runtime`), each (forward, layer) *instance*
-is an independent small queueing problem, simulated one after another by the compiled loop in
-:mod:`replay.instance`. RAM hits are found beforehand for the whole trace.
+**Instances.** A (forward, layer) *instance* starts when the layer is routed. With demand loads
+only (colibrì's default) a layer cannot finish before every expert it needs has arrived, so when
+it ends the drives are idle and each instance is a small queueing problem of its own. The
+compiled loop in :mod:`replay.instance` walks the instances in time order and keeps the state
+that does carry over: the RAM tiers (pinned store, per-layer LRU, :mod:`replay.runtime`), which
+scale pages the OS already caches, and, with a prefetch source, the drives.
 
 **One instance.** Time 0 is when routing is known. Every missing expert becomes a *job* for the
 reader pool (with ``coalesce``, experts contiguous in one file share a job): its weight read(s)
@@ -23,8 +23,17 @@ each missing expert and runs its matmul. Stall is the time it waits, measured on
 path, never summed per expert. With a split plan, a missing expert whose top segment is resident
 runs its top part at once and waits only for its bottom segment.
 
+**Prefetch** (``config.prefetch``, sources in :mod:`replay.prefetch`). When layer L is routed,
+the prefetcher predicts up to K experts of layer L+1 and, once L's demand loads are done
+(demand reads before prefetch), loads those not in RAM one at a time on its own thread, until
+L+1 is routed: L+1 is routed when L's compute ends plus the dense time. A load not started by
+then is dropped, one in flight completes, and its drive time delays L+1's demand reads. Loads
+that completed enter L+1's LRU (or, with no cache, wait for L+1 alone); an expert still in
+flight makes L+1's compute thread wait for it instead of reading it again. A wrong prediction
+costs drive time and, with a cache, an LRU slot.
+
 The **oracle** replaces the drives by a stream at the array's full bandwidth with no per-request
-cost: the lower bound on stall that no layout can beat.
+cost: the lower bound on stall that no layout can beat (for the misses left after prefetch).
 """
 
 from __future__ import annotations
@@ -69,13 +78,15 @@ class InstanceResult:
 class PrefetchResult:
     """Per instance [I], when a prefetch source runs. Bytes and seconds.
 
-    ``issued``: bytes the prefetcher loaded while the instance ran (for the next layer).
+    ``loads``, ``issued``: experts and bytes the prefetcher loaded while the instance ran (for the
+    next layer).
     ``required``: bytes of the instance's experts not in RAM when the previous layer predicted.
     ``timely``, ``timely_n``, ``slack``: of those, the bytes (and experts) a prefetch made ready
     before the compute thread needed them, and the sum of their lead slack.
     ``unused``: bytes prefetched for this layer that it did not select.
     """
 
+    loads: np.ndarray
     issued: np.ndarray
     required: np.ndarray
     timely: np.ndarray
@@ -134,15 +145,16 @@ def simulate(
 ) -> tuple[InstanceResult, DeviceUsage]:
     """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``.
 
-    ``coupling`` is the coupled prefetch source's table (:func:`replay.prefetch.coupling_table`,
-    learned from training sessions), needed when ``config.prefetch == "coupled"``.
+    ``coupling`` is the coupled prefetch source's ``(targets, counts)`` table
+    (:func:`replay.prefetch.coupling_table`, learned from training sessions), needed when
+    ``config.prefetch == "coupled"``.
     """
     L, E = len(layout.layers), layout.n_experts
     inst = trace_instances(trace, forwards, layout)
     I = len(inst)
     if config.prefetch == "coupled" and coupling is None:
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
-    table = coupling if config.prefetch == "coupled" else np.zeros((1, 1, 1), dtype=np.int32)
+    targets, counts = coupling if config.prefetch == "coupled" else (np.full((1, 1, 1), -1), np.zeros((1, 1, 1)))
     out = Results(*(np.zeros(I, dtype=np.int64) if name in _COUNTS else np.zeros(I) for name in Results._fields[:9]),
                   np.zeros((L, E)), np.zeros(device.members, dtype=np.int64), np.zeros(device.members, dtype=np.int64),
                   np.zeros(device.members),
@@ -150,18 +162,20 @@ def simulate(
     simulate_instances(inst.forward, inst.layer, inst.session, inst.sel_start, inst.sel_e, inst.sel_mult,
                        np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
                        new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
-                       np.ascontiguousarray(table, dtype=np.int32), layout_arrays(layout, config, split),
+                       np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32),
+                       layout_arrays(layout, config, split),
                        read_policy(config, device), device_numbers(device), out)
     usage = DeviceUsage(out.member_bytes / device.drive.bandwidth, out.member_requests, out.residence)
     prefetch = None
     if config.prefetch != "none":
-        prefetch = PrefetchResult(out.pf_bytes, out.pf_required, out.pf_timely, out.pf_timely_n, out.pf_slack, out.pf_unused)
+        prefetch = PrefetchResult(out.pf_loads, out.pf_bytes, out.pf_required, out.pf_timely, out.pf_timely_n, out.pf_slack,
+                                  out.pf_unused)
     return InstanceResult(inst.forward, inst.layer, out.stall, config.dense_seconds + out.matmul, out.oracle,
                           out.union_experts, out.union_bytes, out.hits, out.misses, out.reads, out.read_bytes,
                           out.expert_wait, prefetch), usage
 
 
-_COUNTS = {"union_experts", "hits", "misses", "reads", "pf_timely_n"}
+_COUNTS = {"union_experts", "hits", "misses", "reads", "pf_loads", "pf_timely_n"}
 
 
 def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | None) -> LayoutArrays:

@@ -50,23 +50,24 @@ Array = namedtuple("Array", "members chunk rule request_seconds bandwidth queue_
 
 Results = namedtuple("Results", "union_experts union_bytes hits matmul stall oracle misses reads read_bytes "
                                 "expert_wait member_bytes member_requests residence "
-                                "pf_bytes pf_required pf_timely pf_timely_n pf_slack pf_unused")
+                                "pf_loads pf_bytes pf_required pf_timely pf_timely_n pf_slack pf_unused")
 """Outputs, filled in place. Per instance [I]: union experts and bytes, RAM hits, matmul time of
 all positions (s), stall and oracle stall (s), misses, reads, bytes read (prefetch included).
 [L, E]: the compute thread's wait right before each expert's matmul (s). Per member [M]: bytes
-transferred, requests, residence (s). Prefetch, per instance [I]: bytes the prefetcher loaded
-while this instance ran (for the next layer); of this instance's experts, the bytes that were
+transferred, requests, residence (s). Prefetch, per instance [I]: experts and bytes the
+prefetcher loaded while this instance ran (for the next layer); of this instance's experts, the bytes that were
 not in RAM when the previous layer predicted (required), those a prefetch made ready in time
 (timely: bytes, count, and the sum of their lead slack, s); prefetched bytes it did not use."""
 
 
 @njit(**LOOP)
-def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mult, pinned, lru, table, lay, pol, dev, out):
+def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mult, pinned, lru, targets, counts, lay, pol,
+                       dev, out):
     """Time every instance, in order. Instance ``i`` is layer ``inst_li[i]`` of forward
     ``inst_fwd[i]`` of session ``inst_session[i]``; its union experts are
     ``sel_e[sel_start[i]:sel_start[i+1]]``, each needed by ``sel_mult`` positions. ``pinned`` [L, E]
-    and ``lru`` (:class:`replay.runtime.Lru`) are the RAM tiers; ``table`` the coupled prefetch
-    source's counts. Results go into ``out``.
+    and ``lru`` (:class:`replay.runtime.Lru`) are the RAM tiers; ``targets`` and ``counts`` the
+    coupled prefetch source's table (:func:`replay.prefetch.coupling_table`). Results go into ``out``.
     """
     I = len(sel_start) - 1
     L, E = lay.rank.shape
@@ -108,7 +109,8 @@ def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mu
     pf_bytes = np.zeros(E, np.int64)
     pf_list = np.empty(64, np.int64)
     pf_n = 0
-    score = np.empty(E)
+    score = np.zeros(E, np.int64)         # the prefetch predictor's scratch
+    touched = np.empty(E, np.int64)
     for i in range(I):
         li = inst_li[i]
         lru_start(lru, li, inst_session[i])
@@ -145,8 +147,8 @@ def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mu
         pf_n = 0
         if i + 1 < I and inst_fwd[i + 1] == inst_fwd[i] and inst_li[i + 1] == li + 1:
             lru_start(lru, li + 1, inst_session[i])
-            pf_n = _prefetch(i, li + 1, inst_session[i], start, next_at, sel_start, sel_e, sel_mult, table, score,
-                             seen, pinned, lru, lay, pol, dev, out, pf_ready, pf_bytes, pf_list,
+            pf_n = _prefetch(i, li + 1, inst_session[i], start, next_at, sel_start, sel_e, sel_mult, targets, counts,
+                             score, touched, seen, pinned, lru, lay, pol, dev, out, pf_ready, pf_bytes, pf_list,
                              r_addr, r_len, r_warm, mfree, sfree, host, pieces, nbytes)
             pf_for = i + 1
         for m in range(dev.members):           # the drives' state, in the next instance's clock
@@ -481,7 +483,8 @@ def _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, miss_read
 
 
 @njit(**HELPER)
-def _prefetch(i, li, session, start, deadline, sel_start, sel_e, sel_mult, table, score, seen, pinned, lru, lay, pol, dev,
+def _prefetch(i, li, session, start, deadline, sel_start, sel_e, sel_mult, targets, counts, score, touched, seen, pinned,
+              lru, lay, pol, dev,
               out, pf_ready, pf_bytes, pf_list, r_addr, r_len, r_warm, mfree, sfree, host, pieces, nbytes):
     """The prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs.
 
@@ -492,7 +495,8 @@ def _prefetch(i, li, session, start, deadline, sel_start, sel_e, sel_mult, table
     session, its scales; it enters the LRU when it completes before the deadline. Records each
     expert's ready time in the next instance's clock and returns how many were loaded.
     """
-    n = predict_next(pol.prefetch, i, li - 1, sel_start, sel_e, sel_mult, table, pol.prefetch_experts, score, pf_list)
+    n = predict_next(pol.prefetch, i, li - 1, sel_start, sel_e, sel_mult, targets, counts, pol.prefetch_experts, score,
+                     touched, pf_list)
     adjacent, pos_file, pos_off, wloc = lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wloc[li]
     sloc, bases, wbytes = lay.sloc[li], lay.bases, lay.wbytes[li]
     keep_top = 1.0 - lay.top_fraction[li]
@@ -526,6 +530,7 @@ def _prefetch(i, li, session, start, deadline, sel_start, sel_e, sel_mult, table
         t += tail + stail
         pf_ready[e] = t - deadline
         pf_bytes[e] = lay.ebytes[li, e]
+        out.pf_loads[i] += 1
         out.pf_bytes[i] += pf_bytes[e]
         pf_list[loaded] = e
         loaded += 1

@@ -7,9 +7,10 @@ replay model offers two sources:
 
 * ``oracle``: the experts layer L+1 will really select (most positions first, then by id), the
   bound for any predictor with the same budget K;
-* ``coupled``: experts scored by how often they followed layer L's union in the training
-  sessions (``score(e') = sum over e in union(L) of count(L:e -> L+1:e')``), highest first,
-  ties by id, never a zero score.
+* ``coupled``: experts scored by how often they followed layer L's union at the same position in
+  the training sessions (``score(f) = sum over e in union(L) of count(L:e -> L+1:f)``, each
+  expert keeping its 16 strongest successors as the ``.coli_pairs`` file does), highest first,
+  ties by id.
 
 How the loads are timed (after the layer's demand reads, dropped once L+1 is routed) is in
 :mod:`replay.engine`.
@@ -20,59 +21,79 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from relayout.coactivation import cross_layer_counts, top_targets
 from relayout.layout import Layout
 from relayout.trace import RoutingTrace
 
-from .jit import HELPER, LOOP
+from .jit import HELPER
 from .runtime import PREFETCH_SOURCES
-from .unions import trace_instances
 
 ORACLE, COUPLED = PREFETCH_SOURCES.index("oracle"), PREFETCH_SOURCES.index("coupled")
 
 
-def coupling_table(trace: RoutingTrace, forwards: np.ndarray, layout: Layout) -> np.ndarray:
-    """int32 [L, E, E]: ``[l, e, f]`` counts the forwards (of mask ``forwards``) whose union at
-    layout layer ``l`` holds ``e`` and whose union at layer ``l + 1`` holds ``f``."""
-    inst = trace_instances(trace, forwards, layout)
-    return _count_coupling(inst.forward, inst.layer, inst.sel_start, inst.sel_e, len(layout.layers), layout.n_experts)
+COUPLED_TARGETS = 16
+"""Successors kept per expert, as in the ``.coli_pairs`` file relayout exports for colibrì."""
 
 
-@njit(**LOOP)
-def _count_coupling(inst_fwd, inst_li, sel_start, sel_e, n_layers, n_experts):
-    table = np.zeros((n_layers, n_experts, n_experts), np.int32)
-    for i in range(len(inst_fwd) - 1):
-        if inst_fwd[i + 1] != inst_fwd[i] or inst_li[i + 1] != inst_li[i] + 1:
-            continue
-        li = inst_li[i]
-        for a in range(sel_start[i], sel_start[i + 1]):
-            for b in range(sel_start[i + 1], sel_start[i + 2]):
-                table[li, sel_e[a], sel_e[b]] += 1
-    return table
+def coupling_table(trace: RoutingTrace, forwards: np.ndarray, layout: Layout,
+                   max_targets: int = COUPLED_TARGETS) -> tuple[np.ndarray, np.ndarray]:
+    """The coupled source's table from the forwards of mask ``forwards`` (training sessions).
+
+    Returns ``(targets, counts)``, int32 [L, E, max_targets]: for layout layer ``l`` and expert
+    ``e``, the experts of layer ``l + 1`` that most often served the same position
+    (:func:`relayout.coactivation.cross_layer_counts`), best first, padded with -1 and 0.
+    """
+    L, E = len(layout.layers), layout.n_experts
+    targets = np.full((L, E, max_targets), -1, dtype=np.int32)
+    counts = np.zeros((L, E, max_targets), dtype=np.int32)
+    present = set(int(x) for x in trace.layers)
+    for li in range(L - 1):
+        layer, nxt = int(layout.layers[li]), int(layout.layers[li + 1])
+        if layer in present and nxt in present:
+            X = np.zeros((E, E), dtype=np.int64)
+            X[:trace.n_experts, :trace.n_experts] = cross_layer_counts(trace, layer, nxt - layer, forwards)
+            targets[li], counts[li] = top_targets(X, max_targets)
+    return targets, counts
 
 
 @njit(**HELPER)
-def predict_next(source, i, li, sel_start, sel_e, sel_mult, table, k, score, out):
+def predict_next(source, i, li, sel_start, sel_e, sel_mult, targets, counts, k, score, touched, out):
     """Fill ``out`` with up to ``k`` predicted experts of layer ``li + 1`` given instance ``i``
-    (layer ``li``), best first; returns how many. ``score`` [E] is scratch."""
-    for f in range(len(score)):
-        score[f] = 0.0
+    (layer ``li``), best first (ties: lower id first); returns how many. ``score`` [E] (zeros on
+    entry and on return) and ``touched`` are scratch."""
+    n_touched = 0
     if source == ORACLE:
         for j in range(sel_start[i + 1], sel_start[i + 2]):
             score[sel_e[j]] = sel_mult[j]
+            touched[n_touched] = sel_e[j]
+            n_touched += 1
     else:
         for a in range(sel_start[i], sel_start[i + 1]):
-            row = table[li, sel_e[a]]
-            for f in range(len(score)):
-                score[f] += row[f]
+            for m in range(targets.shape[2]):
+                f = targets[li, sel_e[a], m]
+                if f < 0:
+                    break
+                if score[f] == 0:
+                    touched[n_touched] = f
+                    n_touched += 1
+                score[f] += counts[li, sel_e[a], m]
     n = 0
-    while n < k:
-        best = -1
-        for f in range(len(score)):
-            if score[f] > 0 and (best < 0 or score[f] > score[best]):
-                best = f
-        if best < 0:
-            break
-        out[n] = best
-        score[best] = 0.0
-        n += 1
+    for t in range(n_touched):               # keep the k best in out[:n]
+        f = touched[t]
+        q = n
+        while q > 0 and _better(f, out[q - 1], score):
+            if q < k:
+                out[q] = out[q - 1]
+            q -= 1
+        if q < k:
+            out[q] = f
+            n = min(n + 1, k)
+    for t in range(n_touched):
+        score[touched[t]] = 0
     return n
+
+
+@njit(**HELPER)
+def _better(f, g, score):
+    """Expert ``f`` ranks before ``g``: a higher score, or the same score and a lower id."""
+    return score[f] > score[g] or (score[f] == score[g] and f < g)

@@ -359,8 +359,9 @@ def test_prefetch_with_no_time_before_the_next_layer_changes_nothing():
 
 def test_a_wrong_prefetch_in_flight_delays_the_demand_it_did_not_predict():
     lay, tr, none = two_layer_case(dense=1e-5)
-    table = np.zeros((2, 16, 16), dtype=np.int32)
-    table[0, 0, 9] = 5                                   # "after expert 0 comes expert 9": wrong
+    targets, counts = np.full((2, 16, 4), -1), np.zeros((2, 16, 4), dtype=np.int64)
+    targets[0, 0, 0], counts[0, 0, 0] = 9, 5             # "after expert 0 comes expert 9": wrong
+    table = (targets, counts)
     base, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), none)
     inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="coupled"), coupling=table)
     assert inst.prefetch.issued[0] == EXPERT and inst.prefetch.unused[1] == EXPERT
@@ -371,10 +372,36 @@ def test_a_wrong_prefetch_in_flight_delays_the_demand_it_did_not_predict():
     tr2 = make_trace([[[0, 1]], [[0, 1]]], **TWO_LAYERS)
     tr2.experts[1] = [2, 0]
     tr2.experts[3] = [2, 0]
-    table[0, 1, 9] = 5
+    targets[0, 1, 0], counts[0, 1, 0] = 9, 5
     base, _ = simulate(tr2, np.ones(2, bool), lay, one_drive(), none)
     inst, _ = simulate(tr2, np.ones(2, bool), lay, one_drive(), replace(none, prefetch="coupled"), coupling=table)
     assert inst.hits.sum() < base.hits.sum()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True), st.integers(1, 8), st.integers(0, 2**31))
+def test_coupled_prediction_is_the_k_best_scores(union, k, seed):
+    from replay.prefetch import COUPLED, predict_next
+
+    rng = np.random.default_rng(seed)
+    targets = np.full((1, 12, 4), -1, dtype=np.int32)
+    counts = np.zeros((1, 12, 4), dtype=np.int32)
+    for e in range(12):
+        n = int(rng.integers(0, 5))
+        targets[0, e, :n] = rng.choice(12, n, replace=False)
+        counts[0, e, :n] = rng.integers(1, 4, n)          # few values: ties happen
+    sel_e = np.array(sorted(union) + [0], dtype=np.int64)
+    sel_start = np.array([0, len(union), len(union) + 1])
+    score, out = np.zeros(12, dtype=np.int64), np.empty(12, dtype=np.int64)
+    n = predict_next(COUPLED, 0, 0, sel_start, sel_e, np.ones(len(sel_e), dtype=np.int64), targets, counts, k, score,
+                     np.empty(12, dtype=np.int64), out)
+    want = np.zeros(12, dtype=np.int64)
+    for e in union:
+        for f, c in zip(targets[0, e], counts[0, e]):
+            if f >= 0:
+                want[f] += c
+    best = sorted((f for f in range(12) if want[f] > 0), key=lambda f: (-want[f], f))[:k]
+    assert out[:n].tolist() == best and not score.any()
 
 
 def test_coupled_source_learns_which_experts_follow(tmp_path):
@@ -389,13 +416,18 @@ def test_coupled_source_learns_which_experts_follow(tmp_path):
     tr = make_trace([[r] for r in rows], sessions=[0] * 20 + [1] * 20, **TWO_LAYERS)
     tr.experts[1::2] = tr.experts[0::2] + 2
     train = tr.session_forward_mask([0])
-    table = coupling_table(tr, train, simple_layout(layers=(3, 4)))
-    want = np.zeros((2, 16, 16), dtype=np.int32)
+    targets, counts = coupling_table(tr, train, simple_layout(layers=(3, 4)))
+    want = np.zeros((16, 16), dtype=np.int64)
     for a in tr.experts[0:40:2]:
         for e in a:
             for f in a + 2:
-                want[0, e, f] += 1
-    assert np.array_equal(table, want)
+                want[e, f] += 1
+    for e in range(16):                                  # each expert's successors, best first, ties by id
+        ranked = sorted((f for f in range(16) if want[e, f]), key=lambda f: (-want[e, f], f))[:16]
+        assert targets[0, e, :len(ranked)].tolist() == ranked
+        assert counts[0, e, :len(ranked)].tolist() == [want[e, f] for f in ranked]
+    assert (targets[1] == -1).all()                      # the last layer has no next layer
+    table = (targets, counts)
     lay, _, cfg = two_layer_case(dense=0.01)
     test = tr.session_forward_mask([1])
     coupled, _ = simulate(tr, test, lay, one_drive(), replace(cfg, prefetch="coupled", prefetch_experts=2), coupling=table)
