@@ -49,7 +49,7 @@ def run_demo(work_dir: str | None = None, seed: int = 0) -> int:
         work = Path(work_dir)
         work.mkdir(parents=True, exist_ok=True)
     try:
-        return _run(work, seed)
+        return _run(work, seed, kept=tmp is None)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -60,7 +60,7 @@ def _step(title: str) -> float:
     return time.perf_counter()
 
 
-def _run(work: Path, seed: int) -> int:
+def _run(work: Path, seed: int, kept: bool) -> int:
     t0 = time.perf_counter()
     geometry = load_geometry(DEMO_GEOMETRY).scaled(**DEMO_SCALE)
     src = work / "source"
@@ -161,5 +161,6 @@ def _run(work: Path, seed: int) -> int:
           f"(this machine is not that array: calibrate it with 'relayout calibrate' to compare like with like)")
     print(f"   ({time.perf_counter() - t:.1f} s)")
 
-    print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s (work directory {work})")
+    where = f"files kept in {work}" if kept else f"work directory {work} removed; keep the files with --dir DIR"
+    print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s ({where})")
     return 0 if not mismatches and not r["problems"] and not problems else 1

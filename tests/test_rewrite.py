@@ -191,3 +191,16 @@ def test_headline_replay_command_rewrites_on_pass(setup, tmp_path):
     res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
                   "--workers", 1, "--coalesce", "--threshold", 0.9, "--container", setup["src"], "--out", tmp_path / "dst2")
     assert res.returncode == 0 and "not rewritten" in res.stdout and not (tmp_path / "dst2").exists()
+
+
+def test_replay_with_a_prefetch_source_reports_its_metrics(setup):
+    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+                  "--prefetch", "coupled", "--prefetch-experts", 4, "--json")
+    assert res.returncode == 0, res.stderr
+    g = json.loads(res.stdout)
+    assert g["runtime"]["prefetch"] == "coupled" and g["runtime"]["prefetch_experts"] == 4
+    m = g["baseline_metrics"]["prefetch"]
+    assert m["prefetched_bytes_per_token"] > 0 and 0 <= m["timely_required_byte_recall"] <= 1
+    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+                  "--prefetch-experts", 0)
+    assert res.returncode != 0 and "--prefetch-experts must be 1-64" in res.stderr and "Traceback" not in res.stderr
