@@ -120,7 +120,9 @@ def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mu
         k, resident = _select(i, li, sel_start, sel_e, sel_mult, inst_session[i], seen, pinned, lru, lay, out,
                               predicted, pf_ready, pf_bytes, pf_list, pf_n,
                               miss_e, miss_top, miss_comp, miss_first, miss_ready, missed)
+        pilot_free = 0.0                         # when the prefetcher's last load (used or not) completes
         for p in range(pf_n):
+            pilot_free = max(pilot_free, pf_ready[pf_list[p]])
             pf_ready[pf_list[p]] = np.inf
         n_jobs, end = 0, resident
         if k > 0:
@@ -137,12 +139,10 @@ def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mu
                 mfree[m], sfree[m] = 0.0, 0.0
             host[0], host[1] = 0.0, 0.0
             continue
-        # the prefetcher starts once this layer's demand loads (and any prefetch still in flight) are done
-        start = 0.0
+        # the prefetcher starts once this layer's demand loads, and its own previous load, are done
+        start = pilot_free
         for j in range(n_jobs):
             start = max(start, job_done[j])
-        for p in range(k):
-            start = max(start, miss_ready[p])
         next_at = end + pol.dense_seconds      # the next layer is routed then: later loads are dropped
         pf_n = 0
         if i + 1 < I and inst_fwd[i + 1] == inst_fwd[i] and inst_li[i + 1] == li + 1:
