@@ -7,6 +7,8 @@ disk holding it, rewrites it into two more layouts (Louvain and random orders), 
 layout x RAM budget (no cache, and a quarter of the routed bytes) measures S cold with
 ``relayout measure`` semantics and predicts it with the replay model on the calibrated profile,
 for the same held-out steps. Also measures tracing overhead (trace on vs off, paired).
+``--prefetch oracle,coupled`` adds cells with a prefetch thread (measured) and source (modelled),
+and prints the timely required-byte recall of both.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ from relayout.trace_synth import SynthParams, synth_trace
 from replay.calibrate import calibrate, format_calibration
 from replay.device import load_device
 from replay.engine import simulate
-from replay.gate import evaluation_forwards
+from replay.gate import evaluation_forwards, training_coupling
 from replay.measure import measure
 from replay.metrics import step_table, summarize
 from replay.runtime import RuntimeConfig
+from replay.stalltrace import report
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
 
 
 def main() -> None:
@@ -40,6 +47,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2, help="measured repetitions per cell (interleaved)")
+    ap.add_argument("--prefetch", default="none", help="comma-separated prefetch sources to validate (none, oracle, coupled)")
+    ap.add_argument("--ram", default="0,0.25", help="comma-separated RAM budgets, as fractions of the routed bytes")
+    ap.add_argument("--layouts", default="stock,louvain,random")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -56,7 +66,8 @@ def main() -> None:
     device = load_device(str(profile_path))
 
     layouts = {}
-    for method in ("stock", "louvain", "random"):
+    methods = args.layouts.split(",")
+    for method in (["stock"] + [m for m in methods if m != "stock"]):
         plan_path = work / f"validate-{method}.plan.json"
         save_plan(make_plan(trace, source_from_container(src), method, train_fraction=0.75, progress=False), plan_path)
         plan = load_plan(plan_path)
@@ -72,20 +83,35 @@ def main() -> None:
     mask, _ = evaluation_forwards(trace, set(layouts["stock"][2].training_sessions))
     mask &= np.cumsum(mask) <= args.tokens
     routed = sum(e.nbytes for e in c.experts.values() if e.layer in set(layers))
-    print(f"\n{'layout':<9}{'RAM GB':>8}{'measured S ms (each rep)':>30}{'predicted S ms':>16}{'ratio':>8}")
-    for ram in (0, routed // 4):
-        cfg = RuntimeConfig(ram_bytes=int(ram), workers=args.workers)
-        measured = {m: [] for m in layouts}
-        for _ in range(args.reps):
-            for method, (path, _, _) in layouts.items():
-                res = measure(Container.open(path), trace, mask, cfg, None, record=False, progress=False)
-                measured[method].append(res.stall_ns / res.committed / 1e6)
-        for method, (_, layout, _) in layouts.items():
-            inst, usage = simulate(trace, mask, layout, device, cfg)
-            predicted = summarize(step_table(trace, mask, inst), usage, 0.0)["stall_per_token_s"] * 1e3
-            mean = float(np.mean(measured[method]))
-            each = " ".join(f"{x:.1f}" for x in measured[method])
-            print(f"{method:<9}{ram / 1e9:>8.2f}{mean:>10.2f} ({each}){'':>4}{predicted:>12.2f}{predicted / mean:>8.2f}")
+    coupling = training_coupling(trace, layouts["stock"][2])
+    print(f"\n{'layout':<9}{'RAM GB':>8}{'prefetch':>9}{'measured S ms (each rep)':>30}{'predicted S ms':>16}{'ratio':>8}"
+          f"{'recall meas/pred':>18}")
+    for prefetch in args.prefetch.split(","):
+        for frac in _floats(args.ram):
+            ram = int(routed * frac)
+            cfg = RuntimeConfig(ram_bytes=ram, workers=args.workers, prefetch=prefetch)
+            measured = {m: [] for m in layouts}
+            recall = {m: [] for m in layouts}
+            for rep in range(args.reps):
+                for method, (path, _, _) in layouts.items():
+                    out = work / f"validate-{method}-{rep}.jsonl" if prefetch != "none" else None
+                    res = measure(Container.open(path), trace, mask, cfg, out, record=out is not None, progress=False,
+                                  coupling=coupling)
+                    measured[method].append(res.stall_ns / res.committed / 1e6)
+                    if out is not None:
+                        recall[method].append(report([out])["runs"][0]["timely_required_byte_recall"] or 0.0)
+                        out.unlink()
+            for method, (_, layout, _) in layouts.items():
+                inst, usage = simulate(trace, mask, layout, device, cfg, coupling=coupling)
+                summary = summarize(step_table(trace, mask, inst), usage, 0.0)
+                predicted = summary["stall_per_token_s"] * 1e3
+                mean = float(np.mean(measured[method]))
+                each = " ".join(f"{x:.1f}" for x in measured[method])
+                rec = ""
+                if summary["prefetch"] is not None:
+                    rec = f"{np.mean(recall[method]):>9.2f}/{summary['prefetch']['timely_required_byte_recall'] or 0.0:.2f}"
+                print(f"{method:<9}{ram / 1e9:>8.2f}{prefetch:>9}{mean:>10.2f} ({each}){'':>4}{predicted:>12.2f}"
+                      f"{predicted / mean:>8.2f}{rec:>18}")
     cfg = RuntimeConfig(workers=args.workers)
     on, off = [], []
     for _ in range(2):

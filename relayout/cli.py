@@ -318,19 +318,27 @@ def cmd_calibrate(args) -> int:
 
 def cmd_measure(args) -> int:
     from containers.container import Container
-    from replay.gate import evaluation_forwards
+    from replay.gate import evaluation_forwards, training_coupling
     from replay.measure import measure
 
     from .plan import load_plan
     from .trace import load_trace
 
     trace = load_trace(args.trace)
-    excluded = set(load_plan(args.layout).training_sessions) if args.layout else set()
+    plan = load_plan(args.layout) if args.layout else None
+    excluded = set(plan.training_sessions) if plan else set()
     mask, _ = evaluation_forwards(trace, excluded)
     if args.tokens:
         mask &= np.cumsum(mask) <= args.tokens
-    result = measure(Container.open(args.container), trace, mask, _runtime_config(args), args.output,
-                     run_id=args.run_id, cold=not args.warm, record=not args.no_trace)
+    config = _runtime_config(args)
+    coupling = None
+    if config.prefetch == "coupled":
+        if plan is None:
+            raise InputError(args.trace, "--prefetch coupled needs --layout PLAN.json (its training sessions teach the pair table)")
+        coupling = training_coupling(trace, plan)
+    container = Container.open(args.container)
+    result = measure(container, trace, mask, config, args.output, run_id=args.run_id, cold=not args.warm,
+                     record=not args.no_trace, coupling=coupling)
     s = result.stall_ns / max(result.committed, 1) / 1e6
     print(f"{result.steps} steps, {result.committed} committed tokens in {result.wall_seconds:.2f} s; "
           f"S = {s:.3f} ms/token; {result.cold}; weights read {'with O_DIRECT' if result.direct else 'buffered'}")
@@ -520,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
     s.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms (slept)")
     s.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB/s (slept)")
+    s.add_argument("--prefetch", choices=("none", "oracle", "coupled"), default="none",
+                   help="run a prefetch thread for the next layer (coupled needs --layout)")
+    s.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetch thread loads per layer (K)")
     s.add_argument("--warm", action="store_true", help="do not drop the page cache first")
     s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
     s.add_argument("--run-id", default="run")

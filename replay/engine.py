@@ -80,9 +80,10 @@ class PrefetchResult:
 
     ``loads``, ``issued``: experts and bytes the prefetcher loaded while the instance ran (for the
     next layer).
-    ``required``: bytes of the instance's experts not in RAM when the previous layer predicted.
-    ``timely``, ``timely_n``, ``slack``: of those, the bytes (and experts) a prefetch made ready
-    before the compute thread needed them, and the sum of their lead slack.
+    ``required``: bytes of the instance's experts not already in RAM (misses and prefetched ones).
+    ``timely``: of those, the bytes ready before the compute thread needed them (seed 4.3: a
+    prefetch, or a demand load that finished early), as the STALL_TRACE analysis counts them.
+    ``timely_n``, ``slack``: the timely prefetches and the sum of their lead slack.
     ``unused``: bytes prefetched for this layer that it did not select.
     """
 

@@ -74,9 +74,8 @@ def _training_forwards(trace: RoutingTrace, plan: Plan, what: str) -> np.ndarray
     return trace.session_forward_mask(train)
 
 
-def _coupling(trace: RoutingTrace, plan: Plan, config: RuntimeConfig) -> np.ndarray | None:
-    if config.prefetch != "coupled":
-        return None
+def training_coupling(trace: RoutingTrace, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """The coupled prefetch source's table, learned from the plan's training sessions."""
     return coupling_table(trace, _training_forwards(trace, plan, "the coupled prefetch source (its pair table)"), plan.layout)
 
 
@@ -106,7 +105,7 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
     if split is not None:
         plan_config = replace(config, ram_bytes=max(0, config.ram_bytes - int(plan.split["ram_bytes"])))
     base_layout = baseline.layout if baseline is not None else plan.stock
-    coupling = _coupling(trace, plan, config)
+    coupling = training_coupling(trace, plan) if config.prefetch == "coupled" else None
     base = run_layout("baseline", trace, mask, base_layout, device, config, pins, coupling=coupling)
     new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split, coupling)
 

@@ -55,9 +55,10 @@ Results = namedtuple("Results", "union_experts union_bytes hits matmul stall ora
 all positions (s), stall and oracle stall (s), misses, reads, bytes read (prefetch included).
 [L, E]: the compute thread's wait right before each expert's matmul (s). Per member [M]: bytes
 transferred, requests, residence (s). Prefetch, per instance [I]: experts and bytes the
-prefetcher loaded while this instance ran (for the next layer); of this instance's experts, the bytes that were
-not in RAM when the previous layer predicted (required), those a prefetch made ready in time
-(timely: bytes, count, and the sum of their lead slack, s); prefetched bytes it did not use."""
+prefetcher loaded while this instance ran (for the next layer); of this instance's experts, the
+bytes not already in RAM (required: misses and prefetched ones) and those ready before the
+compute thread needed them (timely: a prefetch, or a demand load that finished early); the
+timely prefetches' count and lead slack (s); prefetched bytes it did not use."""
 
 
 @njit(**LOOP)
@@ -114,11 +115,10 @@ def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mu
     for i in range(I):
         li = inst_li[i]
         lru_start(lru, li, inst_session[i])
-        predicted = pf_for == i
-        if not predicted:
+        if pf_for != i:
             pf_n = 0
         k, resident = _select(i, li, sel_start, sel_e, sel_mult, inst_session[i], seen, pinned, lru, lay, out,
-                              predicted, pf_ready, pf_bytes, pf_list, pf_n,
+                              pf_ready, pf_bytes, pf_list, pf_n,
                               miss_e, miss_top, miss_comp, miss_first, miss_ready, missed)
         pilot_free = 0.0                         # when the prefetcher's last load (used or not) completes
         for p in range(pf_n):
@@ -157,14 +157,14 @@ def simulate_instances(inst_fwd, inst_li, inst_session, sel_start, sel_e, sel_mu
 
 
 @njit(**HELPER)
-def _select(i, li, sel_start, sel_e, sel_mult, session, seen, pinned, lru, lay, out, predicted, pf_ready, pf_bytes,
-            pf_list, pf_n, miss_e, miss_top, miss_comp, miss_first, miss_ready, missed):
+def _select(i, li, sel_start, sel_e, sel_mult, session, seen, pinned, lru, lay, out, pf_ready, pf_bytes, pf_list, pf_n,
+            miss_e, miss_top, miss_comp, miss_first, miss_ready, missed):
     """Serve instance ``i``'s union from the RAM tiers; list its misses in issue order.
 
     An expert is served by the pinned store, then the layer's LRU, then (with no LRU) a prefetch
     that completed before routing; a prefetch still in flight makes a miss that waits for it
     instead of reading. The misses then enter the LRU. Counts the union, hits, matmul time and the
-    prefetch metrics (when the previous layer ``predicted`` this one). Returns the number of misses and the compute on resident work (s): the
+    prefetch metrics. Returns the number of misses and the compute on resident work (s): the
     matmuls of experts in RAM and the top parts of missing experts whose top segment is resident.
     """
     rank, seconds, ebytes, top_resident = lay.rank[li], lay.seconds[li], lay.ebytes[li], lay.top_resident[li]
@@ -185,7 +185,7 @@ def _select(i, li, sel_start, sel_e, sel_mult, session, seen, pinned, lru, lay, 
             on_hits += comp
             continue
         prefetched = pf_ready[e] < np.inf
-        if predicted and (prefetched or not lru.cached[li, e]):
+        if prefetched or not lru.cached[li, e]:
             out.pf_required[i] += ebytes[e]
         if lru_touch(lru, li, e) or (no_cache and prefetched and pf_ready[e] <= 0):
             hits += 1
@@ -469,6 +469,8 @@ def _compute_thread(i, li, k, miss_e, miss_top, miss_comp, miss_first, miss_read
                 out.pf_slack[i] += t - ready
         else:
             ready = max(job_done[wjob[p]], job_done[sjob[p]])
+            if ready <= t:                       # a demand load that finished before it was needed
+                out.pf_timely[i] += ebytes[miss_e[p]]
         wait = max(ready - t, 0.0)
         t = t + wait + comp
         stall += wait

@@ -9,6 +9,12 @@ plays the compute thread: it sleeps for each layer's dense time, for the residen
 matmuls, then for each missing expert in issue order waits for its bytes and sleeps for its
 matmul. Every wait is timed with the monotonic clock (ns).
 
+With a prefetch source (``config.prefetch``), a prefetch thread does what the replay model
+assumes: once a layer's demand loads are done it loads the next layer's predicted experts (not
+in the LRU) one at a time, until that layer is routed; loads not started by then are dropped, one
+in flight completes and the next layer waits for it if it needs the expert. Its loads are
+recorded as ``speculative`` records of the layer they were loaded for.
+
 Output: seed Appendix A expert records plus step records, the format a patched runtime emits,
 readable by :mod:`replay.stalltrace`. Bytes read are discarded; buffers are reused, so memory is
 bounded by ``workers`` x the largest read (reads longer than 64 MiB are issued in 64 MiB pieces).
@@ -37,7 +43,8 @@ from containers.errors import InputError
 from relayout.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
 from relayout.trace import RoutingTrace
 
-from .runtime import RuntimeConfig, lru_capacities
+from .prefetch import predict_next
+from .runtime import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 
 MAX_READ = 64 * 1024 * 1024
 ALIGN = 4096
@@ -124,14 +131,21 @@ def measure(
     cold: bool = True,
     record: bool = True,
     progress: bool = True,
+    coupling: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> MeasureResult:
-    """Run the demand path on ``container`` for the forwards in mask ``forwards``."""
+    """Run the demand path on ``container`` for the forwards in mask ``forwards``.
+
+    ``coupling`` is the coupled prefetch source's table (:func:`replay.prefetch.coupling_table`),
+    needed when ``config.prefetch == "coupled"``.
+    """
     layout = layout_from_container(container)
     L, E = len(layout.layers), layout.n_experts
     layer_index = {layer: i for i, layer in enumerate(layout.layers)}
     missing = sorted(set(trace.layers.tolist()) - set(layer_index))
     if missing or trace.n_experts > E:
         raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
+    if config.prefetch == "coupled" and coupling is None:
+        raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
     loc = layout.expert_loc
     wloc = loc[:, :, list(WEIGHT_SLOTS)]
     wbytes = wloc[:, :, :, 2].sum(axis=2)
@@ -148,6 +162,7 @@ def measure(
     how = drop_cache(container.files) if cold else "warm (page cache left as found)"
     reader = _Reader(container.files, config.direct)
     pool = ThreadPoolExecutor(max_workers=config.in_flight, thread_name_prefix="relayout-io")
+    prefetcher = _Prefetcher(config, coupling, E, reader.read) if config.prefetch != "none" else None
     sink = _Sink(out, record)
     fw = np.flatnonzero(forwards)
     row_start = np.searchsorted(trace.row_forward, np.arange(trace.n_forwards + 1))
@@ -163,6 +178,10 @@ def measure(
             reader.read(f, off, n, direct)
         return t0, time.perf_counter_ns()
 
+    def reads_of(li: int, e: int) -> list:
+        w, s = ext.setdefault((li, e), extents(li, e))
+        return [(wf, wo, wn, config.direct) for wf, wo, wn in w] + [(sf, so, sn, False) for sf, so, sn in s]
+
     try:
         for f in tqdm(fw, desc="measure", disable=None if progress else True):
             if trace.fwd_session[f] != session:
@@ -175,53 +194,171 @@ def measure(
             rows = slice(row_start[f], row_start[f + 1])
             r_layer = trace.row_layer[rows]
             r_ex = trace.experts[rows]
-            for layer in np.unique(r_layer).tolist():
-                li = layer_index[layer]
+            layers = np.unique(r_layer).tolist()
+            unions = {}
+            for layer in layers:
                 sel = r_ex[r_layer == layer]
-                union, mult = np.unique(sel[sel >= 0], return_counts=True)
+                unions[layer] = np.unique(sel[sel >= 0], return_counts=True)
+            for n_layer, layer in enumerate(layers):
+                li = layer_index[layer]
+                union, mult = unions[layer]
                 c0 = time.perf_counter_ns()
                 _sleep(config.dense_seconds)
                 lru = lrus[li]
-                hits, misses = [], []
+                t_route = time.perf_counter_ns()
+                loaded = prefetcher.route(li) if prefetcher else {}     # what the prefetcher started for this layer
+                ready_now = {e for e, fut in loaded.items() if fut.done()}
+                for e in ready_now:                                     # completed loads enter the LRU first
+                    if capacity[li] > 0:
+                        _lru_insert(lru, e, capacity[li])
+                hits, misses, inflight = [], [], {}
                 for e, m in zip(union.tolist(), mult.tolist()):
                     if capacity[li] > 0 and e in lru:
                         lru.move_to_end(e)
                         hits.append((e, m))
+                    elif capacity[li] <= 0 and e in ready_now:         # no cache: held for this layer
+                        hits.append((e, m))
                     else:
                         misses.append((e, m))
+                        if e in loaded and e not in ready_now:
+                            inflight[e] = loaded[e]
                 misses.sort(key=lambda em: ext.setdefault((li, em[0]), extents(li, em[0]))[0][0][:2])
-                futures = _submit(pool, job, misses, li, extents, ext, config)
-                t_route = time.perf_counter_ns()
+                demand = iter(_submit(pool, job, [em for em in misses if em[0] not in inflight], li, extents, ext, config))
+                futures = [(inflight[e],) if e in inflight else next(demand) for e, _ in misses]
+                nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
+                predict = prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1
+                if predict and not misses:
+                    prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)
                 _sleep(sum(comp[li, e] * m for e, m in hits))
                 layer_stall = 0
-                for (e, m), fut in zip(misses, futures):
+                for n_miss, ((e, m), fut) in enumerate(zip(misses, futures)):
                     need = time.perf_counter_ns()
                     issue, ready = _wait(fut)
                     if ready > need:
                         layer_stall += ready - need
-                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, "nvme")
+                    if predict and n_miss == len(misses) - 1:           # the layer's demand loads are done
+                        prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)
+                    kind = "speculative" if e in inflight else "demand"
+                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, "nvme", kind)
                     _sleep(comp[li, e] * m)
                 for e, m in hits:
-                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), t_route, t_route, t_route, "ram")
+                    if e in ready_now:
+                        issue, ready = loaded[e].result()
+                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, t_route, "nvme",
+                                    "speculative")
+                    else:
+                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), t_route, t_route, t_route, "ram")
                 for e, _ in misses:
                     if capacity[li] > 0:
-                        lru[e] = None
-                while len(lru) > capacity[li]:
-                    lru.popitem(last=False)
+                        _lru_insert(lru, e, capacity[li])
+                selected = set(union.tolist())
+                for e, fut in loaded.items():                           # loaded for this layer, not selected
+                    if e not in selected:
+                        prefetcher.unused(run_id, request, int(f), layer, e, int(ebytes[li, e]), fut)
+                        if capacity[li] > 0 and e not in ready_now:
+                            _lru_insert(lru, e, capacity[li])
+                if prefetcher:
+                    prefetcher.flush(sink, wait=False)
                 stall_ns += layer_stall
                 compute_ns += time.perf_counter_ns() - c0 - layer_stall
             wall = time.perf_counter_ns() - step_t0
             total_stall += stall_ns
             sink.step(run_id, request, int(f), int(trace.fwd_committed[f]), int(trace.fwd_evaluated[f]), compute_ns, wall, stall_ns)
+        if prefetcher:
+            prefetcher.flush(sink, wait=True)
     except BaseException as exc:
         sink.abort(exc)
         raise
     finally:
         pool.shutdown(wait=True)
+        if prefetcher:
+            prefetcher.close()
         reader.close()
     wall_s = (time.perf_counter_ns() - t_start) / 1e9
     path = sink.close()
     return MeasureResult(path, how, reader.direct is not None, wall_s, len(fw), int(trace.fwd_committed[fw].sum()), total_stall)
+
+
+def _lru_insert(lru: OrderedDict, e: int, capacity: int) -> None:
+    lru[e] = None
+    while len(lru) > capacity:
+        lru.popitem(last=False)
+
+
+class _Prefetcher:
+    """The prefetch thread: loads predicted experts of the next layer one at a time.
+
+    ``start`` queues the loads (best prediction first) once a layer's demand loads are done;
+    ``route`` is called when the next layer is routed: loads not started by then are dropped, and
+    it returns the started ones (done or in flight) by expert.
+    """
+
+    def __init__(self, config: RuntimeConfig, coupling, n_experts: int, read):
+        self.source = PREFETCH_SOURCES.index(config.prefetch)
+        self.k = config.prefetch_experts
+        self.targets, self.counts = coupling if coupling is not None else (np.full((1, 1, 1), -1, np.int32), np.zeros((1, 1, 1), np.int32))
+        self.read = read
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-prefetch")
+        self.lock = threading.Lock()
+        self.open = False
+        self.for_layer = -1
+        self.loads: dict[int, tuple] = {}
+        self.pending: list[tuple] = []       # unused loads whose record is written once they complete
+        self.score = np.zeros(n_experts, np.int64)
+        self.touched = np.empty(n_experts, np.int64)
+        self.out = np.empty(64, np.int64)
+
+    def start(self, li, union, mult, next_union, next_mult, next_lru, reads_of) -> None:
+        sel_e = np.concatenate([union, next_union]).astype(np.int64)
+        sel_mult = np.concatenate([mult, next_mult]).astype(np.int64)
+        sel_start = np.array([0, len(union), len(sel_e)], dtype=np.int64)
+        n = predict_next(self.source, 0, li, sel_start, sel_e, sel_mult, self.targets, self.counts, self.k,
+                         self.score, self.touched, self.out)
+        with self.lock:
+            self.open = True
+        self.for_layer = li + 1
+        self.loads = {}
+        for e in self.out[:n].tolist():
+            if e in next_lru:
+                continue
+            started = [False]
+            self.loads[e] = (self.thread.submit(self._load, reads_of(li + 1, e), started), started)
+
+    def _load(self, reads, started):
+        with self.lock:
+            if not self.open:
+                return None
+            started[0] = True
+        t0 = time.perf_counter_ns()
+        for r in reads:
+            self.read(*r)
+        return t0, time.perf_counter_ns()
+
+    def route(self, li: int) -> dict:
+        with self.lock:
+            self.open = False
+            loads = self.loads if self.for_layer == li else {}
+            started = {e: fut for e, (fut, flag) in loads.items() if flag[0]}
+        self.loads, self.for_layer = {}, -1
+        return started
+
+    def unused(self, run, request, step, layer, e, nbytes, fut) -> None:
+        self.pending.append((run, request, step, layer, e, nbytes, fut))
+
+    def flush(self, sink, wait: bool) -> None:
+        keep = []
+        for run, request, step, layer, e, nbytes, fut in self.pending:
+            if wait or fut.done():
+                issue, ready = fut.result()
+                sink.expert(run, request, step, layer, e, False, nbytes, issue, ready, ready, "nvme", "speculative")
+            else:
+                keep.append((run, request, step, layer, e, nbytes, fut))
+        self.pending = keep
+
+    def close(self) -> None:
+        with self.lock:
+            self.open = False
+        self.thread.shutdown(wait=True)
 
 
 def _submit(pool, job, misses, li, extents, cache, config: RuntimeConfig):
@@ -304,11 +441,12 @@ class _Sink:
         if self.out is not None:
             (self.z or self.fh).write((json.dumps(rec, separators=(",", ":")) + "\n").encode())
 
-    def expert(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier):
+    def expert(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority="demand"):
         self._write({"run_id": run, "request_id": request, "step": step, "layer": layer, "expert_id": e, "segment_id": 0,
                      "required": required, "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need,
-                     "tier_served": tier, "tier_at_prediction": tier, "priority": "demand", "prediction_source": "demand",
-                     "used_before_eviction": True, "cancelled": False})
+                     "tier_served": tier, "tier_at_prediction": tier, "priority": priority,
+                     "prediction_source": "demand" if priority == "demand" else "prefetch",
+                     "used_before_eviction": required, "cancelled": False})
 
     def step(self, run, request, step, committed, evaluated, compute_ns, wall_ns, stall_ns):
         self._write({"record": "step", "run_id": run, "request_id": request, "step": step, "committed_tokens": committed,

@@ -35,6 +35,28 @@ def test_measure_writes_a_valid_stall_trace(small_container, trace_for, tmp_path
     assert m["records"] == 60 * 3 * 8
 
 
+def test_measured_oracle_prefetch_loads_the_next_layer_ahead(small_container, trace_for, tmp_path):
+    """A prefetch thread with time to spare (5 ms of dense time) makes most next-layer loads timely."""
+    c = Container.open(small_container)
+    mask = np.ones(trace_for.n_forwards, bool)
+    mask[20:] = False
+    runs = {}
+    for pf in ("none", "oracle"):
+        out = tmp_path / f"{pf}.jsonl"
+        cfg = RuntimeConfig(workers=2, dense_seconds=5e-3, prefetch=pf, prefetch_experts=8)
+        res = measure(c, trace_for, mask, cfg, out, run_id=pf, progress=False)
+        runs[pf] = (res, report([out])["runs"][0], [json.loads(x) for x in out.read_text().splitlines()])
+    none, oracle = runs["none"][1], runs["oracle"][1]
+    spec = [r for r in runs["oracle"][2] if r.get("priority") == "speculative"]
+    assert spec and all(r["required"] for r in spec)            # the oracle loads only what is needed
+    assert none["speculative_bytes_per_token"] == 0 and oracle["speculative_bytes_per_token"] > 0
+    assert oracle["timely_required_byte_recall"] > 0.5 > (none["timely_required_byte_recall"] or 0)
+    assert oracle["total_stall_ns"] == runs["oracle"][0].stall_ns
+    assert oracle["total_stall_ns"] < none["total_stall_ns"]
+    # every selected expert still has exactly one record per (step, layer)
+    assert oracle["records"] == none["records"]
+
+
 def test_everything_cached_and_compute_fixed_means_zero_stall(small_container, trace_for, tmp_path):
     """With RAM for every expert, only each session's first touches load; after them nothing waits."""
     big = RuntimeConfig(workers=2, ram_bytes=10**10, dense_seconds=0.0, compute_bytes_per_second=1e12)
