@@ -28,7 +28,6 @@ from replay.engine import simulate
 from replay.prefetch import coupling_table
 from replay.runtime import RuntimeConfig
 
-
 TARGET_LOADS_PER_S = 2e6
 
 

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
+from containers.atomic import write_json_atomic
 from containers.container import MANIFEST_NAME, Container
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, check_container, write_manifest
-from containers.atomic import write_json_atomic
 from containers.synth import synth_container
 from replay.device import load_device
 from replay.gate import compare, evaluation_forwards
 from replay.measure import measure
-from replay.stalltrace import compare as compare_runs
 from replay.runtime import RuntimeConfig
+from replay.stalltrace import compare as compare_runs
 
 from .apply import apply_plan, verify
 from .plan import load_plan, make_plan, plan_summary, save_plan, source_from_container

@@ -22,10 +22,10 @@ from containers.atomic import write_json_atomic
 from containers.container import MANIFEST_NAME, MAX_FILES, Container, expert_tensor_name
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, Geometry
-from containers.segments import expert_segment_specs
 from containers.hashing import digest_of
 from containers.jsonfile import read_document
 from containers.manifest import build_manifest, load_manifest
+from containers.segments import expert_segment_specs
 
 from . import __version__
 from .layout import Layout, PackOptions, TensorInfo, layout_from_container, layout_from_geometry, pack_layout, tensors_of_container

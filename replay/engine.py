@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from containers.errors import InputError
-from relayout.layout import WEIGHT_SLOTS, SCALE_SLOTS, Layout
+from relayout.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 from relayout.trace import RoutingTrace
 
 from .device import SPLIT_RULES, ArrayProfile

@@ -19,6 +19,16 @@ def small_geometry(name="glm-5.2-int4-g64", **kw):
     return load_geometry(name).scaled(**{**SMALL, **kw})
 
 
+def source_with_manifest(path: Path, geometry, seed: int) -> Path:
+    """A synthetic container at ``path`` with its manifest written (the rewriter checks against it)."""
+    from containers.container import MANIFEST_NAME, Container
+    from containers.manifest import build_manifest, write_manifest
+
+    synth_container(path, geometry, seed=seed, progress=False)
+    write_manifest(build_manifest(Container.open(path), progress=False), path / MANIFEST_NAME)
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_container(tmp_path_factory):
     """A ~10 MB GLM-5.2-g64-structured container (int8 MTP layer included). Treat as read-only."""

@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
+from conftest import REPO, run_cli, small_geometry, source_with_manifest, tree_state
 
-from conftest import REPO, run_cli, small_geometry, tree_state
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
-from containers.manifest import build_manifest, write_manifest
+from containers.manifest import build_manifest
 from containers.synth import synth_container
 from relayout.apply import apply_plan, verify
 from relayout.layout import PackOptions
@@ -31,9 +31,7 @@ def setup(tmp_path_factory):
     """A source container with its manifest, a trace, a plan cut into many small files, and gates."""
     root = tmp_path_factory.mktemp("rw")
     g = small_geometry(moe_layers=3, experts=32, ffn=256)
-    src = root / "src"
-    synth_container(src, g, seed=11, progress=False)
-    write_manifest(build_manifest(Container.open(src), progress=False), src / MANIFEST_NAME)
+    src = source_with_manifest(root / "src", g, seed=11)
     tr = synth_trace(g.moe_layers, 32, 8, 1200, 6, seed=2, params=SynthParams(clique_strength=0.9), geometry=g.name)
     save_trace(tr, root / "t.rt")
     plan_path = root / "plan.json"

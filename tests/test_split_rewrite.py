@@ -3,17 +3,21 @@
 
 import numpy as np
 import pytest
+from conftest import small_geometry, source_with_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from containers.container import MANIFEST_NAME, Container
+from containers.container import Container
 from containers.geometry import ExpertFormat
-from containers.manifest import build_manifest, write_manifest
 from containers.segments import SegmentSpec, expert_segment_specs, reassembled_chunks
-from containers.synth import synth_container
-from conftest import small_geometry
 from relayout.apply import apply_plan, verify
-from relayout.plan import SplitOptions, load_plan, make_plan, save_plan, source_from_container
+from relayout.plan import (
+    SplitOptions,
+    load_plan,
+    make_plan,
+    save_plan,
+    source_from_container,
+)
 from relayout.trace_synth import synth_trace
 from replay.device import load_device
 from replay.gate import compare
@@ -53,9 +57,7 @@ def test_segment_specs_partition_the_weights():
 def split_case(tmp_path_factory):
     root = tmp_path_factory.mktemp("split")
     g = small_geometry(moe_layers=2, experts=16, ffn=256)
-    src = root / "src"
-    synth_container(src, g, seed=3, progress=False)
-    write_manifest(build_manifest(Container.open(src), progress=False), src / MANIFEST_NAME)
+    src = source_with_manifest(root / "src", g, seed=3)
     tr = synth_trace(g.moe_layers, 16, 8, 600, 4, seed=1, geometry=g.name)
     path = root / "plan.json"
     save_plan(make_plan(tr, source_from_container(src), split=SplitOptions(0.25, 2_000_000), progress=False), path)
