@@ -156,10 +156,7 @@ def simulate(
     if config.prefetch == "coupled" and coupling is None:
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
     targets, counts = coupling if config.prefetch == "coupled" else (np.full((1, 1, 1), -1), np.zeros((1, 1, 1)))
-    out = Results(*(np.zeros(I, dtype=np.int64) if name in _COUNTS else np.zeros(I) for name in Results._fields[:9]),
-                  np.zeros((L, E)), np.zeros(device.members, dtype=np.int64), np.zeros(device.members, dtype=np.int64),
-                  np.zeros(device.members),
-                  *(np.zeros(I, dtype=np.int64) if name in _COUNTS else np.zeros(I) for name in Results._fields[13:]))
+    out = _zero_results(I, L, E, device.members)
     simulate_instances(inst.forward, inst.layer, inst.session, inst.sel_start, inst.sel_e, inst.sel_mult,
                        np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
                        new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
@@ -176,7 +173,11 @@ def simulate(
                           out.expert_wait, prefetch), usage
 
 
-_COUNTS = {"union_experts", "hits", "misses", "reads", "pf_loads", "pf_timely_n"}
+def _zero_results(I: int, L: int, E: int, M: int) -> Results:
+    """Zeroed outputs: [L, E] for the waits, [M] per member, [I] per instance (counts as int64)."""
+    counts = {"union_experts", "hits", "misses", "reads", "pf_loads", "pf_timely_n", "member_bytes", "member_requests"}
+    shapes = {"expert_wait": (L, E), "member_bytes": M, "member_requests": M, "residence": M}
+    return Results(*(np.zeros(shapes.get(name, I), dtype=np.int64 if name in counts else np.float64) for name in Results._fields))
 
 
 def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | None) -> LayoutArrays:

@@ -179,8 +179,7 @@ def measure(
         return t0, time.perf_counter_ns()
 
     def reads_of(li: int, e: int) -> list:
-        w, s = ext.setdefault((li, e), extents(li, e))
-        return [(wf, wo, wn, config.direct) for wf, wo, wn in w] + [(sf, so, sn, False) for sf, so, sn in s]
+        return _expert_reads(*ext.setdefault((li, e), extents(li, e)), config.direct)
 
     try:
         for f in tqdm(fw, desc="measure", disable=None if progress else True):
@@ -386,10 +385,14 @@ def _submit(pool, job, misses, li, extents, cache, config: RuntimeConfig):
                 scales = pool.submit(job, [(sf, so, sn, False) for sf, so, sn in s2])
                 out.append((weights, scales))
         else:
-            reads = [(f, off, n, config.direct) for f, off, n in w] + [(sf, so, sn, False) for sf, so, sn in s]
-            out.append((pool.submit(job, reads),))
+            out.append((pool.submit(job, _expert_reads(w, s, config.direct)),))
         i += len(run)
     return out
+
+
+def _expert_reads(weights, scales, direct: bool) -> list:
+    """One expert's reads: its weight extents (O_DIRECT when ``direct``), then its buffered scales."""
+    return [(f, off, n, direct) for f, off, n in weights] + [(f, off, n, False) for f, off, n in scales]
 
 
 def _wait(futs) -> tuple[int, int]:
