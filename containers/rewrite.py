@@ -1,14 +1,19 @@
 """The streaming, resumable, crash-safe container rewrite.
 
 Input: an opened source container (read-only throughout), the new files as a list of
-:class:`OutputFile` (tensor names at absolute offsets; built from a plan by the caller), and the
-destination path. Output: a new container at ``DST`` whose every tensor is byte-identical to the
-source's, plus its checksum manifest.
+:class:`~containers.output_files.OutputFile` (tensor names at absolute offsets; built from a plan
+by the caller), and the destination path. Output: a new container at ``DST`` whose every tensor
+is byte-identical to the source's, plus its checksum manifest.
 
-* Work goes into ``DST.partial/``. Each output file is written to a temp name, fsynced and
-  renamed; then the journal (``relayout.journal.json``: per file, size and digests) is updated
-  crash-safely. A restarted rewrite trusts the journal's files after checking their sizes and
-  re-hashing the last one, and writes the rest.
+* Before anything is created, the whole file list is validated against the source
+  (:func:`~containers.output_files.check_output_files`: names, placement of every tensor, sizes,
+  offsets, metadata); all problems are reported at once.
+* Work goes into ``DST.partial/``, a directory that is ours alone
+  (:class:`~containers.destination.Destination`: no symlink followed, locked against a second
+  rewrite, never the source or nested in it). Each output file is written to a temp name,
+  fsynced and renamed; then the journal (``relayout.journal.json``: per file, size and digests)
+  is updated crash-safely. A restarted rewrite re-hashes every journaled file and counts it done
+  only when its digest matches the journal, then writes the rest; it says what it resumes.
 * Bytes move with ``copy_file_range`` where the kernel offers it (no copy through Python), else
   with ``pread``/``pwrite``; meanwhile a second thread hashes each source tensor in place (mapped
   window by window) and checks it against the source manifest. File digests are assembled from
@@ -17,105 +22,90 @@ source's, plus its checksum manifest.
 * Before any byte is written: the free space is checked (all remaining bytes plus a margin).
   A full disk or failed write raises one clear error; the partial directory stays resumable and
   nothing at ``DST`` looks complete. Only after every file is done, the directory is fsynced and
-  atomically renamed to ``DST``.
+  renamed to ``DST`` (never replacing anything there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import xxhash
 from tqdm import tqdm
 
-from .atomic import describe_os_error, fsync_dir, fsync_fd, write_json_atomic
+from .atomic import describe_os_error, fsync_fd
 from .container import MANIFEST_NAME, Container
+from .destination import Destination
 from .errors import InputError
 from .hashing import Range, file_digest, gap_digest, hash_file, hash_range, segments
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, content_fingerprint, layout_fingerprint
-from .safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
-from .segments import SegmentSpec
+from .output_files import OutputFile, require_valid_output_files, tensor_specs
+from .safetensors_io import DTYPE_SIZES, plan_shard
 from .sources import FileRange
 
 JOURNAL_NAME = "relayout.journal.json"
 COPY_CHUNK = 64 * 1024 * 1024
 SPACE_MARGIN = 64 * 1024 * 1024
 READ_AHEAD_TENSORS = 4
+RESUME_HINT = " (the partial rewrite is kept; run the same command again to resume)"
 
 
-@dataclass(frozen=True)
-class Derived:
-    """A tensor of the new container made from part of a source tensor (a split segment)."""
-
-    original: str
-    part: str
-    spec: SegmentSpec
-
-
-@dataclass(frozen=True)
-class OutputFile:
-    """One file of the new container: tensors (by name) at absolute offsets, in physical order.
-
-    Names in ``derived`` are split segments of a source tensor; all others are source tensors.
-    """
-
-    name: str
-    metadata: dict
-    tensors: list[tuple[str, int]]
-    size: int
-    alignment: int
-    derived: dict = field(default_factory=dict)
-
-
-def _specs_for(src: Container, of: OutputFile) -> list[TensorSpec]:
-    """Tensor specs whose layout reproduces ``of`` exactly (checked by the caller)."""
-    if not of.tensors:
-        raise InputError(of.name, "output file has no tensors")
-    data_start = min(off for _, off in of.tensors)
-    specs = []
-    for name, off in sorted(of.tensors, key=lambda t: t[1]):
-        d = of.derived.get(name)
-        ref = src.tensors.get(d.original if d else name)
-        if ref is None:
-            raise InputError(src.root, f"the plan places tensor {d.original if d else name!r}, which the container does not have")
-        e = ref.entry
-        aligned = None if (off - data_start) % of.alignment == 0 else 1
-        if d is None:
-            specs.append(TensorSpec(name, e.dtype, e.shape, FileRange(src.files[ref.file], e.begin, e.nbytes), aligned))
-            continue
-        if d.spec.rows * d.spec.row_bytes != e.nbytes:
-            raise InputError(src.root, f"tensor {d.original!r} has {e.nbytes} bytes, the plan's split expects {d.spec.rows * d.spec.row_bytes}")
-        n = d.spec.nbytes(d.part)
-        specs.append(TensorSpec(name, e.dtype, (n // DTYPE_SIZES[e.dtype],), d.spec.source(d.part, src.files[ref.file], e.begin), aligned))
-    return specs
+def _write_json(dest: Destination, name: str, obj) -> None:
+    """Write ``obj`` to ``name`` inside the destination crash-safely (temp, fsync, rename)."""
+    tmp = f".{name}.tmp-{os.getpid()}"
+    dest.unlink(tmp)
+    data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+    try:
+        fd = dest.create(tmp)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            fsync_fd(fd)
+        finally:
+            os.close(fd)
+        dest.replace(tmp, name)
+        dest.sync()
+    except OSError as exc:
+        dest.unlink(tmp)
+        raise InputError(dest.partial / name, describe_os_error(exc) + RESUME_HINT) from None
 
 
 class _Journal:
-    def __init__(self, path: Path, identity: dict):
-        self.path = path
+    """Which output files are durable in ``DST.partial``, with their sizes and digests."""
+
+    def __init__(self, dest: Destination, identity: dict):
+        self.dest = dest
         self.identity = identity
         self.files: dict[str, dict] = {}
 
     @classmethod
-    def open(cls, partial: Path, identity: dict) -> "_Journal":
-        j = cls(partial / JOURNAL_NAME, identity)
-        if j.path.exists():
-            try:
-                obj = json.loads(j.path.read_text())
-            except (OSError, ValueError):
-                raise InputError(j.path, "journal is unreadable; remove the partial directory to start over") from None
-            if obj.get("identity") != identity:
-                raise InputError(partial, "this partial rewrite is for another plan or source; remove it to start over")
-            j.files = obj.get("files", {})
+    def open(cls, dest: Destination, identity: dict) -> "_Journal":
+        j = cls(dest, identity)
+        if dest.lstat(JOURNAL_NAME) is None:
+            return j
+        where = dest.partial / JOURNAL_NAME
+        try:
+            fd = dest.open_read(JOURNAL_NAME)
+            with os.fdopen(fd, "rb") as fh:
+                obj = json.loads(fh.read())
+        except (OSError, ValueError, RecursionError):
+            raise InputError(where, "journal is unreadable; remove the partial directory to start over") from None
+        if not isinstance(obj, dict) or obj.get("identity") != identity:
+            raise InputError(dest.partial, "this partial rewrite is for another plan or source; remove it to start over")
+        files = obj.get("files")
+        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+            raise InputError(where, "journal is malformed; remove the partial directory to start over")
+        j.files = files
         return j
 
     def save(self) -> None:
-        write_json_atomic(self.path, {"identity": self.identity, "files": self.files}, indent=None)
+        _write_json(self.dest, JOURNAL_NAME, {"identity": self.identity, "files": self.files})
 
 
 def rewrite_container(
@@ -125,81 +115,94 @@ def rewrite_container(
     source_manifest: dict,
     provenance: dict,
     progress: bool = True,
+    notify: Callable[[str], None] | None = None,
+    plan_path: str | None = None,
 ) -> dict:
-    """Write the new container at ``dst``; returns its manifest. See the module doc."""
-    dst = Path(dst)
-    if dst.exists():
-        what = "a finished container" if (dst / MANIFEST_NAME).exists() else "something"
-        raise InputError(dst, f"already exists ({what}); choose a new destination")
+    """Write the new container at ``dst``; returns its manifest. See the module doc.
+
+    ``notify`` receives one-line messages for the user (what a resumed run resumes);
+    ``plan_path`` names the plan in the error that lists the file list's problems.
+    """
+    require_valid_output_files(src, files, plan_path)
     names = [f.name for f in files]
-    if len(set(names)) != len(names):
-        raise InputError(None, "the plan names an output file twice")
-    partial = dst.with_name(dst.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    for stray in partial.glob(".*.tmp-*"):
-        stray.unlink()
-    identity = {"source_fingerprint": source_manifest["fingerprint"], "files": names,
-                "plan_digest": provenance.get("plan_digest")}
-    journal = _Journal.open(partial, identity)
-    _recheck_done(partial, journal, files)
-
-    others = [p for p in src.other_files]
-    todo = [f for f in files if f.name not in journal.files]
-    todo_others = [p for p in others if p.name not in journal.files]
-    need = sum(f.size for f in todo) + sum(p.stat().st_size for p in todo_others)
-    free = shutil.disk_usage(partial).free
-    if free < need + SPACE_MARGIN:
-        raise InputError(partial, f"needs {(need + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")
-
-    src_tensors = source_manifest["tensors"]
-
-    def finish(w: _Written) -> None:
-        journal.files[w.of.name] = _finish_file(w, partial, src, src_tensors)
+    with Destination.open(dst, src.root, JOURNAL_NAME) as dest:
+        for stray in dest.names():
+            if stray.startswith(".") and ".tmp-" in stray:
+                dest.unlink(stray)
+        identity = {"source_fingerprint": source_manifest["fingerprint"], "files": names,
+                    "plan_digest": provenance.get("plan_digest")}
+        journal = _Journal.open(dest, identity)
+        if journal.files:
+            _recheck_done(dest, journal, files, src.other_files, notify, progress)
         journal.save()
 
-    with tqdm(total=need, unit="B", unit_scale=True, desc="rewrite", disable=None if progress else True) as bar, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash") as pool, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher:
-        # file i is fsynced, checked, renamed and journaled while file i+1 is being copied
-        pending = None
-        for of in todo:
-            written = _copy_file(src, of, partial, pool, bar.update)
-            if pending is not None:
-                pending.result()
-            pending = finisher.submit(finish, written)
-        if pending is not None:
-            pending.result()
-        for p in todo_others:
-            journal.files[p.name] = _copy_other(p, partial, bar.update)
+        others = list(src.other_files)
+        todo = [f for f in files if f.name not in journal.files]
+        todo_others = [p for p in others if p.name not in journal.files]
+        need = sum(f.size for f in todo) + sum(p.stat().st_size for p in todo_others)
+        free = shutil.disk_usage(dest.partial).free
+        if free < need + SPACE_MARGIN:
+            raise InputError(dest.partial, f"needs {(need + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")
+
+        src_tensors = source_manifest["tensors"]
+
+        def finish(w: _Written) -> None:
+            journal.files[w.of.name] = _finish_file(w, dest, src, src_tensors)
             journal.save()
 
-    manifest = _manifest(files, others, journal, source_manifest, src_tensors, provenance)
-    write_json_atomic(partial / MANIFEST_NAME, manifest, indent=None)
-    (partial / JOURNAL_NAME).unlink()
-    fsync_dir(partial)
-    os.replace(partial, dst)
-    fsync_dir(dst.parent)
+        with tqdm(total=need, unit="B", unit_scale=True, desc="rewrite", disable=None if progress else True) as bar, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash") as pool, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher:
+            # file i is fsynced, checked, renamed and journaled while file i+1 is being copied
+            pending = None
+            for of in todo:
+                written = _copy_file(src, of, dest, pool, bar.update)
+                if pending is not None:
+                    pending.result()
+                pending = finisher.submit(finish, written)
+            if pending is not None:
+                pending.result()
+            for p in todo_others:
+                journal.files[p.name] = _copy_other(p, dest, bar.update)
+                journal.save()
+
+        manifest = _manifest(files, others, journal, source_manifest, src_tensors, provenance)
+        _write_json(dest, MANIFEST_NAME, manifest)
+        dest.unlink(JOURNAL_NAME)
+        dest.publish()
     return manifest
 
 
-def _recheck_done(partial: Path, journal: _Journal, files: list[OutputFile]) -> None:
-    """Drop journal entries whose file is gone or has the wrong size; re-hash the last one."""
+def _recheck_done(dest: Destination, journal: _Journal, files: list[OutputFile], others: list[Path],
+                  notify: Callable[[str], None] | None, progress: bool) -> None:
+    """Re-hash every journaled file; keep only those whose size and digest match the journal."""
     by_name = {f.name: f for f in files}
-    last = None
-    for name in list(journal.files):
-        p = partial / name
-        if not p.exists() or p.stat().st_size != journal.files[name]["size"]:
-            del journal.files[name]
-            continue
-        last = name
-    if last is not None:
-        entry = journal.files[last]
-        of = by_name.get(last)
-        ranges = [Range(n, off, off + entry["tensor_sizes"][n]) for n, off in of.tensors] if of else []
-        digest, _ = hash_file(partial / last, ranges)
-        if digest != entry["xxh3_128"]:
-            del journal.files[last]
-    journal.save()
+    known = set(by_name) | {p.name for p in others}
+    total = sum(e.get("size", 0) for e in journal.files.values() if isinstance(e.get("size"), int))
+    kept = 0
+    with tqdm(total=total, unit="B", unit_scale=True, desc="re-check written files", disable=None if progress else True) as bar:
+        for name in list(journal.files):
+            entry = journal.files[name]
+            st = dest.lstat(name) if name in known else None
+            ok = st is not None and dest.is_regular(name) and st.st_size == entry.get("size")
+            if ok:
+                of = by_name.get(name)
+                sizes = entry.get("tensor_sizes", {})
+                try:
+                    ranges = [Range(n, off, off + sizes[n]) for n, off in of.tensors] if of else []
+                    digest, _ = hash_file(dest.partial / name, ranges, on_bytes=bar.update)
+                except (KeyError, TypeError, InputError):
+                    digest = None
+                ok = digest == entry.get("xxh3_128")
+            if ok:
+                kept += 1
+            else:
+                del journal.files[name]
+                if name in known:
+                    dest.unlink(name)
+    if notify is not None:
+        left = len(files) + len(others) - kept
+        notify(f"resuming {dest.partial}: {kept} file(s) already written and re-hashed intact, {left} to write")
 
 
 def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int, buf: bytearray, where: Path) -> None:
@@ -234,30 +237,21 @@ class _Written:
 
     of: OutputFile
     fd: int
-    tmp: Path
-    target: Path
+    tmp: str
     layout: object
     hashes: dict
 
 
-def _copy_file(src: Container, of: OutputFile, partial: Path, pool, on_bytes) -> _Written:
+def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, on_bytes) -> _Written:
     """Write one output file's bytes to its temp name; tensors are hashed as their copy ends."""
-    specs = _specs_for(src, of)
-    layout = plan_shard(specs, of.alignment, of.metadata)
-    planned = dict(of.tensors)
-    for spec, begin in layout.placements:
-        if planned[spec.name] != begin:
-            raise InputError(of.name, f"tensor {spec.name!r} lands at {begin}, the plan says {planned[spec.name]} (plan made by another tool version?)")
-    if layout.file_size != of.size:
-        raise InputError(of.name, f"file would be {layout.file_size} bytes, the plan says {of.size}")
-    target = partial / of.name
-    tmp = partial / f".{of.name}.tmp-{os.getpid()}"
+    layout = plan_shard(tensor_specs(src, of), of.alignment, of.metadata)   # checked before the rewrite began
+    tmp = f".{of.name}.tmp-{os.getpid()}"
     buf = bytearray(8 * 1024 * 1024)
     hashes = {}
     fd = None
     fds: dict[Path, int] = {}
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = dest.create(tmp)
         os.pwrite(fd, layout.header, 0)
         os.ftruncate(fd, layout.file_size)           # padding reads back as zeros
         # copy in source order (sequential reads; the scattered writes land in the page cache and
@@ -277,19 +271,19 @@ def _copy_file(src: Container, of: OutputFile, partial: Path, pool, on_bytes) ->
             on_bytes(rng.nbytes)
         for sfd in fds.values():
             os.close(sfd)
-        return _Written(of, fd, tmp, target, layout, hashes)
+        return _Written(of, fd, tmp, layout, hashes)
     except BaseException as exc:
         for sfd in fds.values():
             os.close(sfd)
         if fd is not None:
             os.close(fd)
-        _discard(tmp)
+        dest.unlink(tmp)
         if isinstance(exc, OSError):
-            raise InputError(target, describe_os_error(exc) + " (the partial rewrite is kept; run the same command again to resume)") from None
+            raise InputError(dest.partial / of.name, describe_os_error(exc) + RESUME_HINT) from None
         raise
 
 
-def _finish_file(w: _Written, partial: Path, src: Container, src_tensors: dict) -> dict:
+def _finish_file(w: _Written, dest: Destination, src: Container, src_tensors: dict) -> dict:
     """Make a written file durable and check it: fsync, verify hashes, rename, fsync the directory."""
     try:
         try:
@@ -301,12 +295,12 @@ def _finish_file(w: _Written, partial: Path, src: Container, src_tensors: dict) 
             want = src_tensors.get(name, {}).get("xxh3_128")
             if want is not None and want != d:
                 raise InputError(src.root, f"tensor {name!r} does not match the source manifest (the source changed or a read failed)")
-        os.replace(w.tmp, w.target)
-        fsync_dir(partial)
+        dest.replace(w.tmp, w.of.name)
+        dest.sync()
     except BaseException as exc:
-        _discard(w.tmp)
+        dest.unlink(w.tmp)
         if isinstance(exc, OSError):
-            raise InputError(w.target, describe_os_error(exc) + " (the partial rewrite is kept; run the same command again to resume)") from None
+            raise InputError(dest.partial / w.of.name, describe_os_error(exc) + RESUME_HINT) from None
         raise
     layout = w.layout
     ranges = [Range(s.name, b, b + s.nbytes) for s, b in layout.placements]
@@ -354,33 +348,29 @@ def _advise_willneed(fds: dict, rng) -> None:
         pass
 
 
-def _discard(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
-
-
-def _copy_other(path: Path, partial: Path, on_bytes) -> dict:
-    target = partial / path.name
-    tmp = partial / f".{path.name}.tmp-{os.getpid()}"
-    size = path.stat().st_size
+def _copy_other(path: Path, dest: Destination, on_bytes) -> dict:
+    """Copy a non-tensor file of the source (config, tokenizer, ...) unchanged."""
+    tmp = f".{path.name}.tmp-{os.getpid()}"
     buf = bytearray(8 * 1024 * 1024)
     try:
         sfd = os.open(path, os.O_RDONLY)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _copy_range(sfd, fd, 0, 0, size, buf, path)
-            fsync_fd(fd)
+            size = os.fstat(sfd).st_size
+            fd = dest.create(tmp)
+            try:
+                _copy_range(sfd, fd, 0, 0, size, buf, path)
+                fsync_fd(fd)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
             os.close(sfd)
-        os.replace(tmp, target)
-        fsync_dir(partial)
+        dest.replace(tmp, path.name)
+        dest.sync()
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise InputError(target, describe_os_error(exc) + " (the partial rewrite is kept; run the same command again to resume)") from None
+        dest.unlink(tmp)
+        raise InputError(dest.partial / path.name, describe_os_error(exc) + RESUME_HINT) from None
     on_bytes(size)
-    digest, _ = hash_file(target)
+    digest, _ = hash_file(dest.partial / path.name)
     return {"size": size, "xxh3_128": digest, "tensor_sizes": {}, "tensor_digests": {}}
 
 

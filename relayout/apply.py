@@ -14,7 +14,8 @@ from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.hashing import digest_of
 from containers.manifest import build_manifest, load_manifest
-from containers.rewrite import Derived, OutputFile, rewrite_container
+from containers.output_files import Derived, OutputFile
+from containers.rewrite import rewrite_container
 from containers.segments import PARTS, SegmentSpec
 from containers.verify import verify_containers
 
@@ -86,7 +87,8 @@ def check_gate(gate: dict | None, plan: Plan, fingerprint: str, force: bool) -> 
 
 
 def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: dict | None = None,
-               force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True) -> dict:
+               force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
+               notify=None) -> dict:
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest."""
     if plan.raw["source"]["kind"] != "container":
         raise InputError(plan.path, "this plan was made for a geometry, not a container; plan against the container to rewrite it")
@@ -96,7 +98,7 @@ def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, g
     if manifest["fingerprint"] != plan.raw["source"]["fingerprint"]:
         raise InputError(src_dir, "this is not the container the plan was made for (fingerprints differ)")
     provenance = check_gate(gate, plan, manifest["fingerprint"], force)
-    return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress)
+    return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress, notify, plan.path)
 
 
 def verify(src_dir, dst_dir, full: bool = False, progress: bool = True) -> tuple[list[str], dict]:

@@ -104,19 +104,94 @@ class Layout:
 
     @classmethod
     def from_json(cls, obj: dict, where: str) -> "Layout":
+        """Parse a layout strictly: every count an integer (never a bool or float), every offset and
+        size non-negative, every file index in range, names and metadata strings; one
+        :class:`InputError` naming the first problem."""
         try:
-            layers = [int(x) for x in obj["layers"]]
-            E = int(obj["n_experts"])
-            loc = np.array([obj["experts"][str(l)] for l in layers], dtype=np.int64).reshape(len(layers), E, 6, 3)
-            files = obj["files"]
-            return cls(
-                files=[f["name"] for f in files], file_sizes=[int(f["size"]) for f in files],
-                layers=layers, n_experts=E, expert_loc=loc, alignment=int(obj.get("alignment", 1)),
-                other_tensors=obj.get("other_tensors", []), file_metadata=[f.get("metadata", {}) for f in files],
-                segments=obj.get("segments", {}), segment_tensors=obj.get("segment_tensors", []),
-            )
-        except (KeyError, ValueError, TypeError) as exc:
+            return cls._from_json(obj)
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise InputError(where, f"malformed layout ({exc})") from None
+
+    @classmethod
+    def _from_json(cls, obj: dict) -> "Layout":
+        if not isinstance(obj, dict):
+            raise TypeError("not an object")
+        files = _require(obj["files"], list, "files")
+        names, sizes, metas = [], [], []
+        for f in files:
+            _require(f, dict, "a file entry")
+            name = _require(f["name"], str, "a file name")
+            names.append(name)
+            sizes.append(_count(f["size"], f"size of {name!r}"))
+            meta = _require(f.get("metadata", {}), dict, f"metadata of {name!r}")
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+                raise TypeError(f"metadata of {name!r} does not map strings to strings")
+            metas.append(meta)
+        layers = [_count(x, "a layer number") for x in _require(obj["layers"], list, "layers")]
+        E = _count(obj["n_experts"], "n_experts")
+        if not 1 <= E <= MAX_EXPERTS:
+            raise ValueError(f"n_experts {E} is outside 1..{MAX_EXPERTS}")
+        experts = _require(obj["experts"], dict, "experts")
+        rows = [_require(experts[str(l)], list, f"experts of layer {l}") for l in layers]
+        loc = _int_array(rows, "expert locations").reshape(len(layers), E, 6, 3)
+        alignment = _count(obj.get("alignment", 1), "alignment")
+        if alignment < 1:
+            raise ValueError("alignment must be at least 1")
+        other = [_placed(t, len(files)) for t in _require(obj.get("other_tensors", []), list, "other_tensors")]
+        seg_tensors = [_placed(t, len(files)) for t in _require(obj.get("segment_tensors", []), list, "segment_tensors")]
+        segments = _require(obj.get("segments", {}), dict, "segments")
+        for orig, spec in segments.items():
+            _require(spec, dict, f"segment spec of {orig!r}")
+            for key in ("rows", "row_bytes"):
+                _count(spec[key], f"{key} of {orig!r}")
+            if spec["kind"] not in ("rows", "columns", "shared"):
+                raise ValueError(f"segment kind of {orig!r} is {spec['kind']!r}")
+            if spec["split"] is not None:
+                _count(spec["split"], f"split of {orig!r}")
+            for part in ("top", "bottom"):
+                _require(spec[part], str, f"{part} segment name of {orig!r}")
+        if len(loc) and (loc[..., 0] >= len(files)).any():
+            raise ValueError("an expert is placed in a file the layout does not have")
+        return cls(files=names, file_sizes=sizes, layers=layers, n_experts=E, expert_loc=loc, alignment=alignment,
+                   other_tensors=other, file_metadata=metas, segments=segments, segment_tensors=seg_tensors)
+
+
+MAX_EXPERTS = 65536
+
+
+def _require(value, kind: type, what: str):
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} is not a{'n' if kind.__name__[0] in 'aeiou' else ''} {kind.__name__}")
+    return value
+
+
+def _count(value, what: str) -> int:
+    """A non-negative integer (bools and floats refused)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 2**62:
+        raise ValueError(f"{what} is {value!r}, not a non-negative integer")
+    return value
+
+
+def _int_array(rows: list, what: str) -> np.ndarray:
+    """Nested lists of non-negative integers as int64 (bools and floats refused)."""
+    arr = np.array(rows, dtype=object)
+    flat = arr.reshape(-1)
+    if not all(type(x) is int for x in flat):
+        raise ValueError(f"{what} are not all integers")
+    out = arr.astype(np.int64)
+    if (out < 0).any():
+        raise ValueError(f"{what} contain a negative number")
+    return out
+
+
+def _placed(t, n_files: int) -> list:
+    """``[name, file index, offset, nbytes]`` checked."""
+    if not (isinstance(t, list) and len(t) == 4 and isinstance(t[0], str)):
+        raise TypeError(f"tensor entry {t!r} is not [name, file, offset, nbytes]")
+    f, off, n = (_count(x, f"a position of {t[0]!r}") for x in t[1:])
+    if f >= n_files:
+        raise ValueError(f"{t[0]!r} is placed in file {f}, which the layout does not have")
+    return [t[0], f, off, n]
 
 
 def _slot_name(layer: int, e: int, slot: int) -> str:

@@ -25,6 +25,7 @@ from containers.geometry import ExpertFormat, Geometry
 from containers.hashing import digest_of
 from containers.jsonfile import read_document
 from containers.manifest import build_manifest, load_manifest
+from containers.output_files import MAX_LISTED, output_name_problem
 from containers.segments import expert_segment_specs
 
 from . import __version__
@@ -299,22 +300,97 @@ def load_plan(path: str | os.PathLike) -> Plan:
                         missing="no such plan file")
     if plan_digest(raw) != raw["plan_digest"]:
         raise InputError(path, "plan digest does not match its content (edited or corrupt)")
-    g = raw["geometry"]
-    E = int(g["n_experts"])
+    problems = plan_field_problems(raw)
     stock = Layout.from_json(raw["source_layout"], where)
     layout = Layout.from_json(raw["layout"], where)
+    problems += [p for p in (output_name_problem(n) for n in layout.files) if p]
+    if problems:
+        shown = "; ".join(problems[:MAX_LISTED]) + (f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else "")
+        raise InputError(path, f"plan is malformed ({len(problems)} problem(s)): {shown}")
+    g = raw["geometry"]
+    E = g["n_experts"]
     if stock.layers != g["routed_layers"] or layout.layers != g["routed_layers"]:
         raise InputError(path, "layouts do not cover the geometry's routed layers")
     orders = {}
     for layer in g["routed_layers"]:
         o = raw["orders"].get(str(layer))
-        if o is None or sorted(o) != list(range(E)):
+        if not _int_list(o) or sorted(o) != list(range(E)):
             raise InputError(path, f"order of layer {layer} is not a complete permutation of 0..{E - 1}")
         orders[layer] = np.asarray(o, dtype=np.int64)
     check_runtime_constraints(layout, where)
     if not np.array_equal(stock.expert_bytes(), layout.expert_bytes()):
         raise InputError(path, "new layout's expert sizes differ from the source's")
     return Plan(where, raw, stock, layout, orders, raw.get("split"), g)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_list(x) -> bool:
+    return isinstance(x, list) and all(_is_int(v) and v >= 0 for v in x)
+
+
+def plan_field_problems(raw: dict) -> list[str]:
+    """Type and range problems of a plan's fields other than its two layouts (empty when none).
+
+    A plan is a shared file: its digest proves it was not damaged, not that it was not crafted,
+    so every field replay or rewrite reads is checked here before it is used.
+    """
+    problems = []
+    src = raw.get("source")
+    if not isinstance(src, dict):
+        return ["'source' is not an object"]
+    if src.get("kind") not in ("container", "geometry"):
+        problems.append(f"source kind {src.get('kind')!r} is not 'container' or 'geometry'")
+    for key in ("fingerprint", "content_fingerprint"):
+        if src.get(key) is not None and not isinstance(src.get(key), str):
+            problems.append(f"source {key} is not a string")
+    if src.get("kind") == "container" and not isinstance(src.get("fingerprint"), str):
+        problems.append("a container plan has no source fingerprint")
+    if raw.get("method") not in METHODS:
+        problems.append(f"method {raw.get('method')!r} is not one of {', '.join(METHODS)}")
+    g = raw.get("geometry")
+    if not isinstance(g, dict):
+        return problems + ["'geometry' is not an object"]
+    for key in ("hidden_size", "moe_intermediate_size", "n_experts", "top_k"):
+        if not _is_int(g.get(key)) or not 1 <= g[key] <= 1 << 24:
+            problems.append(f"geometry {key} {g.get(key)!r} is not a positive integer")
+    for key in ("routed_layers", "mtp_layers"):
+        if not _int_list(g.get(key)):
+            problems.append(f"geometry {key} is not a list of layer numbers")
+    if not isinstance(g.get("expert_formats"), dict) or not all(isinstance(v, str) for v in g["expert_formats"].values()):
+        problems.append("geometry expert_formats is not an object of strings")
+    if not isinstance(g.get("expert_bytes"), dict) or not all(_is_int(v) and v > 0 for v in g["expert_bytes"].values()):
+        problems.append("geometry expert_bytes is not an object of byte counts")
+    training = raw.get("training")
+    if not isinstance(training, dict) or not all(isinstance(training.get(k), list) and all(isinstance(x, str) for x in training[k])
+                                                 for k in ("sessions", "held_out_sessions")):
+        problems.append("training sessions are not lists of session names")
+    if not isinstance(raw.get("orders"), dict):
+        problems.append("'orders' is not an object")
+    split = raw.get("split")
+    if split is not None and not problems:
+        problems += _split_problems(split, g)
+    return problems
+
+
+def _split_problems(split, g: dict) -> list[str]:
+    if not isinstance(split, dict):
+        return ["'split' is not an object or null"]
+    problems = []
+    if not _is_int(split.get("ram_bytes")) or split["ram_bytes"] < 0:
+        problems.append("split ram_bytes is not a byte count")
+    resident, segs = split.get("resident"), split.get("segments")
+    if not isinstance(resident, dict) or not isinstance(segs, dict):
+        return problems + ["split resident and segments are not objects"]
+    for layer in g["routed_layers"]:
+        r, seg = resident.get(str(layer)), segs.get(str(layer))
+        if not _int_list(r) or any(e >= g["n_experts"] for e in r):
+            problems.append(f"split resident experts of layer {layer} are not expert ids")
+        if not isinstance(seg, dict) or not _is_int(seg.get("top_rows")) or not 0 <= seg["top_rows"] <= g["moe_intermediate_size"]:
+            problems.append(f"split top_rows of layer {layer} is not a row count within the FFN")
+    return problems
 
 
 def check_runtime_constraints(layout: Layout, where: str) -> None:

@@ -1,0 +1,202 @@
+"""The rewrite's destination: a directory that is ours alone, reached without following symlinks.
+
+A rewrite to ``DST`` works in ``DST.partial/`` and renames it to ``DST`` when every file is done.
+This module makes sure that nothing else can be hit on the way:
+
+* ``DST`` must not exist in any form (a dangling symlink counts as existing).
+* ``DST.partial`` is created by us (``mkdir``), or, on a resume, must be a real directory (never
+  a symlink) holding our journal; an empty directory (a crash right after ``mkdir``) is adopted.
+  Anything else is refused.
+* It is opened once with ``O_DIRECTORY | O_NOFOLLOW``; every file inside is created, opened,
+  renamed and removed relative to that descriptor (``openat``-style ``dir_fd``) with
+  ``O_NOFOLLOW``, so a symlink planted inside it is never followed.
+* The source and the destination may not be the same directory or nested in each other
+  (compared by resolved path and by ``(st_dev, st_ino)``).
+* An exclusive, non-blocking ``flock`` on the directory makes a second rewrite to the same
+  destination fail at once instead of mixing its files in.
+* The final rename never replaces anything: ``renameat2(RENAME_NOREPLACE)`` on Linux, else a
+  check immediately before ``rename``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+from .atomic import describe_os_error, fsync_fd
+from .errors import InputError
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+RENAME_NOREPLACE = 1
+
+
+def _lexists(path: Path) -> bool:
+    try:
+        os.lstat(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise InputError(path, describe_os_error(exc)) from None
+
+
+def _nested(a: Path, b: Path) -> bool:
+    """``a`` is ``b`` or lies inside it (resolved paths)."""
+    return a == b or b in a.parents
+
+
+class Destination:
+    """``DST.partial`` opened for a rewrite, locked, with file operations relative to its descriptor.
+
+    Use :meth:`open` (a context manager); ``journal_name`` is the file whose presence proves a
+    partial directory is a previous rewrite's.
+    """
+
+    def __init__(self, dst: Path, partial: Path, fd: int, resumed: bool):
+        self.dst = dst
+        self.partial = partial
+        self.fd = fd
+        self.resumed = resumed
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, dst: str | os.PathLike, source_root: str | os.PathLike, journal_name: str):
+        dst = Path(os.path.abspath(dst))
+        partial = dst.with_name(dst.name + ".partial")
+        if _lexists(dst):
+            raise InputError(dst, "already exists; choose a new destination")
+        _check_apart(dst, Path(source_root))
+        _make_parent(dst.parent)
+        created = False
+        try:
+            os.mkdir(partial, 0o755)
+            created = True
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise InputError(partial, f"cannot be created ({describe_os_error(exc)})") from None
+        try:
+            fd = os.open(partial, os.O_RDONLY | DIRECTORY | NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise InputError(partial, "exists and is not a directory relayout created (a symlink or a file); "
+                                          "remove it or choose another destination") from None
+            raise InputError(partial, describe_os_error(exc)) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise InputError(partial, "another relayout rewrite is writing this destination now; wait for it "
+                                          "or choose another destination") from None
+            src_st = os.stat(source_root)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino):
+                raise InputError(partial, "is the source container itself; choose another destination")
+            if not created:
+                names = os.listdir(fd)
+                if names and journal_name not in names:
+                    raise InputError(partial, f"exists and holds files but no {journal_name}: it is not a partial "
+                                              "rewrite of relayout's; remove it or choose another destination")
+            yield cls(dst, partial, fd, resumed=not created)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ files inside DST.partial
+    def names(self) -> list[str]:
+        return os.listdir(self.fd)
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def is_regular(self, name: str) -> bool:
+        st = self.lstat(name)
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def create(self, name: str) -> int:
+        """A new file (exclusive: never an existing file or a symlink), open for writing."""
+        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644, dir_fd=self.fd)
+
+    def open_read(self, name: str) -> int:
+        return os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=self.fd)
+
+    def replace(self, old: str, new: str) -> None:
+        os.replace(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
+    def sync(self) -> None:
+        fsync_fd(self.fd)
+
+    def publish(self) -> None:
+        """Rename ``DST.partial`` to ``DST``, never replacing anything at ``DST``; fsync the parent."""
+        self.sync()
+        _rename_noreplace(self.partial, self.dst)
+        parent = os.open(self.dst.parent, os.O_RDONLY | DIRECTORY)
+        try:
+            fsync_fd(parent)
+        finally:
+            os.close(parent)
+
+
+def _check_apart(dst: Path, source_root: Path) -> None:
+    src = source_root.resolve()
+    real_parent = dst.parent.resolve()
+    for candidate in (real_parent / dst.name, real_parent / (dst.name + ".partial")):
+        if _nested(candidate, src) or _nested(src, candidate):
+            raise InputError(dst, f"the destination and the source {src} may not be the same or nested in each other")
+
+
+def _make_parent(parent: Path) -> None:
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(parent, f"cannot be created ({describe_os_error(exc)})") from None
+    if not parent.is_dir():
+        raise InputError(parent, "is not a directory")
+
+
+def _libc_renameat2():
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _libc_renameat2()
+AT_FDCWD = -100
+
+
+def _rename_noreplace(old: Path, new: Path) -> None:
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise InputError(new, "appeared while the rewrite ran; the finished rewrite is kept at "
+                                  f"{old}: move it yourself once you have checked {new}")
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise InputError(new, describe_os_error(OSError(err, os.strerror(err))))
+    if _lexists(new):
+        raise InputError(new, f"appeared while the rewrite ran; the finished rewrite is kept at {old}")
+    os.rename(old, new)
+
+
+__all__ = ["Destination"]
