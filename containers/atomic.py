@@ -46,6 +46,18 @@ def describe_os_error(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+def make_dirs(path: str | os.PathLike) -> Path:
+    """Create directory ``path`` and its parents (existing is fine); one :class:`InputError` when it cannot be."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise InputError(path, "cannot be created: it exists and is not a directory") from None
+    except OSError as exc:
+        raise InputError(path, f"cannot be created ({describe_os_error(exc)})") from None
+    return path
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     """Open a temp file next to ``path``; on clean exit fsync it and rename it onto ``path``.
@@ -54,6 +66,8 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if not path.parent.is_dir():
+        raise InputError(path, f"cannot be written: {path.parent} is not a directory")
     try:
         with open(tmp, mode) as fh:
             yield fh

@@ -29,7 +29,7 @@ import os
 import stat
 from pathlib import Path
 
-from .atomic import describe_os_error, fsync_fd
+from .atomic import describe_os_error, fsync_fd, make_dirs
 from .errors import InputError
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -73,7 +73,7 @@ class Destination:
         if _lexists(dst):
             raise InputError(dst, "already exists; choose a new destination")
         _check_apart(dst, Path(source_root))
-        _make_parent(dst.parent)
+        make_dirs(dst.parent)
         created = False
         try:
             os.mkdir(partial, 0o755)
@@ -156,15 +156,6 @@ def _check_apart(dst: Path, source_root: Path) -> None:
     for candidate in (real_parent / dst.name, real_parent / (dst.name + ".partial")):
         if _nested(candidate, src) or _nested(src, candidate):
             raise InputError(dst, f"the destination and the source {src} may not be the same or nested in each other")
-
-
-def _make_parent(parent: Path) -> None:
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(parent, f"cannot be created ({describe_os_error(exc)})") from None
-    if not parent.is_dir():
-        raise InputError(parent, "is not a directory")
 
 
 def _libc_renameat2():

@@ -18,12 +18,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .atomic import fsync_dir, write_json_atomic
+from .atomic import fsync_dir, make_dirs, write_json_atomic
 from .container import expert_tensor_name
 from .errors import InputError
 from .geometry import PROJECTIONS, ExpertFormat, Geometry, projection_shape
 from .safetensors_io import DTYPE_SIZES, TensorSpec, write_shard
 from .sources import SeededBytes, SeededScales
+
+SYNTH_MARKER = ".relayout-synth"
+"""Marks an unfinished synthetic container's directory as ours (so a rerun may remove it)."""
 
 
 @dataclass(frozen=True)
@@ -146,12 +149,16 @@ def config_json(g: Geometry) -> dict:
 def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress: bool = True) -> Path:
     """Write a synthetic container for geometry ``g`` at ``out`` (built in ``out.partial``)."""
     out = Path(out)
-    if out.exists():
+    if out.exists() or out.is_symlink():
         raise InputError(out, "already exists; choose a new output directory")
     partial = out.with_name(out.name + ".partial")
+    if partial.is_symlink() or (partial.exists() and not (partial / SYNTH_MARKER).is_file()):
+        raise InputError(partial, "exists and was not made by relayout synth; remove it or choose another output")
     if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+        shutil.rmtree(partial)      # an interrupted synth's, proved by its marker
+    make_dirs(out.parent)
+    make_dirs(partial)
+    (partial / SYNTH_MARKER).touch()
     units = source_units(g, seed)
     main = cut_shards([u for u in units if not u.mtp], g.shard_bytes, seed)
     mtp = cut_shards([u for u in units if u.mtp], g.shard_bytes, seed + 1)
@@ -171,6 +178,7 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     write_json_atomic(partial / "tokenizer_config.json", {"model_max_length": 131072, "relayout_synthetic": True})
     vocab = {f"<t{i}>": i for i in range(min(g.vocab_size, 256))}
     write_json_atomic(partial / "tokenizer.json", {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab}}, indent=None)
+    (partial / SYNTH_MARKER).unlink()
     fsync_dir(partial)
     os.replace(partial, out)
     fsync_dir(out.parent)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from containers.atomic import describe_os_error
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.geometry import geometry_names, load_geometry
@@ -259,10 +261,14 @@ def cmd_replay(args) -> int:
         return 0
     from .apply import apply_plan
 
-    m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest)
+    m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=_say)
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
           + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
     return _verify_and_report(args.container, args.out, False, False)
+
+
+def _say(line: str) -> None:
+    print(f"relayout: {line}", file=sys.stderr)
 
 
 def cmd_rewrite(args) -> int:
@@ -273,7 +279,7 @@ def cmd_rewrite(args) -> int:
 
     plan = load_plan(args.layout)
     gate = load_gate(args.gate) if args.gate else None
-    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest)
+    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=_say)
     forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
           f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
@@ -569,15 +575,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DEBUG_VARIABLE = "RELAYOUT_DEBUG"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Exit status: 0 done, 2 a problem with the input (one line on stderr),
+    1 an internal error (one line asking for a bug report; the traceback with ``RELAYOUT_DEBUG=1``),
+    130 interrupted."""
+    command = "relayout"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"relayout {args.command}" + (f" {args.what}" if getattr(args, "what", None) else "")
         return args.func(args)
     except InputError as exc:
         print(f"relayout: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("relayout: interrupted", file=sys.stderr)
+        print(f"{command}: interrupted (anything half-written is kept aside, never under its final name)", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        return 1
+    except OSError as exc:
+        if os.environ.get(DEBUG_VARIABLE) == "1":
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"relayout: error: {where}{describe_os_error(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if os.environ.get(DEBUG_VARIABLE) == "1":
+            raise
+        print(f"{command}: internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug, please report it "
+              f"with the output of {DEBUG_VARIABLE}=1 {command} ...", file=sys.stderr)
         return 1

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from containers.atomic import write_json_atomic
+from containers.atomic import make_dirs, write_json_atomic
 from containers.container import MANIFEST_NAME, Container
+from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
@@ -38,6 +39,7 @@ DEMO_SESSIONS = 8
 DEMO_DEVICE = "linux-md-raid0-4x"
 DEMO_MEASURE_TOKENS = 100
 DEMO_REPETITIONS = 2
+DEMO_MARKER = ".relayout-demo"
 
 
 def run_demo(work_dir: str | None = None, seed: int = 0) -> int:
@@ -46,13 +48,31 @@ def run_demo(work_dir: str | None = None, seed: int = 0) -> int:
         tmp = tempfile.mkdtemp(prefix="relayout-demo-")
         work = Path(tmp)
     else:
-        work = Path(work_dir)
-        work.mkdir(parents=True, exist_ok=True)
+        work = _demo_dir(Path(work_dir))
     try:
         return _run(work, seed, kept=tmp is None)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _demo_dir(work: Path) -> Path:
+    """``work`` made ready for a demo: new, empty, or a previous demo's (its marker file says so).
+
+    Only a previous demo's directory has its outputs removed and remade; anything else that is not
+    empty is refused, so the demo never deletes a file it did not write.
+    """
+    if work.is_symlink() or (work.exists() and not work.is_dir()):
+        raise InputError(work, "is not a directory; give a new or empty directory for the demo")
+    if work.is_dir() and any(work.iterdir()) and not (work / DEMO_MARKER).is_file():
+        raise InputError(work, f"is not empty and is not a previous demo's directory (no {DEMO_MARKER} in it); "
+                               "give a new or empty directory")
+    make_dirs(work)
+    (work / DEMO_MARKER).write_text("made by relayout demo: its outputs here are removed and rewritten by the next demo\n")
+    for made in ("source", "source.partial", "relaid", "relaid.partial"):
+        if (work / made).is_dir() and not (work / made).is_symlink():
+            shutil.rmtree(work / made)
+    return work
 
 
 def _step(title: str) -> float:
@@ -64,8 +84,6 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     t0 = time.perf_counter()
     geometry = load_geometry(DEMO_GEOMETRY).scaled(**DEMO_SCALE)
     src = work / "source"
-    if src.exists():
-        shutil.rmtree(src)
 
     t = _step(f"1. synthetic container ({DEMO_GEOMETRY}, scaled: {DEMO_SCALE['moe_layers']} MoE layers x {DEMO_SCALE['experts']} experts)")
     synth_container(src, geometry, seed=seed, progress=False)
@@ -126,8 +144,6 @@ def _run(work: Path, seed: int, kept: bool) -> int:
 
     t = _step("7. rewrite (the gate passed) into DST and verify byte for byte")
     dst = work / "relaid"
-    if dst.exists():
-        shutil.rmtree(dst)
     forced = gate["verdict"] != "pass"
     if forced:
         print("   the gate failed on this run; rewriting anyway with the demo's explicit override (recorded as forced)")

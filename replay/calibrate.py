@@ -61,6 +61,10 @@ def _open(path: Path) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
+MIN_CELL_SECONDS = 0.05
+MAX_CELL_SECONDS = 60.0
+
+
 def _cell(path: Path, size: int, depth: int, seconds: float, seed: int) -> Cell:
     fd, direct = _open(path)
     if not direct:
@@ -95,7 +99,15 @@ def _cell(path: Path, size: int, depth: int, seconds: float, seed: int) -> Cell:
 
 
 def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0.4, name: str | None = None) -> dict:
-    """Measure and fit; returns a device profile (JSON-ready) with the measurements attached."""
+    """Measure and fit; returns a device profile (JSON-ready) with the measurements attached.
+
+    ``size_mb`` (MiB, >= 64) sizes the test file written in a directory ``target``; ``seconds``
+    (0.05-60) is the time spent on each (request size, queue depth) cell.
+    """
+    if not MIN_CELL_SECONDS <= seconds <= MAX_CELL_SECONDS:
+        raise InputError(None, f"--seconds must be between {MIN_CELL_SECONDS} and {MAX_CELL_SECONDS} (time per cell), got {seconds}")
+    if size_mb < 64:
+        raise InputError(None, f"--size-mb must be at least 64 (the largest test read is 32 MiB), got {size_mb}")
     target = Path(target)
     made = None
     if target.is_dir():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from containers.atomic import atomic_output, make_dirs
 from containers.errors import InputError
 from containers.jsonfile import iter_jsonl
 
@@ -201,8 +202,7 @@ def write_plots(r: dict, out_dir: str | Path, predicted: dict | None = None) -> 
         import matplotlib.pyplot as plt
     except ImportError:
         raise InputError(None, "--plots needs matplotlib: pip install 'relayout[plots]'") from None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dirs(out_dir)
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in r["_runs"]:
@@ -239,11 +239,15 @@ def write_plots(r: dict, out_dir: str | Path, predicted: dict | None = None) -> 
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    """Write a figure crash-safely (temp, fsync, rename); a full disk is one clear error."""
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    fig.tight_layout()
+    try:
+        with atomic_output(path) as fh:
+            fig.savefig(fh, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
