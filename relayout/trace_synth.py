@@ -12,19 +12,19 @@ The generative model, per routed layer:
 
 A token's experts at a layer are drawn without replacement (Gumbel top-k) from the base heat plus
 a boost of strength ``clique_strength`` on its current clique. ``fit_atlas`` tunes that strength so
-the trace's within-layer lift distribution matches an atlas such as
-``shared/data/glm52-coactivation-atlas.json`` and takes its per-layer heat directly.
+the trace's within-layer lift distribution matches an atlas such as the shipped ``glm-5.2``
+(``manifests/atlases/``) and takes its per-layer heat directly.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from containers.errors import InputError
+from containers.jsonfile import parse_json, read_shipped
 
 from .trace import FORWARD_KINDS, RoutingTrace
 
@@ -54,10 +54,11 @@ class Atlas:
     pairs: list[np.ndarray]          # per layer [P, 4]: i, j, count, lift
 
 
-def load_atlas(path: str | Path) -> Atlas:
-    path = Path(path)
+def load_atlas(name_or_path: str | Path) -> Atlas:
+    """A co-activation atlas by shipped name (``manifests/atlases``: ``glm-5.2``, ``qwen3-30b-a3b``) or path."""
+    text, where = read_shipped("atlases", name_or_path, "co-activation atlas")
     try:
-        d = json.loads(path.read_text())
+        d = parse_json(text)
         E, k = int(d["n_expert_per_layer"]), int(d["k"])
         layers, heat, pairs = [], [], []
         for i, layer in enumerate(d["layers"]):
@@ -66,11 +67,13 @@ def load_atlas(path: str | Path) -> Atlas:
             p = np.asarray([q[:4] for q in layer["pairs"]], dtype=np.float64).reshape(-1, 4)
             pairs.append(p)
         tokens = int(d.get("profile_rows", {}).get("decode_rows") or d.get("n_decode_tokens") or 0)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(path, f"not a co-activation atlas ({exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError(where, f"not a co-activation atlas ({type(exc).__name__}: {exc})") from None
+    if not layers or len({h.shape for h in heat}) != 1 or heat[0].shape != (E,) or k < 1:
+        raise InputError(where, "not a co-activation atlas (layers must each hold heat for n_expert_per_layer experts)")
     if not tokens:
         tokens = int(max(h.sum() for h in heat) // k)
-    return Atlas(str(path), tokens, k, E, layers, np.vstack(heat), pairs)
+    return Atlas(where, tokens, k, E, layers, np.vstack(heat), pairs)
 
 
 def entropy_bits(counts: np.ndarray) -> np.ndarray:

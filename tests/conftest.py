@@ -10,7 +10,6 @@ from containers.geometry import load_geometry
 from containers.synth import synth_container
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
 
 SMALL = dict(moe_layers=3, experts=16, hidden=512, ffn=128, shard_bytes=1_500_000, vocab=256)
 

@@ -1,6 +1,6 @@
-"""relayout installed as a user installs it (a wheel, ``pip install -e .``) finds its shipped data.
+"""Shipped data (``manifests/``) and reading JSON; relayout installed as users install it finds it.
 
-Each test installs the project into a fresh venv and runs the ``relayout`` script from a folder
+The install tests (marked slow) install the project into a fresh venv and runs the ``relayout`` script from a folder
 outside the repository with no PYTHONPATH, so nothing can come from the checkout by accident.
 The venv sees the running environment's packages (numpy, numba, ... are not reinstalled) through
 a folder of links that leaves out any relayout already installed there: a venv made with
@@ -22,13 +22,110 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-
-pytestmark = pytest.mark.slow
+from conftest import REPO, run_cli
+from containers.errors import InputError
+from containers.geometry import load_geometry
+from containers.jsonfile import iter_jsonl, load_shipped, read_document, shipped_dir, shipped_names
+from relayout.trace_synth import load_atlas
+from replay.device import load_device
 
 OURS = {"relayout", "replay", "containers", "manifests"}
 COPY_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                      ".hypothesis", ".benchmarks", "out", "*.nbi", "*.nbc")
+
+
+DEEP = "[" * 100_000   # deeper than json's recursion limit
+
+
+def test_shipped_data_is_one_regular_package_folder():
+    import manifests
+
+    assert manifests.__file__ is not None  # a regular package: resources gives one folder, not a MultiplexedPath
+    assert shipped_names("geometries") == ["glm-5.2-int4-g64", "glm-5.2-int4-row", "qwen3-30b-a3b"]
+    assert shipped_names("devices") == ["linux-md-raid0-4x", "mac-pro-2019-applraid-4x", "single-nvme"]
+    assert shipped_names("atlases") == ["glm-5.2", "qwen3-30b-a3b"]
+    assert shipped_names("no-such-folder") == []
+    readme = shipped_dir("atlases").joinpath("README.md").read_text()
+    assert "mbolt" in readme and "github.com/doramirdor/mbolt" in readme and "MIT License" in readme
+
+
+def test_atlas_by_shipped_name_or_by_path(tmp_path):
+    glm, qwen = load_atlas("glm-5.2"), load_atlas("qwen3-30b-a3b")
+    assert (glm.n_experts, glm.k, len(glm.layers), glm.tokens, glm.path) == (256, 8, 75, 1270, "glm-5.2")
+    assert glm.layers[0] == 3 and glm.layers[-1] == 77
+    assert (qwen.n_experts, qwen.k, len(qwen.layers), qwen.tokens) == (128, 8, 48, 75773)
+    copy = tmp_path / "my-atlas.json"
+    copy.write_bytes(shipped_dir("atlases").joinpath("glm-5.2.json").read_bytes())
+    by_path = load_atlas(copy)
+    assert by_path.path == str(copy) and (by_path.heat == glm.heat).all() and by_path.layers == glm.layers
+    other = tmp_path / "atlas.txt"  # any existing file is taken as a path, whatever its name
+    other.write_bytes(copy.read_bytes())
+    assert load_atlas(other).tokens == 1270
+
+
+@pytest.mark.parametrize("arg, problem", [
+    ("nope", "unknown co-activation atlas 'nope' (known: glm-5.2, qwen3-30b-a3b, or a JSON file)"),
+    ("missing.json", "missing.json: no such file"),
+    ("bad.json", "bad.json: not a co-activation atlas"),
+    ("deep.json", "deep.json: not a co-activation atlas"),
+    ("list.json", "list.json: not a co-activation atlas"),
+    ("ragged.json", "ragged.json: not a co-activation atlas"),
+    ("dir.json", "dir.json: not a readable co-activation atlas"),
+])
+def test_bad_atlas_is_one_input_error(tmp_path, monkeypatch, arg, problem):
+    monkeypatch.chdir(tmp_path)
+    Path("bad.json").write_text('{"n_expert_per_layer": 4, "k": 2, "layers": [{"heat": [1, 2]')
+    Path("deep.json").write_text(DEEP)
+    Path("list.json").write_text("[1, 2]")
+    Path("ragged.json").write_text('{"n_expert_per_layer": 4, "k": 2, "layers": [{"heat": [1, 2, 3, 4], "pairs": []},'
+                                   ' {"heat": [1], "pairs": []}]}')
+    Path("dir.json").mkdir()
+    with pytest.raises(InputError) as exc:
+        load_atlas(arg)
+    assert str(exc.value).startswith(problem)
+
+
+def test_cli_fits_a_shipped_atlas_by_name(tmp_path):
+    res = run_cli("synth", "trace", tmp_path / "t.rt", "--geometry", "glm-5.2-int4-row", "--moe-layers", 2, "--tokens", 20,
+                  "--sessions", 1, "--fit", "glm-5.2")
+    assert res.returncode == 0, res.stderr
+    assert "lift median" in res.stdout and (tmp_path / "t.rt").is_file()
+    res = run_cli("synth", "trace", tmp_path / "u.rt", "--geometry", "glm-5.2-int4-row", "--fit", "qwen3-30b-a3b")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "128 experts" in res.stderr
+    res = run_cli("synth", "trace", tmp_path / "u.rt", "--geometry", "glm-5.2-int4-row", "--fit", tmp_path / "none.json")
+    assert res.returncode == 2 and res.stderr == f"relayout: error: {tmp_path / 'none.json'}: no such file\n"
+
+
+def test_deeply_nested_json_is_invalid_json_not_a_crash(tmp_path):
+    doc = tmp_path / "plan.json"
+    doc.write_text(DEEP)
+    with pytest.raises(InputError, match=r"plan.json: not a readable plan \(nested too deeply\)"):
+        read_document(doc, "relayout-plan", 1, (), "plan")
+    lines = tmp_path / "run.jsonl"
+    lines.write_text('{"a": 1}\n' + DEEP + "\n")
+    with pytest.raises(InputError, match=r"run.jsonl:2: not JSON \(nested too deeply\)"):
+        list(iter_jsonl(lines))
+    for loader, what in ((load_geometry, "geometry"), (load_device, "device profile")):
+        path = tmp_path / f"{what.replace(' ', '-')}.json"
+        path.write_text(DEEP)
+        with pytest.raises(InputError, match=rf"{path.name}: not a valid {what} \(nested too deeply\)"):
+            loader(str(path))
+    with pytest.raises(InputError, match=r"geometry.json: not a valid geometry \(nested too deeply\)"):
+        load_shipped("geometries", str(tmp_path / "geometry.json"), "geometry")
+    # and on the command line: one line, exit 2
+    res = run_cli("synth", "container", tmp_path / "c", "--geometry", tmp_path / "geometry.json")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "nested too deeply" in res.stderr, res.stderr
+    lines.write_text("\n" + DEEP + "\n")
+    res = run_cli("report", lines)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "run.jsonl:2: not JSON" in res.stderr, res.stderr
+
+
+def test_shipped_name_lookup_does_not_escape_its_folder(tmp_path):
+    with pytest.raises(InputError, match="no such file"):  # a path, relative to the working directory
+        load_shipped("geometries", "../devices/single-nvme", "geometry")
+    with pytest.raises(InputError, match="unknown geometry"):
+        load_shipped("geometries", "single-nvme", "geometry")
+    assert load_shipped("devices", "single-nvme", "device profile")[1] == "single-nvme"
 
 
 def _version(dist: str) -> tuple[int, ...]:
@@ -118,6 +215,7 @@ def _check_installed(py: Path, where: Path, work: Path) -> None:
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "glm-5.2" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_wheel_install_finds_its_data(tmp_path, deps, source):
     work = tmp_path / "work"
     work.mkdir()
@@ -128,6 +226,7 @@ def test_wheel_install_finds_its_data(tmp_path, deps, source):
     _check_installed(py, tmp_path / "venv", work)
 
 
+@pytest.mark.slow
 def test_editable_install_finds_its_data(tmp_path, deps, source):
     work = tmp_path / "work"
     work.mkdir()

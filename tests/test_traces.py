@@ -9,7 +9,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARED, run_cli
+from conftest import run_cli
 from containers.errors import InputError
 from relayout.coactivation import pair_counts, write_coli_pairs
 from relayout.trace import FORWARD_KINDS, load_trace, save_trace
@@ -266,7 +266,7 @@ def test_coli_pairs_format(tmp_path):
 
 
 def test_fit_to_the_glm_atlas_reports_a_small_error():
-    atlas = load_atlas(SHARED / "data" / "glm52-coactivation-atlas.json")
+    atlas = load_atlas("glm-5.2")  # shipped in manifests/atlases
     params, report = fit_atlas(atlas, seed=0, layer_sample=4)
     syn_med, atlas_med = report.lift_median
     assert abs(syn_med / atlas_med - 1) < 0.1
