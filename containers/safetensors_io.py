@@ -6,8 +6,11 @@ section; offsets are relative to byte ``8 + N``.
 
 The reader makes at least the checks the colibrì runtime makes (N <= 512 MiB, ``a <= b``,
 ``8 + N + b <= file size``, shape products that do not overflow, ``numel * itemsize == nbytes``) and
-also refuses unknown dtypes, duplicate JSON keys, unknown entry fields and overlapping tensors,
-because the runtime would silently misread such a file. Gaps between tensors are allowed (the
+also refuses unknown dtypes, duplicate JSON keys, unknown entry fields, overlapping tensors (an
+empty tensor inside another one included), strings that are not valid UTF-8 (a JSON escape of a
+lone surrogate such as ``\\ud800``), and dimensions of ``2**63`` or more (each one, and the product
+of the non-zero ones, even when another dimension is 0), because the runtime or the safetensors
+library would misread or refuse such a file. Gaps between tensors are allowed (the
 runtime allows them, and aligned layouts need them).
 
 The writer never holds tensor data in memory: each tensor is streamed from a :class:`ByteSource`
@@ -82,6 +85,29 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _valid_text(s: str) -> bool:
+    """True when ``s`` is encodable as strict UTF-8 (no lone surrogates from ``\\udXXX`` escapes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _show(s: str) -> str:
+    """``repr`` of a header string, cut short for a one-line message."""
+    r = repr(s)
+    return r if len(r) <= 120 else r[:117] + "..."
+
+
+def _num(n: int) -> str:
+    return str(n) if -(2**64) < n < 2**64 else ("-" if n < 0 else "") + "a number of more than 20 digits"
+
+
+def _show_shape(shape: list) -> str:
+    return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ... ({len(shape)} dims)]"
+
+
 def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> ShardHeader:
     """Validate header JSON bytes ``raw`` of a file of ``file_size`` bytes."""
     data_start = 8 + len(raw)
@@ -96,48 +122,67 @@ def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> ShardHeader:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise InputError(path, "__metadata__ must map strings to strings")
+    for k, v in metadata.items():
+        if not (_valid_text(k) and _valid_text(v)):
+            raise InputError(path, f"__metadata__ entry {_show(k)} is not valid UTF-8 (lone surrogate escape)")
     tensors: dict[str, TensorEntry] = {}
     for name, spec in obj.items():
+        if not _valid_text(name):
+            raise InputError(path, f"tensor name {_show(name)} is not valid UTF-8 (lone surrogate escape)")
         tensors[name] = _parse_entry(path, name, spec, data_start, file_size)
     _check_no_overlap(path, tensors.values())
     return ShardHeader(path, file_size, data_start, tensors, dict(metadata))
 
 
-def _parse_entry(path: Path, name: str, spec, data_start: int, file_size: int) -> TensorEntry:
+def _parse_entry(path: Path, raw_name: str, spec, data_start: int, file_size: int) -> TensorEntry:
+    name = _show(raw_name)
     if not isinstance(spec, dict) or set(spec) != _ENTRY_KEYS:
-        raise InputError(path, f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+        raise InputError(path, f"tensor {name}: entry must have exactly dtype, shape, data_offsets")
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        raise InputError(path, f"tensor {name!r}: unknown dtype {dtype!r}")
+        raise InputError(path, f"tensor {name}: unknown dtype {_show(dtype) if isinstance(dtype, str) else type(dtype).__name__}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise InputError(path, f"tensor {name!r}: shape must be a list of non-negative integers")
+        raise InputError(path, f"tensor {name}: shape must be a list of non-negative integers")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-        raise InputError(path, f"tensor {name!r}: data_offsets must be two integers")
+        raise InputError(path, f"tensor {name}: data_offsets must be two integers")
     a, b = offsets
     if a < 0 or a > b:
-        raise InputError(path, f"tensor {name!r}: data_offsets [{a}, {b}] are out of order")
+        raise InputError(path, f"tensor {name}: data_offsets [{_num(a)}, {_num(b)}] are out of order")
     if data_start + b > file_size:
         raise InputError(
-            path, f"tensor {name!r}: data ends at byte {data_start + b} beyond file size {file_size} (truncated?)"
+            path, f"tensor {name}: data ends at byte {_num(data_start + b)} beyond file size {file_size} (truncated?)"
         )
-    numel = 1
+    # every dimension, and the product of the non-zero ones, must fit in an int64 (in any order
+    # of multiplication), so a zero dimension does not hide an overflowing one
+    nonzero = 1
     for d in shape:
-        numel *= d
-        if numel > _INT64_MAX:
-            raise InputError(path, f"tensor {name!r}: shape product overflows")
+        if d > _INT64_MAX:
+            raise InputError(path, f"tensor {name}: dimension {_num(d)} is 2**63 or more")
+        if d:
+            nonzero *= d
+            if nonzero > _INT64_MAX:
+                raise InputError(path, f"tensor {name}: shape product overflows")
+    numel = 0 if 0 in shape else nonzero
+    if numel * DTYPE_SIZES[dtype] > _INT64_MAX:
+        raise InputError(path, f"tensor {name}: byte size overflows")
     if numel * DTYPE_SIZES[dtype] != b - a:
         raise InputError(
-            path, f"tensor {name!r}: {dtype}{shape} needs {numel * DTYPE_SIZES[dtype]} bytes, offsets give {b - a}"
+            path, f"tensor {name}: {dtype}{_show_shape(shape)} needs {numel * DTYPE_SIZES[dtype]} bytes, offsets give {b - a}"
         )
-    return TensorEntry(name, dtype, tuple(shape), data_start + a, data_start + b)
+    return TensorEntry(raw_name, dtype, tuple(shape), data_start + a, data_start + b)
 
 
 def _check_no_overlap(path: Path, entries: Iterable[TensorEntry]) -> None:
+    """No two tensors share a byte, and no empty tensor lies strictly inside another one.
+
+    (Empty tensors may sit at the start or end of another tensor, as the safetensors library
+    allows; one inside another would also break the one-pass hashing of the file.)
+    """
     prev = None
-    for t in sorted((t for t in entries if t.nbytes), key=lambda t: t.begin):
+    for t in sorted(entries, key=lambda t: (t.begin, t.end)):
         if prev is not None and t.begin < prev.end:
-            raise InputError(path, f"tensors {prev.name!r} and {t.name!r} overlap")
-        prev = t
+            raise InputError(path, f"tensors {_show(prev.name)} and {_show(t.name)} overlap")
+        prev = t  # sorted by begin and not overlapping, so t ends last
 
 
 def read_header(path: str | os.PathLike) -> ShardHeader:
