@@ -41,7 +41,7 @@ def _lexists(path: Path) -> bool:
     try:
         os.lstat(path)
         return True
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
     except OSError as exc:
         raise InputError(path, describe_os_error(exc)) from None
