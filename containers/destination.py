@@ -5,8 +5,8 @@ This module makes sure that nothing else can be hit on the way:
 
 * ``DST`` must not exist in any form (a dangling symlink counts as existing).
 * ``DST.partial`` is created by us (``mkdir``), or, on a resume, must be a real directory (never
-  a symlink) holding our journal; an empty directory (a crash right after ``mkdir``) is adopted.
-  Anything else is refused.
+  a symlink) holding our journal; one holding nothing but our temp files (a crash right after
+  ``mkdir``) is adopted. Anything else is refused.
 * It is opened once with ``O_DIRECTORY | O_NOFOLLOW``; every file inside is created, opened,
   renamed and removed relative to that descriptor (``openat``-style ``dir_fd``) with
   ``O_NOFOLLOW``, so a symlink planted inside it is never followed.
@@ -26,6 +26,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from .errors import InputError
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 RENAME_NOREPLACE = 1
+TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9]+$")
+"""A temp file of ours (``.NAME.tmp-PID``): an interrupted run may leave one before its journal."""
 
 
 def _lexists(path: Path) -> bool:
@@ -100,7 +103,7 @@ class Destination:
             if (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino):
                 raise InputError(partial, "is the source container itself; choose another destination")
             if not created:
-                names = os.listdir(fd)
+                names = [n for n in os.listdir(fd) if not TEMP_NAME.match(n)]
                 if names and journal_name not in names:
                     raise InputError(partial, f"exists and holds files but no {journal_name}: it is not a partial "
                                               "rewrite of relayout's; remove it or choose another destination")

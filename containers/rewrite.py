@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from .atomic import describe_os_error, fsync_fd
 from .container import MANIFEST_NAME, Container
-from .destination import Destination
+from .destination import TEMP_NAME, Destination
 from .errors import InputError
 from .hashing import Range, file_digest, gap_digest, hash_file, hash_range, segments
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, content_fingerprint, layout_fingerprint
@@ -127,7 +127,7 @@ def rewrite_container(
     names = [f.name for f in files]
     with Destination.open(dst, src.root, JOURNAL_NAME) as dest:
         for stray in dest.names():
-            if stray.startswith(".") and ".tmp-" in stray:
+            if TEMP_NAME.match(stray):      # a dead run's (we hold the lock)
                 dest.unlink(stray)
         identity = {"source_fingerprint": source_manifest["fingerprint"], "files": names,
                     "plan_digest": provenance.get("plan_digest")}
