@@ -12,6 +12,10 @@ Edge weights derived from them: ``count`` (C), ``lift`` = C N / (heat_i heat_j) 
 Cross-layer coupling counts, for the same (forward, position), expert ``e`` at layer L followed
 by expert ``f`` at layer L+dL; :func:`write_coli_pairs` exports them in colibrì's ``.coli_pairs``
 format for the runtime's coupled prefetch.
+
+The dense [E, E] matrices are for planning and export, where E is a container's experts per
+layer. Statistics use the sparse forms (:func:`pair_count_items`, :func:`cross_layer_items`),
+whose memory grows with the rows, not with E squared.
 """
 
 from __future__ import annotations
@@ -43,6 +47,29 @@ def pair_counts(experts: np.ndarray, n_experts: int) -> np.ndarray:
     C = C + C.T
     np.fill_diagonal(C, 0)
     return C
+
+
+def _pair_items(i: np.ndarray, j: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    keys, counts = np.unique(i * n_experts + j, return_counts=True)
+    return keys // n_experts, keys % n_experts, counts.astype(np.int64)
+
+
+def pair_count_items(experts: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The non-zero upper triangle of :func:`pair_counts`, sparse: ``(i, j, count)`` with i < j,
+    sorted by (i, j). Memory is O(rows x k^2) whatever ``n_experts``."""
+    N, k = experts.shape
+    ex = experts.astype(np.int64)
+    ii, jj = [], []
+    for a in range(k):
+        for b in range(a + 1, k):
+            x, y = ex[:, a], ex[:, b]
+            ok = (x >= 0) & (y >= 0) & (x != y)
+            ii.append(np.minimum(x[ok], y[ok]))
+            jj.append(np.maximum(x[ok], y[ok]))
+    if not ii:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z
+    return _pair_items(np.concatenate(ii), np.concatenate(jj), n_experts)
 
 
 def heat_of(experts: np.ndarray, n_experts: int) -> np.ndarray:
@@ -83,13 +110,21 @@ def coactivation_graph(experts: np.ndarray, n_experts: int, weight: str = "count
     return G
 
 
-def aligned_rows(trace: RoutingTrace, layer_a: int, layer_b: int, forwards: np.ndarray | None = None):
-    """Rows of ``layer_a`` and ``layer_b`` for the same (forward, position): two index arrays."""
-    ra = trace.layer_rows(layer_a, forwards)
-    rb = trace.layer_rows(layer_b, forwards)
+def aligned_rows(trace: RoutingTrace, layer_a: int, layer_b: int, forwards: np.ndarray | None = None,
+                 rows_a: np.ndarray | None = None, rows_b: np.ndarray | None = None):
+    """Rows of ``layer_a`` and ``layer_b`` for the same (forward, position): two index arrays.
+
+    ``rows_a``/``rows_b`` may pass the layers' row indices (ascending) when already known.
+    """
+    ra = trace.layer_rows(layer_a, forwards) if rows_a is None else rows_a
+    rb = trace.layer_rows(layer_b, forwards) if rows_b is None else rows_b
     P = int(trace.row_position.max()) + 1 if trace.n_rows else 1
     ka = trace.row_forward[ra].astype(np.int64) * P + trace.row_position[ra]
     kb = trace.row_forward[rb].astype(np.int64) * P + trace.row_position[rb]
+    # rows are sorted by (forward, layer, position), so a layer's keys rise strictly unless a
+    # (forward, layer, position) is repeated, which RoutingTrace.validate refuses
+    if (len(ka) > 1 and (np.diff(ka) <= 0).any()) or (len(kb) > 1 and (np.diff(kb) <= 0).any()):
+        raise InputError(trace.source or None, "a (forward, layer, position) row appears twice or out of order")
     common, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
     return ra[ia], rb[ib]
 
@@ -109,17 +144,38 @@ def cross_layer_counts(trace: RoutingTrace, layer: int, dl: int, forwards: np.nd
     return out.reshape(E, E)
 
 
-def cross_layer_lift(trace: RoutingTrace, layer: int, dl: int = 1, min_count: int = 5) -> np.ndarray:
-    """Lifts of (e at L, f at L+dl) pairs with at least ``min_count`` co-occurrences."""
-    ra, rb = aligned_rows(trace, layer, layer + dl)
+def cross_layer_items(trace: RoutingTrace, ra: np.ndarray, rb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sparse :func:`cross_layer_counts` of aligned rows ``ra``/``rb``: ``(e, f, count)`` sorted."""
+    E, k = trace.n_experts, trace.top_k
+    A = trace.experts[ra].astype(np.int64)
+    B = trace.experts[rb].astype(np.int64)
+    ii, jj = [], []
+    for a in range(k):
+        for b in range(k):
+            i, j = A[:, a], B[:, b]
+            ok = (i >= 0) & (j >= 0)
+            ii.append(i[ok])
+            jj.append(j[ok])
+    if not ii:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z
+    return _pair_items(np.concatenate(ii), np.concatenate(jj), E)
+
+
+def cross_layer_lift(trace: RoutingTrace, layer: int, dl: int = 1, min_count: int = 5,
+                     rows_a: np.ndarray | None = None, rows_b: np.ndarray | None = None) -> np.ndarray:
+    """Lifts of (e at L, f at L+dl) pairs with at least ``min_count`` co-occurrences, in (e, f) order.
+
+    Sparse: memory grows with the aligned rows, not with the square of the experts per layer.
+    """
+    ra, rb = aligned_rows(trace, layer, layer + dl, rows_a=rows_a, rows_b=rows_b)
     if not len(ra):
         return np.zeros(0)
-    X = cross_layer_counts(trace, layer, dl)
+    e, f, X = cross_layer_items(trace, ra, rb)
     ha = heat_of(trace.experts[ra], trace.n_experts).astype(np.float64)
     hb = heat_of(trace.experts[rb], trace.n_experts).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        L = X * len(ra) / np.outer(ha, hb)
-    return L[X >= min_count]
+    keep = X >= min_count
+    return X[keep] * float(len(ra)) / (ha[e[keep]] * hb[f[keep]])
 
 
 def top_targets(X: np.ndarray, max_targets: int) -> tuple[np.ndarray, np.ndarray]:

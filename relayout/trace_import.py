@@ -6,17 +6,30 @@ Formats (FACTS sections 3-4, seed Appendix A):
   forward starts where the layer index decreases. A forward of one row is a decode step; a
   multi-row forward before the session's first decode step is prefill, later ones are speculative
   verify steps (their committed count is unknown to the trace and recorded as 1, the minimum).
+  Numbers are plain ASCII decimals (no signs, underscores or exponents in ids), each selection is
+  exactly ``<id>:<gate>`` with a finite gate, and a (forward, layer, row) appears once.
 * ``stall``: the seed's STALL_TRACE JSONL (plain or ``.zst``): expert records keyed by request,
-  step and layer; step records carry committed tokens.
-* ``mblt``: mbolt's ``MBLT`` v1 binary; a torn last record is dropped with a warning.
+  step and layer; step records carry committed tokens. Integers must be JSON integers (not
+  booleans or floats), ``required`` a boolean, ``router_probability`` a finite number.
+* ``mblt``: mbolt's ``MBLT`` v1 binary. Only a truncated *last* record is a torn tail (dropped
+  with a warning): a record that claims more bytes than remain while a valid chain of records
+  follows it is mid-file damage, an error naming the record and its byte offset.
 * ``coli_usage``: colibrì's learning-cache history: per-(layer, expert) counts only.
 
 Each input file is one session, in the order given. Malformed input raises
-``InputError("file:line", problem)``.
+``InputError("file:line", problem)`` (``file:record N`` for MBLT).
+
+Ranges are checked on the parsed 64-bit (or Python) integers, before any narrowing to the
+trace's int16/int32 arrays. With a geometry, ids must be below its experts per layer and layers
+among its routed layers; without one, ids are capped at ``DEFAULT_MAX_EXPERTS - 1`` and layers at
+``DEFAULT_MAX_LAYER`` (see :mod:`relayout.trace`). Every allocation sized by a file's values is
+bounded by those limits and by the file's own size.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +39,25 @@ import numpy as np
 from containers.errors import InputError
 from containers.jsonfile import iter_jsonl, read_bytes
 
-from .trace import FORWARD_KINDS, RoutingTrace
+from .trace import (
+    DEFAULT_MAX_EXPERTS,
+    DEFAULT_MAX_LAYER,
+    FORWARD_KINDS,
+    INT32_MAX,
+    MAX_EXPERTS,
+    MAX_LAYER,
+    MAX_LAYER_EXPERT_CELLS,
+    MAX_POSITION,
+    MAX_TOP_K,
+    RoutingTrace,
+)
 
 KIND = {name: i for i, name in enumerate(FORWARD_KINDS)}
 MBLT_MAGIC = 0x544C424D
+MBLT_MAX_K = 64
+MAX_COUNT = 1 << 36
+"""Largest ``.coli_usage`` count (sums over every cell stay far inside int64)."""
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -45,6 +73,108 @@ class SessionRows:
     fwd_kind: np.ndarray
     fwd_evaluated: np.ndarray
     fwd_committed: np.ndarray
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What an imported id, layer and position may be: from a geometry, or the default caps."""
+
+    n_experts: int                      # ids must be < n_experts
+    layers: frozenset | None = None     # a geometry's routed layers (None: any up to max_layer)
+    max_layer: int = DEFAULT_MAX_LAYER
+    geometry: str | None = None
+
+    @classmethod
+    def make(cls, n_experts: int | None, geometry: str = "inferred", routed_layers=None) -> Limits:
+        if n_experts is None:
+            return cls(DEFAULT_MAX_EXPERTS)
+        if isinstance(n_experts, bool) or not isinstance(n_experts, (int, np.integer)) or not 1 <= n_experts <= MAX_EXPERTS:
+            raise InputError(None, f"geometry {geometry} has {n_experts!r} experts per layer; a trace holds 1..{MAX_EXPERTS}")
+        if routed_layers is None:
+            routed_layers = _shipped_routed_layers(geometry, int(n_experts))
+        if routed_layers is not None:
+            routed_layers = frozenset(int(x) for x in routed_layers)
+            if not routed_layers or min(routed_layers) < 0 or max(routed_layers) > MAX_LAYER:
+                raise InputError(None, f"geometry {geometry}'s routed layers do not fit a trace (0..{MAX_LAYER})")
+            return cls(int(n_experts), routed_layers, max(routed_layers), geometry)
+        return cls(int(n_experts), None, MAX_LAYER, geometry)
+
+    def expert_problem(self, e: int) -> str:
+        if e < 0:
+            return f"expert id {e} is negative"
+        if self.geometry:
+            return f"expert id {e} >= {self.n_experts} (the geometry's experts per layer, {self.geometry})"
+        return (f"expert id {e} is above {self.n_experts - 1} (without --geometry at most "
+                f"{self.n_experts} experts per layer are accepted)")
+
+    def layer_problem(self, layer: int) -> str:
+        if layer < 0:
+            return f"layer {layer} is negative"
+        if self.layers is not None:
+            lo, hi = min(self.layers), max(self.layers)
+            return f"layer {layer} is not a routed layer of geometry {self.geometry} ({lo}-{hi}): wrong geometry?"
+        if self.geometry:
+            return f"layer {layer} is above {self.max_layer}"
+        return f"layer {layer} is above {self.max_layer} (without --geometry layers up to {self.max_layer} are accepted)"
+
+    def bad_layer(self, layers: np.ndarray) -> np.ndarray:
+        """Mask of layers outside the limits (vectorised)."""
+        out = (layers < 0) | (layers > self.max_layer)
+        if self.layers is not None:
+            out |= ~np.isin(layers, np.fromiter(self.layers, dtype=np.int64))
+        return out
+
+    def layer_ok(self, layer: int) -> bool:
+        return 0 <= layer <= self.max_layer and (self.layers is None or layer in self.layers)
+
+
+def _shipped_routed_layers(geometry: str, n_experts: int):
+    """The routed layers of a shipped geometry of that name and expert count, else None."""
+    if not geometry or geometry == "inferred":
+        return None
+    try:
+        from containers.geometry import geometry_names, load_geometry
+
+        if geometry not in geometry_names():
+            return None
+        g = load_geometry(geometry)
+    except InputError:
+        return None
+    return g.routed_layers if g.n_routed_experts == n_experts else None
+
+
+def _check_rows(where, limits: Limits, layers: np.ndarray, positions: np.ndarray, experts: np.ndarray) -> None:
+    """Raise for the first row (in array order) whose layer, position or ids break ``limits``.
+
+    ``where(i)`` names row ``i``; ``experts`` is -1 padded.
+    """
+    if not len(layers):
+        return
+    problems = []
+    bad = np.flatnonzero(limits.bad_layer(layers))
+    if len(bad):
+        problems.append((int(bad[0]), limits.layer_problem(int(layers[bad[0]]))))
+    bad = np.flatnonzero((positions < 0) | (positions > MAX_POSITION))
+    if len(bad):
+        problems.append((int(bad[0]), f"row/position {int(positions[bad[0]])} is outside 0..{MAX_POSITION}"))
+    bad = np.flatnonzero(((experts >= limits.n_experts) | (experts < -1)).any(axis=1))
+    if len(bad):
+        row = experts[bad[0]]
+        e = int(row[(row >= limits.n_experts) | (row < -1)][0])
+        problems.append((int(bad[0]), limits.expert_problem(e)))
+    if experts.shape[1] > 1:
+        s = np.sort(experts, axis=1)
+        bad = np.flatnonzero(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(axis=1))
+        if len(bad):
+            problems.append((int(bad[0]), "an expert is selected twice in one row"))
+    if problems:
+        i, problem = min(problems)
+        raise InputError(where(i), problem)
+
+
+def _check_width(where, k: int) -> None:
+    if k > MAX_TOP_K:
+        raise InputError(where, f"{k} selections in one row (at most {MAX_TOP_K})")
 
 
 # ------------------------------------------------------------------ sniffing
@@ -81,14 +211,18 @@ _CLASS = np.full(256, 255, dtype=np.uint8)
 _CLASS[48:58] = 0
 for _byte, _cls in ((32, 1), (10, 2), (58, 3), (46, 4), (13, 5)):
     _CLASS[_byte] = _cls
+_INT_RE = re.compile(rb"-?[0-9]+")
+_GATE_RE = re.compile(rb"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 def _fast_route_parse(data: bytes):
     """Vectorised parse of a regular ROUTE_TRACE; None when the file needs the careful path.
 
-    Regular means: only digits, spaces, ':', '.', newlines; every non-blank line has the same
-    number of selections, each written ``<id>:<int>.<frac>``. Anything else goes to the careful
-    line-by-line parser, which also produces the ``file:line`` errors.
+    Regular means: only digits, spaces, ':', '.', newlines (and CR); every non-blank line has the
+    same number of selections, each written ``<id>:<int>.<frac>`` with nothing between the parts,
+    and the file holds no other ':' or '.'. Anything else goes to the careful line-by-line
+    parser, which also produces the ``file:line`` errors. Numbers have at most 18 digits, so
+    they are exact in int64.
     """
     u = np.frombuffer(data, dtype=np.uint8)
     if not len(u):
@@ -123,9 +257,17 @@ def _fast_route_parse(data: bytes):
     if (n_tok - 3) % 3 or n_tok < 6 or (counts[nonblank] != n_tok).any():
         return None
     k = (n_tok - 3) // 3
+    n_rows = len(nonblank)
+    # every ':' and '.' is the one inside a selection, directly between its digit runs
+    if np.count_nonzero(cls == 3) != n_rows * k or np.count_nonzero(cls == 4) != n_rows * k:
+        return None
     before = u[np.maximum(starts - 1, 0)].reshape(-1, n_tok)
     expect = np.array([32, 32] + [32, 58, 46] * k, dtype=np.uint8)
     if not (before[:, 1:] == expect).all():
+        return None
+    st = starts.reshape(-1, n_tok)
+    en = ends.reshape(-1, n_tok)
+    if not ((st[:, 4::3] == en[:, 3::3] + 1).all() and (st[:, 5::3] == en[:, 4::3] + 1).all()):
         return None
     v = values.reshape(-1, n_tok)
     frac_len = lengths.reshape(-1, n_tok)[:, 5::3]
@@ -133,9 +275,17 @@ def _fast_route_parse(data: bytes):
     return v[:, 0], v[:, 1], v[:, 2], v[:, 3::3], gates.astype(np.float32), nonblank + 1
 
 
+def _route_int(tok: bytes, where: str, line: bytes) -> int:
+    if not _INT_RE.fullmatch(tok):
+        raise InputError(where, f"not a ROUTE_TRACE line: {line[:60].decode(errors='replace')!r}")
+    if len(tok.lstrip(b"-")) > 18:
+        raise InputError(where, f"number {tok[:24].decode()} is out of range (more than 18 digits)")
+    return int(tok)
+
+
 def _careful_route_parse(path: Path, data: bytes):
     calls, rows, layers, experts, gates, lines = [], [], [], [], [], []
-    k = None
+    k = 0
     for lineno, raw in enumerate(data.split(b"\n"), 1):
         line = raw.strip()
         if not line or line.startswith(b"#"):
@@ -144,21 +294,25 @@ def _careful_route_parse(path: Path, data: bytes):
         where = f"{path}:{lineno}"
         if len(parts) < 4:
             raise InputError(where, "expected '<call> <row> <layer> <expert>:<gate> ...'")
-        try:
-            c, r, l = (int(x) for x in parts[:3])
-            sel = [p.split(b":") for p in parts[3:]]
-            es = [int(s[0]) for s in sel]
-            gs = [float(s[1]) if len(s) == 2 else float("nan") for s in sel]
-        except ValueError:
-            raise InputError(where, f"not a ROUTE_TRACE line: {line[:60].decode(errors='replace')!r}") from None
+        c, r, l = (_route_int(x, where, line) for x in parts[:3])
+        es, gs = [], []
+        for p in parts[3:]:
+            sel = p.split(b":")
+            if len(sel) != 2:
+                raise InputError(where, f"selection {p[:30].decode(errors='replace')!r} is not '<expert>:<gate>'")
+            es.append(_route_int(sel[0], where, line))
+            if not _GATE_RE.fullmatch(sel[1]):
+                raise InputError(where, f"gate {sel[1][:30].decode(errors='replace')!r} is not a number")
+            g = float(sel[1])
+            if not math.isfinite(g):
+                raise InputError(where, f"gate {sel[1][:30].decode(errors='replace')!r} is not finite")
+            gs.append(g)
         if min(c, r, l, *es) < 0:
             raise InputError(where, "negative call, row, layer or expert id")
         if len(set(es)) != len(es):
             raise InputError(where, "an expert is selected twice in one row")
-        if k is None:
-            k = len(es)
-        if len(es) > k:
-            k = len(es)
+        _check_width(where, len(es))
+        k = max(k, len(es))
         calls.append(c)
         rows.append(r)
         layers.append(l)
@@ -167,16 +321,26 @@ def _careful_route_parse(path: Path, data: bytes):
         lines.append(lineno)
     if not calls:
         raise InputError(path, "no routing lines")
+    _check_padding(path, len(experts), k, sum(len(e) for e in experts))
     E = np.full((len(experts), k), -1, dtype=np.int64)
     G = np.full((len(experts), k), np.nan, dtype=np.float32)
     for i, (es, gs) in enumerate(zip(experts, gates)):
-        E[i, : len(es)] = es
+        E[i, : len(es)] = es  # at most 18 digits: exact in int64, range-checked before narrowing
         G[i, : len(gs)] = gs
-    return np.array(calls), np.array(rows), np.array(layers), E, G, np.array(lines)
+    as64 = lambda xs: np.array(xs, dtype=np.int64)
+    return as64(calls), as64(rows), as64(layers), E, G, np.array(lines)
 
 
-def read_route_trace(path: Path, n_experts: int | None = None) -> SessionRows:
+def _check_padding(where, n_rows: int, k: int, n_selections: int) -> None:
+    """Refuse rows so uneven that padding them to the widest would cost far more than the data."""
+    if n_rows * k > 64 * n_selections + (1 << 20):
+        raise InputError(where, f"one row selects {k} experts while {n_rows:,} rows hold {n_selections:,} selections: "
+                                "padding every row to that width is refused")
+
+
+def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | None = None) -> SessionRows:
     """Parse one ROUTE_TRACE text file (one session)."""
+    limits = limits or Limits.make(n_experts)
     data = read_bytes(path)
     parsed = _fast_route_parse(data)
     if parsed is not None:
@@ -185,11 +349,32 @@ def read_route_trace(path: Path, n_experts: int | None = None) -> SessionRows:
             parsed = None
     if parsed is None:
         calls, rows, layers, experts, gates, lines = _careful_route_parse(path, data)
-    if n_experts is not None and experts.max() >= n_experts:
-        bad = int(lines[np.flatnonzero((experts >= n_experts).any(axis=1))[0]])
-        raise InputError(f"{path}:{bad}", f"expert id >= {n_experts} (the geometry's experts per layer)")
+    _check_rows(lambda i: f"{path}:{int(lines[i])}", limits, layers, rows, experts)
     forward = np.concatenate([[0], np.cumsum(np.diff(layers) < 0)])
+    _check_route_duplicates(path, lines, forward, layers, rows)
     return _session_from_rows(path.name, forward, layers, rows, experts, gates)
+
+
+def _check_route_duplicates(path: Path, lines: np.ndarray, forward: np.ndarray, layers: np.ndarray, rows: np.ndarray) -> None:
+    """A (forward, layer, row) twice is an inconsistent trace: name the line that repeats it.
+
+    A forward's rows of one layer are consecutive lines (layers never decrease inside a forward),
+    so the common case, rows rising inside each such run, is one linear pass.
+    """
+    if len(rows) < 2:
+        return
+    same_run = np.diff(layers) == 0
+    if not (same_run & (np.diff(rows) <= 0)).any():
+        return
+    order = np.lexsort((lines, rows, layers, forward))
+    dup = (np.diff(forward[order]) == 0) & (np.diff(layers[order]) == 0) & (np.diff(rows[order]) == 0)
+    if not dup.any():
+        return
+    first, second = lines[order[:-1]][dup], lines[order[1:]][dup]
+    j = int(np.argmin(second))
+    raise InputError(f"{path}:{int(second[j])}",
+                     f"repeats row {int(rows[order[1:]][dup][j])} of layer {int(layers[order[1:]][dup][j])} in the same forward "
+                     f"(first at line {int(first[j])}); a new forward starts only where the layer number decreases")
 
 
 def _session_from_rows(name, forward, layers, position, experts, gates, committed=None, evaluated=None, kinds=None) -> SessionRows:
@@ -214,42 +399,79 @@ def _session_from_rows(name, forward, layers, position, experts, gates, committe
 # ------------------------------------------------------------------ STALL_TRACE
 
 
-def read_stall_trace(path: Path, n_experts: int | None = None) -> list[SessionRows]:
-    """Parse a STALL_TRACE JSONL file; each (run_id, request_id) is one session."""
+def _json_int(rec: dict, key: str, where: str, lo: int, hi: int, default=None) -> int:
+    """``rec[key]`` as an integer in ``lo..hi``: a JSON integer, never a boolean or a float."""
+    v = rec.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InputError(where, f"{key!r} must be an integer, not {v!r}"[:200])
+    if not lo <= v <= hi:
+        raise InputError(where, f"{key!r} {v} is outside {lo}..{hi}"[:200])
+    return v
+
+
+def _json_key(rec: dict, key: str, where: str, default) -> str:
+    v = rec.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise InputError(where, f"{key!r} must be a string or an integer, not {v!r}"[:200])
+    return str(v)
+
+
+def read_stall_trace(path: Path, n_experts: int | None = None, limits: Limits | None = None) -> list[SessionRows]:
+    """Parse a STALL_TRACE JSONL file; each (run_id, request_id) is one session.
+
+    Records of the same (step, layer, position) form one row (a request's expert read per
+    segment, or a repeat, counts once). A record without ``position`` is position 0, so a step
+    that reads the union of its positions is one row of that union.
+    """
+    limits = limits or Limits.make(n_experts)
     groups: dict[tuple, dict] = {}
     step_info: dict[tuple, dict] = {}
     order: list[tuple] = []
+    n_sel = 0
     for where, rec in iter_jsonl(path):
-        sess = (str(rec.get("run_id", "")), str(rec.get("request_id", 0)))
+        sess = (_json_key(rec, "run_id", where, ""), _json_key(rec, "request_id", where, 0))
         if sess not in groups:
             groups[sess] = {}
             order.append(sess)
-        try:
-            step = int(rec["step"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(where, "record lacks an integer 'step'") from None
+        if "step" not in rec:
+            raise InputError(where, "record lacks an integer 'step'")
+        step = _json_int(rec, "step", where, 0, INT64_MAX)
         is_step = rec.get("record") == "step" or "expert_id" not in rec
         info = step_info.setdefault(sess + (step,), {})
-        for key in ("evaluated_positions", "committed_tokens"):
+        for key, lo, hi in (("evaluated_positions", 1, INT32_MAX), ("committed_tokens", 0, INT32_MAX)):
             if key in rec:
-                try:
-                    info[key] = int(rec[key])
-                except (TypeError, ValueError):
-                    raise InputError(where, f"{key} must be an integer") from None
+                v = _json_int(rec, key, where, lo, hi)
+                if info.get(key, v) != v:
+                    raise InputError(where, f"{key} {v} contradicts {info[key]} given earlier for step {step}")
+                info[key] = v
+                info.setdefault("where", where)
         if is_step:
             continue
-        if rec.get("required") is False:
+        required = rec.get("required", True)
+        if not isinstance(required, bool):
+            raise InputError(where, f"'required' must be true or false, not {required!r}"[:200])
+        if not required:
             continue
-        try:
-            layer, expert = int(rec["layer"]), int(rec["expert_id"])
-            position = int(rec.get("position", 0))
-        except (KeyError, TypeError, ValueError):
-            raise InputError(where, "expert record needs integer 'layer' and 'expert_id'") from None
-        if expert < 0 or layer < 0 or (n_experts is not None and expert >= n_experts):
-            raise InputError(where, f"expert id {expert} or layer {layer} out of range")
+        if "layer" not in rec:
+            raise InputError(where, "expert record needs integer 'layer' and 'expert_id'")
+        layer = _json_int(rec, "layer", where, -INT64_MAX, INT64_MAX)
+        expert = _json_int(rec, "expert_id", where, -INT64_MAX, INT64_MAX)
+        if not limits.layer_ok(layer):
+            raise InputError(where, limits.layer_problem(layer))
+        if not 0 <= expert < limits.n_experts:
+            raise InputError(where, limits.expert_problem(expert))
+        position = _json_int(rec, "position", where, 0, MAX_POSITION, default=0)
         gate = rec.get("router_probability")
+        if gate is None:
+            gate = float("nan")
+        elif isinstance(gate, bool) or not isinstance(gate, (int, float)) or not math.isfinite(gate):
+            raise InputError(where, f"'router_probability' must be a finite number, not {gate!r}"[:200])
         cell = groups[sess].setdefault((step, layer, position), {})
-        cell.setdefault(expert, float(gate) if isinstance(gate, (int, float)) else float("nan"))
+        if expert not in cell:
+            if len(cell) >= MAX_TOP_K:
+                raise InputError(where, f"more than {MAX_TOP_K} experts in one (step, layer, position)")
+            cell[expert] = float(gate)
+            n_sel += 1
     sessions = []
     for sess in order:
         cells = groups[sess]
@@ -259,20 +481,22 @@ def read_stall_trace(path: Path, n_experts: int | None = None) -> list[SessionRo
         steps = sorted({k[0] for k in keys})
         step_index = {s: i for i, s in enumerate(steps)}
         k = max(len(v) for v in cells.values())
+        _check_padding(path, len(keys), k, sum(len(v) for v in cells.values()))
         E = np.full((len(keys), k), -1, dtype=np.int64)
         G = np.full((len(keys), k), np.nan, dtype=np.float32)
         for i, key in enumerate(keys):
             items = sorted(cells[key].items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else 0)
             E[i, : len(items)] = [e for e, _ in items]
             G[i, : len(items)] = [g for _, g in items]
-        forward = np.array([step_index[k[0]] for k in keys])
-        layers = np.array([k[1] for k in keys])
-        position = np.array([k[2] for k in keys])
-        evaluated = np.array([max(1, step_info.get(sess + (s,), {}).get("evaluated_positions", 1)) for s in steps])
-        committed = np.array([step_info.get(sess + (s,), {}).get("committed_tokens", 1) for s in steps])
+        forward = np.array([step_index[k[0]] for k in keys], dtype=np.int64)
+        layers = np.array([k[1] for k in keys], dtype=np.int64)
+        position = np.array([k[2] for k in keys], dtype=np.int64)
+        evaluated = np.array([max(1, step_info.get(sess + (s,), {}).get("evaluated_positions", 1)) for s in steps], dtype=np.int64)
+        committed = np.array([step_info.get(sess + (s,), {}).get("committed_tokens", 1) for s in steps], dtype=np.int64)
         if (committed > evaluated).any():
             s = steps[int(np.flatnonzero(committed > evaluated)[0])]
-            raise InputError(path, f"step {s} of request {sess[1]} commits more tokens than it evaluated")
+            info = step_info.get(sess + (s,), {})
+            raise InputError(info.get("where", path), f"step {s} of request {sess[1]} commits more tokens than it evaluated")
         kinds = np.where(evaluated > 1, KIND["verify"], KIND["decode"])
         name = f"{path.name}:{sess[0]}:{sess[1]}" if sess[0] else f"{path.name}:{sess[1]}"
         sessions.append(_session_from_rows(name, forward, layers, position, E, G, committed, evaluated, kinds))
@@ -284,8 +508,74 @@ def read_stall_trace(path: Path, n_experts: int | None = None) -> list[SessionRo
 # ------------------------------------------------------------------ MBLT
 
 
-def read_mblt(path: Path, warnings: list[str]) -> tuple[SessionRows, int]:
+def _mblt_record(data: bytes, pos: int, n_expert: int, k_expected: int | None, limits: Limits):
+    """The record at ``pos`` if it is complete and plausible: ``(layer, ids [n, k], end)``, else None."""
+    if pos + 12 > len(data):
+        return None
+    layer, k, n_tok = struct.unpack_from("<III", data, pos)
+    if not 1 <= k <= MBLT_MAX_K or n_tok == 0 or (k_expected is not None and k != k_expected) or not limits.layer_ok(layer):
+        return None
+    end = pos + 12 + 4 * k * n_tok
+    if end > len(data):
+        return None
+    ids = np.frombuffer(data, dtype="<i4", count=k * n_tok, offset=pos + 12).reshape(n_tok, k)
+    if (ids < 0).any() or (ids >= n_expert).any():
+        return None
+    if k > 1:
+        s = np.sort(ids, axis=1)
+        if (s[:, 1:] == s[:, :-1]).any():
+            return None
+    return layer, ids, end
+
+
+def _mblt_reaches_end(data: bytes, pos: int, n_expert: int, k: int, limits: Limits, memo: dict) -> bool:
+    """Whether plausible complete records run from ``pos`` to the end of ``data``, the last one
+    possibly torn (a cut header, or a plausible header whose ids run past the end)."""
+    visited = []
+    while True:
+        if pos in memo:
+            ok = memo[pos]
+            break
+        visited.append(pos)
+        if pos == len(data):
+            ok = True
+            break
+        rec = _mblt_record(data, pos, n_expert, k, limits)
+        if rec is None:
+            if pos + 12 > len(data):
+                ok = True
+            else:
+                layer, kk, n_tok = struct.unpack_from("<III", data, pos)
+                ok = kk == k and n_tok > 0 and limits.layer_ok(layer) and pos + 12 + 4 * kk * n_tok > len(data)
+            break
+        pos = rec[2]
+    for p in visited:
+        memo[p] = ok
+    return ok
+
+
+def _mblt_damage_follows(data: bytes, pos: int, k: int, n_expert: int, limits: Limits):
+    """For the record at ``pos``, which claims more bytes than remain: the byte offset of a complete
+    record (of the file's ``k``) after it from which valid records run to the end of the file, so
+    the record is damaged mid-file rather than torn; None when there is none."""
+    words = np.frombuffer(data, dtype="<u4", count=len(data) // 4)
+    first = (pos + 12) // 4
+    if len(words) < first + 3:
+        return None
+    lay, kk, nt = words[first:-2].astype(np.int64), words[first + 1:-1], words[first + 2:]
+    cand = np.flatnonzero((kk == k) & (nt > 0) & ~limits.bad_layer(lay)) + first
+    memo: dict = {}
+    for i in cand.tolist():
+        q = 4 * i
+        rec = _mblt_record(data, q, n_expert, k, limits)
+        if rec is not None and _mblt_reaches_end(data, rec[2], n_expert, k, limits, memo):
+            return q
+    return None
+
+
+def read_mblt(path: Path, warnings: list[str], limits: Limits | None = None) -> tuple[SessionRows, int]:
     """Parse mbolt's MBLT v1; returns the session and the header's n_expert."""
+    limits = limits or Limits.make(None)
     data = read_bytes(path)
     if len(data) < 12:
         raise InputError(path, "too short for an MBLT header")
@@ -294,33 +584,57 @@ def read_mblt(path: Path, warnings: list[str]) -> tuple[SessionRows, int]:
         raise InputError(path, "bad MBLT magic")
     if version != 1:
         raise InputError(path, f"MBLT version {version} is not supported (expected 1)")
+    if n_expert == 0:
+        raise InputError(path, "MBLT header says 0 experts per layer")
+    if n_expert > limits.n_experts:
+        if limits.geometry:
+            raise InputError(path, f"MBLT header says {n_expert} experts per layer; geometry {limits.geometry} has {limits.n_experts}")
+        raise InputError(path, f"MBLT header says {n_expert} experts per layer; without --geometry at most {limits.n_experts} are accepted")
     pos, rec_no = 12, 0
-    layers, ks, blocks = [], [], []
+    layers, blocks = [], []
+    k_first = None
+    prev_layer = None
     while pos < len(data):
         rec_no += 1
+        where = f"{path}:record {rec_no}"
         if pos + 12 > len(data):
             warnings.append(f"{path}: record {rec_no} is torn (header cut at byte {pos}); dropped")
             break
         layer, k, n_tok = struct.unpack_from("<III", data, pos)
+        if k == 0 or k > MBLT_MAX_K or n_tok == 0:
+            raise InputError(where, f"implausible record (k={k}, n_tokens={n_tok}) at byte {pos}")
+        if not limits.layer_ok(layer):
+            raise InputError(where, f"{limits.layer_problem(layer)} (record at byte {pos})")
         need = 4 * k * n_tok
-        if k == 0 or k > 64 or n_tok == 0:
-            raise InputError(f"{path}:record {rec_no}", f"implausible record (k={k}, n_tokens={n_tok}) at byte {pos}")
         if pos + 12 + need > len(data):
+            follow = _mblt_damage_follows(data, pos, k_first, n_expert, limits) if blocks else None
+            if follow is not None:
+                raise InputError(where, f"record at byte {pos} claims {n_tok:,} tokens x {k} ids, more than the file holds, "
+                                        f"but valid records follow at byte {follow}: the file is damaged mid-file")
             warnings.append(f"{path}: record {rec_no} is torn ({len(data) - pos - 12} of {need} id bytes); dropped")
             break
+        if prev_layer is not None and layer == prev_layer:
+            raise InputError(where, f"repeats layer {layer} of the same forward (record at byte {pos}); "
+                                    "a new forward starts only where the layer number decreases")
         ids = np.frombuffer(data, dtype="<i4", count=k * n_tok, offset=pos + 12).reshape(n_tok, k)
         if (ids < 0).any() or (ids >= n_expert).any():
-            raise InputError(f"{path}:record {rec_no}", f"expert id outside 0..{n_expert - 1}")
+            raise InputError(where, f"expert id outside 0..{n_expert - 1} (record at byte {pos})")
+        if k > 1:
+            s = np.sort(ids, axis=1)
+            if (s[:, 1:] == s[:, :-1]).any():
+                raise InputError(where, f"an expert is selected twice in one row (record at byte {pos})")
+        k_first = k_first or k
         layers.append(layer)
-        ks.append(k)
         blocks.append(ids)
+        prev_layer = layer
         pos += 12 + need
     if not blocks:
         raise InputError(path, "no complete records")
-    k = max(ks)
-    rec_layer = np.array(layers)
+    k = max(b.shape[1] for b in blocks)
+    n_rows = np.array([b.shape[0] for b in blocks], dtype=np.int64)
+    _check_padding(path, int(n_rows.sum()), k, sum(b.size for b in blocks))
+    rec_layer = np.array(layers, dtype=np.int64)
     rec_fwd = np.concatenate([[0], np.cumsum(np.diff(rec_layer) < 0)])
-    n_rows = np.array([b.shape[0] for b in blocks])
     E = np.full((int(n_rows.sum()), k), -1, dtype=np.int64)
     row = 0
     for b in blocks:
@@ -336,38 +650,68 @@ def read_mblt(path: Path, warnings: list[str]) -> tuple[SessionRows, int]:
 # ------------------------------------------------------------------ .coli_usage
 
 
-def read_coli_usage(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
-    """Parse a ``.coli_usage`` file: returns (layers, heat[L, E], n_experts)."""
+def read_coli_usage(path: Path, limits: Limits | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Parse a ``.coli_usage`` file: returns (layers, heat[L, E], n_experts).
+
+    The header's expert count must be plausible (the geometry's, or at most
+    ``DEFAULT_MAX_EXPERTS``) and the heat table is sized by it and by the layers actually listed,
+    so a lying header cannot make a large allocation. A (layer, expert) listed twice is an error.
+    """
+    limits = limits or Limits.make(None)
     text = read_bytes(path).decode("utf-8", errors="replace")
     n_experts = None
-    entries = []
+    entries, seen = [], {}
     for lineno, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts:
             continue
         where = f"{path}:{lineno}"
-        try:
-            nums = [int(x) for x in parts]
-        except ValueError:
-            raise InputError(where, "expected integers") from None
+        if not all(_INT_RE.fullmatch(x.encode()) for x in parts):
+            raise InputError(where, "expected integers")
+        if any(len(x.lstrip("-")) > 18 for x in parts):
+            raise InputError(where, "a number is out of range (more than 18 digits)")
+        nums = [int(x) for x in parts]
         if nums[0] == -1:
             if len(nums) != 3:
                 raise InputError(where, "expected '-1 <n_layers> <n_experts>'")
-            n_experts = nums[2]
+            n_layers, e = nums[1], nums[2]
+            if not 1 <= n_layers <= MAX_LAYER + 1:
+                raise InputError(where, f"header says {n_layers} layers (expected 1..{MAX_LAYER + 1})")
+            if limits.geometry and e != limits.n_experts:
+                raise InputError(where, f"header says {e} experts per layer; geometry {limits.geometry} has {limits.n_experts}")
+            if not 1 <= e <= limits.n_experts:
+                raise InputError(where, f"header says {e} experts per layer (expected 1..{limits.n_experts}; "
+                                        "pass --geometry for a larger model)")
+            if n_experts is not None and e != n_experts:
+                raise InputError(where, f"a second header says {e} experts per layer, the first said {n_experts}")
+            n_experts = e
         elif nums[0] == -2:
             continue
         else:
             if len(nums) != 3 or min(nums) < 0:
                 raise InputError(where, "expected '<layer> <expert> <count>'")
-            if n_experts is not None and nums[1] >= n_experts:
-                raise InputError(where, f"expert {nums[1]} >= n_experts {n_experts}")
+            layer, expert, count = nums
+            if not limits.layer_ok(layer):
+                raise InputError(where, limits.layer_problem(layer))
+            if expert >= (n_experts or limits.n_experts):
+                raise InputError(where, f"expert {expert} >= n_experts {n_experts}" if n_experts else limits.expert_problem(expert))
+            if count > MAX_COUNT:
+                raise InputError(where, f"count {count} is implausibly large (at most {MAX_COUNT})")
+            if (layer, expert) in seen:
+                raise InputError(where, f"layer {layer} expert {expert} is listed twice (first at line {seen[layer, expert]})")
+            seen[layer, expert] = lineno
             entries.append(nums)
     if n_experts is None:
         raise InputError(path, "missing '-1 <n_layers> <n_experts>' header")
     if not entries:
         raise InputError(path, "no usage counts")
     arr = np.array(entries, dtype=np.int64)
+    if int(arr[:, 1].max()) >= n_experts:
+        bad = next(i for i, e in enumerate(entries) if e[1] >= n_experts)
+        raise InputError(path, f"expert {entries[bad][1]} >= n_experts {n_experts} (listed before the header)")
     layers = np.unique(arr[:, 0])
+    if len(layers) * n_experts > MAX_LAYER_EXPERT_CELLS:
+        raise InputError(path, f"{len(layers)} layers x {n_experts} experts is more than {MAX_LAYER_EXPERT_CELLS:,} cells")
     heat = np.zeros((len(layers), n_experts), dtype=np.int64)
     np.add.at(heat, (np.searchsorted(layers, arr[:, 0]), arr[:, 1]), arr[:, 2])
     return layers, heat, n_experts
@@ -377,8 +721,16 @@ def read_coli_usage(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, source: str, meta: dict) -> RoutingTrace:
-    """Concatenate sessions into one trace with rows sorted by (forward, layer, position)."""
+    """Concatenate sessions into one trace with rows sorted by (forward, layer, position).
+
+    Every value has been range-checked by its reader; the narrowing casts below cannot wrap.
+    """
     k = max(s.experts.shape[1] for s in sessions)
+    n_rows = sum(len(s.forward) for s in sessions)
+    n_fwd = sum(len(s.fwd_kind) for s in sessions)
+    _check_padding(source or None, n_rows, k, sum(int((s.experts >= 0).sum()) for s in sessions))
+    if n_rows > INT32_MAX or n_fwd > INT32_MAX:
+        raise InputError(source or None, f"{n_rows:,} rows in {n_fwd:,} forwards: more than the trace format holds")
     fwd_offset = 0
     parts = {key: [] for key in ("forward", "layer", "position", "experts", "gates")}
     fwd = {key: [] for key in ("session", "kind", "evaluated", "committed")}
@@ -426,18 +778,26 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
     return trace
 
 
-def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | None = None, geometry: str = "inferred") -> tuple[RoutingTrace, list[str]]:
-    """Import ``paths`` (one session each, in order). Returns the trace and warnings."""
+def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | None = None, geometry: str = "inferred",
+                  routed_layers=None) -> tuple[RoutingTrace, list[str]]:
+    """Import ``paths`` (one session each, in order). Returns the trace and warnings.
+
+    With ``n_experts`` (a geometry's experts per layer) ids must be below it; layers must be
+    among ``routed_layers``, or, when that is not given, among the routed layers of the shipped
+    geometry named ``geometry`` (if there is one with that expert count). Without a geometry the
+    default caps apply (:class:`Limits`).
+    """
     warnings: list[str] = []
     formats = [fmt or sniff_format(p) for p in paths]
     if len(set(formats)) > 1:
         raise InputError(None, f"inputs mix formats ({', '.join(sorted(set(formats)))}); import them separately")
     kind = formats[0]
     source = ",".join(p.name for p in paths)
+    limits = Limits.make(n_experts, geometry, routed_layers)
     if kind == "coli_usage":
         if len(paths) != 1:
             raise InputError(None, ".coli_usage holds totals, not sessions: import one file")
-        layers, heat, E = read_coli_usage(paths[0])
+        layers, heat, E = read_coli_usage(paths[0], limits)
         warnings.append(f"{paths[0]}: .coli_usage holds heat only; co-activation, clustering and replay need per-token routing")
         empty = np.zeros(0, np.int32)
         trace = RoutingTrace(
@@ -447,19 +807,23 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
             fwd_session=empty, fwd_kind=empty.astype(np.int8), fwd_evaluated=empty, fwd_committed=empty,
             heat_only=True, heat=heat, source=source, meta={"format": kind},
         )
+        trace.validate()
         return trace, warnings
     sessions: list[SessionRows] = []
+    mblt_experts = 0
     for p in paths:
         if kind == "route":
-            sessions.append(read_route_trace(p, n_experts))
+            sessions.append(read_route_trace(p, limits=limits))
         elif kind == "stall":
-            sessions.extend(read_stall_trace(p, n_experts))
+            sessions.extend(read_stall_trace(p, limits=limits))
         elif kind == "mblt":
-            s, header_e = read_mblt(p, warnings)
-            n_experts = n_experts or header_e
+            s, header_e = read_mblt(p, warnings, limits)
+            mblt_experts = max(mblt_experts, header_e)
             sessions.append(s)
         else:
             raise InputError(p, f"unknown format {kind!r}")
+    if kind == "mblt" and n_experts is None:
+        n_experts = mblt_experts
     meta = {"format": kind}
     if kind == "route":
         meta["committed_known"] = False

@@ -3,13 +3,17 @@
 Per layer: heat entropy (bits; log2(E) means uniform), the within-layer lift distribution of pairs
 seen at least ``min_count`` times, the lift from layer L to L+1 for the same position, and the
 reuse distance (forwards between two uses of the same expert at the same layer).
+
+Bounded for any trace :func:`relayout.trace.load_trace` accepts: pair statistics are sparse (memory
+grows with the rows, not with the square of the experts per layer), each layer's rows are
+found once by one sort, and arrays indexed by expert are O(experts per layer).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .coactivation import cross_layer_lift, heat_of, lift_matrix, pair_counts
+from .coactivation import cross_layer_lift, heat_of, pair_count_items
 from .trace import FORWARD_KINDS, RoutingTrace
 from .trace_synth import entropy_bits
 
@@ -21,9 +25,13 @@ def _q(x: np.ndarray, qs=(50, 90, 99)) -> dict:
     return {("median" if q == 50 else f"p{q}"): round(float(val), 4) for q, val in zip(qs, v)}
 
 
-def reuse_distances(trace: RoutingTrace, layer: int) -> np.ndarray:
-    """Forwards between consecutive uses of the same expert at ``layer`` (within a session)."""
-    rows = trace.layer_rows(layer)
+def reuse_distances(trace: RoutingTrace, layer: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """Forwards between consecutive uses of the same expert at ``layer`` (within a session).
+
+    ``rows`` may pass the layer's row indices when already known.
+    """
+    if rows is None:
+        rows = trace.layer_rows(layer)
     ex = trace.experts[rows].astype(np.int64)
     fw = np.repeat(trace.row_forward[rows].astype(np.int64), ex.shape[1])
     ss = trace.fwd_session[fw]
@@ -35,6 +43,23 @@ def reuse_distances(trace: RoutingTrace, layer: int) -> np.ndarray:
     same = (e[1:] == e[:-1]) & (ss[1:] == ss[:-1])
     d = fw[1:] - fw[:-1]
     return d[same & (d > 0)]
+
+
+def layer_row_groups(trace: RoutingTrace) -> dict[int, np.ndarray]:
+    """Row indices (ascending) of every layer of ``trace``, from one stable sort."""
+    order = np.argsort(trace.row_layer, kind="stable")
+    sorted_layers = trace.row_layer[order]
+    lo = np.searchsorted(sorted_layers, trace.layers, side="left")
+    hi = np.searchsorted(sorted_layers, trace.layers, side="right")
+    return {int(layer): order[a:b] for layer, a, b in zip(trace.layers.tolist(), lo, hi)}
+
+
+def _within_layer_lifts(ex: np.ndarray, n_experts: int, heat: np.ndarray, n_rows: int, min_count: int) -> np.ndarray:
+    """Lifts C N / (heat_i heat_j) of the pairs i < j seen at least ``min_count`` times, (i, j) order."""
+    i, j, c = pair_count_items(ex, n_experts)
+    keep = c >= max(min_count, 1)
+    h = heat.astype(np.float64)
+    return c[keep] * float(n_rows) / (h[i[keep]] * h[j[keep]])
 
 
 def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
@@ -55,6 +80,7 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
         "layers": [],
     }
     layer_set = set(trace.layers.tolist())
+    groups = {} if trace.heat_only else layer_row_groups(trace)
     for li, layer in enumerate(trace.layers.tolist()):
         entry = {"layer": layer}
         if trace.heat_only:
@@ -62,13 +88,10 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
             entry["selections"] = int(trace.heat[li].sum())
             out["layers"].append(entry)
             continue
-        rows = trace.layer_rows(layer)
+        rows = groups[layer]
         ex = trace.experts[rows].astype(np.int64)
         heat = heat_of(ex, trace.n_experts)
-        C = pair_counts(ex, trace.n_experts)
-        L = lift_matrix(C, heat, len(rows))
-        iu = np.triu_indices(trace.n_experts, 1)
-        lifts = L[iu][C[iu] >= min_count]
+        lifts = _within_layer_lifts(ex, trace.n_experts, heat, len(rows), min_count)
         entry.update(
             rows=int(len(rows)),
             sessions=int(len(np.unique(trace.fwd_session[trace.row_forward[rows]]))),
@@ -76,10 +99,10 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
             experts_seen=int((heat > 0).sum()),
             pairs_supported=int(len(lifts)),
             lift=_q(lifts),
-            reuse_distance=_q(reuse_distances(trace, layer).astype(float)),
+            reuse_distance=_q(reuse_distances(trace, layer, rows).astype(float)),
         )
         if layer + 1 in layer_set:
-            entry["cross_layer_lift"] = _q(cross_layer_lift(trace, layer, 1, min_count))
+            entry["cross_layer_lift"] = _q(cross_layer_lift(trace, layer, 1, min_count, rows, groups[layer + 1]))
         out["layers"].append(entry)
     if not trace.heat_only and out["layers"]:
         def med(key, sub):
