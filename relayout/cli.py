@@ -54,6 +54,9 @@ def format_inspect(r: dict) -> str:
     lines.append(f"fast path      {r['fast_path_experts']} experts in one read, {r['off_fast_path_experts']} need more than one")
     if r["off_fast_path_examples"]:
         lines.append(f"  off the fast path: {', '.join(r['off_fast_path_examples'])}" + (" ..." if r["off_fast_path_experts"] > 20 else ""))
+    if r.get("needs_split_runtime"):
+        lines.append(f"runtime        NEEDS A SPLIT-AWARE RUNTIME: {r['split_experts']} experts are stored as split segments "
+                     "(docs/SPLIT_SEGMENTS.md); stock colibrì cannot load this container")
     lines.append(f"problems       {len(r['problems']) or 'none'}")
     lines += [f"  - {p}" for p in r["problems"]]
     return "\n".join(lines)
@@ -301,6 +304,9 @@ def _verify_and_report(src, dst, full: bool, as_json: bool) -> int:
             how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
             split = f", {summary['split_tensors']} split tensors reassembled exactly from their segments" if summary["split_tensors"] else ""
             print(f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold")
+            if summary.get("needs_split_runtime"):
+                print(f"note: {summary['split_experts']} experts of {dst} are stored as split segments; only a split-aware "
+                      "runtime can load it (docs/SPLIT_SEGMENTS.md), stock colibrì exits at its first expert load")
     if problems:
         print(f"relayout: error: {dst}: {len(problems)} problem(s) found by verify", file=sys.stderr)
         return 2

@@ -26,3 +26,47 @@ def test_synth_refuses_existing_output(small_container):
 def test_manifest_of_missing_dir(tmp_path):
     res = run_cli("manifest", tmp_path / "nope")
     assert res.returncode == 2 and "not a directory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_never_deletes_what_it_did_not_make(tmp_path):
+    work = tmp_path / "work"
+    (work / "source").mkdir(parents=True)
+    (work / "source" / "mine.txt").write_text("user data")
+    (work / "plan.json").write_text("{}")
+    res = run_cli("demo", "--dir", work)
+    assert res.returncode == 2 and "not a previous demo's directory" in res.stderr and res.stderr.count("\n") == 1
+    assert (work / "source" / "mine.txt").read_text() == "user data" and (work / "plan.json").read_text() == "{}"
+
+
+def test_output_paths_under_a_file_are_one_line_errors(tmp_path, small_container):
+    blocker = tmp_path / "gate.json"
+    blocker.write_text("{}")
+    cases = [
+        ("synth", "container", blocker / "c", "--geometry", "qwen3-30b-a3b", "--moe-layers", 1, "--experts", 4),
+        ("demo", "--dir", blocker / "demo"),
+        ("manifest", small_container, "-o", blocker / "m.json"),
+        ("calibrate", tmp_path, "-o", tmp_path / "d.json", "--seconds", 0),
+    ]
+    for args in cases:
+        res = run_cli(*args)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, (args, res.stderr)
+    assert blocker.read_text() == "{}"
+
+
+def test_an_unexpected_exception_is_one_line_asking_for_a_bug_report(monkeypatch, capsys):
+    from relayout import cli
+
+    def broken(args):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(cli, "cmd_inspect", broken)
+    assert cli.main(["inspect", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "relayout inspect: internal error (ZeroDivisionError" in err and "RELAYOUT_DEBUG=1" in err
+    monkeypatch.setenv("RELAYOUT_DEBUG", "1")
+    try:
+        cli.main(["inspect", "x"])
+    except ZeroDivisionError:
+        pass
+    else:
+        raise AssertionError("RELAYOUT_DEBUG=1 must show the exception")

@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from conftest import small_geometry, source_with_manifest
+from conftest import run_cli, small_geometry, source_with_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -85,3 +85,14 @@ def test_split_plan_rewrites_and_verifies(split_case, tmp_path):
         fh.write(bytes([b[0] ^ 1]))
     problems, _ = verify(src, dst, progress=False)
     assert any(p.startswith(f"tensor {name} ") and "reassemble" in p for p in problems)
+
+
+def test_a_split_container_says_plainly_it_needs_a_split_aware_runtime(split_case, tmp_path):
+    root, src, tr, plan = split_case
+    dst = tmp_path / "dst"
+    apply_plan(src, plan, dst, None, force=True, progress=False)
+    res = run_cli("verify", src, dst, "--full")
+    assert res.returncode == 0 and "only a split-aware runtime can load it" in res.stdout, res.stdout + res.stderr
+    res = run_cli("inspect", dst)
+    assert "NEEDS A SPLIT-AWARE RUNTIME: 48 experts" in res.stdout, res.stdout
+    assert "SPLIT-AWARE" not in run_cli("inspect", src).stdout
