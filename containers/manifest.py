@@ -6,12 +6,18 @@ plan to a container and what verification compares against. Two fingerprints are
 * ``fingerprint``: the exact container (file names, sizes and hashes): a plan is made for it.
 * ``content_fingerprint``: the tensors alone (name, dtype, shape, hash), independent of layout:
   a faithful rewrite has the same content fingerprint as its source.
+
+:func:`load_manifest` checks a manifest against that schema in plain Python (jsonschema is a
+test-only dependency; the tests hold the two to agreement) and refuses one that is malformed with
+one line naming the key. :func:`compare_manifests` compares every field of every entry (a
+tensor's file and offset included), the geometry, and each fingerprint with what its lists give.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from tqdm import tqdm
@@ -80,7 +86,7 @@ def build_manifest(container: Container, progress: bool = True) -> dict:
             "num_hidden_layers": cfg.num_hidden_layers,
             "first_moe_layer": cfg.first_moe_layer,
             "mtp_layers": cfg.mtp_layers,
-            "expert_formats": sorted({e.format for e in container.experts.values() if e.format}),
+            "expert_formats": sorted({e.base_format for e in container.experts.values() if e.base_format}),
         },
         "files": files,
         "tensors": dict(sorted(tensors.items())),
@@ -95,14 +101,147 @@ def write_manifest(manifest: dict, path: str | os.PathLike) -> None:
 
 
 def load_manifest(path: str | os.PathLike) -> dict:
-    """Read a manifest and check its basic shape."""
-    return read_document(path, MANIFEST_FORMAT, MANIFEST_VERSION, ("files", "tensors", "fingerprint", "content_fingerprint"),
-                         "manifest", missing="no manifest here (run relayout manifest first)")
+    """Read a manifest and check it against the manifest schema (one line naming the bad key)."""
+    try:
+        obj = read_document(path, MANIFEST_FORMAT, MANIFEST_VERSION, _REQUIRED,
+                            "manifest", missing="no manifest here (run relayout manifest first)")
+    except RecursionError:
+        raise InputError(path, "not a readable manifest (JSON nested too deeply)") from None
+    problem = manifest_problem(obj)
+    if problem:
+        raise InputError(path, f"malformed manifest: {problem}")
+    return obj
+
+
+_REQUIRED = ("hash", "fingerprint", "content_fingerprint", "geometry", "files", "tensors")
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
+_FORMAT_RE = re.compile(r"int(4|8)-(row|g[0-9]+)")
+_GEOMETRY_COUNTS = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+                    "num_hidden_layers", "first_moe_layer", "mtp_layers")
+_FILE_KEYS = {"name": "string", "kind": "kind", "size": "count", "xxh3_128": "hash"}
+_TENSOR_KEYS = {"file": "string", "dtype": "string", "shape": "shape", "offset": "count", "nbytes": "count", "xxh3_128": "hash"}
+_SEGMENT_KEYS = {"kind": "segment kind", "rows": "count", "row_bytes": "count", "split": "count or null",
+                 "top": "string", "bottom": "string"}
+_REWRITE_KEYS = {"source_fingerprint": "hash", "source_content_fingerprint": "hash", "forced": "boolean"}
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+_TYPES = {
+    "string": (lambda v: isinstance(v, str), "a string"),
+    "count": (_is_count, "a non-negative integer"),
+    "hash": (lambda v: isinstance(v, str) and _HASH_RE.fullmatch(v) is not None, "32 lowercase hex digits"),
+    "kind": (lambda v: v in ("safetensors", "other"), '"safetensors" or "other"'),
+    "shape": (lambda v: isinstance(v, list) and all(_is_count(d) for d in v), "a list of non-negative integers"),
+    "segment kind": (lambda v: v in ("rows", "columns", "shared"), '"rows", "columns" or "shared"'),
+    "count or null": (lambda v: v is None or _is_count(v), "a non-negative integer or null"),
+    "boolean": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _key(name: str) -> str:
+    text = json.dumps(name)
+    return text if len(text) <= 100 else text[:97] + '..."'
+
+
+def _entry_problem(where: str, entry, keys: dict, exact: bool = True) -> str | None:
+    if not isinstance(entry, dict):
+        return f"{where} must be an object"
+    for k, kind in keys.items():
+        if k not in entry:
+            if exact:
+                return f"{where} lacks {k!r}"
+            continue
+        ok, what = _TYPES[kind]
+        if not ok(entry[k]):
+            return f"{where}.{k} must be {what}"
+    if exact:
+        extra = sorted(set(entry) - set(keys))
+        if extra:
+            return f"{where} has unknown key {_key(extra[0])}"
+    return None
+
+
+def manifest_problem(m: dict) -> str | None:
+    """The first way ``m`` breaks the manifest schema (format and version already checked), or None.
+
+    Also refused, beyond the schema: a file named twice, a tensor in a file the manifest does not
+    list as safetensors, a segment whose ``split`` contradicts its kind.
+    """
+    if not (isinstance(m.get("version"), int) and not isinstance(m["version"], bool)):
+        return "version must be the integer 1"
+    if m["hash"] != "xxh3-128":
+        return 'hash must be "xxh3-128"'
+    for k in ("fingerprint", "content_fingerprint"):
+        if not _TYPES["hash"][0](m[k]):
+            return f"{k} must be 32 lowercase hex digits"
+    g = m["geometry"]
+    problem = _entry_problem("geometry", g, {k: "count" for k in _GEOMETRY_COUNTS}, exact=False)
+    if problem:
+        return problem
+    for k in _GEOMETRY_COUNTS:
+        if k not in g:
+            return f"geometry lacks {k!r}"
+    fmts = g.get("expert_formats")
+    if not (isinstance(fmts, list) and all(isinstance(f, str) and _FORMAT_RE.fullmatch(f) for f in fmts)):
+        return "geometry.expert_formats must be a list of format names such as \"int4-g64\"" if "expert_formats" in g \
+            else "geometry lacks 'expert_formats'"
+    if not isinstance(m["files"], list):
+        return "files must be a list"
+    shards, names = set(), set()
+    for i, f in enumerate(m["files"]):
+        problem = _entry_problem(f"files[{i}]", f, _FILE_KEYS)
+        if problem:
+            return problem
+        if f["name"] in names:
+            return f"files[{i}]: file {_key(f['name'])} is listed twice"
+        names.add(f["name"])
+        if f["kind"] == "safetensors":
+            shards.add(f["name"])
+    if not isinstance(m["tensors"], dict):
+        return "tensors must be an object"
+    for name, t in m["tensors"].items():
+        where = f"tensors[{_key(name)}]"
+        problem = _entry_problem(where, t, _TENSOR_KEYS)
+        if problem:
+            return problem
+        if t["file"] not in shards:
+            return f"{where}.file {_key(t['file'])} is not a safetensors file of this manifest"
+    if "segments" in m:
+        if not isinstance(m["segments"], dict):
+            return "segments must be an object"
+        for name, seg in m["segments"].items():
+            where = f"segments[{_key(name)}]"
+            problem = _entry_problem(where, seg, _SEGMENT_KEYS)
+            if problem:
+                return problem
+            if (seg["split"] is None) != (seg["kind"] == "shared"):
+                return f"{where}.split must be null exactly when kind is \"shared\""
+    if "rewrite" in m:
+        problem = _entry_problem("rewrite", m["rewrite"], _REWRITE_KEYS, exact=False)
+        if problem:
+            return problem
+    return None
 
 
 def compare_manifests(expected: dict, actual: dict) -> list[str]:
-    """Every difference between a recorded manifest and a fresh one, one line each."""
+    """Every difference between a recorded manifest and a fresh one, one line each.
+
+    Both must have passed :func:`manifest_problem`. Compared: each fingerprint of ``expected`` with
+    the one its own lists give; the geometry; each file's kind, size and hash; each tensor's file,
+    offset, dtype, shape, size and hash.
+    """
     out = []
+    if expected["fingerprint"] != layout_fingerprint(expected["files"]):
+        out.append("fingerprint: does not match the manifest's own file list")
+    if expected["content_fingerprint"] != content_fingerprint(expected["tensors"]):
+        out.append("content_fingerprint: does not match the manifest's own tensor list")
+    eg, ag = expected["geometry"], actual["geometry"]
+    for key in sorted(set(_GEOMETRY_COUNTS) | {"expert_formats"}):
+        if eg.get(key) != ag.get(key):
+            out.append(f"geometry {key}: {ag.get(key)}, manifest says {eg.get(key)}")
     exp_files = {f["name"]: f for f in expected["files"]}
     act_files = {f["name"]: f for f in actual["files"]}
     for name in sorted(exp_files.keys() - act_files.keys()):
@@ -111,7 +250,9 @@ def compare_manifests(expected: dict, actual: dict) -> list[str]:
         out.append(f"file {name}: not in the manifest")
     for name in sorted(exp_files.keys() & act_files.keys()):
         e, a = exp_files[name], act_files[name]
-        if e["size"] != a["size"]:
+        if e["kind"] != a["kind"]:
+            out.append(f"file {name}: kind {a['kind']}, manifest says {e['kind']}")
+        elif e["size"] != a["size"]:
             out.append(f"file {name}: size {a['size']}, manifest says {e['size']}")
         elif e["xxh3_128"] != a["xxh3_128"]:
             out.append(f"file {name}: hash differs")
@@ -122,7 +263,7 @@ def compare_manifests(expected: dict, actual: dict) -> list[str]:
         out.append(f"tensor {name}: not in the manifest")
     for name in sorted(exp_t.keys() & act_t.keys()):
         e, a = exp_t[name], act_t[name]
-        for key in ("dtype", "shape", "nbytes", "xxh3_128"):
+        for key in ("file", "offset", "dtype", "shape", "nbytes", "xxh3_128"):
             if e[key] != a[key]:
                 what = "hash differs" if key == "xxh3_128" else f"{key} {a[key]}, manifest says {e[key]}"
                 out.append(f"tensor {name} ({a['file']}): {what}")

@@ -4,11 +4,20 @@ Checks, each reported as one line naming what is wrong:
 
 * DST opens cleanly (every header passes the strict reader; at most 512 files; no duplicate
   names; every expert complete) and its manifest matches its files (re-hashed now);
+* DST's recorded manifest passes the manifest schema and matches DST's actual headers and bytes:
+  every tensor's file, offset, dtype, shape, size and hash, every file's kind, size and hash, the
+  geometry, and its fingerprints; when it records a rewrite, its source content fingerprint is SRC's;
+* every non-tensor file of SRC (``config.json``, ``tokenizer.json``, ...) is in DST with the same
+  xxh3-128, and DST has no other;
 * the same tensor names in SRC and DST, none missing, none extra;
 * every tensor's xxh3-128 in DST equals SRC's (``full=True`` also compares the bytes); a tensor
   stored as split segments (the manifest's segment map) is reassembled from them and compared;
 * the runtime's constraints: each expert's three weight tensors byte-adjacent in one file, and
   the probe experts (expert 0 of the first MoE layer and of each MTP layer) present.
+
+A DST whose experts are stored as split segments is equal to SRC and consistent, but the stock
+runtime cannot load it: the summary says so (``needs_split_runtime``, ``split_experts``) rather
+than the problem list, since it is a property of the layout asked for, not a defect.
 """
 
 from __future__ import annotations
@@ -48,8 +57,13 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
         recorded = load_manifest(recorded_path)
         problems += [f"DST manifest: {p}" for p in compare_manifests(recorded, dst_m)]
         segments = recorded.get("segments", {})
+        claimed = recorded.get("rewrite", {}).get("source_content_fingerprint")
+        if claimed is not None and claimed != src_m["content_fingerprint"]:
+            problems.append("DST manifest: rewrite.source_content_fingerprint is not SRC's content fingerprint "
+                            "(DST records a rewrite of other tensors)")
     else:
         problems.append(f"DST has no {MANIFEST_NAME}")
+    problems += _compare_other_files(src_m, dst_m)
     st = dict(src_m["tensors"])
     dt = dict(dst_m["tensors"])
     problems += _check_segments(src, dst, st, dt, segments)
@@ -69,12 +83,25 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     off_path = [f"{e.layer}.{e.expert}" for e in dst.experts.values() if not e.fast_path]
     if off_path:
         problems.append(f"DST: {len(off_path)} experts are not one read (weights not byte-adjacent), e.g. {off_path[0]}")
+    split_experts = sum(1 for e in dst.experts.values() if e.split)
     summary = {
         "src": str(src.root), "dst": str(dst.root), "tensors": len(dt), "split_tensors": len(segments), "files": len(dst.files),
+        "split_experts": split_experts, "needs_split_runtime": split_experts > 0,
         "full_byte_compare": full, "src_content_fingerprint": src_m["content_fingerprint"],
         "dst_content_fingerprint": dst_m["content_fingerprint"], "problems": problems,
     }
     return problems, summary
+
+
+def _compare_other_files(src_m: dict, dst_m: dict) -> list[str]:
+    """Every non-tensor file of SRC must be in DST with the same hash, and DST has no other."""
+    a = {f["name"]: f for f in src_m["files"] if f["kind"] == "other"}
+    b = {f["name"]: f for f in dst_m["files"] if f["kind"] == "other"}
+    out = [f"file {n}: in SRC but missing from DST" for n in sorted(a.keys() - b.keys())]
+    out += [f"file {n}: in DST but not in SRC" for n in sorted(b.keys() - a.keys())]
+    out += [f"file {n}: content differs from SRC's (xxh3-128)" for n in sorted(a.keys() & b.keys())
+            if (a[n]["size"], a[n]["xxh3_128"]) != (b[n]["size"], b[n]["xxh3_128"])]
+    return out
 
 
 def _check_segments(src: Container, dst: Container, st: dict, dt: dict, segments: dict) -> list[str]:

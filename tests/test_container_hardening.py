@@ -180,3 +180,236 @@ def test_config_far_from_the_tensors_is_problems_not_work(container_copy):
     c.report()
     assert time.perf_counter() - t0 < 5
     assert any("config.json says 4096" in p for p in c.problems)
+
+
+# ------------------------------------------------------------------ 3-4. manifests and verify
+
+import copy  # noqa: E402
+import shutil  # noqa: E402
+
+from conftest import REPO, small_geometry, source_with_manifest  # noqa: E402
+from containers import verify as verify_module  # noqa: E402
+from containers.container import MANIFEST_NAME  # noqa: E402
+from containers.manifest import build_manifest, load_manifest, write_manifest  # noqa: E402
+from containers.verify import verify_containers  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rewritten(tmp_path_factory):
+    """A source with its manifest, a faithful rewrite of it and a split rewrite of it."""
+    from relayout.apply import apply_plan
+    from relayout.plan import SplitOptions, load_plan, make_plan, save_plan, source_from_container
+    from relayout.trace_synth import synth_trace
+
+    root = tmp_path_factory.mktemp("hardening")
+    g = small_geometry(moe_layers=2, experts=16, ffn=256)
+    src = source_with_manifest(root / "src", g, seed=5)
+    tr = synth_trace(g.moe_layers, 16, 8, 400, 4, seed=1, geometry=g.name)
+    out = {"src": src}
+    for name, split in (("dst", None), ("split", SplitOptions(0.25, 2_000_000))):
+        save_plan(make_plan(tr, source_from_container(src), split=split, progress=False), root / f"{name}.json")
+        out[name] = root / name
+        apply_plan(src, load_plan(root / f"{name}.json"), out[name], None, force=True, progress=False)
+    return out
+
+
+def _copy(path, tmp_path, name="d"):
+    dst = tmp_path / name
+    shutil.copytree(path, dst)
+    return dst
+
+
+def _edit_manifest(root, mutate):
+    p = root / MANIFEST_NAME
+    m = json.loads(p.read_text())
+    mutate(m)
+    p.write_text(json.dumps(m))
+
+
+def test_rewrites_verify_clean_and_say_whether_they_need_a_split_runtime(rewritten):
+    problems, summary = verify_containers(rewritten["src"], rewritten["dst"], progress=False)
+    assert problems == [] and summary["needs_split_runtime"] is False and summary["split_experts"] == 0
+    r = Container.open(rewritten["dst"]).report()
+    assert r["needs_split_runtime"] is False and r["split_experts"] == 0
+    problems, summary = verify_containers(rewritten["src"], rewritten["split"], full=True, progress=False)
+    c = Container.open(rewritten["split"])
+    assert problems == [] and summary["needs_split_runtime"] is True and summary["split_experts"] == len(c.experts) == 3 * 16
+    r = c.report()
+    assert r["needs_split_runtime"] is True and r["split_experts"] == 3 * 16 and r["problems"] == []
+    assert Container.open(rewritten["src"]).report()["needs_split_runtime"] is False
+    # the fresh manifest of a split container names the real formats, as its recorded one does
+    assert build_manifest(c, progress=False)["geometry"] == load_manifest(rewritten["split"] / MANIFEST_NAME)["geometry"]
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda m: m["tensors"][sorted(m["tensors"])[0]].__setitem__("nbytes_", m["tensors"][sorted(m["tensors"])[0]].pop("nbytes")), ["lacks 'nbytes'"]),
+    (lambda m: m["tensors"][sorted(m["tensors"])[3]].__setitem__("offset", "12"), ["offset must be a non-negative integer"]),
+    (lambda m: m["files"][0].pop("xxh3_128"), ["files[0] lacks 'xxh3_128'"]),
+    (lambda m: m["files"][1].__setitem__("size", -1), ["files[1].size"]),
+    (lambda m: m["geometry"].pop("hidden_size"), ["geometry lacks 'hidden_size'"]),
+    (lambda m: m.__setitem__("tensors", []), ["tensors must be an object"]),
+    (lambda m: m.__setitem__("fingerprint", "xyz"), ["fingerprint"]),
+    (lambda m: m["files"].append(dict(m["files"][0])), ["listed twice"]),
+    (lambda m: m["tensors"][sorted(m["tensors"])[0]].__setitem__("file", "nope.safetensors"), ["not a safetensors file"]),
+    (lambda m: m.__setitem__("rewrite", {"forced": "no"}), ["rewrite.forced"]),
+    (lambda m: m.__setitem__("x", "[" * 100_000), []),
+], ids=["renamed-nbytes", "string-offset", "no-file-hash", "negative-size", "no-hidden", "tensors-list", "bad-fingerprint",
+        "file-twice", "unknown-file", "forced-string", "harmless-extra-key"])
+def test_malformed_dst_manifest_is_one_line_naming_the_key(rewritten, tmp_path, mutate, words):
+    dst = _copy(rewritten["dst"], tmp_path)
+    _edit_manifest(dst, mutate)
+    res = run_cli("verify", rewritten["src"], dst)
+    if not words:
+        assert res.returncode == 0, res.stderr
+        return
+    assert_one_line_exit_2(res, MANIFEST_NAME, *words)
+    with pytest.raises(InputError):
+        load_manifest(dst / MANIFEST_NAME)
+
+
+def test_deeply_nested_manifest_is_an_input_error(tmp_path):
+    p = tmp_path / MANIFEST_NAME
+    p.write_text('{"format": "relayout.manifest", "version": 1, "files": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(InputError, match="manifest") as exc:
+        load_manifest(p)
+    assert MANIFEST_NAME in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_verify_compares_every_non_tensor_file_with_src(rewritten, tmp_path):
+    dst = _copy(rewritten["dst"], tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["num_experts_per_tok"] == 8
+    cfg["num_experts_per_tok"] = 4
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "tokenizer.json").unlink()
+    (dst / "notes.txt").write_text("extra")
+    assert run_cli("manifest", dst).returncode == 0
+    problems, _ = verify_containers(rewritten["src"], dst, progress=False)
+    assert "file config.json: content differs from SRC's (xxh3-128)" in problems
+    assert "file tokenizer.json: in SRC but missing from DST" in problems
+    assert "file notes.txt: in DST but not in SRC" in problems
+    res = run_cli("verify", rewritten["src"], dst)
+    assert res.returncode == 2 and "config.json" in res.stdout and "tokenizer.json" in res.stdout
+
+
+def _leaves(obj, path=()):
+    """Every (path, value) leaf of a JSON value; dict keys are leaves too (path ends with ("key",))."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield path + ((k, "key"),), k
+            yield from _leaves(v, path + (k,))
+    elif isinstance(obj, list) and obj and not all(isinstance(x, int) for x in obj):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, obj
+
+
+def _flipped(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, str):
+        if len(value) == 32 and all(c in "0123456789abcdef" for c in value):
+            return ("1" if value[0] != "1" else "2") + value[1:]
+        if value == "safetensors":
+            return "other"
+        if value == "other":
+            return "safetensors"
+        if value in ("rows", "columns", "shared"):
+            return {"rows": "columns", "columns": "rows", "shared": "rows"}[value]
+        if value in ("U8", "I8", "F32", "BF16"):
+            return {"U8": "I8", "I8": "U8", "F32": "I32", "BF16": "F16"}[value]
+        if value.startswith("int4-") or value.startswith("int8-"):
+            return value.replace("int4", "int9").replace("int8", "int4").replace("int9", "int8")
+        return value + "x"
+    if value is None:
+        return 0
+    if isinstance(value, list):
+        return value + [1] if value else [1]
+    raise AssertionError(value)
+
+
+def _apply_flip(m, path):
+    *parents, last = path
+    node = m
+    for p in parents:
+        node = node[p]
+    if isinstance(last, tuple):  # rename a key
+        key = last[0]
+        node[_flipped(key) if not key.endswith(".top") else key[:-4] + ".bottom"] = node.pop(key)
+    else:
+        node[last] = _flipped(node[last])
+
+
+# Fields of a manifest that verify deliberately does not check, and why: they record how DST was
+# made (tool, plan, gate, override) and which file layout it was made from; verify proves that DST
+# holds SRC's tensors and files and can be loaded, which none of them affects.
+PROVENANCE_ONLY = {"tool_version", "plan_digest", "plan_method", "gate_digest", "gate_verdict", "forced",
+                   "override_reason", "source_fingerprint"}
+
+
+def _sample_paths(m):
+    """Every field of the manifest, with the tensor, file and segment entries thinned to a few of each kind."""
+    tensors = sorted(m["tensors"])
+    keep_t = set(tensors[:2] + tensors[-2:] + [t for t in tensors if ".experts.5." in t][:3] + [t for t in tensors if t.endswith(".qs.bottom")][:1])
+    segs = sorted(m.get("segments", {}))
+    keep_s = {s for s in segs if s.endswith("down_proj.weight.qs")}
+    keep_s = set(sorted(keep_s)[:1] + segs[:1] + [s for s in segs if s.endswith("down_proj.weight")][:1])
+    keep_f = {0, 1, len(m["files"]) - 1}
+    for path, _ in _leaves(m):
+        head = path[0]
+        if head == "tensors" and len(path) > 1 and (path[1][0] if isinstance(path[1], tuple) else path[1]) not in keep_t:
+            continue
+        if head == "segments" and len(path) > 1 and (path[1][0] if isinstance(path[1], tuple) else path[1]) not in keep_s:
+            continue
+        if head == "files" and len(path) > 1 and path[1] not in keep_f:
+            continue
+        if isinstance(path[-1], tuple) and path[-1][0] in m and len(path) == 1:
+            continue  # renaming a top-level key is the "missing key" case, tested above
+        if isinstance(path[-1], tuple) and len(path) >= 2 and path[-2] in ("geometry", "rewrite") or (
+                isinstance(path[-1], tuple) and len(path) == 3 and path[0] in ("files", "tensors", "segments")):
+            continue  # a renamed field: the schema check (test above)
+        yield path
+
+
+@pytest.fixture
+def cached_fresh_manifests(monkeypatch):
+    """The containers do not change while only DST's recorded manifest is flipped: hash each once."""
+    cache = {}
+    real = verify_module.build_manifest
+
+    def build(container, progress=True):
+        key = str(container.root)
+        if key not in cache:
+            cache[key] = real(container, progress=progress)
+        return copy.deepcopy(cache[key])
+
+    monkeypatch.setattr(verify_module, "build_manifest", build)
+
+
+@pytest.mark.parametrize("which", ["dst", "split"])
+def test_manifest_flips_every_field_is_noticed_by_verify(rewritten, tmp_path, cached_fresh_manifests, which):
+    """Flip each field of DST's recorded manifest, one at a time: verify must report it (a problem
+    or a one-line InputError), unless the field is provenance only (PROVENANCE_ONLY)."""
+    dst = _copy(rewritten[which], tmp_path)
+    good = json.loads((dst / MANIFEST_NAME).read_text())
+    assert verify_containers(rewritten["src"], dst, progress=False)[0] == []
+    missed, checked = [], 0
+    for path in _sample_paths(good):
+        m = copy.deepcopy(good)
+        _apply_flip(m, path)
+        (dst / MANIFEST_NAME).write_text(json.dumps(m))
+        try:
+            problems, _ = verify_containers(rewritten["src"], dst, progress=False)
+        except InputError as exc:
+            assert "\n" not in str(exc)
+            problems = [str(exc)]
+        checked += 1
+        field = path[-1][0] if isinstance(path[-1], tuple) else path[-1]
+        if path[0] == "rewrite" and field in PROVENANCE_ONLY:
+            assert problems == [], (path, problems)
+        elif not problems:
+            missed.append(path)
+    assert checked > 60 and missed == [], missed
