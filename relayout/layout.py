@@ -109,7 +109,9 @@ class Layout:
         :class:`InputError` naming the first problem."""
         try:
             return cls._from_json(obj)
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        except KeyError as exc:
+            raise InputError(where, f"malformed layout (lacks {exc})") from None
+        except (ValueError, TypeError, AttributeError) as exc:
             raise InputError(where, f"malformed layout ({exc})") from None
 
     @classmethod
