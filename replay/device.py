@@ -21,6 +21,7 @@ Profiles are data: ``manifests/devices/*.json``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -62,6 +63,13 @@ class ArrayProfile:
     description: str = ""
 
     def __post_init__(self):
+        for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
+                                  ("direct_alignment", self.direct_alignment, int), ("queue_slots", self.drive.queue_slots, int),
+                                  ("host_bandwidth", self.host_bandwidth, float), ("page_cache_fraction", self.page_cache_fraction, float),
+                                  ("request_seconds", self.drive.request_seconds, float), ("bandwidth", self.drive.bandwidth, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or (kind is int and not isinstance(value, int)):
+                raise InputError(self.name, f"{what} is {value!r}, not a finite {'integer' if kind is int else 'number'}")
         if self.split_rule not in SPLIT_RULES:
             raise InputError(self.name, f"unknown split rule {self.split_rule!r} (choose {', '.join(SPLIT_RULES)})")
         if self.members < 1 or (self.members > 1 and self.chunk_bytes <= 0):

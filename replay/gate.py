@@ -246,4 +246,8 @@ def load_gate(path) -> dict:
     g = read_document(path, GATE_FORMAT, 1, ("verdict", "plan", "reason"), "gate record")
     if g["verdict"] not in ("pass", "fail"):
         raise InputError(path, "gate record has no verdict")
+    plan = g["plan"]
+    if not isinstance(plan, dict) or not isinstance(plan.get("digest"), str) \
+            or not isinstance(plan.get("source_fingerprint"), (str, type(None))) or not isinstance(g["reason"], str):
+        raise InputError(path, "gate record is malformed (plan digest, source fingerprint and reason must be strings)")
     return g

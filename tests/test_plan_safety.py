@@ -261,3 +261,19 @@ def test_interrupted_rewrite_never_leaves_a_complete_looking_destination(base, t
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert verify(base["src"], dst, full=True, progress=False)[0] == []
+
+
+def test_a_crafted_gate_or_device_profile_is_one_clean_error(base, tmp_path):
+    from replay.device import load_device
+
+    gate = tmp_path / "gate.json"
+    gate.write_text(json.dumps({"format": "relayout.gate", "version": 1, "verdict": "pass", "plan": None, "reason": 3}))
+    res = run_cli("rewrite", base["src"], "--layout", base["plan_path"], "--out", tmp_path / "dst", "--gate", gate)
+    assert res.returncode == 2 and "gate record is malformed" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    shipped = load_device("single-nvme").to_json()
+    for edit in ({"members": 1.5}, {"host_bandwidth": float("nan")}, {"drive": {**shipped["drive"], "bandwidth": "fast"}},
+                 {"chunk_bytes": True}):
+        prof = tmp_path / "dev.json"
+        prof.write_text(json.dumps({**shipped, **edit}))
+        with pytest.raises(InputError, match="not a finite|not a valid device profile"):
+            load_device(str(prof))
