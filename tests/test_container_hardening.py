@@ -413,3 +413,219 @@ def test_manifest_flips_every_field_is_noticed_by_verify(rewritten, tmp_path, ca
         elif not problems:
             missed.append(path)
     assert checked > 60 and missed == [], missed
+
+
+# ------------------------------------------------------------------ 5. property tests: fuzzed headers, configs, manifests
+
+import jsonschema  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from containers.manifest import compare_manifests, manifest_problem  # noqa: E402
+from containers.synth import synth_container  # noqa: E402
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+
+surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+texts = st.text(st.one_of(st.characters(), surrogates), max_size=12) | st.sampled_from(
+    ["", "__metadata__", "dtype", "shape", "data_offsets", "model.layers.3.mlp.experts.0.gate_proj.weight",
+     "model.layers.3.mlp.experts.0.up_proj.weight.qs.top", "model.layers.03.mlp.experts.1.down_proj.weight"])
+ints = st.one_of(st.integers(-3, 70_000), st.sampled_from([2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 10**30, -(2**63)]))
+scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True, allow_infinity=True), texts,
+                    st.sampled_from(["U8", "I8", "F32", "BF16", "F8_E4M3", "Q8"]))
+json_values = st.recursive(scalars, lambda ch: st.lists(ch, max_size=4) | st.dictionaries(texts, ch, max_size=4), max_leaves=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A complete container of ~350 KB in 14 shards: fast enough to open hundreds of times."""
+    root = tmp_path_factory.mktemp("tiny") / "c"
+    synth_container(root, small_geometry(moe_layers=1, experts=8, hidden=64, ffn=64, vocab=16, shard_bytes=30_000), seed=1, progress=False)
+    assert Container.open(root).problems == []
+    return root
+
+
+def open_report_manifest(root):
+    """Container.open, report and build_manifest either succeed (JSON-ready output whose manifest
+    passes our own schema check) or raise one-line InputError; never another exception, never slow."""
+    t0 = time.perf_counter()
+    try:
+        c = Container.open(root)
+        for h in c.headers:  # what the safetensors library would also accept
+            for t in h.tensors.values():
+                t.name.encode("utf-8")
+                assert all(d < 2**63 for d in t.shape) and t.begin <= t.end <= h.file_size
+            for k, v in h.metadata.items():
+                k.encode("utf-8"), v.encode("utf-8")
+        assert c.config.num_hidden_layers <= 4096 and c.config.n_routed_experts <= 4096
+        r = c.report()
+        json.dumps(r)
+        m = build_manifest(c, progress=False)
+        json.loads(json.dumps(m))
+        assert manifest_problem(m) is None, manifest_problem(m)
+    except InputError as exc:
+        assert "\n" not in str(exc) and str(exc)
+    assert time.perf_counter() - t0 < 5
+
+
+def _paths(obj, path=()):
+    yield path
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, path + (i,))
+
+
+def _mutate_json(obj, draw):
+    """One random structural edit of a JSON value: replace a node, delete or add a key, rename a key."""
+    paths = list(_paths(obj))
+    path = paths[draw(st.integers(0, len(paths) - 1))]
+    op = draw(st.sampled_from(["set", "delete", "add", "rename"]))
+    if not path:
+        return draw(json_values) if op == "set" else obj
+    parent = obj
+    for p in path[:-1]:
+        parent = parent[p]
+    last = path[-1]
+    if op == "set":
+        parent[last] = draw(json_values)
+    elif op == "delete":
+        parent.pop(last)
+    elif op == "add" and isinstance(parent, dict):
+        parent[draw(texts)] = draw(json_values)
+    elif op == "add":
+        parent.insert(last, draw(json_values))
+    elif op == "rename" and isinstance(parent, dict):
+        parent[draw(texts)] = parent.pop(last)
+    return obj
+
+
+def _shards(root):
+    return sorted(root.glob("*.safetensors"))
+
+
+class _Restore:
+    """Mutate one file for one example and put its exact bytes back afterwards."""
+
+    def __init__(self, path):
+        self.path, self.blob = path, path.read_bytes()
+
+    def __enter__(self):
+        return self.blob
+
+    def __exit__(self, *exc):
+        self.path.write_bytes(self.blob)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_header_bytes_are_clean_errors_or_valid(tiny, data):
+    shard = data.draw(st.sampled_from(_shards(tiny)))
+    with _Restore(shard) as blob:
+        n = struct.unpack("<Q", blob[:8])[0]
+        buf = bytearray(blob)
+        mode = data.draw(st.sampled_from(["bytes", "length", "cut", "insert"]))
+        if mode == "bytes":
+            for _ in range(data.draw(st.integers(1, 4))):
+                buf[data.draw(st.integers(0, 8 + n - 1))] = data.draw(st.integers(0, 255))
+        elif mode == "length":
+            buf[:8] = struct.pack("<Q", data.draw(st.one_of(st.integers(0, len(blob) + 16), st.integers(0, 2**64 - 1))))
+        elif mode == "cut":
+            del buf[data.draw(st.integers(0, len(blob))):]
+        else:
+            at = data.draw(st.integers(8, 8 + n))
+            ins = data.draw(st.sampled_from([b"\\ud800", b"\\udfff\\ud800", b"[", b"{", b"0", b",", b'"', b"\xed\xa0\x80", b"\xff"]))
+            buf[at:at] = ins
+            buf[:8] = struct.pack("<Q", n + len(ins))
+        shard.write_bytes(bytes(buf))
+        open_report_manifest(tiny)
+
+
+def _header_of(blob):
+    n = struct.unpack("<Q", blob[:8])[0]
+    return n, json.loads(blob[8:8 + n])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_header_json_is_clean_errors_or_valid(tiny, data):
+    shard = data.draw(st.sampled_from(_shards(tiny)))
+    with _Restore(shard) as blob:
+        n, hdr = _header_of(blob)
+        names = sorted(k for k in hdr if k != "__metadata__")
+        for _ in range(data.draw(st.integers(1, 3))):
+            kind = data.draw(st.sampled_from(["random", "shape", "offsets", "name", "metadata"]))
+            name = data.draw(st.sampled_from(names))
+            if kind == "random" or not isinstance(hdr, dict):
+                hdr = _mutate_json(hdr, data.draw)
+            elif kind == "shape" and isinstance(hdr.get(name), dict):
+                hdr[name]["shape"] = data.draw(st.lists(ints, max_size=5))
+            elif kind == "offsets" and isinstance(hdr.get(name), dict):
+                hdr[name]["data_offsets"] = data.draw(st.lists(ints, min_size=2, max_size=2))
+            elif kind == "name" and name in hdr:
+                hdr[data.draw(texts)] = hdr.pop(name)
+            elif kind == "metadata":
+                hdr["__metadata__"] = data.draw(st.dictionaries(texts, st.one_of(texts, json_values), max_size=3))
+        raw = json.dumps(hdr, allow_nan=True).encode()  # ensure_ascii: surrogates stay \udXXX escapes
+        shard.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+        open_report_manifest(tiny)
+
+
+CONFIG_KEYS = ["hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts", "num_local_experts",
+               "num_experts_per_tok", "num_hidden_layers", "first_k_dense_replace", "num_nextn_predict_layers"]
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_config_is_clean_errors_or_valid(tiny, data):
+    path = tiny / "config.json"
+    with _Restore(path) as blob:
+        cfg = json.loads(blob)
+        mode = data.draw(st.sampled_from(["keys", "keys", "random", "document", "nesting"]))
+        if mode == "keys":
+            for key in data.draw(st.lists(st.sampled_from(CONFIG_KEYS), min_size=1, max_size=4)):
+                if data.draw(st.booleans()):
+                    cfg[key] = data.draw(st.one_of(ints, st.integers(0, 5000), json_values))
+                else:
+                    cfg.pop(key, None)
+            text = json.dumps(cfg, allow_nan=True)
+        elif mode == "random":
+            text = json.dumps(_mutate_json(cfg, data.draw), allow_nan=True)
+        elif mode == "document":
+            text = json.dumps(data.draw(json_values), allow_nan=True)
+        else:
+            depth = data.draw(st.integers(1, 200_000))
+            key = data.draw(st.sampled_from(CONFIG_KEYS))
+            text = json.dumps({**cfg, key: None}).replace("null", "[" * depth + "]" * depth)
+        path.write_bytes(text.encode("utf-8", "surrogatepass"))
+        open_report_manifest(tiny)
+
+
+MANIFEST_SCHEMA = json.loads((REPO / "manifests/schemas/manifest.schema.json").read_text())
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_manifest_is_an_input_error_or_schema_valid_and_comparable(tiny, tmp_path_factory, data):
+    good = build_manifest(Container.open(tiny), progress=False)
+    m = copy.deepcopy(good)
+    for _ in range(data.draw(st.integers(1, 3))):
+        m = _mutate_json(m, data.draw)
+    p = tmp_path_factory.getbasetemp() / "fuzzed.manifest.json"
+    p.write_text(json.dumps(m, allow_nan=True))
+    try:
+        loaded = load_manifest(p)
+    except InputError as exc:
+        assert "\n" not in str(exc) and str(p) in str(exc)
+        return
+    jsonschema.validate(loaded, MANIFEST_SCHEMA)  # the loader is never more lenient than the published schema
+    compare_manifests(loaded, good)
+
+
+def test_manifest_loader_and_schema_agree_on_what_we_write(rewritten):
+    for root in (rewritten["src"], rewritten["dst"], rewritten["split"]):
+        m = load_manifest(root / MANIFEST_NAME)
+        jsonschema.validate(m, MANIFEST_SCHEMA)
+        jsonschema.validate(build_manifest(Container.open(root), progress=False), MANIFEST_SCHEMA)
