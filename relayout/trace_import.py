@@ -28,7 +28,6 @@ bounded by those limits and by the file's own size.
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 from dataclasses import dataclass
@@ -58,6 +57,8 @@ MBLT_MAX_K = 64
 MAX_COUNT = 1 << 36
 """Largest ``.coli_usage`` count (sums over every cell stay far inside int64)."""
 INT64_MAX = (1 << 63) - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""Gates are stored as float32: larger magnitudes are not finite there."""
 
 
 @dataclass
@@ -304,7 +305,7 @@ def _careful_route_parse(path: Path, data: bytes):
             if not _GATE_RE.fullmatch(sel[1]):
                 raise InputError(where, f"gate {sel[1][:30].decode(errors='replace')!r} is not a number")
             g = float(sel[1])
-            if not math.isfinite(g):
+            if not abs(g) <= FLOAT32_MAX:
                 raise InputError(where, f"gate {sel[1][:30].decode(errors='replace')!r} is not finite")
             gs.append(g)
         if min(c, r, l, *es) < 0:
@@ -399,12 +400,13 @@ def _session_from_rows(name, forward, layers, position, experts, gates, committe
 # ------------------------------------------------------------------ STALL_TRACE
 
 
-def _json_int(rec: dict, key: str, where: str, lo: int, hi: int, default=None) -> int:
-    """``rec[key]`` as an integer in ``lo..hi``: a JSON integer, never a boolean or a float."""
+def _json_int(rec: dict, key: str, where: str, lo: int | None = None, hi: int | None = None, default=None) -> int:
+    """``rec[key]`` as an integer in ``lo..hi`` (unchecked when None): a JSON integer, never a
+    boolean or a float."""
     v = rec.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int):
         raise InputError(where, f"{key!r} must be an integer, not {v!r}"[:200])
-    if not lo <= v <= hi:
+    if lo is not None and not lo <= v <= hi:
         raise InputError(where, f"{key!r} {v} is outside {lo}..{hi}"[:200])
     return v
 
@@ -454,8 +456,8 @@ def read_stall_trace(path: Path, n_experts: int | None = None, limits: Limits | 
             continue
         if "layer" not in rec:
             raise InputError(where, "expert record needs integer 'layer' and 'expert_id'")
-        layer = _json_int(rec, "layer", where, -INT64_MAX, INT64_MAX)
-        expert = _json_int(rec, "expert_id", where, -INT64_MAX, INT64_MAX)
+        layer = _json_int(rec, "layer", where)
+        expert = _json_int(rec, "expert_id", where)
         if not limits.layer_ok(layer):
             raise InputError(where, limits.layer_problem(layer))
         if not 0 <= expert < limits.n_experts:
@@ -464,7 +466,7 @@ def read_stall_trace(path: Path, n_experts: int | None = None, limits: Limits | 
         gate = rec.get("router_probability")
         if gate is None:
             gate = float("nan")
-        elif isinstance(gate, bool) or not isinstance(gate, (int, float)) or not math.isfinite(gate):
+        elif isinstance(gate, bool) or not isinstance(gate, (int, float)) or not abs(gate) <= FLOAT32_MAX:
             raise InputError(where, f"'router_probability' must be a finite number, not {gate!r}"[:200])
         cell = groups[sess].setdefault((step, layer, position), {})
         if expert not in cell:
