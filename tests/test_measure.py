@@ -1,6 +1,8 @@
 """The measurement harness and calibration run for real on small files."""
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from replay.calibrate import calibrate
 from replay.device import load_device
 from replay.measure import measure
 from replay.runtime import RuntimeConfig
-from replay.stalltrace import report
+from replay.stalltrace import read_stall_trace, report, run_metrics
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +37,178 @@ def test_measure_writes_a_valid_stall_trace(small_container, trace_for, tmp_path
     assert m["records"] == 60 * 3 * 8
 
 
+def _selection(trace, mask) -> dict:
+    """{(forward, layer): set of experts} the trace routes for the forwards in ``mask``."""
+    out = {}
+    for f, layer, row in zip(trace.row_forward.tolist(), trace.row_layer.tolist(), trace.experts.tolist()):
+        if mask[f]:
+            out.setdefault((f, layer), set()).update(e for e in row if e >= 0)
+    return out
+
+
+def _run_prefetch(c, trace, mask, tmp_path, prefetch, dense_seconds):
+    out = tmp_path / f"{prefetch}.jsonl"
+    cfg = RuntimeConfig(workers=2, dense_seconds=dense_seconds, prefetch=prefetch, prefetch_experts=8)
+    res = measure(c, trace, mask, cfg, out, run_id=prefetch, progress=False)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    return res, report([out])["runs"][0], [r for r in recs if r.get("record") != "step"]
+
+
+def _check_prefetch_structure(res, m, recs, selection, prefetch):
+    """What holds whatever the timing: one record per selected expert, what a prefetch may load, when."""
+    required = {}
+    for r in recs:
+        if r["required"]:
+            key = (r["step"], r["layer"], r["expert_id"])
+            assert key not in required, f"two records for {key}"
+            required[key] = r
+    assert set(required) == {(f, layer, e) for (f, layer), es in selection.items() for e in es}
+    assert m["records"] == len(recs) and m["total_stall_ns"] == res.stall_ns
+    spec = [r for r in recs if r["priority"] == "speculative"]
+    if prefetch == "none":
+        assert not spec and m["speculative_bytes_per_token"] == 0
+        return spec
+    first_layer = {}
+    for f, layer in selection:
+        first_layer[f] = min(first_layer.get(f, layer), layer)
+    layer_after = {}
+    for f, layer in sorted(selection):
+        layer_after.setdefault(f, [])
+        layer_after[f].append(layer)
+    assert all(r["required"] for r in spec), "the oracle loads only experts the next layer selects"
+    assert all(r["tier_served"] == "nvme" for r in spec)
+    assert m["speculative_bytes_per_token"] * m["committed_tokens"] == pytest.approx(sum(r["bytes"] for r in spec))
+    for r in spec:
+        f, layer = r["step"], r["layer"]
+        assert layer != first_layer[f], "nothing prefetches a step's first MoE layer"
+        prev = layer_after[f][layer_after[f].index(layer) - 1]
+        done = max(q["ready_ns"] for q in recs if q["step"] == f and q["layer"] == prev and q["required"])
+        assert r["issue_ns"] >= done, "a prefetch starts only once the previous layer's loads are done"
+    by_layer = {}
+    for r in spec:
+        by_layer.setdefault((r["step"], r["layer"]), []).append((r["issue_ns"], r["ready_ns"]))
+    for loads in by_layer.values():               # one prefetch thread: its loads never overlap
+        loads.sort()
+        assert all(b[0] >= a[1] for a, b in zip(loads, loads[1:]))
+    return spec
+
+
 def test_measured_oracle_prefetch_loads_the_next_layer_ahead(small_container, trace_for, tmp_path):
-    """A prefetch thread with time to spare (5 ms of dense time) makes most next-layer loads timely."""
+    """The real harness with a prefetch thread: structure and order of its loads (not their speed)."""
     c = Container.open(small_container)
     mask = np.ones(trace_for.n_forwards, bool)
     mask[20:] = False
-    runs = {}
+    selection = _selection(trace_for, mask)
     for pf in ("none", "oracle"):
-        out = tmp_path / f"{pf}.jsonl"
-        cfg = RuntimeConfig(workers=2, dense_seconds=5e-3, prefetch=pf, prefetch_experts=8)
-        res = measure(c, trace_for, mask, cfg, out, run_id=pf, progress=False)
-        runs[pf] = (res, report([out])["runs"][0], [json.loads(x) for x in out.read_text().splitlines()])
-    none, oracle = runs["none"][1], runs["oracle"][1]
-    spec = [r for r in runs["oracle"][2] if r.get("priority") == "speculative"]
-    assert spec and all(r["required"] for r in spec)            # the oracle loads only what is needed
-    assert none["speculative_bytes_per_token"] == 0 and oracle["speculative_bytes_per_token"] > 0
-    assert oracle["timely_required_byte_recall"] > 0.5 > (none["timely_required_byte_recall"] or 0)
-    assert oracle["total_stall_ns"] == runs["oracle"][0].stall_ns
-    assert oracle["total_stall_ns"] < none["total_stall_ns"]
-    # every selected expert still has exactly one record per (step, layer)
-    assert oracle["records"] == none["records"]
+        res, m, recs = _run_prefetch(c, trace_for, mask, tmp_path, pf, 5e-3)
+        _check_prefetch_structure(res, m, recs, selection, pf)
+
+
+HOLD_LIMIT = 20.0   # seconds: only a broken harness makes the controlled schedule wait this long
+
+
+def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
+    """Let the test, not the machine, decide when the prefetch thread's loads run.
+
+    ``early``: every emulated compute first waits for the loads the prefetch thread has queued, so
+    a prefetch always has time to spare. ``late``: once a prefetch has started, compute waits until
+    its first load has begun; that load's read is held until the next layer has been routed, so
+    exactly one load is in flight at each route. Returns the prefetchers made.
+    """
+    import replay.measure as rm
+
+    prefetchers = []
+
+    class Controlled(rm._Prefetcher):
+        def __init__(self, config, coupling, n_experts, read):
+            routed = self.routed = threading.Event()
+
+            def held_read(*args):
+                assert routed.wait(HOLD_LIMIT), "a held prefetch load was never released"
+                return read(*args)
+
+            super().__init__(config, coupling, n_experts, held_read if schedule == "late" else read)
+            prefetchers.append(self)
+
+        def start(self, *args, **kw):
+            self.routed.clear()
+            super().start(*args, **kw)
+
+    class Clock(rm._ComputeClock):
+        def __call__(self, seconds):
+            for p in prefetchers:
+                loads = list(p.loads.values())       # queued for the next layer, which is not routed yet
+                if schedule == "early":
+                    for fut, _ in loads:
+                        fut.result()
+                elif loads:
+                    deadline = time.monotonic() + HOLD_LIMIT
+                    while not loads[0][1][0]:        # the first queued load is the first the thread takes
+                        assert time.monotonic() < deadline, "the prefetch thread never took its first load"
+                        time.sleep(0)
+                else:
+                    p.routed.set()                   # routed: the held load may read now
+            super().__call__(seconds)
+
+    monkeypatch.setattr(rm, "_Prefetcher", Controlled)
+    monkeypatch.setattr(rm, "_ComputeClock", Clock)
+    return prefetchers
+
+
+def _first_layers(selection) -> dict:
+    first = {}
+    for f, layer in selection:
+        first[f] = min(first.get(f, layer), layer)
+    return first
+
+
+def test_oracle_prefetch_with_time_to_spare_serves_every_later_layer(small_container, trace_for, tmp_path, monkeypatch):
+    """Every MoE layer after a step's first is served entirely by the prefetch, ready before need."""
+    prefetchers = _fix_prefetch_timing(monkeypatch, "early")
+    c = Container.open(small_container)
+    mask = np.ones(trace_for.n_forwards, bool)
+    mask[20:] = False
+    selection = _selection(trace_for, mask)
+    first_layer = _first_layers(selection)
+    res, m, recs = _run_prefetch(c, trace_for, mask, tmp_path, "oracle", 0.0)
+    assert len(prefetchers) == 1
+    spec = _check_prefetch_structure(res, m, recs, selection, "oracle")
+    later = {(f, layer, e) for (f, layer), es in selection.items() if layer != first_layer[f] for e in es}
+    assert {(r["step"], r["layer"], r["expert_id"]) for r in spec} == later
+    assert all(r["ready_ns"] <= r["need_ns"] for r in spec)
+    demand = [r for r in recs if r["priority"] == "demand"]
+    assert demand and all(r["layer"] == first_layer[r["step"]] for r in demand)
+    # the analysis sees it: no stall after a step's first layer, recall at least the prefetched share
+    layer_stall = run_metrics(read_stall_trace(tmp_path / "oracle.jsonl")["oracle"])["_layer_stall"]
+    assert set(layer_stall) == {layer for _, layer in selection}
+    assert all(ns == 0 for layer, ns in layer_stall.items() if layer not in set(first_layer.values()))
+    share = sum(r["bytes"] for r in spec) / sum(r["bytes"] for r in recs if r["required"])
+    assert share > 0.5 and m["timely_required_byte_recall"] >= share - 1e-12
+    # without a prefetch source the same clock changes nothing: every load is a demand load
+    res, m, recs = _run_prefetch(c, trace_for, mask, tmp_path, "none", 0.0)
+    _check_prefetch_structure(res, m, recs, selection, "none")
+    assert all(r["priority"] == "demand" for r in recs)
+
+
+def test_a_prefetch_in_flight_at_routing_is_waited_for_not_read_again(small_container, trace_for, tmp_path, monkeypatch):
+    """One prefetch load in flight when the next layer is routed: that expert is recorded once, as the
+    speculative load it is (issued before it was needed), and the layer's other experts are demand loads."""
+    _fix_prefetch_timing(monkeypatch, "late")
+    c = Container.open(small_container)
+    mask = np.ones(trace_for.n_forwards, bool)
+    mask[20:] = False
+    selection = _selection(trace_for, mask)
+    first_layer = _first_layers(selection)
+    res, m, recs = _run_prefetch(c, trace_for, mask, tmp_path, "oracle", 0.0)
+    spec = _check_prefetch_structure(res, m, recs, selection, "oracle")
+    later = [(f, layer) for f, layer in selection if layer != first_layer[f]]
+    by_layer = {}
+    for r in spec:
+        by_layer.setdefault((r["step"], r["layer"]), []).append(r)
+    assert sorted(by_layer) == sorted(later) and all(len(v) == 1 for v in by_layer.values())
+    assert all(r["issue_ns"] < r["need_ns"] for r in spec)
+    demand = [r for r in recs if r["priority"] == "demand"]
+    assert len(demand) + len(spec) == len(recs) == sum(len(es) for es in selection.values())
 
 
 def test_everything_cached_and_compute_fixed_means_zero_stall(small_container, trace_for, tmp_path):
@@ -88,7 +242,7 @@ def test_tracing_can_be_switched_off(small_container, trace_for, tmp_path):
 
 
 def test_calibration_fits_a_loadable_profile(tmp_path):
-    profile = calibrate(tmp_path, size_mb=64, seconds=0.02, name="test-disk")
+    profile = calibrate(tmp_path, size_mb=64, seconds=0.05, name="test-disk")  # the shortest cell calibrate accepts
     path = tmp_path / "device.json"
     path.write_text(json.dumps(profile))
     dev = load_device(str(path))
