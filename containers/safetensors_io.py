@@ -113,8 +113,13 @@ def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> ShardHeader:
     data_start = 8 + len(raw)
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(path, f"header is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    except RecursionError:
+        raise InputError(path, "header is not valid JSON (nested too deeply)") from None
+    except MemoryError:
+        raise InputError(path, f"header of {len(raw)} bytes is too large to parse in memory") from None
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError included
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        raise InputError(path, f"header is not valid JSON ({lines[0][:120]})") from None
     if not isinstance(obj, dict):
         raise InputError(path, "header is not a JSON object")
     metadata = obj.pop("__metadata__", {})

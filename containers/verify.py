@@ -123,7 +123,8 @@ def _check_segments(src: Container, dst: Container, st: dict, dt: dict, segments
         if None in refs:
             out.append(f"tensor {orig}: segment {top if refs[0] is None else bottom} missing from DST")
             continue
-        if spec.rows * spec.row_bytes != src_entry["nbytes"] or refs[0].nbytes != spec.nbytes("top") or refs[1].nbytes != spec.nbytes("bottom"):
+        if (spec.rows * spec.row_bytes != src_entry["nbytes"] or (spec.rows and not spec.row_bytes)
+                or refs[0].nbytes != spec.nbytes("top") or refs[1].nbytes != spec.nbytes("bottom")):
             out.append(f"tensor {orig}: segment sizes do not match the segment map")
             continue
         digest = reassembled_digest(spec, (dst.files[refs[0].file], refs[0].entry.begin), (dst.files[refs[1].file], refs[1].entry.begin))
