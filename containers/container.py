@@ -104,6 +104,9 @@ class ModelConfig(LayerNumbering):
 
         def pick(field, *keys, default=None):
             lo, hi = CONFIG_BOUNDS[field]
+            present = [k for k in keys if k in obj]
+            if len(present) > 1 and any(obj[k] != obj[present[0]] or type(obj[k]) is not type(obj[present[0]]) for k in present):
+                raise InputError(path, f"{' and '.join(present)} disagree (the runtime reads one of them)")
             for k in keys:
                 if k in obj:
                     v = obj[k]

@@ -8,10 +8,10 @@ The reader makes at least the checks the colibrì runtime makes (N <= 512 MiB, `
 ``8 + N + b <= file size``, shape products that do not overflow, ``numel * itemsize == nbytes``) and
 also refuses unknown dtypes, duplicate JSON keys, unknown entry fields, overlapping tensors (an
 empty tensor inside another one included), strings that are not valid UTF-8 (a JSON escape of a
-lone surrogate such as ``\\ud800``), and dimensions of ``2**63`` or more (each one, and the product
-of the non-zero ones, even when another dimension is 0), because the runtime or the safetensors
-library would misread or refuse such a file. Gaps between tensors are allowed (the
-runtime allows them, and aligned layouts need them).
+lone surrogate such as ``\\ud800``), a header not starting with ``{``, and dimensions of ``2**63``
+or more (each one, and the product of the non-zero ones, even when another dimension is 0),
+because the runtime or the safetensors library would misread or refuse such a file. Gaps between
+tensors are allowed (the runtime allows them, and aligned layouts need them).
 
 The writer never holds tensor data in memory: each tensor is streamed from a :class:`ByteSource`
 (see :mod:`containers.sources`) into its place. Header keys are written sorted by name, so the
@@ -122,6 +122,8 @@ def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> ShardHeader:
         raise InputError(path, f"header is not valid JSON ({lines[0][:120]})") from None
     if not isinstance(obj, dict):
         raise InputError(path, "header is not a JSON object")
+    if not raw.startswith(b"{"):
+        raise InputError(path, "header does not start with '{' (the safetensors library refuses it)")
     metadata = obj.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()

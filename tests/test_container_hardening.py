@@ -629,3 +629,17 @@ def test_manifest_loader_and_schema_agree_on_what_we_write(rewritten):
         m = load_manifest(root / MANIFEST_NAME)
         jsonschema.validate(m, MANIFEST_SCHEMA)
         jsonschema.validate(build_manifest(Container.open(root), progress=False), MANIFEST_SCHEMA)
+
+
+def test_header_must_start_with_a_brace(tmp_path):
+    p = write_raw_header(tmp_path / "w.safetensors", ' {"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', b"\x00")
+    with pytest.raises(InputError, match="start with"):
+        read_header(p)
+
+
+def test_config_aliases_that_disagree_are_refused(container_copy):
+    _set_config(container_copy, num_experts=17)
+    with pytest.raises(InputError, match="n_routed_experts and num_experts disagree"):
+        Container.open(container_copy)
+    _set_config(container_copy, num_experts=16)
+    assert Container.open(container_copy).problems == []
