@@ -643,3 +643,34 @@ def test_config_aliases_that_disagree_are_refused(container_copy):
         Container.open(container_copy)
     _set_config(container_copy, num_experts=16)
     assert Container.open(container_copy).problems == []
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_manifest_entry_edits_are_noticed_by_verify(rewritten, tmp_path_factory, cached_fresh_manifests, data):
+    """Any other value in any field of any tensor or file entry of DST's manifest is reported."""
+    dst = tmp_path_factory.getbasetemp() / "random-flips"
+    if not dst.exists():
+        shutil.copytree(rewritten["dst"], dst)
+    good = json.loads((rewritten["dst"] / MANIFEST_NAME).read_text())
+    m = copy.deepcopy(good)
+    shards = [f["name"] for f in m["files"] if f["kind"] == "safetensors"]
+    if data.draw(st.booleans()):
+        entry = m["tensors"][data.draw(st.sampled_from(sorted(m["tensors"])))]
+        field = data.draw(st.sampled_from(sorted(entry)))
+        new = {"file": st.sampled_from(shards), "dtype": st.sampled_from(["U8", "I8", "F32", "F16", "I32"]),
+               "shape": st.lists(st.integers(0, 5000), max_size=3), "offset": st.integers(0, 2**40),
+               "nbytes": st.integers(0, 2**40), "xxh3_128": st.text("0123456789abcdef", min_size=32, max_size=32)}[field]
+    else:
+        entry = data.draw(st.sampled_from(m["files"]))
+        field = data.draw(st.sampled_from(sorted(entry)))
+        new = {"name": st.sampled_from([f["name"] for f in m["files"]] + ["x.json"]), "kind": st.sampled_from(["safetensors", "other"]),
+               "size": st.integers(0, 2**40), "xxh3_128": st.text("0123456789abcdef", min_size=32, max_size=32)}[field]
+    value = data.draw(new.filter(lambda v: v != entry[field]))
+    entry[field] = value
+    (dst / MANIFEST_NAME).write_text(json.dumps(m))
+    try:
+        problems, _ = verify_containers(rewritten["src"], dst, progress=False)
+    except InputError as exc:
+        problems = [str(exc)]
+    assert problems, (field, value)
