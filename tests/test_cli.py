@@ -1,8 +1,11 @@
 """The command line: demo runs end to end; bad input is one line and exit 2."""
 
+import pytest
+
 from conftest import run_cli
 
 
+@pytest.mark.slow
 def test_demo_runs(tmp_path):
     res = run_cli("demo", "--dir", tmp_path / "demo")
     assert res.returncode == 0, res.stdout + res.stderr

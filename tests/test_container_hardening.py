@@ -389,6 +389,7 @@ def cached_fresh_manifests(monkeypatch):
     monkeypatch.setattr(verify_module, "build_manifest", build)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["dst", "split"])
 def test_manifest_flips_every_field_is_noticed_by_verify(rewritten, tmp_path, cached_fresh_manifests, which):
     """Flip each field of DST's recorded manifest, one at a time: verify must report it (a problem

@@ -205,6 +205,7 @@ def test_replay_split_rule_ranks_by_replayed_wait_per_byte():
     assert [c.tolist() for c in chosen] == [[1], [2]]
 
 
+@pytest.mark.slow
 def test_replay_split_rule_does_not_lose_to_heat_in_the_replay_model(tmp_path):
     from replay.device import load_device
     from replay.gate import compare
