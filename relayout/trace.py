@@ -237,8 +237,7 @@ class RoutingTrace:
             if self.top_k > 1:
                 if ((ex[:, 1:] >= 0) & (ex[:, :-1] < 0)).any():
                     bad("a row has padding (-1) before a selection")
-                s = np.sort(ex, axis=1)
-                if ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any():
+                if rows_with_repeats(ex).any():
                     bad("an expert is selected twice in one row")
             if np.isinf(self.gates).any():
                 bad("a gate is infinite")
@@ -273,6 +272,23 @@ class RoutingTrace:
             raise InputError(where, "a session's forwards are not contiguous (sessions interleave)")
         if (self.fwd_committed > self.fwd_evaluated).any():
             raise InputError(where, "a forward commits more tokens than it evaluated")
+
+
+def rows_with_repeats(experts: np.ndarray) -> np.ndarray:
+    """Mask [R] of rows of ``experts`` [R, k] (-1 padded) selecting some expert twice."""
+    R, k = experts.shape
+    if k > 16:
+        s = np.sort(experts, axis=1)
+        return ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(axis=1)
+    padded = R > 0 and int(experts.min()) < 0
+    out = np.zeros(R, dtype=bool)
+    for a in range(k):
+        col = experts[:, a]
+        live = col >= 0 if padded else None
+        for b in range(a + 1, k):
+            eq = col == experts[:, b]
+            out |= eq & live if padded else eq
+    return out
 
 
 def _is_int(v) -> bool:
