@@ -190,6 +190,8 @@ def top_targets(X: np.ndarray, max_targets: int) -> tuple[np.ndarray, np.ndarray
 def write_coli_pairs(trace: RoutingTrace, path: str | os.PathLike, max_targets: int = 16, forwards: np.ndarray | None = None) -> int:
     """Write colibrì's ``.coli_pairs`` coupling table; returns the number of lines.
 
+    Counted sparsely (memory grows with the rows, not with the square of the experts per layer).
+
     Format: ``COLIPAIRS 1 <n_lines>`` then ``<L> <dL> <e> f1:c1 f2:c2 ...`` with dL in {1, 2}, at
     most ``max_targets`` targets per line, raw counts, sorted by count (descending, then id).
     """
@@ -200,10 +202,22 @@ def write_coli_pairs(trace: RoutingTrace, path: str | os.PathLike, max_targets: 
         for dl in (1, 2):
             if layer + dl not in layers:
                 continue
-            targets, counts = top_targets(cross_layer_counts(trace, layer, dl, forwards), max_targets)
-            for e in np.flatnonzero(counts[:, 0]):
-                n = int((targets[e] >= 0).sum())
-                lines.append(f"{layer} {dl} {e} " + " ".join(f"{f}:{c}" for f, c in zip(targets[e, :n], counts[e, :n])))
+            ra, rb = aligned_rows(trace, layer, layer + dl, forwards)
+            e, f, c = cross_layer_items(trace, ra, rb)
+            # each source's strongest targets: count descending, then id (as top_targets), sparse
+            order = np.lexsort((f, -c, e))
+            e, f, c = e[order], f[order], c[order]
+            start = np.flatnonzero(np.diff(e, prepend=-1))
+            rank = np.arange(len(e)) - np.repeat(start, np.diff(np.append(start, len(e))))
+            keep = rank < max_targets
+            e, f, c = e[keep].tolist(), f[keep].tolist(), c[keep].tolist()
+            i = 0
+            while i < len(e):
+                j = i
+                while j < len(e) and e[j] == e[i]:
+                    j += 1
+                lines.append(f"{layer} {dl} {e[i]} " + " ".join(f"{f[t]}:{c[t]}" for t in range(i, j)))
+                i = j
     with atomic_output(path, "w") as fh:
         fh.write(f"COLIPAIRS 1 {len(lines)}\n")
         for line in lines:

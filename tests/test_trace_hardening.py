@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from conftest import run_cli
 from containers.errors import InputError
+from relayout.coactivation import write_coli_pairs
 from relayout.trace import MAGIC, RoutingTrace, load_trace, save_trace
 from relayout.trace_import import import_traces
 from relayout.trace_stats import trace_stats
@@ -383,8 +384,8 @@ def test_edited_trace_arrays_are_validated(tmp_path, name, index, value, match):
 # ------------------------------------------------------------------ 4: bounded trace stats
 
 
-def test_trace_stats_memory_does_not_grow_with_experts_squared():
-    # 32768 experts per layer is the format's limit; a dense [E, E] pass would need 8 GiB per layer
+def big_expert_trace():
+    """A valid trace with 32768 experts per layer, the format's limit (dense [E, E] = 8 GiB)."""
     E, k = 32768, 4
     rng = np.random.default_rng(0)
     F, layers = 200, [3, 4]
@@ -397,12 +398,27 @@ def test_trace_stats_memory_does_not_grow_with_experts_squared():
         fwd_committed=np.ones(F, np.int32),
     )
     tr.validate()
+    return tr
+
+
+def test_trace_stats_memory_does_not_grow_with_experts_squared():
+    tr = big_expert_trace()
     tracemalloc.start()
     s = trace_stats(tr, min_count=1)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 64 << 20, peak
-    assert s["layers"][0]["rows"] == F and s["layers"][0]["pairs_supported"] > 0
+    assert s["layers"][0]["rows"] == 200 and s["layers"][0]["pairs_supported"] > 0
+
+
+def test_coli_pairs_export_memory_does_not_grow_with_experts_squared(tmp_path):
+    tr = big_expert_trace()
+    tracemalloc.start()
+    n = write_coli_pairs(tr, tmp_path / "p.coli_pairs")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    assert 0 < n <= 4 * 200
 
 
 def test_trace_stats_on_many_layers_is_linear():
