@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from containers.errors import InputError
-from containers.jsonfile import parse_json, read_shipped
+from containers.jsonfile import parse_json, read_shipped, shipped_names
 
 from .trace import FORWARD_KINDS, RoutingTrace
 
@@ -52,6 +52,11 @@ class Atlas:
     layers: list[int]
     heat: np.ndarray                 # [L, E]
     pairs: list[np.ndarray]          # per layer [P, 4]: i, j, count, lift
+
+
+def atlas_names() -> list[str]:
+    """Names of the co-activation atlases shipped in ``manifests/atlases``."""
+    return shipped_names("atlases")
 
 
 def load_atlas(name_or_path: str | Path) -> Atlas:

@@ -26,7 +26,7 @@ from conftest import REPO, run_cli
 from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.jsonfile import iter_jsonl, load_shipped, read_document, shipped_dir, shipped_names
-from relayout.trace_synth import load_atlas
+from relayout.trace_synth import atlas_names, load_atlas
 from replay.device import load_device
 
 OURS = {"relayout", "replay", "containers", "manifests"}
@@ -43,7 +43,7 @@ def test_shipped_data_is_one_regular_package_folder():
     assert manifests.__file__ is not None  # a regular package: resources gives one folder, not a MultiplexedPath
     assert shipped_names("geometries") == ["glm-5.2-int4-g64", "glm-5.2-int4-row", "qwen3-30b-a3b"]
     assert shipped_names("devices") == ["linux-md-raid0-4x", "mac-pro-2019-applraid-4x", "single-nvme"]
-    assert shipped_names("atlases") == ["glm-5.2", "qwen3-30b-a3b"]
+    assert shipped_names("atlases") == atlas_names() == ["glm-5.2", "qwen3-30b-a3b"]
     assert shipped_names("no-such-folder") == []
     readme = shipped_dir("atlases").joinpath("README.md").read_text()
     assert "mbolt" in readme and "github.com/doramirdor/mbolt" in readme and "MIT License" in readme
