@@ -10,12 +10,14 @@ plan to a container and what verification compares against. Two fingerprints are
 :func:`load_manifest` checks a manifest against that schema in plain Python (jsonschema is a
 test-only dependency; the tests hold the two to agreement) and refuses one that is malformed with
 one line naming the key. :func:`compare_manifests` compares every field of every entry (a
-tensor's file and offset included), the geometry, and each fingerprint with what its lists give.
+tensor's file and offset included), the geometry, the segment map of a split container (derived
+from its tensors by :func:`segment_map`), and each fingerprint with what its lists give.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -23,10 +25,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .atomic import write_json_atomic
-from .container import MANIFEST_NAME, Container
+from .container import MANIFEST_NAME, Container, expert_tensor_name
+from .geometry import ExpertFormat
 from .errors import InputError
 from .hashing import Range, digest_of, hash_file
 from .jsonfile import read_document
+from .segments import expert_segment_specs
 
 MANIFEST_FORMAT = "relayout.manifest"
 MANIFEST_VERSION = 1
@@ -90,7 +94,33 @@ def build_manifest(container: Container, progress: bool = True) -> dict:
         },
         "files": files,
         "tensors": dict(sorted(tensors.items())),
+        **({"segments": segs} if (segs := segment_map(container)) else {}),
     }
+
+
+def segment_map(container: Container) -> dict:
+    """The segment map (``docs/SPLIT_SEGMENTS.md``) that a split container's segments imply.
+
+    Derived from each split expert's format and its gate top rows, with the one implementation
+    the rewriter uses (:func:`containers.segments.expert_segment_specs`), so a re-made manifest of a
+    split container keeps its map, and a recorded map can be checked against the tensors.
+    Experts whose segment sizes fit no split are left out (the container reports them).
+    """
+    cfg = container.config
+    out = {}
+    for e in container.experts.values():
+        if not e.split or e.base_format is None:
+            continue
+        fmt = ExpertFormat.parse(e.base_format)
+        wrow = math.ceil(cfg.hidden_size * fmt.bits / 8)
+        top = e.segments[("gate", False, "top")].nbytes
+        if wrow == 0 or top % wrow:
+            continue
+        specs = expert_segment_specs(fmt, cfg.hidden_size, cfg.moe_intermediate_size, top // wrow)
+        for (proj, scale), spec in specs.items():
+            name = expert_tensor_name(e.layer, e.expert, proj, scale)
+            out[name] = {**spec.to_json(), "top": f"{name}.top", "bottom": f"{name}.bottom"}
+    return dict(sorted(out.items()))
 
 
 def write_manifest(manifest: dict, path: str | os.PathLike) -> None:
@@ -230,8 +260,8 @@ def compare_manifests(expected: dict, actual: dict) -> list[str]:
     """Every difference between a recorded manifest and a fresh one, one line each.
 
     Both must have passed :func:`manifest_problem`. Compared: each fingerprint of ``expected`` with
-    the one its own lists give; the geometry; each file's kind, size and hash; each tensor's file,
-    offset, dtype, shape, size and hash.
+    the one its own lists give; the geometry; the segment map; each file's kind, size and hash;
+    each tensor's file, offset, dtype, shape, size and hash.
     """
     out = []
     if expected["fingerprint"] != layout_fingerprint(expected["files"]):
@@ -242,6 +272,10 @@ def compare_manifests(expected: dict, actual: dict) -> list[str]:
     for key in sorted(set(_GEOMETRY_COUNTS) | {"expert_formats"}):
         if eg.get(key) != ag.get(key):
             out.append(f"geometry {key}: {ag.get(key)}, manifest says {eg.get(key)}")
+    if expected.get("segments", {}) != actual.get("segments", {}):
+        exp_s, act_s = expected.get("segments", {}), actual.get("segments", {})
+        diff = sorted(n for n in exp_s.keys() | act_s.keys() if exp_s.get(n) != act_s.get(n))
+        out.append(f"segments: {len(diff)} entries differ from what the split tensors give, e.g. {diff[0]}")
     exp_files = {f["name"]: f for f in expected["files"]}
     act_files = {f["name"]: f for f in actual["files"]}
     for name in sorted(exp_files.keys() - act_files.keys()):

@@ -56,7 +56,7 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     if recorded_path.exists():
         recorded = load_manifest(recorded_path)
         problems += [f"DST manifest: {p}" for p in compare_manifests(recorded, dst_m)]
-        segments = recorded.get("segments", {})
+        segments = recorded.get("segments", dst_m.get("segments", {}))
         claimed = recorded.get("rewrite", {}).get("source_content_fingerprint")
         if claimed is not None and claimed != src_m["content_fingerprint"]:
             problems.append("DST manifest: rewrite.source_content_fingerprint is not SRC's content fingerprint "

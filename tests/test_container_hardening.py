@@ -675,3 +675,14 @@ def test_random_manifest_entry_edits_are_noticed_by_verify(rewritten, tmp_path_f
     except InputError as exc:
         problems = [str(exc)]
     assert problems, (field, value)
+
+
+def test_a_remade_manifest_of_a_split_container_keeps_its_segment_map(rewritten, tmp_path):
+    recorded = load_manifest(rewritten["split"] / MANIFEST_NAME)
+    assert build_manifest(Container.open(rewritten["split"]), progress=False)["segments"] == recorded["segments"]
+    assert "segments" not in build_manifest(Container.open(rewritten["dst"]), progress=False)
+    dst = _copy(rewritten["split"], tmp_path)
+    assert run_cli("manifest", dst).returncode == 0
+    assert "rewrite" not in load_manifest(dst / MANIFEST_NAME)
+    problems, summary = verify_containers(rewritten["src"], dst, progress=False)
+    assert problems == [] and summary["split_tensors"] == len(recorded["segments"]) and summary["needs_split_runtime"]
