@@ -128,12 +128,11 @@ def cmd_trace_import(args) -> int:
     from .trace import save_trace
     from .trace_import import import_traces
 
-    n_experts = None
-    geometry = "inferred"
+    n_experts, geometry, routed = None, "inferred", None
     if args.geometry:
         g = load_geometry(args.geometry)
-        n_experts, geometry = g.n_routed_experts, g.name
-    trace, warnings = import_traces([Path(p) for p in args.inputs], args.format, n_experts, geometry)
+        n_experts, geometry, routed = g.n_routed_experts, g.name, g.routed_layers
+    trace, warnings = import_traces([Path(p) for p in args.inputs], args.format, n_experts, geometry, routed)
     for w in warnings:
         print(f"relayout: warning: {w}", file=sys.stderr)
     save_trace(trace, args.output)
