@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import REPO, child_peak_rss_mb
+from common import child_peak_rss_mb
 
 from containers.geometry import load_geometry
 from relayout.ordering import runs_per_token
@@ -59,7 +59,7 @@ def main() -> None:
           f"= {rate / 1e6:.2f} M selections/s (best of 3; target >= 2 M/s)")
 
     g = load_geometry("glm-5.2-int4-row")
-    atlas = load_atlas(REPO.parent / "shared" / "data" / "glm52-coactivation-atlas.json")
+    atlas = load_atlas("glm-5.2")
     params, report = fit_atlas(atlas, seed=0)
     trace = synth_trace(g.moe_layers, 256, 8, args.tokens, 10, seed=1, params=params, base_heat=atlas.heat, geometry=g.name)
     tpath = work / "glm.rt"

@@ -23,6 +23,7 @@ from containers.synth import synth_container
 
 from . import __version__
 from .textfmt import human_bytes
+from .trace_synth import atlas_names
 
 
 def cmd_inspect(args) -> int:
@@ -423,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokens", type=int, default=2000, help="decode tokens in all")
     c.add_argument("--sessions", type=int, default=8)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--fit", metavar="ATLAS.json", help="fit heat and lift to a co-activation atlas and report the error")
+    c.add_argument("--fit", metavar="ATLAS", help="fit heat and lift to a co-activation atlas and report the error: a shipped "
+                                              f"atlas ({', '.join(atlas_names())}) or an atlas JSON file")
     c.set_defaults(func=cmd_synth_trace)
 
     s = sub.add_parser("trace", help="import routing traces and describe them")
