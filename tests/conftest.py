@@ -11,6 +11,15 @@ from containers.synth import synth_container
 
 REPO = Path(__file__).resolve().parent.parent
 
+FUZZ_SCALE = float(os.environ.get("RELAYOUT_FUZZ_SCALE", "1"))
+"""Multiplies every fuzz test's example count: ``RELAYOUT_FUZZ_SCALE=10 pytest -k fuzz`` is a long run."""
+
+
+def fuzz_examples(default: int) -> int:
+    """Examples for a fuzzing property test: ``default`` scaled by ``RELAYOUT_FUZZ_SCALE``."""
+    return max(1, int(default * FUZZ_SCALE))
+
+
 SMALL = dict(moe_layers=3, experts=16, hidden=512, ffn=128, shard_bytes=1_500_000, vocab=256)
 
 

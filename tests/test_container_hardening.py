@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import fuzz_examples, run_cli
 from containers.container import Container
 from containers.errors import InputError
 from containers.safetensors_io import read_header
@@ -190,7 +190,7 @@ import shutil  # noqa: E402
 from conftest import REPO, small_geometry, source_with_manifest  # noqa: E402
 from containers import verify as verify_module  # noqa: E402
 from containers.container import MANIFEST_NAME  # noqa: E402
-from containers.manifest import build_manifest, load_manifest, write_manifest  # noqa: E402
+from containers.manifest import build_manifest, load_manifest  # noqa: E402
 from containers.verify import verify_containers  # noqa: E402
 
 
@@ -425,7 +425,7 @@ from hypothesis import strategies as st  # noqa: E402
 from containers.manifest import compare_manifests, manifest_problem  # noqa: E402
 from containers.synth import synth_container  # noqa: E402
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=fuzz_examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 
 surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
 texts = st.text(st.one_of(st.characters(), surrogates), max_size=12) | st.sampled_from(

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from conftest import small_geometry, source_with_manifest, tree_state
+from conftest import fuzz_examples, small_geometry, source_with_manifest, tree_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,9 +14,6 @@ from relayout.apply import apply_plan, output_files, verify
 from relayout.layout import PackOptions
 from relayout.plan import load_plan, make_plan, plan_digest, source_from_container
 from relayout.trace_synth import synth_trace
-
-FUZZ_EXAMPLES = int(os.environ.get("RELAYOUT_FUZZ_EXAMPLES", "300"))
-"""Examples per fuzz test; raise it for a long fuzzing run (docs/BENCHMARKS.md)."""
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
@@ -66,7 +63,7 @@ def _write(tmp, plan) -> str:
     return str(path)
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=fuzz_examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(index=st.integers(min_value=0), value=JSON_VALUES, delete=st.booleans())
 def test_a_fuzzed_plan_loads_or_is_one_input_error(fuzz_base, tmp_path_factory, index, value, delete):
     path = _write(tmp_path_factory.mktemp("f"), _edited(fuzz_base, index, value, delete))
@@ -77,7 +74,7 @@ def test_a_fuzzed_plan_loads_or_is_one_input_error(fuzz_base, tmp_path_factory, 
         pass
 
 
-@settings(max_examples=max(10, FUZZ_EXAMPLES // 6), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=fuzz_examples(50), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(index=st.integers(min_value=0), value=JSON_VALUES, delete=st.booleans())
 def test_a_fuzzed_plan_rewrites_identically_or_writes_nothing(fuzz_base, tmp_path_factory, index, value, delete):
     work = tmp_path_factory.mktemp("w")

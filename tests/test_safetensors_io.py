@@ -4,6 +4,7 @@ import json
 import struct
 
 import pytest
+from conftest import fuzz_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,7 +91,7 @@ def test_header_length_bounds(tmp_path):
         read_header(p)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=fuzz_examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(blob=st.binary(max_size=300))
 def test_random_bytes_never_crash(tmp_path, blob):
     p = tmp_path / "fuzz.safetensors"
@@ -101,7 +102,7 @@ def test_random_bytes_never_crash(tmp_path, blob):
         assert "\n" not in str(exc)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=fuzz_examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pos=st.integers(0, 10_000), value=st.integers(0, 255), cut=st.integers(0, 10_000), mode=st.sampled_from(["flip", "cut"]))
 def test_mutated_valid_header_is_a_clean_error_or_still_valid(tmp_path, pos, value, cut, mode):
     specs = [TensorSpec(f"t{i}", "F32", (i + 1, 3), SeededBytes(1, f"t{i}", 12 * (i + 1))) for i in range(5)]

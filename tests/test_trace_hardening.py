@@ -16,7 +16,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_cli
+from conftest import fuzz_examples, run_cli
 from containers.errors import InputError
 from relayout.coactivation import write_coli_pairs
 from relayout.trace import MAGIC, RoutingTrace, load_trace, save_trace
@@ -505,7 +505,7 @@ def seeds():
     }
 
 
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(max_examples=fuzz_examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 @pytest.mark.parametrize("fmt", ["route", "stall", "mblt", "coli_usage"])
