@@ -23,9 +23,9 @@ from common import child_peak_rss_mb
 from containers.geometry import load_geometry
 from relayout.ordering import runs_per_token
 from relayout.plan import make_plan, source_from_geometry, split_sessions, training_rows
-from relayout.trace import save_trace
 from relayout.trace_import import import_traces
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
+from replay.trace import save_trace
 
 
 def write_route_trace(path: Path, selections: int, seed: int = 0) -> None:
@@ -65,7 +65,7 @@ def main() -> None:
     tpath = work / "glm.rt"
     save_trace(trace, tpath)
     print(f"GLM-5.2 trace: {args.tokens} tokens fitted to the atlas ({'; '.join(report.lines())})")
-    code = (f"import time; from relayout.trace import load_trace; from relayout.plan import make_plan, source_from_geometry, save_plan; "
+    code = (f"import time; from replay.trace import load_trace; from relayout.plan import make_plan, source_from_geometry; from replay.planfile import save_plan; "
             f"from containers.geometry import load_geometry; tr = load_trace({str(tpath)!r}); t = time.perf_counter(); "
             f"p = make_plan(tr, source_from_geometry(load_geometry('glm-5.2-int4-row')), 'louvain', progress=False); "
             f"save_plan(p, {str(work / 'plan.json')!r}); open({str(work / 'time')!r}, 'w').write(str(time.perf_counter() - t))")

@@ -21,12 +21,12 @@ from common import child_peak_rss_mb
 
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
-from relayout.trace import save_trace
 from relayout.trace_synth import synth_trace
 from replay.device import load_device
 from replay.engine import simulate
 from replay.prefetch import coupling_table
 from replay.runtime import RuntimeConfig
+from replay.trace import save_trace
 
 TARGET_LOADS_PER_S = 2e6
 
@@ -65,7 +65,7 @@ def main() -> None:
               f"({int(inst.reads.sum()):,} reads) = {loads / dt / 1e6:.2f} M modelled expert loads/s, "
               f"{lookups / dt / 1e6:.2f} M lookups/s, {inst.reads.sum() / dt / 1e6:.2f} M modelled preads/s; "
               f"{loads / dt / TARGET_LOADS_PER_S:.2f}x the target of 2 M loads/s")
-    code = (f"import numpy as np; from relayout.trace import load_trace; from relayout.plan import source_from_geometry; "
+    code = (f"import numpy as np; from replay.trace import load_trace; from relayout.plan import source_from_geometry; "
             f"from containers.geometry import load_geometry; from replay.device import load_device; from replay.engine import simulate; "
             f"from replay.runtime import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "
             f"simulate(tr, np.ones(tr.n_forwards, bool), source_from_geometry(load_geometry('glm-5.2-int4-row')).stock, "

@@ -35,9 +35,10 @@ from containers.geometry import load_geometry  # noqa: E402
 from containers.manifest import build_manifest, write_manifest  # noqa: E402
 from containers.synth import synth_container  # noqa: E402
 from relayout.apply import verify  # noqa: E402
-from relayout.layout import PackOptions  # noqa: E402
-from relayout.plan import make_plan, save_plan, source_from_container  # noqa: E402
+from relayout.packing import PackOptions  # noqa: E402
+from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace  # noqa: E402
+from replay.planfile import save_plan  # noqa: E402
 
 
 def digests(root: Path) -> dict[str, str]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import io
 import json
 import os
-from pathlib import Path
 from importlib import resources
 from importlib.resources.abc import Traversable
+from pathlib import Path
 from typing import Iterator
 
 import zstandard

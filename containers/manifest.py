@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from .atomic import write_json_atomic
 from .container import MANIFEST_NAME, Container, expert_tensor_name
-from .geometry import ExpertFormat
 from .errors import InputError
+from .geometry import ExpertFormat
 from .hashing import Range, digest_of, hash_file
 from .jsonfile import read_document
 from .segments import expert_segment_specs

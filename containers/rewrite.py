@@ -43,7 +43,12 @@ from .container import MANIFEST_NAME, Container
 from .destination import TEMP_NAME, Destination
 from .errors import InputError
 from .hashing import Range, file_digest, gap_digest, hash_file, hash_range, segments
-from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, content_fingerprint, layout_fingerprint
+from .manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    content_fingerprint,
+    layout_fingerprint,
+)
 from .output_files import OutputFile, require_valid_output_files, tensor_specs
 from .safetensors_io import DTYPE_SIZES, plan_shard
 from .sources import FileRange

@@ -1,3 +1,5 @@
 """relayout: co-activation layouts for MoE expert containers streamed from NVMe."""
 
-__version__ = "0.1.0"
+from containers import __version__
+
+__all__ = ["__version__"]

@@ -13,15 +13,15 @@ from pathlib import Path
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.hashing import digest_of
+from containers.layout import SLOTS, slot_name
 from containers.manifest import build_manifest, load_manifest
 from containers.output_files import Derived, OutputFile
 from containers.rewrite import rewrite_container
 from containers.segments import PARTS, SegmentSpec
 from containers.verify import verify_containers
+from replay.planfile import Plan
 
 from . import __version__
-from .layout import SLOTS, _slot_name
-from .plan import Plan
 
 
 def output_files(plan: Plan) -> list[OutputFile]:
@@ -41,7 +41,7 @@ def output_files(plan: Plan) -> list[OutputFile]:
             for e in range(lay.n_experts):
                 for slot in range(len(SLOTS)):
                     f, off, _ = lay.expert_loc[li, e, slot].tolist()
-                    per_file[f].append((_slot_name(layer, e, slot), off))
+                    per_file[f].append((slot_name(layer, e, slot), off))
     for name, f, off, _ in lay.other_tensors:
         per_file[f].append((name, off))
     return [OutputFile(n, dict(m), sorted(t, key=lambda x: x[1]), s, lay.alignment,

@@ -126,7 +126,8 @@ def _scaled_geometry(args, shard_attr: str = "shard_mb"):
 
 
 def cmd_trace_import(args) -> int:
-    from .trace import save_trace
+    from replay.trace import save_trace
+
     from .trace_import import import_traces
 
     n_experts, geometry, routed = None, "inferred", None
@@ -143,7 +144,8 @@ def cmd_trace_import(args) -> int:
 
 
 def cmd_trace_stats(args) -> int:
-    from .trace import load_trace
+    from replay.trace import load_trace
+
     from .trace_stats import format_stats, trace_stats
 
     stats = trace_stats(load_trace(args.trace))
@@ -152,7 +154,8 @@ def cmd_trace_stats(args) -> int:
 
 
 def cmd_synth_trace(args) -> int:
-    from .trace import save_trace
+    from replay.trace import save_trace
+
     from .trace_synth import SynthParams, fit_atlas, load_atlas, synth_trace
 
     g = _scaled_geometry(args)
@@ -177,8 +180,9 @@ def cmd_synth_trace(args) -> int:
 
 
 def cmd_export_coli_pairs(args) -> int:
+    from replay.trace import load_trace
+
     from .coactivation import write_coli_pairs
-    from .trace import load_trace
 
     n = write_coli_pairs(load_trace(args.trace), args.output)
     print(f"wrote {args.output}: {n} coupling lines")
@@ -186,9 +190,17 @@ def cmd_export_coli_pairs(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .layout import PackOptions
-    from .plan import SplitOptions, make_plan, plan_summary, save_plan, source_from_container, source_from_geometry
-    from .trace import load_trace
+    from replay.planfile import save_plan
+    from replay.trace import load_trace
+
+    from .packing import PackOptions
+    from .plan import (
+        SplitOptions,
+        make_plan,
+        plan_summary,
+        source_from_container,
+        source_from_geometry,
+    )
 
     if bool(args.container) == bool(args.geometry):
         raise InputError(None, "give exactly one of --container DIR or --geometry NAME")
@@ -233,9 +245,8 @@ def cmd_replay(args) -> int:
     from containers.atomic import write_json_atomic
     from replay.device import load_device
     from replay.gate import compare, format_gate, format_sweep, sweep
-
-    from .plan import load_plan
-    from .trace import load_trace
+    from replay.planfile import load_plan
+    from replay.trace import load_trace
 
     plan = load_plan(args.layout)
     trace = load_trace(args.trace)
@@ -276,9 +287,9 @@ def _say(line: str) -> None:
 
 def cmd_rewrite(args) -> int:
     from replay.gate import load_gate
+    from replay.planfile import load_plan
 
     from .apply import apply_plan
-    from .plan import load_plan
 
     plan = load_plan(args.layout)
     gate = load_gate(args.gate) if args.gate else None
@@ -332,9 +343,8 @@ def cmd_measure(args) -> int:
     from containers.container import Container
     from replay.gate import evaluation_forwards, training_coupling
     from replay.measure import measure
-
-    from .plan import load_plan
-    from .trace import load_trace
+    from replay.planfile import load_plan
+    from replay.trace import load_trace
 
     trace = load_trace(args.trace)
     plan = load_plan(args.layout) if args.layout else None

@@ -29,8 +29,6 @@ import numpy as np
 
 from .coactivation import coactivation_graph, heat_of, pair_counts
 
-METHODS = ("louvain", "greedy-modularity", "heat", "stock", "random")
-
 
 def runs_per_token(experts: np.ndarray, order: np.ndarray) -> float:
     """Mean number of contiguous runs the selected experts of each row form in ``order``.

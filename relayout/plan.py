@@ -1,41 +1,47 @@
-"""Layout plans: from a routing trace and a container (or a geometry) to ``plan.json``.
+"""Making layout plans: from a routing trace and a container (or a geometry) to ``plan.json``.
 
-A plan records everything replay and rewrite need, so that replay runs far from the container:
-the container's fingerprints and geometry, the training sessions (held-out discipline), the
-method and its parameters, the per-layer expert order, the source's physical layout (the stock
-baseline, straddling experts included), the new layout (files, offsets, alignment) and an
-optional vertical split plan. Schema: ``manifests/schemas/plan.schema.json``.
+:func:`make_plan` learns per-layer expert orders from the training sessions
+(:mod:`relayout.ordering`), packs them into a new layout (:mod:`relayout.packing`) and
+optionally a vertical split plan (:mod:`relayout.split`). What a plan file records, and how it
+is read and validated, is :mod:`replay.planfile`.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from containers.atomic import write_json_atomic
-from containers.container import MANIFEST_NAME, MAX_FILES, Container, expert_tensor_name
+from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, Geometry
-from containers.hashing import digest_of
-from containers.jsonfile import read_document
+from containers.layout import (
+    Layout,
+    TensorInfo,
+    layout_from_container,
+    layout_from_geometry,
+    tensors_of_container,
+)
 from containers.manifest import build_manifest, load_manifest
-from containers.output_files import MAX_LISTED, output_name_problem
 from containers.segments import expert_segment_specs
+from replay.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, plan_digest
+from replay.trace import FORWARD_KINDS, RoutingTrace
 
 from . import __version__
-from .layout import Layout, PackOptions, TensorInfo, layout_from_container, layout_from_geometry, pack_layout, tensors_of_container
-from .ordering import METHODS, LayerOrder, greedy_modularity_order, heat_order, louvain_order, random_order, runs_per_token
+from .ordering import (
+    LayerOrder,
+    greedy_modularity_order,
+    heat_order,
+    louvain_order,
+    random_order,
+    runs_per_token,
+)
+from .packing import PackOptions, pack_layout
 from .split import RULES, choose_resident, choose_resident_by_wait, segment_sizes
-from .trace import FORWARD_KINDS, RoutingTrace
-
-PLAN_FORMAT = "relayout.plan"
-PLAN_VERSION = 1
 
 
 @dataclass
@@ -261,179 +267,6 @@ def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: 
     }
 
 
-def plan_digest(plan: dict) -> str:
-    body = {k: v for k, v in plan.items() if k != "plan_digest"}
-    return digest_of(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-
-
-def save_plan(plan: dict, path: str | os.PathLike) -> None:
-    write_json_atomic(path, plan, indent=None)
-
-
-@dataclass
-class Plan:
-    """A loaded, validated plan."""
-
-    path: str
-    raw: dict
-    stock: Layout
-    layout: Layout
-    orders: dict[int, np.ndarray]
-    split: dict | None = None
-    geometry: dict = field(default_factory=dict)
-
-    @property
-    def digest(self) -> str:
-        return self.raw["plan_digest"]
-
-    @property
-    def training_sessions(self) -> list[str]:
-        return list(self.raw["training"]["sessions"])
-
-
-def load_plan(path: str | os.PathLike) -> Plan:
-    """Read and validate ``plan.json``: complete permutations, runtime limits, consistent layouts."""
-    path = Path(path)
-    where = str(path)
-    raw = read_document(path, PLAN_FORMAT, PLAN_VERSION,
-                        ("geometry", "orders", "source_layout", "layout", "training", "source", "plan_digest"), "plan",
-                        missing="no such plan file")
-    if plan_digest(raw) != raw["plan_digest"]:
-        raise InputError(path, "plan digest does not match its content (edited or corrupt)")
-    problems = plan_field_problems(raw)
-    stock = Layout.from_json(raw["source_layout"], where)
-    layout = Layout.from_json(raw["layout"], where)
-    problems += [p for p in (output_name_problem(n) for n in layout.files) if p]
-    if problems:
-        shown = "; ".join(problems[:MAX_LISTED]) + (f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else "")
-        raise InputError(path, f"plan is malformed ({len(problems)} problem(s)): {shown}")
-    g = raw["geometry"]
-    E = g["n_experts"]
-    if stock.layers != g["routed_layers"] or layout.layers != g["routed_layers"]:
-        raise InputError(path, "layouts do not cover the geometry's routed layers")
-    orders = {}
-    for layer in g["routed_layers"]:
-        o = raw["orders"].get(str(layer))
-        if not _int_list(o) or sorted(o) != list(range(E)):
-            raise InputError(path, f"order of layer {layer} is not a complete permutation of 0..{E - 1}")
-        orders[layer] = np.asarray(o, dtype=np.int64)
-    check_runtime_constraints(layout, where)
-    if not np.array_equal(stock.expert_bytes(), layout.expert_bytes()):
-        raise InputError(path, "new layout's expert sizes differ from the source's")
-    return Plan(where, raw, stock, layout, orders, raw.get("split"), g)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int_list(x) -> bool:
-    return isinstance(x, list) and all(_is_int(v) and v >= 0 for v in x)
-
-
-def plan_field_problems(raw: dict) -> list[str]:
-    """Type and range problems of a plan's fields other than its two layouts (empty when none).
-
-    A plan is a shared file: its digest proves it was not damaged, not that it was not crafted,
-    so every field replay or rewrite reads is checked here before it is used.
-    """
-    problems = []
-    src = raw.get("source")
-    if not isinstance(src, dict):
-        return ["'source' is not an object"]
-    if src.get("kind") not in ("container", "geometry"):
-        problems.append(f"source kind {src.get('kind')!r} is not 'container' or 'geometry'")
-    for key in ("fingerprint", "content_fingerprint"):
-        if src.get(key) is not None and not isinstance(src.get(key), str):
-            problems.append(f"source {key} is not a string")
-    if src.get("kind") == "container" and not isinstance(src.get("fingerprint"), str):
-        problems.append("a container plan has no source fingerprint")
-    if raw.get("method") not in METHODS:
-        problems.append(f"method {raw.get('method')!r} is not one of {', '.join(METHODS)}")
-    g = raw.get("geometry")
-    if not isinstance(g, dict):
-        return problems + ["'geometry' is not an object"]
-    for key in ("hidden_size", "moe_intermediate_size", "n_experts", "top_k"):
-        if not _is_int(g.get(key)) or not 1 <= g[key] <= 1 << 24:
-            problems.append(f"geometry {key} {g.get(key)!r} is not a positive integer")
-    for key in ("routed_layers", "mtp_layers"):
-        if not _int_list(g.get(key)):
-            problems.append(f"geometry {key} is not a list of layer numbers")
-    if not isinstance(g.get("expert_formats"), dict) or not all(isinstance(v, str) for v in g["expert_formats"].values()):
-        problems.append("geometry expert_formats is not an object of strings")
-    if not isinstance(g.get("expert_bytes"), dict) or not all(_is_int(v) and v > 0 for v in g["expert_bytes"].values()):
-        problems.append("geometry expert_bytes is not an object of byte counts")
-    training = raw.get("training")
-    if not isinstance(training, dict) or not all(isinstance(training.get(k), list) and all(isinstance(x, str) for x in training[k])
-                                                 for k in ("sessions", "held_out_sessions")):
-        problems.append("training sessions are not lists of session names")
-    if not isinstance(raw.get("orders"), dict):
-        problems.append("'orders' is not an object")
-    split = raw.get("split")
-    if split is not None and not problems:
-        problems += _split_problems(split, g)
-    return problems
-
-
-def _split_problems(split, g: dict) -> list[str]:
-    if not isinstance(split, dict):
-        return ["'split' is not an object or null"]
-    problems = []
-    if not _is_int(split.get("ram_bytes")) or split["ram_bytes"] < 0:
-        problems.append("split ram_bytes is not a byte count")
-    resident, segs = split.get("resident"), split.get("segments")
-    if not isinstance(resident, dict) or not isinstance(segs, dict):
-        return problems + ["split resident and segments are not objects"]
-    for layer in g["routed_layers"]:
-        r, seg = resident.get(str(layer)), segs.get(str(layer))
-        if not _int_list(r) or any(e >= g["n_experts"] for e in r):
-            problems.append(f"split resident experts of layer {layer} are not expert ids")
-        if not isinstance(seg, dict) or not _is_int(seg.get("top_rows")) or not 0 <= seg["top_rows"] <= g["moe_intermediate_size"]:
-            problems.append(f"split top_rows of layer {layer} is not a row count within the FFN")
-    return problems
-
-
-def check_runtime_constraints(layout: Layout, where: str) -> None:
-    """At most 512 unique files; every expert's weights byte-adjacent in one file; no overlaps."""
-    if len(layout.files) > MAX_FILES:
-        raise InputError(where, f"layout has {len(layout.files)} files; the runtime loads at most {MAX_FILES}")
-    if len(set(layout.files)) != len(layout.files):
-        raise InputError(where, "layout repeats a file name")
-    for li, layer in enumerate(layout.layers):
-        for e in range(layout.n_experts):
-            if len(layout.weight_extents(li, e)) != 1:
-                raise InputError(where, f"expert {layer}.{e}: weights are not byte-adjacent in one file")
-    if layout.segmented:
-        _check_segment_blocks(layout, where)
-        loc = np.array([[t[1], t[2], t[3]] for t in layout.segment_tensors], dtype=np.int64).reshape(-1, 3)
-    else:
-        loc = layout.expert_loc.reshape(-1, 3)
-    other = np.array([[t[1], t[2], t[3]] for t in layout.other_tensors], dtype=np.int64).reshape(-1, 3)
-    allx = np.vstack([loc, other])
-    allx = allx[np.lexsort((allx[:, 1], allx[:, 0]))]
-    same = allx[1:, 0] == allx[:-1, 0]
-    if (same & (allx[1:, 1] < allx[:-1, 1] + allx[:-1, 2])).any():
-        raise InputError(where, "layout places two tensors over each other")
-    sizes = np.asarray(layout.file_sizes)
-    if ((allx[:, 1] + allx[:, 2]) > sizes[allx[:, 0]]).any():
-        raise InputError(where, "layout places a tensor beyond its file's end")
-
-
-def _check_segment_blocks(layout: Layout, where: str) -> None:
-    """Each expert's six weight segments are byte-adjacent in one file (one read for the expert)."""
-    placed = {t[0]: (t[1], t[2], t[3]) for t in layout.segment_tensors}
-    for orig, spec in layout.segments.items():
-        for part in ("top", "bottom"):
-            if spec[part] not in placed:
-                raise InputError(where, f"segment {spec[part]} is not placed")
-    for layer in layout.layers:
-        for e in range(layout.n_experts):
-            names = [f"{expert_tensor_name(layer, e, p)}.{part}" for part in ("top", "bottom") for p in ("gate", "up", "down")]
-            ext = sorted(placed[n] for n in names if n in placed)
-            if len(ext) != 6 or len({f for f, _, _ in ext}) != 1 or any(a[1] + a[2] != b[1] for a, b in zip(ext, ext[1:])):
-                raise InputError(where, f"expert {layer}.{e}: weight segments are not byte-adjacent in one file")
-
-
 def plan_summary(plan: dict) -> list[str]:
     """Human-readable lines about a plan."""
     layers = plan["layers"]
@@ -457,5 +290,5 @@ def plan_summary(plan: dict) -> list[str]:
     return lines
 
 
-__all__ = ["RULES", "Plan", "PlanSource", "SplitOptions", "load_plan", "make_plan", "save_plan", "source_from_container",
-           "source_from_geometry", "split_sessions", "plan_summary", "training_rows"]
+__all__ = ["RULES", "PlanSource", "SplitOptions", "make_plan", "source_from_container", "source_from_geometry",
+           "split_sessions", "plan_summary", "training_rows"]

@@ -4,7 +4,7 @@ Per layer: heat entropy (bits; log2(E) means uniform), the within-layer lift dis
 seen at least ``min_count`` times, the lift from layer L to L+1 for the same position, and the
 reuse distance (forwards between two uses of the same expert at the same layer).
 
-Bounded for any trace :func:`relayout.trace.load_trace` accepts: pair statistics are sparse (memory
+Bounded for any trace :func:`replay.trace.load_trace` accepts: pair statistics are sparse (memory
 grows with the rows, not with the square of the experts per layer), each layer's rows are
 found once by one sort, and arrays indexed by expert are O(experts per layer).
 """
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from replay.trace import FORWARD_KINDS, RoutingTrace
+
 from .coactivation import cross_layer_lift, heat_of, pair_count_items
-from .trace import FORWARD_KINDS, RoutingTrace
 from .trace_synth import entropy_bits
 
 

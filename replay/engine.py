@@ -43,12 +43,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from containers.errors import InputError
-from relayout.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
-from relayout.trace import RoutingTrace
+from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
 from .device import SPLIT_RULES, ArrayProfile
 from .instance import Array, LayoutArrays, ReadPolicy, Results, simulate_instances
 from .runtime import PREFETCH_SOURCES, RuntimeConfig, lru_capacities, new_lru
+from .trace import RoutingTrace
 from .unions import trace_instances
 
 FILE_ALIGNMENT = 1 << 20

@@ -12,19 +12,19 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from containers import __version__
 from containers.errors import InputError
 from containers.jsonfile import read_document
-from relayout import __version__
-from relayout.layout import Layout
-from relayout.plan import Plan
-from relayout.trace import FORWARD_KINDS, RoutingTrace
+from containers.layout import Layout
 
 from .device import ArrayProfile
 from .engine import simulate, split_state
 from .metrics import session_sums, step_table, summarize
+from .planfile import Plan
 from .prefetch import coupling_table
 from .runtime import RuntimeConfig, pinned_experts
 from .stats import paired_saving, step_blocks
+from .trace import FORWARD_KINDS, RoutingTrace
 
 GATE_FORMAT = "relayout.gate"
 DEFAULT_THRESHOLD = 0.05

@@ -40,11 +40,11 @@ from tqdm import tqdm
 from containers.atomic import atomic_output
 from containers.container import Container
 from containers.errors import InputError
-from relayout.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
-from relayout.trace import RoutingTrace
+from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
 
 from .prefetch import predict_next
 from .runtime import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
+from .trace import RoutingTrace
 
 MAX_READ = 64 * 1024 * 1024
 ALIGN = 4096

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relayout.trace import RoutingTrace
-
 from .engine import DeviceUsage, InstanceResult
+from .trace import RoutingTrace
 
 
 @dataclass

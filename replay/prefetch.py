@@ -21,12 +21,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from relayout.coactivation import cross_layer_counts, top_targets
-from relayout.layout import Layout
-from relayout.trace import RoutingTrace
+from containers.layout import Layout
 
+from .coupling import cross_layer_counts, top_targets
 from .jit import HELPER
 from .runtime import PREFETCH_SOURCES
+from .trace import RoutingTrace
 
 ORACLE, COUPLED = PREFETCH_SOURCES.index("oracle"), PREFETCH_SOURCES.index("coupled")
 
@@ -41,7 +41,7 @@ def coupling_table(trace: RoutingTrace, forwards: np.ndarray, layout: Layout,
 
     Returns ``(targets, counts)``, int32 [L, E, max_targets]: for layout layer ``l`` and expert
     ``e``, the experts of layer ``l + 1`` that most often served the same position
-    (:func:`relayout.coactivation.cross_layer_counts`), best first, padded with -1 and 0.
+    (:func:`replay.coupling.cross_layer_counts`), best first, padded with -1 and 0.
     """
     L, E = len(layout.layers), layout.n_experts
     targets = np.full((L, E, max_targets), -1, dtype=np.int32)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from relayout.layout import Layout
-from relayout.trace import RoutingTrace
+from containers.layout import Layout
 
 from .jit import LOOP
+from .trace import RoutingTrace
 
 
 @dataclass

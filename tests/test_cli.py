@@ -1,7 +1,6 @@
 """The command line: demo runs end to end; bad input is one line and exit 2."""
 
 import pytest
-
 from conftest import run_cli
 
 

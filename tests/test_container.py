@@ -4,8 +4,8 @@ import json
 import struct
 
 import pytest
-
 from conftest import run_cli, small_geometry, tree_state
+
 from containers.container import Container, expert_tensor_name, infer_format
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, load_geometry

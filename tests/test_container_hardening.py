@@ -7,8 +7,8 @@ import struct
 import time
 
 import pytest
-
 from conftest import fuzz_examples, run_cli
+
 from containers.container import Container
 from containers.errors import InputError
 from containers.safetensors_io import read_header
@@ -188,6 +188,7 @@ import copy  # noqa: E402
 import shutil  # noqa: E402
 
 from conftest import REPO, small_geometry, source_with_manifest  # noqa: E402
+
 from containers import verify as verify_module  # noqa: E402
 from containers.container import MANIFEST_NAME  # noqa: E402
 from containers.manifest import build_manifest, load_manifest  # noqa: E402
@@ -198,8 +199,9 @@ from containers.verify import verify_containers  # noqa: E402
 def rewritten(tmp_path_factory):
     """A source with its manifest, a faithful rewrite of it and a split rewrite of it."""
     from relayout.apply import apply_plan
-    from relayout.plan import SplitOptions, load_plan, make_plan, save_plan, source_from_container
+    from relayout.plan import SplitOptions, make_plan, source_from_container
     from relayout.trace_synth import synth_trace
+    from replay.planfile import load_plan, save_plan
 
     root = tmp_path_factory.mktemp("hardening")
     g = small_geometry(moe_layers=2, experts=16, ffn=256)

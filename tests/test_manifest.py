@@ -3,13 +3,12 @@
 import json
 
 import jsonschema
-
-from conftest import REPO, run_cli, tree_state
-from containers.container import MANIFEST_NAME, Container
-from containers.manifest import build_manifest, check_container, write_manifest
-from containers.hashing import Range, file_digest, hash_file
-
 import xxhash
+from conftest import REPO, run_cli, tree_state
+
+from containers.container import MANIFEST_NAME, Container
+from containers.hashing import Range, file_digest, hash_file
+from containers.manifest import build_manifest, check_container, write_manifest
 
 
 def test_manifest_matches_schema_and_real_hashes(small_container, tmp_path):

@@ -21,11 +21,17 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_cli
+
 from containers.errors import InputError
 from containers.geometry import load_geometry
-from containers.jsonfile import iter_jsonl, load_shipped, read_document, shipped_dir, shipped_names
+from containers.jsonfile import (
+    iter_jsonl,
+    load_shipped,
+    read_document,
+    shipped_dir,
+    shipped_names,
+)
 from relayout.trace_synth import atlas_names, load_atlas
 from replay.device import load_device
 

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from relayout.apply import apply_plan, output_files, verify
-from relayout.layout import PackOptions
-from relayout.plan import load_plan, make_plan, plan_digest, source_from_container
+from relayout.packing import PackOptions
+from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace
+from replay.planfile import load_plan, plan_digest
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)

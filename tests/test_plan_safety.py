@@ -17,9 +17,10 @@ from containers.container import Container
 from containers.errors import InputError
 from containers.output_files import check_output_files, output_name_problem
 from relayout.apply import apply_plan, output_files, verify
-from relayout.layout import PackOptions
-from relayout.plan import load_plan, make_plan, plan_digest, save_plan, source_from_container
+from relayout.packing import PackOptions
+from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace
+from replay.planfile import load_plan, plan_digest, save_plan
 
 
 @pytest.fixture(scope="module")

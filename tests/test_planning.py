@@ -4,20 +4,27 @@ import json
 
 import numpy as np
 import pytest
+from conftest import run_cli, small_geometry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import run_cli, small_geometry
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, load_geometry
 from relayout.coactivation import pair_counts
-from relayout.layout import PackOptions
 from relayout.ordering import improve_path, louvain_order, path_weight, runs_per_token
-from relayout.plan import (SplitOptions, load_plan, make_plan, save_plan, source_from_container,
-                           source_from_geometry, split_sessions, training_rows)
+from relayout.packing import PackOptions
+from relayout.plan import (
+    SplitOptions,
+    make_plan,
+    source_from_container,
+    source_from_geometry,
+    split_sessions,
+    training_rows,
+)
 from relayout.split import segment_sizes
-from relayout.trace import save_trace
 from relayout.trace_synth import SynthParams, synth_trace
+from replay.planfile import load_plan, save_plan
+from replay.trace import save_trace
 
 STRONG = SynthParams(clique_strength=0.95, coupling=0.5)
 
@@ -186,7 +193,6 @@ def test_plan_cli_on_geometry(tmp_path):
 
 def test_plan_matches_its_schema(planning_setup):
     import jsonschema
-
     from conftest import REPO
 
     g, tr = planning_setup

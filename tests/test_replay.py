@@ -11,16 +11,17 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
-from relayout.layout import Layout
-from relayout.plan import load_plan, make_plan, save_plan, source_from_geometry
-from relayout.trace import RoutingTrace
+from containers.layout import Layout
+from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
 from replay.device import ArrayProfile, DriveProfile, load_device, member_split
 from replay.engine import simulate
 from replay.gate import compare
 from replay.metrics import step_table, summarize
+from replay.planfile import load_plan, save_plan
 from replay.runtime import RuntimeConfig, lru_hits
 from replay.stats import paired_saving
+from replay.trace import RoutingTrace
 from replay.unions import instance_unions
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
@@ -308,8 +309,8 @@ def test_more_ram_never_lowers_the_hit_rate(small_expert_case):
 @pytest.mark.parametrize("prefetch", ["none", "coupled"])
 def test_gate_record_matches_its_schema(small_expert_case, tmp_path, prefetch):
     import jsonschema
-
     from conftest import REPO
+
     from containers.atomic import write_json_atomic
 
     g, tr, plan = small_expert_case

@@ -14,13 +14,14 @@ from containers.errors import InputError
 from containers.manifest import build_manifest
 from containers.synth import synth_container
 from relayout.apply import apply_plan, verify
-from relayout.layout import PackOptions
-from relayout.plan import load_plan, make_plan, save_plan, source_from_container
-from relayout.trace import save_trace
+from relayout.packing import PackOptions
+from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import SynthParams, synth_trace
 from replay.device import load_device
 from replay.gate import compare
+from replay.planfile import load_plan, save_plan
 from replay.runtime import RuntimeConfig
+from replay.trace import save_trace
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard, read_header, write_shard
+from containers.safetensors_io import (
+    DTYPE_SIZES,
+    TensorSpec,
+    plan_shard,
+    read_header,
+    write_shard,
+)
 from containers.sources import FileRange, SeededBytes
 
 

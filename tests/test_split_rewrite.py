@@ -11,16 +11,11 @@ from containers.container import Container
 from containers.geometry import ExpertFormat
 from containers.segments import SegmentSpec, expert_segment_specs, reassembled_chunks
 from relayout.apply import apply_plan, verify
-from relayout.plan import (
-    SplitOptions,
-    load_plan,
-    make_plan,
-    save_plan,
-    source_from_container,
-)
+from relayout.plan import SplitOptions, make_plan, source_from_container
 from relayout.trace_synth import synth_trace
 from replay.device import load_device
 from replay.gate import compare
+from replay.planfile import load_plan, save_plan
 from replay.runtime import RuntimeConfig
 
 

@@ -2,12 +2,11 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from containers.errors import InputError
 from replay.stalltrace import compare, interval_union, report
-
-import numpy as np
 
 
 def expert(step, layer, e, issue, ready, need, nbytes=1000, required=True, run="r1", **kw):

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import xxhash
 import zstandard
+from conftest import fuzz_examples, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import fuzz_examples, run_cli
 from containers.errors import InputError
 from relayout.coactivation import write_coli_pairs
-from relayout.trace import MAGIC, RoutingTrace, load_trace, save_trace
 from relayout.trace_import import import_traces
 from relayout.trace_stats import trace_stats
 from relayout.trace_synth import synth_trace
+from replay.trace import MAGIC, RoutingTrace, load_trace, save_trace
 
 ROUTE = """\
 0 0 3 5:0.5000 1:0.2500
@@ -93,7 +93,7 @@ def write_rt(path, header, arrays, version=2, digest=True):
 
 def rt_parts(trace):
     """(header, arrays) exactly as save_trace writes them."""
-    from relayout.trace import _ARRAYS, DTYPES
+    from replay.trace import _ARRAYS, DTYPES
 
     arrays = [(n, np.ascontiguousarray(getattr(trace, n), dtype=DTYPES[n])) for n in _ARRAYS]
     if trace.heat is not None:

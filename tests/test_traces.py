@@ -6,16 +6,16 @@ import struct
 import numpy as np
 import pytest
 import zstandard
+from conftest import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_cli
 from containers.errors import InputError
 from relayout.coactivation import pair_counts, write_coli_pairs
-from relayout.trace import FORWARD_KINDS, load_trace, save_trace
 from relayout.trace_import import import_traces
 from relayout.trace_stats import reuse_distances, trace_stats
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
+from replay.trace import FORWARD_KINDS, load_trace, save_trace
 
 ROUTE = """\
 0 0 3 5:0.5000 1:0.2500

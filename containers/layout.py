@@ -1,21 +1,15 @@
-"""Physical layouts: where every routed expert's six tensors sit (file, offset, bytes), and the
-packer that builds a new layout from per-layer orders.
+"""Physical layouts: where every routed expert's six tensors sit (file, offset, bytes).
 
-A :class:`Layout` is what the replay model reads and what a rewrite writes. The source layout
-comes from a real container (:func:`layout_from_container`) or, for planning without the bytes,
-from the converter rules for a geometry (:func:`layout_from_geometry`, the layout
-``relayout synth container`` would write). :func:`pack_layout` produces a new one:
+A :class:`Layout` is what the replay model reads, what a plan records and what a rewrite
+writes. The source layout comes from a real container (:func:`layout_from_container`) or, for
+planning without the bytes, from the converter rules for a geometry (:func:`layout_from_geometry`,
+the layout ``relayout synth container`` would write); the planner's packer
+(:mod:`relayout.packing`) builds new ones. :func:`check_runtime_constraints` states what the
+runtime requires of any layout.
 
-* experts of a layer in the planned order, each expert's three weight tensors byte-adjacent
-  (down, gate, up) with the block aligned (4096 default, or a RAID chunk size);
-* no expert straddles files: files are cut only between blocks, at about ``shard_bytes``;
-* scales either together per layer (the converter's habit) or right after their expert's
-  weights (``scales_with_weights``);
-* non-expert tensors kept, in their source order, in the first files; MTP layers in
-  ``out-mtp-NNNNN`` files; at most 512 files, unique names.
-
-Offsets are computed with the same :func:`containers.safetensors_io.plan_shard` the rewriter uses,
-so the plan's offsets are the offsets the new container will have.
+Slot order: ``expert_loc[layer index, expert, slot] = (file index, offset, nbytes)`` with slots
+gate, up, down weights then gate, up, down scales (:data:`SLOTS`). The layer index is the
+position in ``layers`` (routed layers in ascending absolute number), not the absolute layer.
 """
 
 from __future__ import annotations
@@ -24,12 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from containers.container import MAX_FILES, Container, expert_tensor_name
-from containers.errors import InputError
-from containers.geometry import PROJECTIONS, Geometry
-from containers.hashing import digest_of
-from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
-from containers.synth import converter_order, cut_shards, source_units
+from .container import MAX_FILES, Container, expert_tensor_name
+from .errors import InputError
+from .geometry import PROJECTIONS, Geometry
+from .safetensors_io import plan_shard
+from .synth import converter_order, cut_shards, source_units
 
 SLOTS = tuple(f"{p}.weight" for p in PROJECTIONS) + tuple(f"{p}.scales" for p in PROJECTIONS)
 """The six tensors of an expert, in ``expert_loc`` slot order."""
@@ -178,12 +171,9 @@ def _int_array(rows: list, what: str) -> np.ndarray:
     """Nested lists of non-negative integers as int64 (bools and floats refused)."""
     arr = np.array(rows, dtype=object)
     flat = arr.reshape(-1)
-    if not all(type(x) is int for x in flat):
-        raise ValueError(f"{what} are not all integers")
-    out = arr.astype(np.int64)
-    if (out < 0).any():
-        raise ValueError(f"{what} contain a negative number")
-    return out
+    if not all(type(x) is int and 0 <= x < 2**62 for x in flat):
+        raise ValueError(f"{what} are not all non-negative integers below 2^62")
+    return arr.astype(np.int64)
 
 
 def _placed(t, n_files: int) -> list:
@@ -196,7 +186,8 @@ def _placed(t, n_files: int) -> list:
     return [t[0], f, off, n]
 
 
-def _slot_name(layer: int, e: int, slot: int) -> str:
+def slot_name(layer: int, e: int, slot: int) -> str:
+    """The tensor name of an expert's slot (:data:`SLOTS` order)."""
     proj = PROJECTIONS[slot % 3]
     return expert_tensor_name(layer, e, proj, scales=slot >= 3)
 
@@ -216,7 +207,7 @@ def layout_from_container(c: Container) -> Layout:
             for slot in range(6):
                 ref = (ex.weights if slot < 3 else ex.scales)[PROJECTIONS[slot % 3]]
                 loc[li, e, slot] = (ref.file, ref.entry.begin, ref.entry.nbytes)
-    expert_names = {_slot_name(l, e, s) for l in layers for e in range(E) for s in range(6)}
+    expert_names = {slot_name(l, e, s) for l in layers for e in range(E) for s in range(6)}
     others = sorted(
         ([n, r.file, r.entry.begin, r.entry.nbytes] for n, r in c.tensors.items() if n not in expert_names),
         key=lambda t: (t[1], t[2]),
@@ -233,23 +224,6 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-
-
-class _Sized:
-    """A byte source that only knows its size (planning never reads bytes)."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-
-    def chunks(self):
-        raise AssertionError("a planning placeholder has no bytes")
-
-    def describe(self) -> str:
-        return "planning placeholder"
-
-
-def _spec(t: TensorInfo, alignment: int | None = None) -> TensorSpec:
-    return TensorSpec(t.name, t.dtype, t.shape, _Sized(t.nbytes), alignment)
 
 
 def layout_from_geometry(g: Geometry, seed: int = 0) -> tuple[Layout, list[TensorInfo]]:
@@ -276,8 +250,8 @@ def layout_from_geometry(g: Geometry, seed: int = 0) -> tuple[Layout, list[Tenso
     for li, layer in enumerate(layers):
         for e in range(E):
             for slot in range(6):
-                loc[li, e, slot] = placed[_slot_name(layer, e, slot)]
-    expert_names = {_slot_name(l, e, s) for l in layers for e in range(E) for s in range(6)}
+                loc[li, e, slot] = placed[slot_name(layer, e, slot)]
+    expert_names = {slot_name(l, e, s) for l in layers for e in range(E) for s in range(6)}
     others = sorted(([n, *placed[n]] for n in placed if n not in expert_names), key=lambda t: (t[1], t[2]))
     tensors = [TensorInfo(s.name, s.dtype, s.shape, s.nbytes) for u in units for s in u.specs]
     return Layout(files, sizes, layers, E, loc, 1, others, metas), tensors
@@ -289,140 +263,42 @@ def tensors_of_container(c: Container) -> list[TensorInfo]:
     return [TensorInfo(r.entry.name, r.entry.dtype, r.entry.shape, r.entry.nbytes) for r in refs]
 
 
-@dataclass(frozen=True)
-class PackOptions:
-    """How a new container is cut and aligned. Sizes in bytes."""
+def check_runtime_constraints(layout: Layout, where: str) -> None:
+    """At most 512 unique files; every expert's weights byte-adjacent in one file; no overlaps."""
+    if len(layout.files) > MAX_FILES:
+        raise InputError(where, f"layout has {len(layout.files)} files; the runtime loads at most {MAX_FILES}")
+    if len(set(layout.files)) != len(layout.files):
+        raise InputError(where, "layout repeats a file name")
+    for li, layer in enumerate(layout.layers):
+        for e in range(layout.n_experts):
+            if len(layout.weight_extents(li, e)) != 1:
+                raise InputError(where, f"expert {layer}.{e}: weights are not byte-adjacent in one file")
+    if layout.segmented:
+        _check_segment_blocks(layout, where)
+        loc = np.array([[t[1], t[2], t[3]] for t in layout.segment_tensors], dtype=np.int64).reshape(-1, 3)
+    else:
+        loc = layout.expert_loc.reshape(-1, 3)
+    other = np.array([[t[1], t[2], t[3]] for t in layout.other_tensors], dtype=np.int64).reshape(-1, 3)
+    allx = np.vstack([loc, other])
+    allx = allx[np.lexsort((allx[:, 1], allx[:, 0]))]
+    same = allx[1:, 0] == allx[:-1, 0]
+    if (same & (allx[1:, 1] < allx[:-1, 1] + allx[:-1, 2])).any():
+        raise InputError(where, "layout places two tensors over each other")
+    sizes = np.asarray(layout.file_sizes)
+    if ((allx[:, 1] + allx[:, 2]) > sizes[allx[:, 0]]).any():
+        raise InputError(where, "layout places a tensor beyond its file's end")
 
-    shard_bytes: int = 4_000_000_000
-    alignment: int = 4096
-    scales_with_weights: bool = False
-    mtp_files: bool = True
 
-
-def pack_layout(
-    tensors: list[TensorInfo],
-    layers: list[int],
-    n_experts: int,
-    orders: dict[int, np.ndarray],
-    mtp_layers: set[int],
-    options: PackOptions = PackOptions(),
-    metadata: dict[str, str] | None = None,
-    segments: dict[int, dict] | None = None,
-) -> Layout:
-    """Place every tensor in new files following ``orders`` (see module doc for the rules).
-
-    With ``segments`` (layer -> ``{(proj, is_scale): SegmentSpec}``, a vertical split plan), each
-    expert tensor is stored as its ``.top`` and ``.bottom`` segments: the six weight segments form
-    one block (tops first), the six scale segments another (``docs/SPLIT_SEGMENTS.md``).
-    """
-    segments = segments or {}
-    by_name = {t.name: t for t in tensors}
-    expert_names = set()
-    for layer in layers:
-        order = np.asarray(orders[layer])
-        if sorted(order.tolist()) != list(range(n_experts)):
-            raise InputError(None, f"order for layer {layer} is not a permutation of 0..{n_experts - 1}")
-        for e in range(n_experts):
-            for slot in range(6):
-                name = _slot_name(layer, e, slot)
-                if name not in by_name:
-                    raise InputError(None, f"tensor {name} is missing from the source")
-                expert_names.add(name)
-    al = options.alignment
-
-    def layer_of(name: str) -> int | None:
-        parts = name.split(".")
-        return int(parts[2]) if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() else None
-
-    # blocks: lists of (TensorInfo, alignment) that must stay in one file, in order
-    series: dict[str, list[list[tuple[TensorInfo, int | None]]]] = {"out": [], "out-mtp": []}
-    for t in tensors:
-        if t.name in expert_names:
-            continue
-        target = "out-mtp" if options.mtp_files and layer_of(t.name) in mtp_layers else "out"
-        series[target].append([(t, None)])
-    seg_infos: dict[str, TensorInfo] = {}
-    seg_map: dict[str, dict] = {}
-
-    def pieces(layer: int, e: int, slots) -> list[TensorInfo]:
-        """The tensors stored for these slots: the originals, or their top then bottom segments."""
-        if layer not in segments:
-            return [by_name[_slot_name(layer, e, s)] for s in slots]
-        out = []
+def _check_segment_blocks(layout: Layout, where: str) -> None:
+    """Each expert's six weight segments are byte-adjacent in one file (one read for the expert)."""
+    placed = {t[0]: (t[1], t[2], t[3]) for t in layout.segment_tensors}
+    for orig, spec in layout.segments.items():
         for part in ("top", "bottom"):
-            for s in slots:
-                orig = by_name[_slot_name(layer, e, s)]
-                spec = segments[layer][(PROJECTIONS[s % 3], s >= 3)]
-                if spec.rows * spec.row_bytes != orig.nbytes:
-                    raise InputError(None, f"{orig.name}: {orig.nbytes} bytes do not fit the split geometry")
-                n = spec.nbytes(part)
-                info = TensorInfo(f"{orig.name}.{part}", orig.dtype, (n // DTYPE_SIZES[orig.dtype],), n)
-                seg_infos[info.name] = info
-                seg_map[orig.name] = {**spec.to_json(), "top": f"{orig.name}.top", "bottom": f"{orig.name}.bottom"}
-                out.append(info)
-        return out
-
-    weight_order = (2, 0, 1)  # down, gate, up: the converter's name order
-    for layer in layers:
-        target = "out-mtp" if options.mtp_files and layer in mtp_layers else "out"
-        order = [int(e) for e in orders[layer]]
-        if not options.scales_with_weights:
-            for e in order:
-                ts = pieces(layer, e, SCALE_SLOTS)
-                series[target].append([(t, None if i == 0 else 1) for i, t in enumerate(ts)])
-        for e in order:
-            ts = pieces(layer, e, weight_order)
-            if options.scales_with_weights:
-                ts += pieces(layer, e, SCALE_SLOTS)
-            series[target].append([(t, None if i == 0 else 1) for i, t in enumerate(ts)])
-
-    files: list[tuple[str, list[TensorSpec]]] = []
-    for prefix, blocks in series.items():
-        cur: list[TensorSpec] = []
-        size = 0
-        n = 0
-        for block in blocks:
-            bsize = sum(t.nbytes for t, _ in block) + al
-            if cur and size + bsize > options.shard_bytes:
-                n += 1
-                files.append((f"{prefix}-{n:05d}.safetensors", cur))
-                cur, size = [], 0
-            cur += [_spec(t, a) for t, a in block]
-            size += bsize
-        if cur:
-            n += 1
-            files.append((f"{prefix}-{n:05d}.safetensors", cur))
-    if len(files) > MAX_FILES:
-        raise InputError(None, f"the layout needs {len(files)} files, more than the runtime's {MAX_FILES}; raise the shard size")
-
-    placeholder = {**(metadata or {}), "relayout.layout": "0" * 32}
-    layouts = [plan_shard(specs, al, placeholder) for _, specs in files]
-    digest = digest_of(repr([(name, [(s.name, b) for s, b in lay.placements]) for (name, _), lay in zip(files, layouts)]).encode())
-    meta = {**placeholder, "relayout.layout": digest}
-    final = [plan_shard(specs, al, meta) for _, specs in files]
-    assert [l.placements[-1][1] for l in final] == [l.placements[-1][1] for l in layouts], "metadata changed offsets"
-
-    placed = {}
-    for fi, lay in enumerate(final):
-        for spec, begin in lay.placements:
-            placed[spec.name] = (fi, begin, spec.nbytes)
-    loc = np.zeros((len(layers), n_experts, 6, 3), dtype=np.int64)
-    for li, layer in enumerate(layers):
-        for e in range(n_experts):
-            if layer not in segments:
-                for slot in range(6):
-                    loc[li, e, slot] = placed[_slot_name(layer, e, slot)]
-                continue
-            # logical extents: each original tensor's size, laid contiguously from its block's start
-            for slots in (weight_order, SCALE_SLOTS):
-                first = f"{_slot_name(layer, e, slots[0])}.top"
-                f, pos, _ = placed[first]
-                for slot in sorted(slots):
-                    n = by_name[_slot_name(layer, e, slot)].nbytes
-                    loc[li, e, slot] = (f, pos, n)
-                    pos += n
-    names_stored = set(seg_infos)
-    others = sorted(([n, *placed[n]] for n in placed if n not in expert_names and n not in names_stored), key=lambda t: (t[1], t[2]))
-    segs = sorted(([n, *placed[n]] for n in names_stored), key=lambda t: (t[1], t[2]))
-    return Layout([n for n, _ in files], [l.file_size for l in final], list(layers), n_experts, loc, al, others,
-                  [dict(meta) for _ in files], dict(sorted(seg_map.items())), segs)
+            if spec[part] not in placed:
+                raise InputError(where, f"segment {spec[part]} is not placed")
+    for layer in layout.layers:
+        for e in range(layout.n_experts):
+            names = [f"{expert_tensor_name(layer, e, p)}.{part}" for part in ("top", "bottom") for p in ("gate", "up", "down")]
+            ext = sorted(placed[n] for n in names if n in placed)
+            if len(ext) != 6 or len({f for f, _, _ in ext}) != 1 or any(a[1] + a[2] != b[1] for a, b in zip(ext, ext[1:])):
+                raise InputError(where, f"expert {layer}.{e}: weight segments are not byte-adjacent in one file")
