@@ -47,6 +47,7 @@ from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
 from .device import SPLIT_RULES, ArrayProfile
 from .instance import Array, LayoutArrays, ReadPolicy, Results, simulate_instances
+from .jit import compile_notice
 from .runtime import PREFETCH_SOURCES, RuntimeConfig, lru_capacities, new_lru
 from .trace import RoutingTrace
 from .unions import trace_instances
@@ -157,12 +158,13 @@ def simulate(
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
     targets, counts = coupling if config.prefetch == "coupled" else (np.full((1, 1, 1), -1), np.zeros((1, 1, 1)))
     out = _zero_results(I, L, E, device.members)
-    simulate_instances(inst.forward, inst.layer, inst.session, inst.sel_start, inst.sel_e, inst.sel_mult,
-                       np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
-                       new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
-                       np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32),
-                       layout_arrays(layout, config, split),
-                       read_policy(config, device), device_numbers(device), out)
+    with compile_notice():
+        simulate_instances(inst.forward, inst.layer, inst.session, inst.sel_start, inst.sel_e, inst.sel_mult,
+                           np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
+                           new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
+                           np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32),
+                           layout_arrays(layout, config, split),
+                           read_policy(config, device), device_numbers(device), out)
     usage = DeviceUsage(out.member_bytes / device.drive.bandwidth, out.member_requests, out.residence)
     prefetch = None
     if config.prefetch != "none":

@@ -5,7 +5,58 @@
 nothing, so they are built without reference counting (``_nrt=False``, as numba builds its own
 string helpers); otherwise every call pays an atomic increment and decrement per array argument.
 ``error_model="numpy"`` drops division-by-zero checks: every divisor is a validated size or rate.
+
+The first run on a machine compiles them (10-75 s, depending on the machine and its load);
+later runs load the cached build in well under a second. :func:`compile_notice` says so while it
+happens and shows progress, so a first run is never a silent wait.
 """
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from numba.core import event
+from tqdm import tqdm
 
 LOOP = dict(cache=True, error_model="numpy")
 HELPER = dict(LOOP, _nrt=False)
+
+
+class _CompileProgress(event.Listener):
+    """Counts numba compilations; the first one prints the notice and opens a progress bar."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def on_start(self, ev) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            print("relayout: compiling the replay model (first run on this machine; cached for later runs)",
+                  file=sys.stderr, flush=True)
+            self.bar = tqdm(desc="compile", unit=" functions", file=sys.stderr, disable=None)
+        self.bar.update(1)
+
+    def on_end(self, ev) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def compile_notice(enabled: bool = True):
+    """While inside, any compilation of the model says so on stderr and shows progress.
+
+    Loading the cached build compiles nothing, so then nothing is printed.
+    """
+    listener = _CompileProgress(enabled)
+    event.register("numba:compile", listener)
+    try:
+        yield
+    finally:
+        event.unregister("numba:compile", listener)
+        listener.close()

@@ -440,3 +440,20 @@ def test_coupled_source_learns_which_experts_follow(tmp_path):
         return inst.prefetch.timely[on].sum() / inst.prefetch.required[on].sum()
 
     assert next_layer_recall(coupled) > 0.5 and next_layer_recall(oracle) == 1.0
+
+
+def test_a_first_compile_says_so_and_a_cached_run_says_nothing(capsys):
+    from numba import njit
+
+    from replay.jit import compile_notice
+
+    @njit
+    def twice(x):
+        return 2 * x
+
+    with compile_notice():
+        assert twice(21) == 42
+    assert "compiling the replay model (first run on this machine" in capsys.readouterr().err
+    with compile_notice():
+        assert twice(4) == 8          # already compiled: silent
+    assert capsys.readouterr().err == ""
