@@ -22,10 +22,10 @@ from common import child_peak_rss_mb
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
 from relayout.trace_synth import synth_trace
+from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.engine import simulate
 from replay.prefetch import coupling_table
-from replay.runtime import RuntimeConfig
 from replay.trace import save_trace
 
 TARGET_LOADS_PER_S = 2e6
@@ -67,7 +67,7 @@ def main() -> None:
               f"{loads / dt / TARGET_LOADS_PER_S:.2f}x the target of 2 M loads/s")
     code = (f"import numpy as np; from replay.trace import load_trace; from relayout.plan import source_from_geometry; "
             f"from containers.geometry import load_geometry; from replay.device import load_device; from replay.engine import simulate; "
-            f"from replay.runtime import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "
+            f"from replay.config import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "
             f"simulate(tr, np.ones(tr.n_forwards, bool), source_from_geometry(load_geometry('glm-5.2-int4-row')).stock, "
             f"load_device('mac-pro-2019-applraid-4x'), RuntimeConfig())")
     print(f"peak RSS of one replay in a fresh process: {child_peak_rss_mb(code):.0f} MB")

@@ -25,15 +25,16 @@ from containers.container import MANIFEST_NAME, Container
 from containers.manifest import build_manifest, write_manifest
 from relayout.apply import apply_plan
 from relayout.plan import make_plan, source_from_container
+from relayout.render import format_calibration
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.calibrate import calibrate, format_calibration
+from replay.calibrate import calibrate
+from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.engine import simulate
 from replay.gate import evaluation_forwards, training_coupling
 from replay.measure import measure
 from replay.metrics import step_table, summarize
 from replay.planfile import load_plan, save_plan
-from replay.runtime import RuntimeConfig
 from replay.stalltrace import report
 
 

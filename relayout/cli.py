@@ -18,11 +18,29 @@ from containers.atomic import describe_os_error
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.geometry import geometry_names, load_geometry
+from containers.jsonfile import shipped_names
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
+from replay.config import PREFETCH_SOURCES
+from replay.planfile import METHODS
 
 from . import __version__
-from .textfmt import human_bytes
+from .coactivation import WEIGHTS
+from .render import (
+    format_calibration,
+    format_compare,
+    format_gate,
+    format_inspect,
+    format_measure,
+    format_report,
+    format_stats,
+    format_sweep,
+    format_verify,
+    human_bytes,
+    plan_summary,
+)
+from .split import RULES
+from .trace_import import TRACE_FORMATS
 from .trace_synth import atlas_names
 
 
@@ -37,49 +55,6 @@ def cmd_inspect(args) -> int:
         print(f"relayout: error: {args.dir}: {len(report['problems'])} problem(s) found", file=sys.stderr)
         return 2
     return 0
-
-
-def format_inspect(r: dict) -> str:
-    lines = [
-        f"container      {r['root']}",
-        f"files          {r['files']} safetensors + {len(r['other_files'])} other ({', '.join(r['other_files'])})",
-        f"tensors        {r['tensors']}",
-        f"total size     {human_bytes(r['total_bytes'])}",
-        f"MoE layers     {_ranges(r['moe_layers'])}" + (f"   MTP layers {_ranges(r['mtp_layers'])}" if r["mtp_layers"] else ""),
-        f"experts/layer  {_per_layer(r['experts_per_layer'])}",
-        f"routed         {r['routed_experts']} experts, {human_bytes(r['routed_bytes'])}",
-    ]
-    for fmt, sizes in r["bytes_per_expert"].items():
-        for size, n in sizes.items():
-            lines.append(f"  {fmt:<12} {n} experts x {int(size):,} B")
-    lines.append(f"fast path      {r['fast_path_experts']} experts in one read, {r['off_fast_path_experts']} need more than one")
-    if r["off_fast_path_examples"]:
-        lines.append(f"  off the fast path: {', '.join(r['off_fast_path_examples'])}" + (" ..." if r["off_fast_path_experts"] > 20 else ""))
-    if r.get("needs_split_runtime"):
-        lines.append(f"runtime        NEEDS A SPLIT-AWARE RUNTIME: {r['split_experts']} experts are stored as split segments "
-                     "(docs/SPLIT_SEGMENTS.md); stock colibrì cannot load this container")
-    lines.append(f"problems       {len(r['problems']) or 'none'}")
-    lines += [f"  - {p}" for p in r["problems"]]
-    return "\n".join(lines)
-
-
-def _ranges(xs: list[int]) -> str:
-    if not xs:
-        return "none"
-    out, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ", ".join(out)
-
-
-def _per_layer(d: dict) -> str:
-    counts = sorted(set(d.values()))
-    return str(counts[0]) if len(counts) == 1 else ", ".join(f"L{k}:{v}" for k, v in d.items())
 
 
 def cmd_synth_container(args) -> int:
@@ -146,7 +121,7 @@ def cmd_trace_import(args) -> int:
 def cmd_trace_stats(args) -> int:
     from replay.trace import load_trace
 
-    from .trace_stats import format_stats, trace_stats
+    from .trace_stats import trace_stats
 
     stats = trace_stats(load_trace(args.trace))
     print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
@@ -197,7 +172,6 @@ def cmd_plan(args) -> int:
     from .plan import (
         SplitOptions,
         make_plan,
-        plan_summary,
         source_from_container,
         source_from_geometry,
     )
@@ -223,7 +197,7 @@ def cmd_plan(args) -> int:
 
 
 def _runtime_config(args):
-    from replay.runtime import RuntimeConfig
+    from replay.config import RuntimeConfig
 
     return RuntimeConfig(
         ram_bytes=int(args.ram_gb * 1e9), workers=args.workers, batched=args.batched, coalesce=args.coalesce,
@@ -244,7 +218,7 @@ def _floats(text: str) -> list[float]:
 def cmd_replay(args) -> int:
     from containers.atomic import write_json_atomic
     from replay.device import load_device
-    from replay.gate import compare, format_gate, format_sweep, sweep
+    from replay.gate import compare, sweep
     from replay.planfile import load_plan
     from replay.trace import load_trace
 
@@ -309,15 +283,7 @@ def _verify_and_report(src, dst, full: bool, as_json: bool) -> int:
     if as_json:
         print(json.dumps(summary, indent=1))
     else:
-        for p in problems:
-            print(p)
-        if not problems:
-            how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
-            split = f", {summary['split_tensors']} split tensors reassembled exactly from their segments" if summary["split_tensors"] else ""
-            print(f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold")
-            if summary.get("needs_split_runtime"):
-                print(f"note: {summary['split_experts']} experts of {dst} are stored as split segments; only a split-aware "
-                      "runtime can load it (docs/SPLIT_SEGMENTS.md), stock colibrì exits at its first expert load")
+        print(format_verify(src, dst, problems, summary, full))
     if problems:
         print(f"relayout: error: {dst}: {len(problems)} problem(s) found by verify", file=sys.stderr)
         return 2
@@ -330,7 +296,7 @@ def cmd_verify(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from containers.atomic import write_json_atomic
-    from replay.calibrate import calibrate, format_calibration
+    from replay.calibrate import calibrate
 
     profile = calibrate(args.path, args.size_mb, args.seconds, args.name)
     write_json_atomic(args.output, profile)
@@ -361,9 +327,7 @@ def cmd_measure(args) -> int:
     container = Container.open(args.container)
     result = measure(container, trace, mask, config, args.output, run_id=args.run_id, cold=not args.warm,
                      record=not args.no_trace, coupling=coupling)
-    s = result.stall_ns / max(result.committed, 1) / 1e6
-    print(f"{result.steps} steps, {result.committed} committed tokens in {result.wall_seconds:.2f} s; "
-          f"S = {s:.3f} ms/token; {result.cold}; weights read {'with O_DIRECT' if result.direct else 'buffered'}")
+    print(format_measure(result))
     if result.path:
         print(f"wrote {result.path}")
     return 0
@@ -371,7 +335,7 @@ def cmd_measure(args) -> int:
 
 def cmd_report(args) -> int:
     from replay.gate import load_gate
-    from replay.stalltrace import format_report, public_report, report, write_plots
+    from replay.stalltrace import public_report, report, write_plots
 
     r = report(args.runs)
     print(json.dumps(public_report(r), indent=1) if args.json else format_report(r))
@@ -382,7 +346,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from replay.stalltrace import compare, format_compare
+    from replay.stalltrace import compare
 
     c = compare(args.runs)
     print(json.dumps(c, indent=1) if args.json else format_compare(c))
@@ -398,197 +362,211 @@ def cmd_demo(args) -> int:
     return run_demo(args.dir, seed=args.seed)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help line shows its default, when it has one (not for flags or absent values)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _command(sub, name: str, help: str, func=None) -> argparse.ArgumentParser:
+    c = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=_Help)
+    if func is not None:
+        c.set_defaults(func=func)
+    return c
+
+
+def _geometry_options(c: argparse.ArgumentParser, full: bool = True) -> None:
+    """Pick a geometry and scale it down (the absolute numbering of layers is kept)."""
+    g = c.add_argument_group("geometry (scaled-down models keep the real numbering of layers)")
+    g.add_argument("--moe-layers", type=int, help="number of MoE layers (default: the geometry's)")
+    g.add_argument("--experts", type=int, help="routed experts per layer (default: the geometry's)")
+    if full:
+        g.add_argument("--hidden", type=int, help="hidden size (default: the geometry's)")
+        g.add_argument("--ffn", type=int, help="expert FFN (moe_intermediate) size (default: the geometry's)")
+        g.add_argument("--vocab", type=int, help="vocabulary size, embedding and lm_head rows (default: the geometry's)")
+
+
+def _runtime_options(c: argparse.ArgumentParser, modelled: bool) -> None:
+    """The runtime knobs ``replay`` models and ``measure`` performs (``modelled``: replay's extras)."""
+    r = c.add_argument_group("runtime (colibrì's read path)")
+    r.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
+    r.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
+    r.add_argument("--batched", action="store_true", help="a batched queue (io_uring-style, 64 loads in flight) instead of workers")
+    r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file")
+    r.add_argument("--coalesce-max-mb", type=float, default=268.435456, help="largest coalesced read, MB")
+    r.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
+    r.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms"
+                                                            + ("" if modelled else " (slept)"))
+    r.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second"
+                                                                 + ("" if modelled else " (slept)"))
+    r.add_argument("--prefetch", choices=PREFETCH_SOURCES, default="none",
+                   help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, a bound), "
+                        "coupled (cross-layer pair counts of the training sessions, like COUPLE"
+                        + (")" if modelled else "; needs --layout)"))
+    r.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetcher loads per layer (K, 1-64)")
+    if modelled:
+        r.add_argument("--pin-gb", type=float, default=0.0, help="pin the hottest experts (training heat), GB")
+        r.add_argument("--other-ms", type=float, default=0.0, help="other overhead per token (O in TPOT), ms")
+
+
+def _rewrite_options(c: argparse.ArgumentParser, src_flag: bool) -> None:
+    w = c.add_argument_group("rewrite")
+    if src_flag:
+        w.add_argument("--container", metavar="SRC", help="on a pass, rewrite this container (needs --out)")
+    w.add_argument("--out", metavar="DST", required=not src_flag, help="destination of the rewritten container")
+    w.add_argument("--manifest", help=f"SRC's manifest (default SRC/{MANIFEST_NAME}; hashed now if absent)")
+    w.add_argument("--force", action="store_true", help="rewrite even without a passing gate (recorded in DST's manifest)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="relayout",
+        prog="relayout", formatter_class=_Help,
         description="Co-activation layouts for MoE expert containers streamed from NVMe: plan, replay and gate, "
-                    "rewrite, verify, measure.",
+                    "rewrite, verify, measure. Every bad input is one line on stderr and exit status 2.",
     )
     p.add_argument("--version", action="version", version=f"relayout {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    geometries = ", ".join(geometry_names())
 
-    s = sub.add_parser("inspect", help="summarise a container: files, experts, formats, fast path, problems")
-    s.add_argument("dir")
+    s = _command(sub, "inspect", "summarise a container: files, experts, formats, fast path, problems", cmd_inspect)
+    s.add_argument("dir", help="the model directory (safetensors shards and config.json)")
     s.add_argument("--json", action="store_true", help="print JSON")
-    s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("synth", help="generate synthetic containers and routing traces")
+    s = _command(sub, "synth", "generate synthetic containers and routing traces")
     synth = s.add_subparsers(dest="what", required=True, metavar="WHAT")
-    c = synth.add_parser("container", help="write a synthetic container")
-    c.add_argument("out")
-    c.add_argument("--geometry", required=True, help=f"one of {', '.join(geometry_names())} or a geometry JSON file")
-    c.add_argument("--moe-layers", type=int, help="number of MoE layers (absolute numbering kept)")
-    c.add_argument("--experts", type=int, help="routed experts per layer")
-    c.add_argument("--hidden", type=int, help="hidden size")
-    c.add_argument("--ffn", type=int, help="expert FFN (moe_intermediate) size")
-    c.add_argument("--vocab", type=int, help="vocabulary size (embedding and lm_head rows)")
-    c.add_argument("--shard-mb", type=float, help="target shard size in MB (10^6 bytes)")
-    c.add_argument("--seed", type=int, default=0)
-    c.set_defaults(func=cmd_synth_container)
+    c = _command(synth, "container", "write a synthetic container laid out like the colibrì converter's output", cmd_synth_container)
+    c.add_argument("out", help="the new directory")
+    c.add_argument("--geometry", required=True, help=f"one of {geometries} or a geometry JSON file")
+    _geometry_options(c)
+    c.add_argument("--shard-mb", type=float, help="target shard size in MB, 10^6 bytes (default: the geometry's)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the tensor bytes and the shard cuts")
 
-    c = synth.add_parser("trace", help="write a synthetic routing trace with real structure")
-    c.add_argument("out")
-    c.add_argument("--geometry", required=True, help=f"one of {', '.join(geometry_names())} or a geometry JSON file")
-    c.add_argument("--moe-layers", type=int, help="number of MoE layers (match a scaled container)")
-    c.add_argument("--experts", type=int, help="routed experts per layer (match a scaled container)")
+    c = _command(synth, "trace", "write a synthetic routing trace with real structure", cmd_synth_trace)
+    c.add_argument("out", help="the trace file to write (.rt)")
+    c.add_argument("--geometry", required=True, help=f"one of {geometries} or a geometry JSON file")
+    _geometry_options(c, full=False)
     c.add_argument("--tokens", type=int, default=2000, help="decode tokens in all")
-    c.add_argument("--sessions", type=int, default=8)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--sessions", type=int, default=8, help="sessions the tokens are split into")
+    c.add_argument("--seed", type=int, default=0, help="seed of the routing")
     c.add_argument("--fit", metavar="ATLAS", help="fit heat and lift to a co-activation atlas and report the error: a shipped "
                                               f"atlas ({', '.join(atlas_names())}) or an atlas JSON file")
-    c.set_defaults(func=cmd_synth_trace)
 
-    s = sub.add_parser("trace", help="import routing traces and describe them")
+    s = _command(sub, "trace", "import routing traces and describe them")
     tsub = s.add_subparsers(dest="what", required=True, metavar="WHAT")
-    c = tsub.add_parser("import", help="convert ROUTE_TRACE / STALL_TRACE / MBLT / .coli_usage into a relayout trace")
+    c = _command(tsub, "import", "convert ROUTE_TRACE / STALL_TRACE / MBLT / .coli_usage into a relayout trace", cmd_trace_import)
     c.add_argument("inputs", nargs="+", help="input files; each is one session, in the order given")
-    c.add_argument("-o", "--output", required=True)
-    c.add_argument("--format", choices=["route", "stall", "mblt", "coli_usage"], help="default: sniffed")
-    c.add_argument("--geometry", help="check expert ids against this geometry and record its name")
-    c.set_defaults(func=cmd_trace_import)
-    c = tsub.add_parser("stats", help="heat entropy, lift, cross-layer lift, reuse distance per layer")
-    c.add_argument("trace")
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(func=cmd_trace_stats)
+    c.add_argument("-o", "--output", required=True, help="the trace file to write (.rt)")
+    c.add_argument("--format", choices=TRACE_FORMATS, help="input format (default: sniffed from the first bytes)")
+    c.add_argument("--geometry", help=f"check expert ids and layers against this geometry ({geometries} or a JSON file) "
+                                      "and record its name")
+    c = _command(tsub, "stats", "heat entropy, lift, cross-layer lift, reuse distance per layer", cmd_trace_stats)
+    c.add_argument("trace", help="a relayout trace (.rt)")
+    c.add_argument("--json", action="store_true", help="print JSON")
 
-    s = sub.add_parser("export", help="export tables for the runtime")
+    s = _command(sub, "export", "export tables for the runtime")
     esub = s.add_subparsers(dest="what", required=True, metavar="WHAT")
-    c = esub.add_parser("coli-pairs", help="cross-layer coupling table in colibri's .coli_pairs format")
-    c.add_argument("trace")
-    c.add_argument("-o", "--output", required=True)
-    c.set_defaults(func=cmd_export_coli_pairs)
+    c = _command(esub, "coli-pairs", "cross-layer coupling table in colibrì's .coli_pairs format", cmd_export_coli_pairs)
+    c.add_argument("trace", help="a relayout trace (.rt)")
+    c.add_argument("-o", "--output", required=True, help="the .coli_pairs file to write")
 
-    s = sub.add_parser("plan", help="cluster, order and pack: write plan.json")
-    s.add_argument("--trace", required=True)
-    s.add_argument("--container", help="the container the plan is for")
-    s.add_argument("--manifest", help=f"its manifest (default DIR/{MANIFEST_NAME}; hashed now if absent)")
-    s.add_argument("--geometry", help="plan for a geometry's converter layout instead of a container")
-    s.add_argument("--moe-layers", type=int)
-    s.add_argument("--experts", type=int)
-    s.add_argument("--hidden", type=int)
-    s.add_argument("--ffn", type=int)
-    s.add_argument("--vocab", type=int)
-    s.add_argument("--source-shard-mb", type=float, help="with --geometry: the source's shard size, MB (as given to synth)")
-    s.add_argument("--synth-seed", type=int, default=0, help="seed of the synthetic container the geometry layout mirrors")
-    s.add_argument("-o", "--output", required=True)
-    s.add_argument("--method", default="louvain", choices=["louvain", "greedy-modularity", "heat", "stock", "random"])
-    s.add_argument("--train-fraction", type=float, default=0.7, help="first fraction of sessions to learn from")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--resolution", type=float, default=1.0, help="Louvain resolution")
-    s.add_argument("--weight", default="count", choices=["count", "lift", "pmi"], help="co-activation edge weight")
-    s.add_argument("--min-support", type=int, default=1, help="minimum co-selections for an edge")
-    s.add_argument("--shard-mb", type=float, default=4000, help="target size of new shards, MB")
-    s.add_argument("--alignment", type=int, default=4096, help="block alignment in bytes (e.g. a RAID chunk size)")
-    s.add_argument("--scales-with-weights", action="store_true", help="put each expert's scales right after its weights")
-    s.add_argument("--split-ratio", type=float, help="vertical split: fraction of the FFN in the top segment")
-    s.add_argument("--split-ram-gb", type=float, help="RAM for resident top segments, GB")
-    s.add_argument("--split-rule", default="stall", choices=["heat", "stall", "replay"],
+    s = _command(sub, "plan", "cluster, order and pack: write plan.json", cmd_plan)
+    s.add_argument("--trace", required=True, help="a relayout trace (.rt); the first --train-fraction of its sessions train")
+    s.add_argument("-o", "--output", required=True, help="plan.json to write")
+    src = s.add_argument_group("what the plan is for (exactly one)")
+    src.add_argument("--container", help="the container the plan is for")
+    src.add_argument("--manifest", help=f"its manifest (default DIR/{MANIFEST_NAME}; hashed now if absent)")
+    src.add_argument("--geometry", help=f"plan for a geometry's converter layout instead ({geometries} or a JSON file)")
+    src.add_argument("--source-shard-mb", type=float, help="with --geometry: the source's shard size, MB (as given to synth)")
+    src.add_argument("--synth-seed", type=int, default=0, help="with --geometry: seed of the synthetic container it mirrors")
+    _geometry_options(s)
+    m = s.add_argument_group("ordering")
+    m.add_argument("--method", default="louvain", choices=METHODS, help="how each layer's experts are ordered")
+    m.add_argument("--train-fraction", type=float, default=0.7, help="first fraction of sessions to learn from")
+    m.add_argument("--seed", type=int, default=0, help="seed of Louvain and the random baseline")
+    m.add_argument("--resolution", type=float, default=1.0, help="Louvain resolution")
+    m.add_argument("--weight", default="count", choices=WEIGHTS, help="co-activation edge weight")
+    m.add_argument("--min-support", type=int, default=1, help="minimum co-selections for an edge")
+    k = s.add_argument_group("packing")
+    k.add_argument("--shard-mb", type=float, default=4000, help="target size of new shards, MB")
+    k.add_argument("--alignment", type=int, default=4096, help="block alignment in bytes (e.g. a RAID chunk size)")
+    k.add_argument("--scales-with-weights", action="store_true", help="put each expert's scales right after its weights")
+    v = s.add_argument_group("vertical split")
+    v.add_argument("--split-ratio", type=float, help="fraction of the FFN in the top segment (default: no split)")
+    v.add_argument("--split-ram-gb", type=float, help="RAM for resident top segments, GB (needed with --split-ratio)")
+    v.add_argument("--split-rule", default="stall", choices=RULES,
                    help="rank tops by heat per byte, closed-form stall per byte, or replayed wait per byte")
-    s.add_argument("--cache-gb", type=float, help="LRU cache the split competes with, GB (stall and replay rules)")
-    s.add_argument("--split-device", default="mac-pro-2019-applraid-4x", help="device profile for the replay rule")
-    s.add_argument("--split-workers", type=int, default=8, help="reader workers for the replay rule")
-    s.set_defaults(func=cmd_plan)
+    v.add_argument("--cache-gb", type=float, help="LRU cache the split competes with, GB (stall and replay rules; default 0)")
+    v.add_argument("--split-device", default="mac-pro-2019-applraid-4x", help="device profile for the replay rule")
+    v.add_argument("--split-workers", type=int, default=8, help="reader workers for the replay rule")
 
-    s = sub.add_parser("replay", help="replay held-out routing through baseline and plan layouts; gate the rewrite")
-    s.add_argument("--layout", required=True, metavar="PLAN.json")
-    s.add_argument("--trace", required=True)
-    s.add_argument("--device", required=True, help="a shipped profile name or a profile JSON")
-    s.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
-    s.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
-    s.add_argument("--batched", action="store_true", help="batched queue (io_uring-style, 64 loads in flight) instead of workers")
-    s.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file")
-    s.add_argument("--coalesce-max-mb", type=float, default=268.435456, help="largest coalesced read, MB")
-    s.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
-    s.add_argument("--pin-gb", type=float, default=0.0, help="pin the hottest experts (training heat), GB")
-    s.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms")
-    s.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second")
-    s.add_argument("--other-ms", type=float, default=0.0, help="other overhead per token (O in TPOT), ms")
-    s.add_argument("--prefetch", choices=("none", "oracle", "coupled"), default="none",
-                   help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, "
-                        "a bound), coupled (cross-layer pair counts of the training sessions, like COUPLE)")
-    s.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetcher loads per layer (K, 1-64)")
-    s.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
-    s.add_argument("--threshold", type=float, default=0.05, help="gate: fraction of baseline TPOT the CI low end must save")
-    s.add_argument("-o", "--output", help="write gate.json (or the sweep table as JSON)")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--sweep", action="store_true", help="regime map over RAM budgets x workers x coalesce")
-    s.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
-    s.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
-    s.add_argument("--container", metavar="SRC", help="on a pass, rewrite this container (needs --out)")
-    s.add_argument("--out", metavar="DST", help="destination of the rewritten container")
-    s.add_argument("--manifest", help=f"SRC's manifest (default SRC/{MANIFEST_NAME}; hashed now if absent)")
-    s.add_argument("--force", action="store_true", help="rewrite even if the gate fails (recorded in DST's manifest)")
-    s.set_defaults(func=cmd_replay)
+    s = _command(sub, "replay", "replay held-out routing through baseline and plan layouts; gate the rewrite", cmd_replay)
+    s.add_argument("--layout", required=True, metavar="PLAN.json", help="the plan to evaluate")
+    s.add_argument("--trace", required=True, help="a relayout trace; sessions the plan trained on are excluded")
+    s.add_argument("--device", required=True, help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
+    _runtime_options(s, modelled=True)
+    g = s.add_argument_group("gate")
+    g.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
+    g.add_argument("--threshold", type=float, default=0.05, help="fraction of baseline TPOT the interval's low end must save")
+    g.add_argument("-o", "--output", help="write gate.json (or the sweep table as JSON)")
+    g.add_argument("--json", action="store_true", help="print JSON")
+    w = s.add_argument_group("sweep")
+    w.add_argument("--sweep", action="store_true", help="regime map over RAM budgets x workers x coalesce")
+    w.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
+    w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
+    _rewrite_options(s, src_flag=True)
 
-    s = sub.add_parser("rewrite", help="stream-rewrite a container into the plan's layout (needs a passing gate)")
-    s.add_argument("src")
-    s.add_argument("--layout", required=True, metavar="PLAN.json")
-    s.add_argument("--out", required=True, metavar="DST")
+    s = _command(sub, "rewrite", "stream-rewrite a container into the plan's layout (needs a passing gate)", cmd_rewrite)
+    s.add_argument("src", help="the source container (opened read-only)")
+    s.add_argument("--layout", required=True, metavar="PLAN.json", help="the plan to write")
     s.add_argument("--gate", help="gate.json from relayout replay")
-    s.add_argument("--manifest", help=f"SRC's manifest (default SRC/{MANIFEST_NAME}; hashed now if absent)")
-    s.add_argument("--force", action="store_true", help="rewrite without a passing gate (recorded in DST's manifest)")
     s.add_argument("--verify", action="store_true", help="verify DST against SRC afterwards")
-    s.set_defaults(func=cmd_rewrite)
+    _rewrite_options(s, src_flag=False)
 
-    s = sub.add_parser("calibrate", help="measure the device holding PATH and fit a device profile")
+    s = _command(sub, "calibrate", "measure the device holding PATH and fit a device profile", cmd_calibrate)
     s.add_argument("path", help="a directory (a temporary test file is written there) or a large file")
-    s.add_argument("-o", "--output", required=True, metavar="device.json")
-    s.add_argument("--size-mb", type=int, default=1024, help="test file size when PATH is a directory")
-    s.add_argument("--seconds", type=float, default=0.4, help="time per (request size, queue depth) cell")
-    s.add_argument("--name", help="profile name")
-    s.set_defaults(func=cmd_calibrate)
+    s.add_argument("-o", "--output", required=True, metavar="device.json", help="the profile to write")
+    s.add_argument("--size-mb", type=int, default=1024, help="test file size when PATH is a directory, MiB (>= 64)")
+    s.add_argument("--seconds", type=float, default=0.4, help="time per (request size, queue depth) cell (0.05-60)")
+    s.add_argument("--name", help="profile name (default: from PATH)")
 
-    s = sub.add_parser("measure", help="perform the runtime's demand path for real; write a STALL_TRACE")
-    s.add_argument("--container", required=True)
-    s.add_argument("--trace", required=True)
+    s = _command(sub, "measure", "perform the runtime's read path for real; write a STALL_TRACE", cmd_measure)
+    s.add_argument("--container", required=True, help="the container to read")
+    s.add_argument("--trace", required=True, help="a relayout trace whose routing is replayed for real")
     s.add_argument("--layout", metavar="PLAN.json", help="evaluate only sessions this plan did not train on")
-    s.add_argument("--tokens", type=int, help="stop after this many held-out steps")
-    s.add_argument("--ram-gb", type=float, default=0.0)
-    s.add_argument("--workers", type=int, default=8)
-    s.add_argument("--batched", action="store_true")
-    s.add_argument("--coalesce", action="store_true")
-    s.add_argument("--coalesce-max-mb", type=float, default=268.435456)
-    s.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
-    s.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms (slept)")
-    s.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB/s (slept)")
-    s.add_argument("--prefetch", choices=("none", "oracle", "coupled"), default="none",
-                   help="run a prefetch thread for the next layer (coupled needs --layout)")
-    s.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetch thread loads per layer (K)")
+    s.add_argument("--tokens", type=int, help="stop after this many held-out steps (default: all)")
+    _runtime_options(s, modelled=False)
     s.add_argument("--warm", action="store_true", help="do not drop the page cache first")
     s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
-    s.add_argument("--run-id", default="run")
-    s.add_argument("-o", "--output", help="STALL_TRACE JSONL (.zst compresses)")
-    s.set_defaults(func=cmd_measure)
+    s.add_argument("--run-id", default="run", help="run id written in every record")
+    s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses)")
 
-    s = sub.add_parser("report", help="S and the seed 4.3 metrics from STALL_TRACE files")
-    s.add_argument("runs", nargs="+")
-    s.add_argument("--json", action="store_true")
+    s = _command(sub, "report", "S and the seed 4.3 metrics from STALL_TRACE files", cmd_report)
+    s.add_argument("runs", nargs="+", help="STALL_TRACE files (.jsonl or .jsonl.zst)")
+    s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--plots", metavar="DIR", help="write PNG figures (needs the 'plots' extra: matplotlib)")
     s.add_argument("--predicted", metavar="gate.json", help="with --plots: add predicted vs measured S")
-    s.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("compare", help="paired comparison of STALL_TRACE files (first = control)")
-    s.add_argument("runs", nargs="+")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_compare)
+    s = _command(sub, "compare", "paired comparison of STALL_TRACE files (first = control)", cmd_compare)
+    s.add_argument("runs", nargs="+", help="STALL_TRACE files; the first is the control")
+    s.add_argument("--json", action="store_true", help="print JSON")
 
-    s = sub.add_parser("verify", help="prove DST equals SRC tensor by tensor and meets the runtime's constraints")
-    s.add_argument("src")
-    s.add_argument("dst")
+    s = _command(sub, "verify", "prove DST equals SRC tensor by tensor and meets the runtime's constraints", cmd_verify)
+    s.add_argument("src", help="the source container")
+    s.add_argument("dst", help="the rewritten container")
     s.add_argument("--full", action="store_true", help="also compare bytes, not only xxh3-128")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_verify)
+    s.add_argument("--json", action="store_true", help="print JSON")
 
-    s = sub.add_parser("manifest", help="write or check the xxh3-128 checksum manifest of a container")
-    s.add_argument("dir")
+    s = _command(sub, "manifest", "write or check the xxh3-128 checksum manifest of a container", cmd_manifest)
+    s.add_argument("dir", help="the container")
     s.add_argument("-o", "--output", help=f"manifest path (default DIR/{MANIFEST_NAME})")
     s.add_argument("--check", action="store_true", help="re-hash and name every mismatch")
-    s.set_defaults(func=cmd_manifest)
 
-    s = sub.add_parser("demo", help="run the pipeline end to end on a small synthetic model")
-    s.add_argument("--dir", help="work directory (default: a temporary one, removed afterwards)")
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(func=cmd_demo)
+    s = _command(sub, "demo", "run the pipeline end to end on a small synthetic model", cmd_demo)
+    s.add_argument("--dir", help="work directory: new, empty or a previous demo's (default: a temporary one, removed afterwards)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the model, trace and plan")
     return p
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 
-import networkx as nx
 import numpy as np
 
 from containers.atomic import atomic_output
@@ -86,11 +85,12 @@ def lift_matrix(C: np.ndarray, heat: np.ndarray, n_rows: int) -> np.ndarray:
     return np.nan_to_num(L, nan=0.0, posinf=0.0)
 
 
-def coactivation_graph(experts: np.ndarray, n_experts: int, weight: str = "count", min_support: int = 1) -> nx.Graph:
+def coactivation_graph(experts: np.ndarray, n_experts: int, weight: str = "count", min_support: int = 1):
     """Graph over all experts of a layer; edges with count >= ``min_support``, weighted as asked.
 
     Node attribute ``heat``; edge attributes ``count``, ``lift``, ``pmi`` and ``weight``
     (the selected one; PMI edges with non-positive PMI are dropped, Louvain needs positive weights).
+    Returns a ``networkx.Graph``.
     """
     if weight not in WEIGHTS:
         raise InputError(None, f"unknown edge weight {weight!r} (choose {', '.join(WEIGHTS)})")
@@ -98,6 +98,8 @@ def coactivation_graph(experts: np.ndarray, n_experts: int, weight: str = "count
     heat = heat_of(experts, n_experts)
     C = pair_counts(experts, n_experts)
     L = lift_matrix(C, heat, N)
+    import networkx as nx  # planning only: the rest of the tool starts without it
+
     G = nx.Graph()
     G.add_nodes_from((e, {"heat": int(heat[e])}) for e in range(n_experts))
     iu, ju = np.nonzero(np.triu(C >= max(min_support, 1), 1))

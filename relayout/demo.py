@@ -19,17 +19,17 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
+from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.gate import compare, evaluation_forwards
 from replay.measure import measure
 from replay.planfile import load_plan, save_plan
-from replay.runtime import RuntimeConfig
 from replay.stalltrace import compare as compare_runs
 from replay.trace import save_trace
 
 from .apply import apply_plan, verify
-from .plan import make_plan, plan_summary, source_from_container
-from .textfmt import human_bytes
+from .plan import make_plan, source_from_container
+from .render import human_bytes, plan_summary
 from .trace_stats import trace_stats
 from .trace_synth import SynthParams, synth_trace
 

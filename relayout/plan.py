@@ -248,9 +248,9 @@ def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: 
         heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=g["n_experts"])
     tokens = int(fmask.sum())
     if opt.rule == "replay":
+        from replay.config import RuntimeConfig
         from replay.device import load_device
         from replay.engine import simulate
-        from replay.runtime import RuntimeConfig
 
         inst, _ = simulate(trace, fmask, layout, load_device(opt.device), RuntimeConfig(ram_bytes=opt.cache_bytes, workers=opt.workers))
         frac = np.array([s.top_rows / g["moe_intermediate_size"] for s in sizes])
@@ -267,28 +267,5 @@ def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: 
     }
 
 
-def plan_summary(plan: dict) -> list[str]:
-    """Human-readable lines about a plan."""
-    layers = plan["layers"]
-    runs = [v["train_runs_per_token"] for v in layers.values() if v["train_runs_per_token"] is not None]
-    stock = [v["stock_train_runs_per_token"] for v in layers.values() if v["stock_train_runs_per_token"] is not None]
-    mods = [v["modularity"] for v in layers.values() if v["modularity"] is not None]
-    lay = plan["layout"]
-    lines = [
-        f"method {plan['method']}: {len(layers)} layers, trained on {len(plan['training']['sessions'])} sessions "
-        f"({plan['training']['forwards']} forwards), {len(plan['training']['held_out_sessions'])} held out",
-        f"layout: {len(lay['files'])} files, alignment {lay['alignment']} B, every expert one read",
-    ]
-    if runs:
-        lines.append(f"training runs/token (mean over layers): plan {np.mean(runs):.3f}, stock {np.mean(stock):.3f}")
-    if mods:
-        lines.append(f"modularity: mean {np.mean(mods):.3f} over {len(mods)} layers")
-    if plan.get("split"):
-        s = plan["split"]
-        n = sum(len(v) for v in s["resident"].values())
-        lines.append(f"split r={s['ratio']}: {n} resident tops ({s['resident_bytes'] / 1e9:.2f} GB, rule {s['rule']})")
-    return lines
-
-
 __all__ = ["RULES", "PlanSource", "SplitOptions", "make_plan", "source_from_container", "source_from_geometry",
-           "split_sessions", "plan_summary", "training_rows"]
+           "split_sessions", "training_rows"]

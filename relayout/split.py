@@ -30,7 +30,7 @@ import numpy as np
 
 from containers.errors import InputError
 from containers.geometry import ExpertFormat
-from replay.runtime import greedy_by_value
+from replay.config import greedy_by_value
 
 RULES = ("heat", "stall", "replay")
 

@@ -180,6 +180,9 @@ def _check_width(where, k: int) -> None:
 
 # ------------------------------------------------------------------ sniffing
 
+TRACE_FORMATS = ("route", "stall", "mblt", "coli_usage")
+"""Input formats (see the module doc); :func:`sniff_format` tells them apart."""
+
 
 def sniff_format(path: Path) -> str:
     """Guess the format of ``path`` from its first bytes."""
@@ -201,7 +204,7 @@ def sniff_format(path: Path) -> str:
     first = next((ln for ln in lines if ln and not ln.startswith(b"#")), b"")
     if b":" in first:
         return "route"
-    raise InputError(path, "cannot tell the trace format; pass --format route|stall|mblt|coli_usage")
+    raise InputError(path, f"cannot tell the trace format; pass --format {'|'.join(TRACE_FORMATS)}")
 
 
 # ------------------------------------------------------------------ ROUTE_TRACE

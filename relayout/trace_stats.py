@@ -119,30 +119,3 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
     return out
 
 
-def format_stats(s: dict) -> str:
-    lines = [
-        f"trace      {s['source']}  (geometry {s['geometry']})",
-        f"sessions   {s['sessions']}, forwards {s['forwards']} {s['forwards_by_kind']}, committed tokens {s['committed_tokens']}",
-        f"selections {s['selections']:,} in {s['rows']:,} rows, {s['n_experts']} experts, top-{s['top_k']}",
-    ]
-    if s["heat_only"]:
-        lines.append("heat only (.coli_usage): no co-activation, cross-layer or reuse statistics can be computed")
-    if "summary" in s:
-        m = s["summary"]
-        lines += [
-            f"heat entropy (median over layers) {m['heat_entropy_bits_median']} bits of {m['max_entropy_bits']} max",
-            f"within-layer lift (pairs >= 5 co-selections): median {m['lift_median']}, p90 {m['lift_p90']}, p99 {m['lift_p99']}",
-            f"cross-layer lift L->L+1: median {m['cross_layer_lift_median']}, p99 {m['cross_layer_lift_p99']}",
-            f"reuse distance (forwards): median {m['reuse_distance_median']}",
-        ]
-    lines.append("")
-    lines.append("layer  rows  sessions  entropy  lift-med  lift-p90  lift-p99  xlift-med  reuse-med")
-    for l in s["layers"]:
-        if s["heat_only"]:
-            lines.append(f"{l['layer']:>5}  selections {l['selections']}  entropy {l['heat_entropy_bits']}")
-            continue
-        x = l.get("cross_layer_lift", {}).get("median")
-        lines.append(f"{l['layer']:>5} {l['rows']:>5} {l['sessions']:>9} {l['heat_entropy_bits']:>8} "
-                     f"{str(l['lift']['median']):>9} {str(l['lift']['p90']):>9} {str(l['lift']['p99']):>9} "
-                     f"{str(x):>10} {str(l['reuse_distance']['median']):>10}")
-    return "\n".join(lines)

@@ -167,11 +167,3 @@ def _write_test_file(path: Path, size: int) -> None:
         raise InputError(path, exc.strerror or str(exc)) from None
 
 
-def format_calibration(profile: dict) -> str:
-    d = profile["drive"]
-    lines = [f"{'size':>10}{'QD':>5}{'latency us':>12}{'MB/s':>10}{'IOPS':>10}"]
-    for c in profile["calibration"]["cells"]:
-        lines.append(f"{c['size']:>10}{c['depth']:>5}{c['mean_latency_s'] * 1e6:>12.1f}{c['throughput_Bps'] / 1e6:>10.1f}{c['iops']:>10.0f}")
-    lines.append(f"fit: request cost {d['request_seconds'] * 1e6:.1f} us, bandwidth {d['bandwidth'] / 1e9:.2f} GB/s, "
-                 f"queue slots {d['queue_slots']}; {profile['calibration']['cache_control']}")
-    return "\n".join(lines)

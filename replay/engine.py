@@ -45,10 +45,11 @@ import numpy as np
 from containers.errors import InputError
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
+from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .device import SPLIT_RULES, ArrayProfile
 from .instance import Array, LayoutArrays, ReadPolicy, Results, simulate_instances
 from .jit import compile_notice
-from .runtime import PREFETCH_SOURCES, RuntimeConfig, lru_capacities, new_lru
+from .runtime import new_lru
 from .trace import RoutingTrace
 from .unions import trace_instances
 

@@ -17,12 +17,12 @@ from containers.errors import InputError
 from containers.jsonfile import read_document
 from containers.layout import Layout
 
+from .config import RuntimeConfig, pinned_experts
 from .device import ArrayProfile
 from .engine import simulate, split_state
 from .metrics import session_sums, step_table, summarize
 from .planfile import Plan
 from .prefetch import coupling_table
-from .runtime import RuntimeConfig, pinned_experts
 from .stats import paired_saving, step_blocks
 from .trace import FORWARD_KINDS, RoutingTrace
 
@@ -169,48 +169,6 @@ def _reason(passed: bool, s, tpot: float, threshold: float, headroom: float, bas
     return f"FAIL: {text} The bound leaves {headroom / tpot:.1%} of TPOT of headroom, but this layout does not capture enough of it."
 
 
-def format_gate(g: dict) -> str:
-    ms = 1e3
-    b, p = g["baseline_metrics"], g["plan_metrics"]
-    lines = [
-        f"verdict: {g['verdict'].upper()}",
-        g["reason"],
-        "",
-        f"{'':28}{'baseline':>12}{'plan':>12}",
-        f"{'stall S (ms/token)':28}{b['stall_per_token_s'] * ms:12.3f}{p['stall_per_token_s'] * ms:12.3f}",
-        f"{'TPOT estimate (ms)':28}{b['tpot_s'] * ms:12.2f}{p['tpot_s'] * ms:12.2f}",
-        f"{'oracle bound (ms/token)':28}{b['oracle_stall_per_token_s'] * ms:12.3f}{p['oracle_stall_per_token_s'] * ms:12.3f}",
-        f"{'reads/token':28}{b['reads_per_token']:12.1f}{p['reads_per_token']:12.1f}",
-        f"{'read MB/token':28}{b['read_bytes_per_token'] / 1e6:12.2f}{p['read_bytes_per_token'] / 1e6:12.2f}",
-        f"{'union MB/committed token':28}{b['union_bytes_per_token'] / 1e6:12.2f}{p['union_bytes_per_token'] / 1e6:12.2f}",
-        f"{'RAM hit rate':28}{b['ram_hit_rate']:12.3f}{p['ram_hit_rate']:12.3f}",
-        f"{'step stall p50/p99 (ms)':28}{b['step_stall_s']['p50'] * ms:6.2f}/{b['step_stall_s']['p99'] * ms:<5.2f}"
-        f"{p['step_stall_s']['p50'] * ms:6.2f}/{p['step_stall_s']['p99'] * ms:.2f}",
-        f"{'drive utilisation':28}{max(b['drive_utilisation']):12.2f}{max(p['drive_utilisation']):12.2f}",
-        "",
-        f"held-out sessions: {len(g['trace']['sessions_evaluated'])} evaluated, "
-        f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training; device {g['device']['name']}; "
-        f"RAM {g['runtime']['ram_bytes'] / 1e9:g} GB, workers {g['runtime']['workers']}{' (batched)' if g['runtime']['batched'] else ''}, "
-        f"coalesce {'on' if g['runtime']['coalesce'] else 'off'}",
-        _prefetch_line(g["runtime"], b["prefetch"], p["prefetch"]),
-    ]
-    return "\n".join(lines)
-
-
-def _prefetch_line(runtime: dict, b: dict | None, p: dict | None) -> str:
-    if b is None:
-        return "prefetch: none (demand reads only), so timely recall, unused prefetched bytes and lead slack do not apply"
-
-    def one(m):
-        recall = "n/a" if m["timely_required_byte_recall"] is None else f"{m['timely_required_byte_recall']:.1%}"
-        slack = "n/a" if m["mean_lead_slack_s"] is None else f"{m['mean_lead_slack_s'] * 1e3:.2f} ms"
-        return (f"timely recall {recall}, {m['prefetched_bytes_per_token'] / 1e6:.1f} MB/token prefetched, "
-                f"{m['unused_prefetched_bytes_per_token'] / 1e6:.1f} MB/token unused, lead slack {slack}")
-
-    return (f"prefetch: {runtime['prefetch']} source, K={runtime['prefetch_experts']} per layer\n"
-            f"  baseline: {one(b)}\n  plan:     {one(p)}")
-
-
 def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
           workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None) -> list[dict]:
     """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing."""
@@ -227,19 +185,6 @@ def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runtime
                               "saving": g["saving_per_token_s"], "saving_fraction_of_tpot": g["saving_fraction_of_tpot"],
                               "tpot_s": g["baseline_metrics"]["tpot_s"]})
     return cells
-
-
-def format_sweep(cells: list[dict]) -> str:
-    ms = 1e3
-    head = f"{'RAM GB':>7} {'workers':>7} {'coalesce':>8} {'stock S':>9} {'plan S':>9} {'oracle':>9} {'saved (95% CI) ms/token':>28} {'% TPOT':>7}  verdict"
-    lines = [head, "-" * len(head)]
-    for c in cells:
-        s = c["saving"]
-        lines.append(f"{c['ram_gb']:>7g} {c['workers']:>7} {'on' if c['coalesce'] else 'off':>8} "
-                     f"{c['baseline_stall_s'] * ms:9.3f} {c['plan_stall_s'] * ms:9.3f} {c['oracle_stall_s'] * ms:9.3f} "
-                     f"{s['estimate'] * ms:9.3f} [{s['low'] * ms:7.3f},{s['high'] * ms:7.3f}] "
-                     f"{c['saving_fraction_of_tpot']['estimate']:7.1%}  {c['verdict']}")
-    return "\n".join(lines)
 
 
 def load_gate(path) -> dict:

@@ -42,8 +42,8 @@ from containers.container import Container
 from containers.errors import InputError
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
 
+from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .prefetch import predict_next
-from .runtime import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .trace import RoutingTrace
 
 MAX_READ = 64 * 1024 * 1024

@@ -23,9 +23,9 @@ from numba import njit
 
 from containers.layout import Layout
 
+from .config import PREFETCH_SOURCES
 from .coupling import cross_layer_counts, top_targets
 from .jit import HELPER
-from .runtime import PREFETCH_SOURCES
 from .trace import RoutingTrace
 
 ORACLE, COUPLED = PREFETCH_SOURCES.index("oracle"), PREFETCH_SOURCES.index("coupled")

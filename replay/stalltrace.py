@@ -318,25 +318,3 @@ def _token_mismatches(paths, configs) -> list[str]:
     return out
 
 
-def format_report(r: dict) -> str:
-    lines = [f"{'run':<24}{'steps':>7}{'tokens':>8}{'S (ms/token)':>14}{'p99 step (ms)':>15}{'recall':>8}{'union MB/tok':>14}"]
-    for m in r["runs"]:
-        rec = m["timely_required_byte_recall"]
-        lines.append(f"{m['run_id'][:23]:<24}{m['steps']:>7}{m['committed_tokens']:>8}{m['stall_per_committed_token_ns'] / 1e6:>14.3f}"
-                     f"{m['step_stall_ns']['p99'] / 1e6:>15.3f}{'n/a' if rec is None else f'{rec:.3f}':>8}"
-                     f"{m['union_bytes_per_committed_token'] / 1e6:>14.2f}")
-    lines.append(f"pooled S = {r['stall_per_committed_token_ns'] / 1e6:.3f} ms per committed token over {r['committed_tokens']} tokens")
-    return "\n".join(lines)
-
-
-def format_compare(c: dict) -> str:
-    lines = []
-    for f in c["correctness_failures"]:
-        lines.append(f"CORRECTNESS FAILURE: {f}")
-    for x in c["comparisons"]:
-        s = x["saving_ns"]
-        d = x["effect_size_d"]
-        lines.append(f"{x['treatment']} vs {c['control']} ({x['pairs']} paired repetitions): S {x['control_stall_per_committed_token_ns'] / 1e6:.3f} -> "
-                     f"{x['treatment_stall_per_committed_token_ns'] / 1e6:.3f} ms/token; saved {s['estimate'] / 1e6:.3f} ms "
-                     f"[95% CI {s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}], effect size d = {'n/a' if d is None else f'{d:.2f}'}")
-    return "\n".join(lines)

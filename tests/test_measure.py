@@ -11,9 +11,9 @@ from conftest import run_cli, small_geometry
 from containers.container import Container
 from relayout.trace_synth import synth_trace
 from replay.calibrate import calibrate
+from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.measure import measure
-from replay.runtime import RuntimeConfig
 from replay.stalltrace import read_stall_trace, report, run_metrics
 from replay.trace import save_trace
 

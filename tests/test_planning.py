@@ -213,9 +213,9 @@ def test_replay_split_rule_ranks_by_replayed_wait_per_byte():
 
 @pytest.mark.slow
 def test_replay_split_rule_does_not_lose_to_heat_in_the_replay_model(tmp_path):
+    from replay.config import RuntimeConfig
     from replay.device import load_device
     from replay.gate import compare
-    from replay.runtime import RuntimeConfig
 
     g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=6, ffn=384)
     tr = synth_trace(g.moe_layers, 128, 8, 1200, 6, seed=1)

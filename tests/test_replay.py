@@ -14,12 +14,13 @@ from containers.geometry import load_geometry
 from containers.layout import Layout
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
+from replay.config import RuntimeConfig
 from replay.device import ArrayProfile, DriveProfile, load_device, member_split
 from replay.engine import simulate
 from replay.gate import compare
 from replay.metrics import step_table, summarize
 from replay.planfile import load_plan, save_plan
-from replay.runtime import RuntimeConfig, lru_hits
+from replay.runtime import lru_hits
 from replay.stats import paired_saving
 from replay.trace import RoutingTrace
 from replay.unions import instance_unions

@@ -17,10 +17,10 @@ from relayout.apply import apply_plan, verify
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import SynthParams, synth_trace
+from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.gate import compare
 from replay.planfile import load_plan, save_plan
-from replay.runtime import RuntimeConfig
 from replay.trace import save_trace
 
 

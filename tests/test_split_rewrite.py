@@ -13,10 +13,10 @@ from containers.segments import SegmentSpec, expert_segment_specs, reassembled_c
 from relayout.apply import apply_plan, verify
 from relayout.plan import SplitOptions, make_plan, source_from_container
 from relayout.trace_synth import synth_trace
+from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.gate import compare
 from replay.planfile import load_plan, save_plan
-from replay.runtime import RuntimeConfig
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

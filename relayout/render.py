@@ -1,0 +1,214 @@
+"""Text rendering of results for the terminal: one place for every table and summary line.
+
+Each function takes the JSON-ready record a library function returned (a container report,
+trace statistics, a gate record, a sweep, a calibration profile, a STALL_TRACE report or
+comparison) and returns lines to print; nothing here computes a figure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def human_bytes(n: float) -> str:
+    """``1234567`` -> ``'1.23 MB'`` (decimal units, as drive vendors and FACTS use)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+def format_inspect(r: dict) -> str:
+    lines = [
+        f"container      {r['root']}",
+        f"files          {r['files']} safetensors + {len(r['other_files'])} other ({', '.join(r['other_files'])})",
+        f"tensors        {r['tensors']}",
+        f"total size     {human_bytes(r['total_bytes'])}",
+        f"MoE layers     {_ranges(r['moe_layers'])}" + (f"   MTP layers {_ranges(r['mtp_layers'])}" if r["mtp_layers"] else ""),
+        f"experts/layer  {_per_layer(r['experts_per_layer'])}",
+        f"routed         {r['routed_experts']} experts, {human_bytes(r['routed_bytes'])}",
+    ]
+    for fmt, sizes in r["bytes_per_expert"].items():
+        for size, n in sizes.items():
+            lines.append(f"  {fmt:<12} {n} experts x {int(size):,} B")
+    lines.append(f"fast path      {r['fast_path_experts']} experts in one read, {r['off_fast_path_experts']} need more than one")
+    if r["off_fast_path_examples"]:
+        lines.append(f"  off the fast path: {', '.join(r['off_fast_path_examples'])}" + (" ..." if r["off_fast_path_experts"] > 20 else ""))
+    if r.get("needs_split_runtime"):
+        lines.append(f"runtime        NEEDS A SPLIT-AWARE RUNTIME: {r['split_experts']} experts are stored as split segments "
+                     "(docs/SPLIT_SEGMENTS.md); stock colibrì cannot load this container")
+    lines.append(f"problems       {len(r['problems']) or 'none'}")
+    lines += [f"  - {p}" for p in r["problems"]]
+    return "\n".join(lines)
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "none"
+    out, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)
+
+def _per_layer(d: dict) -> str:
+    counts = sorted(set(d.values()))
+    return str(counts[0]) if len(counts) == 1 else ", ".join(f"L{k}:{v}" for k, v in d.items())
+
+def format_stats(s: dict) -> str:
+    lines = [
+        f"trace      {s['source']}  (geometry {s['geometry']})",
+        f"sessions   {s['sessions']}, forwards {s['forwards']} {s['forwards_by_kind']}, committed tokens {s['committed_tokens']}",
+        f"selections {s['selections']:,} in {s['rows']:,} rows, {s['n_experts']} experts, top-{s['top_k']}",
+    ]
+    if s["heat_only"]:
+        lines.append("heat only (.coli_usage): no co-activation, cross-layer or reuse statistics can be computed")
+    if "summary" in s:
+        m = s["summary"]
+        lines += [
+            f"heat entropy (median over layers) {m['heat_entropy_bits_median']} bits of {m['max_entropy_bits']} max",
+            f"within-layer lift (pairs >= 5 co-selections): median {m['lift_median']}, p90 {m['lift_p90']}, p99 {m['lift_p99']}",
+            f"cross-layer lift L->L+1: median {m['cross_layer_lift_median']}, p99 {m['cross_layer_lift_p99']}",
+            f"reuse distance (forwards): median {m['reuse_distance_median']}",
+        ]
+    lines.append("")
+    lines.append("layer  rows  sessions  entropy  lift-med  lift-p90  lift-p99  xlift-med  reuse-med")
+    for l in s["layers"]:
+        if s["heat_only"]:
+            lines.append(f"{l['layer']:>5}  selections {l['selections']}  entropy {l['heat_entropy_bits']}")
+            continue
+        x = l.get("cross_layer_lift", {}).get("median")
+        lines.append(f"{l['layer']:>5} {l['rows']:>5} {l['sessions']:>9} {l['heat_entropy_bits']:>8} "
+                     f"{str(l['lift']['median']):>9} {str(l['lift']['p90']):>9} {str(l['lift']['p99']):>9} "
+                     f"{str(x):>10} {str(l['reuse_distance']['median']):>10}")
+    return "\n".join(lines)
+
+def format_gate(g: dict) -> str:
+    ms = 1e3
+    b, p = g["baseline_metrics"], g["plan_metrics"]
+    lines = [
+        f"verdict: {g['verdict'].upper()}",
+        g["reason"],
+        "",
+        f"{'':28}{'baseline':>12}{'plan':>12}",
+        f"{'stall S (ms/token)':28}{b['stall_per_token_s'] * ms:12.3f}{p['stall_per_token_s'] * ms:12.3f}",
+        f"{'TPOT estimate (ms)':28}{b['tpot_s'] * ms:12.2f}{p['tpot_s'] * ms:12.2f}",
+        f"{'oracle bound (ms/token)':28}{b['oracle_stall_per_token_s'] * ms:12.3f}{p['oracle_stall_per_token_s'] * ms:12.3f}",
+        f"{'reads/token':28}{b['reads_per_token']:12.1f}{p['reads_per_token']:12.1f}",
+        f"{'read MB/token':28}{b['read_bytes_per_token'] / 1e6:12.2f}{p['read_bytes_per_token'] / 1e6:12.2f}",
+        f"{'union MB/committed token':28}{b['union_bytes_per_token'] / 1e6:12.2f}{p['union_bytes_per_token'] / 1e6:12.2f}",
+        f"{'RAM hit rate':28}{b['ram_hit_rate']:12.3f}{p['ram_hit_rate']:12.3f}",
+        f"{'step stall p50/p99 (ms)':28}{b['step_stall_s']['p50'] * ms:6.2f}/{b['step_stall_s']['p99'] * ms:<5.2f}"
+        f"{p['step_stall_s']['p50'] * ms:6.2f}/{p['step_stall_s']['p99'] * ms:.2f}",
+        f"{'drive utilisation':28}{max(b['drive_utilisation']):12.2f}{max(p['drive_utilisation']):12.2f}",
+        "",
+        f"held-out sessions: {len(g['trace']['sessions_evaluated'])} evaluated, "
+        f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training; device {g['device']['name']}; "
+        f"RAM {g['runtime']['ram_bytes'] / 1e9:g} GB, workers {g['runtime']['workers']}{' (batched)' if g['runtime']['batched'] else ''}, "
+        f"coalesce {'on' if g['runtime']['coalesce'] else 'off'}",
+        _prefetch_line(g["runtime"], b["prefetch"], p["prefetch"]),
+    ]
+    return "\n".join(lines)
+
+def _prefetch_line(runtime: dict, b: dict | None, p: dict | None) -> str:
+    if b is None:
+        return "prefetch: none (demand reads only), so timely recall, unused prefetched bytes and lead slack do not apply"
+
+    def one(m):
+        recall = "n/a" if m["timely_required_byte_recall"] is None else f"{m['timely_required_byte_recall']:.1%}"
+        slack = "n/a" if m["mean_lead_slack_s"] is None else f"{m['mean_lead_slack_s'] * 1e3:.2f} ms"
+        return (f"timely recall {recall}, {m['prefetched_bytes_per_token'] / 1e6:.1f} MB/token prefetched, "
+                f"{m['unused_prefetched_bytes_per_token'] / 1e6:.1f} MB/token unused, lead slack {slack}")
+
+    return (f"prefetch: {runtime['prefetch']} source, K={runtime['prefetch_experts']} per layer\n"
+            f"  baseline: {one(b)}\n  plan:     {one(p)}")
+
+def format_sweep(cells: list[dict]) -> str:
+    ms = 1e3
+    head = f"{'RAM GB':>7} {'workers':>7} {'coalesce':>8} {'stock S':>9} {'plan S':>9} {'oracle':>9} {'saved (95% CI) ms/token':>28} {'% TPOT':>7}  verdict"
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        s = c["saving"]
+        lines.append(f"{c['ram_gb']:>7g} {c['workers']:>7} {'on' if c['coalesce'] else 'off':>8} "
+                     f"{c['baseline_stall_s'] * ms:9.3f} {c['plan_stall_s'] * ms:9.3f} {c['oracle_stall_s'] * ms:9.3f} "
+                     f"{s['estimate'] * ms:9.3f} [{s['low'] * ms:7.3f},{s['high'] * ms:7.3f}] "
+                     f"{c['saving_fraction_of_tpot']['estimate']:7.1%}  {c['verdict']}")
+    return "\n".join(lines)
+
+def format_calibration(profile: dict) -> str:
+    d = profile["drive"]
+    lines = [f"{'size':>10}{'QD':>5}{'latency us':>12}{'MB/s':>10}{'IOPS':>10}"]
+    for c in profile["calibration"]["cells"]:
+        lines.append(f"{c['size']:>10}{c['depth']:>5}{c['mean_latency_s'] * 1e6:>12.1f}{c['throughput_Bps'] / 1e6:>10.1f}{c['iops']:>10.0f}")
+    lines.append(f"fit: request cost {d['request_seconds'] * 1e6:.1f} us, bandwidth {d['bandwidth'] / 1e9:.2f} GB/s, "
+                 f"queue slots {d['queue_slots']}; {profile['calibration']['cache_control']}")
+    return "\n".join(lines)
+
+def format_report(r: dict) -> str:
+    lines = [f"{'run':<24}{'steps':>7}{'tokens':>8}{'S (ms/token)':>14}{'p99 step (ms)':>15}{'recall':>8}{'union MB/tok':>14}"]
+    for m in r["runs"]:
+        rec = m["timely_required_byte_recall"]
+        lines.append(f"{m['run_id'][:23]:<24}{m['steps']:>7}{m['committed_tokens']:>8}{m['stall_per_committed_token_ns'] / 1e6:>14.3f}"
+                     f"{m['step_stall_ns']['p99'] / 1e6:>15.3f}{'n/a' if rec is None else f'{rec:.3f}':>8}"
+                     f"{m['union_bytes_per_committed_token'] / 1e6:>14.2f}")
+    lines.append(f"pooled S = {r['stall_per_committed_token_ns'] / 1e6:.3f} ms per committed token over {r['committed_tokens']} tokens")
+    return "\n".join(lines)
+
+def format_compare(c: dict) -> str:
+    lines = []
+    for f in c["correctness_failures"]:
+        lines.append(f"CORRECTNESS FAILURE: {f}")
+    for x in c["comparisons"]:
+        s = x["saving_ns"]
+        d = x["effect_size_d"]
+        lines.append(f"{x['treatment']} vs {c['control']} ({x['pairs']} paired repetitions): S {x['control_stall_per_committed_token_ns'] / 1e6:.3f} -> "
+                     f"{x['treatment_stall_per_committed_token_ns'] / 1e6:.3f} ms/token; saved {s['estimate'] / 1e6:.3f} ms "
+                     f"[95% CI {s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}], effect size d = {'n/a' if d is None else f'{d:.2f}'}")
+    return "\n".join(lines)
+
+
+def plan_summary(plan: dict) -> list[str]:
+    """Human-readable lines about a plan."""
+    layers = plan["layers"]
+    runs = [v["train_runs_per_token"] for v in layers.values() if v["train_runs_per_token"] is not None]
+    stock = [v["stock_train_runs_per_token"] for v in layers.values() if v["stock_train_runs_per_token"] is not None]
+    mods = [v["modularity"] for v in layers.values() if v["modularity"] is not None]
+    lay = plan["layout"]
+    lines = [
+        f"method {plan['method']}: {len(layers)} layers, trained on {len(plan['training']['sessions'])} sessions "
+        f"({plan['training']['forwards']} forwards), {len(plan['training']['held_out_sessions'])} held out",
+        f"layout: {len(lay['files'])} files, alignment {lay['alignment']} B, every expert one read",
+    ]
+    if runs:
+        lines.append(f"training runs/token (mean over layers): plan {np.mean(runs):.3f}, stock {np.mean(stock):.3f}")
+    if mods:
+        lines.append(f"modularity: mean {np.mean(mods):.3f} over {len(mods)} layers")
+    if plan.get("split"):
+        s = plan["split"]
+        n = sum(len(v) for v in s["resident"].values())
+        lines.append(f"split r={s['ratio']}: {n} resident tops ({s['resident_bytes'] / 1e9:.2f} GB, rule {s['rule']})")
+    return lines
+
+
+def format_verify(src, dst, problems: list[str], summary: dict, full: bool) -> str:
+    """Each problem verify found, or the one-line proof of equality (and the split-runtime note)."""
+    if problems:
+        return "\n".join(problems)
+    how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
+    split = f", {summary['split_tensors']} split tensors reassembled exactly from their segments" if summary["split_tensors"] else ""
+    lines = [f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold"]
+    if summary.get("needs_split_runtime"):
+        lines.append(f"note: {summary['split_experts']} experts of {dst} are stored as split segments; only a split-aware "
+                     "runtime can load it (docs/SPLIT_SEGMENTS.md), stock colibrì exits at its first expert load")
+    return "\n".join(lines)
+
+
+def format_measure(result) -> str:
+    """One line about a measured run (:class:`replay.measure.MeasureResult`)."""
+    s = result.stall_ns / max(result.committed, 1) / 1e6
+    return (f"{result.steps} steps, {result.committed} committed tokens in {result.wall_seconds:.2f} s; "
+            f"S = {s:.3f} ms/token; {result.cold}; weights read {'with O_DIRECT' if result.direct else 'buffered'}")
+

@@ -1,0 +1,93 @@
+"""The runtime's configuration: its knobs, and how a RAM budget becomes pin sets and LRU capacities.
+
+Pure Python and numpy (no compiled code), so the command line can build its options and
+planning can rank pins without loading the replay model. Bytes, seconds, bytes/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from containers.errors import InputError
+
+PREFETCH_SOURCES = ("none", "oracle", "coupled")
+"""Prefetch sources (see :mod:`replay.prefetch`); the compiled model takes a source as its index here."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Runtime knobs and the compute model. Bytes, seconds, bytes/s."""
+
+    ram_bytes: int = 0                 # LRU budget for whole experts (0 = no cache)
+    workers: int = 8                   # reader workers (PIPE_WORKERS), 1-16
+    batched: bool = False              # io_uring-style queue: up to 64 loads in flight
+    coalesce: bool = False             # one read for experts contiguous in one file
+    coalesce_max_bytes: int = 256 * 1024 * 1024
+    coalesce_gap_bytes: int = 64 * 1024
+    direct: bool = True                # O_DIRECT weight reads (scales are always buffered)
+    pin_bytes: int = 0                 # hottest experts pinned in RAM (by training heat)
+    dense_seconds: float = 1.0e-3      # per layer and forward, before routing: attention, router
+    compute_bytes_per_second: float = 50e9  # an expert's matmul streams its weights at this rate, per position
+    other_seconds_per_token: float = 0.0    # O in TPOT = C + S + O
+    prefetch: str = "none"             # prefetch source for the next layer: none, oracle, coupled
+    prefetch_experts: int = 6          # K: experts predicted per layer (colibrì PILOT_K)
+
+    def __post_init__(self):
+        if not self.batched and not 1 <= self.workers <= 16:
+            raise InputError(None, f"--workers must be 1-16 (got {self.workers})")
+        if self.ram_bytes < 0 or self.pin_bytes < 0:
+            raise InputError(None, "RAM budgets must be >= 0")
+        if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
+            raise InputError(None, "coalescing needs a span of at least 1 byte and a gap >= 0")
+        if self.prefetch not in PREFETCH_SOURCES:
+            raise InputError(None, f"unknown prefetch source {self.prefetch!r} (choose {', '.join(PREFETCH_SOURCES)})")
+        if not 1 <= self.prefetch_experts <= 64:
+            raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
+        if self.compute_bytes_per_second <= 0 or self.dense_seconds < 0:
+            raise InputError(None, "compute model needs a positive rate and non-negative dense time")
+
+    @property
+    def in_flight(self) -> int:
+        """Loads that can be outstanding at once."""
+        return 64 if self.batched else self.workers
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def lru_capacities(ram_bytes: int, expert_bytes: np.ndarray) -> np.ndarray:
+    """Experts each layer's LRU holds when ``ram_bytes`` is shared evenly by the layers."""
+    L = len(expert_bytes)
+    if ram_bytes <= 0:
+        return np.zeros(L, dtype=np.int64)
+    return (ram_bytes // L // np.maximum(expert_bytes, 1)).astype(np.int64)
+
+
+def greedy_by_value(value: np.ndarray, cost: np.ndarray, budget: float) -> np.ndarray:
+    """Boolean [L, E]: items taken best value first (ties by layer, then id) while they fit.
+
+    ``value`` [L, E] is value per byte; ``cost`` [L] bytes per item of a layer. Items of value
+    <= 0 are never taken; an item that does not fit is skipped and smaller ones may still fit.
+    """
+    L, E = value.shape
+    out = np.zeros((L, E), dtype=bool)
+    order = np.lexsort((np.tile(np.arange(E), L), np.repeat(np.arange(L), E), -value.ravel()))
+    used = 0.0
+    for flat in order.tolist():
+        li, e = divmod(flat, E)
+        if value[li, e] <= 0:
+            break
+        if used + cost[li] > budget:
+            continue
+        used += cost[li]
+        out[li, e] = True
+    return out
+
+
+def pinned_experts(heat: np.ndarray, expert_bytes: np.ndarray, pin_bytes: int) -> np.ndarray:
+    """Boolean [L, E]: hottest experts (selections per byte) until ``pin_bytes`` is used."""
+    if pin_bytes <= 0:
+        return np.zeros(heat.shape, dtype=bool)
+    return greedy_by_value(heat / np.maximum(expert_bytes, 1)[:, None], np.asarray(expert_bytes, dtype=np.float64), pin_bytes)
