@@ -142,7 +142,6 @@ class LayerOrder:
     method: str
     communities: list[list[int]] = field(default_factory=list)
     modularity: float | None = None
-    train_runs: float | None = None
 
 
 def _unseen_last(order_seen: list[int], heat: np.ndarray) -> np.ndarray:
@@ -152,7 +151,7 @@ def _unseen_last(order_seen: list[int], heat: np.ndarray) -> np.ndarray:
 
 
 def louvain_order(experts: np.ndarray, n_experts: int, resolution: float = 1.0, seed: int = 0,
-                  weight: str = "count", min_support: int = 1, refine: bool = True) -> LayerOrder:
+                  weight: str = "count", min_support: int = 1) -> LayerOrder:
     """Louvain communities, spectral order inside, greedy chain between, then local search."""
     import community as community_louvain
 
@@ -170,8 +169,7 @@ def louvain_order(experts: np.ndarray, n_experts: int, resolution: float = 1.0, 
         groups.setdefault(part[e], []).append(e)
     comms = [fiedler_order(g, C, heat) for g in groups.values()]
     chain = [e for g in _chain_groups(comms, C, heat) for e in g]
-    if refine:
-        chain = improve_path(np.array(chain), C).tolist()
+    chain = improve_path(np.array(chain), C).tolist()
     return LayerOrder(_unseen_last(chain, heat), "louvain", [sorted(g) for g in comms], float(modularity))
 
 
