@@ -308,7 +308,7 @@ def cmd_calibrate(args) -> int:
 def cmd_measure(args) -> int:
     from containers.container import Container
     from replay.gate import evaluation_forwards, training_coupling
-    from replay.measure import measure
+    from replay.measure import default_run_id, measure
     from replay.planfile import load_plan
     from replay.trace import load_trace
 
@@ -325,7 +325,8 @@ def cmd_measure(args) -> int:
             raise InputError(args.trace, "--prefetch coupled needs --layout PLAN.json (its training sessions teach the pair table)")
         coupling = training_coupling(trace, plan)
     container = Container.open(args.container)
-    result = measure(container, trace, mask, config, args.output, run_id=args.run_id, cold=not args.warm,
+    run_id = args.run_id or default_run_id(args.container, args.layout)
+    result = measure(container, trace, mask, config, args.output, run_id=run_id, cold=not args.warm,
                      record=not args.no_trace, coupling=coupling)
     print(format_measure(result))
     if result.path:
@@ -335,10 +336,10 @@ def cmd_measure(args) -> int:
 
 def cmd_report(args) -> int:
     from replay.gate import load_gate
-    from replay.stalltrace import public_report, report, write_plots
+    from replay.stalltrace import report, write_plots
 
     r = report(args.runs)
-    print(json.dumps(public_report(r), indent=1) if args.json else format_report(r))
+    print(json.dumps(r.to_json(), indent=1) if args.json else format_report(r.to_json()))
     if args.plots:
         for path in write_plots(r, args.plots, load_gate(args.predicted) if args.predicted else None):
             print(f"wrote {path}")
@@ -540,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_options(s, modelled=False)
     s.add_argument("--warm", action="store_true", help="do not drop the page cache first")
     s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
-    s.add_argument("--run-id", default="run", help="run id written in every record")
+    s.add_argument("--run-id", help="run id written in every record (default: unique, from the container and "
+                                    "layout names and the start time)")
     s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses)")
 
     s = _command(sub, "report", "S and the seed 4.3 metrics from STALL_TRACE files", cmd_report)

@@ -148,13 +148,53 @@ def format_calibration(profile: dict) -> str:
     return "\n".join(lines)
 
 def format_report(r: dict) -> str:
-    lines = [f"{'run':<24}{'steps':>7}{'tokens':>8}{'S (ms/token)':>14}{'p99 step (ms)':>15}{'recall':>8}{'union MB/tok':>14}"]
+    """A STALL_TRACE report (``Report.to_json()``): a row per run, S pooled per configuration,
+    the supporting figures each run's records support, and every warning."""
+    ms = 1e6
+    w = max([24] + [len(m["run_id"]) + 2 for m in r["runs"]])
+    lines = [f"{'run':<{w}}{'steps':>7}{'tokens':>8}{'S (ms/token)':>14}{'p99 step (ms)':>15}{'recall':>20}{'union MB/tok':>14}"]
     for m in r["runs"]:
         rec = m["timely_required_byte_recall"]
-        lines.append(f"{m['run_id'][:23]:<24}{m['steps']:>7}{m['committed_tokens']:>8}{m['stall_per_committed_token_ns'] / 1e6:>14.3f}"
-                     f"{m['step_stall_ns']['p99'] / 1e6:>15.3f}{'n/a' if rec is None else f'{rec:.3f}':>8}"
+        recall = "n/a (no prefetch)" if not m.get("prefetch") else ("n/a" if rec is None else f"{rec:.3f}")
+        lines.append(f"{m['run_id']:<{w}}{m['steps']:>7}{m['committed_tokens']:>8}{m['stall_per_committed_token_ns'] / ms:>14.3f}"
+                     f"{m['step_stall_ns']['p99'] / ms:>15.3f}{recall:>20}"
                      f"{m['union_bytes_per_committed_token'] / 1e6:>14.2f}")
-    lines.append(f"pooled S = {r['stall_per_committed_token_ns'] / 1e6:.3f} ms per committed token over {r['committed_tokens']} tokens")
+    for m in r["runs"]:
+        extra = []
+        if m.get("tpot_ns") is not None:
+            parts = [f"TPOT {m['tpot_ns'] / ms:.3f}"]
+            if m.get("compute_per_committed_token_ns") is not None:
+                parts.append(f"C_tok {m['compute_per_committed_token_ns'] / ms:.3f}")
+            parts.append(f"S {m['stall_per_committed_token_ns'] / ms:.3f}")
+            if m.get("other_per_committed_token_ns") is not None:
+                parts.append(f"O_tok {m['other_per_committed_token_ns'] / ms:.3f}")
+            extra.append(", ".join(parts) + " ms/token")
+        if m.get("barrier_stall_per_committed_token_ns") is not None:
+            extra.append(f"barrier-join stall {m['barrier_stall_per_committed_token_ns'] / ms:.3f} ms/token")
+        if m.get("tiers"):
+            extra.append("served by tier: " + ", ".join(f"{t} {v['share']:.1%} ({v['records']} records)" for t, v in m["tiers"].items()))
+        for prio, d in (m.get("reads") or {}).items():
+            s = (f"{prio} reads: {d['drive_requests']} drive requests ({d['drive_bytes'] / 1e6:.1f} MB, "
+                 f"{d['drive_requests_per_committed_token']:.1f}/token), {d['page_cache_requests']} page-cache hits "
+                 f"({d['page_cache_bytes'] / 1e6:.1f} MB)")
+            if d.get("unclassified_requests"):
+                s += f", {d['unclassified_requests']} buffered reads not classified ({d['unclassified_bytes'] / 1e6:.1f} MB)"
+            extra.append(s)
+        for key, name in (("queue_depth", "queue depth"), ("worker_occupancy", "worker occupancy")):
+            q = m.get(key)
+            if q:
+                extra.append(f"{name} mean {q['mean']:.2f}, p95 {q['p95']:.0f}, max {q['max']:.0f}")
+        if m.get("committed_tokens_assumed"):
+            extra.append(f"{m['committed_tokens_assumed']} of {m['committed_tokens']} committed tokens assumed (not recorded)")
+        if extra:
+            lines.append(f"  {m['run_id']}: " + "; ".join(extra))
+    for g in r["pooled"]:
+        what = g["source"] + (f" [{g['configuration']}]" if g.get("configuration") else "")
+        assumed = f" ({g['committed_tokens_assumed']} assumed)" if g.get("committed_tokens_assumed") else ""
+        lines.append(f"pooled S ({what}: {len(g['runs'])} run{'s' if len(g['runs']) != 1 else ''}) = "
+                     f"{g['stall_per_committed_token_ns'] / ms:.3f} ms per committed token over {g['committed_tokens']} tokens{assumed}")
+    for w in r.get("warnings", []):
+        lines.append(f"warning: {w}")
     return "\n".join(lines)
 
 def format_compare(c: dict) -> str:
@@ -164,9 +204,13 @@ def format_compare(c: dict) -> str:
     for x in c["comparisons"]:
         s = x["saving_ns"]
         d = x["effect_size_d"]
-        lines.append(f"{x['treatment']} vs {c['control']} ({x['pairs']} paired repetitions): S {x['control_stall_per_committed_token_ns'] / 1e6:.3f} -> "
+        a0, a1 = sum(x["control_committed_tokens"]), sum(x["treatment_committed_tokens"])
+        lines.append(f"{x['treatment']} vs {c['control']} ({x['pairs']} paired repetitions, {a0} vs {a1} committed tokens): "
+                     f"S {x['control_stall_per_committed_token_ns'] / 1e6:.3f} -> "
                      f"{x['treatment_stall_per_committed_token_ns'] / 1e6:.3f} ms/token; saved {s['estimate'] / 1e6:.3f} ms "
                      f"[95% CI {s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}], effect size d = {'n/a' if d is None else f'{d:.2f}'}")
+    for w in c.get("warnings", []):
+        lines.append(f"warning: {w}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,18 @@ in flight completes and the next layer waits for it if it needs the expert. Its 
 recorded as ``speculative`` records of the layer they were loaded for.
 
 Output: seed Appendix A expert records plus step records, the format a patched runtime emits,
-readable by :mod:`replay.stalltrace`. Bytes read are discarded; buffers are reused, so memory is
+readable by :mod:`replay.stalltrace`. Every expert record carries its step's
+``evaluated_positions`` and ``committed_tokens`` (Appendix A), its ``foreground_stall_ns`` (the
+compute thread's wait for it) and how its bytes were read: ``drive_requests``/``drive_bytes``
+(O_DIRECT reads, and buffered reads the page cache could not serve), ``page_cache_requests``/
+``page_cache_bytes`` (buffered reads, the scales and any weights read without O_DIRECT, served
+from the page cache: each buffered read is first tried with ``RWF_NOWAIT``, which succeeds only
+from the cache) and ``unclassified_*`` where ``RWF_NOWAIT`` is unavailable. ``tier_served`` is
+``nvme`` when any of its bytes came from the drive, ``os_cache`` when all came from the page
+cache, ``ram`` for LRU hits. A coalesced weight read shared by a run of experts is counted on
+the first of them. Step records carry ``committed_assumed`` when the routing trace does not
+know that forward's acceptance (``committed_assumed`` in the trace meta: speculative verify
+forwards of a ROUTE_TRACE or MBLT import), and the run's ``configuration``. Bytes read are discarded; buffers are reused, so memory is
 bounded by ``workers`` x the largest read (reads longer than 64 MiB are issued in 64 MiB pieces).
 """
 
@@ -44,10 +55,35 @@ from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
 
 from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .prefetch import predict_next
+from .stalltrace import IO_FIELDS
 from .trace import RoutingTrace
 
 MAX_READ = 64 * 1024 * 1024
 ALIGN = 4096
+IO_ZERO = (0, 0, 0, 0, 0, 0)
+"""(drive requests, drive bytes, page-cache requests, page-cache bytes, unclassified requests, bytes)."""
+
+
+def default_run_id(container: str | os.PathLike, layout: str | os.PathLike | None = None) -> str:
+    """A run id unique by default: container (and layout) name, start time to the microsecond."""
+    name = Path(container).resolve().name or "container"
+    if layout:
+        name += "+" + Path(layout).stem
+    now = time.time_ns()
+    return f"{name}@{time.strftime('%Y%m%dT%H%M%S', time.localtime(now // 10**9))}.{now // 1000 % 10**6:06d}"
+
+
+def assumed_committed_mask(trace: RoutingTrace) -> np.ndarray:
+    """Forwards whose committed count the trace assumed rather than recorded (trace meta
+    ``committed_assumed``: forward kinds, and explicit forward ids), or that commit nothing."""
+    from .trace import FORWARD_KINDS
+
+    info = trace.meta.get("committed_assumed") or {}
+    kinds = [FORWARD_KINDS.index(k) for k in info.get("kinds", []) if k in FORWARD_KINDS]
+    mask = np.isin(trace.fwd_kind, kinds) if kinds else np.zeros(trace.n_forwards, bool)
+    ids = np.array([i for i in info.get("forward_ids", []) if isinstance(i, int) and 0 <= i < trace.n_forwards], dtype=np.int64)
+    mask[ids] = True
+    return mask | (trace.fwd_committed < 1)
 
 
 @dataclass
@@ -90,6 +126,7 @@ class _Reader:
             except OSError:
                 self.direct = None
         self.local = threading.local()
+        self.nowait = hasattr(os, "RWF_NOWAIT")
 
     def _buffer(self, n: int) -> mmap.mmap:
         buf = getattr(self.local, "buf", None)
@@ -98,23 +135,44 @@ class _Reader:
             self.local.buf = buf
         return buf
 
-    def read(self, f: int, off: int, n: int, direct: bool) -> None:
-        if direct and self.direct is not None:
+    def read(self, f: int, off: int, n: int, direct: bool) -> tuple:
+        """Read the range; returns how (:data:`IO_ZERO`'s fields)."""
+        direct = direct and self.direct is not None
+        if direct:
             a = off // ALIGN * ALIGN
             e = -(-(off + n) // ALIGN) * ALIGN
             fd, off, n = self.direct[f], a, e - a
         else:
             fd = self.buffered[f]
+        io = [0] * 6
         while n > 0:
             step = min(n, MAX_READ)
-            buf = self._buffer(min(step, MAX_READ))
-            got = os.preadv(fd, [memoryview(buf)[:step]], off)
-            if got < step:
-                if direct and got >= 0:
-                    return  # an O_DIRECT window may reach past the end of the file
-                raise InputError(None, f"short read at byte {off}")
-            off += got
-            n -= got
+            view = memoryview(self._buffer(min(step, MAX_READ)))[:step]
+            slot = 0
+            if not direct:
+                slot = 4
+                if self.nowait:
+                    slot = 0
+                    try:
+                        if os.preadv(fd, [view], off, os.RWF_NOWAIT) == step:
+                            slot = 2                   # served by the page cache
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        self.nowait, slot = False, 4   # not supported here: unclassified from now on
+            if slot != 2:
+                got = os.preadv(fd, [view], off)
+                if got < step:
+                    if direct and got >= 0:
+                        io[0] += 1
+                        io[1] += got
+                        return tuple(io)  # an O_DIRECT window may reach past the end of the file
+                    raise InputError(None, f"short read at byte {off}")
+            io[slot] += 1
+            io[slot + 1] += step
+            off += step
+            n -= step
+        return tuple(io)
 
     def close(self) -> None:
         for fd in self.buffered + (self.direct or []):
@@ -127,7 +185,7 @@ def measure(
     forwards: np.ndarray,
     config: RuntimeConfig,
     out: str | os.PathLike | None,
-    run_id: str = "run",
+    run_id: str | None = None,
     cold: bool = True,
     record: bool = True,
     progress: bool = True,
@@ -136,8 +194,11 @@ def measure(
     """Run the demand path on ``container`` for the forwards in mask ``forwards``.
 
     ``coupling`` is the coupled prefetch source's table (:func:`replay.prefetch.coupling_table`),
-    needed when ``config.prefetch == "coupled"``.
+    needed when ``config.prefetch == "coupled"``. ``run_id`` defaults to :func:`default_run_id`
+    of the container.
     """
+    if run_id is None:
+        run_id = default_run_id(container.root)
     layout = layout_from_container(container)
     L, E = len(layout.layers), layout.n_experts
     layer_index = {layer: i for i, layer in enumerate(layout.layers)}
@@ -169,14 +230,18 @@ def measure(
     lrus = [OrderedDict() for _ in range(L)]
     session = -1
     total_stall = 0
+    assumed = assumed_committed_mask(trace)
+    configuration = (f"{Path(container.root).name} workers={config.in_flight} ram={config.ram_bytes} "
+                     f"coalesce={int(config.coalesce)} direct={int(config.direct)} prefetch={config.prefetch}")
     _sleep = _ComputeClock()
     t_start = time.perf_counter_ns()
 
     def job(reads):
         t0 = time.perf_counter_ns()
+        io = IO_ZERO
         for f, off, n, direct in reads:
-            reader.read(f, off, n, direct)
-        return t0, time.perf_counter_ns()
+            io = _add_io(io, reader.read(f, off, n, direct))
+        return t0, time.perf_counter_ns(), io
 
     def reads_of(li: int, e: int) -> list:
         return _expert_reads(*ext.setdefault((li, e), extents(li, e)), config.direct)
@@ -188,6 +253,7 @@ def measure(
                 for lru in lrus:
                     lru.clear()
             request = trace.sessions[session]
+            counts = (max(int(trace.fwd_committed[f]), 1), int(trace.fwd_evaluated[f]))
             step_t0 = time.perf_counter_ns()
             compute_ns = stall_ns = 0
             rows = slice(row_start[f], row_start[f + 1])
@@ -223,7 +289,7 @@ def measure(
                             inflight[e] = loaded[e]
                 misses.sort(key=lambda em: ext.setdefault((li, em[0]), extents(li, em[0]))[0][0][:2])
                 demand = iter(_submit(pool, job, [em for em in misses if em[0] not in inflight], li, extents, ext, config))
-                futures = [(inflight[e],) if e in inflight else next(demand) for e, _ in misses]
+                futures = [((inflight[e], True),) if e in inflight else next(demand) for e, _ in misses]
                 nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
                 predict = prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1
                 if predict and not misses:
@@ -232,28 +298,30 @@ def measure(
                 layer_stall = 0
                 for n_miss, ((e, m), fut) in enumerate(zip(misses, futures)):
                     need = time.perf_counter_ns()
-                    issue, ready = _wait(fut)
-                    if ready > need:
-                        layer_stall += ready - need
+                    issue, ready, io = _wait(fut)
+                    waited = max(0, ready - need)
+                    layer_stall += waited
                     if predict and n_miss == len(misses) - 1:           # the layer's demand loads are done
                         prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)
                     kind = "speculative" if e in inflight else "demand"
-                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, "nvme", kind)
+                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, _tier(io), kind,
+                                counts=counts, stall=waited, io=io)
                     _sleep(comp[li, e] * m)
                 for e, m in hits:
                     if e in ready_now:
-                        issue, ready = loaded[e].result()
-                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, t_route, "nvme",
-                                    "speculative")
+                        issue, ready, io = loaded[e].result()
+                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, t_route, _tier(io),
+                                    "speculative", counts=counts, io=io)
                     else:
-                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), t_route, t_route, t_route, "ram")
+                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), t_route, t_route, t_route, "ram",
+                                    counts=counts, io=IO_ZERO)
                 for e, _ in misses:
                     if capacity[li] > 0:
                         _lru_insert(lru, e, capacity[li])
                 selected = set(union.tolist())
                 for e, fut in loaded.items():                           # loaded for this layer, not selected
                     if e not in selected:
-                        prefetcher.unused(run_id, request, int(f), layer, e, int(ebytes[li, e]), fut)
+                        prefetcher.unused(run_id, request, int(f), layer, e, int(ebytes[li, e]), fut, counts)
                         if capacity[li] > 0 and e not in ready_now:
                             _lru_insert(lru, e, capacity[li])
                 if prefetcher:
@@ -262,7 +330,7 @@ def measure(
                 compute_ns += time.perf_counter_ns() - c0 - layer_stall
             wall = time.perf_counter_ns() - step_t0
             total_stall += stall_ns
-            sink.step(run_id, request, int(f), int(trace.fwd_committed[f]), int(trace.fwd_evaluated[f]), compute_ns, wall, stall_ns)
+            sink.step(run_id, request, int(f), *counts, compute_ns, wall, stall_ns, bool(assumed[f]), configuration)
         if prefetcher:
             prefetcher.flush(sink, wait=True)
     except BaseException as exc:
@@ -275,7 +343,19 @@ def measure(
         reader.close()
     wall_s = (time.perf_counter_ns() - t_start) / 1e9
     path = sink.close()
-    return MeasureResult(path, how, reader.direct is not None, wall_s, len(fw), int(trace.fwd_committed[fw].sum()), total_stall)
+    committed = int(np.maximum(trace.fwd_committed[fw], 1).sum())
+    return MeasureResult(path, how, reader.direct is not None, wall_s, len(fw), committed, total_stall)
+
+
+def _add_io(a: tuple, b: tuple) -> tuple:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def _tier(io: tuple) -> str:
+    """Where a loaded expert's bytes came from: the drive if any did, else the page cache."""
+    if io[0] or io[4] or not io[2]:
+        return "nvme"
+    return "os_cache"
 
 
 def _lru_insert(lru: OrderedDict, e: int, capacity: int) -> None:
@@ -329,9 +409,10 @@ class _Prefetcher:
                 return None
             started[0] = True
         t0 = time.perf_counter_ns()
+        io = IO_ZERO
         for r in reads:
-            self.read(*r)
-        return t0, time.perf_counter_ns()
+            io = _add_io(io, self.read(*r) or IO_ZERO)
+        return t0, time.perf_counter_ns(), io
 
     def route(self, li: int) -> dict:
         with self.lock:
@@ -341,17 +422,19 @@ class _Prefetcher:
         self.loads, self.for_layer = {}, -1
         return started
 
-    def unused(self, run, request, step, layer, e, nbytes, fut) -> None:
-        self.pending.append((run, request, step, layer, e, nbytes, fut))
+    def unused(self, run, request, step, layer, e, nbytes, fut, counts) -> None:
+        self.pending.append((run, request, step, layer, e, nbytes, fut, counts))
 
     def flush(self, sink, wait: bool) -> None:
         keep = []
-        for run, request, step, layer, e, nbytes, fut in self.pending:
+        for entry in self.pending:
+            run, request, step, layer, e, nbytes, fut, counts = entry
             if wait or fut.done():
-                issue, ready = fut.result()
-                sink.expert(run, request, step, layer, e, False, nbytes, issue, ready, ready, "nvme", "speculative")
+                issue, ready, io = fut.result()
+                sink.expert(run, request, step, layer, e, False, nbytes, issue, ready, ready, _tier(io), "speculative",
+                            counts=counts, io=io)
             else:
-                keep.append((run, request, step, layer, e, nbytes, fut))
+                keep.append(entry)
         self.pending = keep
 
     def close(self) -> None:
@@ -361,7 +444,7 @@ class _Prefetcher:
 
 
 def _submit(pool, job, misses, li, extents, cache, config: RuntimeConfig):
-    """Submit the layer's jobs in issue order; returns one future (or future pair) per missing expert."""
+    """Submit the layer's jobs in issue order; returns per missing expert its (future, counts its reads) pairs."""
     out = []
     i = 0
     while i < len(misses):
@@ -380,12 +463,12 @@ def _submit(pool, job, misses, li, extents, cache, config: RuntimeConfig):
                 end = w2[0][1] + w2[0][2]
                 run.append(e2)
             weights = pool.submit(job, [(f, start, end - start, config.direct)])
-            for e2 in run:
+            for n_run, e2 in enumerate(run):
                 _, s2 = cache[(li, e2)]
                 scales = pool.submit(job, [(sf, so, sn, False) for sf, so, sn in s2])
-                out.append((weights, scales))
+                out.append(((weights, n_run == 0), (scales, True)))   # the shared read counts once
         else:
-            out.append((pool.submit(job, _expert_reads(w, s, config.direct)),))
+            out.append(((pool.submit(job, _expert_reads(w, s, config.direct)), True),))
         i += len(run)
     return out
 
@@ -395,9 +478,14 @@ def _expert_reads(weights, scales, direct: bool) -> list:
     return [(f, off, n, direct) for f, off, n in weights] + [(f, off, n, False) for f, off, n in scales]
 
 
-def _wait(futs) -> tuple[int, int]:
-    times = [f.result() for f in futs]
-    return min(t[0] for t in times), max(t[1] for t in times)
+def _wait(futs) -> tuple[int, int, tuple]:
+    """(issue, ready, reads) of an expert's (future, counts its reads) pairs."""
+    done = [(f.result(), counted) for f, counted in futs]
+    io = IO_ZERO
+    for t, counted in done:
+        if counted:
+            io = _add_io(io, t[2])
+    return min(t[0] for t, _ in done), max(t[1] for t, _ in done), io
 
 
 SPIN_SECONDS = 300e-6
@@ -444,17 +532,25 @@ class _Sink:
         if self.out is not None:
             (self.z or self.fh).write((json.dumps(rec, separators=(",", ":")) + "\n").encode())
 
-    def expert(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority="demand"):
-        self._write({"run_id": run, "request_id": request, "step": step, "layer": layer, "expert_id": e, "segment_id": 0,
-                     "required": required, "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need,
-                     "tier_served": tier, "tier_at_prediction": tier, "priority": priority,
-                     "prediction_source": "demand" if priority == "demand" else "prefetch",
-                     "used_before_eviction": required, "cancelled": False})
+    def expert(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority="demand", *,
+               counts=(1, 1), stall=0, io=IO_ZERO):
+        if self.out is None:
+            return
+        rec = {"run_id": run, "request_id": request, "step": step, "layer": layer, "expert_id": e, "segment_id": 0,
+               "evaluated_positions": counts[1], "committed_tokens": counts[0],
+               "required": required, "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need,
+               "foreground_stall_ns": stall,
+               "tier_served": tier, "tier_at_prediction": "ram" if tier == "ram" else "os_cache_unknown", "priority": priority,
+               "prediction_source": "demand" if priority == "demand" else "prefetch",
+               "used_before_eviction": required, "cancelled": False}
+        rec.update(zip(IO_FIELDS, io))
+        self._write(rec)
 
-    def step(self, run, request, step, committed, evaluated, compute_ns, wall_ns, stall_ns):
+    def step(self, run, request, step, committed, evaluated, compute_ns, wall_ns, stall_ns, assumed=False, configuration=None):
         self._write({"record": "step", "run_id": run, "request_id": request, "step": step, "committed_tokens": committed,
-                     "evaluated_positions": evaluated, "compute_ns": compute_ns, "stall_ns": stall_ns,
-                     "other_ns": max(0, wall_ns - compute_ns - stall_ns), "wall_ns": wall_ns, "token_hashes": None})
+                     "evaluated_positions": evaluated, "committed_assumed": assumed, "compute_ns": compute_ns, "stall_ns": stall_ns,
+                     "other_ns": max(0, wall_ns - compute_ns - stall_ns), "wall_ns": wall_ns, "token_hashes": None,
+                     "configuration": configuration})
 
     def close(self) -> Path | None:
         if self.z is not None:

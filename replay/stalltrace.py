@@ -1,18 +1,56 @@
-"""STALL_TRACE analysis (seed section 4 and Appendix A): from records to S and its diagnosis.
+"""STALL_TRACE analysis (seed sections 4, 7.7, 9 and Appendix A): from records to S and its diagnosis.
 
 A STALL_TRACE is JSONL (optionally zstd-compressed). *Expert records* are keyed by run, request,
 step, layer and expert (and segment); *step records* (``"record": "step"``) carry the committed
 and evaluated counts, compute/other/wall time and output-token hashes. Times are monotonic
 nanoseconds.
 
+Token accounting. Appendix A puts ``evaluated_positions`` and ``committed_tokens`` in every expert
+record. A step's counts come from its step record when there is one, else from its expert
+records; every value given for one (run, request, step), in any record, must agree (a
+disagreement is an error naming the line). ``committed_tokens`` must be >= 1 (seed 3.2: a step
+commits an accepted prefix of at least one token) and at most ``evaluated_positions``. A step
+whose records carry no count is charged 1 committed token and reported as *assumed*
+(``committed_tokens_assumed``), as is a step record marked ``"committed_assumed": true``
+(``relayout measure`` marks speculative steps whose acceptance its input trace did not carry).
+
 Foreground stall of a (run, request, step, layer) is the measure of the union of the intervals
 ``[need_ns, ready_ns]`` of its required records that arrived late, so overlapping waits are
-never double-counted. ``S = sum of stall / sum of committed tokens``: rejected speculative
-positions are charged in the numerator and not counted in the denominator.
+never double-counted (seed 4.1). ``S = sum of stall / sum of committed tokens``: rejected
+speculative positions are charged in the numerator and not counted in the denominator.
+
+Cross-checks (reported, never silently preferred over the interval union):
+
+* ``foreground_stall_ns`` in expert records is read as the critical-path wait attributed to
+  that record, so a (step, layer)'s records sum to its stall; a step record's ``stall_ns`` is the
+  step's stall. Either disagreeing with the interval union by more than
+  ``max(STALL_TOLERANCE_NS, STALL_TOLERANCE_REL x union)`` (1 us or 1%: a few clock reads and
+  the runtime's own rounding) is a warning in the report and counted in ``stall_checks``.
+* ``barrier_enter_ns``/``barrier_exit_ns``: seed 4.1 defines the barrier approximation
+  ``W ~ max(0, max ready - t_barrier)``, the time the compute path spends in the join of missing
+  experts. The union of a (step, layer)'s ``[barrier_enter, barrier_exit]`` intervals is reported
+  as ``barrier_stall_per_committed_token_ns`` next to S (which stays the interval-union
+  measure the seed prefers) when records carry them.
+
+Supporting metrics (seed 4.2, 4.3, 9.1) computed where the records carry what they need:
+timely required-byte recall (only when something was prefetched: without speculative records
+there is no prediction to be timely, and the figure is ``null``), unused speculative bytes, lead
+slack, union bytes per committed token, p50-p99 step stall, TPOT and its partition ``C_tok``
+(``compute_ns``), ``O_tok`` (``other_ns``) from step records, hit rate by serving tier
+(``tier_served``), queue occupancy (``queue_depth``, ``worker_occupancy``), and reads by
+priority, drive requests apart from page-cache hits (``drive_requests``/``page_cache_requests``
+and their bytes, as ``relayout measure`` records them).
+
+What a STALL_TRACE cannot give: calibrated late-need probability and prediction quality per
+source unless the runtime records its predictions (``prediction_score`` of records that were
+never loaded); energy or power; per-phase CPU time beyond compute/other; page-cache hits of a
+runtime that does not classify its reads (its ``tier_served`` is taken as given); and burst
+size or queue occupancy where ``queue_depth`` is absent.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,26 +60,44 @@ from containers.atomic import atomic_output, make_dirs
 from containers.errors import InputError
 from containers.jsonfile import iter_jsonl
 
-from .stats import paired_saving
+from .stats import Interval
 
 REQUIRED_EXPERT = ("run_id", "request_id", "step", "layer", "expert_id", "required", "bytes")
 TIMED = ("issue_ns", "ready_ns", "need_ns")
 REQUIRED_STEP = ("run_id", "request_id", "step", "committed_tokens", "evaluated_positions")
+COUNTS = ("committed_tokens", "evaluated_positions")
+IO_FIELDS = ("drive_requests", "drive_bytes", "page_cache_requests", "page_cache_bytes",
+             "unclassified_requests", "unclassified_bytes")
+"""Per-record read accounting ``relayout measure`` writes (see :mod:`replay.measure`)."""
+STALL_TOLERANCE_NS = 1000
+STALL_TOLERANCE_REL = 0.01
+"""A recorded stall agrees with the interval union within max(1 us, 1%)."""
 
 
 def _int(rec: dict, key: str, where: str, minimum: int = 0) -> int:
     v = rec.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise InputError(where, f"{key!r} must be an integer >= {minimum} (got {v!r})")
+        raise InputError(where, f"{key!r} must be an integer >= {minimum} (got {v!r})"[:200])
     return v
+
+
+def _opt_int(rec: dict, key: str, where: str) -> int:
+    """``rec[key]`` as an integer >= 0, or -1 when the record does not carry it."""
+    return _int(rec, key, where) if key in rec and rec[key] is not None else -1
+
+
+def _agrees(recorded: int, union: int) -> bool:
+    return abs(recorded - union) <= max(STALL_TOLERANCE_NS, STALL_TOLERANCE_REL * union)
 
 
 @dataclass
 class Run:
-    """One run's records, as arrays."""
+    """One run's records, as lists (one entry per expert record)."""
 
     run_id: str
+    source: str = ""
     steps: dict = field(default_factory=dict)          # (request, step) -> step record
+    declared: dict = field(default_factory=dict)       # (request, step) -> {count key: (value, where)}
     keys: list = field(default_factory=list)            # (request, step, layer) per expert record
     expert: list = field(default_factory=list)
     segment: list = field(default_factory=list)
@@ -53,7 +109,33 @@ class Run:
     already: list = field(default_factory=list)         # ready before any prediction (RAM at prediction)
     speculative: list = field(default_factory=list)
     used: list = field(default_factory=list)
+    tier: list = field(default_factory=list)            # tier_served (None when absent)
+    fg_stall: list = field(default_factory=list)        # foreground_stall_ns, -1 when absent
+    barrier: list = field(default_factory=list)         # (enter, exit), or None
+    queue_depth: list = field(default_factory=list)     # -1 when absent
+    workers: list = field(default_factory=list)         # worker_occupancy, -1 when absent
+    io: list = field(default_factory=list)              # IO_FIELDS values, or None
     order: int = 0
+
+
+def _declare(run: Run, key: tuple, rec: dict, where: str, is_step: bool) -> None:
+    """Record the step's counts from ``rec``; any disagreement with an earlier record is an error."""
+    have = run.declared.setdefault(key, {})
+    vals = {}
+    for name in COUNTS:
+        if name in rec:
+            vals[name] = _int(rec, name, where, 1)
+    if "committed_tokens" in vals and "evaluated_positions" in vals and vals["committed_tokens"] > vals["evaluated_positions"]:
+        raise InputError(where, "committed_tokens exceeds evaluated_positions")
+    for name, v in vals.items():
+        if name in have and have[name][0] != v:
+            first = have[name][1].rsplit(":", 1)[-1]
+            raise InputError(where, f"{name} {v} disagrees with {have[name][0]} given at line {first} "
+                                    f"for request {key[0]} step {key[1]}")
+        have.setdefault(name, (v, where))
+    c, e = have.get("committed_tokens"), have.get("evaluated_positions")
+    if c and e and c[0] > e[0]:
+        raise InputError(where, f"committed_tokens {c[0]} exceeds evaluated_positions {e[0]} of request {key[0]} step {key[1]}")
 
 
 def read_stall_trace(path: str | Path) -> dict[str, Run]:
@@ -65,15 +147,15 @@ def read_stall_trace(path: str | Path) -> dict[str, Run]:
         for key in REQUIRED_STEP if is_step else REQUIRED_EXPERT:
             if key not in rec:
                 raise InputError(where, f"missing required field {key!r}")
-        run = runs.setdefault(str(rec["run_id"]), Run(str(rec["run_id"]), order=len(runs)))
+        run = runs.setdefault(str(rec["run_id"]), Run(str(rec["run_id"]), str(path), order=len(runs)))
         request, step = str(rec["request_id"]), _int(rec, "step", where)
+        _declare(run, (request, step), rec, where, is_step)
         if is_step:
-            committed = _int(rec, "committed_tokens", where)
-            evaluated = _int(rec, "evaluated_positions", where, 1)
-            if committed > evaluated:
-                raise InputError(where, "committed_tokens exceeds evaluated_positions")
             if (request, step) in run.steps:
                 raise InputError(where, f"second step record for request {request} step {step}")
+            for key in ("compute_ns", "other_ns", "wall_ns", "stall_ns"):
+                if key in rec and rec[key] is not None:
+                    _int(rec, key, where)
             run.steps[(request, step)] = rec
             continue
         layer, expert = _int(rec, "layer", where), _int(rec, "expert_id", where)
@@ -85,8 +167,10 @@ def read_stall_trace(path: str | Path) -> dict[str, Run]:
             issue, ready, need = (_int(rec, k, where) for k in TIMED)
             if ready < issue:
                 raise InputError(where, f"ready_ns {ready} is before issue_ns {issue}")
+        barrier = None
         if "barrier_enter_ns" in rec and "barrier_exit_ns" in rec:
-            if _int(rec, "barrier_exit_ns", where) < _int(rec, "barrier_enter_ns", where):
+            barrier = (_int(rec, "barrier_enter_ns", where), _int(rec, "barrier_exit_ns", where))
+            if barrier[1] < barrier[0]:
                 raise InputError(where, "barrier_exit_ns is before barrier_enter_ns")
         run.keys.append((request, step, layer))
         run.expert.append(expert)
@@ -100,6 +184,12 @@ def read_stall_trace(path: str | Path) -> dict[str, Run]:
         run.already.append(tier == "ram")
         run.speculative.append(rec.get("priority") == "speculative")
         run.used.append(bool(rec.get("used_before_eviction", rec["required"])))
+        run.tier.append(rec.get("tier_served") if isinstance(rec.get("tier_served"), str) else None)
+        run.fg_stall.append(_opt_int(rec, "foreground_stall_ns", where))
+        run.barrier.append(barrier)
+        run.queue_depth.append(_opt_int(rec, "queue_depth", where))
+        run.workers.append(_opt_int(rec, "worker_occupancy", where))
+        run.io.append(tuple(_int(rec, k, where) for k in IO_FIELDS) if all(k in rec for k in IO_FIELDS) else None)
     if not runs:
         raise InputError(path, "no records")
     return runs
@@ -121,8 +211,62 @@ def interval_union(starts: np.ndarray, ends: np.ndarray) -> int:
     return total
 
 
-def run_metrics(run: Run) -> dict:
-    """Every seed 4.3 metric one run supports (ns and bytes)."""
+def _quantiles(x: np.ndarray) -> dict | None:
+    if not len(x):
+        return None
+    q = np.percentile(x, [50, 95]).tolist()
+    return {"mean": float(np.mean(x)), "p50": q[0], "p95": q[1], "max": float(np.max(x))}
+
+
+@dataclass
+class RunMetrics:
+    """One run's figures. :meth:`to_json` is what ``relayout report --json`` publishes; the arrays
+    (per step and per layer) are for figures and comparisons and are not published."""
+
+    run_id: str
+    source: str
+    configuration: str | None
+    published: dict                       # the JSON-ready figures (see the module doc)
+    step_keys: list                       # (request, step), sorted
+    step_stall: np.ndarray                # ns per step
+    step_committed: np.ndarray            # committed tokens per step (>= 1)
+    layer_stall: dict                     # layer -> ns
+    speculative_bytes: int
+    token_hashes: dict                    # "request:step" -> hashes (or None)
+    warnings: list
+
+    @property
+    def committed_tokens(self) -> int:
+        return int(self.step_committed.sum())
+
+    @property
+    def total_stall_ns(self) -> int:
+        return int(self.step_stall.sum())
+
+    @property
+    def stall_per_committed_token_ns(self) -> float:
+        return self.total_stall_ns / max(self.committed_tokens, 1)
+
+    def to_json(self) -> dict:
+        return dict(self.published)
+
+
+def _stall_check(pairs: list[tuple]) -> dict | None:
+    """Recorded vs interval-union stall over (key, recorded, union) entries."""
+    if not pairs:
+        return None
+    bad = [(k, r, u) for k, r, u in pairs if not _agrees(r, u)]
+    out = {"checked": len(pairs), "disagreeing": len(bad),
+           "recorded_ns": int(sum(r for _, r, _ in pairs)), "interval_union_ns": int(sum(u for _, _, u in pairs)),
+           "tolerance": f"max({STALL_TOLERANCE_NS} ns, {STALL_TOLERANCE_REL:.0%} of the interval union)"}
+    if bad:
+        k, r, u = max(bad, key=lambda x: abs(x[1] - x[2]))
+        out["worst"] = {"at": ":".join(str(x) for x in k), "recorded_ns": int(r), "interval_union_ns": int(u)}
+    return out
+
+
+def run_metrics(run: Run) -> RunMetrics:
+    """Every seed 4.2/4.3/9.1 metric one run supports (ns and bytes)."""
     keys = run.keys
     req = np.array(run.required, dtype=bool)
     nb = np.array(run.nbytes, dtype=np.int64)
@@ -130,11 +274,14 @@ def run_metrics(run: Run) -> dict:
     already = np.array(run.already, dtype=bool)
     spec = np.array(run.speculative, dtype=bool)
     used = np.array(run.used, dtype=bool)
+    fg = np.array(run.fg_stall, dtype=np.int64)
     groups: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
         groups.setdefault(k, []).append(i)
     stall_by_step: dict[tuple, int] = {}
     stall_by_layer: dict[int, int] = {}
+    barrier_total, barrier_groups = 0, 0
+    fg_pairs = []
     union_bytes = 0
     for (request, step, layer), idx in groups.items():
         idx = np.array(idx)
@@ -142,56 +289,176 @@ def run_metrics(run: Run) -> dict:
         w = interval_union(need[late], ready[late]) if len(late) else 0
         stall_by_step[(request, step)] = stall_by_step.get((request, step), 0) + w
         stall_by_layer[layer] = stall_by_layer.get(layer, 0) + w
+        rec_fg = fg[idx][fg[idx] >= 0]
+        if len(rec_fg):
+            fg_pairs.append(((request, step, layer), int(rec_fg.sum()), w))
+        bars = [run.barrier[i] for i in idx.tolist() if run.barrier[i] is not None]
+        if bars:
+            b = np.array(bars, dtype=np.int64)
+            barrier_total += interval_union(b[:, 0], b[:, 1])
+            barrier_groups += 1
         seen = {}
         for i in idx[req[idx]]:
             seen[(run.expert[i], run.segment[i])] = nb[i]
         union_bytes += sum(seen.values())
     steps = run.steps
-    step_keys = sorted(set(steps) | set(stall_by_step))
-    committed = np.array([steps[k]["committed_tokens"] if k in steps else 1 for k in step_keys], dtype=np.int64)
+    step_keys = sorted(set(steps) | set(stall_by_step) | set(run.declared))
+    committed, assumed_steps, assumed_tokens = [], 0, 0
+    for k in step_keys:
+        c = run.declared.get(k, {}).get("committed_tokens")
+        value = c[0] if c else 1
+        if c is None or (k in steps and steps[k].get("committed_assumed") is True):
+            assumed_steps += 1
+            assumed_tokens += value
+        committed.append(value)
+    committed = np.array(committed, dtype=np.int64)
+    evaluated = np.array([run.declared.get(k, {}).get("evaluated_positions", (1,))[0] for k in step_keys], dtype=np.int64)
     stall = np.array([stall_by_step.get(k, 0) for k in step_keys], dtype=np.int64)
     A = int(committed.sum())
-    per_step = stall[committed > 0] / committed[committed > 0]
+    per_step = stall / committed if len(committed) else np.zeros(0)
     q = np.percentile(per_step, [50, 90, 95, 99]).tolist() if len(per_step) else [0] * 4
     not_ready = req & ~already
     timely = not_ready & (ready <= need)
     slack = (need - ready)[timely & spec]
-    wall = [steps[k].get("wall_ns") for k in step_keys if k in steps]
+    prefetched = bool(spec.any())
+    warnings = []
+    step_pairs = [(k, int(steps[k]["stall_ns"]), stall_by_step.get(k, 0)) for k in step_keys
+                  if k in steps and isinstance(steps[k].get("stall_ns"), int)]
+    checks = {"foreground_stall_ns": _stall_check(fg_pairs), "step_stall_ns": _stall_check(step_pairs)}
+    for name, what in (("foreground_stall_ns", "(step, layer)s' foreground_stall_ns"), ("step_stall_ns", "steps' stall_ns")):
+        c = checks[name]
+        if c and c["disagreeing"]:
+            w = c["worst"]
+            warnings.append(f"run {run.run_id}: {c['disagreeing']} of {c['checked']} {what} disagree with the interval union "
+                            f"beyond {c['tolerance']} (worst at request:step{':layer' if name == 'foreground_stall_ns' else ''} "
+                            f"{w['at']}: recorded {w['recorded_ns']} ns, union {w['interval_union_ns']} ns)")
+    if assumed_steps:
+        warnings.append(f"run {run.run_id}: {assumed_tokens} of {A} committed tokens ({assumed_steps} steps) are assumed, "
+                        "not recorded: S and every per-token figure depend on that assumption")
+    timing = {}
+    for key in ("compute_ns", "other_ns", "wall_ns"):
+        vals = [steps[k].get(key) for k in step_keys if k in steps]
+        ok = len(vals) == len(step_keys) and all(isinstance(v, int) and not isinstance(v, bool) for v in vals)
+        timing[key] = float(sum(vals) / max(A, 1)) if ok and vals else None
+    tiers: dict[str, dict] = {}
+    n_req = int(req.sum())
+    for i in np.flatnonzero(req).tolist():
+        t = tiers.setdefault(run.tier[i] or "unknown", {"records": 0, "bytes": 0})
+        t["records"] += 1
+        t["bytes"] += int(nb[i])
+    for t in tiers.values():
+        t["share"] = t["records"] / max(n_req, 1)
+    reads = None
+    if any(x is not None for x in run.io):
+        reads = {}
+        for i, x in enumerate(run.io):
+            if x is None:
+                continue
+            d = reads.setdefault("speculative" if spec[i] else "demand", dict.fromkeys(IO_FIELDS, 0))
+            for name, v in zip(IO_FIELDS, x):
+                d[name] += v
+        for d in reads.values():
+            d["drive_requests_per_committed_token"] = d["drive_requests"] / max(A, 1)
+            d["page_cache_requests_per_committed_token"] = d["page_cache_requests"] / max(A, 1)
+    qd = np.array([x for x in run.queue_depth if x >= 0], dtype=np.float64)
+    wo = np.array([x for x in run.workers if x >= 0], dtype=np.float64)
+    configuration = next((steps[k].get("configuration") for k in step_keys if k in steps
+                          and isinstance(steps[k].get("configuration"), str)), None)
+    spec_bytes = int(nb[spec].sum())
     out = {
         "run_id": run.run_id,
+        "source": run.source,
+        "configuration": configuration,
         "steps": len(step_keys),
+        "evaluated_positions": int(evaluated.sum()),
         "committed_tokens": A,
+        "committed_tokens_assumed": assumed_tokens,
+        "steps_with_assumed_committed": assumed_steps,
         "total_stall_ns": int(stall.sum()),
         "stall_per_committed_token_ns": float(stall.sum() / max(A, 1)),
+        "barrier_stall_per_committed_token_ns": float(barrier_total / max(A, 1)) if barrier_groups else None,
         "step_stall_ns": {"p50": q[0], "p90": q[1], "p95": q[2], "p99": q[3], "max": float(per_step.max()) if len(per_step) else 0.0},
-        "timely_required_byte_recall": float(nb[timely].sum() / nb[not_ready].sum()) if nb[not_ready].sum() else None,
+        "prefetch": prefetched,
+        "timely_required_byte_recall": float(nb[timely].sum() / nb[not_ready].sum()) if prefetched and nb[not_ready].sum() else None,
         "unused_speculative_bytes": int(nb[spec & ~used].sum()),
-        "speculative_bytes_per_token": float(nb[spec].sum() / max(A, 1)),
+        "speculative_bytes_per_token": float(spec_bytes / max(A, 1)),
         "lead_slack_ns": {"p50": float(np.median(slack)), "p90": float(np.percentile(slack, 90))} if len(slack) else None,
         "union_bytes_per_committed_token": float(union_bytes / max(A, 1)),
+        "tpot_ns": timing["wall_ns"],
+        "compute_per_committed_token_ns": timing["compute_ns"],
+        "other_per_committed_token_ns": timing["other_ns"],
+        "tiers": dict(sorted(tiers.items())),
+        "reads": reads,
+        "queue_depth": _quantiles(qd),
+        "worker_occupancy": _quantiles(wo),
+        "stall_checks": checks,
+        "warnings": warnings,
         "records": len(keys),
-        "_step_keys": step_keys,
-        "_layer_stall": dict(sorted(stall_by_layer.items())),
-        "_stall": stall,
-        "_committed": committed,
     }
-    if wall and all(isinstance(w, int) for w in wall):
-        out["tpot_ns"] = float(sum(wall) / max(A, 1))
-    out["token_hashes"] = {f"{k[0]}:{k[1]}": steps[k].get("token_hashes", steps[k].get("token_hash")) for k in step_keys if k in steps}
-    return out
+    hashes = {f"{k[0]}:{k[1]}": steps[k].get("token_hashes", steps[k].get("token_hash")) for k in step_keys if k in steps}
+    return RunMetrics(run.run_id, run.source, configuration, out, step_keys, stall, committed,
+                      dict(sorted(stall_by_layer.items())), spec_bytes, hashes, warnings)
 
 
-def public(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith("_") and k != "token_hashes"}
+@dataclass
+class Report:
+    """Metrics of every run, and S pooled per group of runs of one configuration (one input file,
+    and one ``configuration`` when step records name it): control and treatment runs are never
+    pooled together. :meth:`to_json` is what ``relayout report --json`` prints."""
+
+    runs: list[RunMetrics]
+    groups: list[dict]
+    warnings: list[str]
+
+    def to_json(self) -> dict:
+        out = {"runs": [m.to_json() for m in self.runs], "pooled": self.groups, "warnings": self.warnings}
+        if len(self.groups) == 1:
+            out["stall_per_committed_token_ns"] = self.groups[0]["stall_per_committed_token_ns"]
+            out["committed_tokens"] = self.groups[0]["committed_tokens"]
+        return out
+
+    def __getitem__(self, key):
+        """Read-only access to the published figures (``report(...)["runs"][0]["..."]``)."""
+        return self.to_json()[key]
 
 
-def public_report(r: dict) -> dict:
-    """The report without its internal arrays (JSON-ready)."""
-    return {k: v for k, v in r.items() if not k.startswith("_")}
+def report(paths: list[str | Path]) -> Report:
+    """Metrics of every run in ``paths``, and S pooled within each configuration."""
+    runs = []
+    for p in paths:
+        for run in read_stall_trace(p).values():
+            runs.append(run_metrics(run))
+    groups: dict[tuple, list[RunMetrics]] = {}
+    for m in runs:
+        groups.setdefault((m.source, m.configuration), []).append(m)
+    pooled = []
+    for (source, configuration), ms in groups.items():
+        A = sum(m.committed_tokens for m in ms)
+        pooled.append({"source": source, "configuration": configuration, "runs": [m.run_id for m in ms],
+                       "committed_tokens": A, "committed_tokens_assumed": sum(m.published["committed_tokens_assumed"] for m in ms),
+                       "stall_per_committed_token_ns": sum(m.total_stall_ns for m in ms) / max(A, 1)})
+    return Report(runs, pooled, [w for m in runs for w in m.warnings])
 
 
-def write_plots(r: dict, out_dir: str | Path, predicted: dict | None = None) -> list[Path]:
-    """PNG figures: step-stall CDF, stall per layer, and predicted vs measured S (with a gate.json).
+def public_report(r: Report) -> dict:
+    """The report as JSON (kept for callers of the earlier dict interface)."""
+    return r.to_json()
+
+
+def _labels(runs: list[RunMetrics]) -> list[str]:
+    """Legend labels: run ids, qualified by file name where two runs share one."""
+    ids = [m.run_id for m in runs]
+    return [f"{Path(m.source).name}:{m.run_id}" if ids.count(m.run_id) > 1 else m.run_id for m in runs]
+
+
+MAX_LAYER_TICKS = 16
+"""At most this many labelled layer ticks, at the default font size."""
+
+
+def write_plots(r: Report, out_dir: str | Path, predicted: dict | None = None) -> list[Path]:
+    """PNG figures: step-stall CDF, stall per layer (one bar per run and layer, side by side), and
+    predicted vs measured S (with a gate.json; one bar per measured run). Every run has its own
+    legend entry.
 
     Needs matplotlib (``pip install 'relayout[plots]'``); text output never does.
     """
@@ -204,36 +471,42 @@ def write_plots(r: dict, out_dir: str | Path, predicted: dict | None = None) -> 
         raise InputError(None, "--plots needs matplotlib: pip install 'relayout[plots]'") from None
     out = make_dirs(out_dir)
     written = []
+    labels = _labels(r.runs)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in r["_runs"]:
-        per = np.sort(m["_stall"] / np.maximum(m["_committed"], 1)) / 1e6
-        ax.plot(per, np.arange(1, len(per) + 1) / max(len(per), 1), label=m["run_id"])
+    for m, label in zip(r.runs, labels):
+        per = np.sort(m.step_stall / m.step_committed) / 1e6
+        ax.plot(per, np.arange(1, len(per) + 1) / max(len(per), 1), label=label)
     ax.set_xlabel("stall per committed token in a step (ms)")
     ax.set_ylabel("fraction of steps")
     ax.set_title("Step stall CDF")
     ax.legend(fontsize=7)
     written.append(_save(fig, out / "stall_cdf.png"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / max(len(r["_runs"]), 1)
-    for i, m in enumerate(r["_runs"]):
-        layers = list(m["_layer_stall"])
-        vals = [m["_layer_stall"][l] / max(m["committed_tokens"], 1) / 1e6 for l in layers]
-        ax.bar(np.arange(len(layers)) + i * width, vals, width, label=m["run_id"])
-        ax.set_xticks(np.arange(len(layers)), [str(l) for l in layers], fontsize=6)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    layers = sorted({l for m in r.runs for l in m.layer_stall})
+    pos = np.arange(len(layers))
+    width = 0.8 / max(len(r.runs), 1)
+    for i, (m, label) in enumerate(zip(r.runs, labels)):
+        vals = [m.layer_stall.get(l, 0) / max(m.committed_tokens, 1) / 1e6 for l in layers]
+        ax.bar(pos - 0.4 + (i + 0.5) * width, vals, width, label=label)
+    every = max(1, math.ceil(len(layers) / MAX_LAYER_TICKS))
+    ax.set_xticks(pos[::every], [str(l) for l in layers[::every]])
     ax.set_xlabel("layer")
     ax.set_ylabel("stall per committed token (ms)")
     ax.set_title("Stall per layer")
     ax.legend(fontsize=7)
     written.append(_save(fig, out / "stall_per_layer.png"))
     if predicted is not None:
-        fig, ax = plt.subplots(figsize=(5, 4))
-        measured = [m["stall_per_committed_token_ns"] / 1e6 for m in r["runs"]]
+        fig, ax = plt.subplots(figsize=(max(5, 1.2 * (2 + len(r.runs))), 4))
         pred = [predicted["baseline_metrics"]["stall_per_token_s"] * 1e3, predicted["plan_metrics"]["stall_per_token_s"] * 1e3]
-        ax.bar(["predicted baseline", "predicted plan"], pred, color="tab:gray")
-        ax.bar([f"measured {m['run_id']}" for m in r["runs"]], measured, color="tab:blue")
+        ax.bar([0, 1], pred, 0.8, color="tab:gray", label="predicted (gate.json)")
+        colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["tab:blue"])
+        for i, (m, label) in enumerate(zip(r.runs, labels)):
+            ax.bar([2 + i], [m.stall_per_committed_token_ns / 1e6], 0.8, color=colors[i % len(colors)], label=f"measured {label}")
+        ax.set_xticks(np.arange(2 + len(r.runs)), ["predicted baseline", "predicted plan"] + [f"measured {x}" for x in labels])
         ax.set_ylabel("S (ms per committed token)")
         ax.set_title("Predicted vs measured stall")
         ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        ax.legend(fontsize=7)
         written.append(_save(fig, out / "predicted_vs_measured.png"))
     return written
 
@@ -251,48 +524,58 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def report(paths: list[str | Path]) -> dict:
-    """Metrics of every run in ``paths`` and of all of them pooled."""
-    runs = []
-    for p in paths:
-        for run in read_stall_trace(p).values():
-            runs.append(run_metrics(run))
-    stall = sum(int(m["_stall"].sum()) for m in runs)
-    A = sum(int(m["_committed"].sum()) for m in runs)
-    return {"runs": [public(m) for m in runs], "stall_per_committed_token_ns": stall / max(A, 1), "committed_tokens": A,
-            "_runs": runs}
+def paired_ratio_saving(base: np.ndarray, base_tokens: np.ndarray, new: np.ndarray, new_tokens: np.ndarray,
+                        unit: str, resamples: int = 4000, seed: int = 0) -> Interval:
+    """95% bootstrap interval of ``sum base / sum base_tokens - sum new / sum new_tokens`` over
+    paired units, each side divided by its *own* committed tokens (runs of different lengths)."""
+    base, bt, new, nt = (np.asarray(x, dtype=np.float64) for x in (base, base_tokens, new, new_tokens))
+    n = len(base)
+    est = float(base.sum() / bt.sum() - new.sum() / nt.sum())
+    if n < 2:
+        return Interval(est, est, est, unit, n)
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    d = base[idx].sum(axis=1) / bt[idx].sum(axis=1) - new[idx].sum(axis=1) / nt[idx].sum(axis=1)
+    lo, hi = np.percentile(d, [2.5, 97.5])
+    return Interval(est, float(lo), float(hi), unit, n)
 
 
 def compare(paths: list[str | Path], seed: int = 0) -> dict:
     """Paired comparison of configurations: each file holds one configuration's repetitions.
 
-    Repetitions pair by order. The first file is the control. Output-token hashes that differ
-    between runs claiming to be lossless are a correctness failure, not noise.
+    Repetitions pair by order. The first file is the control. Each run's S is its stall over its
+    own committed tokens (runs of different lengths compare fairly); speculative bytes per token
+    are the treatment's speculative bytes over its committed tokens. Output-token hashes that
+    differ between runs claiming to be lossless are a correctness failure, not noise.
     """
     if len(paths) < 2:
         raise InputError(None, "compare needs at least two STALL_TRACE files (a control and a treatment)")
     configs = [[run_metrics(r) for r in read_stall_trace(p).values()] for p in paths]
     failures = _token_mismatches(paths, configs)
     control = configs[0]
-    out = {"control": str(paths[0]), "correctness_failures": failures, "comparisons": []}
+    warnings = [w for runs in configs for m in runs for w in m.warnings]
+    out = {"control": str(paths[0]), "correctness_failures": failures, "warnings": warnings, "comparisons": []}
     for path, runs in zip(paths[1:], configs[1:]):
         n = min(len(control), len(runs))
         if n == 0:
             raise InputError(path, "no runs")
-        base = np.array([m["_stall"].sum() for m in control[:n]], dtype=float)
-        new = np.array([m["_stall"].sum() for m in runs[:n]], dtype=float)
-        tok = np.array([m["_committed"].sum() for m in control[:n]], dtype=float)
-        iv = paired_saving(base, new, tok, "repetition", seed=seed)
-        diff = base / tok - new / np.array([m["_committed"].sum() for m in runs[:n]], dtype=float)
+        base = np.array([m.total_stall_ns for m in control[:n]], dtype=float)
+        new = np.array([m.total_stall_ns for m in runs[:n]], dtype=float)
+        btok = np.array([m.committed_tokens for m in control[:n]], dtype=float)
+        ntok = np.array([m.committed_tokens for m in runs[:n]], dtype=float)
+        iv = paired_ratio_saving(base, btok, new, ntok, "repetition", seed=seed)
+        diff = base / btok - new / ntok
         sd = float(np.std(diff, ddof=1)) if n > 1 else 0.0
-        s0 = float(base.sum() / tok.sum())
-        s1 = float(new.sum() / max(sum(m["_committed"].sum() for m in runs[:n]), 1))
-        spec = float(np.mean([m["speculative_bytes_per_token"] for m in runs[:n]]))
+        s0 = float(base.sum() / btok.sum())
+        s1 = float(new.sum() / ntok.sum())
+        spec = float(sum(m.speculative_bytes for m in runs[:n]) / ntok.sum())
         out["comparisons"].append({
             "treatment": str(path), "pairs": n,
+            "control_runs": [m.run_id for m in control[:n]], "treatment_runs": [m.run_id for m in runs[:n]],
+            "control_committed_tokens": [int(x) for x in btok], "treatment_committed_tokens": [int(x) for x in ntok],
             "control_stall_per_committed_token_ns": s0, "treatment_stall_per_committed_token_ns": s1,
             "saving_ns": iv.to_json(), "relative_saving": (s0 - s1) / s0 if s0 else None,
             "effect_size_d": float(np.mean(diff) / sd) if sd > 0 else None,
+            "speculative_bytes_per_token": spec,
             "stall_conversion_efficiency_ns_per_byte": (s0 - s1) / spec if spec > 0 else None,
             "per_pair_ns": [float(x) for x in diff],
         })
@@ -304,17 +587,15 @@ def _token_mismatches(paths, configs) -> list[str]:
     out = []
     for path, runs in zip(paths, configs):
         for m in runs:
-            hashes = {k: v for k, v in m["token_hashes"].items() if v is not None}
+            hashes = {k: v for k, v in m.token_hashes.items() if v is not None}
             if not hashes:
                 continue
             if reference is None:
-                reference = (f"{path}:{m['run_id']}", hashes)
+                reference = (f"{path}:{m.run_id}", hashes)
                 continue
             ref_name, ref = reference
             for key in sorted(set(ref) & set(hashes)):
                 if ref[key] != hashes[key]:
-                    out.append(f"run {path}:{m['run_id']} emits different tokens than {ref_name} at request:step {key}")
+                    out.append(f"run {path}:{m.run_id} emits different tokens than {ref_name} at request:step {key}")
                     break
     return out
-
-

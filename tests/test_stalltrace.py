@@ -28,10 +28,10 @@ def test_known_answer_s_and_recall(tmp_path):
     recs = [
         step(0), step(1),
         expert(0, 3, 1, 0, 500, 200),      # late by 300
-        expert(0, 3, 2, 0, 100, 200),      # timely
+        expert(0, 3, 2, 0, 100, 200, priority="speculative"),      # prefetched, timely
         expert(0, 4, 5, 0, 1000, 400),     # late by 600
         expert(1, 3, 1, 0, 0, 0, tier_served="ram", tier_at_prediction="ram"),  # resident
-        expert(1, 3, 7, 0, 250, 250),      # exactly on time
+        expert(1, 3, 7, 0, 250, 250, priority="speculative"),      # prefetched, exactly on time
     ]
     r = report([write(tmp_path / "t.jsonl", recs)])
     m = r["runs"][0]
