@@ -82,7 +82,7 @@ def main() -> None:
         apply_plan(src, plan, dst, None, force=True, progress=False)
         layouts[method] = (dst, plan.layout, plan)
 
-    mask, _ = evaluation_forwards(trace, set(layouts["stock"][2].training_sessions))
+    mask, _ = evaluation_forwards(trace, [layouts["stock"][2]])
     mask &= np.cumsum(mask) <= args.tokens
     routed = sum(e.nbytes for e in c.experts.values() if e.layer in set(layers))
     coupling = training_coupling(trace, layouts["stock"][2])

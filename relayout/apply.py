@@ -71,6 +71,8 @@ def check_gate(gate: dict | None, plan: Plan, fingerprint: str, force: bool) -> 
         problem = "the gate was run for a different plan"
     elif gate["plan"]["source_fingerprint"] != fingerprint:
         problem = "the gate was run for a different container"
+    elif gate["verdict"] == "insufficient":
+        problem = f"the gate had too little held-out evidence for a verdict: {gate['reason']}"
     elif gate["verdict"] != "pass":
         problem = f"the gate failed: {gate['reason']}"
     if problem and not force:

@@ -215,6 +215,16 @@ def _floats(text: str) -> list[float]:
         raise InputError(None, f"expected comma-separated numbers, got {text!r}") from None
 
 
+EXIT_FAIL = 3
+"""``replay --strict`` (and ``replay --container --out``, which then rewrote nothing): the gate failed."""
+EXIT_INSUFFICIENT = 4
+"""``replay --strict`` (and ``replay --container --out``, which then rewrote nothing): too little evidence."""
+
+
+def _verdict_status(verdict: str) -> int:
+    return {"pass": 0, "fail": EXIT_FAIL, "insufficient": EXIT_INSUFFICIENT}[verdict]
+
+
 def cmd_replay(args) -> int:
     from containers.atomic import write_json_atomic
     from replay.device import load_device
@@ -222,6 +232,8 @@ def cmd_replay(args) -> int:
     from replay.planfile import load_plan
     from replay.trace import load_trace
 
+    if args.min_sessions < 1:
+        raise InputError(None, f"--min-sessions must be at least 1, got {args.min_sessions}")
     plan = load_plan(args.layout)
     trace = load_trace(args.trace)
     device = load_device(args.device)
@@ -229,30 +241,49 @@ def cmd_replay(args) -> int:
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
     if args.sweep:
         cells = sweep(plan, trace, device, config, _floats(args.sweep_ram), [int(w) for w in _floats(args.sweep_workers)],
-                      args.threshold, baseline)
+                      args.threshold, baseline, args.min_sessions)
         if args.output:
             write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
         print(json.dumps(cells, indent=1) if args.json else format_sweep(cells))
         return 0
     if bool(args.container) != bool(args.out):
         raise InputError(None, "--container and --out go together (rewrite after a passing gate)")
-    gate = compare(plan, trace, device, config, baseline, args.threshold)
+    gate = compare(plan, trace, device, config, baseline, args.threshold, min_sessions=args.min_sessions)
     if args.output:
         write_json_atomic(args.output, gate)
     print(json.dumps(gate, indent=1) if args.json else format_gate(gate))
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
     if not args.container:
-        return 0
+        return _verdict_status(gate["verdict"]) if args.strict else 0
     if gate["verdict"] != "pass" and not args.force:
-        print(f"gate failed: {args.container} is not rewritten (pass --force to rewrite anyway)")
-        return 0
+        what = "had too little evidence" if gate["verdict"] == "insufficient" else "failed"
+        print(f"gate {what}: {args.container} is not rewritten (pass --force to rewrite anyway)")
+        return _verdict_status(gate["verdict"])
     from .apply import apply_plan
 
     m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=_say)
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
           + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
     return _verify_and_report(args.container, args.out, False, False)
+
+
+def cmd_gate(args) -> int:
+    from replay.gate import load_gate, recheck
+
+    gate = load_gate(args.recheck)
+    problems = recheck(gate, args.recheck)
+    if problems:
+        for p in problems:
+            print(p)
+        print(f"relayout: error: {args.recheck}: the record does not match its own evidence ({len(problems)} difference(s))",
+              file=sys.stderr)
+        return 2
+    ev = gate["evidence"]
+    print(f"{args.recheck}: matches its evidence: verdict {gate['verdict']}, interval recomputed from {len(ev['units']['committed_tokens'])} "
+          f"{'sessions' if ev['method'] == 'session' else 'steps in blocks of ' + str(ev['block_steps'])} "
+          f"with seed {ev['seed']} and {ev['resamples']} resamples")
+    return 0
 
 
 def _say(line: str) -> None:
@@ -314,8 +345,7 @@ def cmd_measure(args) -> int:
 
     trace = load_trace(args.trace)
     plan = load_plan(args.layout) if args.layout else None
-    excluded = set(plan.training_sessions) if plan else set()
-    mask, _ = evaluation_forwards(trace, excluded)
+    mask, _ = evaluation_forwards(trace, [plan] if plan else [])
     if args.tokens:
         mask &= np.cumsum(mask) <= args.tokens
     config = _runtime_config(args)
@@ -335,13 +365,17 @@ def cmd_measure(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from replay.gate import load_gate
     from replay.stalltrace import report, write_plots
 
     r = report(args.runs)
     print(json.dumps(r.to_json(), indent=1) if args.json else format_report(r.to_json()))
     if args.plots:
-        for path in write_plots(r, args.plots, load_gate(args.predicted) if args.predicted else None):
+        predicted = None
+        if args.predicted:
+            from replay.gate import load_gate   # only here: a report needs neither the replay model nor numba
+
+            predicted = load_gate(args.predicted)
+        for path in write_plots(r, args.plots, predicted):
             print(f"wrote {path}")
     return 0
 
@@ -511,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_argument_group("gate")
     g.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
     g.add_argument("--threshold", type=float, default=0.05, help="fraction of baseline TPOT the interval's low end must save")
+    g.add_argument("--min-sessions", type=int, default=5,
+                   help="held-out sessions a verdict needs; with fewer the verdict is 'insufficient' (steps are then "
+                        "resampled in blocks)")
+    g.add_argument("--strict", action="store_true",
+                   help=f"exit {EXIT_FAIL} when the gate fails and {EXIT_INSUFFICIENT} when the evidence is insufficient "
+                        "(default: exit 0 whatever the verdict)")
     g.add_argument("-o", "--output", help="write gate.json (or the sweep table as JSON)")
     g.add_argument("--json", action="store_true", help="print JSON")
     w = s.add_argument_group("sweep")
@@ -518,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
     w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
     _rewrite_options(s, src_flag=True)
+
+    s = _command(sub, "gate", "recompute a gate record's interval and verdict from the evidence it stores", cmd_gate)
+    s.add_argument("--recheck", required=True, metavar="gate.json", help="the gate record to recheck")
 
     s = _command(sub, "rewrite", "stream-rewrite a container into the plan's layout (needs a passing gate)", cmd_rewrite)
     s.add_argument("src", help="the source container (opened read-only)")

@@ -210,6 +210,11 @@ def make_plan(
                     for layer in layers}
     layout = pack_layout(source.tensors, layers, E, orders, source.mtp_layers, pack,
                          metadata={"relayout.version": __version__, "relayout.method": method}, segments=segments)
+    # the source's order in the same packing: what repacking alone changes (the gate separates it)
+    stock_orders = {layer: source.stock.physical_order(li) for li, layer in enumerate(layers)}
+    repack = pack_layout(source.tensors, layers, E, stock_orders, source.mtp_layers, pack,
+                         metadata={"relayout.version": __version__, "relayout.method": "stock"}, segments=segments)
+    fingerprints = trace.session_fingerprints()
     plan = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
@@ -223,12 +228,14 @@ def make_plan(
                        "scales_with_weights": pack.scales_with_weights},
         "training": {"trace": trace.source, "trace_fingerprint": trace.fingerprint(),
                      "sessions": [trace.sessions[i] for i in train], "held_out_sessions": [trace.sessions[i] for i in held],
+                     "session_fingerprints": [fingerprints[i] for i in train],
                      "forwards": int(fmask.sum())},
         "orders": {str(l): orders[l].tolist() for l in layers},
         "layers": per_layer,
         "split": split_json,
         "source_layout": source.stock.to_json(),
         "layout": layout.to_json(),
+        "repack_layout": repack.to_json(),
     }
     plan["plan_digest"] = plan_digest(plan)
     return plan

@@ -97,21 +97,44 @@ def format_gate(g: dict) -> str:
         f"{'stall S (ms/token)':28}{b['stall_per_token_s'] * ms:12.3f}{p['stall_per_token_s'] * ms:12.3f}",
         f"{'TPOT estimate (ms)':28}{b['tpot_s'] * ms:12.2f}{p['tpot_s'] * ms:12.2f}",
         f"{'oracle bound (ms/token)':28}{b['oracle_stall_per_token_s'] * ms:12.3f}{p['oracle_stall_per_token_s'] * ms:12.3f}",
-        f"{'reads/token':28}{b['reads_per_token']:12.1f}{p['reads_per_token']:12.1f}",
-        f"{'read MB/token':28}{b['read_bytes_per_token'] / 1e6:12.2f}{p['read_bytes_per_token'] / 1e6:12.2f}",
+        f"{'preads/token (drive+cache)':28}{b['reads_per_token']:12.1f}{p['reads_per_token']:12.1f}",
+        f"{'drive requests/token':28}{sum(b['drive_requests_per_token']):12.1f}{sum(p['drive_requests_per_token']):12.1f}",
+        f"{'pread MB/token (drive+cache)':28}{b['read_bytes_per_token'] / 1e6:12.2f}{p['read_bytes_per_token'] / 1e6:12.2f}",
         f"{'union MB/committed token':28}{b['union_bytes_per_token'] / 1e6:12.2f}{p['union_bytes_per_token'] / 1e6:12.2f}",
         f"{'RAM hit rate':28}{b['ram_hit_rate']:12.3f}{p['ram_hit_rate']:12.3f}",
         f"{'step stall p50/p99 (ms)':28}{b['step_stall_s']['p50'] * ms:6.2f}/{b['step_stall_s']['p99'] * ms:<5.2f}"
         f"{p['step_stall_s']['p50'] * ms:6.2f}/{p['step_stall_s']['p99'] * ms:.2f}",
         f"{'drive utilisation':28}{max(b['drive_utilisation']):12.2f}{max(p['drive_utilisation']):12.2f}",
         "",
+        *_decomposition_lines(g.get("decomposition")),
+        _evidence_line(g),
         f"held-out sessions: {len(g['trace']['sessions_evaluated'])} evaluated, "
-        f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training; device {g['device']['name']}; "
+        f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training (matched by {g['trace'].get('held_out_by', 'name')}); "
+        f"device {g['device']['name']}; "
         f"RAM {g['runtime']['ram_bytes'] / 1e9:g} GB, workers {g['runtime']['workers']}{' (batched)' if g['runtime']['batched'] else ''}, "
         f"coalesce {'on' if g['runtime']['coalesce'] else 'off'}",
         _prefetch_line(g["runtime"], b["prefetch"], p["prefetch"]),
     ]
     return "\n".join(lines)
+
+def _decomposition_lines(d: dict | None) -> list[str]:
+    if d is None:
+        return []
+    ms = 1e3
+    return [f"saving from repacking (source order, new packing): {d['repacking']['estimate'] * ms:.3f} ms/token "
+            f"[{d['repacking']['low'] * ms:.3f}, {d['repacking']['high'] * ms:.3f}]; from ordering: "
+            f"{d['ordering']['estimate'] * ms:.3f} [{d['ordering']['low'] * ms:.3f}, {d['ordering']['high'] * ms:.3f}]"]
+
+
+def _evidence_line(g: dict) -> str:
+    ev = g.get("evidence")
+    if ev is None:
+        return "evidence: not recorded (a gate record from an older relayout)"
+    how = ("paired bootstrap over sessions" if ev["method"] == "session" else
+           f"moving-block bootstrap over steps, blocks of {ev['block_steps']}")
+    return (f"evidence: {how}, {ev['resamples']} resamples, seed {ev['seed']}; {ev['sufficiency']}"
+            + ("" if ev["sufficient"] else " -> no verdict"))
+
 
 def _prefetch_line(runtime: dict, b: dict | None, p: dict | None) -> str:
     if b is None:
@@ -128,14 +151,18 @@ def _prefetch_line(runtime: dict, b: dict | None, p: dict | None) -> str:
 
 def format_sweep(cells: list[dict]) -> str:
     ms = 1e3
-    head = f"{'RAM GB':>7} {'workers':>7} {'coalesce':>8} {'stock S':>9} {'plan S':>9} {'oracle':>9} {'saved (95% CI) ms/token':>28} {'% TPOT':>7}  verdict"
+    head = (f"{'RAM GB':>7} {'workers':>7} {'coalesce':>8} {'stock S':>9} {'plan S':>9} {'oracle':>9} {'saved (95% CI) ms/token':>28} "
+            f"{'% TPOT':>7}  verdict (after Holm)")
     lines = [head, "-" * len(head)]
     for c in cells:
         s = c["saving"]
         lines.append(f"{c['ram_gb']:>7g} {c['workers']:>7} {'on' if c['coalesce'] else 'off':>8} "
                      f"{c['baseline_stall_s'] * ms:9.3f} {c['plan_stall_s'] * ms:9.3f} {c['oracle_stall_s'] * ms:9.3f} "
                      f"{s['estimate'] * ms:9.3f} [{s['low'] * ms:7.3f},{s['high'] * ms:7.3f}] "
-                     f"{c['saving_fraction_of_tpot']['estimate']:7.1%}  {c['verdict']}")
+                     f"{c['saving_fraction_of_tpot']['estimate']:7.1%}  {c['verdict']}"
+                     + ("" if c.get("holm_significant") is None else f" ({'pass' if c['holm_significant'] else 'not significant'})"))
+    lines.append("S in ms per committed token; a pass stays a pass after Holm's correction over the sufficient cells "
+                 "(family-wise 2.5% one-sided)")
     return "\n".join(lines)
 
 def format_calibration(profile: dict) -> str:

@@ -2,8 +2,10 @@
 
 The gate passes only when the lower end of the 95% interval of predicted stall saved per
 committed token is at least ``threshold`` x the baseline's predicted TPOT, on sessions the plan
-did not learn from, for the chosen device profile and runtime configuration. Its record,
-``gate.json``, holds everything needed to audit the decision.
+did not learn from (by routing content), for the chosen device profile and runtime
+configuration, and only when there is enough held-out evidence for a verdict at all; otherwise
+it fails or says ``insufficient`` (:mod:`replay.evidence`). Its record, ``gate.json``, holds
+everything needed to audit the decision, and :func:`recheck` recomputes it from the record.
 """
 
 from __future__ import annotations
@@ -20,26 +22,35 @@ from containers.layout import Layout
 from .config import RuntimeConfig, pinned_experts
 from .device import ArrayProfile
 from .engine import simulate, split_state
+from .evidence import (
+    MIN_SESSIONS,
+    SESSION_UNITS,
+    Evidence,
+    HeldOut,
+    Verdict,
+    block_evidence,
+    evaluation_mask,
+    holm,
+    judge,
+    session_evidence,
+    split_sessions_by_content,
+)
 from .metrics import session_sums, step_table, summarize
 from .planfile import Plan
 from .prefetch import coupling_table
-from .stats import paired_saving, step_blocks
-from .trace import FORWARD_KINDS, RoutingTrace
+from .trace import RoutingTrace
 
 GATE_FORMAT = "relayout.gate"
+VERDICTS = ("pass", "fail", "insufficient")
 DEFAULT_THRESHOLD = 0.05
+SWEEP_ALPHA = 0.025
+"""Family-wise level of the sweep's Holm correction (one-sided, as a 95% interval's lower tail)."""
 
 
-def evaluation_forwards(trace: RoutingTrace, excluded_sessions: set[str]) -> tuple[np.ndarray, list[int]]:
-    """Decode and verify forwards of the sessions not in ``excluded_sessions`` (held-out discipline)."""
-    keep = [i for i, s in enumerate(trace.sessions) if s not in excluded_sessions]
-    if not keep:
-        raise InputError(trace.source or None, "every session of this trace was used to train the plan; "
-                         "replay needs held-out sessions (record more, or plan with a smaller --train-fraction)")
-    mask = trace.session_forward_mask(keep) & (trace.fwd_kind != FORWARD_KINDS.index("prefill"))
-    if not mask.any():
-        raise InputError(trace.source or None, "held-out sessions contain no decode steps")
-    return mask, keep
+def evaluation_forwards(trace: RoutingTrace, plans: list[Plan]) -> tuple[np.ndarray, HeldOut]:
+    """Decode and verify forwards of the sessions none of ``plans`` trained on (by routing content)."""
+    held = split_sessions_by_content(trace, plans)
+    return evaluation_mask(trace, held.evaluated), held
 
 
 def check_trace_matches(trace: RoutingTrace, plan: Plan) -> None:
@@ -68,7 +79,7 @@ def run_layout(name: str, trace: RoutingTrace, mask: np.ndarray, layout: Layout,
 
 
 def _training_forwards(trace: RoutingTrace, plan: Plan, what: str) -> np.ndarray:
-    train = [i for i, s in enumerate(trace.sessions) if s in set(plan.training_sessions)]
+    train = split_sessions_by_content(trace, [plan]).training
     if not train:
         raise InputError(trace.source or None, f"{what} needs the plan's training sessions in the trace")
     return trace.session_forward_mask(train)
@@ -92,13 +103,19 @@ def _pins(trace: RoutingTrace, plan: Plan, config: RuntimeConfig) -> np.ndarray:
 
 
 def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
-            baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0) -> dict:
-    """Replay baseline (stock, or another plan's layout) and the plan; gate; return gate.json."""
+            baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0,
+            min_sessions: int = MIN_SESSIONS) -> dict:
+    """Replay baseline (stock, or another plan's layout) and the plan; gate; return gate.json.
+
+    The verdict is ``pass``, ``fail`` or ``insufficient`` (too few held-out sessions or blocks:
+    :mod:`replay.evidence`). Against the stock layout, a plan that records its repacked stock
+    layout is also replayed that way, to split the saving into repacking and ordering.
+    """
     check_trace_matches(trace, plan)
     if baseline is not None and baseline.raw["source"]["fingerprint"] != plan.raw["source"]["fingerprint"]:
         raise InputError(baseline.path, "baseline plan is for a different container than the plan")
-    excluded = set(plan.training_sessions) | (set(baseline.training_sessions) if baseline else set())
-    mask, evaluated = evaluation_forwards(trace, excluded)
+    mask, held = evaluation_forwards(trace, [plan] + ([baseline] if baseline else []))
+    evaluated = held.evaluated
     pins = _pins(trace, plan, config)
     split = split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
     plan_config = config
@@ -108,28 +125,29 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
     coupling = training_coupling(trace, plan) if config.prefetch == "coupled" else None
     base = run_layout("baseline", trace, mask, base_layout, device, config, pins, coupling=coupling)
     new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split, coupling)
+    repack = None
+    if baseline is None and plan.repack is not None:
+        repack = run_layout("repack", trace, mask, plan.repack, device, plan_config, pins, split, coupling)
 
-    n_eval = len(evaluated)
-    if n_eval >= 2:
-        units = np.array(evaluated)
-        b, p, a = base.sessions["stall"][units], new.sessions["stall"][units], base.sessions["committed"][units]
-        unit = "session"
-    else:
-        blk = step_blocks(base.steps.session)
-        b = np.bincount(blk, weights=base.steps.stall)
-        p = np.bincount(blk, weights=new.steps.stall)
-        a = np.bincount(blk, weights=base.steps.committed)
-        unit = "block of steps (one held-out session only)"
-    saving = paired_saving(b, p, a, unit, seed=seed)
+    def evidence(a: LayoutRun, b: LayoutRun) -> Evidence:
+        if len(evaluated) >= SESSION_UNITS:
+            units = np.array(evaluated)
+            return session_evidence(a.sessions["stall"][units], b.sessions["stall"][units], a.sessions["committed"][units], seed)
+        return block_evidence(a.steps.stall, b.steps.stall, a.steps.committed, a.steps.session, seed)
+
+    ev = evidence(base, new)
     tpot = base.summary["tpot_s"]
     need = threshold * tpot
+    verdict = judge(ev, need, min_sessions)
+    est, low, high = ev.interval()
     headroom = base.summary["stall_per_token_s"] - base.summary["oracle_stall_per_token_s"]
-    passed = saving.low >= need
-    reason = _reason(passed, saving, tpot, threshold, headroom, base.summary)
+    oracle_plan = new.summary["oracle_stall_per_token_s"]
+    reason = _reason(verdict, ev, (est, low, high), tpot, threshold, headroom, base.summary, oracle_plan, config)
+    saving = {"estimate": est, "low": low, "high": high, "unit": _unit_name(ev), "n_units": len(ev.base), "method": ev.method}
     return {
         "format": GATE_FORMAT,
         "version": 1,
-        "verdict": "pass" if passed else "fail",
+        "verdict": verdict.verdict,
         "reason": reason,
         "tool_version": __version__,
         "plan": {"path": plan.path, "digest": plan.digest, "method": plan.raw["method"],
@@ -137,14 +155,20 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
         "baseline": {"kind": "plan", "path": baseline.path, "digest": baseline.digest} if baseline else {"kind": "stock"},
         "trace": {"path": trace.source, "fingerprint": trace.fingerprint(),
                   "sessions_evaluated": [trace.sessions[i] for i in evaluated],
-                  "sessions_excluded_as_training": sorted(excluded & set(trace.sessions))},
+                  "sessions_excluded_as_training": sorted(held.excluded),
+                  "exclusions": dict(sorted(held.excluded.items())), "held_out_by": held.matched_by},
         "device": {"name": device.name, "digest": device.digest(), "profile": device.to_json()},
         "runtime": config.to_json(),
-        "threshold": {"fraction_of_tpot": threshold, "seconds_per_token": need},
-        "saving_per_token_s": saving.to_json(),
-        "saving_fraction_of_tpot": {"estimate": saving.estimate / tpot, "low": saving.low / tpot, "high": saving.high / tpot},
+        "threshold": {"fraction_of_tpot": threshold, "seconds_per_token": need,
+                      "tpot_source": "replay model: C from dense_seconds and compute_bytes_per_second, S predicted, "
+                                     f"O = other_seconds_per_token = {config.other_seconds_per_token:g} s (--other-ms)"},
+        "evidence": {**ev.to_json(), "sufficient": verdict.sufficient, "sufficiency": verdict.sufficiency,
+                     "min_sessions": min_sessions, "p_below_threshold": ev.p_below(need)},
+        "saving_per_token_s": saving,
+        "saving_fraction_of_tpot": {"estimate": est / tpot, "low": low / tpot, "high": high / tpot},
+        "decomposition": _decomposition(base, repack, new, evidence),
         "headroom": {"baseline_stall_s": base.summary["stall_per_token_s"], "oracle_stall_s": base.summary["oracle_stall_per_token_s"],
-                     "max_saving_s": headroom, "max_saving_fraction_of_tpot": headroom / tpot},
+                     "plan_oracle_stall_s": oracle_plan, "max_saving_s": headroom, "max_saving_fraction_of_tpot": headroom / tpot},
         "baseline_metrics": base.summary,
         "plan_metrics": new.summary,
         "per_session": [
@@ -156,40 +180,105 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
     }
 
 
-def _reason(passed: bool, s, tpot: float, threshold: float, headroom: float, base: dict) -> str:
+def _unit_name(ev: Evidence) -> str:
+    if ev.method == "session":
+        return "session"
+    return f"step (resampled in blocks of {ev.block_steps}; {ev.n_sessions} held-out session(s))"
+
+
+def _decomposition(base: LayoutRun, repack: LayoutRun | None, new: LayoutRun, evidence) -> dict | None:
+    """Saving from repacking (source order, new packing) and from ordering, each with its interval."""
+    if repack is None:
+        return None
+    out = {}
+    for name, (a, b) in (("repacking", (base, repack)), ("ordering", (repack, new))):
+        est, low, high = evidence(a, b).interval()
+        out[name] = {"estimate": est, "low": low, "high": high}
+    out["repacked_stall_per_token_s"] = repack.summary["stall_per_token_s"]
+    return out
+
+
+def recheck(gate: dict, where: str) -> list[str]:
+    """Recompute a gate record's interval and verdict from its stored evidence; the differences.
+
+    Empty when the record is consistent: same interval (the bootstrap is deterministic given the
+    stored seed and resample count) and same verdict for the stored threshold.
+    """
+    try:
+        ev_json = gate["evidence"]
+        need = float(gate["threshold"]["seconds_per_token"])
+        min_sessions = int(ev_json["min_sessions"])
+        stored = gate["saving_per_token_s"]
+        stored_interval = (float(stored["estimate"]), float(stored["low"]), float(stored["high"]))
+        stored_verdict = gate["verdict"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(where, f"gate record cannot be rechecked (lacks {exc}; made by an older relayout?)") from None
+    ev = Evidence.from_json(ev_json, where)
+    got = ev.interval()
+    verdict = judge(ev, need, min_sessions).verdict
+    problems = []
+    if not np.allclose(got, stored_interval, rtol=1e-9, atol=1e-15):
+        problems.append(f"interval recomputed from the units is {got[0]:.6g} [{got[1]:.6g}, {got[2]:.6g}] s/token, the record says "
+                        f"{stored_interval[0]:.6g} [{stored_interval[1]:.6g}, {stored_interval[2]:.6g}]")
+    if verdict != stored_verdict:
+        problems.append(f"verdict recomputed is {verdict!r}, the record says {stored_verdict!r}")
+    return problems
+
+
+def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: float, headroom: float, base: dict,
+            plan_oracle: float, config: RuntimeConfig) -> str:
     ms = 1e3
-    text = (f"predicted saving {s.estimate * ms:.3f} ms/token (95% CI {s.low * ms:.3f} to {s.high * ms:.3f}, over "
-            f"{s.n_units} {s.unit}s) = {s.low / tpot:.1%} of baseline TPOT {tpot * ms:.1f} ms at the interval's low end; "
-            f"the gate needs {threshold:.0%}.")
-    if passed:
+    est, low, high = interval
+    o = "" if config.other_seconds_per_token else " (O = 0: pass --other-ms to count other per-token time)"
+    text = (f"predicted saving {est * ms:.3f} ms/token (95% CI {low * ms:.3f} to {high * ms:.3f}; {verdict.sufficiency}) = "
+            f"{low / tpot:.1%} of baseline TPOT {tpot * ms:.1f} ms{o} at the interval's low end; the gate needs {threshold:.0%}.")
+    if verdict.verdict == "insufficient":
+        return f"INSUFFICIENT: {text} Not enough held-out evidence for a verdict: {verdict.sufficiency}."
+    if verdict.verdict == "pass":
         return "PASS: " + text
     if headroom < threshold * tpot:
+        bound = "" if abs(plan_oracle - base["oracle_stall_per_token_s"]) < 1e-12 else \
+            f" (the plan's own bound is {plan_oracle * ms:.2f} ms/token)"
         return (f"FAIL: {text} No headroom: baseline stall {base['stall_per_token_s'] * ms:.2f} ms/token is within "
-                f"{headroom * ms:.2f} ms of the oracle bound ({headroom / tpot:.1%} of TPOT), so no layout can reach the threshold here.")
+                f"{headroom * ms:.2f} ms of the baseline's oracle bound{bound} ({headroom / tpot:.1%} of TPOT), so no reordering "
+                "can reach the threshold here.")
     return f"FAIL: {text} The bound leaves {headroom / tpot:.1%} of TPOT of headroom, but this layout does not capture enough of it."
 
 
 def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
-          workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None) -> list[dict]:
-    """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing."""
+          workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None,
+          min_sessions: int = MIN_SESSIONS) -> list[dict]:
+    """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing.
+
+    Many cells test many hypotheses: each cell's one-sided bootstrap p-value of "saving below the
+    threshold" is corrected by Holm's procedure at the family-wise level of one cell's test
+    (2.5%, the lower tail of a 95% interval); ``holm_significant`` says which cells stay passing.
+    """
     cells = []
     for ram in ram_gb:
         for w in workers:
             for co in (False, True):
                 cfg = replace(config, ram_bytes=int(ram * 1e9), workers=w, coalesce=co, batched=False)
-                g = compare(plan, trace, device, cfg, baseline, threshold)
+                g = compare(plan, trace, device, cfg, baseline, threshold, min_sessions=min_sessions)
                 cells.append({"ram_gb": ram, "workers": w, "coalesce": co, "verdict": g["verdict"],
                               "baseline_stall_s": g["baseline_metrics"]["stall_per_token_s"],
                               "plan_stall_s": g["plan_metrics"]["stall_per_token_s"],
                               "oracle_stall_s": g["headroom"]["oracle_stall_s"],
                               "saving": g["saving_per_token_s"], "saving_fraction_of_tpot": g["saving_fraction_of_tpot"],
-                              "tpot_s": g["baseline_metrics"]["tpot_s"]})
+                              "tpot_s": g["baseline_metrics"]["tpot_s"], "p_below_threshold": g["evidence"]["p_below_threshold"],
+                              "sufficient": g["evidence"]["sufficient"]})
+    judged = [i for i, c in enumerate(cells) if c["sufficient"]]
+    rejected = holm([cells[i]["p_below_threshold"] for i in judged], SWEEP_ALPHA)
+    for c in cells:
+        c["holm_significant"] = None
+    for i, r in zip(judged, rejected):
+        cells[i]["holm_significant"] = bool(r and cells[i]["verdict"] == "pass")
     return cells
 
 
 def load_gate(path) -> dict:
     g = read_document(path, GATE_FORMAT, 1, ("verdict", "plan", "reason"), "gate record")
-    if g["verdict"] not in ("pass", "fail"):
+    if g["verdict"] not in VERDICTS:
         raise InputError(path, "gate record has no verdict")
     plan = g["plan"]
     if not isinstance(plan, dict) or not isinstance(plan.get("digest"), str) \

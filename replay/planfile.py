@@ -53,6 +53,9 @@ class Plan:
     orders: dict[int, np.ndarray]
     split: dict | None = None
     geometry: dict = field(default_factory=dict)
+    repack: Layout | None = None
+    """The source's expert order in the new packing (files, alignment), to separate what repacking
+    saves from what ordering saves; None in plans made before it was recorded."""
 
     @property
     def digest(self) -> str:
@@ -61,6 +64,12 @@ class Plan:
     @property
     def training_sessions(self) -> list[str]:
         return list(self.raw["training"]["sessions"])
+
+    @property
+    def training_fingerprints(self) -> list[str] | None:
+        """Routing fingerprints of the training sessions (same order), or None in older plans."""
+        fps = self.raw["training"].get("session_fingerprints")
+        return None if fps is None else list(fps)
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
@@ -92,7 +101,13 @@ def load_plan(path: str | os.PathLike) -> Plan:
     check_runtime_constraints(layout, where)
     if not np.array_equal(stock.expert_bytes(), layout.expert_bytes()):
         raise InputError(path, "new layout's expert sizes differ from the source's")
-    return Plan(where, raw, stock, layout, orders, raw.get("split"), g)
+    repack = None
+    if raw.get("repack_layout") is not None:
+        repack = Layout.from_json(raw["repack_layout"], where)
+        if repack.layers != layout.layers or not np.array_equal(repack.expert_bytes(), layout.expert_bytes()):
+            raise InputError(path, "the repacked stock layout does not match the new layout's experts")
+        check_runtime_constraints(repack, where)
+    return Plan(where, raw, stock, layout, orders, raw.get("split"), g, repack)
 
 
 def _is_int(x) -> bool:
@@ -139,6 +154,10 @@ def plan_field_problems(raw: dict) -> list[str]:
     if not isinstance(training, dict) or not all(isinstance(training.get(k), list) and all(isinstance(x, str) for x in training[k])
                                                  for k in ("sessions", "held_out_sessions")):
         problems.append("training sessions are not lists of session names")
+    elif training.get("session_fingerprints") is not None:
+        fps = training["session_fingerprints"]
+        if not isinstance(fps, list) or len(fps) != len(training["sessions"]) or not all(isinstance(x, str) for x in fps):
+            problems.append("training session_fingerprints is not one string per training session")
     if not isinstance(raw.get("orders"), dict):
         problems.append("'orders' is not an object")
     split = raw.get("split")

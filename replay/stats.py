@@ -1,7 +1,7 @@
 """Paired bootstrap intervals for differences of ratio estimators.
 
-Two layouts replayed on the same held-out units (sessions, or blocks of steps when there are
-fewer than two sessions) give per-unit totals. The saving ``dS = (sum W_base - sum W_new) / sum A``
+Two layouts (or repetitions of two measured runs) on the same units give per-unit totals. (The
+replay gate's units, and its block bootstrap, are in :mod:`replay.evidence`.) The saving ``dS = (sum W_base - sum W_new) / sum A``
 is re-estimated on resampled units (with replacement, the same units for both layouts, so the
 pairing is kept); the 2.5th and 97.5th percentiles give the 95% interval.
 """
@@ -38,9 +38,3 @@ def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: s
     d = (base[idx].sum(axis=1) - new[idx].sum(axis=1)) / np.maximum(tokens[idx].sum(axis=1), 1e-12)
     lo, hi = np.percentile(d, [2.5, 97.5])
     return Interval(float(est), float(lo), float(hi), unit, n)
-
-
-def step_blocks(session: np.ndarray, n_blocks: int = 20) -> np.ndarray:
-    """Assign consecutive steps to about ``n_blocks`` contiguous blocks (for a lone session)."""
-    n = len(session)
-    return np.minimum(np.arange(n) * n_blocks // max(n, 1), n_blocks - 1)

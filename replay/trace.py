@@ -152,6 +152,39 @@ class RoutingTrace:
             h.append(digest_of(np.ascontiguousarray(self.heat).tobytes()).encode())
         return digest_of(b"|".join(h))
 
+    def session_fingerprints(self) -> list[str]:
+        """xxh3-128 of each session's routing content, in session order, independent of its name.
+
+        Two sessions with the same forwards (kind, evaluated and committed counts) and the same
+        rows (layer, position, selected experts, in order) have the same fingerprint, whatever
+        the session is called or where it sits in the trace; gates are not included (a router's
+        scores may be rounded differently by another exporter). Heat-only traces have none.
+        """
+        if self.heat_only:
+            return []
+        S, F = len(self.sessions), self.n_forwards
+        f_order = np.argsort(self.fwd_session, kind="stable")
+        f_counts = np.bincount(self.fwd_session, minlength=S)
+        f_starts = np.concatenate([[0], np.cumsum(f_counts)])
+        rel = np.empty(F, dtype=np.int64)
+        rel[f_order] = np.arange(F) - np.repeat(f_starts[:-1], f_counts)
+        row_session = self.fwd_session[self.row_forward]
+        r_order = np.argsort(row_session, kind="stable")
+        r_starts = np.concatenate([[0], np.cumsum(np.bincount(row_session, minlength=S))])
+        columns = (rel[self.row_forward], self.row_layer, self.row_position)
+        out = []
+        for si in range(S):
+            h = xxhash.xxh3_128()
+            fs = f_order[f_starts[si]:f_starts[si + 1]]
+            for arr in (self.fwd_kind[fs], self.fwd_evaluated[fs], self.fwd_committed[fs]):
+                h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+            rs = r_order[r_starts[si]:r_starts[si + 1]]
+            for arr in columns:
+                h.update(np.ascontiguousarray(arr[rs], dtype=np.int64).tobytes())
+            h.update(np.ascontiguousarray(self.experts[rs], dtype=np.int64).tobytes())
+            out.append(h.hexdigest())
+        return out
+
     def subset(self, sessions: list[int]) -> "RoutingTrace":
         """A trace holding only the given sessions (indices), renumbered, order kept."""
         self.require_rows("taking sessions")

@@ -258,7 +258,7 @@ def test_glm_whole_experts_default_runtime_show_no_headroom(tmp_path):
 @pytest.fixture(scope="module")
 def small_expert_case(tmp_path_factory):
     g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=6, ffn=384)   # 1.19 MB experts
-    tr = synth_trace(g.moe_layers, 128, 8, 1200, 6, seed=1, params=SynthParams(clique_strength=0.9))
+    tr = synth_trace(g.moe_layers, 128, 8, 1700, 17, seed=1, params=SynthParams(clique_strength=0.9))   # 5 held out
     return g, tr, plan_for(tmp_path_factory.mktemp("p"), g, tr, "small")
 
 

@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("rw")
     g = small_geometry(moe_layers=3, experts=32, ffn=256)
     src = source_with_manifest(root / "src", g, seed=11)
-    tr = synth_trace(g.moe_layers, 32, 8, 1200, 6, seed=2, params=SynthParams(clique_strength=0.9), geometry=g.name)
+    tr = synth_trace(g.moe_layers, 32, 8, 1700, 17, seed=2, params=SynthParams(clique_strength=0.9), geometry=g.name)  # 5 held out
     save_trace(tr, root / "t.rt")
     plan_path = root / "plan.json"
     save_plan(make_plan(tr, source_from_container(src), pack=PackOptions(shard_bytes=1_500_000), progress=False), plan_path)
