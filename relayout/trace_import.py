@@ -2,16 +2,24 @@
 
 Formats (FACTS sections 3-4, seed Appendix A):
 
-* ``route``: colibrì ``ROUTE_TRACE`` text, ``<call> <row> <layer> <expert>:<gate> ...``; a new
-  forward starts where the layer index decreases. A forward of one row is a decode step; a
-  multi-row forward before the session's first decode step is prefill, later ones are speculative
-  verify steps (their committed count is unknown to the trace and recorded as 1, the minimum).
+* ``route``: colibrì ``ROUTE_TRACE`` text, ``<call> <row> <layer> <expert>:<gate> ...``. The
+  call counter advances once per ``moe()`` invocation (colibrì's ``rt_trace_end``), so a call is
+  one MoE layer of one forward: its lines are its batch rows. Calls never go back, and inside a
+  call the layer never decreases (an engine that counts one call per forward keeps its lines
+  layer-major). A new forward starts at a call whose layer is not above the previous call's, so
+  a model with one MoE layer has one forward per call. A forward of one row is a decode step; a
+  multi-row forward before the session's first decode step is prefill (it commits its first
+  generated token: 1); later ones are speculative verify steps. A ROUTE_TRACE does not carry
+  their acceptance: they are recorded as committing 1 (the minimum) and the trace meta says so
+  (``committed_assumed``), as does ``relayout measure`` in every such step record.
   Numbers are plain ASCII decimals (no signs, underscores or exponents in ids), each selection is
   exactly ``<id>:<gate>`` with a finite gate, and a (forward, layer, row) appears once.
 * ``stall``: the seed's STALL_TRACE JSONL (plain or ``.zst``): expert records keyed by request,
-  step and layer; step records carry committed tokens. Integers must be JSON integers (not
+  step and layer; step (and expert) records carry committed tokens, at least 1; a speculative
+  step without one is recorded as committing 1 and listed in ``committed_assumed``. Integers must be JSON integers (not
   booleans or floats), ``required`` a boolean, ``router_probability`` a finite number.
-* ``mblt``: mbolt's ``MBLT`` v1 binary. Only a truncated *last* record is a torn tail (dropped
+* ``mblt``: mbolt's ``MBLT`` v1 binary (forwards and kinds as for ``route``, a new forward where
+  the layer decreases; multi-token forwards after decode began are verify steps, acceptance assumed). Only a truncated *last* record is a torn tail (dropped
   with a warning): a record that claims more bytes than remain while a valid chain of records
   follows it is mid-file damage, an error naming the record and its byte offset.
 * ``coli_usage``: colibrì's learning-cache history: per-(layer, expert) counts only.
@@ -74,6 +82,7 @@ class SessionRows:
     fwd_kind: np.ndarray
     fwd_evaluated: np.ndarray
     fwd_committed: np.ndarray
+    fwd_assumed: np.ndarray | None = None   # bool [F]: committed count assumed (acceptance unknown)
 
 
 @dataclass(frozen=True)
@@ -349,12 +358,31 @@ def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | 
     parsed = _fast_route_parse(data)
     if parsed is None:
         parsed = _careful_route_parse(path, data)
-    _, rows, layers, experts, gates, lines = parsed
+    calls, rows, layers, experts, gates, lines = parsed
     # ranges and an expert twice in a row, for either parser, naming the line
     _check_rows(lambda i: f"{path}:{int(lines[i])}", limits, layers, rows, experts)
-    forward = np.concatenate([[0], np.cumsum(np.diff(layers) < 0)])
+    forward = _route_forwards(path, lines, calls, layers)
     _check_route_duplicates(path, lines, forward, layers, rows)
     return _session_from_rows(path.name, forward, layers, rows, experts, gates)
+
+
+def _route_forwards(path: Path, lines: np.ndarray, calls: np.ndarray, layers: np.ndarray) -> np.ndarray:
+    """Forward index per line, from the call column (see the module doc); vectorised."""
+    if len(calls) < 2:
+        return np.zeros(len(calls), dtype=np.int64)
+    dc = np.diff(calls)
+    dl = np.diff(layers)
+    back = np.flatnonzero(dc < 0)
+    if len(back):
+        i = int(back[0]) + 1
+        raise InputError(f"{path}:{int(lines[i])}", f"call {int(calls[i])} follows call {int(calls[i - 1])}: "
+                                                     "the call counter never goes back")
+    down = np.flatnonzero((dc == 0) & (dl < 0))
+    if len(down):
+        i = int(down[0]) + 1
+        raise InputError(f"{path}:{int(lines[i])}", f"layer {int(layers[i])} follows layer {int(layers[i - 1])} inside call "
+                                                     f"{int(calls[i])}: a call's layers never decrease")
+    return np.concatenate([[0], np.cumsum((dc > 0) & (dl <= 0))])
 
 
 def _check_route_duplicates(path: Path, lines: np.ndarray, forward: np.ndarray, layers: np.ndarray, rows: np.ndarray) -> None:
@@ -376,10 +404,13 @@ def _check_route_duplicates(path: Path, lines: np.ndarray, forward: np.ndarray, 
     j = int(np.argmin(second))
     raise InputError(f"{path}:{int(second[j])}",
                      f"repeats row {int(rows[order[1:]][dup][j])} of layer {int(layers[order[1:]][dup][j])} in the same forward "
-                     f"(first at line {int(first[j])}); a new forward starts only where the layer number decreases")
+                     f"(first at line {int(first[j])}); a new forward starts only at a call whose layer is not above the previous call's")
 
 
-def _session_from_rows(name, forward, layers, position, experts, gates, committed=None, evaluated=None, kinds=None) -> SessionRows:
+def _session_from_rows(name, forward, layers, position, experts, gates, committed=None, evaluated=None, kinds=None,
+                       assumed=None) -> SessionRows:
+    """A session from its rows. Without explicit counts: a prefill forward commits 1 token (its
+    first generated one), a decode forward 1, a verify forward 1 *assumed* (acceptance unknown)."""
     n_fwd = int(forward.max()) + 1 if len(forward) else 0
     if evaluated is None:
         evaluated = np.zeros(n_fwd, dtype=np.int64)
@@ -390,11 +421,16 @@ def _session_from_rows(name, forward, layers, position, experts, gates, committe
         cut = first_decode[0] if len(first_decode) else n_fwd
         kinds[:cut][evaluated[:cut] > 1] = KIND["prefill"]
     if committed is None:
-        committed = np.where(kinds == KIND["prefill"], 0, 1)
+        committed = np.ones(n_fwd, dtype=np.int64)
+        if assumed is None:
+            assumed = np.asarray(kinds) == KIND["verify"]
+    if assumed is None:
+        assumed = np.zeros(n_fwd, dtype=bool)
     return SessionRows(
         name, forward.astype(np.int64), layers.astype(np.int64), position.astype(np.int64),
         experts.astype(np.int64), gates.astype(np.float32),
         np.asarray(kinds, dtype=np.int8), np.asarray(evaluated, dtype=np.int64), np.asarray(committed, dtype=np.int64),
+        np.asarray(assumed, dtype=bool),
     )
 
 
@@ -441,7 +477,7 @@ def read_stall_trace(path: Path, n_experts: int | None = None, limits: Limits | 
         step = _json_int(rec, "step", where, 0, INT64_MAX)
         is_step = rec.get("record") == "step" or "expert_id" not in rec
         info = step_info.setdefault(sess + (step,), {})
-        for key, lo, hi in (("evaluated_positions", 1, INT32_MAX), ("committed_tokens", 0, INT32_MAX)):
+        for key, lo, hi in (("evaluated_positions", 1, INT32_MAX), ("committed_tokens", 1, INT32_MAX)):
             if key in rec:
                 v = _json_int(rec, key, where, lo, hi)
                 if info.get(key, v) != v:
@@ -496,13 +532,15 @@ def read_stall_trace(path: Path, n_experts: int | None = None, limits: Limits | 
         position = np.array([k[2] for k in keys], dtype=np.int64)
         evaluated = np.array([max(1, step_info.get(sess + (s,), {}).get("evaluated_positions", 1)) for s in steps], dtype=np.int64)
         committed = np.array([step_info.get(sess + (s,), {}).get("committed_tokens", 1) for s in steps], dtype=np.int64)
+        assumed = np.array([evaluated[i] > 1 and "committed_tokens" not in step_info.get(sess + (s,), {})
+                            for i, s in enumerate(steps)], dtype=bool)
         if (committed > evaluated).any():
             s = steps[int(np.flatnonzero(committed > evaluated)[0])]
             info = step_info.get(sess + (s,), {})
             raise InputError(info.get("where", path), f"step {s} of request {sess[1]} commits more tokens than it evaluated")
         kinds = np.where(evaluated > 1, KIND["verify"], KIND["decode"])
         name = f"{path.name}:{sess[0]}:{sess[1]}" if sess[0] else f"{path.name}:{sess[1]}"
-        sessions.append(_session_from_rows(name, forward, layers, position, E, G, committed, evaluated, kinds))
+        sessions.append(_session_from_rows(name, forward, layers, position, E, G, committed, evaluated, kinds, assumed))
     if not sessions:
         raise InputError(path, "no expert records")
     return sessions
@@ -753,6 +791,23 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
         fwd["evaluated"].append(s.fwd_evaluated)
         fwd["committed"].append(s.fwd_committed)
         fwd_offset += n
+    meta = dict(meta)
+    assumed = {}
+    for name, s in zip(names, sessions):
+        if s.fwd_assumed is not None and s.fwd_assumed.any():
+            assumed[name] = s
+    meta.pop("committed_assumed", None)
+    if assumed:
+        by_kind = all(np.array_equal(s.fwd_assumed, s.fwd_kind == KIND["verify"]) for s in sessions if s.fwd_assumed is not None)
+        info = {"forwards": int(sum(int(s.fwd_assumed.sum()) for s in assumed.values())),
+                "tokens": int(sum(int(s.fwd_committed[s.fwd_assumed].sum()) for s in assumed.values())),
+                "reason": "speculative (verify) forwards whose acceptance the trace does not carry: committed = 1, "
+                          "the minimum, is assumed; S and every per-token figure over them depend on it"}
+        if by_kind:
+            info["kinds"] = ["verify"]
+        else:
+            info["session_forwards"] = {name: np.flatnonzero(s.fwd_assumed).tolist() for name, s in assumed.items()}
+        meta["committed_assumed"] = info
     cat = {key: np.concatenate(v) for key, v in parts.items()}
     order = np.lexsort((cat["position"], cat["layer"], cat["forward"]))
     experts = cat["experts"][order]
@@ -828,6 +883,4 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
     if kind == "mblt" and n_experts is None:
         n_experts = mblt_experts
     meta = {"format": kind}
-    if kind == "route":
-        meta["committed_known"] = False
     return assemble(sessions, n_experts, geometry, source, meta), warnings

@@ -74,15 +74,22 @@ def default_run_id(container: str | os.PathLike, layout: str | os.PathLike | Non
 
 
 def assumed_committed_mask(trace: RoutingTrace) -> np.ndarray:
-    """Forwards whose committed count the trace assumed rather than recorded (trace meta
-    ``committed_assumed``: forward kinds, and explicit forward ids), or that commit nothing."""
+    """Forwards whose committed count the trace assumed rather than recorded, or that commit
+    nothing (a trace imported before prefill counted its token). Trace meta ``committed_assumed``
+    names forward kinds (``kinds``) or, per session name, forward indices within the session
+    (``session_forwards``), so it stays true of a subset of the sessions."""
     from .trace import FORWARD_KINDS
 
     info = trace.meta.get("committed_assumed") or {}
     kinds = [FORWARD_KINDS.index(k) for k in info.get("kinds", []) if k in FORWARD_KINDS]
     mask = np.isin(trace.fwd_kind, kinds) if kinds else np.zeros(trace.n_forwards, bool)
-    ids = np.array([i for i in info.get("forward_ids", []) if isinstance(i, int) and 0 <= i < trace.n_forwards], dtype=np.int64)
-    mask[ids] = True
+    per_session = info.get("session_forwards") or {}
+    for si, name in enumerate(trace.sessions):
+        local = per_session.get(name)
+        if local:
+            fw = np.flatnonzero(trace.fwd_session == si)
+            local = np.array([i for i in local if isinstance(i, int) and 0 <= i < len(fw)], dtype=np.int64)
+            mask[fw[local]] = True
     return mask | (trace.fwd_committed < 1)
 
 

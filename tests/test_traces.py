@@ -36,7 +36,7 @@ def test_route_trace_forwards_kinds_and_rows(tmp_path):
     assert warn == []
     assert tr.n_forwards == 3
     assert [FORWARD_KINDS[k] for k in tr.fwd_kind] == ["prefill", "decode", "decode"]
-    assert tr.fwd_evaluated.tolist() == [2, 1, 1] and tr.fwd_committed.tolist() == [0, 1, 1]
+    assert tr.fwd_evaluated.tolist() == [2, 1, 1] and tr.fwd_committed.tolist() == [1, 1, 1]  # prefill commits its first token
     assert tr.layers.tolist() == [3, 4] and tr.top_k == 2 and tr.n_experts == 8
     # rows sorted by forward, layer, position; selection order kept
     assert tr.experts.tolist() == [[5, 1], [2, 5], [7, 0], [1, 2], [5, 6], [0, 3], [4, 5], [1, 2]]
