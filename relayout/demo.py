@@ -78,6 +78,18 @@ def _demo_dir(work: Path) -> Path:
     return work
 
 
+def measured_vs_predicted(estimate: float, low: float, high: float, predicted: float) -> str:
+    """In words: does a measured saving (estimate and 95% interval) agree with a predicted one? Same units."""
+    if low > 0 and predicted <= 0 or high < 0 and predicted >= 0 or (low <= 0 <= high and abs(predicted) > high - low):
+        return ("measurement CONTRADICTS the prediction: measured saving " +
+                ("is positive" if low > 0 else "is negative" if high < 0 else "is indistinguishable from zero") +
+                f", predicted {predicted:+.3f}")
+    if low <= predicted <= high:
+        return "measurement agrees with the prediction: the predicted saving lies inside the measured interval"
+    return (f"measurement and prediction agree in sign but not in size: predicted {predicted:+.3f}, measured "
+            f"[{low:+.3f}, {high:+.3f}]")
+
+
 def _step(title: str) -> float:
     print(f"\n== {title}")
     return time.perf_counter()
@@ -143,6 +155,9 @@ def _run(work: Path, seed: int, kept: bool) -> int:
               f"saved {s['estimate'] * 1e3:.3f} [{s['low'] * 1e3:.3f}, {s['high'] * 1e3:.3f}] = "
               f"{g['saving_fraction_of_tpot']['estimate']:.1%} of TPOT -> {g['verdict'].upper()}")
     gate = gates["1 worker, coalescing reads"]
+    d = gate["decomposition"]
+    print(f"   of which repacking (source order, new files): {d['repacking']['estimate'] * 1e3:.3f} ms/token, ordering: "
+          f"{d['ordering']['estimate'] * 1e3:.3f} [{d['ordering']['low'] * 1e3:.3f}, {d['ordering']['high'] * 1e3:.3f}]")
     write_json_atomic(work / "gate.json", gate)
     print(f"   gate.json: {gate['reason']}  ({time.perf_counter() - t:.1f} s)")
 
@@ -177,8 +192,10 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     print(f"   measured S: stock {x['control_stall_per_committed_token_ns'] / 1e6:.3f} ms/token, relaid "
           f"{x['treatment_stall_per_committed_token_ns'] / 1e6:.3f}; saved {s['estimate'] / 1e6:.3f} ms "
           f"[{s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}] over {x['pairs']} paired repetitions of {DEMO_MEASURE_TOKENS} steps")
-    print(f"   predicted by the replay model on the '{DEMO_DEVICE}' profile: saved {gate['saving_per_token_s']['estimate'] * 1e3:.3f} ms "
+    predicted_ms = gate["saving_per_token_s"]["estimate"] * 1e3
+    print(f"   predicted by the replay model on the '{DEMO_DEVICE}' profile: saved {predicted_ms:.3f} ms "
           f"(this machine is not that array: calibrate it with 'relayout calibrate' to compare like with like)")
+    print("   " + measured_vs_predicted(s["estimate"] / 1e6, s["low"] / 1e6, s["high"] / 1e6, predicted_ms))
     print(f"   ({time.perf_counter() - t:.1f} s)")
 
     where = f"files kept in {work}" if kept else f"work directory {work} removed; keep the files with --dir DIR"

@@ -72,3 +72,13 @@ def test_an_unexpected_exception_is_one_line_asking_for_a_bug_report(monkeypatch
         pass
     else:
         raise AssertionError("RELAYOUT_DEBUG=1 must show the exception")
+
+
+def test_the_demo_says_in_words_when_measurement_contradicts_prediction():
+    from relayout.demo import measured_vs_predicted
+
+    assert measured_vs_predicted(-6.4, -8.0, -4.9, 3.4).startswith("measurement CONTRADICTS the prediction: measured saving is negative")
+    assert "CONTRADICTS" in measured_vs_predicted(2.0, 1.5, 2.5, -0.5)
+    assert "CONTRADICTS" in measured_vs_predicted(0.1, -0.2, 0.4, 3.0)
+    assert measured_vs_predicted(2.0, 1.5, 2.5, 2.2).startswith("measurement agrees")
+    assert "agree in sign but not in size" in measured_vs_predicted(2.0, 1.5, 2.5, 3.4)
