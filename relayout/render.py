@@ -64,6 +64,10 @@ def format_stats(s: dict) -> str:
         f"sessions   {s['sessions']}, forwards {s['forwards']} {s['forwards_by_kind']}, committed tokens {s['committed_tokens']}",
         f"selections {s['selections']:,} in {s['rows']:,} rows, {s['n_experts']} experts, top-{s['top_k']}",
     ]
+    assumed = s.get("committed_assumed")
+    if assumed:
+        lines.append(f"assumed    {assumed['tokens']} of {s['committed_tokens']} committed tokens ({assumed['forwards']} forwards): "
+                     f"{assumed['reason']}")
     if s["heat_only"]:
         lines.append("heat only (.coli_usage): no co-activation, cross-layer or reuse statistics can be computed")
     if "summary" in s:
