@@ -269,7 +269,7 @@ def cmd_replay(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from replay.gate import load_gate, recheck
+    from replay.gatefile import load_gate, recheck
 
     gate = load_gate(args.recheck)
     problems = recheck(gate, args.recheck)
@@ -291,7 +291,7 @@ def _say(line: str) -> None:
 
 
 def cmd_rewrite(args) -> int:
-    from replay.gate import load_gate
+    from replay.gatefile import load_gate
     from replay.planfile import load_plan
 
     from .apply import apply_plan
@@ -372,7 +372,7 @@ def cmd_report(args) -> int:
     if args.plots:
         predicted = None
         if args.predicted:
-            from replay.gate import load_gate   # only here: a report needs neither the replay model nor numba
+            from replay.gatefile import load_gate
 
             predicted = load_gate(args.predicted)
         for path in write_plots(r, args.plots, predicted):

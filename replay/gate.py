@@ -16,7 +16,6 @@ import numpy as np
 
 from containers import __version__
 from containers.errors import InputError
-from containers.jsonfile import read_document
 from containers.layout import Layout
 
 from .config import RuntimeConfig, pinned_experts
@@ -35,13 +34,12 @@ from .evidence import (
     session_evidence,
     split_sessions_by_content,
 )
+from .gatefile import GATE_FORMAT
 from .metrics import session_sums, step_table, summarize
 from .planfile import Plan
 from .prefetch import coupling_table
 from .trace import RoutingTrace
 
-GATE_FORMAT = "relayout.gate"
-VERDICTS = ("pass", "fail", "insufficient")
 DEFAULT_THRESHOLD = 0.05
 SWEEP_ALPHA = 0.025
 """Family-wise level of the sweep's Holm correction (one-sided, as a 95% interval's lower tail)."""
@@ -198,33 +196,6 @@ def _decomposition(base: LayoutRun, repack: LayoutRun | None, new: LayoutRun, ev
     return out
 
 
-def recheck(gate: dict, where: str) -> list[str]:
-    """Recompute a gate record's interval and verdict from its stored evidence; the differences.
-
-    Empty when the record is consistent: same interval (the bootstrap is deterministic given the
-    stored seed and resample count) and same verdict for the stored threshold.
-    """
-    try:
-        ev_json = gate["evidence"]
-        need = float(gate["threshold"]["seconds_per_token"])
-        min_sessions = int(ev_json["min_sessions"])
-        stored = gate["saving_per_token_s"]
-        stored_interval = (float(stored["estimate"]), float(stored["low"]), float(stored["high"]))
-        stored_verdict = gate["verdict"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(where, f"gate record cannot be rechecked (lacks {exc}; made by an older relayout?)") from None
-    ev = Evidence.from_json(ev_json, where)
-    got = ev.interval()
-    verdict = judge(ev, need, min_sessions).verdict
-    problems = []
-    if not np.allclose(got, stored_interval, rtol=1e-9, atol=1e-15):
-        problems.append(f"interval recomputed from the units is {got[0]:.6g} [{got[1]:.6g}, {got[2]:.6g}] s/token, the record says "
-                        f"{stored_interval[0]:.6g} [{stored_interval[1]:.6g}, {stored_interval[2]:.6g}]")
-    if verdict != stored_verdict:
-        problems.append(f"verdict recomputed is {verdict!r}, the record says {stored_verdict!r}")
-    return problems
-
-
 def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: float, headroom: float, base: dict,
             plan_oracle: float, config: RuntimeConfig) -> str:
     ms = 1e3
@@ -274,14 +245,3 @@ def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runtime
     for i, r in zip(judged, rejected):
         cells[i]["holm_significant"] = bool(r and cells[i]["verdict"] == "pass")
     return cells
-
-
-def load_gate(path) -> dict:
-    g = read_document(path, GATE_FORMAT, 1, ("verdict", "plan", "reason"), "gate record")
-    if g["verdict"] not in VERDICTS:
-        raise InputError(path, "gate record has no verdict")
-    plan = g["plan"]
-    if not isinstance(plan, dict) or not isinstance(plan.get("digest"), str) \
-            or not isinstance(plan.get("source_fingerprint"), (str, type(None))) or not isinstance(g["reason"], str):
-        raise InputError(path, "gate record is malformed (plan digest, source fingerprint and reason must be strings)")
-    return g

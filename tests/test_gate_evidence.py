@@ -15,7 +15,8 @@ from relayout.trace_synth import SynthParams, synth_trace
 from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.evidence import MIN_BLOCKS, block_evidence, holm, judge, session_evidence
-from replay.gate import compare, recheck
+from replay.gate import compare
+from replay.gatefile import recheck
 from replay.planfile import load_plan, save_plan
 from replay.trace import save_trace
 

@@ -161,7 +161,7 @@ def test_headline_replay_command_rewrites_on_pass(setup, tmp_path):
     assert "verdict: PASS" in res.stdout and "verified" in res.stdout
     res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
                   "--workers", 1, "--coalesce", "--threshold", 0.9, "--container", setup["src"], "--out", tmp_path / "dst2")
-    assert res.returncode == 0 and "not rewritten" in res.stdout and not (tmp_path / "dst2").exists()
+    assert res.returncode == 3 and "not rewritten" in res.stdout and not (tmp_path / "dst2").exists()   # 3: failed, not rewritten
 
 
 def test_replay_with_a_prefetch_source_reports_its_metrics(setup):
