@@ -228,7 +228,7 @@ def _verdict_status(verdict: str) -> int:
 def cmd_replay(args) -> int:
     from containers.atomic import write_json_atomic
     from replay.device import load_device
-    from replay.gate import compare, sweep
+    from replay.gate import compare, measured_tpot_parts, sweep
     from replay.planfile import load_plan
     from replay.trace import load_trace
 
@@ -248,7 +248,8 @@ def cmd_replay(args) -> int:
         return 0
     if bool(args.container) != bool(args.out):
         raise InputError(None, "--container and --out go together (rewrite after a passing gate)")
-    gate = compare(plan, trace, device, config, baseline, args.threshold, min_sessions=args.min_sessions)
+    parts = measured_tpot_parts(args.tpot_from) if args.tpot_from else None
+    gate = compare(plan, trace, device, config, baseline, args.threshold, min_sessions=args.min_sessions, tpot_parts=parts)
     if args.output:
         write_json_atomic(args.output, gate)
     print(json.dumps(gate, indent=1) if args.json else format_gate(gate))
@@ -545,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_argument_group("gate")
     g.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
     g.add_argument("--threshold", type=float, default=0.05, help="fraction of baseline TPOT the interval's low end must save")
+    g.add_argument("--tpot-from", metavar="RUN.jsonl",
+                   help="take TPOT's compute and other time per token from a measured STALL_TRACE (relayout measure), "
+                        "so the threshold is relative to a TPOT you recognise (default: the compute model and --other-ms)")
     g.add_argument("--min-sessions", type=int, default=5,
                    help="held-out sessions a verdict needs; with fewer the verdict is 'insufficient' (steps are then "
                         "resampled in blocks)")

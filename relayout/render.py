@@ -112,6 +112,8 @@ def format_gate(g: dict) -> str:
         "",
         *_decomposition_lines(g.get("decomposition")),
         _evidence_line(g),
+        f"threshold {g['threshold']['fraction_of_tpot']:.0%} of TPOT {g['threshold'].get('tpot_s', b['tpot_s']) * ms:.2f} ms "
+        f"({g['threshold'].get('tpot_source', 'replay model')})",
         f"held-out sessions: {len(g['trace']['sessions_evaluated'])} evaluated, "
         f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training (matched by {g['trace'].get('held_out_by', 'name')}); "
         f"device {g['device']['name']}; "

@@ -100,10 +100,40 @@ def _pins(trace: RoutingTrace, plan: Plan, config: RuntimeConfig) -> np.ndarray:
     return pinned_experts(heat, plan.layout.expert_bytes()[:, 0], config.pin_bytes)
 
 
+@dataclass(frozen=True)
+class TpotParts:
+    """Measured per-token compute ``C`` and other time ``O`` (seconds per committed token), and where from."""
+
+    compute_s: float
+    other_s: float
+    source: str
+
+
+def measured_tpot_parts(path) -> TpotParts:
+    """C_tok and O_tok of a measured STALL_TRACE (its step records' ``compute_ns``/``other_ns``),
+    pooled over its runs by committed tokens."""
+    from .stalltrace import report
+
+    r = report([path])
+    c = o = a = 0.0
+    for m in r.runs:
+        fig = m.to_json()
+        if fig["compute_per_committed_token_ns"] is None or fig["other_per_committed_token_ns"] is None:
+            raise InputError(path, f"run {m.run_id!r} has no step records with compute_ns and other_ns; "
+                                   "TPOT's parts cannot be taken from it")
+        n = m.committed_tokens
+        c, o, a = c + fig["compute_per_committed_token_ns"] * n, o + fig["other_per_committed_token_ns"] * n, a + n
+    return TpotParts(c / a / 1e9, o / a / 1e9, f"measured run {path}: C {c / a / 1e6:.3f} ms and O {o / a / 1e6:.3f} ms per "
+                                                 f"committed token over {int(a)} tokens")
+
+
 def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
             baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0,
-            min_sessions: int = MIN_SESSIONS) -> dict:
+            min_sessions: int = MIN_SESSIONS, tpot_parts: TpotParts | None = None) -> dict:
     """Replay baseline (stock, or another plan's layout) and the plan; gate; return gate.json.
+
+    The threshold is a fraction of the baseline's TPOT = C + S + O: C and O from the compute
+    model and ``config.other_seconds_per_token``, or, with ``tpot_parts``, as measured.
 
     The verdict is ``pass``, ``fail`` or ``insufficient`` (too few held-out sessions or blocks:
     :mod:`replay.evidence`). Against the stock layout, a plan that records its repacked stock
@@ -134,13 +164,20 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
         return block_evidence(a.steps.stall, b.steps.stall, a.steps.committed, a.steps.session, seed)
 
     ev = evidence(base, new)
-    tpot = base.summary["tpot_s"]
+    if tpot_parts is None:
+        tpot = base.summary["tpot_s"]
+        tpot_source = ("replay model: C from dense_seconds and compute_bytes_per_second, S predicted, "
+                       f"O = other_seconds_per_token = {config.other_seconds_per_token:g} s (--other-ms)")
+    else:
+        tpot = tpot_parts.compute_s + base.summary["stall_per_token_s"] + tpot_parts.other_s
+        tpot_source = f"{tpot_parts.source}, S predicted for the baseline"
     need = threshold * tpot
     verdict = judge(ev, need, min_sessions)
     est, low, high = ev.interval()
     headroom = base.summary["stall_per_token_s"] - base.summary["oracle_stall_per_token_s"]
     oracle_plan = new.summary["oracle_stall_per_token_s"]
-    reason = _reason(verdict, ev, (est, low, high), tpot, threshold, headroom, base.summary, oracle_plan, config)
+    reason = _reason(verdict, ev, (est, low, high), tpot, threshold, headroom, base.summary, oracle_plan,
+                     config.other_seconds_per_token == 0 and tpot_parts is None)
     saving = {"estimate": est, "low": low, "high": high, "unit": _unit_name(ev), "n_units": len(ev.base), "method": ev.method}
     return {
         "format": GATE_FORMAT,
@@ -157,9 +194,7 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
                   "exclusions": dict(sorted(held.excluded.items())), "held_out_by": held.matched_by},
         "device": {"name": device.name, "digest": device.digest(), "profile": device.to_json()},
         "runtime": config.to_json(),
-        "threshold": {"fraction_of_tpot": threshold, "seconds_per_token": need,
-                      "tpot_source": "replay model: C from dense_seconds and compute_bytes_per_second, S predicted, "
-                                     f"O = other_seconds_per_token = {config.other_seconds_per_token:g} s (--other-ms)"},
+        "threshold": {"fraction_of_tpot": threshold, "seconds_per_token": need, "tpot_s": tpot, "tpot_source": tpot_source},
         "evidence": {**ev.to_json(), "sufficient": verdict.sufficient, "sufficiency": verdict.sufficiency,
                      "min_sessions": min_sessions, "p_below_threshold": ev.p_below(need)},
         "saving_per_token_s": saving,
@@ -197,10 +232,10 @@ def _decomposition(base: LayoutRun, repack: LayoutRun | None, new: LayoutRun, ev
 
 
 def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: float, headroom: float, base: dict,
-            plan_oracle: float, config: RuntimeConfig) -> str:
+            plan_oracle: float, o_is_zero: bool) -> str:
     ms = 1e3
     est, low, high = interval
-    o = "" if config.other_seconds_per_token else " (O = 0: pass --other-ms to count other per-token time)"
+    o = " (O = 0: pass --other-ms or --tpot-from to count other per-token time)" if o_is_zero else ""
     text = (f"predicted saving {est * ms:.3f} ms/token (95% CI {low * ms:.3f} to {high * ms:.3f}; {verdict.sufficiency}) = "
             f"{low / tpot:.1%} of baseline TPOT {tpot * ms:.1f} ms{o} at the interval's low end; the gate needs {threshold:.0%}.")
     if verdict.verdict == "insufficient":

@@ -162,3 +162,27 @@ def test_check_gate_refuses_insufficient_evidence(case):
     with pytest.raises(InputError, match="too little held-out evidence"):
         check_gate(g, plan, plan.raw["source"]["fingerprint"], force=False)
     assert check_gate(g, plan, plan.raw["source"]["fingerprint"], force=True)["forced"] is True
+
+
+def test_tpot_parts_from_a_measured_run_set_the_threshold(case, tmp_path):
+    from replay.gate import measured_tpot_parts
+
+    recs = []
+    for s in range(4):   # 2 ms compute and 3 ms other per token, measured
+        recs.append({"run_id": "m", "request_id": 0, "step": s, "layer": 3, "expert_id": 1, "required": True, "bytes": 10,
+                     "issue_ns": 0, "ready_ns": 100, "need_ns": 100, "committed_tokens": 1, "evaluated_positions": 1})
+        recs.append({"record": "step", "run_id": "m", "request_id": 0, "step": s, "committed_tokens": 1,
+                     "evaluated_positions": 1, "compute_ns": 2_000_000, "other_ns": 3_000_000, "wall_ns": 5_000_000})
+    run = tmp_path / "run.jsonl"
+    run.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    parts = measured_tpot_parts(run)
+    assert parts.compute_s == pytest.approx(2e-3) and parts.other_s == pytest.approx(3e-3)
+    g = compare(case["plan"], case["trace"], load_device("mac-pro-2019-applraid-4x"), CONFIG, tpot_parts=parts)
+    S = g["baseline_metrics"]["stall_per_token_s"]
+    assert g["threshold"]["tpot_s"] == pytest.approx(2e-3 + S + 3e-3)
+    assert g["threshold"]["seconds_per_token"] == pytest.approx(0.05 * (5e-3 + S))
+    assert "measured run" in g["threshold"]["tpot_source"] and "O = 0" not in g["reason"]
+    no_steps = tmp_path / "bare.jsonl"
+    no_steps.write_text("\n".join(json.dumps(r) for r in recs if r.get("record") != "step") + "\n")
+    with pytest.raises(InputError, match="no step records with compute_ns"):
+        measured_tpot_parts(no_steps)
