@@ -38,7 +38,8 @@ cost: the lower bound on stall that no layout can beat (for the misses left afte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import namedtuple
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -47,7 +48,14 @@ from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
 from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .device import SPLIT_RULES, ArrayProfile
-from .instance import Array, LayoutArrays, ReadPolicy, Results, simulate_instances
+from .instance import (
+    CouplingTable,
+    Device,
+    LayoutArrays,
+    RamTiers,
+    ReadPolicy,
+    simulate_instances,
+)
 from .jit import compile_notice
 from .runtime import new_lru
 from .trace import RoutingTrace
@@ -56,24 +64,21 @@ from .unions import trace_instances
 FILE_ALIGNMENT = 1 << 20
 """Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
 
+AXES = {"I": "instances", "L": "layout layers", "E": "experts", "M": "array members"}
+"""The axes an output's shape is written in (see :func:`output`)."""
 
-@dataclass
-class InstanceResult:
-    """Per (forward, layer) instance, arrays [I]."""
 
-    forward: np.ndarray
-    layer: np.ndarray          # layout layer index
-    stall: np.ndarray          # s
-    compute: np.ndarray        # s, dense + matmuls
-    oracle_stall: np.ndarray   # s
-    union_experts: np.ndarray
-    union_bytes: np.ndarray
-    hits: np.ndarray
-    misses: np.ndarray
-    reads: np.ndarray
-    read_bytes: np.ndarray
-    expert_wait: np.ndarray    # [L, E] s the compute thread waited right before each expert's matmul
-    prefetch: "PrefetchResult | None" = None
+def output(shape: str, dtype: type = np.float64):
+    """Declare a field of a result dataclass as an output of the compiled model.
+
+    ``shape`` spells its axes (:data:`AXES`: ``"I"`` per instance, ``"LE"`` per layout layer and
+    expert, ``"M"`` per array member), ``dtype`` its element type. :func:`new_results` allocates
+    it zeroed, :func:`replay.instance.simulate_instances` fills it in place under the same name
+    (``out.instance.<name>``, ``out.prefetch.<name>``, ``out.device.<name>``), and
+    :func:`simulate` hands it over under that name: a new metric is one such field plus the
+    line of the compiled model that fills it.
+    """
+    return field(metadata={"shape": shape, "dtype": np.dtype(dtype)})
 
 
 @dataclass
@@ -85,26 +90,74 @@ class PrefetchResult:
     ``required``: bytes of the instance's experts not already in RAM (misses and prefetched ones).
     ``timely``: of those, the bytes ready before the compute thread needed them (seed 4.3: a
     prefetch, or a demand load that finished early), as the STALL_TRACE analysis counts them.
-    ``timely_n``, ``slack``: the timely prefetches and the sum of their lead slack.
+    ``timely_n``, ``slack``: the timely prefetches and the sum of their lead slack (s).
     ``unused``: bytes prefetched for this layer that it did not select.
     """
 
-    loads: np.ndarray
-    issued: np.ndarray
-    required: np.ndarray
-    timely: np.ndarray
-    timely_n: np.ndarray
-    slack: np.ndarray
-    unused: np.ndarray
+    loads: np.ndarray = output("I", np.int64)
+    issued: np.ndarray = output("I")           # bytes
+    required: np.ndarray = output("I")         # bytes
+    timely: np.ndarray = output("I")           # bytes
+    timely_n: np.ndarray = output("I", np.int64)
+    slack: np.ndarray = output("I")            # s
+    unused: np.ndarray = output("I")           # bytes
+
+
+@dataclass
+class InstanceResult:
+    """Per (forward, layer) instance, arrays [I]. Seconds and bytes."""
+
+    forward: np.ndarray        # the instance's forward (index into the trace's forwards)
+    layer: np.ndarray          # layout layer index
+    stall: np.ndarray = output("I")            # s the compute thread waited for expert bytes
+    compute: np.ndarray = output("I")          # s, dense + matmuls of all positions
+    oracle_stall: np.ndarray = output("I")     # s, the same wait with bytes at full bandwidth, no request cost
+    union_experts: np.ndarray = output("I", np.int64)   # distinct experts the positions select
+    union_bytes: np.ndarray = output("I")      # bytes of those experts (weights and scales)
+    hits: np.ndarray = output("I", np.int64)   # union experts served from RAM
+    misses: np.ndarray = output("I", np.int64)  # union experts loaded (or waited for in flight)
+    reads: np.ndarray = output("I", np.int64)  # preads issued, prefetch included
+    read_bytes: np.ndarray = output("I")       # bytes read (O_DIRECT-widened), prefetch included
+    expert_wait: np.ndarray = output("LE")     # [L, E] s the compute thread waited right before each expert's matmul
+    prefetch: "PrefetchResult | None" = None
 
 
 @dataclass
 class DeviceUsage:
-    """Totals over the whole replay, per member: busy transfer seconds, requests, residence seconds."""
+    """Totals over the whole replay, per member [M]: busy transfer seconds, requests, residence seconds."""
 
-    transfer_seconds: np.ndarray
-    requests: np.ndarray
-    residence_seconds: np.ndarray
+    transfer_seconds: np.ndarray = output("M")
+    requests: np.ndarray = output("M", np.int64)
+    residence_seconds: np.ndarray = output("M")
+
+
+def _outputs(cls) -> list:
+    return [f for f in fields(cls) if "shape" in f.metadata]
+
+
+InstanceOutputs = namedtuple("InstanceOutputs", [f.name for f in _outputs(InstanceResult)])
+"""The :class:`InstanceResult` outputs the compiled model fills (declared there with :func:`output`)."""
+PrefetchOutputs = namedtuple("PrefetchOutputs", [f.name for f in _outputs(PrefetchResult)])
+"""The :class:`PrefetchResult` outputs (filled whatever the source; handed over when one runs)."""
+DeviceOutputs = namedtuple("DeviceOutputs", [f.name for f in _outputs(DeviceUsage)])
+"""The :class:`DeviceUsage` outputs."""
+Results = namedtuple("Results", "instance prefetch device")
+"""Every output of one replay, zeroed by :func:`new_results` and filled in place by
+:func:`replay.instance.simulate_instances`: :class:`InstanceOutputs`, :class:`PrefetchOutputs`,
+:class:`DeviceOutputs`."""
+
+
+def new_results(I: int, L: int, E: int, M: int) -> Results:
+    """Zeroed outputs for ``I`` instances, ``L`` layout layers of ``E`` experts and ``M`` members,
+    each shaped and typed as its result field declares."""
+    sizes = {"I": I, "L": L, "E": E, "M": M}
+
+    def zeros(kind, cls):
+        return kind(*(np.zeros(tuple(sizes[a] for a in f.metadata["shape"]), dtype=f.metadata["dtype"])
+                      for f in _outputs(cls)))
+
+    return Results(zeros(InstanceOutputs, InstanceResult), zeros(PrefetchOutputs, PrefetchResult),
+                   zeros(DeviceOutputs, DeviceUsage))
 
 
 def file_bases(layout: Layout) -> np.ndarray:
@@ -154,33 +207,20 @@ def simulate(
     """
     L, E = len(layout.layers), layout.n_experts
     inst = trace_instances(trace, forwards, layout)
-    I = len(inst)
     if config.prefetch == "coupled" and coupling is None:
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
     targets, counts = coupling if config.prefetch == "coupled" else (np.full((1, 1, 1), -1), np.zeros((1, 1, 1)))
-    out = _zero_results(I, L, E, device.members)
+    ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
+                   new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
+                   np.full((L, E), -1, dtype=np.int64))
+    table = CouplingTable(np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32))
+    out = new_results(len(inst.forward), L, E, device.members)
     with compile_notice():
-        simulate_instances(inst.forward, inst.layer, inst.session, inst.sel_start, inst.sel_e, inst.sel_mult,
-                           np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
-                           new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
-                           np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32),
-                           layout_arrays(layout, config, split),
-                           read_policy(config, device), device_numbers(device), out)
-    usage = DeviceUsage(out.member_bytes / device.drive.bandwidth, out.member_requests, out.residence)
-    prefetch = None
-    if config.prefetch != "none":
-        prefetch = PrefetchResult(out.pf_loads, out.pf_bytes, out.pf_required, out.pf_timely, out.pf_timely_n, out.pf_slack,
-                                  out.pf_unused)
-    return InstanceResult(inst.forward, inst.layer, out.stall, config.dense_seconds + out.matmul, out.oracle,
-                          out.union_experts, out.union_bytes, out.hits, out.misses, out.reads, out.read_bytes,
-                          out.expert_wait, prefetch), usage
-
-
-def _zero_results(I: int, L: int, E: int, M: int) -> Results:
-    """Zeroed outputs: [L, E] for the waits, [M] per member, [I] per instance (counts as int64)."""
-    counts = {"union_experts", "hits", "misses", "reads", "pf_loads", "pf_timely_n", "member_bytes", "member_requests"}
-    shapes = {"expert_wait": (L, E), "member_bytes": M, "member_requests": M, "residence": M}
-    return Results(*(np.zeros(shapes.get(name, I), dtype=np.int64 if name in counts else np.float64) for name in Results._fields))
+        simulate_instances(inst, ram, table, layout_arrays(layout, config, split), read_policy(config, device),
+                           device_numbers(device), out)
+    prefetch = PrefetchResult(**out.prefetch._asdict()) if config.prefetch != "none" else None
+    return (InstanceResult(inst.forward, inst.layer, **out.instance._asdict(), prefetch=prefetch),
+            DeviceUsage(**out.device._asdict()))
 
 
 def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | None) -> LayoutArrays:
@@ -204,15 +244,17 @@ def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | Non
 
 
 def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
+    """How the runtime reads, as the compiled model takes it."""
     return ReadPolicy(bool(config.coalesce), int(config.coalesce_gap_bytes), int(config.coalesce_max_bytes),
                       bool(config.direct), int(device.direct_alignment), int(config.in_flight),
                       float(device.page_cache_fraction), float(config.dense_seconds),
                       PREFETCH_SOURCES.index(config.prefetch), int(config.prefetch_experts))
 
 
-def device_numbers(device: ArrayProfile) -> Array:
+def device_numbers(device: ArrayProfile) -> Device:
+    """The device as the compiled model takes it."""
     d = device.drive
-    return Array(int(device.members), int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
+    return Device(int(device.members), int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
                  float(d.request_seconds), float(d.bandwidth), int(d.queue_slots), float(device.host_bandwidth),
                  float(device.full_bandwidth))
 

@@ -7,7 +7,7 @@ forward, then loads each needed expert once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import namedtuple
 
 import numpy as np
 from numba import njit
@@ -17,20 +17,12 @@ from containers.layout import Layout
 from .jit import LOOP
 from .trace import RoutingTrace
 
-
-@dataclass
-class Instances:
-    """The instances of the selected forwards, in time order (forward, then layer); arrays [I]."""
-
-    forward: np.ndarray
-    layer: np.ndarray      # layout layer index
-    session: np.ndarray
-    sel_start: np.ndarray  # [I+1]: instance i's union is sel_e[sel_start[i]:sel_start[i+1]]
-    sel_e: np.ndarray      # union experts, ascending within an instance
-    sel_mult: np.ndarray   # positions selecting each union expert
-
-    def __len__(self) -> int:
-        return len(self.forward)
+Instances = namedtuple("Instances", "forward layer session sel_start sel_e sel_mult")
+"""The instances of the selected forwards, in time order (forward, then layer), as the compiled
+model takes them. Per instance [I], int64: ``forward`` (index into the trace's forwards),
+``layer`` (layout layer index), ``session``. ``sel_start`` [I+1]: instance ``i``'s batch union
+is ``sel_e[sel_start[i]:sel_start[i+1]]`` (expert ids, ascending within an instance), each
+selected by ``sel_mult`` positions."""
 
 
 def trace_instances(trace: RoutingTrace, forwards: np.ndarray, layout: Layout) -> Instances:
