@@ -106,12 +106,12 @@ def main() -> None:
             for method, (_, layout, _) in layouts.items():
                 inst, usage = simulate(trace, mask, layout, device, cfg, coupling=coupling)
                 summary = summarize(step_table(trace, mask, inst), usage, 0.0)
-                predicted = summary["stall_per_token_s"] * 1e3
+                predicted = summary.stall_per_token_s * 1e3
                 mean = float(np.mean(measured[method]))
                 each = " ".join(f"{x:.1f}" for x in measured[method])
                 rec = ""
-                if summary["prefetch"] is not None:
-                    rec = f"{np.mean(recall[method]):>9.2f}/{summary['prefetch']['timely_required_byte_recall'] or 0.0:.2f}"
+                if summary.prefetch is not None:
+                    rec = f"{np.mean(recall[method]):>9.2f}/{summary.prefetch.timely_required_byte_recall or 0.0:.2f}"
                 print(f"{method:<9}{ram / 1e9:>8.2f}{prefetch:>9}{mean:>10.2f} ({each}){'':>4}{predicted:>12.2f}"
                       f"{predicted / mean:>8.2f}{rec:>18}")
     cfg = RuntimeConfig(workers=args.workers)

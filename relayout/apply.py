@@ -19,6 +19,7 @@ from containers.output_files import Derived, OutputFile
 from containers.rewrite import rewrite_container
 from containers.segments import PARTS, SegmentSpec
 from containers.verify import verify_containers
+from replay.gatefile import GateRecord
 from replay.planfile import Plan
 
 from . import __version__
@@ -62,33 +63,33 @@ def source_manifest(src: Container, manifest_path: str | os.PathLike | None) -> 
     return build_manifest(src)
 
 
-def check_gate(gate: dict | None, plan: Plan, fingerprint: str, force: bool) -> dict:
+def check_gate(gate: GateRecord | None, plan: Plan, fingerprint: str, force: bool) -> dict:
     """Provenance for the new manifest; raises unless a passing gate for this plan exists or ``force``."""
     problem = None
     if gate is None:
         problem = "no gate.json given (run relayout replay ... -o gate.json first)"
-    elif gate["plan"]["digest"] != plan.digest:
+    elif gate.plan.digest != plan.digest:
         problem = "the gate was run for a different plan"
-    elif gate["plan"]["source_fingerprint"] != fingerprint:
+    elif gate.plan.source_fingerprint != fingerprint:
         problem = "the gate was run for a different container"
-    elif gate["verdict"] == "insufficient":
-        problem = f"the gate had too little held-out evidence for a verdict: {gate['reason']}"
-    elif gate["verdict"] != "pass":
-        problem = f"the gate failed: {gate['reason']}"
+    elif gate.verdict == "insufficient":
+        problem = f"the gate had too little held-out evidence for a verdict: {gate.reason}"
+    elif gate.verdict != "pass":
+        problem = f"the gate failed: {gate.reason}"
     if problem and not force:
         raise InputError(None, f"rewrite refused: {problem}; pass --force to override (recorded in the new manifest)")
     return {
         "tool_version": __version__,
         "plan_digest": plan.digest,
         "plan_method": plan.raw["method"],
-        "gate_digest": digest_of(json.dumps(gate, sort_keys=True, separators=(",", ":")).encode()) if gate else None,
-        "gate_verdict": gate["verdict"] if gate else None,
+        "gate_digest": digest_of(json.dumps(gate.to_json(), sort_keys=True, separators=(",", ":")).encode()) if gate else None,
+        "gate_verdict": gate.verdict if gate else None,
         "forced": bool(problem),
         "override_reason": problem,
     }
 
 
-def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: dict | None = None,
+def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: GateRecord | None = None,
                force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
                notify=None) -> dict:
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest."""

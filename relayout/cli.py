@@ -251,16 +251,16 @@ def cmd_replay(args) -> int:
     parts = measured_tpot_parts(args.tpot_from) if args.tpot_from else None
     gate = compare(plan, trace, device, config, baseline, args.threshold, min_sessions=args.min_sessions, tpot_parts=parts)
     if args.output:
-        write_json_atomic(args.output, gate)
-    print(json.dumps(gate, indent=1) if args.json else format_gate(gate))
+        write_json_atomic(args.output, gate.to_json())
+    print(json.dumps(gate.to_json(), indent=1) if args.json else format_gate(gate))
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
     if not args.container:
-        return _verdict_status(gate["verdict"]) if args.strict else 0
-    if gate["verdict"] != "pass" and not args.force:
-        what = "had too little evidence" if gate["verdict"] == "insufficient" else "failed"
+        return _verdict_status(gate.verdict) if args.strict else 0
+    if gate.verdict != "pass" and not args.force:
+        what = "had too little evidence" if gate.verdict == "insufficient" else "failed"
         print(f"gate {what}: {args.container} is not rewritten (pass --force to rewrite anyway)")
-        return _verdict_status(gate["verdict"])
+        return _verdict_status(gate.verdict)
     from .apply import apply_plan
 
     m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=_say)
@@ -280,10 +280,10 @@ def cmd_gate(args) -> int:
         print(f"relayout: error: {args.recheck}: the record does not match its own evidence ({len(problems)} difference(s))",
               file=sys.stderr)
         return 2
-    ev = gate["evidence"]
-    print(f"{args.recheck}: matches its evidence: verdict {gate['verdict']}, interval recomputed from {len(ev['units']['committed_tokens'])} "
-          f"{'sessions' if ev['method'] == 'session' else 'steps in blocks of ' + str(ev['block_steps'])} "
-          f"with seed {ev['seed']} and {ev['resamples']} resamples")
+    ev = gate.evidence
+    print(f"{args.recheck}: matches its evidence: verdict {gate.verdict}, interval recomputed from {len(ev.units.committed_tokens)} "
+          f"{'sessions' if ev.method == 'session' else f'steps in blocks of {ev.block_steps}'} "
+          f"with seed {ev.seed} and {ev.resamples} resamples")
     return 0
 
 
@@ -375,7 +375,7 @@ def cmd_report(args) -> int:
         if args.predicted:
             from replay.gatefile import load_gate
 
-            predicted = load_gate(args.predicted)
+            predicted = load_gate(args.predicted).to_json()
         for path in write_plots(r, args.plots, predicted):
             print(f"wrote {path}")
     return 0

@@ -149,21 +149,21 @@ def _run(work: Path, seed: int, kept: bool) -> int:
                        ("1 worker, coalescing reads", RuntimeConfig(workers=1, coalesce=True))):
         g = compare(plan, trace, device, cfg, seed=seed)
         gates[label] = g
-        s = g["saving_per_token_s"]
-        print(f"   {label:28} stock {g['baseline_metrics']['stall_per_token_s'] * 1e3:7.3f} ms/token, "
-              f"plan {g['plan_metrics']['stall_per_token_s'] * 1e3:7.3f}, oracle {g['headroom']['oracle_stall_s'] * 1e3:7.3f}; "
-              f"saved {s['estimate'] * 1e3:.3f} [{s['low'] * 1e3:.3f}, {s['high'] * 1e3:.3f}] = "
-              f"{g['saving_fraction_of_tpot']['estimate']:.1%} of TPOT -> {g['verdict'].upper()}")
+        s = g.saving_per_token_s
+        print(f"   {label:28} stock {g.baseline_metrics.stall_per_token_s * 1e3:7.3f} ms/token, "
+              f"plan {g.plan_metrics.stall_per_token_s * 1e3:7.3f}, oracle {g.headroom.oracle_stall_s * 1e3:7.3f}; "
+              f"saved {s.estimate * 1e3:.3f} [{s.low * 1e3:.3f}, {s.high * 1e3:.3f}] = "
+              f"{g.saving_fraction_of_tpot.estimate:.1%} of TPOT -> {g.verdict.upper()}")
     gate = gates["1 worker, coalescing reads"]
-    d = gate["decomposition"]
-    print(f"   of which repacking (source order, new files): {d['repacking']['estimate'] * 1e3:.3f} ms/token, ordering: "
-          f"{d['ordering']['estimate'] * 1e3:.3f} [{d['ordering']['low'] * 1e3:.3f}, {d['ordering']['high'] * 1e3:.3f}]")
-    write_json_atomic(work / "gate.json", gate)
-    print(f"   gate.json: {gate['reason']}  ({time.perf_counter() - t:.1f} s)")
+    d = gate.decomposition
+    print(f"   of which repacking (source order, new files): {d.repacking.estimate * 1e3:.3f} ms/token, ordering: "
+          f"{d.ordering.estimate * 1e3:.3f} [{d.ordering.low * 1e3:.3f}, {d.ordering.high * 1e3:.3f}]")
+    write_json_atomic(work / "gate.json", gate.to_json())
+    print(f"   gate.json: {gate.reason}  ({time.perf_counter() - t:.1f} s)")
 
     t = _step("7. rewrite (the gate passed) into DST and verify byte for byte")
     dst = work / "relaid"
-    forced = gate["verdict"] != "pass"
+    forced = gate.verdict != "pass"
     if forced:
         print("   the gate failed on this run; rewriting anyway with the demo's explicit override (recorded as forced)")
     new_manifest = apply_plan(src, plan, dst, gate, force=forced, progress=False)
@@ -192,7 +192,7 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     print(f"   measured S: stock {x['control_stall_per_committed_token_ns'] / 1e6:.3f} ms/token, relaid "
           f"{x['treatment_stall_per_committed_token_ns'] / 1e6:.3f}; saved {s['estimate'] / 1e6:.3f} ms "
           f"[{s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}] over {x['pairs']} paired repetitions of {DEMO_MEASURE_TOKENS} steps")
-    predicted_ms = gate["saving_per_token_s"]["estimate"] * 1e3
+    predicted_ms = gate.saving_per_token_s.estimate * 1e3
     print(f"   predicted by the replay model on the '{DEMO_DEVICE}' profile: saved {predicted_ms:.3f} ms "
           f"(this machine is not that array: calibrate it with 'relayout calibrate' to compare like with like)")
     print("   " + measured_vs_predicted(s["estimate"] / 1e6, s["low"] / 1e6, s["high"] / 1e6, predicted_ms))

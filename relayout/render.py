@@ -90,70 +90,68 @@ def format_stats(s: dict) -> str:
                      f"{str(x):>10} {str(l['reuse_distance']['median']):>10}")
     return "\n".join(lines)
 
-def format_gate(g: dict) -> str:
+def format_gate(g) -> str:
+    """A :class:`replay.gatefile.GateRecord` as the verdict, the reason and a side-by-side table."""
     ms = 1e3
-    b, p = g["baseline_metrics"], g["plan_metrics"]
+    b, p = g.baseline_metrics, g.plan_metrics
+    rt = g.runtime
     lines = [
-        f"verdict: {g['verdict'].upper()}",
-        g["reason"],
+        f"verdict: {g.verdict.upper()}",
+        g.reason,
         "",
         f"{'':28}{'baseline':>12}{'plan':>12}",
-        f"{'stall S (ms/token)':28}{b['stall_per_token_s'] * ms:12.3f}{p['stall_per_token_s'] * ms:12.3f}",
-        f"{'TPOT estimate (ms)':28}{b['tpot_s'] * ms:12.2f}{p['tpot_s'] * ms:12.2f}",
-        f"{'oracle bound (ms/token)':28}{b['oracle_stall_per_token_s'] * ms:12.3f}{p['oracle_stall_per_token_s'] * ms:12.3f}",
-        f"{'preads/token (drive+cache)':28}{b['reads_per_token']:12.1f}{p['reads_per_token']:12.1f}",
-        f"{'drive requests/token':28}{sum(b['drive_requests_per_token']):12.1f}{sum(p['drive_requests_per_token']):12.1f}",
-        f"{'pread MB/token (drive+cache)':28}{b['read_bytes_per_token'] / 1e6:12.2f}{p['read_bytes_per_token'] / 1e6:12.2f}",
-        f"{'union MB/committed token':28}{b['union_bytes_per_token'] / 1e6:12.2f}{p['union_bytes_per_token'] / 1e6:12.2f}",
-        f"{'RAM hit rate':28}{b['ram_hit_rate']:12.3f}{p['ram_hit_rate']:12.3f}",
-        f"{'step stall p50/p99 (ms)':28}{b['step_stall_s']['p50'] * ms:6.2f}/{b['step_stall_s']['p99'] * ms:<5.2f}"
-        f"{p['step_stall_s']['p50'] * ms:6.2f}/{p['step_stall_s']['p99'] * ms:.2f}",
-        f"{'drive utilisation':28}{max(b['drive_utilisation']):12.2f}{max(p['drive_utilisation']):12.2f}",
+        f"{'stall S (ms/token)':28}{b.stall_per_token_s * ms:12.3f}{p.stall_per_token_s * ms:12.3f}",
+        f"{'TPOT estimate (ms)':28}{b.tpot_s * ms:12.2f}{p.tpot_s * ms:12.2f}",
+        f"{'oracle bound (ms/token)':28}{b.oracle_stall_per_token_s * ms:12.3f}{p.oracle_stall_per_token_s * ms:12.3f}",
+        f"{'preads/token (drive+cache)':28}{b.reads_per_token:12.1f}{p.reads_per_token:12.1f}",
+        f"{'drive requests/token':28}{sum(b.drive_requests_per_token):12.1f}{sum(p.drive_requests_per_token):12.1f}",
+        f"{'pread MB/token (drive+cache)':28}{b.read_bytes_per_token / 1e6:12.2f}{p.read_bytes_per_token / 1e6:12.2f}",
+        f"{'union MB/committed token':28}{b.union_bytes_per_token / 1e6:12.2f}{p.union_bytes_per_token / 1e6:12.2f}",
+        f"{'RAM hit rate':28}{b.ram_hit_rate:12.3f}{p.ram_hit_rate:12.3f}",
+        f"{'step stall p50/p99 (ms)':28}{b.step_stall_s.p50 * ms:6.2f}/{b.step_stall_s.p99 * ms:<5.2f}"
+        f"{p.step_stall_s.p50 * ms:6.2f}/{p.step_stall_s.p99 * ms:.2f}",
+        f"{'drive utilisation':28}{max(b.drive_utilisation):12.2f}{max(p.drive_utilisation):12.2f}",
         "",
-        *_decomposition_lines(g.get("decomposition")),
-        _evidence_line(g),
-        f"threshold {g['threshold']['fraction_of_tpot']:.0%} of TPOT {g['threshold'].get('tpot_s', b['tpot_s']) * ms:.2f} ms "
-        f"({g['threshold'].get('tpot_source', 'replay model')})",
-        f"held-out sessions: {len(g['trace']['sessions_evaluated'])} evaluated, "
-        f"{len(g['trace']['sessions_excluded_as_training'])} excluded as training (matched by {g['trace'].get('held_out_by', 'name')}); "
-        f"device {g['device']['name']}; "
-        f"RAM {g['runtime']['ram_bytes'] / 1e9:g} GB, workers {g['runtime']['workers']}{' (batched)' if g['runtime']['batched'] else ''}, "
-        f"coalesce {'on' if g['runtime']['coalesce'] else 'off'}",
-        _prefetch_line(g["runtime"], b["prefetch"], p["prefetch"]),
+        *_decomposition_lines(g.decomposition),
+        _evidence_line(g.evidence),
+        f"threshold {g.threshold.fraction_of_tpot:.0%} of TPOT {g.threshold.tpot_s * ms:.2f} ms ({g.threshold.tpot_source})",
+        f"held-out sessions: {len(g.trace.sessions_evaluated)} evaluated, {len(g.trace.sessions_excluded_as_training)} excluded "
+        f"as training (matched by {g.trace.held_out_by}); device {g.device.name}; RAM {rt.ram_bytes / 1e9:g} GB, workers "
+        f"{rt.workers}{' (batched)' if rt.batched else ''}, coalesce {'on' if rt.coalesce else 'off'}",
+        _prefetch_line(rt, b.prefetch, p.prefetch),
     ]
     return "\n".join(lines)
 
-def _decomposition_lines(d: dict | None) -> list[str]:
+
+def _decomposition_lines(d) -> list[str]:
     if d is None:
         return []
     ms = 1e3
-    return [f"saving from repacking (source order, new packing): {d['repacking']['estimate'] * ms:.3f} ms/token "
-            f"[{d['repacking']['low'] * ms:.3f}, {d['repacking']['high'] * ms:.3f}]; from ordering: "
-            f"{d['ordering']['estimate'] * ms:.3f} [{d['ordering']['low'] * ms:.3f}, {d['ordering']['high'] * ms:.3f}]"]
+    return [f"saving from repacking (source order, new packing): {d.repacking.estimate * ms:.3f} ms/token "
+            f"[{d.repacking.low * ms:.3f}, {d.repacking.high * ms:.3f}]; from ordering: "
+            f"{d.ordering.estimate * ms:.3f} [{d.ordering.low * ms:.3f}, {d.ordering.high * ms:.3f}]"]
 
 
-def _evidence_line(g: dict) -> str:
-    ev = g.get("evidence")
-    if ev is None:
-        return "evidence: not recorded (a gate record from an older relayout)"
-    how = ("paired bootstrap over sessions" if ev["method"] == "session" else
-           f"moving-block bootstrap over steps, blocks of {ev['block_steps']}")
-    return (f"evidence: {how}, {ev['resamples']} resamples, seed {ev['seed']}; {ev['sufficiency']}"
-            + ("" if ev["sufficient"] else " -> no verdict"))
+def _evidence_line(ev) -> str:
+    how = ("paired bootstrap over sessions" if ev.method == "session" else
+           f"moving-block bootstrap over steps, blocks of {ev.block_steps}")
+    return (f"evidence: {how}, {ev.resamples} resamples, seed {ev.seed}; {ev.sufficiency}"
+            + ("" if ev.sufficient else " -> no verdict"))
 
 
-def _prefetch_line(runtime: dict, b: dict | None, p: dict | None) -> str:
+def _prefetch_line(runtime, b, p) -> str:
     if b is None:
         return "prefetch: none (demand reads only), so timely recall, unused prefetched bytes and lead slack do not apply"
 
     def one(m):
-        recall = "n/a" if m["timely_required_byte_recall"] is None else f"{m['timely_required_byte_recall']:.1%}"
-        slack = "n/a" if m["mean_lead_slack_s"] is None else f"{m['mean_lead_slack_s'] * 1e3:.2f} ms"
-        return (f"timely recall {recall}, {m['prefetched_bytes_per_token'] / 1e6:.1f} MB/token prefetched, "
-                f"{m['unused_prefetched_bytes_per_token'] / 1e6:.1f} MB/token unused, lead slack {slack}")
+        recall = "n/a" if m.timely_required_byte_recall is None else f"{m.timely_required_byte_recall:.1%}"
+        slack = "n/a" if m.mean_lead_slack_s is None else f"{m.mean_lead_slack_s * 1e3:.2f} ms"
+        return (f"timely recall {recall}, {m.prefetched_bytes_per_token / 1e6:.1f} MB/token prefetched, "
+                f"{m.unused_prefetched_bytes_per_token / 1e6:.1f} MB/token unused, lead slack {slack}")
 
-    return (f"prefetch: {runtime['prefetch']} source, K={runtime['prefetch_experts']} per layer\n"
+    return (f"prefetch: {runtime.prefetch} source, K={runtime.prefetch_experts} per layer\n"
             f"  baseline: {one(b)}\n  plan:     {one(p)}")
+
 
 def format_sweep(cells: list[dict]) -> str:
     ms = 1e3

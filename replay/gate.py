@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from containers import __version__
+from containers import __version__, records
 from containers.errors import InputError
 from containers.layout import Layout
 
@@ -34,7 +34,23 @@ from .evidence import (
     session_evidence,
     split_sessions_by_content,
 )
-from .gatefile import GATE_FORMAT
+from .gatefile import (
+    GATE_FORMAT,
+    GATE_VERSION,
+    BaselineRef,
+    Decomposition,
+    DeviceRef,
+    GateEvidence,
+    GateRecord,
+    Headroom,
+    Interval,
+    LayoutMetrics,
+    PlanRef,
+    Saving,
+    SessionResult,
+    Threshold,
+    TraceRef,
+)
 from .metrics import session_sums, step_table, summarize
 from .planfile import Plan
 from .prefetch import coupling_table
@@ -65,7 +81,7 @@ def check_trace_matches(trace: RoutingTrace, plan: Plan) -> None:
 class LayoutRun:
     name: str
     steps: object
-    summary: dict
+    summary: LayoutMetrics
     sessions: dict
 
 
@@ -129,8 +145,8 @@ def measured_tpot_parts(path) -> TpotParts:
 
 def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
             baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0,
-            min_sessions: int = MIN_SESSIONS, tpot_parts: TpotParts | None = None) -> dict:
-    """Replay baseline (stock, or another plan's layout) and the plan; gate; return gate.json.
+            min_sessions: int = MIN_SESSIONS, tpot_parts: TpotParts | None = None) -> GateRecord:
+    """Replay baseline (stock, or another plan's layout) and the plan; gate; return the gate record.
 
     The threshold is a fraction of the baseline's TPOT = C + S + O: C and O from the compute
     model and ``config.other_seconds_per_token``, or, with ``tpot_parts``, as measured.
@@ -164,53 +180,40 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
         return block_evidence(a.steps.stall, b.steps.stall, a.steps.committed, a.steps.session, seed)
 
     ev = evidence(base, new)
+    bm, pm = base.summary, new.summary
     if tpot_parts is None:
-        tpot = base.summary["tpot_s"]
+        tpot = bm.tpot_s
         tpot_source = ("replay model: C from dense_seconds and compute_bytes_per_second, S predicted, "
                        f"O = other_seconds_per_token = {config.other_seconds_per_token:g} s (--other-ms)")
     else:
-        tpot = tpot_parts.compute_s + base.summary["stall_per_token_s"] + tpot_parts.other_s
+        tpot = tpot_parts.compute_s + bm.stall_per_token_s + tpot_parts.other_s
         tpot_source = f"{tpot_parts.source}, S predicted for the baseline"
     need = threshold * tpot
     verdict = judge(ev, need, min_sessions)
     est, low, high = ev.interval()
-    headroom = base.summary["stall_per_token_s"] - base.summary["oracle_stall_per_token_s"]
-    oracle_plan = new.summary["oracle_stall_per_token_s"]
-    reason = _reason(verdict, ev, (est, low, high), tpot, threshold, headroom, base.summary, oracle_plan,
+    headroom = bm.stall_per_token_s - bm.oracle_stall_per_token_s
+    reason = _reason(verdict, ev, (est, low, high), tpot, threshold, headroom, bm, pm.oracle_stall_per_token_s,
                      config.other_seconds_per_token == 0 and tpot_parts is None)
-    saving = {"estimate": est, "low": low, "high": high, "unit": _unit_name(ev), "n_units": len(ev.base), "method": ev.method}
-    return {
-        "format": GATE_FORMAT,
-        "version": 1,
-        "verdict": verdict.verdict,
-        "reason": reason,
-        "tool_version": __version__,
-        "plan": {"path": plan.path, "digest": plan.digest, "method": plan.raw["method"],
-                 "source_fingerprint": plan.raw["source"]["fingerprint"], "source_kind": plan.raw["source"]["kind"]},
-        "baseline": {"kind": "plan", "path": baseline.path, "digest": baseline.digest} if baseline else {"kind": "stock"},
-        "trace": {"path": trace.source, "fingerprint": trace.fingerprint(),
-                  "sessions_evaluated": [trace.sessions[i] for i in evaluated],
-                  "sessions_excluded_as_training": sorted(held.excluded),
-                  "exclusions": dict(sorted(held.excluded.items())), "held_out_by": held.matched_by},
-        "device": {"name": device.name, "digest": device.digest(), "profile": device.to_json()},
-        "runtime": config.to_json(),
-        "threshold": {"fraction_of_tpot": threshold, "seconds_per_token": need, "tpot_s": tpot, "tpot_source": tpot_source},
-        "evidence": {**ev.to_json(), "sufficient": verdict.sufficient, "sufficiency": verdict.sufficiency,
-                     "min_sessions": min_sessions, "p_below_threshold": ev.p_below(need)},
-        "saving_per_token_s": saving,
-        "saving_fraction_of_tpot": {"estimate": est / tpot, "low": low / tpot, "high": high / tpot},
-        "decomposition": _decomposition(base, repack, new, evidence),
-        "headroom": {"baseline_stall_s": base.summary["stall_per_token_s"], "oracle_stall_s": base.summary["oracle_stall_per_token_s"],
-                     "plan_oracle_stall_s": oracle_plan, "max_saving_s": headroom, "max_saving_fraction_of_tpot": headroom / tpot},
-        "baseline_metrics": base.summary,
-        "plan_metrics": new.summary,
-        "per_session": [
-            {"session": trace.sessions[i], "committed": int(base.sessions["committed"][i]),
-             "baseline_stall_s": float(base.sessions["stall"][i]), "plan_stall_s": float(new.sessions["stall"][i]),
-             "oracle_stall_s": float(base.sessions["oracle"][i])}
-            for i in evaluated
-        ],
-    }
+    return GateRecord(
+        format=GATE_FORMAT, version=GATE_VERSION, verdict=verdict.verdict, reason=reason, tool_version=__version__,
+        plan=PlanRef(plan.path, plan.digest, plan.raw["method"], plan.raw["source"]["fingerprint"], plan.raw["source"]["kind"]),
+        baseline=BaselineRef("plan", baseline.path, baseline.digest) if baseline else BaselineRef("stock"),
+        trace=TraceRef(trace.source, trace.fingerprint(), [trace.sessions[i] for i in evaluated], sorted(held.excluded),
+                       dict(sorted(held.excluded.items())), held.matched_by),
+        device=DeviceRef(device.name, device.digest(), device.to_json()),
+        runtime=config,
+        threshold=Threshold(threshold, need, tpot, tpot_source),
+        evidence=records.from_json(GateEvidence, {**ev.to_json(), "sufficient": verdict.sufficient, "sufficiency": verdict.sufficiency,
+                                                  "min_sessions": min_sessions, "p_below_threshold": ev.p_below(need)}, None),
+        saving_per_token_s=Saving(est, low, high, _unit_name(ev), len(ev.base), ev.method),
+        saving_fraction_of_tpot=Interval(est / tpot, low / tpot, high / tpot),
+        decomposition=_decomposition(base, repack, new, evidence),
+        headroom=Headroom(bm.stall_per_token_s, bm.oracle_stall_per_token_s, pm.oracle_stall_per_token_s, headroom, headroom / tpot),
+        baseline_metrics=bm,
+        plan_metrics=pm,
+        per_session=[SessionResult(trace.sessions[i], int(base.sessions["committed"][i]), float(base.sessions["stall"][i]),
+                                   float(new.sessions["stall"][i]), float(base.sessions["oracle"][i])) for i in evaluated],
+    )
 
 
 def _unit_name(ev: Evidence) -> str:
@@ -219,19 +222,15 @@ def _unit_name(ev: Evidence) -> str:
     return f"step (resampled in blocks of {ev.block_steps}; {ev.n_sessions} held-out session(s))"
 
 
-def _decomposition(base: LayoutRun, repack: LayoutRun | None, new: LayoutRun, evidence) -> dict | None:
+def _decomposition(base: LayoutRun, repack: LayoutRun | None, new: LayoutRun, evidence) -> Decomposition | None:
     """Saving from repacking (source order, new packing) and from ordering, each with its interval."""
     if repack is None:
         return None
-    out = {}
-    for name, (a, b) in (("repacking", (base, repack)), ("ordering", (repack, new))):
-        est, low, high = evidence(a, b).interval()
-        out[name] = {"estimate": est, "low": low, "high": high}
-    out["repacked_stall_per_token_s"] = repack.summary["stall_per_token_s"]
-    return out
+    return Decomposition(Interval(*evidence(base, repack).interval()), Interval(*evidence(repack, new).interval()),
+                         repack.summary.stall_per_token_s)
 
 
-def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: float, headroom: float, base: dict,
+def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: float, headroom: float, base: LayoutMetrics,
             plan_oracle: float, o_is_zero: bool) -> str:
     ms = 1e3
     est, low, high = interval
@@ -243,9 +242,9 @@ def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: fl
     if verdict.verdict == "pass":
         return "PASS: " + text
     if headroom < threshold * tpot:
-        bound = "" if abs(plan_oracle - base["oracle_stall_per_token_s"]) < 1e-12 else \
+        bound = "" if abs(plan_oracle - base.oracle_stall_per_token_s) < 1e-12 else \
             f" (the plan's own bound is {plan_oracle * ms:.2f} ms/token)"
-        return (f"FAIL: {text} No headroom: baseline stall {base['stall_per_token_s'] * ms:.2f} ms/token is within "
+        return (f"FAIL: {text} No headroom: baseline stall {base.stall_per_token_s * ms:.2f} ms/token is within "
                 f"{headroom * ms:.2f} ms of the baseline's oracle bound{bound} ({headroom / tpot:.1%} of TPOT), so no reordering "
                 "can reach the threshold here.")
     return f"FAIL: {text} The bound leaves {headroom / tpot:.1%} of TPOT of headroom, but this layout does not capture enough of it."
@@ -266,13 +265,14 @@ def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runtime
             for co in (False, True):
                 cfg = replace(config, ram_bytes=int(ram * 1e9), workers=w, coalesce=co, batched=False)
                 g = compare(plan, trace, device, cfg, baseline, threshold, min_sessions=min_sessions)
-                cells.append({"ram_gb": ram, "workers": w, "coalesce": co, "verdict": g["verdict"],
-                              "baseline_stall_s": g["baseline_metrics"]["stall_per_token_s"],
-                              "plan_stall_s": g["plan_metrics"]["stall_per_token_s"],
-                              "oracle_stall_s": g["headroom"]["oracle_stall_s"],
-                              "saving": g["saving_per_token_s"], "saving_fraction_of_tpot": g["saving_fraction_of_tpot"],
-                              "tpot_s": g["baseline_metrics"]["tpot_s"], "p_below_threshold": g["evidence"]["p_below_threshold"],
-                              "sufficient": g["evidence"]["sufficient"]})
+                cells.append({"ram_gb": ram, "workers": w, "coalesce": co, "verdict": g.verdict,
+                              "baseline_stall_s": g.baseline_metrics.stall_per_token_s,
+                              "plan_stall_s": g.plan_metrics.stall_per_token_s,
+                              "oracle_stall_s": g.headroom.oracle_stall_s,
+                              "saving": records.to_json(g.saving_per_token_s),
+                              "saving_fraction_of_tpot": records.to_json(g.saving_fraction_of_tpot),
+                              "tpot_s": g.threshold.tpot_s, "p_below_threshold": g.evidence.p_below_threshold,
+                              "sufficient": g.evidence.sufficient})
     judged = [i for i, c in enumerate(cells) if c["sufficient"]]
     rejected = holm([cells[i]["p_below_threshold"] for i in judged], SWEEP_ALPHA)
     for c in cells:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import DeviceUsage, InstanceResult
+from .gatefile import LayoutMetrics, PrefetchMetrics, Quantiles
 from .trace import RoutingTrace
 
 
@@ -53,8 +54,8 @@ def step_table(trace: RoutingTrace, forwards: np.ndarray, inst: InstanceResult) 
     )
 
 
-def summarize(steps: StepTable, usage: DeviceUsage, other_seconds_per_token: float) -> dict:
-    """Every seed 4.1-4.3 metric this replay can produce (JSON-ready; seconds unless noted)."""
+def summarize(steps: StepTable, usage: DeviceUsage, other_seconds_per_token: float) -> LayoutMetrics:
+    """Every seed 4.1-4.3 metric this replay can produce (seconds unless noted)."""
     A = steps.committed.sum()
     S = steps.stall.sum() / A
     C = steps.compute.sum() / A
@@ -62,40 +63,39 @@ def summarize(steps: StepTable, usage: DeviceUsage, other_seconds_per_token: flo
     per_step = steps.stall[steps.committed > 0] / steps.committed[steps.committed > 0]
     q = np.percentile(per_step, [50, 90, 95, 99]) if len(per_step) else [0.0] * 4
     elapsed = steps.stall.sum() + steps.compute.sum() + O * A
-    return {
-        "committed_tokens": int(A),
-        "steps": int(len(steps.stall)),
-        "evaluated_positions": int(steps.evaluated.sum()),
-        "stall_per_token_s": S,
-        "compute_per_token_s": C,
-        "other_per_token_s": O,
-        "tpot_s": C + S + O,
-        "oracle_stall_per_token_s": steps.oracle_stall.sum() / A,
-        "step_stall_s": {"p50": float(q[0]), "p90": float(q[1]), "p95": float(q[2]), "p99": float(q[3]),
-                         "max": float(per_step.max()) if len(per_step) else 0.0},
-        "reads_per_token": steps.reads.sum() / A,
-        "read_bytes_per_token": steps.read_bytes.sum() / A,
-        "union_bytes_per_token": steps.union_bytes.sum() / A,
-        "ram_hit_rate": steps.hits.sum() / max(steps.lookups.sum(), 1),
-        "drive_utilisation": (usage.transfer_seconds / max(elapsed, 1e-12)).round(4).tolist(),
-        "drive_queue_depth": (usage.residence_seconds / max(elapsed, 1e-12)).round(3).tolist(),
-        "drive_requests_per_token": (usage.requests / A).round(2).tolist(),
-        "prefetch": _prefetch_metrics(steps.prefetch, A),
-    }
+    return LayoutMetrics(
+        committed_tokens=int(A),
+        steps=int(len(steps.stall)),
+        evaluated_positions=int(steps.evaluated.sum()),
+        stall_per_token_s=float(S),
+        compute_per_token_s=float(C),
+        other_per_token_s=float(O),
+        tpot_s=float(C + S + O),
+        oracle_stall_per_token_s=float(steps.oracle_stall.sum() / A),
+        step_stall_s=Quantiles(float(q[0]), float(q[1]), float(q[2]), float(q[3]), float(per_step.max()) if len(per_step) else 0.0),
+        reads_per_token=float(steps.reads.sum() / A),
+        read_bytes_per_token=float(steps.read_bytes.sum() / A),
+        union_bytes_per_token=float(steps.union_bytes.sum() / A),
+        ram_hit_rate=float(steps.hits.sum() / max(steps.lookups.sum(), 1)),
+        drive_utilisation=(usage.transfer_seconds / max(elapsed, 1e-12)).round(4).tolist(),
+        drive_queue_depth=(usage.residence_seconds / max(elapsed, 1e-12)).round(3).tolist(),
+        drive_requests_per_token=(usage.requests / A).round(2).tolist(),
+        prefetch=_prefetch_metrics(steps.prefetch, A),
+    )
 
 
-def _prefetch_metrics(p: dict | None, committed: float) -> dict | None:
+def _prefetch_metrics(p: dict | None, committed: float) -> PrefetchMetrics | None:
     """Seed 4.3 for a modelled prefetch source: timely required-byte recall, unused prefetched
     bytes (not selected by the layer they were loaded for) and mean lead slack."""
     if p is None:
         return None
     required, timely_n = p["required"].sum(), p["timely_n"].sum()
-    return {
-        "prefetched_bytes_per_token": p["issued"].sum() / committed,
-        "timely_required_byte_recall": p["timely"].sum() / required if required else None,
-        "unused_prefetched_bytes_per_token": p["unused"].sum() / committed,
-        "mean_lead_slack_s": p["slack"].sum() / timely_n if timely_n else None,
-    }
+    return PrefetchMetrics(
+        prefetched_bytes_per_token=float(p["issued"].sum() / committed),
+        timely_required_byte_recall=float(p["timely"].sum() / required) if required else None,
+        unused_prefetched_bytes_per_token=float(p["unused"].sum() / committed),
+        mean_lead_slack_s=float(p["slack"].sum() / timely_n) if timely_n else None,
+    )
 
 
 def session_sums(steps: StepTable, n_sessions: int) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.evidence import MIN_BLOCKS, block_evidence, holm, judge, session_evidence
 from replay.gate import compare
-from replay.gatefile import recheck
+from replay.gatefile import GateRecord, recheck
 from replay.planfile import load_plan, save_plan
 from replay.trace import save_trace
 
@@ -53,13 +53,13 @@ def test_held_out_sessions_are_chosen_by_content_not_by_name(case):
     # every session renamed: the training ones are still recognised, the held-out ones still evaluated
     renamed = _renamed(tr, [f"s{i:02d}" for i in range(len(tr.sessions))][::-1])
     g = compare(plan, renamed, load_device("mac-pro-2019-applraid-4x"), CONFIG)
-    assert len(g["trace"]["sessions_evaluated"]) == 5 and g["trace"]["held_out_by"] == "content"
-    assert all("same routing as training session" in why for why in g["trace"]["exclusions"].values())
+    assert len(g.trace.sessions_evaluated) == 5 and g.trace.held_out_by == "content"
+    assert all("same routing as training session" in why for why in g.trace.exclusions.values())
     # a different trace whose names collide with the training sessions is evaluated in full
     other = synth_trace(case["g"].moe_layers, 128, 8, 700, 7, seed=9, params=SynthParams(clique_strength=0.9))
     other = _renamed(other, plan.training_sessions[:7])
     g = compare(plan, other, load_device("mac-pro-2019-applraid-4x"), CONFIG)
-    assert len(g["trace"]["sessions_evaluated"]) == 7 and g["trace"]["sessions_excluded_as_training"] == []
+    assert len(g.trace.sessions_evaluated) == 7 and g.trace.sessions_excluded_as_training == []
 
 
 def test_two_held_out_sessions_give_insufficient_not_pass(case):
@@ -67,20 +67,21 @@ def test_two_held_out_sessions_give_insufficient_not_pass(case):
     n = len(plan.training_sessions)
     two = tr.subset(list(range(n)) + [n, n + 1])
     g = compare(plan, two, load_device("mac-pro-2019-applraid-4x"), CONFIG)
-    assert g["verdict"] == "insufficient" and g["reason"].startswith("INSUFFICIENT")
-    ev = g["evidence"]
-    assert ev["method"] == "moving-block" and ev["block_steps"] >= 1 and not ev["sufficient"]
-    assert len(ev["units"]["committed_tokens"]) == g["baseline_metrics"]["steps"]
+    assert g.verdict == "insufficient" and g.reason.startswith("INSUFFICIENT")
+    ev = g.evidence
+    assert ev.method == "moving-block" and ev.block_steps >= 1 and not ev.sufficient
+    assert len(ev.units.committed_tokens) == g.baseline_metrics.steps
     # the same evidence with the user's explicit lower bar: a real verdict from blocks of steps
     g1 = compare(plan, two, load_device("mac-pro-2019-applraid-4x"), CONFIG, min_sessions=1)
-    assert g1["verdict"] == "pass" and g1["evidence"]["sufficient"] and g1["evidence"]["min_sessions"] == 1
-    assert g1["saving_per_token_s"]["low"] < g1["saving_per_token_s"]["estimate"] < g1["saving_per_token_s"]["high"]
+    assert g1.verdict == "pass" and g1.evidence.sufficient and g1.evidence.min_sessions == 1
+    assert g1.saving_per_token_s.low < g1.saving_per_token_s.estimate < g1.saving_per_token_s.high
 
 
 def test_the_record_rechecks_from_itself_and_an_edit_is_caught(case, tmp_path):
-    g = compare(case["plan"], case["trace"], load_device("mac-pro-2019-applraid-4x"), CONFIG)
-    assert g["verdict"] == "pass" and g["evidence"]["method"] == "session" and len(g["evidence"]["units"]["plan_stall_s"]) == 5
-    assert recheck(g, "gate.json") == []
+    record = compare(case["plan"], case["trace"], load_device("mac-pro-2019-applraid-4x"), CONFIG)
+    assert record.verdict == "pass" and record.evidence.method == "session" and len(record.evidence.units.plan_stall_s) == 5
+    assert recheck(record, "gate.json") == []
+    g = record.to_json()
     path = tmp_path / "gate.json"
     path.write_text(json.dumps(g))
     res = run_cli("gate", "--recheck", path)
@@ -92,15 +93,15 @@ def test_the_record_rechecks_from_itself_and_an_edit_is_caught(case, tmp_path):
     assert res.returncode == 2 and "does not match its own evidence" in res.stderr and "interval recomputed" in res.stdout
     edited = json.loads(json.dumps(g))
     edited["threshold"]["seconds_per_token"] = 1.0               # a bar no layout passes, verdict left as pass
-    assert any("verdict recomputed is 'fail'" in p for p in recheck(edited, "x"))
+    assert any("verdict recomputed is 'fail'" in p for p in recheck(GateRecord.from_json(edited, "x"), "x"))
 
 
 def test_the_saving_splits_into_repacking_and_ordering(case):
     dev = load_device("mac-pro-2019-applraid-4x")
-    stock_method = compare(case["stock_plan"], case["trace"], dev, CONFIG)["decomposition"]
+    stock_method = compare(case["stock_plan"], case["trace"], dev, CONFIG).to_json()["decomposition"]
     # a stock-order plan is only a repacking: its ordering share is exactly zero
     assert stock_method["ordering"] == {"estimate": 0.0, "low": 0.0, "high": 0.0}
-    g = compare(case["plan"], case["trace"], dev, CONFIG)
+    g = compare(case["plan"], case["trace"], dev, CONFIG).to_json()
     d = g["decomposition"]
     assert d["repacking"]["estimate"] == pytest.approx(stock_method["repacking"]["estimate"], rel=1e-9)
     assert d["repacking"]["estimate"] + d["ordering"]["estimate"] == pytest.approx(g["saving_per_token_s"]["estimate"], rel=1e-9)
@@ -158,7 +159,7 @@ def test_check_gate_refuses_insufficient_evidence(case):
     plan, tr = case["plan"], case["trace"]
     n = len(plan.training_sessions)
     g = compare(plan, tr.subset(list(range(n)) + [n]), load_device("mac-pro-2019-applraid-4x"), CONFIG)
-    assert g["verdict"] == "insufficient"
+    assert g.verdict == "insufficient"
     with pytest.raises(InputError, match="too little held-out evidence"):
         check_gate(g, plan, plan.raw["source"]["fingerprint"], force=False)
     assert check_gate(g, plan, plan.raw["source"]["fingerprint"], force=True)["forced"] is True
@@ -178,10 +179,10 @@ def test_tpot_parts_from_a_measured_run_set_the_threshold(case, tmp_path):
     parts = measured_tpot_parts(run)
     assert parts.compute_s == pytest.approx(2e-3) and parts.other_s == pytest.approx(3e-3)
     g = compare(case["plan"], case["trace"], load_device("mac-pro-2019-applraid-4x"), CONFIG, tpot_parts=parts)
-    S = g["baseline_metrics"]["stall_per_token_s"]
-    assert g["threshold"]["tpot_s"] == pytest.approx(2e-3 + S + 3e-3)
-    assert g["threshold"]["seconds_per_token"] == pytest.approx(0.05 * (5e-3 + S))
-    assert "measured run" in g["threshold"]["tpot_source"] and "O = 0" not in g["reason"]
+    S = g.baseline_metrics.stall_per_token_s
+    assert g.threshold.tpot_s == pytest.approx(2e-3 + S + 3e-3)
+    assert g.threshold.seconds_per_token == pytest.approx(0.05 * (5e-3 + S))
+    assert "measured run" in g.threshold.tpot_source and "O = 0" not in g.reason
     no_steps = tmp_path / "bare.jsonl"
     no_steps.write_text("\n".join(json.dumps(r) for r in recs if r.get("record") != "step") + "\n")
     with pytest.raises(InputError, match="no step records with compute_ns"):

@@ -268,9 +268,11 @@ def test_a_crafted_gate_or_device_profile_is_one_clean_error(base, tmp_path):
     from replay.device import load_device
 
     gate = tmp_path / "gate.json"
-    gate.write_text(json.dumps({"format": "relayout.gate", "version": 1, "verdict": "pass", "plan": None, "reason": 3}))
+    gate.write_text(json.dumps({"format": "relayout.gate", "version": 1, "verdict": "pass", "plan": None, "reason": 3,
+                                "evidence": {}}))
     res = run_cli("rewrite", base["src"], "--layout", base["plan_path"], "--out", tmp_path / "dst", "--gate", gate)
-    assert res.returncode == 2 and "gate record is malformed" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert res.returncode == 2 and "malformed gate record: gate record.reason is 3, not a string" in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and not (tmp_path / "dst").exists()
     shipped = load_device("single-nvme").to_json()
     for edit in ({"members": 1.5}, {"host_bandwidth": float("nan")}, {"drive": {**shipped["drive"], "bandwidth": "fast"}},
                  {"chunk_bytes": True}):

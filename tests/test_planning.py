@@ -227,5 +227,5 @@ def test_replay_split_rule_does_not_lose_to_heat_in_the_replay_model(tmp_path):
         save_plan(plan, tmp_path / f"{rule}.json")
         assert plan["split"]["resident_bytes"] <= tops
         gate = compare(load_plan(tmp_path / f"{rule}.json"), tr, load_device("single-nvme"), RuntimeConfig(workers=2, ram_bytes=cache + tops))
-        stall[rule] = gate["plan_metrics"]["stall_per_token_s"]
+        stall[rule] = gate.plan_metrics.stall_per_token_s
     assert stall["replay"] <= stall["heat"]

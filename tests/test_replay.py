@@ -220,8 +220,8 @@ def test_rejected_positions_charge_stall_but_not_tokens():
     steps = step_table(tr, mask, inst)
     s = summarize(steps, usage, 0.0)
     assert inst.misses.tolist() == [4, 4]  # the union of both positions is loaded
-    assert s["committed_tokens"] == 2 and s["evaluated_positions"] == 4
-    assert s["stall_per_token_s"] == pytest.approx(inst.stall.sum() / 2)
+    assert s.committed_tokens == 2 and s.evaluated_positions == 4
+    assert s.stall_per_token_s == pytest.approx(inst.stall.sum() / 2)
 
 
 def test_paired_bootstrap_interval():
@@ -249,7 +249,7 @@ def test_glm_whole_experts_default_runtime_show_no_headroom(tmp_path):
     g = load_geometry("glm-5.2-int4-row")
     tr = synth_trace(g.moe_layers, 256, 8, 120, 4, seed=3, params=SynthParams(clique_strength=0.9))
     plan = plan_for(tmp_path, g, tr, "glm")
-    gate = compare(plan, tr, load_device("mac-pro-2019-applraid-4x"), RuntimeConfig())
+    gate = compare(plan, tr, load_device("mac-pro-2019-applraid-4x"), RuntimeConfig()).to_json()
     assert gate["verdict"] == "fail"
     assert "No headroom" in gate["reason"]
     assert abs(gate["saving_fraction_of_tpot"]["estimate"]) < 0.02
@@ -265,12 +265,12 @@ def small_expert_case(tmp_path_factory):
 def test_small_experts_coalesced_with_few_workers_show_a_clear_gain(small_expert_case):
     g, tr, plan = small_expert_case
     dev = load_device("mac-pro-2019-applraid-4x")
-    gate = compare(plan, tr, dev, RuntimeConfig(workers=1, coalesce=True))
+    gate = compare(plan, tr, dev, RuntimeConfig(workers=1, coalesce=True)).to_json()
     assert gate["verdict"] == "pass", gate["reason"]
     assert gate["saving_per_token_s"]["low"] > 0.05 * gate["baseline_metrics"]["tpot_s"]
     assert gate["plan_metrics"]["reads_per_token"] < gate["baseline_metrics"]["reads_per_token"]
     # two workers: still a gain on md RAID-0, whose 512 KiB chunks cost a request per MB per read
-    assert compare(plan, tr, load_device("linux-md-raid0-4x"), RuntimeConfig(workers=2, coalesce=True))["verdict"] == "pass"
+    assert compare(plan, tr, load_device("linux-md-raid0-4x"), RuntimeConfig(workers=2, coalesce=True)).verdict == "pass"
 
 
 def test_gain_shrinks_toward_the_bandwidth_bound_as_workers_rise(small_expert_case):
@@ -278,7 +278,7 @@ def test_gain_shrinks_toward_the_bandwidth_bound_as_workers_rise(small_expert_ca
     dev = load_device("linux-md-raid0-4x")
     savings, headroom = [], []
     for w in (1, 2, 4, 8):
-        gate = compare(plan, tr, dev, RuntimeConfig(workers=w, coalesce=True))
+        gate = compare(plan, tr, dev, RuntimeConfig(workers=w, coalesce=True)).to_json()
         savings.append(gate["saving_fraction_of_tpot"]["estimate"])
         headroom.append(gate["headroom"]["max_saving_fraction_of_tpot"])
         assert gate["plan_metrics"]["stall_per_token_s"] >= gate["headroom"]["oracle_stall_s"] * 0.999
@@ -290,8 +290,8 @@ def test_gain_shrinks_toward_the_bandwidth_bound_as_workers_rise(small_expert_ca
 def test_replay_is_deterministic_and_refuses_training_sessions(small_expert_case):
     g, tr, plan = small_expert_case
     dev = load_device("linux-md-raid0-4x")
-    a = compare(plan, tr, dev, RuntimeConfig(workers=2))
-    b = compare(plan, tr, dev, RuntimeConfig(workers=2))
+    a = compare(plan, tr, dev, RuntimeConfig(workers=2)).to_json()
+    b = compare(plan, tr, dev, RuntimeConfig(workers=2)).to_json()
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     assert set(a["trace"]["sessions_excluded_as_training"]) == set(plan.training_sessions)
     assert not set(a["trace"]["sessions_evaluated"]) & set(plan.training_sessions)
@@ -303,7 +303,7 @@ def test_replay_is_deterministic_and_refuses_training_sessions(small_expert_case
 def test_more_ram_never_lowers_the_hit_rate(small_expert_case):
     g, tr, plan = small_expert_case
     dev = load_device("single-nvme")
-    rates = [compare(plan, tr, dev, RuntimeConfig(ram_bytes=int(x * 1e9)))["baseline_metrics"]["ram_hit_rate"] for x in (0, 0.2, 0.5, 2)]
+    rates = [compare(plan, tr, dev, RuntimeConfig(ram_bytes=int(x * 1e9))).baseline_metrics.ram_hit_rate for x in (0, 0.2, 0.5, 2)]
     assert rates == sorted(rates) and rates[0] == 0 and rates[-1] > 0.5
 
 
@@ -315,11 +315,19 @@ def test_gate_record_matches_its_schema(small_expert_case, tmp_path, prefetch):
     from containers.atomic import write_json_atomic
 
     g, tr, plan = small_expert_case
-    gate = compare(plan, tr, load_device("single-nvme"), RuntimeConfig(workers=2, prefetch=prefetch))
+    record = compare(plan, tr, load_device("single-nvme"), RuntimeConfig(workers=2, prefetch=prefetch))
+    gate = record.to_json()
     write_json_atomic(tmp_path / "gate.json", gate)
     jsonschema.validate(json.loads((tmp_path / "gate.json").read_text()),
                         json.loads((REPO / "manifests/schemas/gate.schema.json").read_text()))
     assert (gate["baseline_metrics"]["prefetch"] is None) == (prefetch == "none")
+    from replay.gatefile import GateRecord, load_gate
+
+    assert load_gate(tmp_path / "gate.json") == record          # the typed record reads back exactly
+    broken = json.loads(json.dumps(gate))
+    broken["baseline_metrics"]["steps"] = 1.5
+    with pytest.raises(InputError, match=r"gate record: gate record.baseline_metrics.steps is 1.5, not an integer"):
+        GateRecord.from_json(broken, "gate.json")
 
 
 # ---- prefetch: layer 3 is routed, the prefetcher loads layer 4's predicted experts until layer 4 is routed

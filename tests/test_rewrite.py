@@ -37,8 +37,8 @@ def setup(tmp_path_factory):
     plan = load_plan(plan_path)
     passing = compare(plan, tr, load_device("linux-md-raid0-4x"), RuntimeConfig(workers=1, coalesce=True))
     failing = compare(plan, tr, load_device("linux-md-raid0-4x"), RuntimeConfig(workers=1, coalesce=True), threshold=0.9)
-    assert passing["verdict"] == "pass" and failing["verdict"] == "fail"
-    (root / "gate.json").write_text(json.dumps(passing))
+    assert passing.verdict == "pass" and failing.verdict == "fail"
+    (root / "gate.json").write_text(json.dumps(passing.to_json()))
     return dict(root=root, src=src, plan=plan, plan_path=plan_path, trace=root / "t.rt", passing=passing, failing=failing)
 
 

@@ -63,7 +63,7 @@ def test_split_plan_rewrites_and_verifies(split_case, tmp_path):
     root, src, tr, plan = split_case
     assert plan.layout.segmented and plan.split["resident_bytes"] > 0
     gate = compare(plan, tr, load_device("single-nvme"), RuntimeConfig(ram_bytes=4_000_000, workers=2))
-    assert gate["plan_metrics"]["stall_per_token_s"] > 0
+    assert gate.plan_metrics.stall_per_token_s > 0
     dst = tmp_path / "dst"
     m = apply_plan(src, plan, dst, gate, force=True, progress=False)
     assert m["segments"] and all(v["top"].endswith(".top") for v in m["segments"].values())

@@ -1,0 +1,101 @@
+"""Typed JSON records: dataclasses that cross a package boundary, read back from JSON strictly.
+
+A record is a (frozen) dataclass whose fields are ``str``, ``int``, ``float``, ``bool``, another
+record, ``list[...]``, ``dict[str, ...]`` or ``X | None``. :func:`to_json` turns it into plain
+JSON values (field names as keys); :func:`from_json` builds it from parsed JSON, checking every
+type on the way (an ``int`` is never a ``bool``, a ``float`` is finite unless the field says
+otherwise), so a consumer reads attributes, never another package's dict by key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+
+from .errors import InputError
+
+
+def to_json(record) -> dict:
+    """The record as JSON-ready values (nested records become objects)."""
+    return {f.name: _dump(getattr(record, f.name)) for f in dataclasses.fields(record)}
+
+
+def _dump(value):
+    if dataclasses.is_dataclass(value):
+        return to_json(value)
+    if isinstance(value, list):
+        return [_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    return value
+
+
+def from_json(cls, obj, where: str | None, what: str = "record"):
+    """Build ``cls`` from ``obj``; one :class:`InputError` naming the first bad field."""
+    try:
+        return _load(cls, obj, what)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise InputError(where, f"malformed {what}: {exc}") from None
+
+
+def _load(tp, obj, path: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if obj is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _load(arg, obj, path)
+            except (TypeError, ValueError, KeyError) as exc:
+                errors.append(str(exc))
+        raise TypeError(errors[0] if len(errors) == 1 else f"{path} matches none of its types")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(obj, dict):
+            raise TypeError(f"{path} is not an object")
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name not in obj:
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                    continue
+                raise KeyError(f"{path} lacks {f.name!r}")
+            kwargs[f.name] = _load(hints[f.name], obj[f.name], f"{path}.{f.name}")
+        return tp(**kwargs)
+    if origin is list:
+        if not isinstance(obj, list):
+            raise TypeError(f"{path} is not a list")
+        (item,) = typing.get_args(tp)
+        return [_load(item, v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if origin is dict:
+        if not isinstance(obj, dict):
+            raise TypeError(f"{path} is not an object")
+        _, item = typing.get_args(tp)
+        return {str(k): _load(item, v, f"{path}.{k}") for k, v in obj.items()}
+    if tp is typing.Any:
+        return obj
+    if tp is bool:
+        if not isinstance(obj, bool):
+            raise TypeError(f"{path} is {obj!r}, not true or false")
+        return obj
+    if tp is int:
+        if not isinstance(obj, int) or isinstance(obj, bool):
+            raise TypeError(f"{path} is {obj!r}, not an integer")
+        return obj
+    if tp is float:
+        if not isinstance(obj, (int, float)) or isinstance(obj, bool) or not math.isfinite(obj):
+            raise TypeError(f"{path} is {obj!r}, not a finite number")
+        return float(obj)
+    if tp is str:
+        if not isinstance(obj, str):
+            raise TypeError(f"{path} is {obj!r}, not a string")
+        return obj
+    raise TypeError(f"{path}: unsupported field type {tp!r}")
+
+
+__all__ = ["from_json", "to_json"]
