@@ -81,7 +81,7 @@ def check_gate(gate: GateRecord | None, plan: Plan, fingerprint: str, force: boo
     return {
         "tool_version": __version__,
         "plan_digest": plan.digest,
-        "plan_method": plan.raw["method"],
+        "plan_method": plan.method,
         "gate_digest": digest_of(json.dumps(gate.to_json(), sort_keys=True, separators=(",", ":")).encode()) if gate else None,
         "gate_verdict": gate.verdict if gate else None,
         "forced": bool(problem),
@@ -93,12 +93,12 @@ def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, g
                force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
                notify=None) -> dict:
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest."""
-    if plan.raw["source"]["kind"] != "container":
+    if plan.source_kind != "container":
         raise InputError(plan.path, "this plan was made for a geometry, not a container; plan against the container to rewrite it")
     src = Container.open(src_dir)
     src.require_clean()
     manifest = source_manifest(src, manifest_path)
-    if manifest["fingerprint"] != plan.raw["source"]["fingerprint"]:
+    if manifest["fingerprint"] != plan.source_fingerprint:
         raise InputError(src_dir, "this is not the container the plan was made for (fingerprints differ)")
     provenance = check_gate(gate, plan, manifest["fingerprint"], force)
     return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress, notify, plan.path)

@@ -73,6 +73,7 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
         "forwards": trace.n_forwards,
         "forwards_by_kind": {k: v for k, v in kinds.items() if v},
         "committed_tokens": int(trace.fwd_committed.sum()),
+        "committed_assumed": trace.meta.get("committed_assumed"),
         "rows": trace.n_rows,
         "selections": trace.n_selections if not trace.heat_only else int(trace.heat.sum()),
         "n_experts": trace.n_experts,

@@ -156,7 +156,7 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
     layout is also replayed that way, to split the saving into repacking and ordering.
     """
     check_trace_matches(trace, plan)
-    if baseline is not None and baseline.raw["source"]["fingerprint"] != plan.raw["source"]["fingerprint"]:
+    if baseline is not None and baseline.source_fingerprint != plan.source_fingerprint:
         raise InputError(baseline.path, "baseline plan is for a different container than the plan")
     mask, held = evaluation_forwards(trace, [plan] + ([baseline] if baseline else []))
     evaluated = held.evaluated
@@ -196,7 +196,7 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
                      config.other_seconds_per_token == 0 and tpot_parts is None)
     return GateRecord(
         format=GATE_FORMAT, version=GATE_VERSION, verdict=verdict.verdict, reason=reason, tool_version=__version__,
-        plan=PlanRef(plan.path, plan.digest, plan.raw["method"], plan.raw["source"]["fingerprint"], plan.raw["source"]["kind"]),
+        plan=PlanRef(plan.path, plan.digest, plan.method, plan.source_fingerprint, plan.source_kind),
         baseline=BaselineRef("plan", baseline.path, baseline.digest) if baseline else BaselineRef("stock"),
         trace=TraceRef(trace.source, trace.fingerprint(), [trace.sessions[i] for i in evaluated], sorted(held.excluded),
                        dict(sorted(held.excluded.items())), held.matched_by),

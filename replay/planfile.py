@@ -62,6 +62,19 @@ class Plan:
         return self.raw["plan_digest"]
 
     @property
+    def method(self) -> str:
+        return self.raw["method"]
+
+    @property
+    def source_kind(self) -> str:
+        """``container`` (a real container, with a fingerprint) or ``geometry`` (planned without bytes)."""
+        return self.raw["source"]["kind"]
+
+    @property
+    def source_fingerprint(self) -> str | None:
+        return self.raw["source"]["fingerprint"]
+
+    @property
     def training_sessions(self) -> list[str]:
         return list(self.raw["training"]["sessions"])
 

@@ -161,8 +161,8 @@ def test_check_gate_refuses_insufficient_evidence(case):
     g = compare(plan, tr.subset(list(range(n)) + [n]), load_device("mac-pro-2019-applraid-4x"), CONFIG)
     assert g.verdict == "insufficient"
     with pytest.raises(InputError, match="too little held-out evidence"):
-        check_gate(g, plan, plan.raw["source"]["fingerprint"], force=False)
-    assert check_gate(g, plan, plan.raw["source"]["fingerprint"], force=True)["forced"] is True
+        check_gate(g, plan, plan.source_fingerprint, force=False)
+    assert check_gate(g, plan, plan.source_fingerprint, force=True)["forced"] is True
 
 
 def test_tpot_parts_from_a_measured_run_set_the_threshold(case, tmp_path):

@@ -247,7 +247,7 @@ def plan_for(tmp_path, g, tr, name):
 @pytest.mark.slow
 def test_glm_whole_experts_default_runtime_show_no_headroom(tmp_path):
     g = load_geometry("glm-5.2-int4-row")
-    tr = synth_trace(g.moe_layers, 256, 8, 120, 4, seed=3, params=SynthParams(clique_strength=0.9))
+    tr = synth_trace(g.moe_layers, 256, 8, 170, 17, seed=3, params=SynthParams(clique_strength=0.9))   # 5 held out
     plan = plan_for(tmp_path, g, tr, "glm")
     gate = compare(plan, tr, load_device("mac-pro-2019-applraid-4x"), RuntimeConfig()).to_json()
     assert gate["verdict"] == "fail"
