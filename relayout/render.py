@@ -58,10 +58,15 @@ def _per_layer(d: dict) -> str:
     counts = sorted(set(d.values()))
     return str(counts[0]) if len(counts) == 1 else ", ".join(f"L{k}:{v}" for k, v in d.items())
 
+def _cell(x) -> str:
+    return "n/a" if x is None else str(x)
+
+
 def format_stats(s: dict) -> str:
     lines = [
         f"trace      {s['source']}  (geometry {s['geometry']})",
-        f"sessions   {s['sessions']}, forwards {s['forwards']} {s['forwards_by_kind']}, committed tokens {s['committed_tokens']}",
+        f"sessions   {s['sessions']}, forwards {s['forwards']} ("
+        + ", ".join(f"{n} {kind}" for kind, n in s["forwards_by_kind"].items()) + f"), committed tokens {s['committed_tokens']}",
         f"selections {s['selections']:,} in {s['rows']:,} rows, {s['n_experts']} experts, top-{s['top_k']}",
     ]
     assumed = s.get("committed_assumed")
@@ -86,8 +91,9 @@ def format_stats(s: dict) -> str:
             continue
         x = l.get("cross_layer_lift", {}).get("median")
         lines.append(f"{l['layer']:>5} {l['rows']:>5} {l['sessions']:>9} {l['heat_entropy_bits']:>8} "
-                     f"{str(l['lift']['median']):>9} {str(l['lift']['p90']):>9} {str(l['lift']['p99']):>9} "
-                     f"{str(x):>10} {str(l['reuse_distance']['median']):>10}")
+                     f"{_cell(l['lift']['median']):>9} {_cell(l['lift']['p90']):>9} {_cell(l['lift']['p99']):>9} "
+                     f"{_cell(x):>10} {_cell(l['reuse_distance']['median']):>10}")
+    lines.append("n/a: not defined for that layer (no pair with enough co-selections, no next layer, or no reuse)")
     return "\n".join(lines)
 
 def format_gate(g) -> str:

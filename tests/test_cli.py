@@ -82,3 +82,11 @@ def test_the_demo_says_in_words_when_measurement_contradicts_prediction():
     assert "CONTRADICTS" in measured_vs_predicted(0.1, -0.2, 0.4, 3.0)
     assert measured_vs_predicted(2.0, 1.5, 2.5, 2.2).startswith("measurement agrees")
     assert "agree in sign but not in size" in measured_vs_predicted(2.0, 1.5, 2.5, 3.4)
+
+
+def test_trace_stats_text_has_no_python_reprs(tmp_path):
+    res = run_cli("synth", "trace", tmp_path / "t.rt", "--geometry", "qwen3-30b-a3b", "--moe-layers", 2, "--experts", 16,
+                  "--tokens", 100, "--sessions", 2)
+    assert res.returncode == 0, res.stderr
+    out = run_cli("trace", "stats", tmp_path / "t.rt").stdout
+    assert "None" not in out and "{" not in out and "(100 decode)" in out and "n/a" in out
