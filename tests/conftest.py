@@ -20,6 +20,19 @@ def fuzz_examples(default: int) -> int:
     return max(1, int(default * FUZZ_SCALE))
 
 
+ROUTE = """\
+0 0 3 5:0.5000 1:0.2500
+0 1 3 2:0.6000 5:0.1000
+1 0 4 7:0.9000 0:0.0100
+1 1 4 1:0.5000 2:0.5000
+2 0 3 5:0.7000 6:0.2000
+3 0 4 0:0.8000 3:0.1000
+4 0 3 4:0.3000 5:0.2000
+5 0 4 1:0.4000 2:0.3000
+"""
+"""A small ROUTE_TRACE (``<call> <row> <layer> <expert>:<gate> ...``): layers 3 and 4, two rows in the first forward."""
+
+
 SMALL = dict(moe_layers=3, experts=16, hidden=512, ffn=128, shard_bytes=1_500_000, vocab=256)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 import zstandard
-from conftest import fuzz_examples, run_cli
+from conftest import ROUTE, fuzz_examples, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,17 +23,6 @@ from relayout.trace_import import import_traces
 from relayout.trace_stats import trace_stats
 from relayout.trace_synth import synth_trace
 from replay.trace import MAGIC, RoutingTrace, load_trace, save_trace
-
-ROUTE = """\
-0 0 3 5:0.5000 1:0.2500
-0 1 3 2:0.6000 5:0.1000
-1 0 4 7:0.9000 0:0.0100
-1 1 4 1:0.5000 2:0.5000
-2 0 3 5:0.7000 6:0.2000
-3 0 4 0:0.8000 3:0.1000
-4 0 3 4:0.3000 5:0.2000
-5 0 4 1:0.4000 2:0.3000
-"""
 
 
 def write(tmp_path, name, data):

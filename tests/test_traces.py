@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 import zstandard
-from conftest import run_cli
+from conftest import ROUTE, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,17 +16,6 @@ from relayout.trace_import import import_traces
 from relayout.trace_stats import reuse_distances, trace_stats
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
 from replay.trace import FORWARD_KINDS, load_trace, save_trace
-
-ROUTE = """\
-0 0 3 5:0.5000 1:0.2500
-0 1 3 2:0.6000 5:0.1000
-1 0 4 7:0.9000 0:0.0100
-1 1 4 1:0.5000 2:0.5000
-2 0 3 5:0.7000 6:0.2000
-3 0 4 0:0.8000 3:0.1000
-4 0 3 4:0.3000 5:0.2000
-5 0 4 1:0.4000 2:0.3000
-"""
 
 
 def test_route_trace_forwards_kinds_and_rows(tmp_path):
