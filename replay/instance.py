@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from .device import split_read
-from .jit import HELPER, LOOP
+from .jit import HELPER, LOOP, STAGE
 from .prefetch import predict_next
 from .runtime import lru_add, lru_start, lru_touch
 
@@ -295,7 +295,7 @@ def _one_extent(adjacent, e, top):
     return adjacent[e] or top
 
 
-@njit(**HELPER)
+@njit(**STAGE)
 def _weight_jobs(li, k, miss, lay, pol):
     """Weight bytes per miss (``miss.wlen``), and which misses start a new weight job (``miss.new_job``).
 
@@ -326,7 +326,7 @@ def _weight_jobs(li, k, miss, lay, pol):
         prev_chunk = chunk
 
 
-@njit(**HELPER)
+@njit(**STAGE)
 def _plan_reads(i, li, k, miss, lay, pol, jobs, reads, res):
     """The reader pool's jobs and their reads, in issue order; returns the number of jobs.
 
@@ -432,7 +432,7 @@ def _close_job(job, job_read, n_reads, reads):
     return n_reads
 
 
-@njit(**HELPER)
+@njit(**STAGE)
 def _reader_pool(n_jobs, n_workers, jobs, reads, workers, dev, drives, usage):
     """Event-ordered reader pool: ``jobs.done`` [n_jobs] gets each job's completion time (s).
 
@@ -549,7 +549,7 @@ def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
     return t
 
 
-@njit(**HELPER)
+@njit(**STAGE)
 def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, pending, reads, drives, out):
     """The prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs.
 
