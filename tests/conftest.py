@@ -55,7 +55,9 @@ def small_container(tmp_path_factory):
     """A ~10 MB GLM-5.2-g64-structured container (int8 MTP layer included). Treat as read-only."""
     out = tmp_path_factory.mktemp("containers") / "small"
     synth_container(out, small_geometry(), seed=7, progress=False)
-    return out
+    before = tree_state(out)
+    yield out
+    assert tree_state(out) == before, "a test modified the shared read-only source container"
 
 
 @pytest.fixture
