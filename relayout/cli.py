@@ -337,6 +337,28 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    import time
+
+    from .render import format_validation
+    from .validate import ValidateOptions, parse_list, validate
+
+    t0 = time.perf_counter()
+    opts = ValidateOptions(
+        path=Path(args.path), output=Path(args.output), device=args.device,
+        container=Path(args.container) if args.container else None, gb=args.gb, minutes=args.minutes,
+        tokens=args.tokens, reps=args.reps, layouts=parse_list(args.layouts, "--layouts"),
+        ram=parse_list(args.ram, "--ram", float), prefetch=parse_list(args.prefetch, "--prefetch"),
+        workers=args.workers, plots=Path(args.plots) if args.plots else None, keep=args.keep, seed=args.seed,
+    )
+    record = validate(opts, notify=_say)
+    print(format_validation(record))
+    print(f"\nwrote {args.output}" + "".join(f", {p}" for p in record["plots"])
+          + (f"; work directory kept: {record['work_dir']}" if record["work_dir"] else ""))
+    print(f"total time {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_measure(args) -> int:
     from containers.container import Container
     from replay.gate import evaluation_forwards, training_coupling
@@ -579,6 +601,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size-mb", type=int, default=1024, help="test file size when PATH is a directory, MiB (>= 64)")
     s.add_argument("--seconds", type=float, default=0.4, help="time per (request size, queue depth) cell (0.05-60)")
     s.add_argument("--name", help="profile name (default: from PATH)")
+
+    s = _command(sub, "validate", "measure S for real on the disk holding PATH and compare it with the replay model's "
+                                  "prediction, cell by cell", cmd_validate)
+    s.add_argument("path", help="a directory on the disk to validate (calibration file and work directory go there)")
+    s.add_argument("--device", metavar="PROFILE.json",
+                   help=f"use this profile ({', '.join(shipped_names('devices'))} or a JSON) instead of calibrating PATH")
+    s.add_argument("--container", metavar="DIR", help="measure this container (on the disk under test; only read) instead "
+                                                      "of a synthetic one; each non-stock layout is a full copy under PATH")
+    s.add_argument("--gb", type=float, default=1.0, help="size of the synthetic container (GLM-5.2 int4-row, 18.9 MB experts), GB")
+    s.add_argument("--minutes", type=float, help="fit the whole run in about this many minutes: a probe measurement "
+                                                 "chooses --reps (>= 2) and/or --tokens")
+    s.add_argument("--tokens", type=int, help="held-out steps measured and replayed per run (default 40)")
+    s.add_argument("--reps", type=int, help="measured repetitions per cell, >= 2 (default 3)")
+    s.add_argument("--layouts", default="stock,louvain,random", help="layouts to measure; stock is the baseline")
+    s.add_argument("--ram", default="0,0.25", help="RAM budgets for the expert LRU, fractions of the routed bytes")
+    s.add_argument("--prefetch", default="none", help=f"prefetch sources ({', '.join(PREFETCH_SOURCES)})")
+    s.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
+    s.add_argument("--seed", type=int, default=0, help="seed of the synthetic container, trace and plans")
+    s.add_argument("-o", "--output", default="validation.json", help="the record to write (a calibrated profile is saved "
+                                                                     "next to it as NAME.device.json)")
+    s.add_argument("--plots", metavar="DIR", help="write a predicted vs measured S scatter (needs the 'plots' extra: matplotlib)")
+    s.add_argument("--keep", action="store_true", help="keep the work directory (PATH/relayout-validate: containers, "
+                                                      "plans, STALL_TRACEs)")
 
     s = _command(sub, "measure", "perform the runtime's read path for real; write a STALL_TRACE", cmd_measure)
     s.add_argument("--container", required=True, help="the container to read")

@@ -293,3 +293,36 @@ def format_measure(result) -> str:
     return (f"{result.steps} steps, {result.committed} committed tokens in {result.wall_seconds:.2f} s; "
             f"S = {s:.3f} ms/token; {result.cold}; weights read {'with O_DIRECT' if result.direct else 'buffered'}")
 
+
+
+def format_validation(v: dict) -> str:
+    """``relayout validate``'s tables and summary from its ``validation.json`` record (S in ms/token)."""
+    ms = 1e3
+    lines = [f"device {v['device']['name']} ({v['device']['source']}); container {v['container']['path']}"
+             f"{' (synthetic)' if v['container']['synthetic'] else ''}, {human_bytes(v['container']['routed_bytes'])} routed",
+             f"{v['config']['tokens']} held-out steps x {v['config']['reps']} repetitions per cell, layouts interleaved; "
+             f"{v['config']['workers']} workers; {', '.join(v['config']['cache'])}"]
+    if v["config"].get("chosen"):
+        lines.append(v["config"]["chosen"])
+    lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S (each rep)':>30}{'pred/meas':>11}"]
+    for c in v["cells"]:
+        m = c["measured_stall_per_token_s"]
+        each = " ".join(f"{x * ms:.2f}" for x in m["repetitions"])
+        ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
+        lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
+                     f"{m['mean'] * ms:>12.2f} ({each}){'':>2}{ratio:>9}")
+    if v["comparisons"]:
+        lines += ["", "saving vs stock, ms/token (95% interval; gate: low end >= "
+                      f"{v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)"]
+        for x in v["comparisons"]:
+            p, m, g = x["predicted_saving"], x["measured_saving"], x["gate"]
+            sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
+            lines.append(f"  {x['layout']:<8} RAM {x['ram_fraction']:g}, prefetch {x['prefetch']:<8} predicted "
+                         f"{p['estimate_s'] * ms:+.2f} [{p['low_s'] * ms:+.2f}, {p['high_s'] * ms:+.2f}]  measured "
+                         f"{m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, {m['high_s'] * ms:+.2f}]  "
+                         f"{'inside' if x['predicted_inside_measured'] else 'outside'}, sign {sign}, gate "
+                         f"{'pass' if g['predicted']['passes'] else 'fail'}/{'pass' if g['measured']['passes'] else 'fail'}"
+                         f"{'' if g['same_decision'] else ' DIFFERS'}")
+            lines.append(f"    {x['words']}")
+    lines += ["", v["summary"]["text"]]
+    return "\n".join(lines)

@@ -1,0 +1,623 @@
+"""``relayout validate PATH``: does the replay model hold on this disk? Predicted S against measured S.
+
+What a user runs before trusting a gate on their own storage (issue 12). It
+
+1. calibrates the disk holding ``PATH`` (:func:`replay.calibrate.calibrate`) unless a device
+   profile is given, and saves the profile next to the output;
+2. takes a container on that disk (``--container``, only ever read) or builds a synthetic
+   GLM-5.2 int4-row container with full-size 18.9 MB experts, about ``gb`` GB, in a work
+   directory under ``PATH``; synthesises a routing trace for it (:data:`TRACE_SESSIONS`
+   sessions, of which the last :data:`HELD_OUT_SESSIONS` are held out), plans each layout
+   (``stock``, ``louvain``, ``random``) and rewrites the non-stock ones next to it;
+3. for every cell (layout x RAM budget x prefetch source) measures S for real
+   (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts interleaved within each
+   repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
+   those steps on the profile (:func:`replay.engine.simulate`);
+4. compares: predicted/measured S per cell; per non-stock layout the predicted and the measured
+   saving against stock at the same RAM budget and prefetch source, each with a 95% moving-block
+   bootstrap interval over paired steps (measured: each repetition is its own "session", so no
+   block crosses repetitions), whether the predicted saving lies in the measured interval,
+   whether the signs agree where the measured interval excludes zero, and whether the gate's
+   decision (the saving's low end at least :data:`GATE_THRESHOLD` of TPOT) is the same;
+5. writes ``validation.json`` (format :data:`VALIDATION_FORMAT`, version
+   :data:`VALIDATION_VERSION`) and, with ``plots``, a predicted-vs-measured scatter.
+
+The model *holds* when every cell's predicted/measured ratio is within :data:`TOLERANCE` of 1,
+no measured saving that excludes zero has the other sign from the predicted one, and the gate
+decides alike on every comparison.
+
+Units: S, savings and TPOT in seconds per committed token in the record (``_s``), milliseconds
+in text; sizes in bytes; RAM budgets as fractions of the routed bytes of the traced layers.
+
+The work directory (``PATH/relayout-validate``) carries :data:`WORK_MARKER`: an existing
+non-empty directory without it is refused, and it is removed at the end unless ``keep`` (only
+what this command made is ever removed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from containers import __version__
+from containers.atomic import atomic_output, make_dirs, write_json_atomic
+from containers.container import MANIFEST_NAME, Container
+from containers.errors import InputError
+from containers.geometry import load_geometry
+from containers.manifest import build_manifest, write_manifest
+from containers.synth import synth_container
+from replay.config import PREFETCH_SOURCES, RuntimeConfig
+from replay.evidence import block_evidence
+
+from .demo import measured_vs_predicted
+
+VALIDATION_FORMAT = "relayout.validation"
+VALIDATION_VERSION = 1
+LAYOUTS = ("stock", "louvain", "random")
+"""Layouts a validation can measure; ``stock`` (the source itself) is the baseline of every saving."""
+GATE_THRESHOLD = 0.05
+"""The gate's threshold: the saving's interval low end must reach this fraction of the baseline TPOT."""
+TOLERANCE = 0.20
+"""The model holds when every cell's predicted/measured S is within this fraction of 1."""
+PLOT_BAND = 0.10
+"""The band drawn around y = x in the scatter (+/- this fraction)."""
+WORK_NAME = "relayout-validate"
+WORK_MARKER = ".relayout-validate"
+SYNTH_GEOMETRY = "glm-5.2-int4-row"
+SYNTH_EXPERTS = 32
+TRACE_SESSIONS = 17
+TRAIN_FRACTION = 0.7
+"""12 of 17 sessions train the plans, 5 are held out."""
+HELD_OUT_SESSIONS = TRACE_SESSIONS - round(TRACE_SESSIONS * TRAIN_FRACTION)
+SESSION_TOKENS = 60
+DEFAULT_TOKENS = 40
+DEFAULT_REPS = 3
+MIN_TOKENS = 4
+MIN_REPS = 2
+MAX_REPS = 10
+PROBE_TOKENS = 10
+CALIBRATION_SECONDS = 0.2
+CALIBRATION_MB = 512
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    """What ``relayout validate`` was asked to do (see the module doc). ``gb``: 10^9 bytes;
+    ``minutes``: wall-clock budget of the whole run; ``ram``: fractions of the routed bytes."""
+
+    path: Path
+    output: Path
+    device: str | None = None
+    container: Path | None = None
+    gb: float = 1.0
+    minutes: float | None = None
+    tokens: int | None = None
+    reps: int | None = None
+    layouts: tuple[str, ...] = LAYOUTS
+    ram: tuple[float, ...] = (0.0, 0.25)
+    prefetch: tuple[str, ...] = ("none",)
+    workers: int = 8
+    plots: Path | None = None
+    keep: bool = False
+    seed: int = 0
+
+
+def parse_list(text: str, what: str, kind=str) -> tuple:
+    """``"a,b"`` -> ``("a", "b")`` (or numbers with ``kind=float``); one-line error naming ``what``."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise InputError(None, f"{what} needs at least one value")
+    try:
+        out = tuple(kind(x) for x in items)
+    except ValueError:
+        raise InputError(None, f"{what} expects comma-separated numbers, got {text!r}") from None
+    if len(set(out)) != len(out):
+        raise InputError(None, f"{what} lists a value twice: {text!r}")
+    return out
+
+
+def check_options(o: ValidateOptions) -> None:
+    """Every option checked before anything is measured or written; one :class:`InputError` each."""
+    if not o.path.is_dir():
+        raise InputError(o.path, "is not a directory (give a directory on the disk to validate)")
+    bad = [x for x in o.layouts if x not in LAYOUTS]
+    if bad:
+        raise InputError(None, f"--layouts: unknown layout {bad[0]!r} (choose from {', '.join(LAYOUTS)})")
+    if "stock" not in o.layouts:
+        raise InputError(None, "--layouts must include stock (the baseline every saving is measured against)")
+    bad = [x for x in o.prefetch if x not in PREFETCH_SOURCES]
+    if bad:
+        raise InputError(None, f"--prefetch: unknown source {bad[0]!r} (choose from {', '.join(PREFETCH_SOURCES)})")
+    bad = [x for x in o.ram if not (math.isfinite(x) and 0 <= x <= 1)]
+    if bad:
+        raise InputError(None, f"--ram: budgets are fractions of the routed bytes, 0 to 1 (got {bad[0]:g})")
+    if o.reps is not None and not MIN_REPS <= o.reps <= 1000:
+        raise InputError(None, f"--reps must be {MIN_REPS} to 1000 (a measured interval needs repeated runs), got {o.reps}")
+    if o.tokens is not None and o.tokens < MIN_TOKENS:
+        raise InputError(None, f"--tokens must be at least {MIN_TOKENS}, got {o.tokens}")
+    if o.minutes is not None:
+        if not (math.isfinite(o.minutes) and o.minutes > 0):
+            raise InputError(None, f"--minutes must be a positive number, got {o.minutes:g}")
+        if o.tokens is not None and o.reps is not None:
+            raise InputError(None, "--minutes chooses --reps and/or --tokens; with both given it has nothing to choose")
+    if o.container is None and not (math.isfinite(o.gb) and 0 < o.gb <= 100_000):
+        raise InputError(None, f"--gb must be a positive size in GB, got {o.gb:g}")
+    if not 1 <= o.workers <= 16:
+        raise InputError(None, f"--workers must be 1-16, got {o.workers}")
+    parent = o.output.parent
+    if not parent.is_dir():
+        raise InputError(o.output, f"cannot be written: {parent} is not a directory")
+    if o.plots is not None:
+        plotting()
+
+
+def plotting():
+    """matplotlib's pyplot (Agg backend), or the one-line error naming the ``plots`` extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError(None, "--plots needs matplotlib: pip install 'relayout[plots]'") from None
+    return plt
+
+
+class WorkDir:
+    """``PATH/relayout-validate``: new, empty, or a previous validation's (it holds :data:`WORK_MARKER`).
+
+    :meth:`remove` deletes only what this command made: the whole directory when it created it
+    or a previous validation did (marker), else only the entries it added.
+    """
+
+    def __init__(self, parent: Path):
+        self.path = parent / WORK_NAME
+        p = self.path
+        if p.is_symlink() or (p.exists() and not p.is_dir()):
+            raise InputError(p, "exists and is not a directory; move it away to validate here")
+        ours = (p / WORK_MARKER).is_file()
+        if p.is_dir() and any(p.iterdir()) and not ours:
+            raise InputError(p, f"is not empty and is not a previous validation's work directory (no {WORK_MARKER} "
+                                "in it); move it away")
+        self.created = not p.exists() or ours
+        self.before = set() if not p.exists() else {x.name for x in p.iterdir()}
+        make_dirs(p)
+        (p / WORK_MARKER).write_text("made by relayout validate: removed by it unless --keep; safe to delete\n")
+
+    def fresh(self, name: str) -> Path:
+        """A path in the work directory with nothing under it (a previous run's copy removed)."""
+        out = self.path / name
+        for x in (out, out.with_name(out.name + ".partial")):
+            if x.is_symlink() or x.is_file():
+                x.unlink()
+            elif x.is_dir():
+                shutil.rmtree(x)
+        return out
+
+    def remove(self) -> None:
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for x in self.path.iterdir():
+            if x.name in self.before:
+                continue
+            if x.is_dir() and not x.is_symlink():
+                shutil.rmtree(x, ignore_errors=True)
+            else:
+                x.unlink(missing_ok=True)
+
+
+def synthetic_geometry(gigabytes: float):
+    """GLM-5.2 int4-row with :data:`SYNTH_EXPERTS` full-size (18.9 MB) experts per layer and as
+    many MoE layers as make about ``gigabytes`` GB (10^9 bytes) of routed experts (at least one)."""
+    g = load_geometry(SYNTH_GEOMETRY)
+    per_layer = SYNTH_EXPERTS * g.expert_bytes(g.moe_layers[0])
+    layers = max(1, round(gigabytes * 1e9 / per_layer))
+    return g.scaled(moe_layers=layers, experts=SYNTH_EXPERTS, vocab=4096, shard_bytes=500_000_000)
+
+
+@dataclass
+class Layouts:
+    """What the cells are measured on: per method its container directory, replay layout and plan."""
+
+    dirs: dict
+    layouts: dict
+    plans: dict
+
+
+def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
+    """Container, manifest path, trace and the layouts (planned, rewritten). Returns
+    ``(container dir, manifest dict, trace, Layouts, synthetic)``."""
+    from replay.planfile import load_plan, save_plan
+
+    from .apply import apply_plan
+    from .plan import make_plan, source_from_container
+    from .trace_synth import SynthParams, synth_trace
+
+    synthetic = o.container is None
+    if synthetic:
+        geometry = synthetic_geometry(o.gb)
+        src = work.path / f"source-{o.gb:g}gb-s{o.seed}"
+        if not (src / MANIFEST_NAME).is_file():     # a kept previous source is complete once its manifest is written
+            work.fresh(src.name)
+            notify(f"building a synthetic {geometry.name} container of {len(geometry.moe_layers)} MoE layer(s) x "
+                   f"{SYNTH_EXPERTS} experts in {src}")
+            synth_container(src, geometry, seed=o.seed)
+            write_manifest(build_manifest(Container.open(src)), src / MANIFEST_NAME)
+        manifest_path = src / MANIFEST_NAME
+    else:
+        src = o.container
+        Container.open(src).require_clean()
+        manifest_path = src / MANIFEST_NAME
+        if not manifest_path.is_file():             # never written into the source: ours, in the work directory
+            notify(f"{src} has no {MANIFEST_NAME}: hashing it once (kept in the work directory, the source is not modified)")
+            manifest_path = work.path / "source-manifest.json"
+            write_manifest(build_manifest(Container.open(src)), manifest_path)
+    container = Container.open(src)
+    from containers.manifest import load_manifest
+
+    manifest = load_manifest(manifest_path)
+    cfg = container.config
+    layers = [l for l in container.routed_layers if l < cfg.num_hidden_layers]
+    per_session = max(SESSION_TOKENS, -(-(o.tokens or DEFAULT_TOKENS) // HELD_OUT_SESSIONS))
+    trace = synth_trace(layers, cfg.n_routed_experts, cfg.num_experts_per_tok, per_session * TRACE_SESSIONS, TRACE_SESSIONS,
+                        seed=o.seed + 5, params=SynthParams(clique_strength=0.8))
+    source = source_from_container(src, manifest_path)
+    dirs, lays, plans = {}, {}, {}
+    for method in o.layouts:
+        path = work.path / f"plan-{method}.json"
+        save_plan(make_plan(trace, source, method, train_fraction=TRAIN_FRACTION, seed=o.seed, progress=False), path)
+        plan = load_plan(path)
+        plans[method] = plan
+        if method == "stock":
+            dirs[method], lays[method] = src, plan.stock
+            continue
+        dst = work.fresh(f"layout-{method}")
+        need = sum(p.stat().st_size for p in container.files)
+        free = shutil.disk_usage(work.path).free
+        if free < need * 1.05:
+            raise InputError(work.path, f"needs {need / 1e9:.1f} GB free for the {method} copy of the container, has "
+                                        f"{free / 1e9:.1f} GB")
+        notify(f"rewriting {src} into the {method} layout ({dst})")
+        apply_plan(src, plan, dst, None, force=True, manifest_path=manifest_path)
+        dirs[method], lays[method] = dst, plan.layout
+    return src, manifest, trace, Layouts(dirs, lays, plans), synthetic
+
+
+def _cells(o: ValidateOptions) -> list[tuple]:
+    """(prefetch, ram fraction) pairs, in the order the cells are measured."""
+    return [(pf, frac) for pf in o.prefetch for frac in o.ram]
+
+
+def _step_order(m, fw: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A measured run's per-step stall (ns) and committed tokens, in the order of forwards ``fw``."""
+    index = {int(f): i for i, f in enumerate(fw.tolist())}
+    pos = np.array([index.get(int(step), -1) for _, step in m.step_keys], dtype=np.int64)
+    if len(pos) != len(fw) or (pos < 0).any() or len(set(pos.tolist())) != len(fw):
+        raise InputError(where, f"measured run has {len(pos)} steps that are not the {len(fw)} held-out steps it was given")
+    stall = np.zeros(len(fw))
+    committed = np.zeros(len(fw))
+    stall[pos] = m.step_stall
+    committed[pos] = m.step_committed
+    return stall, committed
+
+
+def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_seconds: float, probe_steps: int,
+                 budget_s: float) -> tuple[int, int, str]:
+    """``(tokens, reps, what was chosen and why)`` for a measurement budget of ``budget_s`` seconds."""
+    per_step = probe_seconds / max(probe_steps, 1)            # s per measured step, the slowest cell
+    steps_fit = int(budget_s / max(per_step, 1e-9))           # measured steps that fit, over all runs
+    if o.reps is not None:
+        reps = o.reps
+        tokens = min(available, steps_fit // (reps * n_runs_per_rep))
+    elif o.tokens is not None:
+        tokens = min(o.tokens, available)
+        reps = min(MAX_REPS, steps_fit // (tokens * n_runs_per_rep))
+    else:
+        tokens = min(available, steps_fit // (MIN_REPS * n_runs_per_rep))
+        reps = MIN_REPS
+        if tokens >= available:
+            reps = min(MAX_REPS, max(MIN_REPS, steps_fit // (tokens * n_runs_per_rep)))
+    over = ""
+    if tokens < MIN_TOKENS or reps < MIN_REPS:
+        tokens, reps = max(tokens, MIN_TOKENS), max(reps, MIN_REPS)
+        over = " (the smallest run allowed; it will take longer than --minutes)"
+    est = per_step * tokens * reps * n_runs_per_rep
+    why = (f"--minutes {o.minutes:g}: a probe measured {probe_steps} steps in {probe_seconds:.2f} s "
+           f"({per_step * 1e3:.0f} ms/step); chose {reps} repetitions x {tokens} steps x {n_runs_per_rep} runs, "
+           f"about {est / 60:.1f} min of measurement{over}")
+    return tokens, reps, why
+
+
+def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
+    """Run the validation (see the module doc) and return the ``validation.json`` record, written to ``o.output``."""
+    from replay.calibrate import calibrate
+    from replay.device import load_device
+    from replay.engine import simulate
+    from replay.gate import evaluation_forwards, training_coupling
+    from replay.measure import measure
+    from replay.metrics import step_table, summarize
+    from replay.stalltrace import report
+
+    t_start = time.perf_counter()
+    check_options(o)
+    device_source, profile_path = None, None
+    if o.device:
+        device = load_device(o.device)
+        device_source = f"given: {o.device}"
+    work = WorkDir(o.path)
+    try:
+        if not o.device:
+            notify(f"calibrating the disk holding {o.path} ({CALIBRATION_SECONDS:g} s per cell, {CALIBRATION_MB} MiB test file)")
+            profile = calibrate(o.path, CALIBRATION_MB, CALIBRATION_SECONDS, f"calibrated-{o.path.resolve().name or 'disk'}")
+            profile_path = o.output.with_name(o.output.stem + ".device.json")
+            write_json_atomic(profile_path, profile)
+            device = load_device(str(profile_path))
+            device_source = f"calibrated on {o.path}, saved as {profile_path}"
+            notify(f"wrote {profile_path}")
+        src, manifest, trace, lay, synthetic = _prepare(o, work, notify)
+        plans = list(lay.plans.values())
+        mask_all, held = evaluation_forwards(trace, plans)
+        available = int(mask_all.sum())
+        stock_plan = lay.plans["stock"]
+        layers = set(trace.layers.tolist())
+        ebytes = stock_plan.stock.expert_bytes()
+        routed = int(sum(ebytes[li].sum() for li, l in enumerate(stock_plan.stock.layers) if l in layers))
+        coupling = training_coupling(trace, stock_plan) if "coupled" in o.prefetch else None
+        base_cfg = RuntimeConfig(workers=o.workers)
+        cells = _cells(o)
+        n_runs = len(cells) * len(o.layouts)
+
+        def config_of(pf: str, frac: float) -> RuntimeConfig:
+            return replace(base_cfg, ram_bytes=int(routed * frac), prefetch=pf)
+
+        def first(n: int) -> np.ndarray:
+            return mask_all & (np.cumsum(mask_all) <= n)
+
+        run_dir = make_dirs(work.path / "runs")
+        chosen = None
+        tokens = min(o.tokens or DEFAULT_TOKENS, available)
+        reps = o.reps or DEFAULT_REPS
+        if o.minutes is not None:
+            pf, frac = min(cells, key=lambda c: c[1])
+            probe_steps = min(PROBE_TOKENS, available)
+            notify(f"probing: {probe_steps} steps of stock at RAM {frac:g}, prefetch {pf}")
+            res = measure(Container.open(lay.dirs["stock"]), trace, first(probe_steps), config_of(pf, frac), None,
+                          record=False, progress=False, coupling=coupling)
+            budget = o.minutes * 60 - (time.perf_counter() - t_start)
+            budget -= max(15.0, 0.1 * budget)       # predictions, evidence, writing, removing the work directory
+            tokens, reps, chosen = _choose_size(o, available, n_runs, res.wall_seconds, probe_steps, budget)
+            notify(chosen)
+        if o.tokens is not None and o.tokens > available:
+            notify(f"only {available} held-out steps in the trace: measuring {available}, not {o.tokens}")
+        mask = first(tokens)
+        fw = np.flatnonzero(mask)
+        methods = list(o.layouts)
+
+        # predictions: exactly the measured steps, on the profile
+        predicted = {}
+        for pf, frac in cells:
+            cfg = config_of(pf, frac)
+            for m in methods:
+                inst, usage = simulate(trace, mask, lay.layouts[m], device, cfg, coupling=coupling)
+                steps = step_table(trace, mask, inst)
+                predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0))
+
+        # measurements: cold, the layouts interleaved within each repetition
+        measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
+        bar = tqdm(total=reps * n_runs, desc="validate: measured runs", unit="run", disable=None if progress else True)
+        try:
+            for rep in range(reps):
+                for pf, frac in cells:
+                    cfg = config_of(pf, frac)
+                    for m in methods:
+                        run_id = f"{m}-ram{frac:g}-{pf}-rep{rep}"
+                        out = run_dir / f"{run_id}.jsonl"
+                        res = measure(Container.open(lay.dirs[m]), trace, mask, cfg, out, run_id=run_id, progress=False,
+                                      coupling=coupling)
+                        r = report([out])
+                        run = r.runs[0]
+                        stall, committed = _step_order(run, fw, str(out))
+                        measured[(m, pf, frac)].append({
+                            "stall": stall / 1e9, "committed": committed, "wall_s": res.wall_seconds,
+                            "tpot_s": (run.published["tpot_ns"] or 0.0) / 1e9,
+                            "recall": run.published["timely_required_byte_recall"], "cold": res.cold, "direct": res.direct,
+                        })
+                        if not o.keep:
+                            out.unlink()
+                        bar.update(1)
+        finally:
+            bar.close()
+
+        record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
+                         base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw)
+        record["work_dir"] = str(work.path) if o.keep else None
+        record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
+        record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
+        write_json_atomic(o.output, record)
+        return record
+    finally:
+        if not o.keep:
+            work.remove()
+
+
+def _interval(ev) -> dict:
+    est, low, high = ev.interval()
+    return {"estimate_s": est, "low_s": low, "high_s": high, "method": ev.method, "block_steps": ev.block_steps,
+            "units": len(ev.base), "blocks": ev.n_blocks, "seed": ev.seed, "resamples": ev.resamples}
+
+
+def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
+            reps, chosen, cells, methods, predicted, measured, fw) -> dict:
+    out_cells, comparisons = [], []
+    for pf, frac in cells:
+        for m in methods:
+            steps, summ = predicted[(m, pf, frac)]
+            runs = measured[(m, pf, frac)]
+            each = [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
+            mean = float(np.mean(each))
+            pred = summ.stall_per_token_s
+            recall = None
+            if pf != "none":
+                recall = {"predicted": summ.prefetch.timely_required_byte_recall if summ.prefetch else None,
+                          "measured": [r["recall"] for r in runs]}
+            out_cells.append({
+                "layout": m, "ram_fraction": frac, "ram_bytes": int(routed * frac), "prefetch": pf,
+                "predicted_stall_per_token_s": pred,
+                "predicted_oracle_stall_per_token_s": summ.oracle_stall_per_token_s,
+                "predicted_tpot_s": summ.tpot_s,
+                "measured_stall_per_token_s": {"mean": mean, "repetitions": each},
+                "measured_tpot_s": {"mean": float(np.mean([r["tpot_s"] for r in runs])), "repetitions": [r["tpot_s"] for r in runs]},
+                "measured_wall_seconds": [r["wall_s"] for r in runs],
+                "ratio": pred / mean if mean > 0 else None,
+                "timely_required_byte_recall": recall,
+            })
+        base_steps, base_sum = predicted[("stock", pf, frac)]
+        base_runs = measured[("stock", pf, frac)]
+        for m in methods:
+            if m == "stock":
+                continue
+            steps, summ = predicted[(m, pf, frac)]
+            runs = measured[(m, pf, frac)]
+            p_ev = block_evidence(base_steps.stall, steps.stall, base_steps.committed, base_steps.session)
+            m_ev = block_evidence(np.concatenate([r["stall"] for r in base_runs]), np.concatenate([r["stall"] for r in runs]),
+                                  np.concatenate([r["committed"] for r in base_runs]),
+                                  np.concatenate([np.full(len(r["stall"]), i) for i, r in enumerate(base_runs)]))
+            p, mm = _interval(p_ev), _interval(m_ev)
+            excludes = mm["low_s"] > 0 or mm["high_s"] < 0
+            sign = None
+            if excludes:
+                sign = bool(np.sign(p["estimate_s"]) == np.sign(mm["estimate_s"]))
+            tpot_p = base_sum.tpot_s
+            tpot_m = float(np.mean([r["tpot_s"] for r in base_runs]))
+            gate_p = p["low_s"] >= GATE_THRESHOLD * tpot_p
+            gate_m = mm["low_s"] >= GATE_THRESHOLD * tpot_m
+            comparisons.append({
+                "layout": m, "baseline": "stock", "ram_fraction": frac, "prefetch": pf,
+                "predicted_saving": p, "measured_saving": mm,
+                "predicted_inside_measured": bool(mm["low_s"] <= p["estimate_s"] <= mm["high_s"]),
+                "measured_excludes_zero": bool(excludes),
+                "sign_agrees": sign,
+                "gate": {"threshold": GATE_THRESHOLD,
+                         "predicted": {"tpot_s": tpot_p, "need_s": GATE_THRESHOLD * tpot_p, "passes": bool(gate_p)},
+                         "measured": {"tpot_s": tpot_m, "need_s": GATE_THRESHOLD * tpot_m, "passes": bool(gate_m)},
+                         "same_decision": bool(gate_p == gate_m)},
+                "words": measured_vs_predicted(mm["estimate_s"] * 1e3, mm["low_s"] * 1e3, mm["high_s"] * 1e3,
+                                               p["estimate_s"] * 1e3) + " (ms/token)",
+            })
+    cold = sorted({r["cold"] for runs in measured.values() for r in runs})
+    return {
+        "format": VALIDATION_FORMAT,
+        "version": VALIDATION_VERSION,
+        "tool_version": __version__,
+        "path": str(o.path),
+        "device": {"name": device.name, "digest": device.digest(), "source": device_source,
+                   "profile_path": str(profile_path) if profile_path else None, "profile": device.to_json()},
+        "container": {"path": str(src), "synthetic": synthetic, "fingerprint": manifest["fingerprint"],
+                      "content_fingerprint": manifest["content_fingerprint"], "routed_bytes": routed,
+                      "layers": [int(x) for x in trace.layers.tolist()], "experts": int(trace.n_experts),
+                      "gb_requested": o.gb if synthetic else None},
+        "trace": {"synthetic": True, "fingerprint": trace.fingerprint(), "sessions": len(trace.sessions),
+                  "train_fraction": TRAIN_FRACTION, "held_out_sessions": [trace.sessions[i] for i in held.evaluated],
+                  "steps": len(fw), "first_forward": int(fw[0]), "last_forward": int(fw[-1]),
+                  "committed_tokens": int(trace.fwd_committed[fw].sum())},
+        "layouts": {m: {"plan_digest": p.digest, "method": p.method, "container": "the source" if m == "stock" else "rewritten copy"}
+                    for m, p in lay.plans.items()},
+        "config": {"tokens": len(fw), "reps": reps, "layouts": list(methods), "ram_fractions": list(o.ram),
+                   "prefetch": list(o.prefetch), "workers": o.workers, "minutes": o.minutes, "chosen": chosen,
+                   "runtime": base_cfg.to_json(), "gate_threshold": GATE_THRESHOLD, "tolerance": TOLERANCE,
+                   "cache": cold, "seed": o.seed},
+        "cells": out_cells,
+        "comparisons": comparisons,
+        "summary": summarize_validation(out_cells, comparisons),
+    }
+
+
+def summarize_validation(cells: list[dict], comparisons: list[dict]) -> dict:
+    """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so."""
+    ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
+    lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
+    within = max(abs(r - 1) for r in ratios) if ratios else None
+    decided = [c for c in comparisons if c["sign_agrees"] is not None]
+    wrong = [c for c in decided if not c["sign_agrees"]]
+    gate_diff = [c for c in comparisons if not c["gate"]["same_decision"]]
+    inside = [c for c in comparisons if c["predicted_inside_measured"]]
+    contradicted = [c for c in comparisons if "CONTRADICTS" in c["words"]]
+    ratio_ok = within is not None and within <= TOLERANCE
+    holds = ratio_ok and not wrong and not gate_diff
+    M = len(comparisons)
+    sav = (f"; the predicted saving lies inside the measured 95% interval in {len(inside)} of {M} comparison(s), the sign "
+           f"is wrong in {len(wrong)} of {len(decided)} where the measured interval excludes zero, and the gate "
+           f"(low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of {M}") if M else ""
+    if holds:
+        text = (f"the model holds on this disk within {math.ceil(within * 100)}% "
+                f"(predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells){sav}")
+    else:
+        why = []
+        if not ratio_ok:
+            why.append(f"predicted/measured S ranges {lo:.2f}-{hi:.2f}, beyond +/-{TOLERANCE:.0%}" if ratios
+                       else "no cell measured any stall")
+        if wrong:
+            why.append(f"saving sign wrong in {len(wrong)} of {len(decided)} cell(s)")
+        if gate_diff:
+            why.append(f"the gate would decide differently in {len(gate_diff)} of {M}")
+        text = "the model does NOT hold on this disk: " + "; ".join(why) + (
+            f" (predicted/measured S {lo:.2f}-{hi:.2f})" if ratio_ok and ratios else "") + sav
+    if contradicted:
+        text += (f". Measurement CONTRADICTS the prediction in {len(contradicted)} comparison(s): "
+                 + "; ".join(f"{c['layout']} at RAM {c['ram_fraction']:g}, prefetch {c['prefetch']}" for c in contradicted))
+    return {"holds": bool(holds), "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
+            "comparisons": M, "inside_measured": len(inside), "sign_decided": len(decided), "sign_wrong": len(wrong),
+            "gate_disagreements": len(gate_diff), "contradictions": len(contradicted), "text": text}
+
+
+def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path]:
+    """Predicted vs measured S, one point per cell (ms/token; bars span the repetitions), with
+    y = x and a +/-:data:`PLOT_BAND` band. PNG written crash-safely; needs the ``plots`` extra."""
+    plt = plotting()
+    out = make_dirs(out_dir)
+    cells = record["cells"]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    markers = {"none": "o", "oracle": "^", "coupled": "s"}
+    colors = {"stock": "tab:gray", "louvain": "tab:blue", "random": "tab:orange"}
+    seen = set()
+    top = 0.0
+    for c in cells:
+        x = c["measured_stall_per_token_s"]["mean"] * 1e3
+        reps = [v * 1e3 for v in c["measured_stall_per_token_s"]["repetitions"]]
+        y = c["predicted_stall_per_token_s"] * 1e3
+        top = max(top, x, y, *reps)
+        label = f"{c['layout']}, prefetch {c['prefetch']}"
+        ax.errorbar([x], [y], xerr=[[x - min(reps)], [max(reps) - x]], fmt=markers.get(c["prefetch"], "o"),
+                    color=colors.get(c["layout"], "black"), label=None if label in seen else label, capsize=3)
+        seen.add(label)
+    top = top * 1.1 or 1.0
+    line = np.array([0.0, top])
+    ax.plot(line, line, color="black", linewidth=1, label="predicted = measured")
+    ax.fill_between(line, line * (1 - PLOT_BAND), line * (1 + PLOT_BAND), color="tab:green", alpha=0.15,
+                    label=f"+/-{PLOT_BAND:.0%}")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured S (ms per committed token)")
+    ax.set_ylabel("predicted S (ms per committed token)")
+    ax.set_title(f"Replay model vs measurement on {record['device']['name']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "validation_predicted_vs_measured.png"
+    try:
+        with atomic_output(path) as fh:
+            fig.savefig(fh, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+    return [path]
+
+
+__all__ = ["GATE_THRESHOLD", "LAYOUTS", "TOLERANCE", "VALIDATION_FORMAT", "VALIDATION_VERSION", "ValidateOptions",
+           "check_options", "parse_list", "summarize_validation", "validate", "write_validation_plot"]
