@@ -16,7 +16,8 @@ to compiled code as a plain struct, so grouping costs nothing):
 * the outputs, filled in place: :class:`replay.engine.Results`, whose fields are declared once,
   on the public result dataclasses (:class:`replay.engine.InstanceResult` and the others), so a
   new metric is one field there plus the line here that fills it;
-* the working arrays of one call: :class:`Work`, allocated by :func:`new_work` inside the loop.
+* the working arrays of one call: :class:`Work`, allocated once by :func:`new_work`, sized by
+  the largest batch union.
 
 Units: bytes, seconds, bytes/s.
 """
@@ -150,7 +151,8 @@ def simulate_instances(inst, ram, table, lay, pol, dev, out):
     ``inst.session[i]``; its union experts are ``inst.sel_e[inst.sel_start[i]:inst.sel_start[i+1]]``,
     each needed by ``inst.sel_mult`` positions. ``ram`` (:class:`RamTiers`) is updated as the
     replay goes; ``table`` (:class:`CouplingTable`) feeds the coupled prefetch source. Results
-    go into ``out`` (:class:`replay.engine.Results`, zeroed).
+    go into ``out`` (:class:`replay.engine.Results`, zeroed). Allocates the working arrays and
+    runs the loop, :func:`_run`.
     """
     sel_start = inst.sel_start
     K = 1
@@ -467,7 +469,7 @@ def _reader_pool(n_jobs, n_workers, jobs, reads, workers, dev, drives, usage):
         wfree[w] = done
 
 
-@njit(**HELPER)
+@njit(**STAGE)
 def _serve_read(addr, n, warm, t, dev, drives, usage):
     """Serve one read of ``n`` bytes at logical address ``addr`` issued at ``t`` (s); returns its
     completion time (s).
