@@ -7,7 +7,8 @@ across instances with numpy. :func:`simulate_instances` walks the instances in o
 itself is described in :mod:`replay.engine`.
 
 **Interface.** Every input and output is a named tuple of arrays and numbers (numba passes one
-to compiled code as a plain struct, so grouping costs nothing):
+to compiled code field by field, as if each were an argument; the stages that take many are
+inlined into the loop, :mod:`replay.jit`):
 
 * the instances and their batch unions: :class:`replay.unions.Instances`;
 * what is read where: :class:`LayoutArrays`; how it is read: :class:`ReadPolicy`; from what:
