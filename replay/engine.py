@@ -48,14 +48,7 @@ from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
 from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .device import SPLIT_RULES, ArrayProfile
-from .instance import (
-    CouplingTable,
-    Device,
-    LayoutArrays,
-    RamTiers,
-    ReadPolicy,
-    simulate_instances,
-)
+from .instance import CouplingTable, Device, LayoutArrays, RamTiers, ReadPolicy, simulate_instances
 from .jit import compile_notice
 from .runtime import new_lru
 from .trace import RoutingTrace
@@ -150,7 +143,7 @@ Results = namedtuple("Results", "instance prefetch device")
 def new_results(I: int, L: int, E: int, M: int) -> Results:
     """Zeroed outputs for ``I`` instances, ``L`` layout layers of ``E`` experts and ``M`` members,
     each shaped and typed as its result field declares."""
-    sizes = {"I": I, "L": L, "E": E, "M": M}
+    sizes = dict(zip(AXES, (I, L, E, M)))
 
     def zeros(kind, cls):
         return kind(*(np.zeros(tuple(sizes[a] for a in f.metadata["shape"]), dtype=f.metadata["dtype"])
