@@ -83,6 +83,8 @@ MIN_TOKENS = 4
 MIN_REPS = 2
 MAX_REPS = 10
 PROBE_TOKENS = 10
+PROBE_MARGIN = 1.3
+"""A run is planned as this many times slower per step than the probe (the disk varies)."""
 CALIBRATION_SECONDS = 0.2
 CALIBRATION_MB = 512
 
@@ -312,7 +314,7 @@ def _step_order(m, fw: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
 def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_seconds: float, probe_steps: int,
                  budget_s: float) -> tuple[int, int, str]:
     """``(tokens, reps, what was chosen and why)`` for a measurement budget of ``budget_s`` seconds."""
-    per_step = probe_seconds / max(probe_steps, 1)            # s per measured step, the slowest cell
+    per_step = PROBE_MARGIN * probe_seconds / max(probe_steps, 1)   # s per measured step, the slowest cell
     steps_fit = int(budget_s / max(per_step, 1e-9))           # measured steps that fit, over all runs
     if o.reps is not None:
         reps = o.reps
@@ -320,9 +322,12 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
     elif o.tokens is not None:
         tokens = min(o.tokens, available)
         reps = min(MAX_REPS, steps_fit // (tokens * n_runs_per_rep))
-    else:
-        tokens = min(available, steps_fit // (MIN_REPS * n_runs_per_rep))
-        reps = MIN_REPS
+    else:                                                     # DEFAULT_REPS when each run can still have DEFAULT_TOKENS
+        reps = DEFAULT_REPS
+        tokens = min(available, steps_fit // (reps * n_runs_per_rep))
+        if tokens < min(DEFAULT_TOKENS, available):
+            reps = MIN_REPS
+            tokens = min(available, steps_fit // (reps * n_runs_per_rep))
         if tokens >= available:
             reps = min(MAX_REPS, max(MIN_REPS, steps_fit // (tokens * n_runs_per_rep)))
     over = ""
@@ -331,7 +336,7 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
         over = " (the smallest run allowed; it will take longer than --minutes)"
     est = per_step * tokens * reps * n_runs_per_rep
     why = (f"--minutes {o.minutes:g}: a probe measured {probe_steps} steps in {probe_seconds:.2f} s "
-           f"({per_step * 1e3:.0f} ms/step); chose {reps} repetitions x {tokens} steps x {n_runs_per_rep} runs, "
+           f"(planned at {per_step * 1e3:.0f} ms/step, x{PROBE_MARGIN:g} for safety); chose {reps} repetitions x {tokens} steps x {n_runs_per_rep} runs, "
            f"about {est / 60:.1f} min of measurement{over}")
     return tokens, reps, why
 
@@ -381,13 +386,15 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         def first(n: int) -> np.ndarray:
             return mask_all & (np.cumsum(mask_all) <= n)
 
-        run_dir = make_dirs(work.path / "runs")
+        run_dir = make_dirs(work.fresh("runs"))
         chosen = None
         tokens = min(o.tokens or DEFAULT_TOKENS, available)
         reps = o.reps or DEFAULT_REPS
         if o.minutes is not None:
             pf, frac = min(cells, key=lambda c: c[1])
             probe_steps = min(PROBE_TOKENS, available)
+            # the replay model compiles on a machine's first run: do it now, so the budget counts it
+            simulate(trace, first(probe_steps), lay.layouts["stock"], device, config_of(pf, frac), coupling=coupling)
             notify(f"probing: {probe_steps} steps of stock at RAM {frac:g}, prefetch {pf}")
             res = measure(Container.open(lay.dirs["stock"]), trace, first(probe_steps), config_of(pf, frac), None,
                           record=False, progress=False, coupling=coupling)
@@ -550,6 +557,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict]) -> dict:
     gate_diff = [c for c in comparisons if not c["gate"]["same_decision"]]
     inside = [c for c in comparisons if c["predicted_inside_measured"]]
     contradicted = [c for c in comparisons if "CONTRADICTS" in c["words"]]
+    spreads = [(max(c["measured_stall_per_token_s"]["repetitions"]) - min(c["measured_stall_per_token_s"]["repetitions"]))
+               / c["measured_stall_per_token_s"]["mean"] for c in cells
+               if c.get("measured_stall_per_token_s") and c["measured_stall_per_token_s"]["mean"] > 0]
+    spread = max(spreads) if spreads else None
     ratio_ok = within is not None and within <= TOLERANCE
     holds = ratio_ok and not wrong and not gate_diff
     M = len(comparisons)
@@ -557,7 +568,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict]) -> dict:
            f"is wrong in {len(wrong)} of {len(decided)} where the measured interval excludes zero, and the gate "
            f"(low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of {M}") if M else ""
     if holds:
-        text = (f"the model holds on this disk within {math.ceil(within * 100)}% "
+        text = (f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% "
                 f"(predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells){sav}")
     else:
         why = []
@@ -573,7 +584,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict]) -> dict:
     if contradicted:
         text += (f". Measurement CONTRADICTS the prediction in {len(contradicted)} comparison(s): "
                  + "; ".join(f"{c['layout']} at RAM {c['ram_fraction']:g}, prefetch {c['prefetch']}" for c in contradicted))
-    return {"holds": bool(holds), "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
+    if spread is not None and spread > TOLERANCE:
+        text += (f". The repetitions of one cell differ by up to {spread:.0%} of their mean: the disk was not steady "
+                 "(other I/O?), so rerun on an idle machine or with more --reps before reading the savings")
+    return {"holds": bool(holds), "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "comparisons": M, "inside_measured": len(inside), "sign_decided": len(decided), "sign_wrong": len(wrong),
             "gate_disagreements": len(gate_diff), "contradictions": len(contradicted), "text": text}
 
