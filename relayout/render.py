@@ -298,10 +298,10 @@ def format_measure(result) -> str:
 def format_validation(v: dict) -> str:
     """``relayout validate``'s tables and summary from its ``validation.json`` record (S in ms/token)."""
     ms = 1e3
-    lines = [f"device {v['device']['name']} ({v['device']['source']}); container {v['container']['path']}"
-             f"{' (synthetic)' if v['container']['synthetic'] else ''}, {human_bytes(v['container']['routed_bytes'])} routed",
-             f"{v['config']['tokens']} held-out steps x {v['config']['reps']} repetitions per cell, layouts interleaved; "
-             f"{v['config']['workers']} workers; {', '.join(v['config']['cache'])}"]
+    lines = [(f"device {v['device']['name']} ({v['device']['source']}); container {v['container']['path']}"
+              f"{' (synthetic)' if v['container']['synthetic'] else ''}, {human_bytes(v['container']['routed_bytes'])} routed"),
+             (f"{v['config']['tokens']} held-out steps x {v['config']['reps']} repetitions per cell, layouts interleaved; "
+              f"{v['config']['workers']} workers; {', '.join(v['config']['cache'])}")]
     if v["config"].get("chosen"):
         lines.append(v["config"]["chosen"])
     lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S (each rep)':>30}{'pred/meas':>11}"]
@@ -312,8 +312,8 @@ def format_validation(v: dict) -> str:
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
                      f"{m['mean'] * ms:>12.2f} ({each}){'':>2}{ratio:>9}")
     if v["comparisons"]:
-        lines += ["", "saving vs stock, ms/token (95% interval; gate: low end >= "
-                      f"{v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)"]
+        lines += ["", ("saving vs stock, ms/token (95% interval; gate: low end >= "
+                       f"{v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)")]
         for x in v["comparisons"]:
             p, m, g = x["predicted_saving"], x["measured_saving"], x["gate"]
             sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")

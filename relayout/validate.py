@@ -257,6 +257,9 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
     else:
         src = o.container
         Container.open(src).require_clean()
+        if os.stat(src).st_dev != os.stat(o.path).st_dev:
+            notify(f"warning: {src} is not on the file system of {o.path}: its stock layout is measured where it is, the "
+                   "rewritten layouts under PATH")
         manifest_path = src / MANIFEST_NAME
         if not manifest_path.is_file():             # never written into the source: ours, in the work directory
             notify(f"{src} has no {MANIFEST_NAME}: hashing it once (kept in the work directory, the source is not modified)")
