@@ -7,8 +7,8 @@ string helpers); otherwise every call pays an atomic increment and decrement per
 ``STAGE`` is for the stages of one instance the loop calls (the weight jobs, the read plan, the
 reader pool, the prefetcher, serving one read): numba inlines them into the loop, so a call does
 not pass the hundreds of machine words its grouped arguments flatten to (numba passes a named
-tuple of arrays field by field). The replay benchmark models 1.2-1.8x the requests/s with them
-inlined (docs/BENCHMARKS.md); the first build takes about a second longer.
+tuple of arrays field by field). The replay benchmark models about 1.4-1.5x the requests/s with
+them inlined (docs/BENCHMARKS.md); the first build takes about a second longer.
 ``error_model="numpy"`` drops division-by-zero checks: every divisor is a validated size or rate.
 
 The first run on a machine compiles them (10-75 s, depending on the machine and its load);
