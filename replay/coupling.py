@@ -55,4 +55,9 @@ def top_targets(X: np.ndarray, max_targets: int) -> tuple[np.ndarray, np.ndarray
     E = X.shape[0]
     order = np.lexsort((np.tile(np.arange(X.shape[1]), (E, 1)), -X), axis=1)[:, :max_targets]
     counts = np.take_along_axis(X, order, axis=1).astype(np.int64)
-    return np.where(counts > 0, order, -1).astype(np.int64), counts
+    targets = np.where(counts > 0, order, -1).astype(np.int64)
+    pad = max_targets - targets.shape[1]       # fewer experts than targets asked for
+    if pad > 0:
+        targets = np.pad(targets, ((0, 0), (0, pad)), constant_values=-1)
+        counts = np.pad(counts, ((0, 0), (0, pad)))
+    return targets, counts

@@ -466,3 +466,13 @@ def test_a_first_compile_says_so_and_a_cached_run_says_nothing(capsys):
     with compile_notice():
         assert twice(4) == 8          # already compiled: silent
     assert capsys.readouterr().err == ""
+
+
+def test_top_targets_pads_when_a_layer_has_fewer_experts_than_targets():
+    from replay.coupling import top_targets
+
+    X = np.array([[0, 3, 1], [2, 0, 0], [0, 0, 0]])
+    targets, counts = top_targets(X, 5)
+    assert targets.shape == counts.shape == (3, 5)
+    assert targets[0].tolist() == [1, 2, -1, -1, -1] and counts[0].tolist() == [3, 1, 0, 0, 0]
+    assert targets[2].tolist() == [-1] * 5
