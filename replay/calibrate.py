@@ -3,12 +3,17 @@
 Reads of 4 KiB to 32 MiB at random aligned offsets, at queue depths 1 to 32 (one thread per
 outstanding request), each cell for a fixed time. The page cache is bypassed with O_DIRECT where
 the file system allows it, else the test file is evicted with ``posix_fadvise`` before each cell;
-the profile says which. The fit, for the single-drive model of :mod:`replay.device`:
+the profile says which. The fit, for the queue model of :mod:`replay.device` (a drive of ``Q``
+slots, per-request latency ``l(s) = a + s / b_1`` s, data channel ``B`` bytes/s):
 
-* ``bandwidth``: the median throughput of large (>= 4 MiB) reads over all queue depths (the best
-  cell overstates a drive that cannot sustain it);
-* ``request_seconds``: the 4 KiB latency at queue depth 1 minus its transfer time;
-* ``queue_slots``: 4 KiB IOPS at the deepest queue x ``request_seconds`` (Little's law).
+    X(s, q) = min(min(q, Q) * s / (a + s / b_1), B)                          [bytes/s]
+
+is fitted to every cell of the grid at once (:func:`fit_queue_model`): least squares on
+``log X`` over ``(a, b_1, B)`` for each integer ``Q`` from 1 to the deepest queue measured, the
+best ``Q`` kept (the largest among equals: a drive that never saturates its slots within the grid
+gets the deepest queue measured). The profile carries each cell's measured and fitted
+throughput and the relative error ``fitted / measured - 1``, and a summary (RMS and largest
+``|log(fitted / measured)|``), under ``calibration.fit``.
 
 PATH may be a file (read only) or a directory (a temporary test file is written there, fsynced,
 and removed afterwards).
@@ -126,12 +131,8 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     finally:
         if made is not None:
             made.unlink(missing_ok=True)
-    big = [c for c in cells if c.size >= 4 * 1024 * 1024]
-    bandwidth = float(np.median([c.throughput for c in big]))
-    small_qd1 = next(c for c in cells if c.size == SIZES[0] and c.depth == 1)
-    request_seconds = max(0.0, small_qd1.mean_latency - SIZES[0] / bandwidth)
-    deep = max((c for c in cells if c.size == SIZES[0]), key=lambda c: c.depth)
-    slots = int(np.clip(round(deep.iops * max(request_seconds, 1e-6)), 1, 256))
+    fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells])
+    a, b1, bandwidth, slots = fit["request_seconds"], fit["stream_bandwidth"], fit["bandwidth"], fit["queue_slots"]
     control = "O_DIRECT (page cache bypassed)" if direct else "posix_fadvise DONTNEED before each cell (O_DIRECT unavailable)"
     return {
         "name": name or f"calibrated-{target.name or 'device'}",
@@ -142,12 +143,77 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         "host_bandwidth": bandwidth,
         "direct_alignment": ALIGN,
         "page_cache_fraction": 0.0,
-        "drive": {"name": "calibrated", "request_seconds": request_seconds, "bandwidth": bandwidth, "queue_slots": slots},
+        "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
+                  "stream_bandwidth": b1},
         "calibration": {
             "cache_control": control,
             "cells": [{"size": c.size, "depth": c.depth, "requests": c.requests, "mean_latency_s": c.mean_latency,
-                       "throughput_Bps": c.throughput, "iops": c.iops} for c in cells],
+                       "throughput_Bps": c.throughput, "iops": c.iops, "fitted_Bps": f["fitted_Bps"], "error": f["error"]}
+                      for c, f in zip(cells, fit["cells"])],
+            "fit": {k: v for k, v in fit.items() if k != "cells"},
         },
+    }
+
+
+FIT_MODEL = "X(s, q) = min(min(q, Q) * s / (a + s / b_1), B) bytes/s; least squares on log X over every cell"
+
+
+def fit_queue_model(sizes, depths, throughput) -> dict:
+    """Fit the queue model (module docstring) to measured cells: ``sizes`` (bytes), ``depths``
+    (outstanding requests) and ``throughput`` (bytes/s), one entry per cell.
+
+    Returns ``request_seconds`` a (s), ``stream_bandwidth`` b_1 and ``bandwidth`` B (bytes/s),
+    ``queue_slots`` Q, and the fit's error: per cell (``cells``: size, depth, measured and
+    fitted bytes/s, ``error`` = fitted / measured - 1) and its summary (``rms_log_error``,
+    ``max_abs_log_error``: of ``log(fitted / measured)``; ``worst_cell``).
+    """
+    from scipy.optimize import least_squares
+
+    from .device import queue_throughput
+
+    s = np.asarray(sizes, dtype=float)
+    q = np.asarray(depths, dtype=float)
+    x = np.asarray(throughput, dtype=float)
+    ok = np.isfinite(x) & (x > 0)
+    if ok.sum() < 3:
+        raise InputError(None, "calibration measured fewer than three cells with any throughput: nothing to fit")
+    s_ok, q_ok, logx = s[ok], q[ok], np.log(x[ok])
+    small = s_ok == s_ok.min()
+    qd1 = q_ok == q_ok.min()
+    # a start: the smallest reads' latency at the shallowest queue, the best rate, the largest reads' QD1 rate
+    a0 = float(np.median(q_ok[small & qd1] * s_ok[small & qd1] / x[ok][small & qd1])) if (small & qd1).any() else 1e-4
+    B0 = float(x[ok].max())
+    big1 = qd1 & (s_ok == s_ok.max())
+    b0 = float(x[ok][big1].max()) if big1.any() else B0
+
+    def resid(theta, Q):
+        a, b1, B = np.exp(theta)
+        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok)) - logx
+
+    best = None
+    for Q in range(1, int(q_ok.max()) + 1):
+        runs = []
+        for start in ((a0, b0, B0), (a0 * 0.5, b0 * 0.5, B0), (a0, B0, B0), (a0 * 0.2, b0, B0 * 1.2)):
+            r = least_squares(resid, np.log(np.maximum(start, 1e-12)), args=(Q,), method="lm", xtol=1e-12, ftol=1e-12)
+            runs.append(r)
+        r = min(runs, key=lambda r: r.cost)
+        if best is None or r.cost <= best[0].cost * (1 + 1e-9) + 1e-15:
+            best = (r, Q)
+    r, Q = best
+    a, b1, B = (float(v) for v in np.exp(r.x))
+    b1 = min(b1, B)
+    fitted = queue_throughput(a, b1, B, Q, s, q)
+    err = np.where(ok, fitted / np.where(ok, x, 1.0) - 1, np.nan)
+    logerr = np.abs(np.log(fitted[ok] / x[ok]))
+    worst = int(np.flatnonzero(ok)[np.argmax(logerr)])
+    return {
+        "model": FIT_MODEL,
+        "request_seconds": a, "stream_bandwidth": b1, "bandwidth": B, "queue_slots": int(Q),
+        "rms_log_error": float(np.sqrt(np.mean(logerr ** 2))), "max_abs_log_error": float(logerr.max()),
+        "worst_cell": {"size": int(s[worst]), "depth": int(q[worst]), "error": float(err[worst])},
+        "cells": [{"size": int(si), "depth": int(qi), "measured_Bps": float(xi), "fitted_Bps": float(fi),
+                   "error": (float(ei) if np.isfinite(ei) else None)}
+                  for si, qi, xi, fi, ei in zip(s, q, x, fitted, err)],
     }
 
 

@@ -1,8 +1,29 @@
 """Storage devices: an NVMe drive, a RAID-0 array of them, and how a read is split across members.
 
-A **drive** serves a request with a fixed per-request cost (``request_seconds``: command,
-flash and completion latency) that overlaps across up to ``queue_slots`` outstanding requests,
-and a transfer at ``bandwidth`` bytes/s that does not overlap (one data channel per drive).
+A **drive** is a queue (issue 12). It holds at most ``Q = queue_slots`` requests at once; a
+request of ``s`` bytes that finds a free slot at time ``t0`` (s) is served in
+
+    l(s) = a + s / b_1                                   [s]
+
+with ``a = request_seconds`` (s: command, flash and completion latency) and
+``b_1 = stream_bandwidth`` (bytes/s: the rate one request streams at on its own), and its bytes
+also pass the drive's data channel of rate ``B = bandwidth`` (bytes/s), shared first come first
+served by the requests in the drive, each entering it once its latency ``a`` has passed:
+
+    channel_done = max(t0 + a, channel_free) + s / B
+    done         = max(t0 + l(s), channel_done)           [s]
+
+A request that finds all ``Q`` slots busy waits for the first to free. In steady state, ``q``
+outstanding requests of ``s`` bytes get the aggregate rate
+
+    X(s, q) = min(min(q, Q) * s / l(s), B)               [bytes/s]
+
+(:func:`queue_throughput`; ``relayout calibrate`` fits ``a, b_1, B, Q`` to it), so throughput
+rises with queue depth and request size up to the drive's limit: one 4 KiB request costs about
+``a``, ``Q / a`` bounds the IOPS at depth, and ``B / b_1`` outstanding large requests saturate
+the drive. Without ``stream_bandwidth`` (a profile from before issue 12) ``b_1 = B``: one request
+streams at the drive's full rate, and with ``Q`` large this is the old model (a request cost that
+overlaps, a transfer that does not). ``b_1`` above ``B`` is taken as ``B``.
 
 An **array** stripes a logical address space over ``members`` drives in chunks of
 ``chunk_bytes``. Two splitting rules (FACTS section 5):
@@ -40,12 +61,32 @@ APPLE = SPLIT_RULES.index("apple")
 
 @dataclass(frozen=True)
 class DriveProfile:
-    """One NVMe drive. Times in seconds, rates in bytes/s."""
+    """One NVMe drive as a queue (the module docstring's equations). Times in seconds, rates in bytes/s.
+
+    ``request_seconds`` a, ``bandwidth`` B (the drive's limit), ``queue_slots`` Q (requests served
+    at once, default 32), ``stream_bandwidth`` b_1 (one request's own rate; ``None``, the default
+    for profiles written before issue 12, means ``B``).
+    """
 
     name: str
     request_seconds: float
     bandwidth: float
     queue_slots: int = 32
+    stream_bandwidth: float | None = None
+
+    @property
+    def request_bandwidth(self) -> float:
+        """b_1 as the model uses it: ``stream_bandwidth``, ``bandwidth`` when unset, at most ``bandwidth``."""
+        return self.bandwidth if self.stream_bandwidth is None else min(self.stream_bandwidth, self.bandwidth)
+
+
+def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth):
+    """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding requests of ``size`` bytes on
+    one drive: ``min(min(q, Q) * s / (a + s / b_1), B)``. Broadcasts over ``size`` and ``depth``."""
+    size = np.asarray(size, dtype=float)
+    b1 = min(stream_bandwidth, bandwidth)
+    q = np.minimum(np.asarray(depth, dtype=float), queue_slots)
+    return np.minimum(q * size / (request_seconds + size / b1), bandwidth)
 
 
 @dataclass(frozen=True)
@@ -82,6 +123,9 @@ class ArrayProfile:
             raise InputError(self.name, "page_cache_fraction must be in [0, 1]")
         if self.drive.request_seconds < 0 or self.drive.bandwidth <= 0 or self.host_bandwidth <= 0 or self.drive.queue_slots < 1:
             raise InputError(self.name, "request cost must be >= 0, bandwidths and queue slots positive")
+        b1 = self.drive.stream_bandwidth
+        if b1 is not None and (isinstance(b1, bool) or not isinstance(b1, (int, float)) or not math.isfinite(b1) or b1 <= 0):
+            raise InputError(self.name, f"stream_bandwidth is {b1!r}, not a positive finite number (or null: = bandwidth)")
 
     @property
     def full_bandwidth(self) -> float:
@@ -100,9 +144,10 @@ def load_device(name_or_path: str) -> ArrayProfile:
     obj, where = load_shipped("devices", name_or_path, "device profile")
     try:
         obj = {k: v for k, v in obj.items() if k in ArrayProfile.__dataclass_fields__}
-        drive = DriveProfile(**obj.pop("drive"))
+        drive = obj.pop("drive")
+        drive = DriveProfile(**{k: v for k, v in drive.items() if k in DriveProfile.__dataclass_fields__})
         return ArrayProfile(drive=drive, **obj)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise InputError(where, f"not a valid device profile ({exc})") from None
 
 

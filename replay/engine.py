@@ -13,10 +13,17 @@ reader pool (with ``coalesce``, experts contiguous in one file share a job): its
 to 4 KiB) and its three buffered scale preads, executed in order by one worker. Workers take jobs
 in issue order (physical order); at each step the worker that is free earliest performs its next
 read, so reads reach the drives in time order. A read is split over the array's members
-(:func:`replay.device.split_read`); a member overlaps the per-request cost of up to
-``queue_slots`` requests but transfers large reads one at a time; small reads (up to
-``SMALL_READ_BYTES``) queue among themselves beside the large ones and delay them by their own
-transfer time; the host link caps the aggregate rate the same way.
+(:func:`replay.device.split_read`), and each member is a queue (:mod:`replay.device`): at most
+``Q = queue_slots`` requests at once, a request of ``s`` bytes that gets a slot at ``t0`` done at
+
+    done = max(t0 + a + s / b_1,  max(t0 + a, channel_free) + s / B)      [s]
+
+(``a`` request_seconds, ``b_1`` the rate one request streams at, ``B`` the drive's bandwidth, all
+per member), so ``q`` outstanding requests get ``X(s, q) = min(min(q, Q) s / (a + s / b_1), B)``
+bytes/s: extra queue depth (more workers, a prefetch thread beside the demand loads) turns into
+bandwidth up to the drive's limit, as on real NVMe. Small reads (up to ``SMALL_READ_BYTES``) pass
+a channel of their own beside the large ones and delay them by their own transfer time; the host
+link caps the aggregate rate the same way.
 
 The compute thread first runs the resident experts' matmuls, then, in issue order, waits for
 each missing expert and runs its matmul. Stall is the time it waits, measured on that critical
@@ -249,7 +256,7 @@ def device_numbers(device: ArrayProfile) -> Device:
     d = device.drive
     return Device(int(device.members), int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
                  float(d.request_seconds), float(d.bandwidth), int(d.queue_slots), float(device.host_bandwidth),
-                 float(device.full_bandwidth))
+                 float(device.full_bandwidth), float(d.request_bandwidth))
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

@@ -72,10 +72,12 @@ ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alig
 page-cache share of weight reads, 0-1); ``dense_seconds`` (per layer, before it is routed, s);
 ``prefetch`` (the source, an index into ``PREFETCH_SOURCES``) and ``prefetch_experts`` (its K)."""
 
-Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth")
+Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
+                               "stream_bandwidth")
 """A :class:`replay.device.ArrayProfile` as plain numbers (:func:`replay.engine.device_numbers`):
 ``members``, ``chunk`` (stripe bytes), ``rule`` (an index into ``SPLIT_RULES``); per drive
-``request_seconds`` (s), ``bandwidth`` (bytes/s) and ``queue_slots``; ``host_bandwidth`` and
+``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
+b_1 (bytes/s, at most B: :mod:`replay.device`'s queue model); ``host_bandwidth`` and
 ``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru scale_seen")
@@ -108,11 +110,12 @@ Reads = namedtuple("Reads", "addr length warm")
 Workers = namedtuple("Workers", "free job pos")
 """The reader pool [W]: each worker's free time (s), its job (-1 idle) and next read in it."""
 
-Drives = namedtuple("Drives", "free small_free host pieces nbytes member_bytes")
+Drives = namedtuple("Drives", "free small_free host pieces nbytes member_bytes slots")
 """The drives' state, carried between instances when a prefetch source runs. Per member [M]:
 the large-transfer and small-read channels' free times (s); ``host`` [2]: the host link's large
 and small channels' free times (s); ``pieces``, ``nbytes`` [M]: one read's split (scratch);
-``member_bytes`` [M]: bytes each member transferred over the whole replay."""
+``member_bytes`` [M]: bytes each member transferred over the whole replay; ``slots`` [M, Q]:
+when each of a member's queue slots frees (s)."""
 
 Prefetched = namedtuple("Prefetched", "ready nbytes experts score touched")
 """Prefetches made for the next instance. Per expert [E]: ``ready`` (in the next instance's
@@ -125,9 +128,10 @@ Work = namedtuple("Work", "miss jobs reads workers drives pending")
 
 
 @njit(**LOOP)
-def new_work(K, E, W, M):
+def new_work(K, E, W, M, Q):
     """Working arrays for batch unions of up to ``K`` experts out of ``E``, ``W`` workers and ``M``
-    array members (a job has at most three weight reads or one span, and three scale reads)."""
+    array members of ``Q`` queue slots (a job has at most three weight reads or one span, and three
+    scale reads)."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
                   np.empty(K, np.int64), np.empty(K, np.int64))
@@ -136,7 +140,7 @@ def new_work(K, E, W, M):
     reads = Reads(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.bool_))
     workers = Workers(np.empty(W), np.empty(W, np.int64), np.empty(W, np.int64))
     drives = Drives(np.zeros(M), np.zeros(M), np.zeros(2), np.empty(M, np.int64), np.empty(M, np.int64),
-                    np.zeros(M, np.int64))
+                    np.zeros(M, np.int64), np.zeros((M, Q)))
     pending = Prefetched(np.full(E, np.inf), np.zeros(E, np.int64), np.empty(PREFETCH_SLOTS, np.int64),
                          np.zeros(E, np.int64), np.empty(E, np.int64))
     return Work(miss, jobs, reads, workers, drives, pending)
@@ -159,7 +163,7 @@ def simulate_instances(inst, ram, table, lay, pol, dev, out):
     K = 1
     for i in range(len(sel_start) - 1):
         K = max(K, sel_start[i + 1] - sel_start[i])
-    _run(inst, ram, table, lay, pol, dev, new_work(K, lay.rank.shape[1], pol.workers, dev.members), out)
+    _run(inst, ram, table, lay, pol, dev, new_work(K, lay.rank.shape[1], pol.workers, dev.members, dev.queue_slots), out)
 
 
 @njit(**HELPER)
@@ -169,7 +173,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
     inst_fwd, inst_li, inst_session = inst.forward, inst.layer, inst.session
     I = len(inst.sel_start) - 1
     miss, jobs, reads, workers, drives, pending = work.miss, work.jobs, work.reads, work.workers, work.drives, work.pending
-    mfree, sfree, host, job_done = drives.free, drives.small_free, drives.host, jobs.done
+    mfree, sfree, host, job_done, slots = drives.free, drives.small_free, drives.host, jobs.done, drives.slots
     pf_ready, pf_list = pending.ready, pending.experts
     lru, res, usage = ram.lru, out.instance, out.device
     pf_for = -1                                  # the instance the pending prefetches are for
@@ -193,6 +197,8 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         if pol.prefetch == 0:
             for m in range(dev.members):
                 mfree[m], sfree[m] = 0.0, 0.0
+                for q in range(dev.queue_slots):
+                    slots[m, q] = 0.0
             host[0], host[1] = 0.0, 0.0
             continue
         # the prefetcher starts once this layer's demand loads, and its own previous load, are done
@@ -208,6 +214,8 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             pf_for = i + 1
         for m in range(dev.members):           # the drives' state, in the next instance's clock
             mfree[m], sfree[m] = max(mfree[m] - next_at, 0.0), max(sfree[m] - next_at, 0.0)
+            for q in range(dev.queue_slots):
+                slots[m, q] = max(slots[m, q] - next_at, 0.0)
         host[0], host[1] = max(host[0] - next_at, 0.0), max(host[1] - next_at, 0.0)
     for m in range(dev.members):
         usage.transfer_seconds[m] = drives.member_bytes[m] / dev.bandwidth
@@ -475,32 +483,52 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
     """Serve one read of ``n`` bytes at logical address ``addr`` issued at ``t`` (s); returns its
     completion time (s).
 
-    The read is split over the members. A member overlaps the per-request cost of up to
-    ``queue_slots`` requests but transfers large reads one at a time; small reads (up to
-    ``SMALL_READ_BYTES``) queue among themselves beside the large ones and delay them by their own
-    transfer time. The host link (``drives.host``: large, small channel free times) caps the
-    aggregate rate the same way. A warm read costs memory time only. Bytes go into
-    ``drives.member_bytes``, requests and residence (s) into ``usage``.
+    The read is split over the members; a member's share is ``pieces`` requests of equal size
+    ``s``, each served as :mod:`replay.device` states: it takes the queue slot that frees first
+    (at ``t`` or later: ``t0``), its bytes pass the member's data channel at ``bandwidth`` after
+    its latency ``request_seconds`` (``channel = max(t0 + a, channel) + s / B``), and it completes
+    at ``max(t0 + a + s / b_1, channel)``. Small reads (up to ``SMALL_READ_BYTES``) use a channel
+    of their own beside the large transfers and delay them by their own transfer time. The host
+    link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
+    A warm read costs memory time only. Bytes go into ``drives.member_bytes``, requests and
+    residence (s) into ``usage``.
     """
     if warm:
         return t + n / MEMORY_BANDWIDTH
     pieces, nbytes, mfree, sfree, host = drives.pieces, drives.nbytes, drives.free, drives.small_free, drives.host
+    slots = drives.slots
     split_read(addr, n, dev.members, dev.chunk, dev.rule, pieces, nbytes)
     small = n <= SMALL_READ_BYTES
+    a, Q = dev.request_seconds, dev.queue_slots
     done = -np.inf
     for m in range(dev.members):
         drives.member_bytes[m] += nbytes[m]
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
-            xfer = nbytes[m] / dev.bandwidth
-            ready = t + dev.request_seconds * np.ceil(pieces[m] / dev.queue_slots)
-            mdone = max(ready, sfree[m] if small else mfree[m]) + xfer
+            size = nbytes[m] / pieces[m]
+            xfer = size / dev.bandwidth
+            serve = a + size / dev.stream_bandwidth
+            chan = sfree[m] if small else mfree[m]
+            mdone = t
+            for _ in range(pieces[m]):
+                q, t0 = 0, slots[m, 0]           # the slot that frees first (any free one will do)
+                if t0 > t:
+                    for r in range(1, Q):
+                        if slots[m, r] < t0:
+                            q, t0 = r, slots[m, r]
+                            if t0 <= t:
+                                break
+                t0 = max(t0, t)
+                chan = max(t0 + a, chan) + xfer
+                d = max(t0 + serve, chan)
+                slots[m, q] = d
+                mdone = max(mdone, d)
             usage.residence_seconds[m] += mdone - t
             if small:
-                mfree[m] += xfer
-                sfree[m] = mdone
+                mfree[m] += nbytes[m] / dev.bandwidth
+                sfree[m] = chan
             else:
-                mfree[m] = mdone
+                mfree[m] = chan
             done = max(done, mdone)
     xfer = n / dev.host_bandwidth
     if small:

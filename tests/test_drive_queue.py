@@ -1,0 +1,145 @@
+"""Drives as queues (issue 12): queue depth turns into bandwidth, queue slots serialise, the
+calibration fit recovers the model's own parameters."""
+
+import json
+
+import numpy as np
+import pytest
+
+from containers.layout import Layout
+from replay.calibrate import DEPTHS, SIZES, fit_queue_model
+from replay.config import RuntimeConfig
+from replay.device import ArrayProfile, DriveProfile, load_device, queue_throughput
+from replay.engine import simulate
+from replay.trace import RoutingTrace
+
+NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
+MIB = 1 << 20
+
+
+def drive(a, b1, bw, slots, host=1e15):
+    return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1), 1, 0, "none", host)
+
+
+def layout(E, wbytes=(MIB // 4, MIB // 4, MIB // 2)):
+    """One file, per expert three adjacent weights (one read of their sum) and empty scales."""
+    loc = np.zeros((1, E, 6, 3), dtype=np.int64)
+    off = 4096
+    for e in range(E):
+        for slot, n in enumerate(list(wbytes) + [0, 0, 0]):
+            loc[0, e, slot] = (0, off, n)
+            off += n
+    return Layout(["f.safetensors"], [off], [3], E, loc, 4096)
+
+
+def one_forward(experts, E):
+    """One forward, one position selecting ``experts`` (all of them misses with no cache)."""
+    k = len(experts)
+    return RoutingTrace(
+        layers=np.array([3], dtype=np.int16), n_experts=E, top_k=k, geometry="test", sessions=["s0"],
+        row_forward=np.zeros(1, np.int32), row_layer=np.full(1, 3, np.int16), row_position=np.zeros(1, np.int32),
+        experts=np.array([experts], dtype=np.int16), gates=np.full((1, k), np.nan, dtype=np.float32),
+        fwd_session=np.zeros(1, np.int32), fwd_kind=np.zeros(1, np.int8), fwd_evaluated=np.ones(1, np.int32),
+        fwd_committed=np.ones(1, np.int32))
+
+
+def stall(device, E, experts, workers):
+    inst, _ = simulate(one_forward(experts, E), np.ones(1, bool), layout(E), device,
+                       RuntimeConfig(workers=workers, **NO_COMPUTE))
+    return float(inst.stall[0])
+
+
+def test_more_outstanding_requests_give_more_throughput_up_to_the_drive_limit():
+    """Zero request cost, one request streams at a quarter of the drive's rate: 1, 2, 4 workers
+    scale the rate, 8 get no more than the drive's limit."""
+    B, b1, E = 1e9, 0.25e9, 32
+    dev = drive(0.0, b1, B, 32)
+    total = E * MIB
+    s = {w: stall(dev, E, list(range(E)), w) for w in (1, 2, 4, 8)}
+    assert s[1] == pytest.approx(total / b1, rel=1e-9)         # one at a time, each at b1
+    assert s[2] == pytest.approx(total / (2 * b1), rel=1e-9)
+    assert s[4] == pytest.approx(total / B, rel=1e-9)          # 4 x b1 = B: the limit
+    assert s[8] == pytest.approx(total / B, rel=1e-9)          # no more than the limit
+    assert s[1] > s[2] > s[4]
+    # the old model's assumption (one request at the full rate) is the case b_1 = B: depth buys nothing
+    old = drive(0.0, None, B, 32)
+    assert stall(old, E, list(range(E)), 1) == pytest.approx(stall(old, E, list(range(E)), 8), rel=1e-9)
+
+
+def test_one_queue_slot_serialises_requests():
+    """Two parallel misses of 1 MiB on a drive with headroom (2 b_1 <= B): with two slots both are
+    served at once, l = a + s / b_1; with one the second waits for the first, 2 l."""
+    a, b1, B = 1e-4, 0.25e9, 1e9
+    lat = a + MIB / b1
+    assert stall(drive(a, b1, B, 2), 4, [0, 1], 2) == pytest.approx(lat, rel=1e-6)
+    assert stall(drive(a, b1, B, 32), 4, [0, 1], 2) == pytest.approx(lat, rel=1e-6)
+    assert stall(drive(a, b1, B, 1), 4, [0, 1], 2) == pytest.approx(2 * lat, rel=1e-6)
+
+
+def test_queue_slots_bound_the_rate_of_small_requests():
+    """Many workers, small requests, a data channel that never binds: the rate is exactly Q requests
+    per l(s), the steady-state equation."""
+    a, b1, B, E, W = 1e-4, 2e9, 1e12, 64, 16
+    wbytes = (4096, 4096, 8192)
+    s = sum(wbytes)
+    for Q in (1, 4, 8):
+        dev = drive(a, b1, B, Q)
+        inst, _ = simulate(one_forward(list(range(E)), E), np.ones(1, bool), layout(E, wbytes), dev,
+                           RuntimeConfig(workers=W, **NO_COMPUTE))
+        rate = E * s / float(inst.stall[0])
+        assert rate == pytest.approx(float(queue_throughput(a, b1, B, Q, s, W)), rel=1e-6)
+
+
+def test_event_model_matches_the_steady_state_equation():
+    """Closed loop of W workers on 1 MiB reads: the simulated rate is X(s, W) of replay.device,
+    within the start-up of the last round."""
+    a, b1, B, E = 1e-4, 0.5e9, 1.6e9, 64
+    for W, Q in ((1, 32), (2, 32), (3, 32), (8, 32), (8, 2)):
+        got = E * MIB / stall(drive(a, b1, B, Q), E, list(range(E)), W)
+        want = float(queue_throughput(a, b1, B, Q, MIB, W))
+        assert got == pytest.approx(want, rel=0.05), (W, Q)
+
+
+def test_fit_recovers_the_parameters_of_a_grid_the_model_generated():
+    sizes = np.array([s for s in SIZES for _ in DEPTHS])
+    depths = np.array([d for _ in SIZES for d in DEPTHS])
+    for a, b1, B, Q in ((67e-6, 2.0e9, 3.5e9, 32), (1e-4, 1.2e9, 3.0e9, 12), (2e-4, 0.8e9, 2.0e9, 3)):
+        x = queue_throughput(a, b1, B, Q, sizes, depths)
+        fit = fit_queue_model(sizes, depths, x)
+        assert fit["queue_slots"] == Q
+        assert fit["request_seconds"] == pytest.approx(a, rel=1e-4)
+        assert fit["stream_bandwidth"] == pytest.approx(b1, rel=1e-4)
+        assert fit["bandwidth"] == pytest.approx(B, rel=1e-4)
+        assert fit["max_abs_log_error"] < 1e-6
+        assert len(fit["cells"]) == len(SIZES) * len(DEPTHS)
+        # with 3% noise per cell the parameters stay within 10% and each cell's error is reported
+        rng = np.random.default_rng(1)
+        noisy = x * np.exp(rng.normal(0, 0.03, len(x)))
+        fit = fit_queue_model(sizes, depths, noisy)
+        assert fit["request_seconds"] == pytest.approx(a, rel=0.1)
+        assert fit["bandwidth"] == pytest.approx(B, rel=0.1)
+        assert fit["stream_bandwidth"] == pytest.approx(b1, rel=0.1)
+        errs = np.array([c["error"] for c in fit["cells"]])
+        assert np.allclose(errs, np.array([c["fitted_Bps"] for c in fit["cells"]]) / noisy - 1)
+
+
+def test_a_profile_without_the_queue_fields_loads_with_the_documented_default(tmp_path):
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps({"name": "old", "members": 1, "chunk_bytes": 0, "split_rule": "none",
+                             "host_bandwidth": 3e9, "drive": {"name": "d", "request_seconds": 1e-4, "bandwidth": 2e9}}))
+    dev = load_device(str(p))
+    assert dev.drive.stream_bandwidth is None and dev.drive.request_bandwidth == 2e9 and dev.drive.queue_slots == 32
+
+
+def test_shipped_profiles_model_a_queue_depth_dependent_drive():
+    """FACTS section 5: 4 KiB at QD1 about 67-80 us, 370-500 K IOPS at depth, 3.5 GB/s large reads at depth,
+    3-4 outstanding 128 KiB reads saturate a drive."""
+    for name in ("single-nvme", "linux-md-raid0-4x", "mac-pro-2019-applraid-4x"):
+        d = load_device(name).drive
+        x = lambda s, q: float(queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots, s, q))
+        assert 60e-6 <= 4096 / x(4096, 1) <= 110e-6
+        assert 370e3 <= x(4096, 32) / 4096 <= 500e3
+        assert x(32 * MIB, 32) == pytest.approx(3.5e9)
+        assert x(32 * MIB, 1) < 0.8 * d.bandwidth               # one request does not saturate the drive
+        assert x(128 * 1024, 4) == pytest.approx(3.5e9)
+        assert x(128 * 1024, 2) < 3.5e9
