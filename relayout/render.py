@@ -176,13 +176,26 @@ def format_sweep(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 def format_calibration(profile: dict) -> str:
+    """A calibration: each (size, queue depth) cell measured and as the fitted queue model gives it."""
     d = profile["drive"]
-    lines = [f"{'size':>10}{'QD':>5}{'latency us':>12}{'MB/s':>10}{'IOPS':>10}"]
-    for c in profile["calibration"]["cells"]:
-        lines.append(f"{c['size']:>10}{c['depth']:>5}{c['mean_latency_s'] * 1e6:>12.1f}{c['throughput_Bps'] / 1e6:>10.1f}{c['iops']:>10.0f}")
-    lines.append(f"fit: request cost {d['request_seconds'] * 1e6:.1f} us, bandwidth {d['bandwidth'] / 1e9:.2f} GB/s, "
-                 f"queue slots {d['queue_slots']}; {profile['calibration']['cache_control']}")
+    cal = profile["calibration"]
+    lines = [f"{'size':>10}{'QD':>5}{'latency us':>12}{'MB/s':>10}{'IOPS':>10}{'fitted MB/s':>13}{'fit error':>11}"]
+    for c in cal["cells"]:
+        fitted = c.get("fitted_Bps")
+        err = c.get("error")
+        lines.append(f"{c['size']:>10}{c['depth']:>5}{c['mean_latency_s'] * 1e6:>12.1f}{c['throughput_Bps'] / 1e6:>10.1f}"
+                     f"{c['iops']:>10.0f}{'n/a' if fitted is None else f'{fitted / 1e6:.1f}':>13}"
+                     f"{'n/a' if err is None else f'{err:+.0%}':>11}")
+    b1 = d.get("stream_bandwidth", d["bandwidth"])
+    lines.append(f"fit: request cost {d['request_seconds'] * 1e6:.1f} us, one request reads at {b1 / 1e9:.2f} GB/s, the drive at "
+                 f"most {d['bandwidth'] / 1e9:.2f} GB/s, queue slots {d['queue_slots']}; {cal['cache_control']}")
+    fit = cal.get("fit")
+    if fit:
+        w = fit["worst_cell"]
+        lines.append(f"fit error |log(fitted/measured)|: RMS {fit['rms_log_error']:.2f}, worst {fit['max_abs_log_error']:.2f} "
+                     f"({w['size']} B at QD {w['depth']}: {w['error']:+.0%})")
     return "\n".join(lines)
+
 
 def format_report(r: dict) -> str:
     """A STALL_TRACE report (``Report.to_json()``): a row per run, S pooled per configuration,
