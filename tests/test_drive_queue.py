@@ -143,3 +143,20 @@ def test_shipped_profiles_model_a_queue_depth_dependent_drive():
         assert x(32 * MIB, 1) < 0.8 * d.bandwidth               # one request does not saturate the drive
         assert x(128 * 1024, 4) == pytest.approx(3.5e9)
         assert x(128 * 1024, 2) < 3.5e9
+
+
+def test_the_calibration_table_shows_each_cells_fit_error():
+    from relayout.render import format_calibration
+
+    sizes = [s for s in SIZES for _ in DEPTHS]
+    depths = [d for _ in SIZES for d in DEPTHS]
+    x = [float(queue_throughput(60e-6, 1.5e9, 3e9, 8, s, q)) * (1.1 if (s, q) == (4096, 1) else 1.0) for s, q in zip(sizes, depths)]
+    fit = fit_queue_model(sizes, depths, x)
+    cells = [{"size": c["size"], "depth": c["depth"], "mean_latency_s": 1e-4, "throughput_Bps": c["measured_Bps"], "iops": 1.0,
+              "fitted_Bps": c["fitted_Bps"], "error": c["error"]} for c in fit["cells"]]
+    profile = {"drive": {"request_seconds": fit["request_seconds"], "bandwidth": fit["bandwidth"],
+                         "stream_bandwidth": fit["stream_bandwidth"], "queue_slots": fit["queue_slots"]},
+               "calibration": {"cache_control": "test", "cells": cells, "fit": {k: v for k, v in fit.items() if k != "cells"}}}
+    text = format_calibration(profile)
+    assert "fit error" in text and "fitted MB/s" in text and "one request reads at" in text
+    assert len(text.splitlines()) == len(SIZES) * len(DEPTHS) + 3
