@@ -8,9 +8,12 @@ that does carry over: the RAM tiers (pinned store, per-layer LRU, :mod:`replay.r
 scale pages the OS already caches, and, with a prefetch source, the drives.
 
 **One instance.** Time 0 is when routing is known. Every missing expert becomes a *job* for the
-reader pool (with ``coalesce``, experts contiguous in one file share a job): its weight read(s)
-(one pread when the three weight tensors are byte-adjacent, three when not; O_DIRECT widens them
-to 4 KiB) and its three buffered scale preads, executed in order by one worker. Workers take jobs
+reader pool (with ``coalesce``, experts contiguous in one file share a job, their one read never
+over ``coalesce_max_bytes``): its weight read(s) (one pread when the three weight tensors are
+byte-adjacent, three when not; O_DIRECT widens them to the device's alignment) and its three
+buffered scale preads, executed in order by one worker. These reads are planned by
+:func:`replay.readplan.plan_layer`, the one function the harness (:mod:`replay.measure`) also
+plans its real reads with. Workers take jobs
 in issue order (physical order); at each step the worker that is free earliest performs its next
 read, so reads reach the drives in time order. A read is split over the array's members
 (:func:`replay.device.split_read`), and each member is a queue (:mod:`replay.device`): at most

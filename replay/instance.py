@@ -33,6 +33,7 @@ from numba import njit
 from .device import split_read
 from .jit import HELPER, LOOP, STAGE
 from .prefetch import predict_next
+from .readplan import WEIGHT, ReadPlan, plan_layer
 from .runtime import lru_add, lru_start, lru_touch
 
 MEMORY_BANDWIDTH = 10e9
@@ -91,12 +92,12 @@ CouplingTable = namedtuple("CouplingTable", "targets counts")
 
 # ------------------------------------------------------------------------ per-call working arrays
 
-Misses = namedtuple("Misses", "expert top comp first ready lookup wlen sbytes new_job wjob sjob")
+Misses = namedtuple("Misses", "expert top comp first ready lookup wlen sbytes skip wjob sjob")
 """One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
 resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (its
 first access in the session: its scales are not yet in the page cache); ``ready`` (>= 0: a
 prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` (weight bytes
-it reads); ``sbytes`` (its scale bytes); ``new_job`` (it starts a new weight job); ``wjob``,
+it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
 ``sjob`` (the jobs carrying its weights and its scales). ``lookup``: the misses in lookup
 order, for the LRU."""
 
@@ -122,9 +123,13 @@ Prefetched = namedtuple("Prefetched", "ready nbytes experts score touched")
 clock, s; inf: none), ``nbytes`` (expert bytes). ``experts`` [64]: the list, in load order.
 ``score``, ``touched`` [E]: the predictor's scratch (:func:`replay.prefetch.predict_next`)."""
 
-Work = namedtuple("Work", "miss jobs reads workers drives pending")
+Single = namedtuple("Single", "expert skip top wlen")
+"""One prefetch load as :func:`replay.readplan.plan_layer` takes it: arrays [1]."""
+
+Work = namedtuple("Work", "miss jobs reads workers drives pending plan single")
 """Every working array of one :func:`simulate_instances` call: :class:`Misses`, :class:`Jobs`,
-:class:`Reads`, :class:`Workers`, :class:`Drives`, :class:`Prefetched`."""
+:class:`Reads`, :class:`Workers`, :class:`Drives`, :class:`Prefetched`, the read plan
+(:data:`replay.readplan.ReadPlan`) and :class:`Single`."""
 
 
 @njit(**LOOP)
@@ -143,7 +148,11 @@ def new_work(K, E, W, M, Q):
                     np.zeros(M, np.int64), np.zeros((M, Q)))
     pending = Prefetched(np.full(E, np.inf), np.zeros(E, np.int64), np.empty(PREFETCH_SLOTS, np.int64),
                          np.zeros(E, np.int64), np.empty(E, np.int64))
-    return Work(miss, jobs, reads, workers, drives, pending)
+    R = max(6 * K, 6)
+    plan = ReadPlan(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64),
+                    np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64))
+    single = Single(np.empty(1, np.int64), np.zeros(1, np.bool_), np.empty(1, np.bool_), np.empty(1, np.int64))
+    return Work(miss, jobs, reads, workers, drives, pending, plan, single)
 
 
 # ------------------------------------------------------------------------------------- the loop
@@ -173,6 +182,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
     inst_fwd, inst_li, inst_session = inst.forward, inst.layer, inst.session
     I = len(inst.sel_start) - 1
     miss, jobs, reads, workers, drives, pending = work.miss, work.jobs, work.reads, work.workers, work.drives, work.pending
+    plan = work.plan
     mfree, sfree, host, job_done, slots = drives.free, drives.small_free, drives.host, jobs.done, drives.slots
     pf_ready, pf_list = pending.ready, pending.experts
     lru, res, usage = ram.lru, out.instance, out.device
@@ -190,8 +200,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             pf_ready[pf_list[p]] = np.inf
         n_jobs, end = 0, resident
         if k > 0:
-            _weight_jobs(li, k, miss, lay, pol)
-            n_jobs = _plan_reads(i, li, k, miss, lay, pol, jobs, reads, res)
+            n_jobs = _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res)
             _reader_pool(n_jobs, pol.workers, jobs, reads, workers, dev, drives, usage)
             end = _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out)
         if pol.prefetch == 0:
@@ -210,7 +219,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         if i + 1 < I and inst_fwd[i + 1] == inst_fwd[i] and inst_li[i + 1] == li + 1:
             lru_start(lru, li + 1, inst_session[i])
             pf_n = _prefetch(i, li + 1, inst_session[i], start, next_at, inst, table, ram, lay, pol, dev, pending,
-                             reads, drives, out)
+                             plan, work.single, reads, drives, out)
             pf_for = i + 1
         for m in range(dev.members):           # the drives' state, in the next instance's clock
             mfree[m], sfree[m] = max(mfree[m] - next_at, 0.0), max(sfree[m] - next_at, 0.0)
@@ -300,104 +309,57 @@ def _selected(e, sel_e, a, b):
     return False
 
 
-@njit(**HELPER)
-def _one_extent(adjacent, e, top):
-    """An expert's weights are read as one extent: byte-adjacent, or only its bottom segment."""
-    return adjacent[e] or top
-
-
 @njit(**STAGE)
-def _weight_jobs(li, k, miss, lay, pol):
-    """Weight bytes per miss (``miss.wlen``), and which misses start a new weight job (``miss.new_job``).
+def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
+    """The reader pool's jobs and their reads, in issue order, as :func:`replay.readplan.plan_layer`
+    plans them (the harness executes the same plan); returns the number of jobs.
 
-    Without coalescing every miss is a job. With it, runs of one-extent experts contiguous in one
-    file (gap <= ``gap_bytes``) share a job, cut every ``span_bytes`` from the run's start. A miss
-    whose prefetch is in flight is no job and ends a run.
-    """
-    adjacent, wbytes, pos_file, pos_off = lay.adjacent[li], lay.wbytes[li], lay.pos_file[li], lay.pos_off[li]
-    miss_e, miss_top, miss_ready, wlen, new_job = miss.expert, miss.top, miss.ready, miss.wlen, miss.new_job
-    keep_top = 1.0 - lay.top_fraction[li]
-    run_start = 0
-    prev_chunk = -1
-    for p in range(k):
-        e = miss_e[p]
-        wlen[p] = np.int64(np.ceil(wbytes[e] * (keep_top if miss_top[p] else 1.0)))
-        start = pos_off[e]
-        brk = True
-        if pol.coalesce and p > 0 and miss_ready[p] < 0 and miss_ready[p - 1] < 0:
-            f = miss_e[p - 1]
-            if (_one_extent(adjacent, e, miss_top[p]) and _one_extent(adjacent, f, miss_top[p - 1])
-                    and pos_file[e] == pos_file[f]):
-                gap = start - (pos_off[f] + wlen[p - 1])
-                brk = not (0 <= gap <= pol.gap_bytes)
-        if brk:
-            run_start = start
-        chunk = (max(start + wlen[p] - run_start, 1) - 1) // pol.span_bytes
-        new_job[p] = brk or chunk != prev_chunk
-        prev_chunk = chunk
-
-
-@njit(**STAGE)
-def _plan_reads(i, li, k, miss, lay, pol, jobs, reads, res):
-    """The reader pool's jobs and their reads, in issue order; returns the number of jobs.
-
-    A weight job of several experts reads their span once; a job of one expert reads its extent,
-    or its three weight tensors when they are not adjacent. Each expert's three buffered scale
-    preads follow in the same job, or, with coalescing, in a job of their own queued right after,
-    so other workers take them. Scales go to the drives only on the expert's first access in the
+    Fills ``miss.wlen``, ``miss.sbytes`` and the jobs carrying each miss's weights and scales
+    (``miss.wjob``, ``miss.sjob``; -1 for a miss whose prefetch is in flight). Weight reads are
+    O_DIRECT-widened here. Scales go to the drives only on the expert's first access in the
     session; otherwise they, like warm weight reads, cost memory time at the end of their job. A
     job left with no drive read keeps one empty warm read to carry it. Reads and bytes read
     (O_DIRECT-widened weights, whole scales) go into ``res`` (the instance outputs).
     """
-    adjacent, pos_file, pos_off, wloc = lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wloc[li]
-    sloc, bases = lay.sloc[li], lay.bases
-    miss_e, miss_top, wlen, new_job, sbytes, wjob, sjob = miss.expert, miss.top, miss.wlen, miss.new_job, miss.sbytes, miss.wjob, miss.sjob
+    miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
+    for p in range(k):
+        skip[p] = miss.ready[p] >= 0
+        wjob[p], sjob[p], sbytes[p] = -1, -1, 0
+    n_plan, n_jobs = plan_layer(miss_e, k, skip, miss.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
+                                lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
+                                pol.coalesce, pol.gap_bytes, pol.span_bytes, miss.wlen, plan)
+    bases = lay.bases
     job_read, job_tail = jobs.first_read, jobs.tail
-    keep_top = 1.0 - lay.top_fraction[li]
-    n_jobs, n_reads = 0, 0
-    n_weight, read_bytes = 0, 0
-    p = 0
-    while p < k:
-        q = p + 1
-        while q < k and not new_job[q]:
-            q += 1
-        e = miss_e[p]
-        if miss.ready[p] >= 0:                   # its prefetch is in flight: nothing to read
-            wjob[p], sjob[p], sbytes[p] = -1, -1, 0
-            p = q
-            continue
-        job = n_jobs
-        n_jobs += 1
-        job_read[job] = n_reads
-        wtail = 0.0
-        three = q - p == 1 and not _one_extent(adjacent, e, miss_top[p])
-        for t in range(3 if three else 1):
-            if three:
-                file, off, n = wloc[e, t, 0], wloc[e, t, 1], wloc[e, t, 2]
-            else:   # the span of a merged job, or one expert's extent
-                file, off, n = pos_file[e], pos_off[e], pos_off[miss_e[q - 1]] + wlen[q - 1] - pos_off[e]
-            n_reads, wtail, n = _weight_read(file, off, n, bases, pol, n_reads, wtail, reads)
-            n_weight += 1
-            read_bytes += n
-        if pol.coalesce:
-            job_tail[job] = wtail
-            n_reads = _close_job(job, job_read, n_reads, reads)
-        for r in range(p, q):
-            wjob[r] = job
-            if pol.coalesce:
-                job = n_jobs
-                n_jobs += 1
-                job_read[job] = n_reads
-            sjob[r] = job
-            n_reads, stail, sbytes[r] = _scale_reads(sloc, miss_e[r], keep_top if miss_top[r] else 1.0, miss.first[r],
-                                                     bases, n_reads, reads)
-            read_bytes += sbytes[r]
-            n_weight += 3
-            job_tail[job] = stail if pol.coalesce else stail + wtail
-            n_reads = _close_job(job, job_read, n_reads, reads)
-        p = q
+    n_reads, read_bytes = 0, 0
+    job, wtail, warm_scales, has_warm_scales = -1, 0.0, 0, False
+    for r in range(n_plan):
+        if plan.job[r] != job:
+            if job >= 0:
+                job_tail[job] = wtail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
+                n_reads = _close_job(job, job_read, n_reads, reads)
+            job = plan.job[r]
+            job_read[job] = n_reads
+            wtail, warm_scales, has_warm_scales = 0.0, 0, False
+        f, n, a = plan.file[r], plan.length[r], plan.first[r]
+        if plan.kind[r] == WEIGHT:
+            n_reads, wtail, n = _weight_read(f, plan.offset[r], n, bases, pol, n_reads, wtail, reads)
+            for m in range(a, plan.last[r] + 1):
+                wjob[m] = job
+        else:
+            sjob[a] = job
+            sbytes[a] += n
+            if miss.first[a]:
+                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], n, False
+                n_reads += 1
+            else:
+                warm_scales += n
+                has_warm_scales = True
+        read_bytes += n
+    if job >= 0:
+        job_tail[job] = wtail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
+        n_reads = _close_job(job, job_read, n_reads, reads)
     job_read[n_jobs] = n_reads
-    res.reads[i] = n_weight
+    res.reads[i] = n_plan
     res.read_bytes[i] = read_bytes
     return n_jobs
 
@@ -415,23 +377,6 @@ def _weight_read(file, off, n, bases, pol, n_reads, wtail, reads):
         return n_reads, wtail + n / MEMORY_BANDWIDTH, n
     reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = addr, n, False
     return n_reads + 1, wtail, n
-
-
-@njit(**HELPER)
-def _scale_reads(sloc, e, keep, first, bases, n_reads, reads):
-    """Queue expert ``e``'s three scale preads (extents ``sloc[e]`` [3, (file, offset, bytes)], the
-    share ``keep`` of them still to read) if this is its first access in the session.
-
-    Returns the new read count, the page-cache time when they are warm (s), and their bytes.
-    """
-    total = 0
-    for t in range(3):
-        n = np.int64(np.ceil(sloc[e, t, 2] * keep))
-        total += n
-        if first:
-            reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[sloc[e, t, 0]] + sloc[e, t, 1], n, False
-            n_reads += 1
-    return n_reads, 0.0 if first else total / MEMORY_BANDWIDTH, total
 
 
 @njit(**HELPER)
@@ -581,7 +526,8 @@ def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
 
 
 @njit(**STAGE)
-def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, pending, reads, drives, out):
+def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, pending, plan, single, reads, drives,
+              out):
     """The prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs.
 
     It predicts up to K experts (:func:`replay.prefetch.predict_next`), skips those already in
@@ -595,11 +541,10 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     pf_list = pending.experts
     n = predict_next(pol.prefetch, i, li - 1, inst.sel_start, inst.sel_e, inst.sel_mult, table.targets, table.counts,
                      pol.prefetch_experts, pending.score, pending.touched, pf_list)
-    adjacent, pos_file, pos_off, wloc = lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wloc[li]
-    sloc, bases, wbytes = lay.sloc[li], lay.bases, lay.wbytes[li]
     lru, seen = ram.lru, ram.scale_seen
     res, pf = out.instance, out.prefetch
     keep_top = 1.0 - lay.top_fraction[li]
+    bases = lay.bases
     t = start
     loaded = 0
     for p in range(n):
@@ -608,24 +553,29 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
             continue
         if t >= deadline:
             break
-        top = lay.top_resident[li, e]
-        n_reads, tail, total = 0, 0.0, 0
-        if _one_extent(adjacent, e, top):
-            n_reads, tail, nb = _weight_read(pos_file[e], pos_off[e], np.int64(np.ceil(wbytes[e] * (keep_top if top else 1.0))),
-                                             bases, pol, n_reads, tail, reads)
-            total += nb
-        else:
-            for x in range(3):
-                n_reads, tail, nb = _weight_read(wloc[e, x, 0], wloc[e, x, 1], wloc[e, x, 2], bases, pol, n_reads, tail,
-                                                 reads)
-                total += nb
-        n_reads, stail, sb = _scale_reads(sloc, e, keep_top if top else 1.0, seen[li, e] != session, bases, n_reads, reads)
+        single.expert[0], single.top[0] = e, lay.top_resident[li, e]
+        n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, keep_top, lay.adjacent[li], lay.pos_file[li],
+                               lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1, single.wlen,
+                               plan)
+        first = seen[li, e] != session
         seen[li, e] = session
-        res.reads[i] += (1 if _one_extent(adjacent, e, top) else 3) + 3
-        res.read_bytes[i] += total + sb
+        n_reads, tail, warm_scales, has_warm_scales, total = 0, 0.0, 0, False, 0
+        for r in range(n_plan):
+            f, nb = plan.file[r], plan.length[r]
+            if plan.kind[r] == WEIGHT:
+                n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
+            elif first:
+                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], nb, False
+                n_reads += 1
+            else:
+                warm_scales += nb
+                has_warm_scales = True
+            total += nb
+        res.reads[i] += n_plan
+        res.read_bytes[i] += total
         for r in range(n_reads):
             t = _serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, out.device)
-        t += tail + stail
+        t += tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
         pending.ready[e] = t - deadline
         pending.nbytes[e] = lay.ebytes[li, e]
         pf.loads[i] += 1

@@ -1,10 +1,12 @@
 """``relayout measure``: perform the runtime's demand path for real and record a STALL_TRACE.
 
 Per held-out forward and MoE layer, exactly as the replay model assumes: the batch union of
-experts; pinned and LRU-resident experts served from RAM; every missing expert becomes a job for
-a pool of ``workers`` threads (weights: one ``pread`` when byte-adjacent, three when not,
-O_DIRECT where the file system allows; then three buffered scale preads; with coalescing, one
-read for a run of contiguous experts and the scale reads as separate jobs). The calling thread
+experts; pinned and LRU-resident experts served from RAM; the missing experts, in the layer's
+physical order, become jobs for a pool of ``workers`` threads, planned by the same compiled
+function the model calls, :func:`replay.readplan.plan_layer` (weights: one ``pread`` when
+byte-adjacent, three when not, O_DIRECT where the file system allows, widened to 4 KiB file
+offsets; then three buffered scale preads; with coalescing, one read for a run of contiguous
+experts, never over ``coalesce_max_bytes``, and the scale reads as separate jobs). The calling thread
 plays the compute thread: it sleeps for each layer's dense time, for the resident experts'
 matmuls, then for each missing expert in issue order waits for its bytes and sleeps for its
 matmul. Every wait is timed with the monotonic clock (ns).
@@ -51,10 +53,12 @@ from tqdm import tqdm
 from containers.atomic import atomic_output
 from containers.container import Container
 from containers.errors import InputError
-from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
+from containers.layout import layout_from_container
 
 from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
+from .engine import layout_arrays
 from .prefetch import predict_next
+from .readplan import WEIGHT, new_plan, plan_layer
 from .stalltrace import IO_FIELDS
 from .trace import RoutingTrace
 
@@ -214,19 +218,10 @@ def measure(
         raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
     if config.prefetch == "coupled" and coupling is None:
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
-    loc = layout.expert_loc
-    wloc = loc[:, :, list(WEIGHT_SLOTS)]
-    wbytes = wloc[:, :, :, 2].sum(axis=2)
+    lay = layout_arrays(layout, config, None)
     ebytes = layout.expert_bytes()
     capacity = lru_capacities(config.ram_bytes, ebytes[:, 0])
-    comp = wbytes / config.compute_bytes_per_second
-
-    def extents(li: int, e: int):
-        w = layout.weight_extents(li, e)
-        s = [tuple(int(x) for x in loc[li, e, slot]) for slot in SCALE_SLOTS]
-        return w, s
-
-    ext = {}
+    comp = lay.seconds
     how = drop_cache(container.files) if cold else "warm (page cache left as found)"
     reader = _Reader(container.files, config.direct)
     pool = ThreadPoolExecutor(max_workers=config.in_flight, thread_name_prefix="relayout-io")
@@ -250,8 +245,9 @@ def measure(
             io = _add_io(io, reader.read(f, off, n, direct))
         return t0, time.perf_counter_ns(), io
 
-    def reads_of(li: int, e: int) -> list:
-        return _expert_reads(*ext.setdefault((li, e), extents(li, e)), config.direct)
+    def reads_of(li: int, e: int) -> list:     # one prefetch load: read alone, never coalesced
+        return [(f, off, n, config.direct and kind == WEIGHT)
+                for f, off, n, _, _, kind, _ in layer_reads(lay, li, [e], [False], config, coalesce=False)]
 
     try:
         for f in tqdm(fw, desc="measure", disable=None if progress else True):
@@ -294,9 +290,10 @@ def measure(
                         misses.append((e, m))
                         if e in loaded and e not in ready_now:
                             inflight[e] = loaded[e]
-                misses.sort(key=lambda em: ext.setdefault((li, em[0]), extents(li, em[0]))[0][0][:2])
-                demand = iter(_submit(pool, job, [em for em in misses if em[0] not in inflight], li, extents, ext, config))
-                futures = [((inflight[e], True),) if e in inflight else next(demand) for e, _ in misses]
+                misses.sort(key=lambda em: lay.rank[li, em[0]])                # issue order: physical order
+                futures = _submit(pool, job, layer_reads(lay, li, [e for e, _ in misses], [e in inflight for e, _ in misses],
+                                                         config), len(misses), config)
+                futures = [((inflight[e], True),) if e in inflight else fut for (e, _), fut in zip(misses, futures)]
                 nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
                 predict = prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1
                 if predict and not misses:
@@ -450,39 +447,44 @@ class _Prefetcher:
         self.thread.shutdown(wait=True)
 
 
-def _submit(pool, job, misses, li, extents, cache, config: RuntimeConfig):
-    """Submit the layer's jobs in issue order; returns per missing expert its (future, counts its reads) pairs."""
-    out = []
-    i = 0
-    while i < len(misses):
-        e = misses[i][0]
-        w, s = cache.setdefault((li, e), extents(li, e))
-        run = [e]
-        if config.coalesce and len(w) == 1:
-            f, start, n = w[0]
-            end = start + n
-            while i + len(run) < len(misses):
-                e2 = misses[i + len(run)][0]
-                w2, _ = cache.setdefault((li, e2), extents(li, e2))
-                if len(w2) != 1 or w2[0][0] != f or not 0 <= w2[0][1] - end <= config.coalesce_gap_bytes \
-                        or w2[0][1] + w2[0][2] - start > config.coalesce_max_bytes:
-                    break
-                end = w2[0][1] + w2[0][2]
-                run.append(e2)
-            weights = pool.submit(job, [(f, start, end - start, config.direct)])
-            for n_run, e2 in enumerate(run):
-                _, s2 = cache[(li, e2)]
-                scales = pool.submit(job, [(sf, so, sn, False) for sf, so, sn in s2])
-                out.append(((weights, n_run == 0), (scales, True)))   # the shared read counts once
+def layer_reads(lay, li: int, experts: list, skip: list, config: RuntimeConfig, coalesce: bool | None = None) -> list:
+    """The reads of layout layer ``li``'s missing ``experts`` (issue order; ``skip``: a prefetch
+    in flight, nothing to read) as :func:`replay.readplan.plan_layer` plans them for the model
+    too: ``(file, offset, length, first, last, kind, job)`` per read, in issue order. ``lay`` is
+    :func:`replay.engine.layout_arrays` of the layout; ``coalesce`` overrides ``config.coalesce``."""
+    k = len(experts)
+    plan = new_plan(k)
+    n, _ = plan_layer(np.asarray(experts, dtype=np.int64), k, np.asarray(skip, dtype=np.bool_), np.zeros(k, dtype=np.bool_),
+                      1.0, lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
+                      bool(config.coalesce if coalesce is None else coalesce), int(config.coalesce_gap_bytes),
+                      int(config.coalesce_max_bytes), np.empty(max(k, 1), dtype=np.int64), plan)
+    return list(zip(*(a[:n].tolist() for a in plan)))
+
+
+def _submit(pool, job, reads: list, k: int, config: RuntimeConfig) -> list:
+    """Submit a layer's planned jobs (:func:`layer_reads`) in issue order; returns per miss its
+    (future, counts its reads) pairs (None for a miss with nothing to read). O_DIRECT is for
+    weight reads; a coalesced weight read shared by a run counts on its first expert."""
+    jobs: dict[int, list] = {}
+    for f, off, n, first, last, kind, j in reads:
+        jobs.setdefault(j, []).append((f, off, n, config.direct and kind == WEIGHT))
+    futs = {j: pool.submit(job, rs) for j, rs in jobs.items()}        # dicts keep the issue order
+    wjob, sjob, lead = [None] * k, [None] * k, [None] * k
+    for f, off, n, first, last, kind, j in reads:
+        if kind == WEIGHT:
+            for m in range(first, last + 1):
+                wjob[m], lead[m] = j, first
         else:
-            out.append(((pool.submit(job, _expert_reads(w, s, config.direct)), True),))
-        i += len(run)
+            sjob[first] = j
+    out = []
+    for m in range(k):
+        if sjob[m] is None:
+            out.append(None)
+        elif wjob[m] == sjob[m]:
+            out.append(((futs[sjob[m]], True),))
+        else:
+            out.append(((futs[wjob[m]], lead[m] == m), (futs[sjob[m]], True)))
     return out
-
-
-def _expert_reads(weights, scales, direct: bool) -> list:
-    """One expert's reads: its weight extents (O_DIRECT when ``direct``), then its buffered scales."""
-    return [(f, off, n, direct) for f, off, n in weights] + [(f, off, n, False) for f, off, n in scales]
 
 
 def _wait(futs) -> tuple[int, int, tuple]:
