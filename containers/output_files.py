@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from .container import MANIFEST_NAME, MAX_FILES, Container
 from .errors import InputError
+from .records import is_int, is_text
 from .safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
 from .segments import PARTS, SegmentSpec
 from .sources import FileRange
@@ -61,17 +62,11 @@ class OutputFile:
     derived: dict = field(default_factory=dict)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def string_problem(s) -> str | None:
     """Why ``s`` cannot be a name or metadata string in a header (None when it can)."""
     if not isinstance(s, str):
         return f"{s!r} is not a string"
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_text(s):
         return f"{s!r} is not valid UTF-8 (lone surrogate)"
     if any(unicodedata.category(ch) == "Cc" for ch in s):
         return f"{s!r} contains a control character"
@@ -126,10 +121,10 @@ def _segment_problem(d: Derived) -> str | None:
     s = d.spec
     if d.part not in PARTS:
         return f"segment part {d.part!r} is not one of {PARTS}"
-    if s.kind not in ("rows", "columns", "shared") or not _is_int(s.rows) or not _is_int(s.row_bytes) or s.rows < 1 or s.row_bytes < 1:
+    if s.kind not in ("rows", "columns", "shared") or not is_int(s.rows) or not is_int(s.row_bytes) or s.rows < 1 or s.row_bytes < 1:
         return f"split of {d.original!r} is malformed"
     limit = {"rows": s.rows, "columns": s.row_bytes}.get(s.kind)
-    if limit is not None and not (_is_int(s.split) and 0 < s.split < limit):
+    if limit is not None and not (is_int(s.split) and 0 < s.split < limit):
         return f"split of {d.original!r} at {s.split!r} is outside (0, {limit})"
     return None
 
@@ -147,15 +142,15 @@ def _file_problems(src: Container, of: OutputFile, placed: dict[str, str], other
             bad = string_problem(k) or string_problem(v)
             if bad:
                 problems.append(f"{where}: metadata {bad}")
-    if not _is_int(of.alignment) or not 1 <= of.alignment <= MAX_ALIGNMENT:
+    if not is_int(of.alignment) or not 1 <= of.alignment <= MAX_ALIGNMENT:
         problems.append(f"{where}: alignment {of.alignment!r} is not an integer in [1, {MAX_ALIGNMENT}]")
-    if not _is_int(of.size) or of.size < 0:
+    if not is_int(of.size) or of.size < 0:
         problems.append(f"{where}: size {of.size!r} is not a byte count")
     if not isinstance(of.tensors, list) or not of.tensors:
         problems.append(f"{where}: places no tensors")
         return problems
     for item in of.tensors:
-        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and _is_int(item[1]) and item[1] >= 0):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and is_int(item[1]) and item[1] >= 0):
             problems.append(f"{where}: tensor entry {item!r} is not [name, offset]")
             return problems
         name = item[0]

@@ -17,6 +17,20 @@ import typing
 from .errors import InputError
 
 
+def is_int(x) -> bool:
+    """A JSON integer: an ``int`` that is not a ``bool``."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_text(s: str) -> bool:
+    """``s`` encodes as strict UTF-8 (a JSON ``\\udXXX`` escape can leave a lone surrogate that does not)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def to_json(record) -> dict:
     """The record as JSON-ready values (nested records become objects)."""
     return {f.name: _dump(getattr(record, f.name)) for f in dataclasses.fields(record)}
@@ -84,7 +98,7 @@ def _load(tp, obj, path: str):
             raise TypeError(f"{path} is {obj!r}, not true or false")
         return obj
     if tp is int:
-        if not isinstance(obj, int) or isinstance(obj, bool):
+        if not is_int(obj):
             raise TypeError(f"{path} is {obj!r}, not an integer")
         return obj
     if tp is float:
@@ -98,4 +112,4 @@ def _load(tp, obj, path: str):
     raise TypeError(f"{path}: unsupported field type {tp!r}")
 
 
-__all__ = ["from_json", "to_json"]
+__all__ = ["from_json", "is_int", "is_text", "to_json"]

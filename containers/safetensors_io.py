@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Mapping
 
 from .atomic import atomic_output
 from .errors import InputError
+from .records import is_int, is_text
 from .sources import ByteSource
 
 MAX_HEADER_BYTES = 512 * 1024 * 1024
@@ -81,17 +82,6 @@ def _reject_duplicate_keys(pairs):
     return out
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _valid_text(s: str) -> bool:
-    """True when ``s`` is encodable as strict UTF-8 (no lone surrogates from ``\\udXXX`` escapes)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _show(s: str) -> str:
@@ -130,11 +120,11 @@ def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> ShardHeader:
     ):
         raise InputError(path, "__metadata__ must map strings to strings")
     for k, v in metadata.items():
-        if not (_valid_text(k) and _valid_text(v)):
+        if not (is_text(k) and is_text(v)):
             raise InputError(path, f"__metadata__ entry {_show(k)} is not valid UTF-8 (lone surrogate escape)")
     tensors: dict[str, TensorEntry] = {}
     for name, spec in obj.items():
-        if not _valid_text(name):
+        if not is_text(name):
             raise InputError(path, f"tensor name {_show(name)} is not valid UTF-8 (lone surrogate escape)")
         tensors[name] = _parse_entry(path, name, spec, data_start, file_size)
     _check_no_overlap(path, tensors.values())
@@ -148,9 +138,9 @@ def _parse_entry(path: Path, raw_name: str, spec, data_start: int, file_size: in
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise InputError(path, f"tensor {name}: unknown dtype {_show(dtype) if isinstance(dtype, str) else type(dtype).__name__}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise InputError(path, f"tensor {name}: shape must be a list of non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
         raise InputError(path, f"tensor {name}: data_offsets must be two integers")
     a, b = offsets
     if a < 0 or a > b:

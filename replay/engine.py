@@ -58,7 +58,14 @@ from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
 from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .device import SPLIT_RULES, ArrayProfile
-from .instance import CouplingTable, Device, LayoutArrays, RamTiers, ReadPolicy, simulate_instances
+from .instance import (
+    CouplingTable,
+    Device,
+    LayoutArrays,
+    RamTiers,
+    ReadPolicy,
+    simulate_instances,
+)
 from .jit import compile_notice
 from .runtime import new_lru
 from .trace import RoutingTrace

@@ -26,6 +26,7 @@ from containers.hashing import digest_of
 from containers.jsonfile import read_document
 from containers.layout import Layout, check_runtime_constraints
 from containers.output_files import MAX_LISTED, output_name_problem
+from containers.records import is_int
 
 PLAN_FORMAT = "relayout.plan"
 PLAN_VERSION = 1
@@ -123,12 +124,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
     return Plan(where, raw, stock, layout, orders, raw.get("split"), g, repack)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _int_list(x) -> bool:
-    return isinstance(x, list) and all(_is_int(v) and v >= 0 for v in x)
+    return isinstance(x, list) and all(is_int(v) and v >= 0 for v in x)
 
 
 def plan_field_problems(raw: dict) -> list[str]:
@@ -154,14 +151,14 @@ def plan_field_problems(raw: dict) -> list[str]:
     if not isinstance(g, dict):
         return problems + ["'geometry' is not an object"]
     for key in ("hidden_size", "moe_intermediate_size", "n_experts", "top_k"):
-        if not _is_int(g.get(key)) or not 1 <= g[key] <= 1 << 24:
+        if not is_int(g.get(key)) or not 1 <= g[key] <= 1 << 24:
             problems.append(f"geometry {key} {g.get(key)!r} is not a positive integer")
     for key in ("routed_layers", "mtp_layers"):
         if not _int_list(g.get(key)):
             problems.append(f"geometry {key} is not a list of layer numbers")
     if not isinstance(g.get("expert_formats"), dict) or not all(isinstance(v, str) for v in g["expert_formats"].values()):
         problems.append("geometry expert_formats is not an object of strings")
-    if not isinstance(g.get("expert_bytes"), dict) or not all(_is_int(v) and v > 0 for v in g["expert_bytes"].values()):
+    if not isinstance(g.get("expert_bytes"), dict) or not all(is_int(v) and v > 0 for v in g["expert_bytes"].values()):
         problems.append("geometry expert_bytes is not an object of byte counts")
     training = raw.get("training")
     if not isinstance(training, dict) or not all(isinstance(training.get(k), list) and all(isinstance(x, str) for x in training[k])
@@ -183,7 +180,7 @@ def _split_problems(split, g: dict) -> list[str]:
     if not isinstance(split, dict):
         return ["'split' is not an object or null"]
     problems = []
-    if not _is_int(split.get("ram_bytes")) or split["ram_bytes"] < 0:
+    if not is_int(split.get("ram_bytes")) or split["ram_bytes"] < 0:
         problems.append("split ram_bytes is not a byte count")
     resident, segs = split.get("resident"), split.get("segments")
     if not isinstance(resident, dict) or not isinstance(segs, dict):
@@ -192,6 +189,6 @@ def _split_problems(split, g: dict) -> list[str]:
         r, seg = resident.get(str(layer)), segs.get(str(layer))
         if not _int_list(r) or any(e >= g["n_experts"] for e in r):
             problems.append(f"split resident experts of layer {layer} are not expert ids")
-        if not isinstance(seg, dict) or not _is_int(seg.get("top_rows")) or not 0 <= seg["top_rows"] <= g["moe_intermediate_size"]:
+        if not isinstance(seg, dict) or not is_int(seg.get("top_rows")) or not 0 <= seg["top_rows"] <= g["moe_intermediate_size"]:
             problems.append(f"split top_rows of layer {layer} is not a row count within the FFN")
     return problems
