@@ -64,12 +64,18 @@ from .instance import (
     LayoutArrays,
     RamTiers,
     ReadPolicy,
+    new_work,
     simulate_instances,
 )
 from .jit import compile_notice
 from .runtime import new_lru
 from .trace import RoutingTrace
-from .unions import trace_instances
+from .unions import (
+    DEFAULT_CHUNK_FORWARDS,
+    Instances,
+    chunk_instances,
+    whole_forward_blocks,
+)
 
 FILE_ALIGNMENT = 1 << 20
 """Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
@@ -157,17 +163,21 @@ Results = namedtuple("Results", "instance prefetch device")
 :class:`DeviceOutputs`."""
 
 
-def new_results(I: int, L: int, E: int, M: int) -> Results:
+def new_results(I: int, L: int, E: int, M: int, keep: Results | None = None) -> Results:
     """Zeroed outputs for ``I`` instances, ``L`` layout layers of ``E`` experts and ``M`` members,
-    each shaped and typed as its result field declares."""
+    each shaped and typed as its result field declares. With ``keep`` (an earlier chunk's
+    results), the outputs not per instance (no ``"I"`` axis: totals over the replay) are
+    ``keep``'s arrays, so they go on accumulating."""
     sizes = dict(zip(AXES, (I, L, E, M)))
 
-    def zeros(kind, cls):
-        return kind(*(np.zeros(tuple(sizes[a] for a in f.metadata["shape"]), dtype=f.metadata["dtype"])
+    def zeros(kind, cls, kept):
+        return kind(*(getattr(kept, f.name) if kept is not None and "I" not in f.metadata["shape"] else
+                      np.zeros(tuple(sizes[a] for a in f.metadata["shape"]), dtype=f.metadata["dtype"])
                       for f in _outputs(cls)))
 
-    return Results(zeros(InstanceOutputs, InstanceResult), zeros(PrefetchOutputs, PrefetchResult),
-                   zeros(DeviceOutputs, DeviceUsage))
+    k = keep if keep is not None else Results(None, None, None)
+    return Results(zeros(InstanceOutputs, InstanceResult, k.instance), zeros(PrefetchOutputs, PrefetchResult, k.prefetch),
+                   zeros(DeviceOutputs, DeviceUsage, k.device))
 
 
 def file_bases(layout: Layout) -> np.ndarray:
@@ -199,6 +209,59 @@ def split_state(split: dict | None, layout: Layout, ffn: int) -> SplitState | No
     return SplitState(resident, frac)
 
 
+class Replay:
+    """One replay of ``layout`` on ``device`` under ``config``, fed consecutive chunks of instances.
+
+    Holds what the model carries from instance to instance, and so from chunk to chunk: the RAM
+    tiers (pinned store, per-layer LRUs, the scale pages the OS caches), the drives' state and
+    the pending prefetches (:func:`replay.instance.new_work`), and the totals over the replay
+    (outputs without an ``"I"`` axis: ``expert_wait`` [L, E], the device usage [M]). Chunks must
+    hold whole forwards, in time order (:func:`replay.unions.chunk_instances`); the replay is
+    then the same, to the bit, whatever the chunks. Memory: the layout's [L, E] arrays and one
+    chunk's instances and outputs.
+
+    ``coupling`` is the coupled prefetch source's ``(targets, counts)`` table
+    (:func:`replay.prefetch.coupling_table`, learned from training sessions), needed when
+    ``config.prefetch == "coupled"``.
+    """
+
+    def __init__(self, layout: Layout, device: ArrayProfile, config: RuntimeConfig, pinned: np.ndarray | None = None,
+                 split: SplitState | None = None, coupling: tuple | None = None):
+        L, E = len(layout.layers), layout.n_experts
+        if config.prefetch == "coupled" and coupling is None:
+            raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
+        targets, counts = coupling if config.prefetch == "coupled" else (np.full((1, 1, 1), -1), np.zeros((1, 1, 1)))
+        self.config = config
+        self.ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
+                            new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
+                            np.full((L, E), -1, dtype=np.int64))
+        self.table = CouplingTable(np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32))
+        self.lay = layout_arrays(layout, config, split)
+        self.pol = read_policy(config, device)
+        self.dev = device_numbers(device)
+        # a batch union holds at most E experts: working arrays for that serve every chunk
+        self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots)
+        self.totals = new_results(0, L, E, device.members)
+
+    def run(self, inst: Instances) -> Results:
+        """Replay one chunk (the forwards after the previous chunk's); returns its outputs (per
+        instance [I] of the chunk; the totals are the replay's so far)."""
+        L, E = self.lay.rank.shape
+        out = new_results(len(inst.forward), L, E, self.dev.members, keep=self.totals)
+        with compile_notice():
+            simulate_instances(inst, self.ram, self.table, self.lay, self.pol, self.dev, self.work, out)
+        return out
+
+    @property
+    def expert_wait(self) -> np.ndarray:
+        """[L, E] s the compute thread waited right before each expert's matmul, so far."""
+        return self.totals.instance.expert_wait
+
+    def usage(self) -> DeviceUsage:
+        """The device totals so far."""
+        return DeviceUsage(**self.totals.device._asdict())
+
+
 def simulate(
     trace: RoutingTrace,
     forwards: np.ndarray,
@@ -208,29 +271,28 @@ def simulate(
     pinned: np.ndarray | None = None,
     split: SplitState | None = None,
     coupling: np.ndarray | None = None,
+    chunk_forwards: int = DEFAULT_CHUNK_FORWARDS,
 ) -> tuple[InstanceResult, DeviceUsage]:
-    """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``.
-
-    ``coupling`` is the coupled prefetch source's ``(targets, counts)`` table
-    (:func:`replay.prefetch.coupling_table`, learned from training sessions), needed when
-    ``config.prefetch == "coupled"``.
+    """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``,
+    with results per instance (memory grows with the instances; :func:`replay.streaming.replay_steps`
+    keeps per-step sums only). ``coupling``: see :class:`Replay`; ``chunk_forwards``: forwards
+    replayed per call of the compiled loop (the results do not depend on it).
     """
-    L, E = len(layout.layers), layout.n_experts
-    inst = trace_instances(trace, forwards, layout)
-    if config.prefetch == "coupled" and coupling is None:
-        raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
-    targets, counts = coupling if config.prefetch == "coupled" else (np.full((1, 1, 1), -1), np.zeros((1, 1, 1)))
-    ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
-                   new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
-                   np.full((L, E), -1, dtype=np.int64))
-    table = CouplingTable(np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32))
-    out = new_results(len(inst.forward), L, E, device.members)
-    with compile_notice():
-        simulate_instances(inst, ram, table, layout_arrays(layout, config, split), read_policy(config, device),
-                           device_numbers(device), out)
-    prefetch = PrefetchResult(**out.prefetch._asdict()) if config.prefetch != "none" else None
-    return (InstanceResult(inst.forward, inst.layer, **out.instance._asdict(), prefetch=prefetch),
-            DeviceUsage(**out.device._asdict()))
+    replay = Replay(layout, device, config, pinned, split, coupling)
+    parts = [(inst.forward, inst.layer, replay.run(inst))
+             for inst in chunk_instances(whole_forward_blocks(trace, chunk_forwards), forwards, trace.fwd_session, layout)]
+    if not parts:
+        empty = np.zeros(0, dtype=np.int32)
+        parts = [(empty, empty, new_results(0, len(layout.layers), layout.n_experts, device.members, keep=replay.totals))]
+
+    def joined(group: str, cls) -> dict:
+        return {f.name: np.concatenate([getattr(getattr(p[2], group), f.name) for p in parts])
+                if "I" in f.metadata["shape"] else getattr(getattr(replay.totals, group), f.name) for f in _outputs(cls)}
+
+    prefetch = PrefetchResult(**joined("prefetch", PrefetchResult)) if config.prefetch != "none" else None
+    return (InstanceResult(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                           **joined("instance", InstanceResult), prefetch=prefetch),
+            replay.usage())
 
 
 def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | None) -> LayoutArrays:
@@ -266,7 +328,7 @@ def device_numbers(device: ArrayProfile) -> Device:
     d = device.drive
     return Device(int(device.members), int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
                  float(d.request_seconds), float(d.bandwidth), int(d.queue_slots), float(device.host_bandwidth),
-                 float(device.full_bandwidth), float(d.request_bandwidth))
+                 float(device.full_bandwidth), float(d.request_bandwidth), int(d.max_request))
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

@@ -17,8 +17,8 @@ inlined into the loop, :mod:`replay.jit`):
 * the outputs, filled in place: :class:`replay.engine.Results`, whose fields are declared once,
   on the public result dataclasses (:class:`replay.engine.InstanceResult` and the others), so a
   new metric is one field there plus the line here that fills it;
-* the working arrays of one call: :class:`Work`, allocated once by :func:`new_work`, sized by
-  the largest batch union.
+* the working arrays: :class:`Work`, allocated once per replay by the caller with
+  :func:`new_work`, sized by the largest batch union, and carried from call to call.
 
 Units: bytes, seconds, bytes/s.
 """
@@ -74,12 +74,13 @@ page-cache share of weight reads, 0-1); ``dense_seconds`` (per layer, before it 
 ``prefetch`` (the source, an index into ``PREFETCH_SOURCES``) and ``prefetch_experts`` (its K)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
-                               "stream_bandwidth")
+                               "stream_bandwidth max_request")
 """A :class:`replay.device.ArrayProfile` as plain numbers (:func:`replay.engine.device_numbers`):
 ``members``, ``chunk`` (stripe bytes), ``rule`` (an index into ``SPLIT_RULES``); per drive
 ``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
-b_1 (bytes/s, at most B: :mod:`replay.device`'s queue model); ``host_bandwidth`` and
-``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
+b_1 (bytes/s, at most B: :mod:`replay.device`'s queue model), ``max_request`` (bytes, the
+system's largest drive request, 0 for none); ``host_bandwidth`` and ``full_bandwidth`` (the
+array's large-read ceiling), bytes/s."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru scale_seen")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
@@ -127,8 +128,8 @@ Single = namedtuple("Single", "expert skip top wlen")
 """One prefetch load as :func:`replay.readplan.plan_layer` takes it: arrays [1]."""
 
 Work = namedtuple("Work", "miss jobs reads workers drives pending plan single")
-"""Every working array of one :func:`simulate_instances` call: :class:`Misses`, :class:`Jobs`,
-:class:`Reads`, :class:`Workers`, :class:`Drives`, :class:`Prefetched`, the read plan
+"""Every working array of one replay, carried over its :func:`simulate_instances` calls:
+:class:`Misses`, :class:`Jobs`, :class:`Reads`, :class:`Workers`, :class:`Drives`, :class:`Prefetched`, the read plan
 (:data:`replay.readplan.ReadPlan`) and :class:`Single`."""
 
 
@@ -158,21 +159,19 @@ def new_work(K, E, W, M, Q):
 # ------------------------------------------------------------------------------------- the loop
 
 @njit(**LOOP)
-def simulate_instances(inst, ram, table, lay, pol, dev, out):
+def simulate_instances(inst, ram, table, lay, pol, dev, work, out):
     """Time every instance of ``inst`` (:class:`replay.unions.Instances`), in order.
 
     Instance ``i`` is layer ``inst.layer[i]`` of forward ``inst.forward[i]`` of session
     ``inst.session[i]``; its union experts are ``inst.sel_e[inst.sel_start[i]:inst.sel_start[i+1]]``,
     each needed by ``inst.sel_mult`` positions. ``ram`` (:class:`RamTiers`) is updated as the
-    replay goes; ``table`` (:class:`CouplingTable`) feeds the coupled prefetch source. Results
-    go into ``out`` (:class:`replay.engine.Results`, zeroed). Allocates the working arrays and
-    runs the loop, :func:`_run`.
+    replay goes; ``table`` (:class:`CouplingTable`) feeds the coupled prefetch source. ``work``
+    (:func:`new_work`, sized for the largest batch union) is the caller's and carries the drives'
+    state from call to call, so consecutive calls over consecutive whole forwards replay as one
+    call over all of them. Results go into ``out`` (:class:`replay.engine.Results`, zeroed).
+    Runs the loop, :func:`_run`.
     """
-    sel_start = inst.sel_start
-    K = 1
-    for i in range(len(sel_start) - 1):
-        K = max(K, sel_start[i + 1] - sel_start[i])
-    _run(inst, ram, table, lay, pol, dev, new_work(K, lay.rank.shape[1], pol.workers, dev.members, dev.queue_slots), out)
+    _run(inst, ram, table, lay, pol, dev, work, out)
 
 
 @njit(**HELPER)
@@ -442,7 +441,7 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
         return t + n / MEMORY_BANDWIDTH
     pieces, nbytes, mfree, sfree, host = drives.pieces, drives.nbytes, drives.free, drives.small_free, drives.host
     slots = drives.slots
-    split_read(addr, n, dev.members, dev.chunk, dev.rule, pieces, nbytes)
+    split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
     small = n <= SMALL_READ_BYTES
     a, Q = dev.request_seconds, dev.queue_slots
     done = -np.inf

@@ -3,11 +3,17 @@
 An *instance* is one MoE layer of one forward: the unit the runtime loads experts for. Its batch
 union is the set of distinct experts its positions select (colibrì routes every position of a
 forward, then loads each needed expert once).
+
+A replay streams: rows come in blocks of whole forwards (:func:`whole_forward_blocks` from a
+trace in memory, :func:`realign_blocks` over blocks read from a file), each block becomes one
+chunk of instances (:func:`chunk_instances`), so the instance arrays are bounded by the chunk,
+not the trace.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from numba import njit
@@ -17,29 +23,88 @@ from containers.layout import Layout
 from .jit import LOOP
 from .trace import RoutingTrace
 
+RowBlock = namedtuple("RowBlock", "row_forward row_layer experts")
+"""Consecutive rows of a trace: the row arrays replay reads (:class:`replay.trace.RoutingTrace`)."""
+
 Instances = namedtuple("Instances", "forward layer session sel_start sel_e sel_mult")
 """The instances of the selected forwards, in time order (forward, then layer), as the compiled
-model takes them. Per instance [I], int64: ``forward`` (index into the trace's forwards),
-``layer`` (layout layer index), ``session``. ``sel_start`` [I+1]: instance ``i``'s batch union
-is ``sel_e[sel_start[i]:sel_start[i+1]]`` (expert ids, ascending within an instance), each
-selected by ``sel_mult`` positions."""
+model takes them. Per instance [I]: ``forward`` (int32, index into the trace's forwards),
+``layer`` (int32, layout layer index), ``session`` (int32). ``sel_start`` [I+1] (int64):
+instance ``i``'s batch union is ``sel_e[sel_start[i]:sel_start[i+1]]`` (int16 expert ids, the
+trace format's range, ascending within an instance), each selected by ``sel_mult`` (int32)
+positions (at most the rows of one instance, fewer than the format's 2**31 rows)."""
+
+DEFAULT_CHUNK_FORWARDS = 1024
+"""Forwards per chunk of a streamed replay: about 77k GLM-5.2 instances, a few MB of arrays."""
 
 
 def trace_instances(trace: RoutingTrace, forwards: np.ndarray, layout: Layout) -> Instances:
     """The instances of the forwards selected by mask ``forwards`` [F], for the layout's layers."""
+    return rows_instances(trace.row_forward, trace.row_layer, trace.experts, forwards, trace.fwd_session, layout)
+
+
+def rows_instances(row_forward: np.ndarray, row_layer: np.ndarray, experts: np.ndarray, forwards: np.ndarray,
+                   fwd_session: np.ndarray, layout: Layout) -> Instances:
+    """The instances of rows [R] (sorted by forward, holding every row of each forward they
+    touch) whose forward is selected by mask ``forwards`` [F], for the layout's layers.
+
+    ``row_forward`` indexes the whole trace's forwards (``forwards``, ``fwd_session``), so a
+    slice of a trace's rows gives the same instances as the whole trace gives for those forwards.
+    """
     L = len(layout.layers)
     layer_idx = np.full(int(max(layout.layers)) + 2, -1, dtype=np.int64)
     layer_idx[layout.layers] = np.arange(L)
-    tl = trace.row_layer.astype(np.int64)
-    rows = np.flatnonzero(forwards[trace.row_forward] & (tl < len(layer_idx)) & (layer_idx[np.minimum(tl, len(layer_idx) - 1)] >= 0))
-    inst_key, row_inst = np.unique(trace.row_forward[rows].astype(np.int64) * L + layer_idx[tl[rows]], return_inverse=True)
+    tl = row_layer.astype(np.int64)
+    rows = np.flatnonzero(forwards[row_forward] & (tl < len(layer_idx)) & (layer_idx[np.minimum(tl, len(layer_idx) - 1)] >= 0))
+    inst_key, row_inst = np.unique(row_forward[rows].astype(np.int64) * L + layer_idx[tl[rows]], return_inverse=True)
     I = len(inst_key)
     if len(row_inst) > 1 and (np.diff(row_inst) < 0).any():
         by_inst = np.argsort(row_inst, kind="stable")
         rows, row_inst = rows[by_inst], row_inst[by_inst]
-    sel_start, sel_e, sel_mult = instance_unions(np.searchsorted(row_inst, np.arange(I + 1)), rows, trace.experts, layout.n_experts)
+    sel_start, sel_e, sel_mult = instance_unions(np.searchsorted(row_inst, np.arange(I + 1)), rows, experts, layout.n_experts)
     fwd = inst_key // L
-    return Instances(fwd, inst_key % L, trace.fwd_session[fwd].astype(np.int64), sel_start, sel_e, sel_mult)
+    return Instances(fwd.astype(np.int32), (inst_key % L).astype(np.int32), fwd_session[fwd].astype(np.int32),
+                     sel_start, sel_e, sel_mult)
+
+
+def whole_forward_blocks(trace: RoutingTrace, chunk_forwards: int) -> Iterator[RowBlock]:
+    """The trace's rows in blocks of ``chunk_forwards`` consecutive forwards (views, not copies)."""
+    if chunk_forwards < 1:
+        raise ValueError("chunk_forwards must be at least 1")
+    F = trace.n_forwards
+    cuts = np.searchsorted(trace.row_forward, np.arange(0, F + chunk_forwards, chunk_forwards).clip(max=F))
+    for r0, r1 in zip(cuts[:-1], cuts[1:]):
+        if r1 > r0:
+            yield RowBlock(trace.row_forward[r0:r1], trace.row_layer[r0:r1], trace.experts[r0:r1])
+
+
+def realign_blocks(blocks: Iterable[RowBlock]) -> Iterator[RowBlock]:
+    """Blocks of rows (sorted by forward) recut so that no forward spans two blocks: each block
+    but the last ends at its last forward boundary, and the rows after it start the next."""
+    tail = None
+    for b in blocks:
+        if tail is not None:
+            b = RowBlock(*(np.concatenate([t, x]) for t, x in zip(tail, b)))
+        if not len(b.row_forward):
+            continue
+        cut = int(np.searchsorted(b.row_forward, b.row_forward[-1]))
+        if cut == 0:
+            tail = b
+            continue
+        yield RowBlock(*(x[:cut] for x in b))
+        tail = RowBlock(*(x[cut:] for x in b))
+    if tail is not None and len(tail.row_forward):
+        yield tail
+
+
+def chunk_instances(blocks: Iterable[RowBlock], forwards: np.ndarray, fwd_session: np.ndarray,
+                    layout: Layout) -> Iterator[Instances]:
+    """The instances of ``blocks`` (each holding whole forwards, in order), one chunk per block
+    with a selected instance."""
+    for b in blocks:
+        inst = rows_instances(b.row_forward, b.row_layer, b.experts, forwards, fwd_session, layout)
+        if len(inst.forward):
+            yield inst
 
 
 @njit(**LOOP)
@@ -53,8 +118,8 @@ def instance_unions(row_start, rows, experts, n_experts):
     I = len(row_start) - 1
     count = np.zeros(n_experts, np.int64)
     sel_start = np.zeros(I + 1, np.int64)
-    sel_e = np.empty(len(rows) * experts.shape[1], np.int64)
-    sel_mult = np.empty(len(sel_e), np.int64)
+    sel_e = np.empty(len(rows) * experts.shape[1], np.int16)
+    sel_mult = np.empty(len(sel_e), np.int32)
     n = 0
     for i in range(I):
         first = n
