@@ -188,7 +188,10 @@ def format_calibration(profile: dict) -> str:
                      f"{'n/a' if err is None else f'{err:+.0%}':>11}")
     b1 = d.get("stream_bandwidth", d["bandwidth"])
     lines.append(f"fit: request cost {d['request_seconds'] * 1e6:.1f} us, one request reads at {b1 / 1e9:.2f} GB/s, the drive at "
-                 f"most {d['bandwidth'] / 1e9:.2f} GB/s, queue slots {d['queue_slots']}; {cal['cache_control']}")
+                 f"most {d['bandwidth'] / 1e9:.2f} GB/s, queue slots {d['queue_slots']}; "
+                 + (f"the system splits reads into requests of at most {d['max_request_bytes'] // 1024} KiB; "
+                    if d.get("max_request_bytes") else "reads taken as unsplit (the system does not say its request limit); ")
+                 + cal['cache_control'])
     fit = cal.get("fit")
     if fit:
         w = fit["worst_cell"]

@@ -33,6 +33,8 @@ import numpy as np
 from containers.errors import InputError
 
 SIZES = (4096, 65536, 524288, 4 * 1024 * 1024, 32 * 1024 * 1024)
+MAX_FITTED_SLOTS = 256
+"""The deepest drive queue the fit considers (requests)."""
 DEPTHS = (1, 4, 16, 32)
 ALIGN = 4096
 
@@ -131,7 +133,9 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     finally:
         if made is not None:
             made.unlink(missing_ok=True)
-    fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells])
+    max_request = system_max_request_bytes(path)
+    fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells],
+                          max_request or 0)
     a, b1, bandwidth, slots = fit["request_seconds"], fit["stream_bandwidth"], fit["bandwidth"], fit["queue_slots"]
     control = "O_DIRECT (page cache bypassed)" if direct else "posix_fadvise DONTNEED before each cell (O_DIRECT unavailable)"
     return {
@@ -144,7 +148,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         "direct_alignment": ALIGN,
         "page_cache_fraction": 0.0,
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
-                  "stream_bandwidth": b1},
+                  "stream_bandwidth": b1, "max_request_bytes": max_request},
         "calibration": {
             "cache_control": control,
             "cells": [{"size": c.size, "depth": c.depth, "requests": c.requests, "mean_latency_s": c.mean_latency,
@@ -155,12 +159,31 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     }
 
 
-FIT_MODEL = "X(s, q) = min(min(q, Q) * s / (a + s / b_1), B) bytes/s; least squares on log X over every cell"
+FIT_MODEL = ("X(s, q) = min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B) bytes/s, k = ceil(s / m); "
+             "least squares on log X over every cell")
 
 
-def fit_queue_model(sizes, depths, throughput) -> dict:
+def system_max_request_bytes(path: str | os.PathLike) -> int | None:
+    """The largest request (bytes) the system sends the block device holding ``path``: Linux
+    ``queue/max_sectors_kb`` x 1024 (a partition's is its disk's). ``None`` where the system does
+    not say (not Linux, no block device behind the file system, unreadable)."""
+    try:
+        dev = os.stat(path).st_dev
+        node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+        for d in (node, node.parent):
+            f = d / "queue" / "max_sectors_kb"
+            if f.is_file():
+                kb = int(f.read_text().strip())
+                return kb * 1024 if kb > 0 else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def fit_queue_model(sizes, depths, throughput, max_request: int = 0) -> dict:
     """Fit the queue model (module docstring) to measured cells: ``sizes`` (bytes), ``depths``
-    (outstanding requests) and ``throughput`` (bytes/s), one entry per cell.
+    (outstanding reads) and ``throughput`` (bytes/s), one entry per cell; ``max_request`` (bytes,
+    0 for none) is the system's request limit, ``m``.
 
     Returns ``request_seconds`` a (s), ``stream_bandwidth`` b_1 and ``bandwidth`` B (bytes/s),
     ``queue_slots`` Q, and the fit's error: per cell (``cells``: size, depth, measured and
@@ -188,10 +211,11 @@ def fit_queue_model(sizes, depths, throughput) -> dict:
 
     def resid(theta, Q):
         a, b1, B = np.exp(theta)
-        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok)) - logx
+        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok, max_request)) - logx
 
+    k = np.ceil(s_ok / max_request) if max_request > 0 else np.ones_like(s_ok)
     best = None
-    for Q in range(1, int(q_ok.max()) + 1):
+    for Q in range(1, int(min((q_ok * k).max(), MAX_FITTED_SLOTS)) + 1):
         runs = []
         for start in ((a0, b0, B0), (a0 * 0.5, b0 * 0.5, B0), (a0, B0, B0), (a0 * 0.2, b0, B0 * 1.2)):
             r = least_squares(resid, np.log(np.maximum(start, 1e-12)), args=(Q,), method="lm", xtol=1e-12, ftol=1e-12)
@@ -202,13 +226,14 @@ def fit_queue_model(sizes, depths, throughput) -> dict:
     r, Q = best
     a, b1, B = (float(v) for v in np.exp(r.x))
     b1 = min(b1, B)
-    fitted = queue_throughput(a, b1, B, Q, s, q)
+    fitted = queue_throughput(a, b1, B, Q, s, q, max_request)
     err = np.where(ok, fitted / np.where(ok, x, 1.0) - 1, np.nan)
     logerr = np.abs(np.log(fitted[ok] / x[ok]))
     worst = int(np.flatnonzero(ok)[np.argmax(logerr)])
     return {
         "model": FIT_MODEL,
         "request_seconds": a, "stream_bandwidth": b1, "bandwidth": B, "queue_slots": int(Q),
+        "max_request_bytes": int(max_request) or None,
         "rms_log_error": float(np.sqrt(np.mean(logerr ** 2))), "max_abs_log_error": float(logerr.max()),
         "worst_cell": {"size": int(s[worst]), "depth": int(q[worst]), "error": float(err[worst])},
         "cells": [{"size": int(si), "depth": int(qi), "measured_Bps": float(xi), "fitted_Bps": float(fi),

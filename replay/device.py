@@ -13,17 +13,23 @@ served by the requests in the drive, each entering it once its latency ``a`` has
     channel_done = max(t0 + a, channel_free) + s / B
     done         = max(t0 + l(s), channel_done)           [s]
 
-A request that finds all ``Q`` slots busy waits for the first to free. In steady state, ``q``
-outstanding requests of ``s`` bytes get the aggregate rate
+A request that finds all ``Q`` slots busy waits for the first to free. The operating system
+never sends the drive a request larger than ``m = max_request_bytes`` (Linux's
+``queue/max_sectors_kb``): a read of ``s`` bytes reaches the drive as ``k = ceil(s / m)``
+requests of ``s / k`` bytes, issued together. In steady state, ``q`` outstanding reads of ``s``
+bytes get the aggregate rate
 
-    X(s, q) = min(min(q, Q) * s / l(s), B)               [bytes/s]
+    X(s, q) = min(min(q k, Q) * (s / k) / l(s / k), B)   [bytes/s]
 
-(:func:`queue_throughput`; ``relayout calibrate`` fits ``a, b_1, B, Q`` to it), so throughput
+(:func:`queue_throughput`; ``relayout calibrate`` reads ``m`` from the system and fits
+``a, b_1, B, Q`` to it), so throughput
 rises with queue depth and request size up to the drive's limit: one 4 KiB request costs about
 ``a``, ``Q / a`` bounds the IOPS at depth, and ``B / b_1`` outstanding large requests saturate
-the drive. Without ``stream_bandwidth`` (a profile from before issue 12) ``b_1 = B``: one request
+the drive; one large read, split by the system, already reaches ``B`` when ``k`` requests do.
+Without ``stream_bandwidth`` (a profile from before issue 12) ``b_1 = B``: one request
 streams at the drive's full rate, and with ``Q`` large this is the old model (a request cost that
-overlaps, a transfer that does not). ``b_1`` above ``B`` is taken as ``B``.
+overlaps, a transfer that does not). ``b_1`` above ``B`` is taken as ``B``. Without
+``max_request_bytes`` a read is never split by the system (``k = 1``).
 
 An **array** stripes a logical address space over ``members`` drives in chunks of
 ``chunk_bytes``. Two splitting rules (FACTS section 5):
@@ -31,6 +37,8 @@ An **array** stripes a logical address space over ``members`` drives in chunks o
 * ``md`` (Linux md): a request is split at every chunk boundary; each piece is a member request.
 * ``apple`` (AppleRAID): each member gets one contiguous request covering all its pieces.
 * ``none``: a single drive.
+
+A member's share is then split again into requests of at most ``max_request_bytes``.
 
 A **host ceiling** (``host_bandwidth``, the PCIe slot or switch) caps the array's aggregate
 transfer rate. O_DIRECT reads are widened to ``direct_alignment`` boundaries. A
@@ -65,7 +73,9 @@ class DriveProfile:
 
     ``request_seconds`` a, ``bandwidth`` B (the drive's limit), ``queue_slots`` Q (requests served
     at once, default 32), ``stream_bandwidth`` b_1 (one request's own rate; ``None``, the default
-    for profiles written before issue 12, means ``B``).
+    for profiles written before issue 12, means ``B``), ``max_request_bytes`` m (bytes: the
+    largest request the operating system sends the drive, Linux ``max_sectors_kb`` x 1024;
+    ``None`` means reads are not split).
     """
 
     name: str
@@ -73,20 +83,30 @@ class DriveProfile:
     bandwidth: float
     queue_slots: int = 32
     stream_bandwidth: float | None = None
+    max_request_bytes: int | None = None
 
     @property
     def request_bandwidth(self) -> float:
         """b_1 as the model uses it: ``stream_bandwidth``, ``bandwidth`` when unset, at most ``bandwidth``."""
         return self.bandwidth if self.stream_bandwidth is None else min(self.stream_bandwidth, self.bandwidth)
 
+    @property
+    def max_request(self) -> int:
+        """m as the compiled model takes it: bytes, 0 for no limit."""
+        return 0 if self.max_request_bytes is None else int(self.max_request_bytes)
 
-def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth):
-    """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding requests of ``size`` bytes on
-    one drive: ``min(min(q, Q) * s / (a + s / b_1), B)``. Broadcasts over ``size`` and ``depth``."""
+
+def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth, max_request=0):
+    """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding reads of ``size`` bytes on
+    one drive, each reaching it as ``k = ceil(s / m)`` requests (``m = max_request`` bytes, 0 for
+    no limit): ``min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B)``. Broadcasts over ``size`` and
+    ``depth``."""
     size = np.asarray(size, dtype=float)
+    k = np.ceil(size / max_request) if max_request > 0 else np.ones_like(size)
     b1 = min(stream_bandwidth, bandwidth)
-    q = np.minimum(np.asarray(depth, dtype=float), queue_slots)
-    return np.minimum(q * size / (request_seconds + size / b1), bandwidth)
+    q = np.minimum(np.asarray(depth, dtype=float) * k, queue_slots)
+    piece = size / k
+    return np.minimum(q * piece / (request_seconds + piece / b1), bandwidth)
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,9 @@ class ArrayProfile:
         b1 = self.drive.stream_bandwidth
         if b1 is not None and (isinstance(b1, bool) or not isinstance(b1, (int, float)) or not math.isfinite(b1) or b1 <= 0):
             raise InputError(self.name, f"stream_bandwidth is {b1!r}, not a positive finite number (or null: = bandwidth)")
+        m = self.drive.max_request_bytes
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 512 <= m <= 1 << 34):
+            raise InputError(self.name, f"max_request_bytes is {m!r}, not an integer of 512 bytes to 16 GiB (or null: reads are not split)")
 
     @property
     def full_bandwidth(self) -> float:
@@ -152,11 +175,13 @@ def load_device(name_or_path: str) -> ArrayProfile:
 
 
 @njit(**HELPER)
-def split_read(start: int, length: int, members: int, chunk: int, rule: int, pieces: np.ndarray, nbytes: np.ndarray) -> None:
+def split_read(start: int, length: int, members: int, chunk: int, rule: int, max_request: int,
+               pieces: np.ndarray, nbytes: np.ndarray) -> None:
     """How one read ``[start, start+length)`` of the logical address space lands on the members.
 
     Fills ``pieces`` (member requests) and ``nbytes`` (bytes each member transfers), int64
-    [members]; ``rule`` is an index into :data:`SPLIT_RULES`. Exact for both splitting rules.
+    [members]; ``rule`` is an index into :data:`SPLIT_RULES`. Exact for both splitting rules; a
+    member's share is then split into requests of at most ``max_request`` bytes (0: no limit).
     """
     if length <= 0:
         for m in range(members):
@@ -165,6 +190,7 @@ def split_read(start: int, length: int, members: int, chunk: int, rule: int, pie
     if members == 1:
         pieces[0] = 1
         nbytes[0] = length
+        _limit_requests(members, max_request, pieces, nbytes)
         return
     c0 = start // chunk                                 # first and last chunk of the read
     c1 = (start + length - 1) // chunk
@@ -179,18 +205,28 @@ def split_read(start: int, length: int, members: int, chunk: int, rule: int, pie
     if rule == APPLE:
         for m in range(members):
             pieces[m] = 1 if nbytes[m] > 0 else 0
+    _limit_requests(members, max_request, pieces, nbytes)
+
+
+@njit(**HELPER)
+def _limit_requests(members, max_request, pieces, nbytes):
+    """At least ``ceil(nbytes / max_request)`` requests per member (the system's request limit)."""
+    if max_request > 0:
+        for m in range(members):
+            pieces[m] = max(pieces[m], -(-nbytes[m] // max_request))
 
 
 @njit(**LOOP)
-def _split_reads(start, length, members, chunk, rule):
+def _split_reads(start, length, members, chunk, rule, max_request):
     pieces = np.zeros((len(start), members), dtype=np.int64)
     nbytes = np.zeros((len(start), members), dtype=np.int64)
     for i in range(len(start)):
-        split_read(start[i], length[i], members, chunk, rule, pieces[i], nbytes[i])
+        split_read(start[i], length[i], members, chunk, rule, max_request, pieces[i], nbytes[i])
     return pieces, nbytes
 
 
 def member_split(device: ArrayProfile, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`split_read` over arrays of reads: ``(pieces, nbytes)``, each int64 [R, members]."""
     return _split_reads(np.asarray(start, dtype=np.int64), np.asarray(length, dtype=np.int64),
-                        device.members, device.chunk_bytes, SPLIT_RULES.index(device.split_rule))
+                        device.members, device.chunk_bytes, SPLIT_RULES.index(device.split_rule),
+                        device.drive.max_request)

@@ -136,13 +136,68 @@ def test_shipped_profiles_model_a_queue_depth_dependent_drive():
     3-4 outstanding 128 KiB reads saturate a drive."""
     for name in ("single-nvme", "linux-md-raid0-4x", "mac-pro-2019-applraid-4x"):
         d = load_device(name).drive
-        x = lambda s, q: float(queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots, s, q))
+        x = lambda s, q: float(queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots, s, q,
+                                                d.max_request))
         assert 60e-6 <= 4096 / x(4096, 1) <= 110e-6
         assert 370e3 <= x(4096, 32) / 4096 <= 500e3
         assert x(32 * MIB, 32) == pytest.approx(3.5e9)
-        assert x(32 * MIB, 1) < 0.8 * d.bandwidth               # one request does not saturate the drive
+        assert x(d.max_request, 1) < 0.8 * d.bandwidth          # one request does not saturate the drive...
+        assert x(32 * MIB, 1) == pytest.approx(3.5e9)           # ...one large read, split by the system, does
         assert x(128 * 1024, 4) == pytest.approx(3.5e9)
         assert x(128 * 1024, 2) < 3.5e9
+
+
+def test_the_system_splits_a_large_read_into_requests_it_issues_together():
+    """m = max_request_bytes: a 19 MB read on one drive is ceil(19 MB / m) requests; md's chunk pieces
+    under m stay as they are, AppleRAID's one request per member is split; no limit = one request."""
+    from replay.device import member_split
+
+    one = ArrayProfile("one", DriveProfile("d", 1e-4, 3.5e9, 32, 2e9, 1280 * 1024), 1, 0, "none", 4e9)
+    pieces, nbytes = member_split(one, np.array([0]), np.array([18_915_328]))
+    assert pieces[0, 0] == -(-18_915_328 // (1280 * 1024)) == 15 and nbytes[0, 0] == 18_915_328
+    unsplit = ArrayProfile("one", DriveProfile("d", 1e-4, 3.5e9, 32, 2e9), 1, 0, "none", 4e9)
+    assert member_split(unsplit, np.array([0]), np.array([18_915_328]))[0][0, 0] == 1
+    md = load_device("linux-md-raid0-4x")
+    pieces, nbytes = member_split(md, np.array([0]), np.array([8 * 524288]))
+    assert pieces.tolist() == [[2, 2, 2, 2]]
+    apple = load_device("mac-pro-2019-applraid-4x")
+    pieces, nbytes = member_split(apple, np.array([0]), np.array([18_915_328]))
+    assert nbytes.sum() == 18_915_328
+    assert pieces.tolist() == [[-(-int(n) // apple.drive.max_request) for n in nbytes[0]]] and pieces.min() == 5
+
+
+def test_one_large_read_split_by_the_system_streams_at_the_drive_rate():
+    """One worker, one 8 MiB expert, b_1 = B / 4, m = 1 MiB, no request cost: unsplit it streams at b_1;
+    split into 8 requests issued together it reaches B (4 requests already saturate)."""
+    B, b1 = 1e9, 0.25e9
+    for m, want in ((None, 8 * MIB / b1), (MIB, 8 * MIB / B)):
+        dev = ArrayProfile("q", DriveProfile("d", 0.0, B, 32, b1, m), 1, 0, "none", 1e15)
+        inst, _ = simulate(one_forward([0], 1), np.ones(1, bool), layout(1, (2 * MIB, 2 * MIB, 4 * MIB)), dev,
+                           RuntimeConfig(workers=1, **NO_COMPUTE))
+        assert float(inst.stall[0]) == pytest.approx(want, rel=1e-9), m
+
+
+def test_fit_recovers_the_parameters_when_the_system_splits_reads():
+    sizes = np.array([s for s in SIZES for _ in DEPTHS])
+    depths = np.array([d for _ in SIZES for d in DEPTHS])
+    a, b1, B, Q, m = 80e-6, 1.5e9, 3.5e9, 48, 1280 * 1024
+    x = queue_throughput(a, b1, B, Q, sizes, depths, m)
+    fit = fit_queue_model(sizes, depths, x, m)
+    assert (fit["request_seconds"], fit["stream_bandwidth"], fit["bandwidth"]) == pytest.approx((a, b1, B), rel=1e-4)
+    assert fit["max_request_bytes"] == m and fit["max_abs_log_error"] < 1e-6
+    # the same cells fitted as if reads were unsplit fit worse: one request cannot be both slow alone and fast when large
+    assert fit_queue_model(sizes, depths, x)["max_abs_log_error"] > 0.05
+
+
+@pytest.mark.parametrize("bad", [0, 100, -4096, 1.5e6, True, "1M", 1 << 40])
+def test_a_profile_with_a_bad_request_limit_is_refused(tmp_path, bad):
+    from containers.errors import InputError
+
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps({"name": "bad", "members": 1, "chunk_bytes": 0, "split_rule": "none", "host_bandwidth": 3e9,
+                             "drive": {"name": "d", "request_seconds": 1e-4, "bandwidth": 2e9, "max_request_bytes": bad}}))
+    with pytest.raises(InputError, match="max_request_bytes"):
+        load_device(str(p))
 
 
 def test_the_calibration_table_shows_each_cells_fit_error():
