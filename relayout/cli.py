@@ -32,6 +32,7 @@ from .render import (
     format_gate,
     format_inspect,
     format_measure,
+    format_placement,
     format_report,
     format_stats,
     format_sweep,
@@ -59,7 +60,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_synth_container(args) -> int:
     geometry = _scaled_geometry(args)
-    out = synth_container(args.out, geometry, seed=args.seed)
+    out = synth_container(args.out, geometry, seed=args.seed, sparse=args.sparse)
     container = Container.open(out)
     r = container.report()
     print(f"wrote {out}: {r['files']} files, {r['routed_experts']} experts, {human_bytes(r['total_bytes'])}, "
@@ -267,6 +268,46 @@ def cmd_replay(args) -> int:
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
           + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
     return _verify_and_report(args.container, args.out, False, False)
+
+
+def cmd_placement(args) -> int:
+    from containers.atomic import write_json_atomic
+    from replay.device import load_device
+    from replay.pinfile import pin_gb_for, write_pin_file
+    from replay.placement import ARMS, placement_arms
+    from replay.planfile import load_plan, save_plan, with_pins
+    from replay.trace import load_trace
+
+    arms = tuple(a for a in args.arms.split(",") if a) if args.arms else ARMS
+    if args.pin_gb:
+        raise InputError(None, "placement chooses the pins itself within --ram-gb; --pin-gb does not apply")
+    if (args.pin_file or args.plan_out) and args.export not in arms:
+        raise InputError(None, f"--export {args.export} is not among the arms run ({', '.join(arms)})")
+    plan = load_plan(args.layout)
+    trace = load_trace(args.trace)
+    device = load_device(args.device)
+    study = placement_arms(plan, trace, device, _runtime_config(args), int(args.ram_gb * 1e9), arms, args.pin_share,
+                           args.half_life, min_sessions=args.min_sessions)
+    if args.output:
+        write_json_atomic(args.output, study.to_json())
+    print(json.dumps(study.to_json(), indent=1) if args.json else format_placement(study))
+    record = study.pin_record(args.export) if (args.pin_file or args.plan_out) else None
+    if args.pin_file:
+        mtp = set(plan.geometry["mtp_layers"])
+        kept = [(layer, e) for layer, e in record.experts if layer not in mtp]
+        write_pin_file(args.pin_file, kept)
+        size = sum(int(plan.geometry["expert_bytes"][str(layer)]) for layer, _ in kept)
+        print(f"wrote {args.pin_file}: {len(kept)} pins of the {args.export} arm ({human_bytes(size)}); run colibrì with "
+              f"PIN={args.pin_file} PIN_GB={pin_gb_for(size):g}"
+              + (f" ({len(record.experts) - len(kept)} pin(s) in MTP layers left out: colibrì's GLM engine pins only layers "
+                 "below num_hidden_layers)" if len(kept) < len(record.experts) else ""))
+    if args.plan_out:
+        new = with_pins(plan.raw, record)
+        save_plan(new, args.plan_out)
+        print(f"wrote {args.plan_out} (plan {new['plan_digest']}: {plan.digest} with the {args.export} arm's pins)")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
 
 
 def cmd_gate(args) -> int:
@@ -501,6 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     _geometry_options(c)
     c.add_argument("--shard-mb", type=float, help="target shard size in MB, 10^6 bytes (default: the geometry's)")
     c.add_argument("--seed", type=int, default=0, help="seed of the tensor bytes and the shard cuts")
+    c.add_argument("--sparse", action="store_true", help="sparse files: real headers, each tensor a 4 KiB seeded stamp "
+                                                         "then holes (zeros); a full-size container in a few GB of disk")
 
     c = _command(synth, "trace", "write a synthetic routing trace with real structure", cmd_synth_trace)
     c.add_argument("out", help="the trace file to write (.rt)")
@@ -584,6 +627,27 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
     w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
     _rewrite_options(s, src_flag=True)
+
+    s = _command(sub, "placement", "placement arms at equal RAM (LRU, frequency pins, hybrid, probability per byte, "
+                                   "stall value per byte): S and hit rate on held-out sessions; export the pin set", cmd_placement)
+    s.add_argument("--layout", required=True, metavar="PLAN.json", help="the plan whose layout and training sessions are used")
+    s.add_argument("--trace", required=True, help="a relayout trace: the plan's training sessions choose pins, the rest evaluate")
+    s.add_argument("--device", required=True, help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
+    _runtime_options(s, modelled=True)
+    a = s.add_argument_group("arms")
+    a.add_argument("--arms", help="comma-separated arms (default: lru,frequency,hybrid,probability-per-byte,stall-value)")
+    a.add_argument("--pin-share", type=float, default=0.5,
+                   help="share of --ram-gb the frequency, hybrid and probability arms pin (colibrì's default: half); "
+                        "the stall-value arm searches it")
+    a.add_argument("--half-life", type=float, help="hybrid arm: half-life of a selection's weight, training steps "
+                                                   "(default: a quarter of the training steps)")
+    a.add_argument("--min-sessions", type=int, default=5, help="held-out sessions a comparison needs")
+    o = s.add_argument_group("output")
+    o.add_argument("--export", default="stall-value", help="the arm whose pins --pin-file and --plan-out write")
+    o.add_argument("--pin-file", metavar="PIN.txt", help="write that arm's pins as colibrì's PIN file (layer expert rank lines)")
+    o.add_argument("--plan-out", metavar="PLAN.json", help="write a copy of the plan recording that arm's pins (a new plan digest)")
+    o.add_argument("-o", "--output", help="write the arms' table as JSON")
+    o.add_argument("--json", action="store_true", help="print JSON")
 
     s = _command(sub, "gate", "recompute a gate record's interval and verdict from the evidence it stores", cmd_gate)
     s.add_argument("--recheck", required=True, metavar="gate.json", help="the gate record to recheck")

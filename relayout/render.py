@@ -342,3 +342,28 @@ def format_validation(v: dict) -> str:
             lines.append(f"    {x['words']}")
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)
+
+
+def format_placement(study) -> str:
+    """``relayout placement``: each arm's RAM split, S on training and held-out sessions (ms per
+    committed token, 95% interval), the RAM hit rate beside it and the saving against frequency pins."""
+    ms = 1e3
+    lines = [f"placement arms at {human_bytes(study.ram_bytes)} of RAM on {study.device}: pins + LRU = RAM in every arm; "
+             f"{study.training_sessions} training / {study.held_out_sessions} held-out sessions ({study.sufficiency})",
+             "",
+             f"{'arm':<21}{'pins':>10}{'LRU':>10}{'train S':>9}{'held-out S (95% CI)':>26}{'RAM hits':>9}"
+             f"{'saved vs frequency (95% CI)':>31}"]
+    for a in study.arms:
+        s, v = a.stall_per_token_s, a.saving_vs_frequency_s
+        saved = "" if v is None else f"{v.estimate * ms:+8.3f} [{v.low * ms:+7.3f},{v.high * ms:+7.3f}]"
+        lines.append(f"{a.pins.arm:<21}{human_bytes(a.pins.pin_bytes):>10}{human_bytes(a.pins.lru_bytes):>10}"
+                     f"{a.train_stall_per_token_s * ms:9.3f}{s.estimate * ms:10.3f} [{s.low * ms:6.3f},{s.high * ms:6.3f}]"
+                     f"{a.ram_hit_rate:9.1%}{saved:>31}")
+    lines.append("")
+    lines += [f"  {a.pins.arm}: {a.pins.how}" for a in study.arms]
+    lines.append("S = modelled stall per committed token, ms; RAM hits = batch-union lookups served by a pin or the LRU "
+                 "(held-out); the stall-value arm is the best of its replayed candidates on the training sessions, so its "
+                 f"training S is never above the LRU-only or frequency arm's ({study.stall_value_replays} candidate replays)")
+    if not study.sufficient:
+        lines.append("INSUFFICIENT evidence for a comparison: " + study.sufficiency)
+    return "\n".join(lines)

@@ -28,6 +28,8 @@ from containers.layout import Layout, check_runtime_constraints
 from containers.output_files import MAX_LISTED, output_name_problem
 from containers.records import is_int
 
+from .pinfile import PinRecord, pin_record_of, pin_record_problems
+
 PLAN_FORMAT = "relayout.plan"
 PLAN_VERSION = 1
 METHODS = ("louvain", "greedy-modularity", "heat", "stock", "random")
@@ -57,6 +59,8 @@ class Plan:
     repack: Layout | None = None
     """The source's expert order in the new packing (files, alignment), to separate what repacking
     saves from what ordering saves; None in plans made before it was recorded."""
+    pins: PinRecord | None = None
+    """A pin set chosen for this layout (``relayout placement --plan-out``), or None."""
 
     @property
     def digest(self) -> str:
@@ -121,7 +125,16 @@ def load_plan(path: str | os.PathLike) -> Plan:
         if repack.layers != layout.layers or not np.array_equal(repack.expert_bytes(), layout.expert_bytes()):
             raise InputError(path, "the repacked stock layout does not match the new layout's experts")
         check_runtime_constraints(repack, where)
-    return Plan(where, raw, stock, layout, orders, raw.get("split"), g, repack)
+    pins = pin_record_of(raw["pins"], where) if raw.get("pins") is not None else None
+    return Plan(where, raw, stock, layout, orders, raw.get("split"), g, repack, pins)
+
+
+def with_pins(raw: dict, pins: PinRecord) -> dict:
+    """A copy of plan ``raw`` recording ``pins`` (a new plan: its digest is recomputed)."""
+    out = {k: v for k, v in raw.items() if k != "plan_digest"}
+    out["pins"] = pins.to_json()
+    out["plan_digest"] = plan_digest(out)
+    return out
 
 
 def _int_list(x) -> bool:
@@ -173,6 +186,8 @@ def plan_field_problems(raw: dict) -> list[str]:
     split = raw.get("split")
     if split is not None and not problems:
         problems += _split_problems(split, g)
+    if not problems:
+        problems += pin_record_problems(raw.get("pins"), g)
     return problems
 
 
