@@ -9,7 +9,11 @@ scale pages the OS already caches, and, with a prefetch source, the drives.
 
 **One instance.** Time 0 is when routing is known. Every missing expert becomes a *job* for the
 reader pool (with ``coalesce``, experts contiguous in one file share a job, their one read never
-over ``coalesce_max_bytes``): its weight read(s) (one pread when the three weight tensors are
+over ``coalesce_max_bytes``, as colibrì's COALESCE change reads them: pull request 1398 in
+``JustVugg/colibri``, one pread for the experts of a miss batch that are contiguous in the same
+shard; a pread returns when its whole span has arrived, so every expert of the span waits for
+all of it, and a long span of co-activated experts gives up overlap of compute with reads that
+separate reads would have had): its weight read(s) (one pread when the three weight tensors are
 byte-adjacent, three when not; O_DIRECT widens them to the device's alignment) and its three
 buffered scale preads, executed in order by one worker. These reads are planned by
 :func:`replay.readplan.plan_layer`, the one function the harness (:mod:`replay.measure`) also
