@@ -166,21 +166,31 @@ def cmd_export_coli_pairs(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from replay.cluster import open_executor
     from replay.planfile import save_plan
     from replay.trace import load_trace
 
     from .packing import PackOptions
     from .plan import (
+        SPLIT_NEEDS_ONE_TRACE,
         SplitOptions,
         make_plan,
         source_from_container,
         source_from_geometry,
     )
+    from .training import pooled_training, trace_paths
 
     if bool(args.container) == bool(args.geometry):
         raise InputError(None, "give exactly one of --container DIR or --geometry NAME")
+    paths = trace_paths(args.trace)
+    if args.split_ratio is not None and len(paths) > 1:
+        raise InputError(None, SPLIT_NEEDS_ONE_TRACE)
     source = source_from_container(args.container, args.manifest) if args.container else source_from_geometry(_scaled_geometry(args, "source_shard_mb"), args.synth_seed)
-    trace = load_trace(args.trace)
+    if len(paths) == 1:
+        trace = load_trace(paths[0])
+    else:
+        with open_executor(args.scheduler) as executor:
+            trace = pooled_training(paths, source.geometry, args.train_fraction, executor)
     split = None
     if args.split_ratio is not None:
         if args.split_ram_gb is None:
@@ -228,6 +238,7 @@ def _verdict_status(verdict: str) -> int:
 
 def cmd_replay(args) -> int:
     from containers.atomic import write_json_atomic
+    from replay.cluster import open_executor
     from replay.device import load_device
     from replay.gate import compare, measured_tpot_parts, sweep
     from replay.planfile import load_plan
@@ -241,8 +252,9 @@ def cmd_replay(args) -> int:
     config = _runtime_config(args)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
     if args.sweep:
-        cells = sweep(plan, trace, device, config, _floats(args.sweep_ram), [int(w) for w in _floats(args.sweep_workers)],
-                      args.threshold, baseline, args.min_sessions)
+        with open_executor(args.scheduler) as executor:
+            cells = sweep(plan, trace, device, config, _floats(args.sweep_ram), [int(w) for w in _floats(args.sweep_workers)],
+                          args.threshold, baseline, args.min_sessions, executor)
         if args.output:
             write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
         print(json.dumps(cells, indent=1) if args.json else format_sweep(cells))
@@ -488,6 +500,13 @@ def _geometry_options(c: argparse.ArgumentParser, full: bool = True) -> None:
         g.add_argument("--vocab", type=int, help="vocabulary size, embedding and lm_head rows (default: the geometry's)")
 
 
+def _scheduler_option(c, what: str) -> None:
+    c.add_argument("--scheduler", default="local", metavar="ADDRESS",
+                   help=f"where {what} runs: 'local' (a Dask cluster of one worker process per core of this machine; "
+                        "serial when dask is not installed), 'none' (serial, in this process) or the address of a "
+                        "running Dask scheduler (tcp://host:8786); results are the same on each")
+
+
 def _runtime_options(c: argparse.ArgumentParser, modelled: bool) -> None:
     """The runtime knobs ``replay`` models and ``measure`` performs (``modelled``: replay's extras)."""
     r = c.add_argument_group("runtime (colibrì's read path)")
@@ -574,7 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="the .coli_pairs file to write")
 
     s = _command(sub, "plan", "cluster, order and pack: write plan.json", cmd_plan)
-    s.add_argument("--trace", required=True, help="a relayout trace (.rt); the first --train-fraction of its sessions train")
+    s.add_argument("--trace", required=True, action="append",
+                   help="a relayout trace (.rt); the first --train-fraction of its sessions train. Repeat it, or give a "
+                        "directory (its *.rt files) or a quoted glob, to pool many traces: each file is split by "
+                        "--train-fraction on its own and counted as one task (see --scheduler)")
     s.add_argument("-o", "--output", required=True, help="plan.json to write")
     src = s.add_argument_group("what the plan is for (exactly one)")
     src.add_argument("--container", help="the container the plan is for")
@@ -590,6 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--resolution", type=float, default=1.0, help="Louvain resolution")
     m.add_argument("--weight", default="count", choices=WEIGHTS, help="co-activation edge weight")
     m.add_argument("--min-support", type=int, default=1, help="minimum co-selections for an edge")
+    _scheduler_option(m, "pooled counting (one task per trace file; a single trace is counted in this process)")
     k = s.add_argument_group("packing")
     k.add_argument("--shard-mb", type=float, default=4000, help="target size of new shards, MB")
     k.add_argument("--alignment", type=int, default=4096, help="block alignment in bytes (e.g. a RAID chunk size)")
@@ -626,6 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sweep", action="store_true", help="regime map over RAM budgets x workers x coalesce")
     w.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
     w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
+    _scheduler_option(w, "the sweep's cells (one task per cell)")
     _rewrite_options(s, src_flag=True)
 
     s = _command(sub, "placement", "placement arms at equal RAM (LRU, frequency pins, hybrid, probability per byte, "

@@ -15,13 +15,16 @@ learns from); :func:`write_coli_pairs` exports them in colibrì's ``.coli_pairs`
 runtime's coupled prefetch.
 
 The dense [E, E] matrices are for planning and export, where E is a container's experts per
-layer. Statistics use the sparse forms (:func:`pair_count_items`, :func:`cross_layer_items`),
-whose memory grows with the rows, not with E squared.
+layer: :class:`LayerCounts` is one layer's, what ordering reads. Statistics use the sparse forms
+(:func:`pair_count_items`, :func:`cross_layer_items`), whose memory grows with the rows, not with
+E squared; :class:`PairCounts` is the sparse form of every layer's counts from one trace file (or
+a pool of them, merged exactly), what pooled planning moves between machines.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -85,32 +88,130 @@ def lift_matrix(C: np.ndarray, heat: np.ndarray, n_rows: int) -> np.ndarray:
     return np.nan_to_num(L, nan=0.0, posinf=0.0)
 
 
-def coactivation_graph(experts: np.ndarray, n_experts: int, weight: str = "count", min_support: int = 1):
-    """Graph over all experts of a layer; edges with count >= ``min_support``, weighted as asked.
+@dataclass
+class LayerCounts:
+    """Co-activation statistics of one layer's rows, all that ordering needs.
 
-    Node attribute ``heat``; edge attributes ``count``, ``lift``, ``pmi`` and ``weight``
-    (the selected one; PMI edges with non-positive PMI are dropped, Louvain needs positive weights).
-    Returns a ``networkx.Graph``.
+    ``pairs`` [E, E] int64: rows selecting both i and j (symmetric, zero diagonal);
+    ``heat`` [E] int64: rows selecting each expert; ``rows``: rows counted.
+    """
+
+    pairs: np.ndarray
+    heat: np.ndarray
+    rows: int
+
+    @classmethod
+    def of_rows(cls, experts: np.ndarray, n_experts: int) -> "LayerCounts":
+        """Counts of rows ``experts`` [N, k] (-1 = padding)."""
+        return cls(pair_counts(experts, n_experts), heat_of(experts, n_experts), int(len(experts)))
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.heat)
+
+    def runs_per_token(self, order: np.ndarray) -> float:
+        """Mean contiguous runs per row of the counted rows in ``order``: mean |S| minus the
+        co-activation weight of neighbours per row (the identity :mod:`relayout.ordering` states;
+        exact because a validated trace never selects an expert twice in a row)."""
+        if self.rows == 0:
+            return 0.0
+        o = np.asarray(order)
+        return float((self.heat.sum() - self.pairs[o[:-1], o[1:]].sum()) / self.rows)
+
+
+def weight_matrix(counts: LayerCounts, weight: str = "count", min_support: int = 1) -> np.ndarray:
+    """Edge weights [E, E] (float64, symmetric, zero diagonal) of the co-activation graph.
+
+    Pairs co-selected fewer than ``min_support`` times (at least once) have no edge (weight 0);
+    ``weight`` is ``count``, ``lift`` or ``pmi``; non-positive weights (PMI <= 0) are dropped,
+    as Louvain needs positive weights.
     """
     if weight not in WEIGHTS:
         raise InputError(None, f"unknown edge weight {weight!r} (choose {', '.join(WEIGHTS)})")
-    N = experts.shape[0]
-    heat = heat_of(experts, n_experts)
-    C = pair_counts(experts, n_experts)
-    L = lift_matrix(C, heat, N)
+    C = counts.pairs
+    keep = C >= max(min_support, 1)
+    if weight == "count":
+        W = C.astype(np.float64)
+    else:
+        W = lift_matrix(C, counts.heat, counts.rows)
+        if weight == "pmi":
+            with np.errstate(divide="ignore"):
+                W = np.where(W > 0, np.log2(np.where(W > 0, W, 1.0)), 0.0)
+    W = np.where(keep & (W > 0), W, 0.0)
+    np.fill_diagonal(W, 0.0)
+    return W
+
+
+def coactivation_graph(counts: LayerCounts, weight: str = "count", min_support: int = 1):
+    """``networkx.Graph`` over all experts of a layer, edge attribute ``weight`` from
+    :func:`weight_matrix`, node attribute ``heat``; built from the matrix in one call."""
     import networkx as nx  # planning only: the rest of the tool starts without it
 
-    G = nx.Graph()
-    G.add_nodes_from((e, {"heat": int(heat[e])}) for e in range(n_experts))
-    iu, ju = np.nonzero(np.triu(C >= max(min_support, 1), 1))
-    for i, j in zip(iu.tolist(), ju.tolist()):
-        c, lift = int(C[i, j]), float(L[i, j])
-        pmi = float(np.log2(lift)) if lift > 0 else float("-inf")
-        w = {"count": float(c), "lift": lift, "pmi": pmi}[weight]
-        if w <= 0:
-            continue
-        G.add_edge(i, j, count=c, lift=lift, pmi=pmi, weight=w)
+    G = nx.from_numpy_array(weight_matrix(counts, weight, min_support))
+    nx.set_node_attributes(G, {e: int(h) for e, h in enumerate(counts.heat)}, "heat")
     return G
+
+
+@dataclass
+class PairCounts:
+    """Co-activation counts of several layers, sparse: what a trace file contributes to a plan.
+
+    ``layers`` [L] the layers counted (every file of a pool counts the same list), ``rows`` [L]
+    rows counted per layer, ``heat`` [L, E] selections per expert, and the non-zero upper
+    triangle of every layer's pair counts: ``keys`` [P] (sorted, ``(layer index * E + i) * E + j``
+    with i < j) and ``counts`` [P] (> 0). Memory grows with the distinct co-selected pairs, at most
+    L x E (E - 1) / 2, whatever the number of rows; :meth:`merged` adds two files' counts.
+    """
+
+    layers: np.ndarray
+    n_experts: int
+    rows: np.ndarray
+    heat: np.ndarray
+    keys: np.ndarray
+    counts: np.ndarray
+
+    def merged(self, other: "PairCounts") -> "PairCounts":
+        """The counts of both (the rows of both files), exact."""
+        if not np.array_equal(self.layers, other.layers) or self.n_experts != other.n_experts:
+            raise ValueError("pair counts of different layers or expert counts cannot be merged")
+        keys, inverse = np.unique(np.concatenate([self.keys, other.keys]), return_inverse=True)
+        counts = np.zeros(len(keys), dtype=np.int64)
+        np.add.at(counts, inverse, np.concatenate([self.counts, other.counts]))
+        return PairCounts(self.layers, self.n_experts, self.rows + other.rows, self.heat + other.heat, keys, counts)
+
+    def layer(self, index: int) -> LayerCounts:
+        """Dense counts of the ``index``-th layer counted."""
+        E = self.n_experts
+        lo, hi = np.searchsorted(self.keys, [index * E * E, (index + 1) * E * E])
+        C = np.zeros(E * E, dtype=np.int64)
+        C[self.keys[lo:hi] - index * E * E] = self.counts[lo:hi]
+        C = C.reshape(E, E)
+        return LayerCounts(C + C.T, self.heat[index].copy(), int(self.rows[index]))
+
+
+def count_pairs(trace: RoutingTrace, forwards: np.ndarray, layers: list[int], n_experts: int) -> PairCounts:
+    """:class:`PairCounts` of the rows of ``forwards`` [F] (a mask) at each of ``layers``.
+
+    ``n_experts`` may exceed the trace's (a container's experts per layer); layers the trace does
+    not route count no rows.
+    """
+    E = n_experts
+    traced = set(trace.layers.tolist())
+    rows = np.zeros(len(layers), dtype=np.int64)
+    heat = np.zeros((len(layers), E), dtype=np.int64)
+    keys, counts = [], []
+    for li, layer in enumerate(layers):
+        if layer not in traced:
+            continue
+        ex = trace.experts[trace.layer_rows(layer, forwards)]
+        rows[li] = len(ex)
+        heat[li] = heat_of(ex, E)
+        i, j, c = pair_count_items(ex, E)
+        keys.append((li * E + i) * E + j)
+        counts.append(c)
+    z = np.zeros(0, dtype=np.int64)
+    return PairCounts(np.asarray(layers, dtype=np.int64), E, rows, heat,
+                      np.concatenate(keys) if keys else z, np.concatenate(counts) if counts else z)
 
 
 def cross_layer_items(trace: RoutingTrace, ra: np.ndarray, rb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -9,15 +9,19 @@ order; they form a number of separate contiguous *runs*. For a set S in an order
 with C the co-activation count matrix. Minimising runs is therefore exactly maximising the
 co-activation weight between neighbours: a maximum-weight Hamiltonian path. The optimiser:
 
-1. Louvain communities (python-louvain) on the co-activation graph, resolution and seed given;
+1. Louvain communities (:mod:`relayout.louvain`, on the dense weight matrix) of the
+   co-activation graph, resolution and seed given;
 2. communities chained greedily by the weight between them, each ordered internally by its
    Fiedler vector (spectral seriation);
 3. local search on the whole path: 2-opt segment reversals and single-expert relocations, each
-   move's gain computed exactly in O(1) and all moves scored at once with numpy.
+   move's gain computed exactly in O(1) and all O(n^2) moves scored in one compiled loop.
 
 Baselines: ``stock`` (the source's physical order), ``heat``, ``random`` and
 ``greedy-modularity`` (networkx greedy modularity communities on raw counts, greedy chain inside:
 the existing tool's method). Experts never seen in training go last, by heat (ties by id).
+
+Every method reads a layer's :class:`~relayout.coactivation.LayerCounts` (pair counts, heat,
+rows), never the rows themselves, so a plan can learn from counts pooled over many trace files.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
+from numba import njit
 
-from .coactivation import coactivation_graph, heat_of, pair_counts
+from replay.jit import LOOP
+
+from .coactivation import LayerCounts, coactivation_graph, weight_matrix
+from .louvain import louvain_partition, modularity
 
 
 def runs_per_token(experts: np.ndarray, order: np.ndarray) -> float:
@@ -54,51 +62,62 @@ def path_weight(order: np.ndarray, C: np.ndarray) -> float:
 def improve_path(order: np.ndarray, C: np.ndarray, max_moves: int = 20000) -> np.ndarray:
     """Local search maximising the neighbour weight of ``order`` under matrix ``C``.
 
-    Alternates the best 2-opt reversal and the best single relocation until neither gains.
+    Each step scores every 2-opt reversal (reverse ``o[i..j]``) and every single relocation
+    (take ``o[i]`` out, insert it between two neighbours), each gain exact in O(1), and makes
+    the best move (the first in (i, j) order on ties, a reversal when the two kinds tie) until
+    no move gains more than 1e-9 or ``max_moves`` were made. O(n^2) per move, compiled.
     """
     o = np.array(order, dtype=np.int64)
-    n = len(o)
-    if n < 3:
+    if len(o) < 3:
         return o
-    C = C.astype(np.float64)
+    return _improve_path(o, np.ascontiguousarray(C, dtype=np.float64), max_moves)
+
+
+@njit(**LOOP)
+def _improve_path(o, C, max_moves):  # pragma: no cover - compiled
+    n = len(o)
+    edge = np.zeros(n)                 # edge[p] = weight between positions p and p+1 (0 at the end)
     for _ in range(max_moves):
-        W = C[np.ix_(o, o)]
-        # 2-opt: reverse o[i..j]
-        edge = np.concatenate([np.diag(W, 1), [0.0]])            # edge[i] = W[i, i+1]
-        prev = np.zeros((n, n))
-        prev[1:, :] = W[:-1, :]                                   # W[i-1, j]
-        nxt = np.zeros((n, n))
-        nxt[:, :-1] = W[:, 1:]                                    # W[i, j+1]
-        e_prev = np.concatenate([[0.0], edge[:-1]])               # W[i-1, i]
-        gain2 = prev - e_prev[:, None] + nxt - edge[None, :]
-        gain2[np.tril_indices(n)] = -np.inf
-        i2, j2 = np.unravel_index(np.argmax(gain2), gain2.shape)
-        best2 = gain2[i2, j2]
-        # relocation: take o[i] out, insert it between positions q and q+1 of the original path
-        left = np.concatenate([[0.0], edge[:-1]])
-        right = edge.copy()
-        bridge = np.zeros(n)
-        bridge[1:-1] = W[np.arange(0, n - 2), np.arange(2, n)]
-        loss = left + right - bridge                               # weight lost by removing o[i]
-        ins = np.zeros((n, n + 1))                                 # slot q: between q-1 and q
-        ins[:, 0] = W[:, 0]
-        ins[:, n] = W[:, n - 1]
-        ins[:, 1:n] = W[:, :-1] + W[:, 1:] - edge[None, :-1]
-        gain1 = ins - loss[:, None]
-        idx = np.arange(n)
-        gain1[idx, idx] = -np.inf
-        gain1[idx, idx + 1] = -np.inf
-        i1, q1 = np.unravel_index(np.argmax(gain1), gain1.shape)
-        best1 = gain1[i1, q1]
+        for p in range(n - 1):
+            edge[p] = C[o[p], o[p + 1]]
+        edge[n - 1] = 0.0
+        # 2-opt: reversing o[i..j] replaces edges (i-1, i) and (j, j+1) by (i-1, j) and (i, j+1)
+        best2, i2, j2 = -np.inf, 0, 0
+        for i in range(n):
+            before = edge[i - 1] if i > 0 else 0.0
+            for j in range(i + 1, n):
+                prev = C[o[i - 1], o[j]] if i > 0 else 0.0
+                nxt = C[o[i], o[j + 1]] if j < n - 1 else 0.0
+                gain = prev - before + nxt - edge[j]
+                if gain > best2:
+                    best2, i2, j2 = gain, i, j
+        # relocation: o[i] out (its two edges lost, its neighbours bridged), in at slot q (between q-1 and q)
+        best1, i1, q1 = -np.inf, 0, 0
+        for i in range(n):
+            left = edge[i - 1] if i > 0 else 0.0
+            bridge = C[o[i - 1], o[i + 1]] if 0 < i < n - 1 else 0.0
+            loss = left + edge[i] - bridge
+            for q in range(n + 1):
+                if q == i or q == i + 1:
+                    continue
+                if q == 0:
+                    ins = C[o[i], o[0]]
+                elif q == n:
+                    ins = C[o[i], o[n - 1]]
+                else:
+                    ins = C[o[i], o[q - 1]] + C[o[i], o[q]] - edge[q - 1]
+                gain = ins - loss
+                if gain > best1:
+                    best1, i1, q1 = gain, i, q
         if max(best1, best2) <= 1e-9:
             break
         if best2 >= best1:
-            o[i2 : j2 + 1] = o[i2 : j2 + 1][::-1].copy()
+            o[i2:j2 + 1] = o[i2:j2 + 1][::-1].copy()
         else:
             x = o[i1]
-            rest = np.delete(o, i1)
             q = q1 if q1 < i1 else q1 - 1
-            o = np.insert(rest, q, x)
+            rest = np.concatenate((o[:i1], o[i1 + 1:]))
+            o = np.concatenate((rest[:q], np.array([x]), rest[q:]))
     return o
 
 
@@ -150,35 +169,32 @@ def _unseen_last(order_seen: list[int], heat: np.ndarray) -> np.ndarray:
     return np.array(list(order_seen) + rest, dtype=np.int64)
 
 
-def louvain_order(experts: np.ndarray, n_experts: int, resolution: float = 1.0, seed: int = 0,
-                  weight: str = "count", min_support: int = 1) -> LayerOrder:
-    """Louvain communities, spectral order inside, greedy chain between, then local search."""
-    import community as community_louvain
+def louvain_order(counts: LayerCounts, resolution: float = 1.0, seed: int = 0, weight: str = "count",
+                  min_support: int = 1) -> LayerOrder:
+    """Louvain communities, spectral order inside, greedy chain between, then local search.
 
-    heat = heat_of(experts, n_experts)
-    C = pair_counts(experts, n_experts)
-    G = coactivation_graph(experts, n_experts, weight, min_support)
-    connected = [e for e in range(n_experts) if G.degree(e) > 0]
-    if not connected:
+    The recorded modularity is the partition's (resolution 1) on the weighted graph of experts
+    with at least one edge.
+    """
+    heat, C = counts.heat, counts.pairs
+    W = weight_matrix(counts, weight, min_support)
+    connected = np.flatnonzero(W.sum(axis=1) > 0)
+    if not len(connected):
         return LayerOrder(_unseen_last([], heat), "louvain", [], None)
-    H = G.subgraph(connected).copy()
-    part = community_louvain.best_partition(H, weight="weight", resolution=resolution, random_state=seed)
-    modularity = community_louvain.modularity(part, H, weight="weight")
-    groups: dict[int, list[int]] = {}
-    for e in sorted(part):
-        groups.setdefault(part[e], []).append(e)
-    comms = [fiedler_order(g, C, heat) for g in groups.values()]
+    sub = W[np.ix_(connected, connected)]
+    part = louvain_partition(sub, resolution, seed)
+    groups = [connected[part == c].tolist() for c in range(int(part.max()) + 1)]
+    comms = [fiedler_order(g, C, heat) for g in groups]
     chain = [e for g in _chain_groups(comms, C, heat) for e in g]
     chain = improve_path(np.array(chain), C).tolist()
-    return LayerOrder(_unseen_last(chain, heat), "louvain", [sorted(g) for g in comms], float(modularity))
+    return LayerOrder(_unseen_last(chain, heat), "louvain", [sorted(g) for g in comms], modularity(sub, part))
 
 
-def greedy_modularity_order(experts: np.ndarray, n_experts: int) -> LayerOrder:
+def greedy_modularity_order(counts: LayerCounts) -> LayerOrder:
     """The existing tool's method: greedy modularity on raw counts, greedy chain inside each."""
-    heat = heat_of(experts, n_experts)
-    C = pair_counts(experts, n_experts)
-    G = coactivation_graph(experts, n_experts, "count", 1)
-    H = G.subgraph([e for e in range(n_experts) if G.degree(e) > 0]).copy()
+    heat, C = counts.heat, counts.pairs
+    G = coactivation_graph(counts, "count", 1)
+    H = G.subgraph([e for e in range(counts.n_experts) if G.degree(e) > 0]).copy()
     if H.number_of_nodes() == 0:
         return LayerOrder(_unseen_last([], heat), "greedy-modularity")
     comms = [sorted(c) for c in nx.community.greedy_modularity_communities(H, weight="weight")]
@@ -194,13 +210,13 @@ def greedy_modularity_order(experts: np.ndarray, n_experts: int) -> LayerOrder:
             chain.append(cur)
             left.remove(cur)
         order += chain
-    modularity = nx.community.modularity(H, comms, weight="weight")
-    return LayerOrder(_unseen_last(order, heat), "greedy-modularity", comms, float(modularity))
+    q = nx.community.modularity(H, comms, weight="weight")
+    return LayerOrder(_unseen_last(order, heat), "greedy-modularity", comms, float(q))
 
 
-def heat_order(experts: np.ndarray, n_experts: int) -> LayerOrder:
-    heat = heat_of(experts, n_experts)
-    return LayerOrder(np.array(sorted(range(n_experts), key=lambda e: (-heat[e], e))), "heat")
+def heat_order(counts: LayerCounts) -> LayerOrder:
+    heat = counts.heat
+    return LayerOrder(np.array(sorted(range(counts.n_experts), key=lambda e: (-heat[e], e))), "heat")
 
 
 def random_order(n_experts: int, seed: int, layer: int) -> LayerOrder:

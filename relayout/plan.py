@@ -8,7 +8,6 @@ is read and validated, is :mod:`replay.planfile`.
 
 from __future__ import annotations
 
-import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,19 +28,20 @@ from containers.layout import (
 from containers.manifest import build_manifest, load_manifest
 from containers.segments import expert_segment_specs
 from replay.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, plan_digest
-from replay.trace import FORWARD_KINDS, RoutingTrace
+from replay.trace import RoutingTrace
 
 from . import __version__
+from .coactivation import LayerCounts
 from .ordering import (
     LayerOrder,
     greedy_modularity_order,
     heat_order,
     louvain_order,
     random_order,
-    runs_per_token,
 )
 from .packing import PackOptions, pack_layout
 from .split import RULES, choose_resident, choose_resident_by_wait, segment_sizes
+from .training import TrainingSet, split_sessions, training_of_trace, training_rows
 
 
 @dataclass
@@ -105,46 +105,22 @@ def source_from_geometry(g: Geometry, seed: int = 0) -> PlanSource:
     return PlanSource("geometry", g.name, geometry, stock, tensors, None, None)
 
 
-def split_sessions(n_sessions: int, train_fraction: float) -> tuple[list[int], list[int]]:
-    """Chronological split by session: the first ``train_fraction`` train, the rest are held out.
-
-    At least one session trains; at least one is held out when there are two or more.
-    """
-    if not 0 < train_fraction <= 1:
-        raise InputError(None, "--train-fraction must be in (0, 1]")
-    n_train = max(1, int(round(n_sessions * train_fraction)))
-    if n_sessions >= 2:
-        n_train = min(n_train, n_sessions - 1)
-    return list(range(n_train)), list(range(n_train, n_sessions))
-
-
-def training_rows(trace: RoutingTrace, sessions: list[int]) -> np.ndarray:
-    """Forward mask [F] of the decode and verify forwards of ``sessions`` (prefill excluded)."""
-    return trace.session_forward_mask(sessions) & (trace.fwd_kind != FORWARD_KINDS.index("prefill"))
-
-
-def check_trace_fits(trace: RoutingTrace, geometry: dict, where: str) -> None:
-    trace.require_rows("planning")
-    if trace.n_experts > geometry["n_experts"]:
-        raise InputError(where, f"trace has expert ids up to {trace.n_experts - 1}, the container has {geometry['n_experts']} per layer")
-    extra = sorted(set(trace.layers.tolist()) - set(geometry["routed_layers"]))
-    if extra:
-        raise InputError(where, f"trace routes layers {extra[:5]} that are not routed layers of the container")
-
-
-def order_layer(method: str, rows: np.ndarray, E: int, stock_order: np.ndarray, layer: int, seed: int,
+def order_layer(method: str, counts: LayerCounts, stock_order: np.ndarray, layer: int, seed: int,
                 resolution: float, weight: str, min_support: int) -> LayerOrder:
-    if method == "stock" or (len(rows) == 0 and method != "random"):
+    if method == "stock" or (counts.rows == 0 and method != "random"):
         return LayerOrder(stock_order, "stock")
     if method == "louvain":
-        return louvain_order(rows, E, resolution, seed, weight, min_support)
+        return louvain_order(counts, resolution, seed, weight, min_support)
     if method == "greedy-modularity":
-        return greedy_modularity_order(rows, E)
+        return greedy_modularity_order(counts)
     if method == "heat":
-        return heat_order(rows, E)
+        return heat_order(counts)
     if method == "random":
-        return random_order(E, seed, layer)
+        return random_order(counts.n_experts, seed, layer)
     raise InputError(None, f"unknown method {method!r} (choose {', '.join(METHODS)})")
+
+
+SPLIT_NEEDS_ONE_TRACE = "a vertical split is planned from one trace's rows; plan it from a single --trace"
 
 
 @dataclass
@@ -162,7 +138,7 @@ class SplitOptions:
 
 
 def make_plan(
-    trace: RoutingTrace,
+    trace: RoutingTrace | TrainingSet,
     source: PlanSource,
     method: str = "louvain",
     train_fraction: float = 0.7,
@@ -174,29 +150,36 @@ def make_plan(
     split: SplitOptions | None = None,
     progress: bool = True,
 ) -> dict:
-    """Build a plan (JSON-ready dict). See the module doc for what it records."""
-    check_trace_fits(trace, source.geometry, trace.source)
+    """Build a plan (JSON-ready dict). See the module doc for what it records.
+
+    ``trace`` is one routing trace (its first ``train_fraction`` of sessions train), or the
+    :class:`~relayout.training.TrainingSet` of many pooled trace files
+    (:func:`relayout.training.pooled_training`, whose files were split by ``train_fraction``
+    already). A vertical ``split`` is planned from one trace's rows only.
+    """
     if method not in METHODS:
         raise InputError(None, f"unknown method {method!r} (choose {', '.join(METHODS)})")
-    train, held = split_sessions(len(trace.sessions), train_fraction)
-    fmask = training_rows(trace, train)
+    if isinstance(trace, TrainingSet):
+        if split is not None:
+            raise InputError(None, SPLIT_NEEDS_ONE_TRACE)
+        training, fmask = trace, None
+    else:
+        training, fmask = training_of_trace(trace, source.geometry, train_fraction)
     E = source.geometry["n_experts"]
     orders: dict[int, np.ndarray] = {}
     per_layer = {}
     layers = source.stock.layers
     for li, layer in enumerate(tqdm(layers, desc=f"plan ({method})", disable=None if progress else True)):
         stock_order = source.stock.physical_order(li)
-        traced = layer in set(trace.layers.tolist())
-        rows = trace.experts[trace.layer_rows(layer, fmask)].astype(np.int64) if traced else np.zeros((0, trace.top_k), np.int64)
-        lo = order_layer(method, rows, E, stock_order, layer, seed, resolution, weight, min_support)
-        gc.collect()  # the co-activation graphs are cyclic garbage; free them now, not 75 layers later
+        counts = training.counts.layer(li)
+        lo = order_layer(method, counts, stock_order, layer, seed, resolution, weight, min_support)
         orders[layer] = np.asarray(lo.order, dtype=np.int64)
         per_layer[str(layer)] = {
-            "trained_rows": int(len(rows)),
+            "trained_rows": counts.rows,
             "communities": len(lo.communities),
             "modularity": lo.modularity,
-            "train_runs_per_token": runs_per_token(rows, orders[layer]) if len(rows) else None,
-            "stock_train_runs_per_token": runs_per_token(rows, stock_order) if len(rows) else None,
+            "train_runs_per_token": counts.runs_per_token(orders[layer]) if counts.rows else None,
+            "stock_train_runs_per_token": counts.runs_per_token(stock_order) if counts.rows else None,
         }
     split_json = None
     if split is not None:
@@ -214,7 +197,6 @@ def make_plan(
     stock_orders = {layer: source.stock.physical_order(li) for li, layer in enumerate(layers)}
     repack = pack_layout(source.tensors, layers, E, stock_orders, source.mtp_layers, pack,
                          metadata={"relayout.version": __version__, "relayout.method": "stock"}, segments=segments)
-    fingerprints = trace.session_fingerprints()
     plan = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
@@ -226,10 +208,7 @@ def make_plan(
         "parameters": {"seed": seed, "resolution": resolution, "weight": weight, "min_support": min_support,
                        "train_fraction": train_fraction, "shard_bytes": pack.shard_bytes, "alignment": pack.alignment,
                        "scales_with_weights": pack.scales_with_weights},
-        "training": {"trace": trace.source, "trace_fingerprint": trace.fingerprint(),
-                     "sessions": [trace.sessions[i] for i in train], "held_out_sessions": [trace.sessions[i] for i in held],
-                     "session_fingerprints": [fingerprints[i] for i in train],
-                     "forwards": int(fmask.sum())},
+        "training": training.to_json(),
         "orders": {str(l): orders[l].tolist() for l in layers},
         "layers": per_layer,
         "split": split_json,

@@ -252,27 +252,25 @@ def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: fl
 
 def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
           workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None,
-          min_sessions: int = MIN_SESSIONS) -> list[dict]:
+          min_sessions: int = MIN_SESSIONS, executor=None) -> list[dict]:
     """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing.
 
     Many cells test many hypotheses: each cell's one-sided bootstrap p-value of "saving below the
     threshold" is corrected by Holm's procedure at the family-wise level of one cell's test
     (2.5%, the lower tail of a 95% interval); ``holm_significant`` says which cells stay passing.
+
+    Cells are independent: ``executor`` (a :class:`replay.cluster.Executor`; default serial, in
+    this process) runs one task per cell, with the plan, trace and device shared once. The table
+    is the same whichever executor runs it.
     """
-    cells = []
-    for ram in ram_gb:
-        for w in workers:
-            for co in (False, True):
-                cfg = replace(config, ram_bytes=int(ram * 1e9), workers=w, coalesce=co, batched=False)
-                g = compare(plan, trace, device, cfg, baseline, threshold, min_sessions=min_sessions)
-                cells.append({"ram_gb": ram, "workers": w, "coalesce": co, "verdict": g.verdict,
-                              "baseline_stall_s": g.baseline_metrics.stall_per_token_s,
-                              "plan_stall_s": g.plan_metrics.stall_per_token_s,
-                              "oracle_stall_s": g.headroom.oracle_stall_s,
-                              "saving": records.to_json(g.saving_per_token_s),
-                              "saving_fraction_of_tpot": records.to_json(g.saving_fraction_of_tpot),
-                              "tpot_s": g.threshold.tpot_s, "p_below_threshold": g.evidence.p_below_threshold,
-                              "sufficient": g.evidence.sufficient})
+    from .cluster import SerialExecutor
+
+    executor = executor or SerialExecutor()
+    grid = [(ram, replace(config, ram_bytes=int(ram * 1e9), workers=w, coalesce=co, batched=False))
+            for ram in ram_gb for w in workers for co in (False, True)]
+    shared = [None if x is None else executor.share(x) for x in (plan, trace, device, baseline)]
+    rows = executor.map(sweep_cell, [(*shared, cfg, threshold, min_sessions) for _, cfg in grid], desc="sweep cells")
+    cells = [{"ram_gb": ram, **row} for (ram, _), row in zip(grid, rows)]
     judged = [i for i, c in enumerate(cells) if c["sufficient"]]
     rejected = holm([cells[i]["p_below_threshold"] for i in judged], SWEEP_ALPHA)
     for c in cells:
@@ -280,3 +278,18 @@ def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runtime
     for i, r in zip(judged, rejected):
         cells[i]["holm_significant"] = bool(r and cells[i]["verdict"] == "pass")
     return cells
+
+
+def sweep_cell(plan: Plan, trace: RoutingTrace, device: ArrayProfile, baseline: Plan | None, config: RuntimeConfig,
+               threshold: float, min_sessions: int) -> dict:
+    """One cell of :func:`sweep`: the gate at ``config``, as the sweep table's row without its RAM
+    budget (stall and TPOT in seconds per committed token)."""
+    g = compare(plan, trace, device, config, baseline, threshold, min_sessions=min_sessions)
+    return {"workers": config.workers, "coalesce": config.coalesce, "verdict": g.verdict,
+            "baseline_stall_s": g.baseline_metrics.stall_per_token_s,
+            "plan_stall_s": g.plan_metrics.stall_per_token_s,
+            "oracle_stall_s": g.headroom.oracle_stall_s,
+            "saving": records.to_json(g.saving_per_token_s),
+            "saving_fraction_of_tpot": records.to_json(g.saving_fraction_of_tpot),
+            "tpot_s": g.threshold.tpot_s, "p_below_threshold": g.evidence.p_below_threshold,
+            "sufficient": g.evidence.sufficient}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, load_geometry
-from relayout.coactivation import pair_counts
+from relayout.coactivation import LayerCounts, pair_counts
 from relayout.ordering import improve_path, louvain_order, path_weight, runs_per_token
 from relayout.packing import PackOptions
 from relayout.plan import (
@@ -61,7 +61,7 @@ def test_planted_cliques_come_out_contiguous():
     tr = clique_trace()
     for layer in (3, 4, 5):
         rows = tr.experts[tr.row_layer == layer].astype(np.int64)
-        lo = louvain_order(rows, 64, seed=0)
+        lo = louvain_order(LayerCounts.of_rows(rows, 64), seed=0)
         pos = np.empty(64, dtype=int)
         pos[lo.order] = np.arange(64)
         expressed = 0
@@ -86,8 +86,8 @@ def test_a_shuffled_control_does_not_beat_the_real_plan():
         shuffled = rng.permuted(rng.permutation(64)[rows], axis=0)  # relabel and mix across tokens
         shuffled = np.sort(shuffled, axis=1)
         ok = np.array([len(set(r)) == len(r) for r in shuffled])
-        real = louvain_order(rows, 64).order
-        control = louvain_order(shuffled[ok], 64).order
+        real = louvain_order(LayerCounts.of_rows(rows, 64)).order
+        control = louvain_order(LayerCounts.of_rows(shuffled[ok], 64)).order
         assert runs_per_token(held_rows, real) < runs_per_token(held_rows, control)
 
 

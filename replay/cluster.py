@@ -1,0 +1,195 @@
+"""Running independent tasks serially or on a Dask cluster (``dask.distributed``).
+
+Sweeps (one gate per regime cell) and pooled counting (one task per trace file) are many
+independent calls of one function. An :class:`Executor` runs them:
+
+* ``map(function, [args, ...])`` returns ``[function(*args), ...]`` in the order given;
+* ``map_reduce(function, [args, ...], combine)`` returns ``combine`` folded over the results in
+  the order given (a balanced tree of pairwise ``combine(left, right)`` calls, so ``combine``
+  must be associative; the result is the same as the serial left fold for exact combines such
+  as adding counts), without collecting every result in one place first;
+* ``share(value)`` returns a handle to pass as an argument instead of ``value``, so a large
+  argument common to every task (a trace, a plan) travels to each machine once.
+
+:class:`SerialExecutor` runs everything in this process, in order. :class:`DaskExecutor` submits
+to a ``distributed.Client``: a local cluster on this machine's cores (one single-threaded worker
+process per core; the replay model holds the GIL) or an existing scheduler by address. Task
+functions and their arguments must be picklable: module-level functions, dataclasses, arrays.
+Results are identical on both (each task is a deterministic function of its arguments; floats
+travel bit for bit).
+
+An :class:`~containers.errors.InputError` raised in a task reaches the caller as the same
+one-line error, wherever the task ran.
+
+:func:`open_executor` picks one from a ``--scheduler`` value: ``local`` (the default: a local
+cluster, or serial when dask is not installed), ``none`` (serial) or a scheduler address
+(``tcp://host:8786``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from tqdm import tqdm
+
+from containers.errors import InputError
+
+SERIAL = "none"
+"""``--scheduler`` value for the serial path (no Dask)."""
+LOCAL = "local"
+"""``--scheduler`` value for a local cluster on this machine's cores (the default)."""
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A task's result, or the input error it raised (InputError itself does not pickle)."""
+
+    value: Any = None
+    where: str | None = None
+    problem: str | None = None
+
+    def unwrap(self):
+        if self.problem is not None:
+            raise InputError(self.where, self.problem)
+        return self.value
+
+
+def _run(function: Callable, *args) -> _Outcome:
+    try:
+        return _Outcome(function(*args))
+    except InputError as e:
+        return _Outcome(None, e.where, e.problem)
+
+
+def _combine(combine: Callable, left: _Outcome, right: _Outcome) -> _Outcome:
+    if left.problem is not None:
+        return left
+    if right.problem is not None:
+        return right
+    return _run(combine, left.value, right.value)
+
+
+class Executor:
+    """Runs independent tasks; see the module doc. Subclasses implement the three methods."""
+
+    name = "executor"
+    workers = 1
+
+    def map(self, function: Callable, tasks: Sequence[tuple], desc: str = "tasks") -> list:
+        raise NotImplementedError
+
+    def map_reduce(self, function: Callable, tasks: Sequence[tuple], combine: Callable, desc: str = "tasks"):
+        raise NotImplementedError
+
+    def share(self, value):
+        return value
+
+
+class SerialExecutor(Executor):
+    """Every task in this process, in order."""
+
+    name = "serial"
+
+    def map(self, function, tasks, desc="tasks"):
+        return [_run(function, *args).unwrap() for args in tqdm(tasks, desc=desc, disable=None, leave=False)]
+
+    def map_reduce(self, function, tasks, combine, desc="tasks"):
+        """A left fold as the results come (one result held at a time); equal to the tree the
+        Dask executor builds because ``combine`` is associative."""
+        if not tasks:
+            raise ValueError("map_reduce needs at least one task")
+        total = None
+        for i, args in enumerate(tqdm(tasks, desc=desc, disable=None, leave=False)):
+            value = _run(function, *args).unwrap()
+            total = value if i == 0 else _run(combine, total, value).unwrap()
+        return total
+
+
+def _tree(items: list, pair: Callable):
+    """Combine ``items`` pairwise, neighbours first, keeping their order: ((a b) (c d)) e."""
+    while len(items) > 1:
+        items = [pair(items[i], items[i + 1]) if i + 1 < len(items) else items[i] for i in range(0, len(items), 2)]
+    return items[0]
+
+
+class DaskExecutor(Executor):
+    """Tasks on a ``distributed.Client``'s workers."""
+
+    def __init__(self, client, name: str):
+        self.client = client
+        self.name = name
+        self.workers = max(1, len(client.scheduler_info().get("workers", {})))
+
+    @staticmethod
+    def _progress(done, total: int, desc: str) -> None:
+        for _ in tqdm(done, total=total, desc=desc, disable=None, leave=False):
+            pass
+
+    def map(self, function, tasks, desc="tasks"):
+        from distributed import as_completed
+
+        futures = [self.client.submit(_run, function, *args, pure=False) for args in tasks]
+        self._progress(as_completed(futures), len(futures), desc)
+        return [o.unwrap() for o in self.client.gather(futures)]
+
+    def map_reduce(self, function, tasks, combine, desc="tasks"):
+        """The whole tree is submitted at once, so pairs combine as soon as both sides are done
+        and each task's result is released once combined: the workers hold the partial results
+        in flight, not one per task."""
+        from distributed import as_completed
+
+        if not tasks:
+            raise ValueError("map_reduce needs at least one task")
+        leaves = [self.client.submit(_run, function, *args, pure=False) for args in tasks]
+        top = _tree(list(leaves), lambda a, b: self.client.submit(_combine, combine, a, b, pure=False))
+        done = as_completed(leaves)
+        del leaves
+        self._progress(done, len(tasks), desc)
+        return top.result().unwrap()
+
+    def share(self, value):
+        return self.client.scatter(value, broadcast=True, hash=False)
+
+
+def dask_available() -> bool:
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def open_executor(scheduler: str | None = LOCAL, workers: int | None = None, timeout_s: float = 10.0) -> Iterator[Executor]:
+    """An executor for ``scheduler`` (``local``, ``none`` or an address), closed on exit.
+
+    ``local`` starts a cluster of ``workers`` single-threaded worker processes (default: this
+    machine's cores) and stops it on exit; without dask installed it falls back to serial.
+    An address connects to that scheduler's cluster (dask must be installed), waiting at most
+    ``timeout_s`` seconds for it to answer.
+    """
+    scheduler = LOCAL if scheduler is None else scheduler
+    if scheduler == SERIAL or (scheduler == LOCAL and not dask_available()):
+        yield SerialExecutor()
+        return
+    if not dask_available():
+        raise InputError(None, f"--scheduler {scheduler} needs dask.distributed (pip install \"dask[distributed]\")")
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    if scheduler == LOCAL:
+        n = workers or os.cpu_count() or 1
+        with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
+                          silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+            yield DaskExecutor(client, f"local Dask cluster ({n} worker processes)")
+        return
+    try:
+        client = Client(scheduler, timeout=f"{timeout_s}s")
+    except (OSError, TimeoutError, ValueError) as e:
+        raise InputError(None, f"cannot reach the Dask scheduler at {scheduler}: {e}") from None
+    with client:
+        yield DaskExecutor(client, f"Dask cluster at {scheduler}")
