@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import zstandard
 
 from containers.errors import InputError
-from containers.jsonfile import iter_jsonl, read_bytes
+from containers.jsonfile import ZSTD_MAGIC, iter_jsonl, read_bytes
 from replay.trace import (
     DEFAULT_MAX_EXPERTS,
     DEFAULT_MAX_LAYER,
@@ -253,15 +254,7 @@ def _fast_route_parse(data: bytes):
     max_len = int(lengths.max())
     if max_len > 18:
         return None
-    digits = u.astype(np.int64) - 48
-    values = np.zeros(len(starts), dtype=np.int64)
-    for j in range(max_len):
-        live = lengths > j
-        idx = np.flatnonzero(live) if j else None
-        if idx is None:
-            values += digits[starts] * _POW10[lengths - 1]
-        else:
-            values[idx] += digits[starts[idx] + j] * _POW10[lengths[idx] - 1 - j]
+    values = _digit_runs(u, starts, ends, max_len)
     newlines = np.flatnonzero(cls == 2)
     bounds = np.concatenate([[0], np.searchsorted(starts, newlines), [len(starts)]])
     counts = np.diff(bounds)
@@ -288,6 +281,19 @@ def _fast_route_parse(data: bytes):
     return v[:, 0], v[:, 1], v[:, 2], v[:, 3::3], gates.astype(np.float32), nonblank + 1
 
 
+def _digit_runs(u: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int) -> np.ndarray:
+    """The values (int64) of the digit runs ``u[starts[i]:ends[i]]``, each at most ``width`` (<= 18)
+    digits: Horner's rule over the runs right-aligned, one vectorised step per digit column
+    (a column left of a run's start adds 0)."""
+    values = np.zeros(len(starts), dtype=np.int64)
+    for j in range(width, 0, -1):
+        at = ends - j
+        digit = u[np.maximum(at, 0)] - np.uint8(48)
+        values *= 10
+        values += np.where(at >= starts, digit, np.uint8(0))
+    return values
+
+
 def _route_int(tok: bytes, where: str, line: bytes) -> int:
     if not _INT_RE.fullmatch(tok):
         raise InputError(where, f"not a ROUTE_TRACE line: {line[:60].decode(errors='replace')!r}")
@@ -296,10 +302,13 @@ def _route_int(tok: bytes, where: str, line: bytes) -> int:
     return int(tok)
 
 
-def _careful_route_parse(path: Path, data: bytes):
+def _careful_route_parse(path: Path, data: bytes, first_line: int = 1):
+    """Line-by-line parse of one block of whole lines starting at line ``first_line``; raises the
+    first malformed line's error. Returns the arrays :func:`_fast_route_parse` returns (rows
+    padded to the block's widest, -1 and NaN)."""
     calls, rows, layers, experts, gates, lines = [], [], [], [], [], []
     k = 0
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
+    for lineno, raw in enumerate(data.split(b"\n"), first_line):
         line = raw.strip()
         if not line or line.startswith(b"#"):
             continue
@@ -332,16 +341,13 @@ def _careful_route_parse(path: Path, data: bytes):
         experts.append(es)
         gates.append(gs)
         lines.append(lineno)
-    if not calls:
-        raise InputError(path, "no routing lines")
-    _check_padding(path, len(experts), k, sum(len(e) for e in experts))
     E = np.full((len(experts), k), -1, dtype=np.int64)
     G = np.full((len(experts), k), np.nan, dtype=np.float32)
     for i, (es, gs) in enumerate(zip(experts, gates)):
         E[i, : len(es)] = es  # at most 18 digits: exact in int64, range-checked before narrowing
         G[i, : len(gs)] = gs
     as64 = lambda xs: np.array(xs, dtype=np.int64)
-    return as64(calls), as64(rows), as64(layers), E, G, np.array(lines)
+    return as64(calls), as64(rows), as64(layers), E, G, np.array(lines, dtype=np.int64)
 
 
 def _check_padding(where, n_rows: int, k: int, n_selections: int) -> None:
@@ -351,19 +357,101 @@ def _check_padding(where, n_rows: int, k: int, n_selections: int) -> None:
                                 "padding every row to that width is refused")
 
 
-def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | None = None) -> SessionRows:
-    """Parse one ROUTE_TRACE text file (one session)."""
+ROUTE_BLOCK_BYTES = 2 << 20
+"""Text parsed per step by :func:`read_route_trace` (whole lines; a longer line is one block)."""
+
+
+def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | None = None,
+                     block_bytes: int = ROUTE_BLOCK_BYTES) -> SessionRows:
+    """Parse one ROUTE_TRACE text file (one session), plain or zstd, in blocks of whole lines.
+
+    Each block is parsed vectorised (:func:`_fast_route_parse`, or line by line when it is not
+    regular), range-checked, and kept in the trace's narrow dtypes, so memory is the parsed rows
+    plus one block's working arrays (a few times ``block_bytes``), whatever the file's size.
+    Errors are the whole file's first of each kind, in the order: a malformed line, rows too
+    uneven to pad, a value out of range, the call and layer order, a repeated row.
+    """
     limits = limits or Limits.make(n_experts)
-    data = read_bytes(path)
-    parsed = _fast_route_parse(data)
-    if parsed is None:
-        parsed = _careful_route_parse(path, data)
-    calls, rows, layers, experts, gates, lines = parsed
-    # ranges and an expert twice in a row, for either parser, naming the line
-    _check_rows(lambda i: f"{path}:{int(lines[i])}", limits, layers, rows, experts)
+    parts: dict[str, list] = {key: [] for key in ("calls", "rows", "layers", "experts", "gates", "lines")}
+    range_error = None
+    n_sel = 0
+    for first_line, block in _text_blocks(path, block_bytes):
+        parsed = _fast_route_parse(block)
+        if parsed is None:
+            parsed = _careful_route_parse(path, block, first_line)
+        else:
+            parsed = parsed[:5] + (parsed[5] + (first_line - 1),)
+        calls, rows, layers, experts, gates, lines = parsed
+        if range_error is not None or not len(calls):
+            continue
+        try:
+            # ranges and an expert twice in a row, for either parser, naming the line
+            _check_rows(lambda i: f"{path}:{int(lines[i])}", limits, layers, rows, experts)
+        except InputError as exc:
+            range_error = exc            # raised once every line has parsed (a malformed line comes first)
+            continue
+        n_sel += int(np.count_nonzero(experts >= 0))
+        for key, arr, dtype in (("calls", calls, np.int64), ("rows", rows, np.int32), ("layers", layers, np.int16),
+                                ("experts", experts, np.int16), ("gates", gates, np.float32), ("lines", lines, np.int64)):
+            parts[key].append(arr.astype(dtype, copy=False))
+    if range_error is None and not parts["calls"]:
+        raise InputError(path, "no routing lines")
+    if range_error is None:
+        k = max(e.shape[1] for e in parts["experts"])
+        _check_padding(path, sum(len(c) for c in parts["calls"]), k, n_sel)
+    if range_error is not None:
+        raise range_error
+    calls, rows, layers, lines = (_joined(parts[key]) for key in ("calls", "rows", "layers", "lines"))
+    experts, gates = _padded(parts["experts"], k, -1), _padded(parts["gates"], k, np.nan)
     forward = _route_forwards(path, lines, calls, layers)
+    del calls
     _check_route_duplicates(path, lines, forward, layers, rows)
     return _session_from_rows(path.name, forward, layers, rows, experts, gates)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _padded(parts: list[np.ndarray], k: int, fill) -> np.ndarray:
+    """Blocks of rows [n_i, k_i] stacked into one [sum n_i, k] array, padded with ``fill``."""
+    if len(parts) == 1 and parts[0].shape[1] == k:
+        return parts[0]
+    out = np.full((sum(len(p) for p in parts), k), fill, dtype=parts[0].dtype)
+    row = 0
+    for p in parts:
+        out[row:row + len(p), :p.shape[1]] = p
+        row += len(p)
+    return out
+
+
+def _text_blocks(path: Path, block_bytes: int):
+    """``(first line number, bytes)`` of consecutive blocks of whole lines of a text file (zstd
+    decompressed as it is read), each about ``block_bytes`` long."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+            fh.seek(0)
+            reader = zstandard.ZstdDecompressor().stream_reader(fh) if head == ZSTD_MAGIC else fh
+            line, carry = 1, b""
+            while True:
+                chunk = reader.read(block_bytes)
+                if not chunk:
+                    break
+                data = carry + chunk if carry else chunk
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:
+                    carry = data
+                    continue
+                block, carry = data[:cut], data[cut:]
+                yield line, block
+                line += block.count(b"\n")
+            if carry:
+                yield line, carry
+    except OSError as exc:
+        raise InputError(path, exc.strerror or str(exc)) from None
+    except zstandard.ZstdError as exc:
+        raise InputError(path, f"corrupt zstd data ({exc})") from None
 
 
 def _route_forwards(path: Path, lines: np.ndarray, calls: np.ndarray, layers: np.ndarray) -> np.ndarray:
@@ -427,11 +515,20 @@ def _session_from_rows(name, forward, layers, position, experts, gates, committe
     if assumed is None:
         assumed = np.zeros(n_fwd, dtype=bool)
     return SessionRows(
-        name, forward.astype(np.int64), layers.astype(np.int64), position.astype(np.int64),
-        experts.astype(np.int64), gates.astype(np.float32),
+        name, forward.astype(np.int64, copy=False), _narrow(layers, np.int16), _narrow(position, np.int32),
+        _narrow(experts, np.int16), gates.astype(np.float32, copy=False),
         np.asarray(kinds, dtype=np.int8), np.asarray(evaluated, dtype=np.int64), np.asarray(committed, dtype=np.int64),
         np.asarray(assumed, dtype=bool),
     )
+
+
+def _narrow(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as ``dtype``; its values were range-checked by the reader, and this checks again
+    that the cast cannot wrap."""
+    info = np.iinfo(dtype)
+    if a.size and (int(a.min()) < info.min or int(a.max()) > info.max):
+        raise ValueError(f"values outside {np.dtype(dtype).name} reached a narrowing cast")
+    return a.astype(dtype, copy=False)
 
 
 # ------------------------------------------------------------------ STALL_TRACE
@@ -779,12 +876,11 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
     for i, s in enumerate(sessions):
         name = s.name if s.name not in names else f"{s.name}#{i}"
         names.append(name)
-        pad = k - s.experts.shape[1]
         parts["forward"].append(s.forward + fwd_offset)
         parts["layer"].append(s.layer)
         parts["position"].append(s.position)
-        parts["experts"].append(np.pad(s.experts, ((0, 0), (0, pad)), constant_values=-1))
-        parts["gates"].append(np.pad(s.gates, ((0, 0), (0, pad)), constant_values=np.nan))
+        parts["experts"].append(s.experts)
+        parts["gates"].append(s.gates)
         n = len(s.fwd_kind)
         fwd["session"].append(np.full(n, i))
         fwd["kind"].append(s.fwd_kind)
@@ -808,9 +904,16 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
         else:
             info["session_forwards"] = {name: np.flatnonzero(s.fwd_assumed).tolist() for name, s in assumed.items()}
         meta["committed_assumed"] = info
-    cat = {key: np.concatenate(v) for key, v in parts.items()}
-    order = np.lexsort((cat["position"], cat["layer"], cat["forward"]))
-    experts = cat["experts"][order]
+    cat = {key: _joined(v) for key, v in parts.items() if key not in ("experts", "gates")}
+    cat["experts"], cat["gates"] = _padded(parts.pop("experts"), k, -1), _padded(parts.pop("gates"), k, np.nan)
+    del parts
+    f, la, po = cat["forward"], cat["layer"], cat["position"]
+    df, dl = np.diff(f), np.diff(la.astype(np.int32))
+    if ((df < 0) | ((df == 0) & ((dl < 0) | ((dl == 0) & (np.diff(po) <= 0))))).any():
+        order = np.lexsort((po, la, f))
+        cat = {key: v[order] for key, v in cat.items()}
+    del df, dl
+    experts = cat["experts"]
     max_id = int(experts.max()) if experts.size else -1
     if n_experts is None:
         n_experts = max_id + 1
@@ -820,11 +923,11 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
         top_k=int(k),
         geometry=geometry,
         sessions=names,
-        row_forward=cat["forward"][order].astype(np.int32),
-        row_layer=cat["layer"][order].astype(np.int16),
-        row_position=cat["position"][order].astype(np.int32),
-        experts=experts.astype(np.int16),
-        gates=cat["gates"][order].astype(np.float32),
+        row_forward=cat.pop("forward").astype(np.int32),
+        row_layer=cat.pop("layer").astype(np.int16, copy=False),
+        row_position=cat.pop("position").astype(np.int32, copy=False),
+        experts=cat.pop("experts").astype(np.int16, copy=False),
+        gates=cat.pop("gates").astype(np.float32, copy=False),
         fwd_session=np.concatenate(fwd["session"]).astype(np.int32),
         fwd_kind=np.concatenate(fwd["kind"]).astype(np.int8),
         fwd_evaluated=np.concatenate(fwd["evaluated"]).astype(np.int32),

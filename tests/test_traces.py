@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from relayout.coactivation import pair_counts, write_coli_pairs
-from relayout.trace_import import import_traces
+from relayout.trace_import import import_traces, read_route_trace
 from relayout.trace_stats import reuse_distances, trace_stats
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
 from replay.trace import FORWARD_KINDS, load_trace, save_trace
@@ -62,6 +62,54 @@ def test_route_round_trip_property(tmp_path, forwards, k, seed):
     tr, _ = import_traces([p])
     assert tr.n_forwards == forwards
     assert tr.experts.tolist() == truth
+
+
+def route_text(rng, forwards: int, widths=(1, 2, 3)) -> str:
+    """A ROUTE_TRACE with prefill and decode forwards, rows of varying width, comments, blank and CRLF lines."""
+    lines, call = [], 0
+    for f in range(forwards):
+        positions = 3 if f == 0 else 1
+        for layer in (3, 4):
+            for row in range(positions):
+                k = int(rng.choice(widths))
+                sel = " ".join(f"{e}:{g:.{int(rng.integers(1, 6))}f}" for e, g in zip(rng.choice(16, k, replace=False), rng.random(k)))
+                lines.append(f"{call} {row} {layer} {sel}" + ("\r" if rng.random() < 0.1 else ""))
+                if rng.random() < 0.05:
+                    lines.append("# a comment" if rng.random() < 0.5 else "")
+            call += 1
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**31 - 1), st.integers(1, 400), st.booleans())
+def test_route_import_in_blocks_is_the_import_in_one_block(tmp_path, seed, block, compressed):
+    rng = np.random.default_rng(seed)
+    text = route_text(rng, int(rng.integers(1, 40)), widths=(2,) if rng.random() < 0.5 else (1, 2, 3)).encode()
+    p = tmp_path / "r.route"
+    p.write_bytes(zstandard.ZstdCompressor().compress(text) if compressed else text)
+    whole = read_route_trace(p, block_bytes=1 << 30)
+    parts = read_route_trace(p, block_bytes=block)
+    for name in ("forward", "layer", "position", "experts", "fwd_kind", "fwd_evaluated", "fwd_committed"):
+        assert np.array_equal(getattr(parts, name), getattr(whole, name)), name
+    assert np.array_equal(parts.gates, whole.gates, equal_nan=True)
+    assert parts.experts.dtype == np.int16 and parts.layer.dtype == np.int16 and parts.position.dtype == np.int32
+
+
+def test_route_errors_in_blocks_name_the_whole_files_line(tmp_path):
+    good = "".join(f"{i} 0 3 1:0.5 2:0.25\n" for i in range(50))
+    p = tmp_path / "late.route"
+    p.write_text(good + "50 0 3 1:0.5 9999:0.5\n" + good.replace("0 3", "0 4"))
+    for block in (16, 64, 1 << 20):
+        with pytest.raises(InputError, match="late.route:51"):
+            read_route_trace(p, block_bytes=block)
+    # a malformed line is reported before a value out of range on an earlier line, as in one block
+    p.write_text("0 0 3 1:0.5 9999:0.5\n" + good + "51 0 3 1:0.5 2:x\n")
+    for block in (16, 1 << 20):
+        with pytest.raises(InputError, match="late.route:52.*not a number"):
+            read_route_trace(p, block_bytes=block)
+    p.write_text("# only a comment\n\n")
+    with pytest.raises(InputError, match="no routing lines"):
+        read_route_trace(p, block_bytes=8)
 
 
 def test_malformed_route_line_names_file_and_line(tmp_path):
