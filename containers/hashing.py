@@ -6,7 +6,8 @@ segment digests in physical order, so every byte of the file is covered exactly 
 byte is hashed once. (It is therefore not the digest ``xxhsum`` prints for the file.)
 
 Files are mapped and hashed one window at a time (64 MiB), so memory stays bounded whatever the
-file size and no bytes are copied out of the page cache. The segments of a window are shared
+file size and no bytes are copied out of the page cache. The holes of a sparse file are not read:
+they are hashed as zeros (:mod:`containers.sparse`), which gives the digest a dense copy has. The segments of a window are shared
 between two threads (xxhash releases the GIL), and the kernel is asked to read the next window
 ahead while the current one is hashed.
 """
@@ -23,6 +24,7 @@ from typing import Callable, Sequence
 import xxhash
 
 from .errors import InputError
+from .sparse import DataMap, data_map, feed_zeros
 
 WINDOW_BYTES = 64 * 1024 * 1024
 """Bytes mapped and hashed at a time (a multiple of the page size)."""
@@ -67,44 +69,35 @@ def hash_file(
 ) -> tuple[str, dict[str, str]]:
     """Hash a file and each of ``ranges`` (absolute, non-overlapping) in one sequential pass.
 
+    Holes of a sparse file are hashed as the zeros they read as, without being read
+    (:mod:`containers.sparse`), so the digests do not depend on how the file is stored.
+    ``on_bytes`` receives logical bytes (holes included).
+
     Returns ``(file digest hex, {range name: xxh3-128 hex})``.
     """
-    gran = mmap.ALLOCATIONGRANULARITY
-    window_bytes = max(gran, window_bytes // gran * gran)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise InputError(path, exc.strerror or str(exc)) from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         if ranges and max(r.end for r in ranges) > size:
             raise InputError(path, f"file is {size} bytes but a tensor ends beyond it (truncated?)")
         segs = segments(ranges, size)
         hashers = [xxhash.xxh3_128() for _ in segs]
         first = 0
-        pos = 0
-        while pos < size:
-            length = min(window_bytes, size - pos)
-            end = pos + length
-            if end < size:
-                _advise(fd, end, min(window_bytes, size - end))
+        for pos, end, view, base in _windows(fd, data_map(fd, st), 0, size, window_bytes):
             while segs[first].end <= pos:
                 first += 1
             pieces = []
             j = first
             while j < len(segs) and segs[j].begin < end:
-                a, b = max(segs[j].begin, pos), min(segs[j].end, end)
-                pieces.append((j, a - pos, b - pos))
+                pieces.append((j, max(segs[j].begin, pos) - base, min(segs[j].end, end) - base))
                 j += 1
-            with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=pos) as window:
-                view = memoryview(window)
-                try:
-                    _hash_pieces(view, pieces, hashers)
-                finally:
-                    view.release()
-            pos = end
+            _hash_pieces(view, pieces, hashers)
             if on_bytes is not None:
-                on_bytes(length)
+                on_bytes(end - pos)
     except OSError as exc:
         raise InputError(path, exc.strerror or str(exc)) from None
     finally:
@@ -118,8 +111,42 @@ def hash_file(
     return file_digest(size, digests), per_range
 
 
-def _hash_pieces(view: memoryview, pieces: list[tuple[int, int, int]], hashers) -> None:
-    """Hash each (segment index, start, end) piece of a window, sharing the work with a thread."""
+def _windows(fd: int, dmap: DataMap, begin: int, end: int, window_bytes: int):
+    """``(pos, stop, view, base)`` for consecutive windows ``[pos, stop)`` of ``[begin, end)``.
+
+    In a data run ``view`` maps the file from ``base`` (a multiple of the allocation
+    granularity, ``base <= pos``) to ``stop``, and the next window is advised to the kernel; in a
+    hole ``view`` is None and ``base == pos`` (the window reads as zeros). The view is released
+    when the caller asks for the next window.
+    """
+    gran = mmap.ALLOCATIONGRANULARITY
+    window_bytes = max(gran, window_bytes // gran * gran)
+    for a, b, is_data in dmap.runs(begin, end):
+        pos = a
+        while pos < b:
+            if not is_data:
+                stop = min(b, pos + window_bytes)
+                yield pos, stop, None, pos
+                pos = stop
+                continue
+            base = pos // gran * gran
+            stop = min(b, base + window_bytes)
+            if stop < b:
+                _advise(fd, stop, min(window_bytes, b - stop))
+            with mmap.mmap(fd, stop - base, access=mmap.ACCESS_READ, offset=base) as window:
+                view = memoryview(window)
+                try:
+                    yield pos, stop, view, base
+                finally:
+                    view.release()
+            pos = stop
+
+
+def _hash_pieces(view: memoryview | None, pieces: list[tuple[int, int, int]], hashers) -> None:
+    """Hash each (segment index, start, end) piece of a window, sharing the work with a thread.
+
+    ``view`` None: the window is a hole and each piece is that many zeros.
+    """
     total = sum(b - a for _, a, b in pieces)
     mine, theirs, acc = [], [], 0
     for piece in pieces:
@@ -128,7 +155,10 @@ def _hash_pieces(view: memoryview, pieces: list[tuple[int, int, int]], hashers) 
 
     def run(batch):
         for j, a, b in batch:
-            hashers[j].update(view[a:b])
+            if view is None:
+                feed_zeros(hashers[j], b - a)
+            else:
+                hashers[j].update(view[a:b])
 
     pending = _HASH_POOL.submit(run, theirs) if theirs else None
     run(mine)
@@ -137,27 +167,21 @@ def _hash_pieces(view: memoryview, pieces: list[tuple[int, int, int]], hashers) 
 
 
 def hash_range(path: Path, begin: int, end: int, window_bytes: int = WINDOW_BYTES) -> str:
-    """xxh3-128 hex digest of bytes ``[begin, end)`` of ``path``, mapped window by window."""
-    gran = mmap.ALLOCATIONGRANULARITY
+    """xxh3-128 hex digest of bytes ``[begin, end)`` of ``path``, mapped window by window (holes not read)."""
     h = xxhash.xxh3_128()
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise InputError(path, exc.strerror or str(exc)) from None
     try:
-        if end > os.fstat(fd).st_size:
+        st = os.fstat(fd)
+        if end > st.st_size:
             raise InputError(path, f"range ends at byte {end}, beyond the end of the file (truncated?)")
-        pos = begin
-        while pos < end:
-            base = pos // gran * gran
-            length = min(window_bytes, end - base)
-            with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=base) as window:
-                view = memoryview(window)
-                try:
-                    h.update(view[pos - base : length])
-                finally:
-                    view.release()
-            pos = base + length
+        for pos, stop, view, base in _windows(fd, data_map(fd, st, begin, end), begin, end, window_bytes):
+            if view is None:
+                feed_zeros(h, stop - pos)
+            else:
+                h.update(view[pos - base : stop - base])
     except OSError as exc:
         raise InputError(path, exc.strerror or str(exc)) from None
     finally:

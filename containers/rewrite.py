@@ -52,11 +52,14 @@ from .manifest import (
 from .output_files import OutputFile, require_valid_output_files, tensor_specs
 from .safetensors_io import DTYPE_SIZES, plan_shard
 from .sources import FileRange
+from .sparse import DataMap, data_map, is_zero
 
 JOURNAL_NAME = "relayout.journal.json"
 COPY_CHUNK = 64 * 1024 * 1024
 SPACE_MARGIN = 64 * 1024 * 1024
-READ_AHEAD_TENSORS = 4
+ADVISE_BYTES = 64 * 1024 * 1024
+"""Contiguous source bytes advised (``POSIX_FADV_WILLNEED``) in one call, about one span ahead."""
+BLOCK_BYTES = 4096
 RESUME_HINT = " (the partial rewrite is kept; run the same command again to resume)"
 
 
@@ -144,32 +147,34 @@ def rewrite_container(
         others = list(src.other_files)
         todo = [f for f in files if f.name not in journal.files]
         todo_others = [p for p in others if p.name not in journal.files]
-        need = sum(f.size for f in todo) + sum(p.stat().st_size for p in todo_others)
-        free = shutil.disk_usage(dest.partial).free
-        if free < need + SPACE_MARGIN:
-            raise InputError(dest.partial, f"needs {(need + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")
+        with _Sources() as sources:
+            logical = sum(f.size for f in todo) + sum(p.stat().st_size for p in todo_others)
+            need = _bytes_to_allocate(src, todo, sources) + sum(p.stat().st_size for p in todo_others)
+            free = shutil.disk_usage(dest.partial).free
+            if free < need + SPACE_MARGIN:
+                raise InputError(dest.partial, f"needs {(need + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")
 
-        src_tensors = source_manifest["tensors"]
+            src_tensors = source_manifest["tensors"]
 
-        def finish(w: _Written) -> None:
-            journal.files[w.of.name] = _finish_file(w, dest, src, src_tensors)
-            journal.save()
+            def finish(w: _Written) -> None:
+                journal.files[w.of.name] = _finish_file(w, dest, src, src_tensors)
+                journal.save()
 
-        with tqdm(total=need, unit="B", unit_scale=True, desc="rewrite", disable=None if progress else True) as bar, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash") as pool, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher:
-            # file i is fsynced, checked, renamed and journaled while file i+1 is being copied
-            pending = None
-            for of in todo:
-                written = _copy_file(src, of, dest, pool, bar.update)
+            with tqdm(total=logical, unit="B", unit_scale=True, desc="rewrite", disable=None if progress else True) as bar, \
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash") as pool, \
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher:
+                # file i is fsynced, checked, renamed and journaled while file i+1 is being copied
+                pending = None
+                for of in todo:
+                    written = _copy_file(src, of, dest, pool, sources, bar.update)
+                    if pending is not None:
+                        pending.result()
+                    pending = finisher.submit(finish, written)
                 if pending is not None:
                     pending.result()
-                pending = finisher.submit(finish, written)
-            if pending is not None:
-                pending.result()
-            for p in todo_others:
-                journal.files[p.name] = _copy_other(p, dest, bar.update)
-                journal.save()
+                for p in todo_others:
+                    journal.files[p.name] = _copy_other(p, dest, bar.update)
+                    journal.save()
 
         manifest = _manifest(files, others, journal, source_manifest, src_tensors, provenance)
         _write_json(dest, MANIFEST_NAME, manifest)
@@ -247,39 +252,40 @@ class _Written:
     hashes: dict
 
 
-def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, on_bytes) -> _Written:
-    """Write one output file's bytes to its temp name; tensors are hashed as their copy ends."""
+def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources: "_Sources", on_bytes) -> _Written:
+    """Write one output file's bytes to its temp name; tensors are hashed as their copy ends.
+
+    Only the data runs of a sparse source are copied: the file is extended to its size first,
+    so the source's holes (and the padding) stay holes that read as zeros.
+    """
     layout = plan_shard(tensor_specs(src, of), of.alignment, of.metadata)   # checked before the rewrite began
     tmp = f".{of.name}.tmp-{os.getpid()}"
     buf = bytearray(8 * 1024 * 1024)
     hashes = {}
     fd = None
-    fds: dict[Path, int] = {}
     try:
         fd = dest.create(tmp)
         os.pwrite(fd, layout.header, 0)
-        os.ftruncate(fd, layout.file_size)           # padding reads back as zeros
+        os.ftruncate(fd, layout.file_size)           # padding and holes read back as zeros
         # copy in source order (sequential reads; the scattered writes land in the page cache and
-        # reach the disk in order at fsync), asking the kernel to read ahead a few tensors
+        # reach the disk in order at fsync), asking the kernel to read ahead about a span ahead
         order = sorted(layout.placements, key=lambda p: (str(p[0].source.path), p[0].source.offset))
+        read_ahead = _ReadAhead([spec.source for spec, _ in order], sources)
         for i, (spec, begin) in enumerate(order):
             rng = spec.source
-            for ahead, _ in order[i + 1 : i + 1 + READ_AHEAD_TENSORS]:
-                _advise_willneed(fds, ahead.source)
+            read_ahead.advance(i)
             if isinstance(rng, FileRange):
-                sfd = _source_fd(fds, rng.path)
-                _copy_range(sfd, fd, rng.offset, begin, rng.nbytes, buf, rng.path)
+                sfd, dmap = sources.fd(rng.path), sources.map(rng.path)
+                for a, b, is_data in dmap.runs(rng.offset, rng.offset + rng.nbytes):
+                    if is_data:
+                        _copy_range(sfd, fd, a, begin + a - rng.offset, b - a, buf, rng.path)
                 # the source bytes are in the page cache now: hash them there while the next copy runs
                 hashes[spec.name] = pool.submit(hash_range, rng.path, rng.offset, rng.offset + rng.nbytes)
             else:
                 hashes[spec.name] = _write_stream(fd, begin, rng)
             on_bytes(rng.nbytes)
-        for sfd in fds.values():
-            os.close(sfd)
         return _Written(of, fd, tmp, layout, hashes)
     except BaseException as exc:
-        for sfd in fds.values():
-            os.close(sfd)
         if fd is not None:
             os.close(fd)
         dest.unlink(tmp)
@@ -322,11 +328,19 @@ def _finish_file(w: _Written, dest: Destination, src: Container, src_tensors: di
 
 
 def _write_stream(fd: int, begin: int, source) -> Future:
-    """Write a gathered source (a column segment) at ``begin``, hashing it on the way."""
+    """Write a gathered source (a column segment) at ``begin``, hashing it on the way.
+
+    An all-zero chunk is hashed but not written (the file was extended with zeros), so zeros
+    stay holes.
+    """
     h = xxhash.xxh3_128()
     pos = begin
     for chunk in source.chunks():
         view = memoryview(chunk)
+        if is_zero(view):
+            h.update(view)
+            pos += len(view)
+            continue
         while view:
             n = os.pwrite(fd, view, pos)
             h.update(view[:n])
@@ -339,18 +353,95 @@ def _write_stream(fd: int, begin: int, source) -> Future:
     return done
 
 
-def _source_fd(fds: dict, path: Path) -> int:
-    if path not in fds:
-        fds[path] = os.open(path, os.O_RDONLY)
-    return fds[path]
+class _Sources:
+    """The source files a rewrite reads, each opened read-only once, with its data map."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, DataMap] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def map(self, path: Path) -> DataMap:
+        """Where the file's data lies (no probe for a dense file; see :mod:`containers.sparse`)."""
+        if path not in self._maps:
+            self._maps[path] = data_map(self.fd(path))
+        return self._maps[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "_Sources":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _advise_willneed(fds: dict, rng) -> None:
-    span = rng.nbytes if isinstance(rng, FileRange) else rng.rows * rng.row_bytes
-    try:
-        os.posix_fadvise(_source_fd(fds, rng.path), rng.offset, span, os.POSIX_FADV_WILLNEED)
-    except (AttributeError, OSError):
-        pass
+def _bytes_to_allocate(src: Container, files: list[OutputFile], sources: _Sources) -> int:
+    """Bytes the rewrite will allocate for ``files``: their sizes, less the holes of sparse sources.
+
+    A copied data run may allocate a block more at each end (unaligned), counted as such.
+    """
+    total = 0
+    for of in files:
+        specs = tensor_specs(src, of)
+        if not any(isinstance(s.source, FileRange) and sources.map(s.source.path).sparse for s in specs):
+            total += of.size
+            continue
+        total += min(off for _, off in of.tensors)
+        for spec in specs:
+            rng = spec.source
+            if isinstance(rng, FileRange):
+                dmap = sources.map(rng.path)
+                end = rng.offset + rng.nbytes
+                total += dmap.data_bytes(rng.offset, end) + 2 * BLOCK_BYTES * dmap.data_pieces(rng.offset, end)
+            else:
+                total += rng.nbytes
+    return total
+
+
+class _ReadAhead:
+    """``WILLNEED`` advice for the sources of one output file, each byte advised once.
+
+    Consecutive sources that are contiguous in one file are merged into spans of up to
+    :data:`ADVISE_BYTES`; when source ``i`` is copied, its span and the next are advised. Only
+    data runs are advised (a hole would be read ahead as zero pages).
+    """
+
+    def __init__(self, srcs: list, sources: _Sources):
+        self.sources = sources
+        self.spans: list[list] = []       # [path, begin, end]
+        self.span_of: list[int] = []
+        for rng in srcs:
+            begin = rng.offset
+            end = begin + (rng.nbytes if isinstance(rng, FileRange) else rng.rows * rng.row_bytes)
+            last = self.spans[-1] if self.spans else None
+            if last is not None and last[0] == rng.path and last[2] == begin and end - last[1] <= ADVISE_BYTES:
+                last[2] = end
+            else:
+                self.spans.append([rng.path, begin, end])
+            self.span_of.append(len(self.spans) - 1)
+        self.advised = 0
+
+    def advance(self, i: int) -> None:
+        """Source ``i`` is about to be copied."""
+        want = min(len(self.spans), self.span_of[i] + 2)
+        while self.advised < want:
+            path, begin, end = self.spans[self.advised]
+            fd, dmap = self.sources.fd(path), self.sources.map(path)
+            for a, b, is_data in dmap.runs(begin, end):
+                if is_data:
+                    try:
+                        os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+                    except (AttributeError, OSError):
+                        pass
+            self.advised += 1
 
 
 def _copy_other(path: Path, dest: Destination, on_bytes) -> dict:

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping
 from .atomic import atomic_output
 from .errors import InputError
 from .records import is_int, is_text
-from .sources import ByteSource
+from .sources import ByteSource, Stamped
 
 MAX_HEADER_BYTES = 512 * 1024 * 1024
 DTYPE_SIZES = {
@@ -299,17 +299,33 @@ def write_shard(
     metadata: Mapping[str, str] | None = None,
     on_chunk: ChunkHook | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    sparse: bool = False,
 ) -> ShardLayout:
     """Stream ``specs`` into a new safetensors file at ``path``, crash-safely.
 
     ``on_chunk(name, chunk)`` sees every data chunk of every tensor (for hashing while writing);
-    ``on_bytes(n)`` reports progress in bytes. Memory use is one source chunk at a time.
+    ``on_bytes(n)`` reports progress in bytes (logical bytes, holes included). Memory use is one
+    source chunk at a time. With ``sparse``, a :class:`~containers.sources.Stamped` source's zeros
+    are not written: the writer seeks over them and the file is extended to its size, so they stay
+    holes (``on_chunk`` is then refused, as it would not see them).
     """
+    if sparse and on_chunk is not None:
+        raise ValueError("write_shard: on_chunk cannot see the holes of a sparse shard")
     layout = plan_shard(specs, alignment, metadata)
     with atomic_output(path) as fh:
         fh.write(layout.header)
         pos = layout.data_start
         for spec, begin in layout.placements:
+            if sparse and isinstance(spec.source, Stamped):
+                for offset, chunk in spec.source.data():
+                    fh.seek(begin + offset)
+                    fh.write(chunk)
+                if on_bytes is not None:
+                    on_bytes(spec.nbytes)
+                pos = begin + spec.nbytes
+                continue
+            if fh.tell() != pos:
+                fh.seek(pos)
             _write_zeros(fh, begin - pos)
             written = 0
             for chunk in spec.source.chunks():
@@ -323,5 +339,6 @@ def write_shard(
             if written != spec.nbytes:
                 raise InputError(spec.source.describe(), f"gave {written} bytes for {spec.name!r}, expected {spec.nbytes}")
             pos = begin + written
+        if sparse:
+            fh.truncate(layout.file_size)
     return layout
-

@@ -1,6 +1,6 @@
 """Where tensor bytes come from when a shard is written: a byte range of an existing file, a
-column block of a row-major region (a split segment), or deterministic pseudo-random bytes for
-synthetic containers.
+column block of a row-major region (a split segment), deterministic pseudo-random bytes for
+synthetic containers, or a short stamp followed by zeros (sparse synthetic containers).
 
 A source knows its length and yields its bytes in bounded chunks, so writers never hold a
 whole tensor in memory.
@@ -134,6 +134,42 @@ class SeededScales:
 
     def describe(self) -> str:
         return f"seeded scales {self.key!r}"
+
+
+@dataclass(frozen=True)
+class Stamped:
+    """``nbytes`` bytes: ``stamp``'s bytes first, zeros after (a sparse synthetic tensor).
+
+    :meth:`chunks` yields every byte (the zeros included), so any consumer sees the same bytes;
+    a writer that can leave holes writes only :meth:`data` and seeks over the rest.
+    """
+
+    stamp: ByteSource
+    nbytes: int
+    chunk_bytes: int = CHUNK_BYTES
+
+    def __post_init__(self):
+        if self.stamp.nbytes > self.nbytes:
+            raise ValueError(f"stamp of {self.stamp.nbytes} bytes is longer than the {self.nbytes}-byte source")
+
+    def data(self) -> Iterator[tuple[int, bytes | memoryview]]:
+        """``(offset, chunk)`` for the non-zero part: the stamp at offset 0."""
+        pos = 0
+        for chunk in self.stamp.chunks():
+            yield pos, chunk
+            pos += len(chunk)
+
+    def chunks(self) -> Iterator[bytes | memoryview]:
+        yield from self.stamp.chunks()
+        zeros = memoryview(bytes(min(self.chunk_bytes, max(self.nbytes - self.stamp.nbytes, 1))))
+        left = self.nbytes - self.stamp.nbytes
+        while left > 0:
+            k = min(left, len(zeros))
+            yield zeros[:k]
+            left -= k
+
+    def describe(self) -> str:
+        return f"{self.stamp.describe()} then zeros to {self.nbytes} bytes"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from .render import (
     format_measure,
     format_placement,
     format_report,
+    format_split_curve,
     format_stats,
     format_sweep,
     format_verify,
@@ -211,7 +212,7 @@ def _runtime_config(args):
     from replay.config import RuntimeConfig
 
     return RuntimeConfig(
-        ram_bytes=int(args.ram_gb * 1e9), workers=args.workers, batched=args.batched, coalesce=args.coalesce,
+        ram_bytes=int(getattr(args, "ram_gb", 0.0) * 1e9), workers=args.workers, batched=args.batched, coalesce=args.coalesce,
         coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered,
         pin_bytes=int(getattr(args, "pin_gb", 0.0) * 1e9), dense_seconds=args.dense_ms / 1e3,
         compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
@@ -317,6 +318,27 @@ def cmd_placement(args) -> int:
         new = with_pins(plan.raw, record)
         save_plan(new, args.plan_out)
         print(f"wrote {args.plan_out} (plan {new['plan_digest']}: {plan.digest} with the {args.export} arm's pins)")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_split_curve(args) -> int:
+    from containers.atomic import write_json_atomic
+    from replay.device import load_device
+    from replay.planfile import load_plan
+    from replay.splitcurve import split_curve
+    from replay.trace import load_trace
+
+    if args.pin_gb:
+        raise InputError(None, "the split curve compares LRU and resident tops within --ram-gb; --pin-gb does not apply")
+    plan = load_plan(args.layout)
+    trace = load_trace(args.trace)
+    curve = split_curve(plan, trace, load_device(args.device), _runtime_config(args), [int(x * 1e9) for x in _floats(args.ram_budgets_gb)],
+                        tuple(_floats(args.ratios)), tuple(_floats(args.top_shares)), min_sessions=args.min_sessions)
+    if args.output:
+        write_json_atomic(args.output, curve.to_json())
+    print(json.dumps(curve.to_json(), indent=1) if args.json else format_split_curve(curve))
     if args.output:
         print(f"wrote {args.output}")
     return 0
@@ -507,10 +529,12 @@ def _scheduler_option(c, what: str) -> None:
                         "running Dask scheduler (tcp://host:8786); results are the same on each")
 
 
-def _runtime_options(c: argparse.ArgumentParser, modelled: bool) -> None:
-    """The runtime knobs ``replay`` models and ``measure`` performs (``modelled``: replay's extras)."""
+def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = True) -> None:
+    """The runtime knobs ``replay`` models and ``measure`` performs (``modelled``: replay's extras;
+    ``ram``: the LRU's budget, which a command sweeping budgets takes its own way)."""
     r = c.add_argument_group("runtime (colibrì's read path)")
-    r.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
+    if ram:
+        r.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
     r.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
     r.add_argument("--batched", action="store_true", help="a batched queue (io_uring-style, 64 loads in flight) instead of workers")
     r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file")
@@ -672,6 +696,22 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plan-out", metavar="PLAN.json", help="write a copy of the plan recording that arm's pins (a new plan digest)")
     o.add_argument("-o", "--output", help="write the arms' table as JSON")
     o.add_argument("--json", action="store_true", help="print JSON")
+
+    s = _command(sub, "split-curve", "S versus RAM for whole experts and for split experts (ratio and per-layer top budget "
+                                     "chosen by replayed stall), on held-out sessions", cmd_split_curve)
+    s.add_argument("--layout", required=True, metavar="PLAN.json", help="a plan without a split: its layout and training sessions")
+    s.add_argument("--trace", required=True, help="a relayout trace: the plan's training sessions search, the rest evaluate")
+    s.add_argument("--device", required=True, help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
+    _runtime_options(s, modelled=True, ram=False)
+    c = s.add_argument_group("curve")
+    c.add_argument("--ram-gb", dest="ram_budgets_gb", required=True, help="RAM budgets, GB, comma-separated (the curve's x axis)")
+    c.add_argument("--ratios", default="0.125,0.25,0.375,0.5", help="split ratios searched (FFN share of the top; 0 = no split "
+                                                                   "is always searched)")
+    c.add_argument("--top-shares", default="0.25,0.5,0.75,1", help="shares of each budget for resident tops searched "
+                                                                  "(the LRU holds whole experts in the rest)")
+    c.add_argument("--min-sessions", type=int, default=5, help="held-out sessions a comparison needs")
+    c.add_argument("-o", "--output", help="write both curves as JSON")
+    c.add_argument("--json", action="store_true", help="print JSON")
 
     s = _command(sub, "gate", "recompute a gate record's interval and verdict from the evidence it stores", cmd_gate)
     s.add_argument("--recheck", required=True, metavar="gate.json", help="the gate record to recheck")
