@@ -20,7 +20,7 @@ from containers.layout import Layout
 
 from .config import RuntimeConfig, pinned_experts
 from .device import ArrayProfile
-from .engine import simulate, split_state
+from .engine import split_state
 from .evidence import (
     MIN_SESSIONS,
     SESSION_UNITS,
@@ -51,9 +51,10 @@ from .gatefile import (
     Threshold,
     TraceRef,
 )
-from .metrics import session_sums, step_table, summarize
+from .metrics import session_sums, summarize
 from .planfile import Plan
 from .prefetch import coupling_table
+from .streaming import replay_steps
 from .trace import RoutingTrace
 
 DEFAULT_THRESHOLD = 0.05
@@ -87,9 +88,9 @@ class LayoutRun:
 
 def run_layout(name: str, trace: RoutingTrace, mask: np.ndarray, layout: Layout, device: ArrayProfile,
                config: RuntimeConfig, pinned: np.ndarray, split=None, coupling=None) -> LayoutRun:
-    inst, usage = simulate(trace, mask, layout, device, config, pinned, split, coupling)
-    steps = step_table(trace, mask, inst)
-    return LayoutRun(name, steps, summarize(steps, usage, config.other_seconds_per_token), session_sums(steps, len(trace.sessions)))
+    r = replay_steps(trace, mask, layout, device, config, pinned, split, coupling)
+    return LayoutRun(name, r.steps, summarize(r.steps, r.usage, config.other_seconds_per_token),
+                     session_sums(r.steps, len(trace.sessions)))
 
 
 def _training_forwards(trace: RoutingTrace, plan: Plan, what: str) -> np.ndarray:

@@ -34,24 +34,46 @@ class StepTable:
     prefetch: dict | None = None   # per step sums of the prefetch metrics, when a source runs
 
 
+STEP_SUMS = {"stall": "stall", "oracle_stall": "oracle_stall", "compute": "compute", "union_bytes": "union_bytes",
+             "reads": "reads", "read_bytes": "read_bytes", "hits": "hits", "lookups": "union_experts"}
+"""The :class:`StepTable` columns summed per step, and the per-instance output each sums."""
+PREFETCH_STEP_SUMS = ("issued", "required", "timely", "timely_n", "slack", "unused")
+"""The prefetch outputs summed per step (:attr:`StepTable.prefetch`)."""
+
+
+def step_sums(step: np.ndarray, n_steps: int, inst, prefetch) -> dict[str, np.ndarray]:
+    """Per-step sums [n_steps] (float64) of the instance outputs :class:`StepTable` holds.
+
+    ``step`` [I] is each instance's step (0..n_steps-1); ``inst`` and ``prefetch`` hold the
+    outputs per instance by name (:class:`replay.engine.InstanceResult` or one chunk's
+    :class:`replay.engine.InstanceOutputs`; ``prefetch`` None when no source runs). Sums run
+    in instance order, so chunks of whole steps sum exactly as the whole replay does.
+    """
+    def per_step(x):
+        return np.bincount(step, weights=x, minlength=n_steps)
+
+    out = {col: per_step(getattr(inst, name)) for col, name in STEP_SUMS.items()}
+    if prefetch is not None:
+        out.update({f"prefetch.{name}": per_step(getattr(prefetch, name)) for name in PREFETCH_STEP_SUMS})
+    return out
+
+
+def steps_from_sums(trace: RoutingTrace, forwards: np.ndarray, sums: dict[str, np.ndarray]) -> StepTable:
+    """The :class:`StepTable` of the forwards of mask ``forwards`` from their :func:`step_sums`."""
+    fw = np.flatnonzero(forwards)
+    pf = {name: sums[f"prefetch.{name}"] for name in PREFETCH_STEP_SUMS if f"prefetch.{name}" in sums}
+    return StepTable(
+        forward=fw, session=trace.fwd_session[fw].astype(np.int64),
+        committed=trace.fwd_committed[fw].astype(np.float64), evaluated=trace.fwd_evaluated[fw].astype(np.float64),
+        **{col: sums[col] for col in STEP_SUMS}, prefetch=pf or None)
+
+
 def step_table(trace: RoutingTrace, forwards: np.ndarray, inst: InstanceResult) -> StepTable:
+    """The :class:`StepTable` of a replay's per-instance results (:func:`replay.engine.simulate`)."""
     fw = np.flatnonzero(forwards)
     index = np.full(trace.n_forwards, -1)
     index[fw] = np.arange(len(fw))
-    i = index[inst.forward]
-
-    def per_step(x):
-        return np.bincount(i, weights=x, minlength=len(fw))
-
-    return StepTable(
-        forward=fw, session=trace.fwd_session[fw].astype(np.int64),
-        stall=per_step(inst.stall), oracle_stall=per_step(inst.oracle_stall), compute=per_step(inst.compute),
-        committed=trace.fwd_committed[fw].astype(np.float64), evaluated=trace.fwd_evaluated[fw].astype(np.float64),
-        union_bytes=per_step(inst.union_bytes), reads=per_step(inst.reads), read_bytes=per_step(inst.read_bytes),
-        hits=per_step(inst.hits), lookups=per_step(inst.union_experts),
-        prefetch=None if inst.prefetch is None else {
-            name: per_step(getattr(inst.prefetch, name)) for name in ("issued", "required", "timely", "timely_n", "slack", "unused")},
-    )
+    return steps_from_sums(trace, forwards, step_sums(index[inst.forward], len(fw), inst, inst.prefetch))
 
 
 def summarize(steps: StepTable, usage: DeviceUsage, other_seconds_per_token: float) -> LayoutMetrics:
