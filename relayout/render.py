@@ -367,3 +367,24 @@ def format_placement(study) -> str:
     if not study.sufficient:
         lines.append("INSUFFICIENT evidence for a comparison: " + study.sufficiency)
     return "\n".join(lines)
+
+
+def format_split_curve(curve) -> str:
+    """``relayout split-curve``: S against RAM for whole experts and for the best split found at each
+    budget (ms per committed token on held-out sessions, 95% interval), the hit rate beside S."""
+    ms = 1e3
+    lines = [f"S versus RAM on {curve.device}: whole experts (LRU only) and split experts (ratio and top budget "
+             f"searched by replayed stall on {curve.training_sessions} training sessions; {curve.candidate_replays} "
+             f"replays); held out: {curve.held_out_sessions} sessions ({curve.sufficiency})", "",
+             f"{'RAM':>10} | {'whole experts S (95% CI)':>26}{'hits':>7} | {'split S (95% CI)':>26}{'hits':>7}"
+             f"{'ratio':>7}{'tops':>11}{'LRU':>11}"]
+    for w, s in zip(curve.whole, curve.split):
+        a, b = w.stall_per_token_s, s.stall_per_token_s
+        lines.append(f"{human_bytes(w.ram_bytes):>10} | {a.estimate * ms:9.3f} [{a.low * ms:6.3f},{a.high * ms:6.3f}]  "
+                     f"{w.ram_hit_rate:6.1%} | {b.estimate * ms:9.3f} [{b.low * ms:6.3f},{b.high * ms:6.3f}]  {s.ram_hit_rate:6.1%}"
+                     f"{s.ratio:7.3f}{human_bytes(s.top_bytes):>11}{human_bytes(s.lru_bytes):>11}")
+    lines.append("S = modelled stall per committed token, ms; hits = batch-union lookups served whole from RAM (a resident "
+                 "top is not a hit: its bottom is still read); ratio 0 = no split was better on the training sessions")
+    if not curve.sufficient:
+        lines.append("INSUFFICIENT evidence for a comparison: " + curve.sufficiency)
+    return "\n".join(lines)

@@ -23,42 +23,15 @@ Resident tops are chosen greedily by value per byte under a RAM budget:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from containers.errors import InputError
-from containers.geometry import ExpertFormat
 from replay.config import greedy_by_value
+from replay.splitsizes import SegmentSizes, segment_sizes, tops_by_wait
 
 RULES = ("heat", "stall", "replay")
 
-
-@dataclass(frozen=True)
-class SegmentSizes:
-    """Bytes of the top and bottom segments of one expert (weights plus scales)."""
-
-    top_rows: int
-    top_bytes: int
-    bottom_bytes: int
-
-
-def segment_sizes(fmt: ExpertFormat, hidden: int, ffn: int, ratio: float) -> SegmentSizes:
-    """Exact segment sizes for split ``ratio`` of an expert of ``fmt`` (rows rounded to groups)."""
-    if not 0 < ratio < 1:
-        raise InputError(None, f"split ratio must be between 0 and 1 (got {ratio})")
-    step = fmt.group or (8 // math.gcd(8, fmt.bits))
-    rows = max(step, min(ffn - step, int(round(ratio * ffn / step)) * step))
-
-    def part(r: int) -> int:
-        gate_up = 2 * (fmt.weight_bytes(r, hidden) + 4 * fmt.scale_count(r, hidden))
-        down = fmt.weight_bytes(hidden, r) + 4 * fmt.scale_count(hidden, r)
-        return gate_up + down
-
-    top = part(rows)
-    bottom = part(ffn - rows)
-    return SegmentSizes(rows, top, bottom)
+__all__ = ["RULES", "SegmentSizes", "che_hit_probability", "choose_resident", "choose_resident_by_wait", "segment_sizes"]
 
 
 def che_hit_probability(p: np.ndarray, capacity: float) -> np.ndarray:
@@ -119,5 +92,4 @@ def _per_layer(mask: np.ndarray) -> list[np.ndarray]:
 def choose_resident_by_wait(expert_wait: np.ndarray, top_fraction: np.ndarray, sizes: list[SegmentSizes],
                             ram_budget: int) -> list[np.ndarray]:
     """Tops to keep resident, by replayed wait avoided per byte (the ``replay`` rule)."""
-    top = np.array([s.top_bytes for s in sizes], dtype=np.float64)
-    return _per_layer(greedy_by_value(expert_wait * top_fraction[:, None] / top[:, None], top, ram_budget))
+    return _per_layer(tops_by_wait(expert_wait, top_fraction, np.array([s.top_bytes for s in sizes], dtype=np.float64), ram_budget))
