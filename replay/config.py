@@ -12,8 +12,17 @@ import numpy as np
 
 from containers.errors import InputError
 
-PREFETCH_SOURCES = ("none", "oracle", "coupled")
-"""Prefetch sources (see :mod:`replay.prefetch`); the compiled model takes a source as its index here."""
+PREFETCH_SOURCES = ("none", "oracle", "coupled", "heat", "persistence", "session")
+"""Prefetch sources (see :mod:`replay.prefetch` and, as probabilities, :mod:`replay.predictors`);
+the compiled model takes a source as its index here."""
+
+ADMISSION_POLICIES = ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe")
+"""How the prefetcher admits a source's candidates (:mod:`replay.admission`): ``top-k`` (the
+runtime's rule: the source's K best, in rank order), ``probability`` (highest probability first),
+``per-byte`` (probability per byte), ``deadline`` (earliest estimated need first), ``stall-value``
+(seed 5.3's V(a)), ``oracle`` (the experts really needed, in need order: a bound, not deployable),
+``observe`` (load nothing; score the late-need probability q). The compiled model takes a policy
+as its index here."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +41,14 @@ class RuntimeConfig:
     compute_bytes_per_second: float = 50e9  # an expert's matmul streams its weights at this rate, per position
     other_seconds_per_token: float = 0.0    # O in TPOT = C + S + O
     prefetch: str = "none"             # prefetch source for the next layer: none, oracle, coupled
-    prefetch_experts: int = 6          # K: experts predicted per layer (colibrì PILOT_K)
+    prefetch_experts: int = 6          # K: experts predicted per layer (colibrì PILOT_K); Q, the queue-slot budget, for other policies
+    admission: str = "top-k"           # prefetch admission policy (ADMISSION_POLICIES)
+    prefetch_bytes: int = 0            # B: speculative bytes admitted per layer (0 = only Q limits)
+    prefetch_candidates: int = 16      # the source's most probable experts a policy chooses among, 1-64
+    prefetch_min_probability: float = 0.02  # candidates below this probability are not considered
+    cancel_stale: bool = False         # stop a load's later reads once the next layer is routed without it
+    adaptive_budget: bool = False      # admit only the bytes the drives can deliver before the next layer is routed
+    backoff: bool = False              # a layer stops prefetching while its measured stall-conversion turns non-positive
 
     def __post_init__(self):
         if not self.batched and not 1 <= self.workers <= 16:
@@ -45,6 +61,12 @@ class RuntimeConfig:
             raise InputError(None, f"unknown prefetch source {self.prefetch!r} (choose {', '.join(PREFETCH_SOURCES)})")
         if not 1 <= self.prefetch_experts <= 64:
             raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
+        if self.admission not in ADMISSION_POLICIES:
+            raise InputError(None, f"unknown admission policy {self.admission!r} (choose {', '.join(ADMISSION_POLICIES)})")
+        if self.prefetch_bytes < 0 or not 1 <= self.prefetch_candidates <= 64:
+            raise InputError(None, "prefetch budgets: bytes must be >= 0 and candidates 1-64")
+        if not 0.0 <= self.prefetch_min_probability <= 1.0:
+            raise InputError(None, f"--prefetch-min-probability must be in [0, 1] (got {self.prefetch_min_probability})")
         if self.compute_bytes_per_second <= 0 or self.dense_seconds < 0:
             raise InputError(None, "compute model needs a positive rate and non-negative dense time")
 

@@ -57,13 +57,12 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from containers.errors import InputError
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
-from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
+from .admission import prefetcher_inputs
+from .config import ADMISSION_POLICIES, PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .device import SPLIT_RULES, ArrayProfile
 from .instance import (
-    CouplingTable,
     Device,
     LayoutArrays,
     RamTiers,
@@ -72,6 +71,7 @@ from .instance import (
     simulate_instances,
 )
 from .jit import compile_notice
+from .predictors import RELIABILITY_BINS
 from .runtime import new_lru
 from .trace import RoutingTrace
 from .unions import (
@@ -84,7 +84,8 @@ from .unions import (
 FILE_ALIGNMENT = 1 << 20
 """Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
 
-AXES = {"I": "instances", "L": "layout layers", "E": "experts", "M": "array members"}
+AXES = {"I": "instances", "L": "layout layers", "E": "experts", "M": "array members",
+        "R": "reliability bins (replay.predictors.RELIABILITY_BINS)"}
 """The axes an output's shape is written in (see :func:`output`)."""
 
 
@@ -112,6 +113,8 @@ class PrefetchResult:
     prefetch, or a demand load that finished early), as the STALL_TRACE analysis counts them.
     ``timely_n``, ``slack``: the timely prefetches and the sum of their lead slack (s).
     ``unused``: bytes prefetched for this layer that it did not select.
+    ``rejected``, ``cancelled``, ``demand_done`` and the late-need reliability sums (``late_*``,
+    [R], totals over the replay): see the fields and :mod:`replay.admission`.
     """
 
     loads: np.ndarray = output("I", np.int64)
@@ -121,6 +124,13 @@ class PrefetchResult:
     timely_n: np.ndarray = output("I", np.int64)
     slack: np.ndarray = output("I")            # s
     unused: np.ndarray = output("I")           # bytes
+    rejected: np.ndarray = output("I", np.int64)   # candidates the admission policy did not admit (replay.admission)
+    cancelled: np.ndarray = output("I", np.int64)  # admitted loads dropped (not started by the routing) or cut (cancel_stale)
+    demand_done: np.ndarray = output("I")      # s after routing, when the instance's last demand load completed
+    late_n: np.ndarray = output("R")           # policy observe: candidates per late-need probability bin
+    late_p: np.ndarray = output("R")           # their summed q
+    late_y: np.ndarray = output("R")           # of them, needed and not otherwise ready in time
+    late_sq: np.ndarray = output("R")          # their summed (q - outcome)^2
 
 
 @dataclass
@@ -172,7 +182,7 @@ def new_results(I: int, L: int, E: int, M: int, keep: Results | None = None) -> 
     each shaped and typed as its result field declares. With ``keep`` (an earlier chunk's
     results), the outputs not per instance (no ``"I"`` axis: totals over the replay) are
     ``keep``'s arrays, so they go on accumulating."""
-    sizes = dict(zip(AXES, (I, L, E, M)))
+    sizes = dict(zip(AXES, (I, L, E, M, RELIABILITY_BINS)))
 
     def zeros(kind, cls, kept):
         return kind(*(getattr(kept, f.name) if kept is not None and "I" not in f.metadata["shape"] else
@@ -224,22 +234,21 @@ class Replay:
     then the same, to the bit, whatever the chunks. Memory: the layout's [L, E] arrays and one
     chunk's instances and outputs.
 
-    ``coupling`` is the coupled prefetch source's ``(targets, counts)`` table
-    (:func:`replay.prefetch.coupling_table`, learned from training sessions), needed when
-    ``config.prefetch == "coupled"``.
+    ``coupling`` is the prediction source learned from training sessions: a
+    :class:`replay.predictors.SourceModel` (:func:`replay.predictors.learn_source`), needed by
+    every source but ``none`` and ``oracle`` under an admission policy other than ``top-k``; or,
+    for ``coupled`` under ``top-k`` (the runtime's rule), just its ``(targets, counts)`` table
+    (:func:`replay.prefetch.coupling_table`).
     """
 
     def __init__(self, layout: Layout, device: ArrayProfile, config: RuntimeConfig, pinned: np.ndarray | None = None,
                  split: SplitState | None = None, coupling: tuple | None = None):
         L, E = len(layout.layers), layout.n_experts
-        if config.prefetch == "coupled" and coupling is None:
-            raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
-        targets, counts = coupling if config.prefetch == "coupled" else (np.full((1, 1, 1), -1), np.zeros((1, 1, 1)))
         self.config = config
         self.ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
                             new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
                             np.full((L, E), -1, dtype=np.int64))
-        self.table = CouplingTable(np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32))
+        self.table = prefetcher_inputs(config, layout, coupling)
         self.lay = layout_arrays(layout, config, split)
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device)
@@ -324,7 +333,10 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
     return ReadPolicy(bool(config.coalesce), int(config.coalesce_gap_bytes), int(config.coalesce_max_bytes),
                       bool(config.direct), int(device.direct_alignment), int(config.in_flight),
                       float(device.page_cache_fraction), float(config.dense_seconds),
-                      PREFETCH_SOURCES.index(config.prefetch), int(config.prefetch_experts))
+                      PREFETCH_SOURCES.index(config.prefetch), int(config.prefetch_experts),
+                      ADMISSION_POLICIES.index(config.admission), int(config.prefetch_bytes), int(config.prefetch_candidates),
+                      float(config.prefetch_min_probability), bool(config.cancel_stale), bool(config.adaptive_budget),
+                      bool(config.backoff))
 
 
 def device_numbers(device: ArrayProfile) -> Device:

@@ -13,7 +13,7 @@ inlined into the loop, :mod:`replay.jit`):
 * the instances and their batch unions: :class:`replay.unions.Instances`;
 * what is read where: :class:`LayoutArrays`; how it is read: :class:`ReadPolicy`; from what:
   :class:`Device`; what is already in RAM: :class:`RamTiers`; what the coupled prefetch source
-  predicts from: :class:`CouplingTable`;
+  predicts from, and the controller's state: :class:`replay.admission.Prefetcher`;
 * the outputs, filled in place: :class:`replay.engine.Results`, whose fields are declared once,
   on the public result dataclasses (:class:`replay.engine.InstanceResult` and the others), so a
   new metric is one field there plus the line here that fills it;
@@ -30,9 +30,24 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
+from .admission import (
+    OBSERVE,
+    TOP_K,
+    backed_off,
+    choose,
+    load_seconds,
+    record_demand,
+    record_outcome,
+)
 from .device import split_read
 from .jit import HELPER, LOOP, STAGE
-from .prefetch import predict_next
+from .predictors import (
+    add_reliability,
+    most_probable,
+    next_layer_probabilities,
+    observe_union,
+)
+from .prefetch import COUPLED, ORACLE, predict_next
 from .readplan import WEIGHT, ReadPlan, plan_layer
 from .runtime import lru_add, lru_start, lru_touch
 
@@ -66,12 +81,16 @@ offset, bytes)]: the weight and scale tensors' extents. ``bases`` [files]: each 
 address in the array's logical address space."""
 
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
-                                      "dense_seconds prefetch prefetch_experts")
+                                      "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
+                                      "min_probability cancel_stale adaptive_budget backoff")
 """How the runtime reads (:func:`replay.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
 page-cache share of weight reads, 0-1); ``dense_seconds`` (per layer, before it is routed, s);
-``prefetch`` (the source, an index into ``PREFETCH_SOURCES``) and ``prefetch_experts`` (its K)."""
+``prefetch`` (the source, an index into ``PREFETCH_SOURCES``) and ``prefetch_experts`` (its K, or
+the queue-slot budget Q); ``admission`` (an index into ``ADMISSION_POLICIES``), ``prefetch_bytes``
+(B per layer, 0 none), ``candidates``, ``min_probability``, and the tail controls ``cancel_stale``,
+``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request")
@@ -87,20 +106,18 @@ RamTiers = namedtuple("RamTiers", "pinned lru scale_seen")
 ``lru`` (the per-layer LRUs, :class:`replay.runtime.Lru`), ``scale_seen`` [L, E] int64 (the
 session that last read each expert's scales, whose pages the OS then caches; -1 never)."""
 
-CouplingTable = namedtuple("CouplingTable", "targets counts")
-"""The coupled prefetch source's table (:func:`replay.prefetch.coupling_table`): int32
-[L, E, T] successors of each expert in the next layer, best first (-1 pads), and their counts."""
+# the prefetcher's inputs and state: replay.admission.Prefetcher (a prediction source and the controller)
 
 # ------------------------------------------------------------------------ per-call working arrays
 
-Misses = namedtuple("Misses", "expert top comp first ready lookup wlen sbytes skip wjob sjob")
+Misses = namedtuple("Misses", "expert top comp first ready lookup wlen sbytes skip wjob sjob wait")
 """One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
 resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (its
 first access in the session: its scales are not yet in the page cache); ``ready`` (>= 0: a
 prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` (weight bytes
 it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
-``sjob`` (the jobs carrying its weights and its scales). ``lookup``: the misses in lookup
-order, for the LRU."""
+``sjob`` (the jobs carrying its weights and its scales); ``wait`` (s the compute thread waited for
+it). ``lookup``: the misses in lookup order, for the LRU."""
 
 Jobs = namedtuple("Jobs", "first_read tail done")
 """The reader pool's jobs [2K]: ``first_read`` [2K+1] (each job's first read; one past the
@@ -140,7 +157,7 @@ def new_work(K, E, W, M, Q):
     scale reads)."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
-                  np.empty(K, np.int64), np.empty(K, np.int64))
+                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K))
     jobs = Jobs(np.empty(2 * K + 1, np.int64), np.empty(2 * K), np.empty(2 * K))
     R = max(8 * K, 7)
     reads = Reads(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.bool_))
@@ -165,7 +182,7 @@ def simulate_instances(inst, ram, table, lay, pol, dev, work, out):
     Instance ``i`` is layer ``inst.layer[i]`` of forward ``inst.forward[i]`` of session
     ``inst.session[i]``; its union experts are ``inst.sel_e[inst.sel_start[i]:inst.sel_start[i+1]]``,
     each needed by ``inst.sel_mult`` positions. ``ram`` (:class:`RamTiers`) is updated as the
-    replay goes; ``table`` (:class:`CouplingTable`) feeds the coupled prefetch source. ``work``
+    replay goes; ``table`` (:class:`replay.admission.Prefetcher`) feeds the prefetcher. ``work``
     (:func:`new_work`, sized for the largest batch union) is the caller's and carries the drives'
     state from call to call, so consecutive calls over consecutive whole forwards replay as one
     call over all of them. Results go into ``out`` (:class:`replay.engine.Results`, zeroed).
@@ -187,12 +204,20 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
     lru, res, usage = ram.lru, out.instance, out.device
     pf_for = -1                                  # the instance the pending prefetches are for
     pf_n = 0
+    ctl = table.control
+    ctl.q_for[0] = -1
+    learning = pol.prefetch != 0 and pol.admission != TOP_K     # the controller measures what misses cost
     for i in range(I):
         li = inst_li[i]
         lru_start(lru, li, inst_session[i])
         if pf_for != i:
             pf_n = 0
+        if pol.prefetch != 0:
+            observe_union(table.source, li, inst_fwd[i], inst_session[i], inst.sel_e, inst.sel_start[i],
+                          inst.sel_start[i + 1])
         k, resident = _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out)
+        if pol.backoff and pf_n > 0:
+            _prefetch_outcome(i, li, inst, pending, pf_n, lay, pol, dev, ctl)
         pilot_free = 0.0                         # when the prefetcher's last load (used or not) completes
         for p in range(pf_n):
             pilot_free = max(pilot_free, pf_ready[pf_list[p]])
@@ -202,6 +227,10 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             n_jobs = _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res)
             _reader_pool(n_jobs, pol.workers, jobs, reads, workers, dev, drives, usage)
             end = _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out)
+            for j in range(n_jobs):
+                out.prefetch.demand_done[i] = max(out.prefetch.demand_done[i], job_done[j])
+        if learning:
+            _feedback(i, li, k, miss, lay, pol, dev, ctl, out)
         if pol.prefetch == 0:
             for m in range(dev.members):
                 mfree[m], sfree[m] = 0.0, 0.0
@@ -512,6 +541,7 @@ def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
             if ready <= t:                       # a demand load that finished before it was needed
                 pf.timely[i] += ebytes[miss_e[p]]
         wait = max(ready - t, 0.0)
+        miss.wait[p] = wait
         t = t + wait + comp
         stall += wait
         expert_wait[miss_e[p]] += wait
@@ -529,21 +559,42 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
               out):
     """The prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs.
 
-    It predicts up to K experts (:func:`replay.prefetch.predict_next`), skips those already in
-    RAM, and loads the rest one at a time, best first, from ``start`` (this layer's demand loads
-    done, s) until ``deadline`` (the next layer is routed, s): a load not started by then is
-    dropped, one in flight completes. A load reads the expert's weights and, on its first access
-    in the session, its scales; it enters the LRU when it completes before the deadline. Records
-    each expert's ready time in the next instance's clock in ``pending`` and returns how many
-    were loaded.
+    Under ``top-k`` (the runtime's rule) it predicts up to K experts (:func:`replay.prefetch.predict_next`
+    for the oracle and coupled sources, the K most probable for the others) and skips those
+    already in RAM; under the other policies it admits candidates under the budgets
+    (:func:`replay.admission.choose`); under ``observe`` it only records the late-need
+    probabilities q of layer ``li`` for scoring. It loads the list one at a time, in order, from
+    ``start`` (this layer's demand loads done, s) until ``deadline`` (the next layer is routed,
+    s): a load not started by then is dropped, one in flight completes (with ``cancel_stale``, a
+    load the next layer does not select issues no read after ``deadline``: it is cut, its bytes
+    already read are wasted and its scales count as not cached). A load reads the expert's
+    weights and, on its first access in the session, its scales; it enters the LRU when it
+    completes before the deadline. Records each expert's ready time in the next instance's clock
+    in ``pending`` and returns how many were loaded; dropped and cut loads count as cancelled.
     """
     pf_list = pending.experts
-    n = predict_next(pol.prefetch, i, li - 1, inst.sel_start, inst.sel_e, inst.sel_mult, table.targets, table.counts,
-                     pol.prefetch_experts, pending.score, pending.touched, pf_list)
-    lru, seen = ram.lru, ram.scale_seen
+    src, ctl = table.source, table.control
     res, pf = out.instance, out.prefetch
+    if pol.admission == TOP_K:
+        if pol.prefetch == ORACLE or pol.prefetch == COUPLED:
+            n = predict_next(pol.prefetch, i, li - 1, inst.sel_start, inst.sel_e, inst.sel_mult, src.targets,
+                             src.counts, pol.prefetch_experts, pending.score, pending.touched, pf_list)
+        else:
+            next_layer_probabilities(src, i, li, inst)
+            n = most_probable(src.p, pol.prefetch_experts, pf_list)
+    else:
+        if backed_off(li, pol, ctl):
+            return 0
+        next_layer_probabilities(src, i, li, inst)
+        if pol.admission == OBSERVE:
+            _late_need(li, src.p, ram, ctl)
+            ctl.q_for[0] = i + 1
+            return 0
+        n = choose(i, li, session, start, deadline, inst, src.p, ram, lay, pol, dev, drives, ctl, pf_list, pf)
+    lru, seen = ram.lru, ram.scale_seen
     keep_top = 1.0 - lay.top_fraction[li]
     bases = lay.bases
+    a, b = inst.sel_start[i + 1], inst.sel_start[i + 2]
     t = start
     loaded = 0
     for p in range(n):
@@ -551,12 +602,16 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
         if ram.pinned[li, e] or lru.cached[li, e]:
             continue
         if t >= deadline:
+            for r in range(p, n):
+                if not (ram.pinned[li, pf_list[r]] or lru.cached[li, pf_list[r]]):
+                    pf.cancelled[i] += 1
             break
         single.expert[0], single.top[0] = e, lay.top_resident[li, e]
         n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, keep_top, lay.adjacent[li], lay.pos_file[li],
                                lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1, single.wlen,
                                plan)
-        first = seen[li, e] != session
+        was_seen = seen[li, e]
+        first = was_seen != session
         seen[li, e] = session
         n_reads, tail, warm_scales, has_warm_scales, total = 0, 0.0, 0, False, 0
         for r in range(n_plan):
@@ -570,10 +625,23 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
                 warm_scales += nb
                 has_warm_scales = True
             total += nb
+        stale = pol.cancel_stale and not _selected(e, inst.sel_e, a, b)
+        issued, issued_bytes = n_reads, 0
+        for r in range(n_reads):
+            if stale and t >= deadline:
+                issued = r
+                break
+            t = _serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, out.device)
+            issued_bytes += reads.length[r]
+        if issued < n_reads:                      # cut: routed without it
+            seen[li, e] = was_seen
+            res.reads[i] += issued
+            res.read_bytes[i] += issued_bytes
+            pf.issued[i] += issued_bytes
+            pf.cancelled[i] += 1
+            continue
         res.reads[i] += n_plan
         res.read_bytes[i] += total
-        for r in range(n_reads):
-            t = _serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, out.device)
         t += tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
         pending.ready[e] = t - deadline
         pending.nbytes[e] = lay.ebytes[li, e]
@@ -584,3 +652,56 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
         if t <= deadline:
             lru_add(lru, li, e)
     return loaded
+
+
+@njit(**HELPER)
+def _late_need(nl, p, ram, ctl):
+    """Record q, the late-need probability (seed 5.2), of every expert of layer ``nl``: its
+    probability times the layer's measured late share of demand misses, 0 when in RAM."""
+    lam = ctl.late_frac[nl]
+    for e in range(len(p)):
+        ctl.q_pending[e] = 0.0 if ram.pinned[nl, e] or ram.lru.cached[nl, e] else p[e] * lam
+
+
+@njit(**HELPER)
+def _feedback(i, li, k, miss, lay, pol, dev, ctl, out):
+    """What instance ``i``'s demand misses cost, for the controller (:func:`replay.admission.record_demand`);
+    under ``observe``, score the late-need probabilities recorded for it: a candidate's event is
+    "a demand miss the compute thread waited for"."""
+    late, n, wait, load = 0, 0, 0.0, 0.0
+    scoring = ctl.q_for[0] == i
+    for p in range(k):
+        if miss.ready[p] >= 0:                   # it waited for a prefetch in flight, not a demand load
+            continue
+        n += 1
+        if miss.wait[p] > 0:
+            late += 1
+            wait += miss.wait[p]
+            load += load_seconds(li, miss.expert[p], miss.first[p], lay, pol, dev)
+            if scoring:
+                ctl.waited[miss.expert[p]] = True
+    record_demand(li, late, n, wait, load, ctl)
+    if scoring:
+        pf = out.prefetch
+        for e in range(len(ctl.waited)):
+            add_reliability(ctl.q_pending[e], ctl.waited[e], pf.late_n, pf.late_p, pf.late_y, pf.late_sq)
+            ctl.waited[e] = False
+        ctl.q_for[0] = -1
+
+
+@njit(**HELPER)
+def _prefetch_outcome(i, li, inst, pending, pf_n, lay, pol, dev, ctl):
+    """The measured stall-conversion of the prefetches made for instance ``i`` (for backoff,
+    :func:`replay.admission.record_outcome`): the estimated stall the timely used ones removed
+    (lambda x rho x their load time) less the drive time the unused ones held after routing."""
+    saved, wasted = 0.0, 0.0
+    a, b = inst.sel_start[i], inst.sel_start[i + 1]
+    for p in range(pf_n):
+        e = pending.experts[p]
+        r = pending.ready[e]
+        if _selected(e, inst.sel_e, a, b):
+            if r <= 0:
+                saved += ctl.late_frac[li] * ctl.cost_ratio[li] * load_seconds(li, e, False, lay, pol, dev)
+        else:
+            wasted += max(r, 0.0)
+    record_outcome(li, saved, wasted, ctl)

@@ -11,6 +11,7 @@ from replay.config import RuntimeConfig
 from replay.device import ArrayProfile, DriveProfile
 from replay.engine import (DeviceOutputs, DeviceUsage, InstanceOutputs, InstanceResult, PrefetchOutputs, PrefetchResult,
                            new_results, simulate)
+from replay.predictors import RELIABILITY_BINS, learn_source
 from replay.prefetch import coupling_table
 from replay.trace import RoutingTrace
 
@@ -62,7 +63,7 @@ def test_the_compiled_outputs_are_the_result_fields_declared_as_outputs():
         # every field of the public result is an output, except the instance's identity and the prefetch group
         assert set(f.name for f in fields(cls)) - set(declared) <= {"forward", "layer", "prefetch"}
     out = new_results(5, 2, 8, 3)
-    sizes = {"I": 5, "L": 2, "E": 8, "M": 3}
+    sizes = {"I": 5, "L": 2, "E": 8, "M": 3, "R": RELIABILITY_BINS}
     for cls, _, group in DECLARED:
         for f in fields(cls):
             if "shape" in f.metadata:
@@ -78,10 +79,14 @@ def test_every_declared_output_is_filled_and_handed_over_with_its_shape():
     lay = layout()
     train = tr.session_forward_mask([0])
     table = coupling_table(tr, train, lay, max_targets=4)  # (with E < 16 the default fails in top_targets)
+    learned = learn_source("coupled", tr, train, lay, coupling=table)
     nonzero = set()
     for cfg in (RuntimeConfig(workers=2), RuntimeConfig(prefetch="oracle", prefetch_experts=4),
-                RuntimeConfig(prefetch="coupled", prefetch_experts=5, ram_bytes=4 * 2 * 45056)):
-        inst, usage = simulate(tr, ~train, lay, one_drive(), cfg, coupling=table)
+                RuntimeConfig(prefetch="coupled", prefetch_experts=5, ram_bytes=4 * 2 * 45056),
+                RuntimeConfig(prefetch="coupled", admission="probability", prefetch_experts=2, dense_seconds=1e-4),
+                RuntimeConfig(prefetch="coupled", admission="observe")):
+        inst, usage = simulate(tr, ~train, lay, one_drive(), cfg,
+                               coupling=learned if cfg.admission != "top-k" else table)
         I = len(inst.forward)
         assert I == 40
         groups = [(InstanceResult, inst), (DeviceUsage, usage)] + ([(PrefetchResult, inst.prefetch)] if cfg.prefetch != "none" else [])
@@ -91,7 +96,8 @@ def test_every_declared_output_is_filled_and_handed_over_with_its_shape():
                 if "shape" not in f.metadata:
                     continue
                 a = getattr(res, f.name)
-                assert a.shape == tuple({"I": I, "L": 2, "E": 8, "M": 1}[x] for x in f.metadata["shape"]), f.name
+                assert a.shape == tuple({"I": I, "L": 2, "E": 8, "M": 1, "R": RELIABILITY_BINS}[x]
+                                        for x in f.metadata["shape"]), f.name
                 assert a.dtype == f.metadata["dtype"], f.name
                 if a.any():
                     nonzero.add(f"{cls.__name__}.{f.name}")

@@ -1,0 +1,320 @@
+"""Prefetch admission under equal budgets (seed 5.3-5.4, E2) and the controller's feedback (5.8).
+
+When layer L is routed, a prediction source (:mod:`replay.predictors`) gives each expert of layer
+L+1 a probability ``p``. The *candidates* are the source's ``prefetch_candidates`` most probable
+experts not already in RAM (pinned or in the LRU) with ``p >= prefetch_min_probability``; every
+policy chooses among the same candidates, under the same budgets: at most ``Q`` =
+``prefetch_experts`` loads (the prefetch queue slots) and ``B`` = ``prefetch_bytes`` speculative
+bytes per layer (0: only Q limits). Demand reads keep strict priority: the prefetcher starts once
+the layer's demand loads are done (:mod:`replay.instance`). Policies, by what they rank on:
+
+* ``probability``: ``p``, highest first; ``per-byte``: ``p / b`` (``b`` the expert's bytes);
+* ``deadline``: the estimated need time, earliest first;
+* ``stall-value``: ``V(a) = (G - C_queue - C_pollution) / b`` (seed 5.3) with
+  ``G = q * P(ready <= need | queue) * dW``: ``q = p * lambda`` the late-need probability (5.2:
+  needed, and not otherwise ready in time; ``lambda`` the measured share of the layer's demand
+  misses whose load made the compute thread wait), ``dW = rho * s`` the stall the miss would
+  cause (``s`` the expert's estimated demand-load time, cold or page-cache warm, with or without
+  its scales; ``rho`` the layer's measured stall per late miss over its estimated load time),
+  ``P = min(1, max(0, (need - start) / s))`` for a load starting at ``start`` after the loads
+  admitted before it: 1 when it completes by its need time, else the share of it done by then
+  (a load still in flight when needed removes that share of the wait, so the deterministic
+  chance of finishing in time is refined to the share of the stall removed),
+  ``C_queue = (1 - p) * max(0, ready - routed)`` (the drive time a wrong load still holds when
+  the next layer's demand reads start) and ``C_pollution = (1 - p) * p_v * lambda * rho * s`` (a
+  wrong load evicting the LRU's oldest expert, of probability ``p_v``). Candidates are taken in
+  order of V at the prefetcher's start, each re-valued at its own start; none of value <= 0;
+* ``oracle``: the experts layer L+1 really needs, not in RAM, in need (issue) order: the
+  non-deployable bound.
+
+The estimated need time of a candidate is when the next layer is routed plus the expected
+matmuls the compute thread runs before it: those of the layer's resident experts (it runs them
+first) and of the candidates ahead of it in issue order, each weighted by its probability.
+
+Tail control (5.8): a load not started when the next layer is routed is dropped (its deadline
+passed); with ``cancel_stale``, a load the next layer was routed without also stops issuing its
+remaining reads (one already at the drives completes); with ``adaptive_budget`` the byte budget is
+at most what the drives can deliver between the prefetcher's start (after their backlog) and the
+next routing; with ``backoff`` a layer whose measured stall-conversion (:func:`record_outcome`)
+is not positive stops prefetching, probing once every :data:`BACKOFF_PROBE` forwards.
+
+Per instance the replay counts the candidates a policy rejected (``rejected``: candidates it did
+not admit) and the loads cancelled (``cancelled``: dropped or cut).
+
+References
+----------
+Seed sections 5.2-5.4 and 5.8; experiments E2 and E5.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from containers.errors import InputError
+from containers.layout import Layout
+
+from .config import ADMISSION_POLICIES, RuntimeConfig
+from .jit import HELPER
+from .predictors import CALIBRATION_BINS, SourceModel, prediction_source
+
+TOP_K, PROBABILITY, PER_BYTE, DEADLINE, STALL_VALUE, ORACLE_POLICY, OBSERVE = (
+    ADMISSION_POLICIES.index(x) for x in ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe"))
+
+MEMORY_BANDWIDTH = 10e9
+"""Bytes/s of a page-cache read (as :data:`replay.instance.MEMORY_BANDWIDTH`)."""
+
+WARM_BUCKETS = 10_000
+"""As :data:`replay.instance.WARM_BUCKETS`: a weight read is warm when its page hash falls in the
+first ``page_cache_fraction`` of these."""
+
+FEEDBACK_WEIGHT = 0.1
+"""Weight of a new instance in the controller's running (exponentially weighted) measurements."""
+
+BACKOFF_PROBE = 16
+"""With backoff, a layer that stopped prefetching still prefetches once every this many forwards,
+so its measured stall-conversion can recover."""
+
+MAX_CANDIDATES = 64
+
+Control = namedtuple("Control", "late_frac cost_ratio gain probes cand key need svc order q_pending q_for waited")
+"""The controller's state (:func:`new_control`). Per layer [L]: ``late_frac`` (lambda, the running
+share of demand misses that made the compute thread wait), ``cost_ratio`` (rho, running stall per
+late miss over its estimated load time), ``gain`` (running stall-conversion, s per instance, for
+backoff), ``probes`` (instances skipped by backoff). Scratch [64] over the candidates: ``cand``,
+``key``, ``need`` (estimated need time, s), ``svc`` (estimated load time, s), ``order``. For scoring q (policy
+``observe``): ``q_pending`` [E] (q of the layer being predicted), ``q_for`` [1] (its instance, -1
+none), ``waited`` [E] (scratch: the miss made the compute thread wait)."""
+
+Prefetcher = namedtuple("Prefetcher", "source control")
+"""What the compiled prefetcher reads and keeps: the :data:`replay.predictors.PredictionSource`
+and the :data:`Control`."""
+
+
+def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetcher:
+    """The :data:`Prefetcher` of a replay under ``config``: ``learned`` is the source learned on
+    training sessions (a :class:`replay.predictors.SourceModel`), or, for ``coupled`` under
+    ``top-k``, its ``(targets, counts)`` pair table, or None for ``none`` and ``oracle``."""
+    L, E = len(layout.layers), layout.n_experts
+    kind = config.prefetch
+    if isinstance(learned, SourceModel):
+        if learned.name != kind:
+            raise InputError(None, f"the learned source is {learned.name!r}, the configuration asks for {kind!r}")
+        model = learned
+    elif kind in ("none", "oracle"):
+        model = None
+    elif kind == "coupled" and learned is not None and config.admission == "top-k":
+        targets, counts = learned
+        model = SourceModel("coupled", np.asarray(targets), np.asarray(counts), np.zeros((L, E)), np.zeros((L, E)),
+                            np.zeros((L, CALIBRATION_BINS)))
+    elif kind == "coupled" and learned is None:
+        raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
+    else:
+        raise InputError(None, f"the {kind} prefetch source under admission {config.admission!r} needs its probabilities "
+                               f"learned from training sessions (replay.predictors.learn_source)")
+    return Prefetcher(prediction_source(model, layout, kind), new_control(L, E))
+
+
+def new_control(L: int, E: int) -> Control:
+    """A fresh controller for ``L`` layers of ``E`` experts: lambda = rho = 1 (every miss is
+    assumed late and to cost its load time until measured), gain slightly positive."""
+    return Control(np.ones(L), np.ones(L), np.full(L, 1e-9), np.zeros(L, dtype=np.int64),
+                   np.empty(MAX_CANDIDATES, dtype=np.int64), np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES),
+                   np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES, dtype=np.int64), np.zeros(E),
+                   np.full(1, -1, dtype=np.int64), np.zeros(E, dtype=np.bool_))
+
+
+@njit(**HELPER)
+def load_seconds(nl, e, first, lay, pol, dev):
+    """Estimated time (s) to load expert ``e`` of layer ``nl`` alone: its weight bytes (the bottom
+    segment when its top is resident) from the drives, or from the page cache when its first
+    weight page is warm, plus its scales (three requests on the expert's first access in the
+    session, ``first``; page-cache time after)."""
+    wb = lay.wbytes[nl, e] * (1.0 - lay.top_fraction[nl] if lay.top_resident[nl, e] else 1.0)
+    sb = lay.ebytes[nl, e] - lay.wbytes[nl, e]
+    rate = min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
+    a = dev.request_seconds
+    warm = False
+    if pol.warm_fraction > 0:
+        f, off = lay.pos_file[nl, e], lay.pos_off[nl, e]
+        if pol.direct:
+            off = (lay.bases[f] + off) // pol.alignment * pol.alignment - lay.bases[f]
+        warm = (f * 1_000_003 + off // 4096) % WARM_BUCKETS < pol.warm_fraction * WARM_BUCKETS
+    s = wb / MEMORY_BANDWIDTH if warm else a + wb / rate
+    if first:
+        s += 3 * a + sb / rate
+    else:
+        s += sb / MEMORY_BANDWIDTH
+    return s
+
+
+@njit(**HELPER)
+def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, ctl, out_list, pf):
+    """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
+
+    ``p`` [E]: the source's probabilities; ``start``: when the prefetcher may start (s, instance
+    ``i``'s clock); ``routed``: when layer ``nl`` is routed. Fills ``out_list`` with the admitted
+    experts in load order and returns how many; counts the rejected candidates in ``pf``.
+    """
+    E = len(p)
+    lru = ram.lru
+    cand, key, need, svc = ctl.cand, ctl.key, ctl.need, ctl.svc
+    C = pol.candidates
+    seconds = lay.seconds[nl]
+    policy = pol.admission
+    # the candidates: the C most probable experts not in RAM (the oracle's: the ones really needed)
+    nc, considered, resident_compute = 0, 0, 0.0
+    a, b = inst.sel_start[i + 1], inst.sel_start[i + 2]
+    for e in range(E):
+        pe = p[e]
+        if ram.pinned[nl, e] or lru.cached[nl, e]:
+            resident_compute += pe * seconds[e]
+            continue
+        if policy == ORACLE_POLICY:
+            if not _in(e, inst.sel_e, a, b):
+                continue
+        elif pe <= 0.0 or pe < pol.min_probability:
+            continue
+        considered += 1
+        if nc == C and (policy == ORACLE_POLICY or p[cand[C - 1]] >= pe):
+            continue                             # not among the C most probable
+        q = nc
+        while q > 0 and policy != ORACLE_POLICY and p[cand[q - 1]] < pe:
+            if q < C:
+                cand[q] = cand[q - 1]
+            q -= 1
+        if q < C:
+            cand[q] = e
+            nc = min(nc + 1, C)
+    if nc == 0:
+        return 0
+    # need times: resident work first, then the candidates ahead in issue order (by probability)
+    _sort(cand, nc, lay.rank[nl])                # issue order
+    t_need = routed + resident_compute
+    for c in range(nc):
+        e = cand[c]
+        need[c] = t_need
+        t_need += p[e] * seconds[e]
+        svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
+    # budgets: Q slots, B bytes (adaptive: what the drives can deliver before the next routing)
+    backlog = 0.0
+    for m in range(dev.members):
+        backlog = max(backlog, drives.free[m] - start)
+    t0 = start + backlog
+    budget = float(pol.prefetch_bytes) if pol.prefetch_bytes > 0 else np.inf
+    if pol.adaptive_budget:
+        budget = min(budget, max(routed - t0, 0.0) * min(dev.full_bandwidth, dev.members * dev.stream_bandwidth))
+    lam, rho = ctl.late_frac[nl], ctl.cost_ratio[nl]
+    p_victim = 0.0
+    if lru.capacity[nl] > 0 and lru.size[nl] >= lru.capacity[nl] and lru.oldest[nl] >= 0:
+        p_victim = p[lru.oldest[nl]]
+    for c in range(nc):                          # the policy's order key (ascending is taken first)
+        e = cand[c]
+        if policy == PROBABILITY:
+            key[c] = -p[e]
+        elif policy == PER_BYTE:
+            key[c] = -p[e] / lay.ebytes[nl, e]
+        elif policy == STALL_VALUE:
+            key[c] = -_value(p[e], need[c], svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e])
+        elif policy == DEADLINE:
+            key[c] = need[c]
+        else:                                    # oracle: need order, as listed
+            key[c] = c
+    order = ctl.order
+    n_out, used, t = 0, 0.0, t0
+    for c in range(nc):
+        order[c] = c
+    _argsort(order, nc, key)
+    for r in range(nc):
+        if n_out >= pol.prefetch_experts:
+            break
+        c = order[r]
+        e = cand[c]
+        nbytes = lay.ebytes[nl, e]
+        if used + nbytes > budget:
+            continue
+        if policy == STALL_VALUE and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes) <= 0.0:
+            continue
+        out_list[n_out] = e
+        n_out += 1
+        used += nbytes
+        t += svc[c]
+    pf.rejected[i] += considered - n_out
+    return n_out
+
+
+@njit(**HELPER)
+def _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes):
+    """V(a) of seed 5.3 for a load starting at ``t`` (s); see the module docstring."""
+    if t >= routed:
+        return 0.0                               # would be dropped: it cannot start in time
+    on_time = min(max((need - t) / svc, 0.0), 1.0) if svc > 0 else 1.0
+    q = p * lam
+    gain = q * on_time * rho * svc
+    queue = (1.0 - p) * max(t + svc - routed, 0.0)
+    pollution = (1.0 - p) * p_victim * lam * rho * svc
+    return (gain - queue - pollution) / nbytes
+
+
+@njit(**HELPER)
+def _in(e, sel_e, a, b):
+    for j in range(a, b):
+        if sel_e[j] == e:
+            return True
+    return False
+
+
+@njit(**HELPER)
+def _sort(items, n, by):
+    """Sort ``items[:n]`` ascending by ``by[item]`` (insertion sort; n <= 64)."""
+    for x in range(1, n):
+        v = items[x]
+        y = x
+        while y > 0 and by[items[y - 1]] > by[v]:
+            items[y] = items[y - 1]
+            y -= 1
+        items[y] = v
+
+
+@njit(**HELPER)
+def _argsort(order, n, key):
+    """Sort the indices ``order[:n]`` ascending by ``key``; stable."""
+    for x in range(1, n):
+        v = order[x]
+        y = x
+        while y > 0 and key[order[y - 1]] > key[v]:
+            order[y] = order[y - 1]
+            y -= 1
+        order[y] = v
+
+
+@njit(**HELPER)
+def backed_off(nl, pol, ctl):
+    """With backoff, layer ``nl`` skips this prefetch (its stall-conversion is not positive and
+    this is not a probe)."""
+    if not pol.backoff or ctl.gain[nl] > 0:
+        return False
+    ctl.probes[nl] += 1
+    return ctl.probes[nl] % BACKOFF_PROBE != 0
+
+
+@njit(**HELPER)
+def record_demand(li, late, misses, wait, load_time, ctl):
+    """Instance of layer ``li`` had ``misses`` demand misses, ``late`` of them made the compute
+    thread wait, ``wait`` s in all, over ``load_time`` s of their estimated load times: update
+    lambda and rho."""
+    if misses > 0:
+        ctl.late_frac[li] += FEEDBACK_WEIGHT * (late / misses - ctl.late_frac[li])
+    if late > 0 and load_time > 0:
+        ctl.cost_ratio[li] += FEEDBACK_WEIGHT * (wait / load_time - ctl.cost_ratio[li])
+
+
+@njit(**HELPER)
+def record_outcome(li, saved, wasted, ctl):
+    """The prefetches made for an instance of layer ``li``: ``saved`` (s, the estimated stall the
+    timely used ones removed: rho x their load times) and ``wasted`` (s, drive time unused loads
+    still held when the layer was routed). Their difference is the instance's measured
+    stall-conversion, whose running mean decides backoff."""
+    ctl.gain[li] += FEEDBACK_WEIGHT * ((saved - wasted) - ctl.gain[li])

@@ -1,0 +1,439 @@
+"""Prediction sources as probabilities (seed 5.1-5.2): how likely each expert of the next layer is needed.
+
+When layer L of a forward is routed, a source gives every expert ``e`` of layer L+1 a probability
+``p_e = Pr(e in U(L+1) | what is known then)``, where ``U(L+1)`` is the batch union layer L+1 will
+select. Each source first computes a *raw score* in [0, 1] from what the runtime can know at that
+moment, then maps it through a calibration learned on the training sessions (per layer, isotonic
+over score bins), so the numbers it hands the controller are frequencies observed on those
+sessions, not ranks:
+
+* ``heat``: the fraction of training forwards whose layer L+1 union held ``e`` (marginal heat);
+* ``persistence``: previous-token persistence, ``2^-(g - 1)`` when ``e`` was in layer L+1's union
+  ``g`` forwards ago in this session (1 for the previous token), 0 when not in the last
+  :data:`PERSISTENCE_FORWARDS` forwards;
+* ``coupled``: cross-layer coupling, the pair table :func:`replay.prefetch.coupling_table` learns
+  on the training sessions (each expert's 16 strongest successors, as colibrì's ``.coli_pairs``):
+  ``sum over a in U(L) of count(L:a -> L+1:e)`` over ``sum over a in U(L)`` of ``a``'s training
+  selections, the position-weighted chance ``e`` follows U(L);
+* ``session``: session history, ``(c_e + m heat_e) / (n + m)`` with ``c_e`` of the session's ``n``
+  earlier forwards holding ``e`` at layer L+1 and a prior of ``m`` = :data:`SESSION_PRIOR_FORWARDS`
+  forwards at the training heat;
+* ``oracle``: 1 for the experts layer L+1 really selects, 0 otherwise (not calibrated: the bound).
+
+:func:`score_source` scores a source on held-out sessions: the Brier score, the expected
+calibration error over :data:`RELIABILITY_BINS` equal-width probability bins, and the
+reliability-plot data (:func:`plot_reliability` draws it). The deadline-aware late-need
+probability ``q`` of seed 5.2 is the controller's (:mod:`replay.admission`); its scores come
+from a replay that observes without loading (admission ``observe``).
+
+The compiled functions here run inside the replay's loop (:mod:`replay.instance`) and in the
+scoring passes, so the model and the scores use one definition of every source.
+
+References
+----------
+Seed sections 5.1-5.2 and experiment E1 (Brier score, expected calibration error, reliability
+plots on held-out sessions). Isotonic calibration: pool-adjacent-violators (Ayer et al., 1955).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from containers.errors import InputError
+from containers.layout import Layout
+
+from .config import PREFETCH_SOURCES
+from .jit import HELPER, LOOP
+from .prefetch import coupling_table
+from .trace import RoutingTrace
+from .unions import chunk_instances, whole_forward_blocks
+
+ORACLE, COUPLED = PREFETCH_SOURCES.index("oracle"), PREFETCH_SOURCES.index("coupled")
+HEAT, PERSISTENCE, SESSION = (PREFETCH_SOURCES.index(x) for x in ("heat", "persistence", "session"))
+
+CALIBRATION_BINS = 21
+"""Raw-score bins the calibration is learned over: bin 0 holds a raw score of exactly 0, bins
+1-20 split (0, 1] evenly."""
+
+RELIABILITY_BINS = 10
+"""Equal-width probability bins of the reliability data and of the expected calibration error."""
+
+PERSISTENCE_FORWARDS = 24
+"""The persistence source forgets an expert not in the union for this many forwards."""
+
+SESSION_PRIOR_FORWARDS = 4.0
+"""The session source's prior weight (in forwards) on the training heat."""
+
+SCORE_CHUNK_FORWARDS = 4096
+"""Forwards per compiled call of the calibration and scoring passes (memory bound)."""
+
+PredictionSource = namedtuple("PredictionSource", "kind targets counts selections heat calib last_fwd last_session "
+                                                  "count n_fwd session p raw touched")
+"""One source as the compiled model takes it (:func:`prediction_source`).
+
+Learned on training sessions: ``kind`` (an index into ``PREFETCH_SOURCES``); the coupled pair
+table ``targets``, ``counts`` int32 [L, E, T] and ``selections`` [L, E] (each expert's training
+selections, positions); ``heat`` [L, E] (fraction of training forwards whose union held each
+expert); ``calib`` [L, CALIBRATION_BINS] (probability per raw-score bin). What the source has
+seen of the replayed sessions so far, per layer: ``last_fwd`` [L, E] (the forward each expert
+was last in the union, in ``last_session`` [L, E]), ``count`` [L, E] (union memberships in the
+current session ``session`` [L], over ``n_fwd`` [L] forwards). Scratch [E]: ``p``
+(probabilities of the layer being predicted), ``raw``, ``touched``."""
+
+
+@dataclass
+class SourceModel:
+    """A prediction source learned on training sessions (:func:`learn_source`): the tables the
+    compiled source reads. Arrays as :data:`PredictionSource` describes them."""
+
+    name: str
+    targets: np.ndarray
+    counts: np.ndarray
+    selections: np.ndarray
+    heat: np.ndarray
+    calib: np.ndarray
+
+
+@dataclass
+class Reliability:
+    """Held-out scores of a probability source (seed 5.2, E1). Probabilities are per (forward,
+    next-layer expert) candidate; the event is "the expert is in that layer's batch union".
+
+    ``candidates``: scored (forward, layer, expert) triples; ``base_rate``: the fraction needed;
+    ``brier``: mean squared error of the probabilities (0 is perfect); ``ece``: expected
+    calibration error, the candidate-weighted mean |mean probability - frequency| over the
+    :data:`RELIABILITY_BINS` bins; per bin [RELIABILITY_BINS]: ``bin_count``, ``bin_probability``
+    (mean predicted probability; NaN when empty), ``bin_frequency`` (fraction needed; NaN when
+    empty). ``ece`` and ``brier`` are None when nothing was scored.
+    """
+
+    source: str
+    candidates: int
+    base_rate: float | None
+    brier: float | None
+    ece: float | None
+    bin_count: list
+    bin_probability: list
+    bin_frequency: list
+
+
+def reliability(source: str, n: np.ndarray, sum_p: np.ndarray, sum_y: np.ndarray, sum_sq: np.ndarray) -> Reliability:
+    """A :class:`Reliability` from per-bin sums [RELIABILITY_BINS]: candidates ``n``,
+    probabilities ``sum_p``, events ``sum_y`` and squared errors ``sum_sq``."""
+    N = float(n.sum())
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mp = np.where(n > 0, sum_p / n, np.nan)
+        fy = np.where(n > 0, sum_y / n, np.nan)
+    if N == 0:
+        return Reliability(source, 0, None, None, None, n.astype(int).tolist(), mp.tolist(), fy.tolist())
+    ece = float(np.nansum(n * np.abs(mp - fy)) / N)
+    return Reliability(source, int(N), float(sum_y.sum() / N), float(np.sum(sum_sq) / N), ece,
+                       n.astype(int).tolist(), mp.tolist(), fy.tolist())
+
+
+def isotonic_bins(n: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The non-decreasing per-bin frequencies closest (weighted least squares) to ``y / n``:
+    pool-adjacent-violators over the non-empty bins; an empty bin takes the value of the nearest
+    non-empty bin below it (above it for leading empty bins); all empty gives zeros.
+
+    Parameters
+    ----------
+    n, y : arrays [B] of candidates and events per bin, in raw-score order.
+
+    Returns
+    -------
+    array [B] of probabilities in [0, 1].
+    """
+    full = np.flatnonzero(n > 0)
+    out = np.zeros(len(n))
+    if not len(full):
+        return out
+    vals, wts, sizes = [], [], []
+    for b in full:
+        vals.append(y[b] / n[b])
+        wts.append(float(n[b]))
+        sizes.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            w = wts[-2] + wts[-1]
+            v = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / w
+            s = sizes[-2] + sizes[-1]
+            del vals[-1], wts[-1], sizes[-1]
+            vals[-1], wts[-1], sizes[-1] = v, w, s
+    fitted = np.repeat(vals, sizes)
+    out[full] = fitted
+    for b in range(len(n)):                    # empty bins: the nearest non-empty value below
+        if n[b] == 0:
+            below = full[full < b]
+            out[b] = out[below[-1]] if len(below) else fitted[0]
+    return np.clip(out, 0.0, 1.0)
+
+
+def learn_source(name: str, trace: RoutingTrace, train: np.ndarray, layout: Layout,
+                 coupling: tuple | None = None) -> SourceModel:
+    """Learn source ``name`` on the forwards of mask ``train`` (training sessions).
+
+    Builds the heat, the selections and (for ``coupled``) the pair table, then replays the
+    training forwards through the source to learn its calibration: per layer, the fraction of
+    candidates needed in each raw-score bin, made non-decreasing (:func:`isotonic_bins`).
+    ``coupling`` may pass an already learned ``(targets, counts)`` table.
+    """
+    if name not in PREFETCH_SOURCES or name == "none":
+        raise InputError(None, f"unknown prediction source {name!r} (choose {', '.join(PREFETCH_SOURCES[1:])})")
+    if not train.any():
+        raise InputError(trace.source or None, f"the {name} source needs training forwards to learn from")
+    L, E = len(layout.layers), layout.n_experts
+    if name == "coupled":
+        targets, counts = coupling if coupling is not None else coupling_table(trace, train, layout)
+    else:
+        targets, counts = np.full((L, E, 1), -1), np.zeros((L, E, 1))
+    heat, selections = np.zeros((L, E)), np.zeros((L, E))
+    forwards_seen = np.zeros(L)
+    for li, layer in enumerate(layout.layers):
+        rows = trace.layer_rows(int(layer), train)
+        if not len(rows):
+            continue
+        ex = trace.experts[rows].astype(np.int64)
+        ok = (ex >= 0) & (ex < E)
+        selections[li] = np.bincount(ex[ok], minlength=E)[:E]
+        fwd = np.repeat(trace.row_forward[rows].astype(np.int64), ex.shape[1])[ok.ravel()]
+        pairs = np.unique(fwd * E + ex[ok])            # (forward, expert) union memberships
+        heat[li] = np.bincount(pairs % E, minlength=E)[:E]
+        forwards_seen[li] = len(np.unique(trace.row_forward[rows]))
+    heat /= np.maximum(forwards_seen, 1)[:, None]
+    calib = np.tile(np.linspace(0.0, 1.0, CALIBRATION_BINS), (L, 1))     # the oracle's: p = raw
+    model = SourceModel(name, np.ascontiguousarray(targets, dtype=np.int32), np.ascontiguousarray(counts, dtype=np.int32),
+                        selections, heat, calib)
+    if name != "oracle":
+        n, y = np.zeros((L, CALIBRATION_BINS)), np.zeros((L, CALIBRATION_BINS))
+        src = prediction_source(model, layout)
+        for inst in chunk_instances(whole_forward_blocks(trace, SCORE_CHUNK_FORWARDS), train, trace.fwd_session, layout):
+            _calibration_pass(inst, src, n, y)
+        model.calib = np.stack([isotonic_bins(n[li], y[li]) for li in range(L)])
+    return model
+
+
+def prediction_source(model: SourceModel | None, layout: Layout, kind: str | None = None) -> PredictionSource:
+    """The compiled model's :data:`PredictionSource` for ``model`` (fresh replay state); with no
+    model, an empty one of source ``kind`` (``none`` or ``oracle``, which learn nothing)."""
+    L, E = len(layout.layers), layout.n_experts
+    if model is None:
+        model = SourceModel(kind or "none", np.full((L, E, 1), -1, dtype=np.int32), np.zeros((L, E, 1), dtype=np.int32),
+                            np.zeros((L, E)), np.zeros((L, E)), np.tile(np.linspace(0.0, 1.0, CALIBRATION_BINS), (L, 1)))
+    if model.heat.shape != (L, E):
+        raise InputError(None, f"the {model.name} source was learned for {model.heat.shape} experts, "
+                               f"the layout has {(L, E)}")
+    return PredictionSource(
+        PREFETCH_SOURCES.index(model.name), np.ascontiguousarray(model.targets, dtype=np.int32),
+        np.ascontiguousarray(model.counts, dtype=np.int32), np.ascontiguousarray(model.selections, dtype=np.float64),
+        np.ascontiguousarray(model.heat, dtype=np.float64), np.ascontiguousarray(model.calib, dtype=np.float64),
+        np.full((L, E), -1, dtype=np.int64), np.full((L, E), -1, dtype=np.int64), np.zeros((L, E)),
+        np.zeros(L, dtype=np.int64), np.full(L, -1, dtype=np.int64), np.zeros(E), np.zeros(E), np.zeros(E, dtype=np.int64))
+
+
+def score_source(model: SourceModel, trace: RoutingTrace, test: np.ndarray, layout: Layout) -> Reliability:
+    """Score ``model`` on the forwards of mask ``test`` (held-out sessions): every expert of every
+    layer that has a previous layer in the same forward is one candidate (:class:`Reliability`)."""
+    src = prediction_source(model, layout)
+    n, sp, sy, sq = (np.zeros(RELIABILITY_BINS) for _ in range(4))
+    for inst in chunk_instances(whole_forward_blocks(trace, SCORE_CHUNK_FORWARDS), test, trace.fwd_session, layout):
+        _scoring_pass(inst, src, n, sp, sy, sq)
+    return reliability(model.name, n, sp, sy, sq)
+
+
+def plot_reliability(scores: list[Reliability], path) -> None:
+    """Write a reliability plot of ``scores`` (one line per source) to ``path`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="perfectly calibrated")
+    for r in scores:
+        mp, fy = np.array(r.bin_probability, dtype=float), np.array(r.bin_frequency, dtype=float)
+        ok = np.isfinite(mp)
+        label = (f"{r.source} (Brier {r.brier:.4f}, ECE {r.ece:.4f})" if r.brier is not None else f"{r.source} (nothing scored)")
+        ax.plot(mp[ok], fy[ok], marker="o", label=label)
+    ax.set_xlabel("predicted probability (bin mean)")
+    ax.set_ylabel("fraction of candidates needed by the next layer")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_title("Reliability on held-out sessions")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- compiled source
+
+@njit(**HELPER)
+def observe_union(src, li, forward, session, sel_e, a, b):
+    """Layer ``li`` of ``forward`` (of ``session``) was routed to ``sel_e[a:b]``: update what the
+    persistence and session sources know (a new session forgets the last one)."""
+    if src.kind != PERSISTENCE and src.kind != SESSION:
+        return
+    if src.session[li] != session:
+        src.session[li] = session
+        src.n_fwd[li] = 0
+        for e in range(src.count.shape[1]):
+            src.count[li, e] = 0.0
+    src.n_fwd[li] += 1
+    for j in range(a, b):
+        e = sel_e[j]
+        src.count[li, e] += 1.0
+        src.last_fwd[li, e] = forward
+        src.last_session[li, e] = session
+
+
+@njit(**HELPER)
+def next_layer_probabilities(src, i, nl, inst, calibrated=True):
+    """Fill ``src.p`` [E] with each expert's probability of being in layer ``nl``'s union, given
+    instance ``i`` (layer ``nl - 1`` of the same forward) was just routed. The oracle reads
+    instance ``i + 1``, the true next layer. With ``calibrated`` False, ``src.p`` gets each raw
+    score's calibration bin instead (the calibration pass learns from those)."""
+    p, raw = src.p, src.raw
+    E = len(p)
+    kind = src.kind
+    if kind == ORACLE:
+        for e in range(E):
+            p[e] = 0.0
+        for j in range(inst.sel_start[i + 1], inst.sel_start[i + 2]):
+            p[inst.sel_e[j]] = 1.0
+        return
+    calib = src.calib[nl]
+    if kind == COUPLED:
+        n_touched = 0
+        total = 0.0
+        li = nl - 1
+        for a in range(inst.sel_start[i], inst.sel_start[i + 1]):
+            ea = inst.sel_e[a]
+            total += src.selections[li, ea]
+            for m in range(src.targets.shape[2]):
+                f = src.targets[li, ea, m]
+                if f < 0:
+                    break
+                if raw[f] == 0:
+                    src.touched[n_touched] = f
+                    n_touched += 1
+                raw[f] += src.counts[li, ea, m]
+        base = _mapped(calib, 0, calibrated)
+        for e in range(E):
+            p[e] = base
+        for t in range(n_touched):
+            f = src.touched[t]
+            p[f] = _mapped(calib, _bin(raw[f] / total if total > 0 else 0.0), calibrated)
+            raw[f] = 0.0
+        return
+    forward, session = inst.forward[i], inst.session[i]
+    for e in range(E):
+        if kind == HEAT:
+            r = src.heat[nl, e]
+        elif kind == PERSISTENCE:
+            r = 0.0
+            if src.last_session[nl, e] == session and src.last_fwd[nl, e] >= 0:
+                gap = forward - src.last_fwd[nl, e]
+                if 1 <= gap <= PERSISTENCE_FORWARDS:
+                    r = 1.0 / (1 << (gap - 1))
+        else:
+            c, n = 0.0, 0.0
+            if src.session[nl] == session:
+                c, n = src.count[nl, e], float(src.n_fwd[nl])
+            r = (c + SESSION_PRIOR_FORWARDS * src.heat[nl, e]) / (n + SESSION_PRIOR_FORWARDS)
+        p[e] = _mapped(calib, _bin(r), calibrated)
+
+
+@njit(**HELPER)
+def _mapped(calib, b, calibrated):
+    """Bin ``b``'s probability, or (not ``calibrated``) the bin itself."""
+    return calib[b] if calibrated else float(b)
+
+
+@njit(**HELPER)
+def _bin(r):
+    """The calibration bin of raw score ``r`` in [0, 1]."""
+    if r <= 0.0:
+        return 0
+    return 1 + min(int(r * (CALIBRATION_BINS - 1)), CALIBRATION_BINS - 2)
+
+
+@njit(**HELPER)
+def predicts_next(inst, i):
+    """Instance ``i + 1`` is the next layer of instance ``i``'s forward."""
+    return (i + 1 < len(inst.forward) and inst.forward[i + 1] == inst.forward[i]
+            and inst.layer[i + 1] == inst.layer[i] + 1)
+
+
+@njit(**LOOP)
+def _calibration_pass(inst, src, n, y):
+    """Accumulate, per layer and raw-score bin, candidates ``n`` and needed ones ``y``: the
+    source run over ``inst`` as the replay runs it (raw scores, before calibration)."""
+    I = len(inst.forward)
+    E = len(src.p)
+    needed = np.zeros(E, np.bool_)
+    for i in range(I):
+        li = inst.layer[i]
+        observe_union(src, li, inst.forward[i], inst.session[i], inst.sel_e, inst.sel_start[i], inst.sel_start[i + 1])
+        if not predicts_next(inst, i):
+            continue
+        next_layer_probabilities(src, i, li + 1, inst, False)
+        for j in range(inst.sel_start[i + 1], inst.sel_start[i + 2]):
+            needed[inst.sel_e[j]] = True
+        for e in range(E):
+            b = int(src.p[e])
+            n[li + 1, b] += 1.0
+            if needed[e]:
+                y[li + 1, b] += 1.0
+                needed[e] = False
+
+
+@njit(**LOOP)
+def _scoring_pass(inst, src, n, sum_p, sum_y, sum_sq):
+    """Accumulate the reliability sums of the calibrated source over ``inst``."""
+    I = len(inst.forward)
+    E = len(src.p)
+    needed = np.zeros(E, np.bool_)
+    for i in range(I):
+        li = inst.layer[i]
+        observe_union(src, li, inst.forward[i], inst.session[i], inst.sel_e, inst.sel_start[i], inst.sel_start[i + 1])
+        if not predicts_next(inst, i):
+            continue
+        next_layer_probabilities(src, i, li + 1, inst)
+        for j in range(inst.sel_start[i + 1], inst.sel_start[i + 2]):
+            needed[inst.sel_e[j]] = True
+        for e in range(E):
+            add_reliability(src.p[e], needed[e], n, sum_p, sum_y, sum_sq)
+            needed[e] = False
+
+
+@njit(**HELPER)
+def add_reliability(p, event, n, sum_p, sum_y, sum_sq):
+    """Count one candidate of probability ``p`` whose event happened (``event``) or not, in the
+    per-bin sums [RELIABILITY_BINS] of candidates, probabilities, events and squared errors."""
+    b = min(int(p * RELIABILITY_BINS), RELIABILITY_BINS - 1)
+    y = 1.0 if event else 0.0
+    n[b] += 1.0
+    sum_p[b] += p
+    sum_y[b] += y
+    sum_sq[b] += (p - y) * (p - y)
+
+
+@njit(**HELPER)
+def most_probable(p, k, out):
+    """Fill ``out`` with the (up to) ``k`` experts of highest probability ``p`` > 0, best first
+    (ties: lower id first); returns how many."""
+    n = 0
+    for e in range(len(p)):
+        pe = p[e]
+        if pe <= 0.0 or (n == k and p[out[n - 1]] >= pe):
+            continue
+        q = min(n, k - 1)
+        while q > 0 and p[out[q - 1]] < pe:
+            out[q] = out[q - 1]
+            q -= 1
+        out[q] = e
+        n = min(n + 1, k)
+    return n
