@@ -453,9 +453,17 @@ def cmd_measure(args) -> int:
             raise InputError(args.trace, "--prefetch coupled needs --layout PLAN.json (its training sessions teach the pair table)")
         coupling = training_coupling(trace, plan)
     container = Container.open(args.container)
+    split = None
+    if any(e.segments for e in container.experts.values()):
+        from replay.engine import split_state
+
+        if plan is None or not plan.split or not plan.layout.segmented:
+            raise InputError(args.container, "this container stores experts as split segments; give --layout PLAN.json, "
+                                             "the split plan it was rewritten from")
+        split = (plan.layout, split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"]))
     run_id = args.run_id or default_run_id(args.container, args.layout)
     result = measure(container, trace, mask, config, args.output, run_id=run_id, cold=not args.warm,
-                     record=not args.no_trace, coupling=coupling)
+                     record=not args.no_trace, coupling=coupling, split=split)
     print(format_measure(result))
     if result.path:
         print(f"wrote {result.path}")

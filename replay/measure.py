@@ -17,6 +17,12 @@ in the LRU) one at a time, until that layer is routed; loads not started by then
 in flight completes and the next layer waits for it if it needs the expert. Its loads are
 recorded as ``speculative`` records of the layer they were loaded for.
 
+A container stored as vertical split segments is measured with its split plan (layout and
+resident tops): a miss reads its bottom segments when its top is resident and its whole block
+otherwise, from the container's own segment tensors (:class:`SplitReads`); resident tops are
+loaded before the run, as the runtime loads them at start-up. Coalescing and prefetch are not
+implemented for split containers (an error says so).
+
 Output: seed Appendix A expert records plus step records, the format a patched runtime emits,
 readable by :mod:`replay.stalltrace`. Every expert record carries its step's
 ``evaluated_positions`` and ``committed_tokens`` (Appendix A), its ``foreground_stall_ns`` (the
@@ -53,12 +59,12 @@ from tqdm import tqdm
 from containers.atomic import atomic_output
 from containers.container import Container
 from containers.errors import InputError
-from containers.layout import layout_from_container
+from containers.layout import WEIGHT_SLOTS, Layout, layout_from_container
 
 from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
-from .engine import layout_arrays
+from .engine import SplitState, layout_arrays
 from .prefetch import predict_next
-from .readplan import WEIGHT, new_plan, plan_layer
+from .readplan import SCALE, WEIGHT, new_plan, plan_layer
 from .stalltrace import IO_FIELDS
 from .trace import RoutingTrace
 
@@ -201,16 +207,31 @@ def measure(
     record: bool = True,
     progress: bool = True,
     coupling: tuple[np.ndarray, np.ndarray] | None = None,
+    split: tuple[Layout, SplitState] | None = None,
 ) -> MeasureResult:
     """Run the demand path on ``container`` for the forwards in mask ``forwards``.
 
     ``coupling`` is the coupled prefetch source's table (:func:`replay.prefetch.coupling_table`),
     needed when ``config.prefetch == "coupled"``. ``run_id`` defaults to :func:`default_run_id`
-    of the container.
+    of the container. ``split``: for a container stored as split segments, the split plan's
+    layout and its :class:`replay.engine.SplitState` (:class:`SplitReads` says what is read).
     """
     if run_id is None:
         run_id = default_run_id(container.root)
-    layout = layout_from_container(container)
+    seg = None
+    if any(e.segments for e in container.experts.values()):
+        if split is None:
+            raise InputError(container.root, "this container stores experts as split segments; measure it with --layout "
+                                             "PLAN.json, the split plan it was rewritten from")
+        if config.coalesce or config.prefetch != "none":
+            raise InputError(container.root, "measuring a split container with --coalesce or a prefetch source is not "
+                                             "implemented (demand reads only)")
+        layout, state = split
+        seg = SplitReads(container, layout, state)
+    elif split is not None:
+        raise InputError(container.root, "the plan splits experts but this container stores them whole")
+    else:
+        layout = layout_from_container(container)
     L, E = len(layout.layers), layout.n_experts
     layer_index = {layer: i for i, layer in enumerate(layout.layers)}
     missing = sorted(set(trace.layers.tolist()) - set(layer_index))
@@ -219,7 +240,7 @@ def measure(
     if config.prefetch == "coupled" and coupling is None:
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
     lay = layout_arrays(layout, config, None)
-    ebytes = layout.expert_bytes()
+    ebytes = layout.expert_bytes() if seg is None else seg.need_bytes
     capacity = lru_capacities(config.ram_bytes, ebytes[:, 0])
     comp = lay.seconds
     how = drop_cache(container.files) if cold else "warm (page cache left as found)"
@@ -291,14 +312,16 @@ def measure(
                         if e in loaded and e not in ready_now:
                             inflight[e] = loaded[e]
                 misses.sort(key=lambda em: lay.rank[li, em[0]])                # issue order: physical order
-                futures = _submit(pool, job, layer_reads(lay, li, [e for e, _ in misses], [e in inflight for e, _ in misses],
-                                                         config), len(misses), config)
+                planned = (layer_reads(lay, li, [e for e, _ in misses], [e in inflight for e, _ in misses], config)
+                           if seg is None else seg.layer_reads(li, [e for e, _ in misses]))
+                futures = _submit(pool, job, planned, len(misses), config)
                 futures = [((inflight[e], True),) if e in inflight else fut for (e, _), fut in zip(misses, futures)]
                 nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
                 predict = prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1
                 if predict and not misses:
                     prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)
-                _sleep(sum(comp[li, e] * m for e, m in hits))
+                _sleep(sum(comp[li, e] * m for e, m in hits)
+                       + (0.0 if seg is None else sum(seg.top_seconds(li, e, comp[li, e]) * m for e, m in misses)))
                 layer_stall = 0
                 for n_miss, ((e, m), fut) in enumerate(zip(misses, futures)):
                     need = time.perf_counter_ns()
@@ -310,7 +333,7 @@ def measure(
                     kind = "speculative" if e in inflight else "demand"
                     sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, _tier(io), kind,
                                 counts=counts, stall=waited, io=io)
-                    _sleep(comp[li, e] * m)
+                    _sleep((comp[li, e] if seg is None else seg.rest_seconds(li, e, comp[li, e])) * m)
                 for e, m in hits:
                     if e in ready_now:
                         issue, ready, io = loaded[e].result()
@@ -445,6 +468,68 @@ class _Prefetcher:
         with self.lock:
             self.open = False
         self.thread.shutdown(wait=True)
+
+
+class SplitReads:
+    """What the harness reads from a container stored as split segments (``docs/SPLIT_SEGMENTS.md``).
+
+    Positions come from the container's own headers (its ``.top``/``.bottom`` tensors), checked
+    against the split plan's layout (same files, every expert's block where the plan put it).
+    A missing expert whose top is resident (``state.resident``) reads its bottom weight segments,
+    byte-adjacent at the end of its weight block, in one pread, then one buffered pread per bottom
+    scale segment (three); any other missing expert reads its whole weight block (six segments) in
+    one pread, then one pread per scale segment (six). Resident tops count as loaded at start-up,
+    as the runtime loads them before decoding: they are not read during the run. The compute
+    thread runs a resident top's share of the matmul before waiting for the bottom (as the replay
+    model does). Reads are not coalesced across experts. ``need_bytes`` [L, E]: bytes a miss of the
+    expert reads (bottom segments when its top is resident, all segments otherwise).
+    """
+
+    def __init__(self, container: Container, layout: Layout, state: SplitState):
+        if [p.name for p in container.files] != list(layout.files) or layout.layers != container.routed_layers:
+            raise InputError(container.root, "the split plan's layout does not match this container's files and layers")
+        self.state = state
+        L, E = len(layout.layers), layout.n_experts
+        self.need_bytes = np.zeros((L, E), dtype=np.int64)
+        self.whole: dict[tuple[int, int], list] = {}
+        self.bottom: dict[tuple[int, int], list] = {}
+        for li, layer in enumerate(layout.layers):
+            for e in range(E):
+                ex = container.experts.get((layer, e))
+                if ex is None or not ex.segments:
+                    raise InputError(container.root, f"expert {layer}.{e} is not stored as split segments")
+                weights = sorted(((t.file, t.entry.begin, t.entry.nbytes, part) for (_, scale, part), t in ex.segments.items()
+                                  if not scale), key=lambda x: x[:2])
+                scales = [(t.file, t.entry.begin, t.entry.nbytes, part) for (_, scale, part), t in ex.segments.items() if scale]
+                f0, start = weights[0][0], weights[0][1]
+                loc = layout.expert_loc[li, e, list(WEIGHT_SLOTS)]
+                if (f0, start) != (int(loc[0, 0]), int(loc[:, 1].min())):
+                    raise InputError(container.root, f"expert {layer}.{e} is not where the split plan's layout puts it")
+                bottoms = [w for w in weights if w[3] == "bottom"]
+                if [w[3] for w in weights] != ["top"] * 3 + ["bottom"] * 3:
+                    raise InputError(container.root, f"expert {layer}.{e}: weight segments are not tops then bottoms")
+                end = weights[-1][1] + weights[-1][2]
+                whole = [(f0, start, end - start, WEIGHT)] + [(f, off, n, SCALE) for f, off, n, _ in sorted(scales, key=lambda x: x[:2])]
+                bottom = [(f0, bottoms[0][1], end - bottoms[0][1], WEIGHT)] + [
+                    (f, off, n, SCALE) for f, off, n, part in sorted(scales, key=lambda x: x[:2]) if part == "bottom"]
+                self.whole[li, e], self.bottom[li, e] = whole, bottom
+                self.need_bytes[li, e] = sum(r[2] for r in (bottom if state.resident[li, e] else whole))
+
+    def reads(self, li: int, e: int) -> list:
+        """(file, offset, length, kind) of one miss, in order: its weight read, then its scale reads."""
+        return self.bottom[li, e] if self.state.resident[li, e] else self.whole[li, e]
+
+    def layer_reads(self, li: int, experts: list) -> list:
+        """The misses' reads in :func:`layer_reads`' form, one job per miss (issue order)."""
+        return [(f, off, n, p, p, kind, p) for p, e in enumerate(experts) for f, off, n, kind in self.reads(li, e)]
+
+    def top_seconds(self, li: int, e: int, seconds: float) -> float:
+        """The share of a missing expert's matmul that runs before its bytes arrive (its resident top)."""
+        return seconds * self.state.top_fraction[li] if self.state.resident[li, e] else 0.0
+
+    def rest_seconds(self, li: int, e: int, seconds: float) -> float:
+        """The share of a missing expert's matmul that runs after its bytes arrive."""
+        return seconds - self.top_seconds(li, e, seconds)
 
 
 def layer_reads(lay, li: int, experts: list, skip: list, config: RuntimeConfig, coalesce: bool | None = None) -> list:

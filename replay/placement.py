@@ -336,15 +336,9 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
                                   coupling=coupling)
                  for name in arms}
     units = np.array(held.evaluated)
-    by_session = len(units) >= SESSION_UNITS
 
     def evidence(base: LayoutRun, new: LayoutRun | None) -> Evidence:
-        if by_session:
-            b = base.sessions["stall"][units]
-            return session_evidence(b, new.sessions["stall"][units] if new else np.zeros_like(b),
-                                    base.sessions["committed"][units], seed)
-        b = base.steps.stall
-        return block_evidence(b, new.steps.stall if new else np.zeros_like(b), base.steps.committed, base.steps.session, seed)
+        return held_out_evidence(base, new, units, seed)
 
     freq = held_runs.get("frequency")
     results = []
@@ -355,12 +349,24 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
         results.append(ArmResult(t.pins, t.summary.stall_per_token_s, t.summary.ram_hit_rate,
                                  Interval(*evidence(run, None).interval()), run.summary.ram_hit_rate, saving))
     probe = evidence(held_runs[arms[0]], None)
-    sufficient, why = _sufficiency(probe, min_sessions)
+    sufficient, why = sufficiency(probe, min_sessions)
     return PlacementStudy(ram_bytes, pin_share, device.name, len(split_sessions_by_content(trace, [plan]).training),
                           len(units), probe.method, sufficient, why, replays, results, list(layout.layers))
 
 
-def _sufficiency(ev: Evidence, min_sessions: int) -> tuple[bool, str]:
+def held_out_evidence(base: LayoutRun, new: LayoutRun | None, units: np.ndarray, seed: int = 0) -> Evidence:
+    """Paired held-out evidence of ``base`` against ``new`` (``None``: against zero stall, so the
+    interval is ``base``'s S itself): per session with at least :data:`SESSION_UNITS` held-out
+    sessions ``units``, else per step in blocks (:mod:`replay.evidence`)."""
+    if len(units) >= SESSION_UNITS:
+        b = base.sessions["stall"][units]
+        return session_evidence(b, new.sessions["stall"][units] if new else np.zeros_like(b), base.sessions["committed"][units], seed)
+    b = base.steps.stall
+    return block_evidence(b, new.steps.stall if new else np.zeros_like(b), base.steps.committed, base.steps.session, seed)
+
+
+def sufficiency(ev: Evidence, min_sessions: int) -> tuple[bool, str]:
+    """Whether ``ev`` has enough held-out sessions for a comparison, and in words."""
     if ev.n_sessions < min_sessions:
         return False, f"only {ev.n_sessions} held-out session(s); a comparison needs at least {min_sessions}"
     return True, (f"{ev.n_sessions} held-out sessions" if ev.method == "session"
@@ -368,4 +374,4 @@ def _sufficiency(ev: Evidence, min_sessions: int) -> tuple[bool, str]:
 
 
 __all__ = ["ARMS", "ArmResult", "DEFAULT_PIN_SHARE", "PIN_SHARES", "PinSet", "PlacementStudy", "lrfu_value", "pins_by_value",
-           "placement_arms", "selection_counts", "stall_value_pins", "training_forwards", "union_probability"]
+           "held_out_evidence", "placement_arms", "selection_counts", "sufficiency", "stall_value_pins", "training_forwards", "union_probability"]
