@@ -250,11 +250,6 @@ def _fast_route_parse(data: bytes):
     ends = np.flatnonzero(edge == -1)
     if not len(starts):
         return None
-    lengths = ends - starts
-    max_len = int(lengths.max())
-    if max_len > 18:
-        return None
-    values = _digit_runs(u, starts, ends, max_len)
     newlines = np.flatnonzero(cls == 2)
     bounds = np.concatenate([[0], np.searchsorted(starts, newlines), [len(starts)]])
     counts = np.diff(bounds)
@@ -275,10 +270,17 @@ def _fast_route_parse(data: bytes):
     en = ends.reshape(-1, n_tok)
     if not ((st[:, 4::3] == en[:, 3::3] + 1).all() and (st[:, 5::3] == en[:, 4::3] + 1).all()):
         return None
-    v = values.reshape(-1, n_tok)
-    frac_len = lengths.reshape(-1, n_tok)[:, 5::3]
-    gates = v[:, 4::3] + v[:, 5::3] / _POW10[frac_len]
-    return v[:, 0], v[:, 1], v[:, 2], v[:, 3::3], gates.astype(np.float32), nonblank + 1
+    # each column (call, row, layer, then ids, gate integer parts, gate fractions) at its own width
+    cols = []
+    for pick in (np.s_[:, 0], np.s_[:, 1], np.s_[:, 2], np.s_[:, 3::3], np.s_[:, 4::3], np.s_[:, 5::3]):
+        a, b = st[pick], en[pick]
+        width = int((b - a).max())
+        if width > 18:
+            return None
+        cols.append(_digit_runs(u, a.ravel(), b.ravel(), width).reshape(a.shape))
+    calls, rows, layers, ids, whole, frac = cols
+    gates = whole + frac / _POW10[en[:, 5::3] - st[:, 5::3]]
+    return calls, rows, layers, ids, gates.astype(np.float32), nonblank + 1
 
 
 def _digit_runs(u: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int) -> np.ndarray:

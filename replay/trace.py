@@ -32,6 +32,8 @@ import io
 import json
 import os
 import struct
+from collections import namedtuple
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,9 @@ import zstandard
 from containers.atomic import atomic_output
 from containers.errors import InputError
 from containers.hashing import digest_of
+
+RowBlock = namedtuple("RowBlock", "row_forward row_layer experts")
+"""Consecutive rows of a trace: the row arrays a replay reads (see :class:`RoutingTrace`)."""
 
 MAGIC = b"RLTRACE\0"
 VERSION = 2
@@ -74,6 +79,31 @@ FORWARD_KINDS = ("decode", "prefill", "verify", "unknown")
 """Kinds of forward. ``verify`` is a multi-position speculative step."""
 
 
+class _ReadOnUse:
+    """A :class:`RoutingTrace` array that :func:`load_trace` leaves in its file until first used
+    (the gates: most of a trace's bytes, read by no replay or plan). Assigning an array sets it;
+    assigning a :class:`_Deferred` defers it. (As a dataclass field it has no default.)"""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            raise AttributeError(self.slot)
+        value = obj.__dict__[self.slot]
+        if isinstance(value, _Deferred):
+            value = obj.__dict__[self.slot] = value.read()
+        return value
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = value
+
+
+def _deferred(trace: "RoutingTrace", name: str) -> bool:
+    """The array ``name`` of ``trace`` is still in its file."""
+    return isinstance(trace.__dict__.get("_" + name), _Deferred)
+
+
 @dataclass
 class RoutingTrace:
     """Routing of a whole trace. Arrays are indexed by row (R) or by forward (F)."""
@@ -88,7 +118,7 @@ class RoutingTrace:
     row_layer: np.ndarray       # int16 [R] absolute layer number
     row_position: np.ndarray    # int32 [R] position index within its forward
     experts: np.ndarray         # int16 [R, k], -1 padded
-    gates: np.ndarray           # float32 [R, k], NaN when unknown
+    gates: np.ndarray = _ReadOnUse()  # float32 [R, k], NaN when unknown (from a file: read on first use)
     # forwards
     fwd_session: np.ndarray     # int32 [F] index into sessions
     fwd_kind: np.ndarray        # int8 [F] index into FORWARD_KINDS
@@ -255,42 +285,15 @@ class RoutingTrace:
             return
         if self.heat is not None:
             bad("a trace with rows carries a heat table")
-        if self.experts.shape != (R, self.top_k) or self.gates.shape != (R, self.top_k):
+        gates_shape = self.__dict__["_gates"].layout.specs["gates"][1] if _deferred(self, "gates") else self.gates.shape
+        if self.experts.shape != (R, self.top_k) or tuple(gates_shape) != (R, self.top_k):
             raise InputError(where, "expert/gate arrays do not match the row count")
         if R:
-            ex = self.experts
             if self.top_k < 1:
                 bad("rows without selections (top_k 0)")
-            if int(ex.min()) < -1:
-                bad("an expert id is negative")
-            if int(ex.max()) >= self.n_experts:
-                bad(f"an expert id is >= n_experts ({self.n_experts})")
-            if (ex[:, 0] < 0).any():
-                bad("a row selects no expert")
-            if self.top_k > 1:
-                if ((ex[:, 1:] >= 0) & (ex[:, :-1] < 0)).any():
-                    bad("a row has padding (-1) before a selection")
-                if rows_with_repeats(ex).any():
-                    bad("an expert is selected twice in one row")
-            if np.isinf(self.gates).any():
-                bad("a gate is infinite")
-            if self.row_forward.min() < 0 or self.row_forward.max() >= F:
-                raise InputError(where, "a row points at a forward that does not exist")
-            if self.row_position.min() < 0 or self.row_position.max() > MAX_POSITION:
-                bad(f"a row's position is outside 0..{MAX_POSITION}")
-            if not np.isin(self.row_layer, layers).all():
-                raise InputError(where, "a row names a layer not in the trace's layer list")
-            if R > 1:
-                df = np.diff(self.row_forward.astype(np.int64))
-                dl = np.diff(self.row_layer.astype(np.int64))
-                dp = np.diff(self.row_position.astype(np.int64))
-                if (df < 0).any():
-                    raise InputError(where, "rows are not in forward order")
-                same = (df == 0) & (dl == 0)
-                if (same & (dp == 0)).any():
-                    bad("a (forward, layer, position) row appears twice")
-                if ((df == 0) & ((dl < 0) | (same & (dp < 0)))).any():
-                    bad("rows are not sorted by (forward, layer, position)")
+            gates = None if _deferred(self, "gates") else self.gates   # deferred gates were checked as they were read
+            check_row_block(bad, RowBlock(self.row_forward, self.row_layer, self.experts), self.row_position, gates,
+                            self.n_experts, F, layers, None)
         if F:
             if self.fwd_session.min() < 0 or self.fwd_session.max() >= len(self.sessions):
                 raise InputError(where, "a forward points at a session that does not exist")
@@ -305,6 +308,50 @@ class RoutingTrace:
             raise InputError(where, "a session's forwards are not contiguous (sessions interleave)")
         if (self.fwd_committed > self.fwd_evaluated).any():
             raise InputError(where, "a forward commits more tokens than it evaluated")
+
+
+def check_row_block(bad, rows: RowBlock, positions: np.ndarray, gates: np.ndarray | None, n_experts: int, n_forwards: int,
+                    layers: np.ndarray, previous: tuple | None) -> None:
+    """:meth:`RoutingTrace.validate`'s checks of rows, on one block of consecutive rows.
+
+    ``bad(problem)`` raises; ``gates`` None skips the gate check; ``previous`` is the
+    ``(forward, layer, position)`` of the row before the block (None for the first block), so
+    the order checks see across blocks.
+    """
+    ex = rows.experts
+    if not len(ex):
+        return
+    if int(ex.min()) < -1:
+        bad("an expert id is negative")
+    if int(ex.max()) >= n_experts:
+        bad(f"an expert id is >= n_experts ({n_experts})")
+    if (ex[:, 0] < 0).any():
+        bad("a row selects no expert")
+    if ex.shape[1] > 1:
+        if ((ex[:, 1:] >= 0) & (ex[:, :-1] < 0)).any():
+            bad("a row has padding (-1) before a selection")
+        if rows_with_repeats(ex).any():
+            bad("an expert is selected twice in one row")
+    if gates is not None and np.isinf(gates).any():
+        bad("a gate is infinite")
+    if rows.row_forward.min() < 0 or rows.row_forward.max() >= n_forwards:
+        bad("a row points at a forward that does not exist")
+    if positions.min() < 0 or positions.max() > MAX_POSITION:
+        bad(f"a row's position is outside 0..{MAX_POSITION}")
+    if not np.isin(rows.row_layer, layers).all():
+        bad("a row names a layer not in the trace's layer list")
+    cols = (rows.row_forward, rows.row_layer, positions)
+    if previous is not None:
+        cols = tuple(np.concatenate([[p], c]) for p, c in zip(previous, cols))
+    if len(cols[0]) > 1:
+        df, dl, dp = (np.diff(c.astype(np.int64)) for c in cols)
+        if (df < 0).any():
+            bad("rows are not in forward order")
+        same = (df == 0) & (dl == 0)
+        if (same & (dp == 0)).any():
+            bad("a (forward, layer, position) row appears twice")
+        if ((df == 0) & ((dl < 0) | (same & (dp < 0)))).any():
+            bad("rows are not sorted by (forward, layer, position)")
 
 
 def rows_with_repeats(experts: np.ndarray) -> np.ndarray:
@@ -386,51 +433,174 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike, level: int = 6) -> 
         fh.seek(0, os.SEEK_END)
 
 
-def load_trace(path: str | os.PathLike) -> RoutingTrace:
+READ_CHUNK = 16 << 20
+"""Bytes read (or skipped) per step when decompressing a trace."""
+
+ROWS_PER_BLOCK = 1 << 18
+"""Rows per block when a trace's rows are read in blocks (:meth:`TraceFile.row_blocks`)."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where everything is in a trace file: the version, header, and each array's dtype, shape
+    and byte offset in the decompressed stream (after the header)."""
+
+    path: Path
+    version: int
+    header: dict
+    specs: dict            # name -> (dtype, shape, offset)
+    identity: tuple        # (size, mtime_ns, inode) when read
+
+
+def _open_layout(path: Path) -> _Layout:
+    """Check the magic, the version and (version 2) the digest, then the header; raises InputError."""
+    with open(path, "rb") as fh:
+        head = fh.read(16)
+        if len(head) < 16 or head[:8] != MAGIC:
+            raise InputError(path, "not a relayout trace (import it first: relayout trace import)")
+        version, hlen = struct.unpack("<II", head[8:])
+        if version == VERSION:
+            _verify_digest(fh, head, path)
+        elif version not in OLD_VERSIONS:
+            raise InputError(path, f"trace version {version} is not supported (expected {VERSION}; "
+                                   "re-import it with this relayout)")
+        if hlen > MAX_HEADER_BYTES:
+            raise InputError(path, f"corrupt trace (header of {hlen:,} bytes)")
+        fh.seek(_stream_start(version))
+        reader = zstandard.ZstdDecompressor().stream_reader(fh)
+        raw = _read_exact(reader, hlen, path)
+        st = os.fstat(fh.fileno())
+    try:
+        header = json.loads(raw)
+    except RecursionError:
+        raise InputError(path, "corrupt trace (header nested too deeply)") from None
+    specs, offset = {}, hlen
+    for name, dtype, shape in _check_header(header, version, path):
+        specs[name] = (dtype, shape, offset)
+        offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return _Layout(path, version, header, specs, (st.st_size, st.st_mtime_ns, st.st_ino))
+
+
+def _stream_start(version: int) -> int:
+    return 32 if version == VERSION else 16
+
+
+def _verify_digest(fh, head: bytes, path: Path) -> None:
+    stored = fh.read(16)
+    h = xxhash.xxh3_128()
+    h.update(head[8:16])
+    while chunk := fh.read(READ_CHUNK):
+        h.update(chunk)
+    if len(stored) < 16 or h.digest() != stored:
+        raise InputError(path, "checksum mismatch: the trace file is damaged (re-import it)")
+
+
+def _array_stream(layout: _Layout, name: str):
+    """A decompressing reader of ``layout.path`` positioned at array ``name``'s first byte (what
+    comes before it is decompressed and dropped in bounded steps); the caller closes it."""
+    fh = open(layout.path, "rb")
+    st = os.fstat(fh.fileno())
+    if (st.st_size, st.st_mtime_ns, st.st_ino) != layout.identity:
+        fh.close()
+        raise InputError(layout.path, "the trace file changed since it was opened (open it again)")
+    fh.seek(_stream_start(layout.version))
+    reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=True)
+    left = layout.specs[name][2]
+    scratch = bytearray(min(left, READ_CHUNK))
+    while left > 0:
+        n = reader.readinto(memoryview(scratch)[:min(left, len(scratch))])
+        if not n:
+            reader.close()
+            raise InputError(layout.path, "trace file is truncated")
+        left -= n
+    return reader
+
+
+def _fill(reader, out: np.ndarray, path: Path) -> np.ndarray:
+    """Fill ``out`` from ``reader`` (straight into its memory, no intermediate copy)."""
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    done = 0
+    while done < len(view):
+        n = reader.readinto(view[done:done + READ_CHUNK])
+        if not n:
+            raise InputError(path, "trace file is truncated")
+        done += n
+    return out
+
+
+def _read_array(layout: _Layout, name: str) -> np.ndarray:
+    dtype, shape, _ = layout.specs[name]
+    with _array_stream(layout, name) as reader:
+        return _fill(reader, np.empty(shape, dtype=dtype), layout.path)
+
+
+def _check_gates_in_blocks(layout: _Layout) -> None:
+    """The gates' check of :meth:`RoutingTrace.validate` (none infinite), block by block."""
+    dtype, shape, _ = layout.specs["gates"]
+    R = shape[0]
+    step = max(1, READ_CHUNK // max(1, dtype.itemsize * shape[1]))
+    with _array_stream(layout, "gates") as reader:
+        for r0 in range(0, R, step):
+            block = _fill(reader, np.empty((min(step, R - r0), shape[1]), dtype=dtype), layout.path)
+            if np.isinf(block).any():
+                raise InputError(layout.path, "a gate is infinite")
+
+
+@dataclass
+class _Deferred:
+    """An array left in a verified trace file, read (and verified again) on first use."""
+
+    layout: _Layout
+    name: str
+
+    def read(self) -> np.ndarray:
+        with _guarded(self.layout.path):
+            fresh = _open_layout(self.layout.path)      # the digest again: the bytes are the ones checked
+            if fresh.identity != self.layout.identity:
+                raise InputError(self.layout.path, "the trace file changed since it was loaded (load it again)")
+            return _read_array(fresh, self.name)
+
+
+class _guarded:
+    """Turns the errors reading a trace file can raise into one-line InputErrors naming it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or isinstance(exc, InputError):
+            return False
+        if isinstance(exc, OSError):
+            raise InputError(self.path, exc.strerror or str(exc)) from None
+        if isinstance(exc, zstandard.ZstdError):
+            raise InputError(self.path, f"corrupt trace ({exc})") from None
+        if isinstance(exc, (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, MemoryError)):
+            raise InputError(self.path, f"corrupt trace ({type(exc).__name__}: {exc})"[:200]) from None
+        return False
+
+
+def load_trace(path: str | os.PathLike, gates: bool = False) -> RoutingTrace:
     """Read a trace written by :func:`save_trace`; refuses other files with one clear error.
 
     Version 2: the digest is checked first, then the header is checked strictly (types, names,
     dtypes, consistent shapes, limits), then the arrays are read (never more than the stream
-    holds) and the trace validated.
+    holds, each straight into its own memory) and the trace validated. The gates, which no
+    replay or plan reads, stay in the file (checked as they stream past) and are read, the
+    digest verified again, when first used, unless ``gates`` asks for them now.
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(16)
-            if len(head) < 16 or head[:8] != MAGIC:
-                raise InputError(path, "not a relayout trace (import it first: relayout trace import)")
-            version, hlen = struct.unpack("<II", head[8:])
-            if version == VERSION:
-                stored = fh.read(16)
-                h = xxhash.xxh3_128()
-                h.update(head[8:16])
-                while chunk := fh.read(16 << 20):
-                    h.update(chunk)
-                if len(stored) < 16 or h.digest() != stored:
-                    raise InputError(path, "checksum mismatch: the trace file is damaged (re-import it)")
-                fh.seek(32)
-            elif version not in OLD_VERSIONS:
-                raise InputError(path, f"trace version {version} is not supported (expected {VERSION}; "
-                                       "re-import it with this relayout)")
-            if hlen > MAX_HEADER_BYTES:
-                raise InputError(path, f"corrupt trace (header of {hlen:,} bytes)")
-            reader = zstandard.ZstdDecompressor().stream_reader(fh)
-            raw = _read_exact(reader, hlen, path)
-            try:
-                header = json.loads(raw)
-            except RecursionError:
-                raise InputError(path, "corrupt trace (header nested too deeply)") from None
-            specs = _check_header(header, version, path)
-            arrays = {}
-            for name, dtype, shape in specs:
-                n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
-                arrays[name] = np.frombuffer(_read_exact(reader, n, path), dtype=dtype).reshape(shape).copy()
-    except OSError as exc:
-        raise InputError(path, exc.strerror or str(exc)) from None
-    except zstandard.ZstdError as exc:
-        raise InputError(path, f"corrupt trace ({exc})") from None
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, MemoryError) as exc:
-        raise InputError(path, f"corrupt trace ({type(exc).__name__}: {exc})"[:200]) from None
+    with _guarded(path):
+        layout = _open_layout(path)
+        arrays = {name: _read_array(layout, name) for name in layout.specs if name != "gates"}
+        if gates:
+            arrays["gates"] = _read_array(layout, "gates")
+        else:
+            _check_gates_in_blocks(layout)
+            arrays["gates"] = _Deferred(layout, "gates")
+    header = layout.header
     g = header["geometry"]
     trace = RoutingTrace(
         layers=np.asarray(g["layers"], dtype=np.int16), n_experts=g["n_experts"], top_k=g["top_k"],
@@ -440,6 +610,82 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
     )
     trace.validate()
     return trace
+
+
+class TraceFile:
+    """A trace on disk whose rows are read in blocks, never all at once: for a replay of a trace
+    larger than RAM (:func:`replay.streaming.replay_steps` with ``blocks=``).
+
+    Opening verifies the digest and the header, reads the per-forward arrays (``fwd_*``, 13
+    bytes a forward) and checks everything :meth:`RoutingTrace.validate` checks, the rows
+    block by block. :meth:`row_blocks` then reads the rows a replay needs, in order; each
+    pass refuses a file that changed since it was opened. Memory: the forward arrays and one
+    block per row array.
+    """
+
+    def __init__(self, path: str | os.PathLike, rows_per_block: int = ROWS_PER_BLOCK):
+        self.path = Path(path)
+        self.rows_per_block = int(rows_per_block)
+        with _guarded(self.path):
+            self._layout = _open_layout(self.path)
+            for name in _FWD_ARRAYS:
+                setattr(self, name, _read_array(self._layout, name))
+        h = self._layout.header
+        g = h["geometry"]
+        self.layers = np.asarray(g["layers"], dtype=np.int16)
+        self.n_experts, self.top_k, self.geometry = g["n_experts"], g["top_k"], g["name"]
+        self.sessions, self.meta, self.source = h["sessions"], h.get("meta", {}), str(self.path)
+        if h["heat_only"]:
+            raise InputError(self.path, "replay needs per-token routing, but this trace holds heat only (from .coli_usage)")
+        self._validate()
+
+    @property
+    def n_forwards(self) -> int:
+        return len(self.fwd_session)
+
+    @property
+    def n_rows(self) -> int:
+        return self._layout.specs["row_forward"][1][0]
+
+    def _validate(self) -> None:
+        forwards = RoutingTrace(
+            layers=self.layers, n_experts=self.n_experts, top_k=self.top_k, geometry=self.geometry,
+            sessions=self.sessions, row_forward=np.zeros(0, np.int32), row_layer=np.zeros(0, np.int16),
+            row_position=np.zeros(0, np.int32), experts=np.zeros((0, self.top_k), np.int16),
+            gates=np.zeros((0, self.top_k), np.float32), source=self.source, meta=self.meta,
+            **{name: getattr(self, name) for name in _FWD_ARRAYS})
+        forwards.validate()                                 # the trace's own checks, rows aside
+
+        def bad(problem: str):
+            raise InputError(self.path, problem)
+
+        if self.n_rows and self.top_k < 1:
+            bad("rows without selections (top_k 0)")
+        previous = None
+        for block, positions, gates in self._blocks(("row_forward", "row_layer", "experts", "row_position", "gates")):
+            check_row_block(bad, block, positions, gates, self.n_experts, self.n_forwards, self.layers, previous)
+            previous = (int(block.row_forward[-1]), int(block.row_layer[-1]), int(positions[-1]))
+
+    def row_blocks(self) -> Iterator[RowBlock]:
+        """The rows (forward, layer, experts) in consecutive blocks of ``rows_per_block`` rows."""
+        for block, in self._blocks(("row_forward", "row_layer", "experts")):
+            yield block
+
+    def _blocks(self, names: tuple) -> Iterator[tuple]:
+        with _guarded(self.path):
+            readers = [_array_stream(self._layout, name) for name in names]
+            try:
+                R, step = self.n_rows, self.rows_per_block
+                for r0 in range(0, R, step):
+                    n = min(step, R - r0)
+                    arrays = []
+                    for name, reader in zip(names, readers):
+                        dtype, shape, _ = self._layout.specs[name]
+                        arrays.append(_fill(reader, np.empty((n,) + tuple(shape[1:]), dtype=dtype), self.path))
+                    yield (RowBlock(*arrays[:3]),) + tuple(arrays[3:])
+            finally:
+                for reader in readers:
+                    reader.close()
 
 
 def _check_header(header, version: int, path: Path) -> list[tuple[str, np.dtype, tuple]]:

@@ -5,6 +5,7 @@ from dataclasses import fields, replace
 import numpy as np
 import pytest
 
+from containers.errors import InputError
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
 from relayout.trace_synth import synth_trace
@@ -14,6 +15,7 @@ from replay.engine import simulate
 from replay.metrics import StepTable, step_table
 from replay.prefetch import coupling_table
 from replay.streaming import replay_steps
+from replay.trace import RoutingTrace, TraceFile, load_trace, save_trace
 from replay.unions import RowBlock, realign_blocks, whole_forward_blocks
 
 CONFIGS = {
@@ -103,3 +105,60 @@ def test_a_replay_with_nothing_to_replay_has_empty_steps(case):
     tr, layout, _, table, dev = case
     r = replay_steps(tr, np.zeros(tr.n_forwards, bool), layout, dev, replace(CONFIGS["oracle prefetch"]))
     assert len(r.steps.stall) == 0 and r.steps.prefetch is not None and not r.expert_wait.any()
+
+
+# ---------------------------------------------------------------- rows streamed from the trace file
+
+
+def test_a_replay_streamed_from_the_file_is_the_replay_in_memory(case, tmp_path):
+    tr, layout, held, table, dev = case
+    save_trace(tr, tmp_path / "t.rt")
+    tf = TraceFile(tmp_path / "t.rt", rows_per_block=37)
+    assert tf.n_forwards == tr.n_forwards and tf.n_rows == tr.n_rows
+    assert np.array_equal(np.concatenate([b.experts for b in tf.row_blocks()]), tr.experts)
+    cfg = CONFIGS["LRU, coupled prefetch"]
+    whole = replay_steps(tr, held, layout, dev, cfg, coupling=table).steps
+    assert_same_steps(replay_steps(tf, held, layout, dev, cfg, coupling=table, blocks=tf.row_blocks()).steps, whole)
+
+
+def write_unchecked(trace, path, monkeypatch):
+    """Save a trace whose content breaks validate (a damaged exporter's file with a good digest)."""
+    with monkeypatch.context() as m:
+        m.setattr(RoutingTrace, "validate", lambda self: None)
+        save_trace(trace, path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.experts.__setitem__((-1, 0), 99), "expert id is >= n_experts"),
+    (lambda t: t.gates.__setitem__((-2, 1), np.inf), "gate is infinite"),
+    (lambda t: t.row_position.__setitem__(-1, -3), "position is outside"),
+])
+def test_opening_a_trace_file_checks_every_block(case, tmp_path, monkeypatch, damage, message):
+    tr = case[0].subset([0, 1])
+    tr.experts, tr.gates, tr.row_position = tr.experts.copy(), tr.gates.copy(), tr.row_position.copy()
+    damage(tr)
+    write_unchecked(tr, tmp_path / "bad.rt", monkeypatch)
+    with pytest.raises(InputError, match=message):
+        TraceFile(tmp_path / "bad.rt", rows_per_block=16)     # the damage sits in the last block
+    with pytest.raises(InputError, match=message):
+        load_trace(tmp_path / "bad.rt")
+
+
+def test_rows_out_of_order_across_a_block_boundary_are_refused(case, tmp_path, monkeypatch):
+    tr = case[0].subset([0])
+    order = np.arange(tr.n_rows)
+    order[[15, 16]] = order[[16, 15]]                         # rows 15 and 16 straddle the first boundary
+    for name in ("row_forward", "row_layer", "row_position", "experts", "gates"):
+        setattr(tr, name, getattr(tr, name)[order])
+    write_unchecked(tr, tmp_path / "order.rt", monkeypatch)
+    with pytest.raises(InputError, match="not sorted|not in forward order"):
+        TraceFile(tmp_path / "order.rt", rows_per_block=16)
+
+
+def test_a_trace_file_that_changes_after_opening_is_refused(case, tmp_path):
+    tr = case[0]
+    save_trace(tr, tmp_path / "t.rt")
+    tf = TraceFile(tmp_path / "t.rt")
+    save_trace(tr.subset([0]), tmp_path / "t.rt")
+    with pytest.raises(InputError, match="changed since it was opened"):
+        next(tf.row_blocks())

@@ -230,6 +230,24 @@ def test_trace_file_round_trip_and_corruption(tmp_path):
         load_trace(tmp_path / "junk")
 
 
+def test_gates_stay_in_the_file_until_used_and_are_verified_then(tmp_path):
+    tr = synth_trace([3, 4, 5], 32, 4, 300, 3, seed=6)
+    p = tmp_path / "t.rt"
+    save_trace(tr, p)
+    lazy = load_trace(p)
+    assert "gates" not in {k.lstrip("_") for k, v in vars(lazy).items() if isinstance(v, np.ndarray)}
+    assert np.array_equal(lazy.gates, tr.gates, equal_nan=True)              # read on first use
+    assert np.array_equal(load_trace(p, gates=True).gates, tr.gates, equal_nan=True)
+    assert load_trace(p).subset([1]).gates.shape == tr.subset([1]).gates.shape
+    # the file damaged after loading: the first use of the gates says so, in one line
+    later = load_trace(p)
+    data = bytearray(p.read_bytes())
+    data[-5] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with pytest.raises(InputError, match="checksum mismatch|changed since"):
+        later.gates
+
+
 def test_interleaved_sessions_are_refused(tmp_path):
     # the replay model starts each session with a cold cache: a session must be one run of forwards
     tr = synth_trace([3], 16, 2, 30, 3, seed=1)
