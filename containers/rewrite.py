@@ -27,6 +27,8 @@ is byte-identical to the source's, plus its checksum manifest.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import shutil
@@ -60,6 +62,8 @@ SPACE_MARGIN = 64 * 1024 * 1024
 ADVISE_BYTES = 64 * 1024 * 1024
 """Contiguous source bytes advised (``POSIX_FADV_WILLNEED``) in one call, about one span ahead."""
 BLOCK_BYTES = 4096
+WRITEBACK_BYTES = 128 * 1024 * 1024
+"""Bytes copied into an output file between two starts of its writeback (:func:`_start_writeback`)."""
 RESUME_HINT = " (the partial rewrite is kept; run the same command again to resume)"
 
 
@@ -271,9 +275,14 @@ def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources:
         # reach the disk in order at fsync), asking the kernel to read ahead about a span ahead
         order = sorted(layout.placements, key=lambda p: (str(p[0].source.path), p[0].source.offset))
         read_ahead = _ReadAhead([spec.source for spec, _ in order], sources)
+        unflushed = 0
         for i, (spec, begin) in enumerate(order):
             rng = spec.source
             read_ahead.advance(i)
+            if unflushed >= WRITEBACK_BYTES:
+                _start_writeback(fd)
+                unflushed = 0
+            unflushed += rng.nbytes
             if isinstance(rng, FileRange):
                 sfd, dmap = sources.fd(rng.path), sources.map(rng.path)
                 for a, b, is_data in dmap.runs(rng.offset, rng.offset + rng.nbytes):
@@ -351,6 +360,32 @@ def _write_stream(fd: int, begin: int, source) -> Future:
     done: Future = Future()
     done.set_result(h.hexdigest())
     return done
+
+
+def _libc_sync_file_range():
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).sync_file_range if name else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to the disk now, without waiting (Linux ``sync_file_range``).
+
+    Durability still comes from the fsync in :func:`_finish_file`; this only keeps dirty pages
+    from piling up, so that fsync has little left to do and the disk writes while we copy.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
 
 
 class _Sources:
