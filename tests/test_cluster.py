@@ -197,3 +197,17 @@ def test_pooled_plan_cli_and_replay_holds_out_each_files_tail(tmp_path):
     assert res.returncode == 0, res.stderr
     gate = json.loads(res.stdout)
     assert len(gate["trace"]["sessions_evaluated"]) == 1  # the file's held-out tail; its training sessions excluded by content
+
+
+def test_a_plan_from_pooled_counts_orders_as_the_plan_from_the_rows(tmp_path):
+    """Ordering reads counts only: one file pooled gives the plan its rows give, order for order."""
+    from replay.trace import load_trace
+
+    paths = _files(tmp_path, n=1, tokens=400)
+    g = load_geometry("glm-5.2-int4-row").scaled(moe_layers=3, experts=32)
+    src = source_from_geometry(g)
+    for method in ("louvain", "greedy-modularity", "heat"):
+        direct = make_plan(load_trace(paths[0]), src, method, progress=False)
+        pooled = make_plan(pooled_training(paths, src.geometry, 0.7, SerialExecutor()), src, method, progress=False)
+        assert pooled["orders"] == direct["orders"] and pooled["layers"] == direct["layers"]
+        assert pooled["training"]["session_fingerprints"] == direct["training"]["session_fingerprints"]

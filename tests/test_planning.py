@@ -229,3 +229,113 @@ def test_replay_split_rule_does_not_lose_to_heat_in_the_replay_model(tmp_path):
         gate = compare(load_plan(tmp_path / f"{rule}.json"), tr, load_device("single-nvme"), RuntimeConfig(workers=2, ram_bytes=cache + tops))
         stall[rule] = gate.plan_metrics.stall_per_token_s
     assert stall["replay"] <= stall["heat"]
+
+
+def _reference_improve_path(order, C, max_moves=20000):
+    """The local search as first written, scoring all moves with numpy matrices: the compiled
+    :func:`improve_path` must make exactly the same moves."""
+    o = np.array(order, dtype=np.int64)
+    n = len(o)
+    if n < 3:
+        return o
+    C = C.astype(np.float64)
+    for _ in range(max_moves):
+        W = C[np.ix_(o, o)]
+        edge = np.concatenate([np.diag(W, 1), [0.0]])
+        prev = np.zeros((n, n))
+        prev[1:, :] = W[:-1, :]
+        nxt = np.zeros((n, n))
+        nxt[:, :-1] = W[:, 1:]
+        e_prev = np.concatenate([[0.0], edge[:-1]])
+        gain2 = prev - e_prev[:, None] + nxt - edge[None, :]
+        gain2[np.tril_indices(n)] = -np.inf
+        i2, j2 = np.unravel_index(np.argmax(gain2), gain2.shape)
+        bridge = np.zeros(n)
+        bridge[1:-1] = W[np.arange(0, n - 2), np.arange(2, n)]
+        loss = e_prev + edge - bridge
+        ins = np.zeros((n, n + 1))
+        ins[:, 0] = W[:, 0]
+        ins[:, n] = W[:, n - 1]
+        ins[:, 1:n] = W[:, :-1] + W[:, 1:] - edge[None, :-1]
+        gain1 = ins - loss[:, None]
+        idx = np.arange(n)
+        gain1[idx, idx] = -np.inf
+        gain1[idx, idx + 1] = -np.inf
+        i1, q1 = np.unravel_index(np.argmax(gain1), gain1.shape)
+        if max(gain1[i1, q1], gain2[i2, j2]) <= 1e-9:
+            break
+        if gain2[i2, j2] >= gain1[i1, q1]:
+            o[i2 : j2 + 1] = o[i2 : j2 + 1][::-1].copy()
+        else:
+            x, rest = o[i1], np.delete(o, i1)
+            o = np.insert(rest, q1 if q1 < i1 else q1 - 1, x)
+    return o
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(3, 30), st.booleans())
+def test_compiled_local_search_makes_the_reference_moves(seed, n, fractional):
+    rng = np.random.default_rng(seed)
+    C = rng.integers(0, 6, size=(n, n)).astype(np.float64)
+    if fractional:
+        C *= rng.random((n, n))
+    C = C + C.T
+    np.fill_diagonal(C, 0)
+    start = rng.permutation(n)
+    assert improve_path(start, C).tolist() == _reference_improve_path(start, C).tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 25), st.floats(0.5, 2.0))
+def test_modularity_is_networkx_modularity(seed, n, resolution):
+    import networkx as nx
+
+    from relayout.louvain import modularity
+
+    rng = np.random.default_rng(seed)
+    W = rng.random((n, n)) * (rng.random((n, n)) < 0.5)
+    W = np.triu(W, 1)
+    W = W + W.T
+    part = rng.integers(0, 4, size=n)
+    part = np.unique(part, return_inverse=True)[1]
+    G = nx.from_numpy_array(W)
+    if G.number_of_edges() == 0:
+        return
+    expected = nx.community.modularity(G, [set(np.flatnonzero(part == c).tolist()) for c in range(part.max() + 1)],
+                                       weight="weight", resolution=resolution)
+    assert modularity(W, part, resolution) == pytest.approx(expected, abs=1e-12)
+
+
+def test_louvain_finds_planted_blocks_deterministically():
+    from relayout.louvain import louvain_partition
+
+    rng = np.random.default_rng(3)
+    truth = np.repeat(np.arange(5), 7)[rng.permutation(35)]
+    W = np.where(truth[:, None] == truth[None, :], 10.0, 0.2) * rng.uniform(0.8, 1.2, (35, 35))
+    W = np.triu(W, 1)
+    W = W + W.T
+    for seed in (0, 1, 7):
+        part = louvain_partition(W, seed=seed)
+        assert (part[:, None] == part[None, :]).tolist() == (truth[:, None] == truth[None, :]).tolist()
+        assert part[0] == 0 and np.array_equal(part, louvain_partition(W, seed=seed))  # numbered by first member; repeatable
+    # a huge resolution splits everything, a tiny one joins everything
+    assert len(set(louvain_partition(W, resolution=1e6).tolist())) == 35
+    assert len(set(louvain_partition(W, resolution=1e-6).tolist())) == 1
+
+
+def test_louvain_modularity_matches_networkx_on_coactivation_layers():
+    """The quality claim behind replacing python-louvain: on co-activation graphs our partitions
+    score the modularity networkx's Louvain finds (within 1%), layer by layer."""
+    import networkx as nx
+
+    from relayout.coactivation import weight_matrix
+    from relayout.louvain import louvain_partition, modularity
+
+    tr = synth_trace([3, 4, 5, 6], 96, 8, 2000, 4, seed=5, params=SynthParams(clique_strength=0.7))
+    for layer in (3, 4, 5, 6):
+        W = weight_matrix(LayerCounts.of_rows(tr.experts[tr.row_layer == layer].astype(np.int64), 96))
+        keep = np.flatnonzero(W.sum(axis=1) > 0)
+        W = W[np.ix_(keep, keep)]
+        ours = modularity(W, louvain_partition(W, seed=0))
+        theirs = nx.community.modularity(nx.from_numpy_array(W), nx.community.louvain_communities(nx.from_numpy_array(W), seed=0))
+        assert ours >= theirs - 0.01 * abs(theirs), layer
