@@ -12,9 +12,13 @@ import numpy as np
 
 from containers.errors import InputError
 
-PREFETCH_SOURCES = ("none", "oracle", "coupled", "heat", "persistence", "session")
-"""Prefetch sources (see :mod:`replay.prefetch` and, as probabilities, :mod:`replay.predictors`);
-the compiled model takes a source as its index here."""
+PREFETCH_SOURCES = ("none", "oracle", "coupled")
+"""Prefetch sources the runtime (and so the measuring harness, :mod:`replay.measure`) has (see
+:mod:`replay.prefetch`)."""
+
+MODEL_SOURCES = PREFETCH_SOURCES + ("heat", "persistence", "session")
+"""Prefetch sources the replay model has: the runtime's, and the probability sources of
+:mod:`replay.predictors` (replay only). The compiled model takes a source as its index here."""
 
 ADMISSION_POLICIES = ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe")
 """How the prefetcher admits a source's candidates (:mod:`replay.admission`): ``top-k`` (the
@@ -40,7 +44,7 @@ class RuntimeConfig:
     dense_seconds: float = 1.0e-3      # per layer and forward, before routing: attention, router
     compute_bytes_per_second: float = 50e9  # an expert's matmul streams its weights at this rate, per position
     other_seconds_per_token: float = 0.0    # O in TPOT = C + S + O
-    prefetch: str = "none"             # prefetch source for the next layer: none, oracle, coupled
+    prefetch: str = "none"             # prefetch source for the next layer (MODEL_SOURCES; the runtime has PREFETCH_SOURCES)
     prefetch_experts: int = 6          # K: experts predicted per layer (colibrì PILOT_K); Q, the queue-slot budget, for other policies
     admission: str = "top-k"           # prefetch admission policy (ADMISSION_POLICIES)
     prefetch_bytes: int = 0            # B: speculative bytes admitted per layer (0 = only Q limits)
@@ -57,8 +61,8 @@ class RuntimeConfig:
             raise InputError(None, "RAM budgets must be >= 0")
         if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
             raise InputError(None, "coalescing needs a span of at least 1 byte and a gap >= 0")
-        if self.prefetch not in PREFETCH_SOURCES:
-            raise InputError(None, f"unknown prefetch source {self.prefetch!r} (choose {', '.join(PREFETCH_SOURCES)})")
+        if self.prefetch not in MODEL_SOURCES:
+            raise InputError(None, f"unknown prefetch source {self.prefetch!r} (choose {', '.join(MODEL_SOURCES)})")
         if not 1 <= self.prefetch_experts <= 64:
             raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
         if self.admission not in ADMISSION_POLICIES:

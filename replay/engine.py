@@ -60,7 +60,7 @@ import numpy as np
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
 from .admission import prefetcher_inputs
-from .config import ADMISSION_POLICIES, PREFETCH_SOURCES, RuntimeConfig, lru_capacities
+from .config import ADMISSION_POLICIES, MODEL_SOURCES, RuntimeConfig, lru_capacities
 from .device import SPLIT_RULES, ArrayProfile
 from .instance import (
     Device,
@@ -333,7 +333,7 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
     return ReadPolicy(bool(config.coalesce), int(config.coalesce_gap_bytes), int(config.coalesce_max_bytes),
                       bool(config.direct), int(device.direct_alignment), int(config.in_flight),
                       float(device.page_cache_fraction), float(config.dense_seconds),
-                      PREFETCH_SOURCES.index(config.prefetch), int(config.prefetch_experts),
+                      MODEL_SOURCES.index(config.prefetch), int(config.prefetch_experts),
                       ADMISSION_POLICIES.index(config.admission), int(config.prefetch_bytes), int(config.prefetch_candidates),
                       float(config.prefetch_min_probability), bool(config.cancel_stale), bool(config.adaptive_budget),
                       bool(config.backoff))

@@ -87,7 +87,7 @@ ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alig
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
 page-cache share of weight reads, 0-1); ``dense_seconds`` (per layer, before it is routed, s);
-``prefetch`` (the source, an index into ``PREFETCH_SOURCES``) and ``prefetch_experts`` (its K, or
+``prefetch`` (the source, an index into ``MODEL_SOURCES``) and ``prefetch_experts`` (its K, or
 the queue-slot budget Q); ``admission`` (an index into ``ADMISSION_POLICIES``), ``prefetch_bytes``
 (B per layer, 0 none), ``candidates``, ``min_probability``, and the tail controls ``cancel_stale``,
 ``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""

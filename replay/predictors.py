@@ -46,14 +46,14 @@ from numba import njit
 from containers.errors import InputError
 from containers.layout import Layout
 
-from .config import PREFETCH_SOURCES
+from .config import MODEL_SOURCES
 from .jit import HELPER, LOOP
 from .prefetch import coupling_table
 from .trace import RoutingTrace
 from .unions import chunk_instances, whole_forward_blocks
 
-ORACLE, COUPLED = PREFETCH_SOURCES.index("oracle"), PREFETCH_SOURCES.index("coupled")
-HEAT, PERSISTENCE, SESSION = (PREFETCH_SOURCES.index(x) for x in ("heat", "persistence", "session"))
+ORACLE, COUPLED = MODEL_SOURCES.index("oracle"), MODEL_SOURCES.index("coupled")
+HEAT, PERSISTENCE, SESSION = (MODEL_SOURCES.index(x) for x in ("heat", "persistence", "session"))
 
 CALIBRATION_BINS = 21
 """Raw-score bins the calibration is learned over: bin 0 holds a raw score of exactly 0, bins
@@ -75,7 +75,7 @@ PredictionSource = namedtuple("PredictionSource", "kind targets counts selection
                                                   "count n_fwd session p raw touched")
 """One source as the compiled model takes it (:func:`prediction_source`).
 
-Learned on training sessions: ``kind`` (an index into ``PREFETCH_SOURCES``); the coupled pair
+Learned on training sessions: ``kind`` (an index into ``MODEL_SOURCES``); the coupled pair
 table ``targets``, ``counts`` int32 [L, E, T] and ``selections`` [L, E] (each expert's training
 selections, positions); ``heat`` [L, E] (fraction of training forwards whose union held each
 expert); ``calib`` [L, CALIBRATION_BINS] (probability per raw-score bin). What the source has
@@ -181,8 +181,8 @@ def learn_source(name: str, trace: RoutingTrace, train: np.ndarray, layout: Layo
     candidates needed in each raw-score bin, made non-decreasing (:func:`isotonic_bins`).
     ``coupling`` may pass an already learned ``(targets, counts)`` table.
     """
-    if name not in PREFETCH_SOURCES or name == "none":
-        raise InputError(None, f"unknown prediction source {name!r} (choose {', '.join(PREFETCH_SOURCES[1:])})")
+    if name not in MODEL_SOURCES or name == "none":
+        raise InputError(None, f"unknown prediction source {name!r} (choose {', '.join(MODEL_SOURCES[1:])})")
     if not train.any():
         raise InputError(trace.source or None, f"the {name} source needs training forwards to learn from")
     L, E = len(layout.layers), layout.n_experts
@@ -227,7 +227,7 @@ def prediction_source(model: SourceModel | None, layout: Layout, kind: str | Non
         raise InputError(None, f"the {model.name} source was learned for {model.heat.shape} experts, "
                                f"the layout has {(L, E)}")
     return PredictionSource(
-        PREFETCH_SOURCES.index(model.name), np.ascontiguousarray(model.targets, dtype=np.int32),
+        MODEL_SOURCES.index(model.name), np.ascontiguousarray(model.targets, dtype=np.int32),
         np.ascontiguousarray(model.counts, dtype=np.int32), np.ascontiguousarray(model.selections, dtype=np.float64),
         np.ascontiguousarray(model.heat, dtype=np.float64), np.ascontiguousarray(model.calib, dtype=np.float64),
         np.full((L, E), -1, dtype=np.int64), np.full((L, E), -1, dtype=np.int64), np.zeros((L, E)),

@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from containers.layout import Layout
-from replay.predictors import RELIABILITY_BINS, isotonic_bins, learn_source, plot_reliability, score_source
+from replay.predictors import (
+    RELIABILITY_BINS,
+    isotonic_bins,
+    learn_source,
+    plot_reliability,
+    score_source,
+)
 from replay.trace import RoutingTrace
 
 SOURCES = ("heat", "persistence", "coupled", "session", "oracle")
