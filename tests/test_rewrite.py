@@ -175,3 +175,18 @@ def test_replay_with_a_prefetch_source_reports_its_metrics(setup):
     res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
                   "--prefetch-experts", 0)
     assert res.returncode != 0 and "--prefetch-experts must be 1-64" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_rewrite_verify_and_manifest_import_no_heavy_libraries(setup, tmp_path):
+    """The byte-moving commands start fast: numba, networkx and dask (planning, replay, sweeps) stay unimported."""
+    dst = tmp_path / "dst"
+    commands = [["rewrite", str(setup["src"]), "--layout", str(setup["plan_path"]), "--force", "--out", str(dst)],
+                ["verify", str(setup["src"]), str(dst)],
+                ["manifest", str(dst), "-o", str(tmp_path / "m.json")]]
+    for argv in commands:
+        code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from relayout.cli import main; rc = main({argv!r}); "
+                "print(sorted(m for m in ('numba', 'networkx', 'dask', 'distributed', 'scipy') if m in sys.modules)); "
+                "sys.exit(rc)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1] == "[]", (argv[0], out.stdout.splitlines()[-1])
