@@ -385,6 +385,11 @@ def format_split_curve(curve) -> str:
                      f"{s.ratio:7.3f}{human_bytes(s.top_bytes):>11}{human_bytes(s.lru_bytes):>11}")
     lines.append("S = modelled stall per committed token, ms; hits = batch-union lookups served whole from RAM (a resident "
                  "top is not a hit: its bottom is still read); ratio 0 = no split was better on the training sessions")
+    for s in curve.split:
+        if s.ratio > 0:
+            lines.append(f"  to write the {human_bytes(s.ram_bytes)} point: relayout plan ... --split-ratio {s.ratio:g} "
+                         f"--split-ram-gb {s.top_bytes / 1e9:.6g} --split-rule replay --cache-gb {s.lru_bytes / 1e9:.6g} "
+                         f"--split-device {curve.device} (then rewrite, and relayout measure --layout that plan)")
     if not curve.sufficient:
         lines.append("INSUFFICIENT evidence for a comparison: " + curve.sufficiency)
     return "\n".join(lines)

@@ -59,7 +59,6 @@ from containers.layout import Layout
 
 from .config import RuntimeConfig, greedy_by_value
 from .device import ArrayProfile
-from .engine import simulate
 from .evidence import (
     MIN_SESSIONS,
     SESSION_UNITS,
@@ -76,9 +75,10 @@ from .gate import (
     training_coupling,
 )
 from .gatefile import Interval, LayoutMetrics
-from .metrics import step_table, summarize
+from .metrics import summarize
 from .pinfile import PinRecord
 from .planfile import Plan
+from .streaming import replay_steps
 from .trace import FORWARD_KINDS, RoutingTrace
 
 ARMS = ("lru", "frequency", "hybrid", "probability-per-byte", "stall-value")
@@ -244,8 +244,8 @@ def replay_training(trace: RoutingTrace, train: np.ndarray, layout: Layout, devi
                     pins: PinSet, coupling=None) -> TrainingReplay:
     """Replay the forwards of mask ``train`` with ``pins`` pinned and the LRU at ``pins.lru_bytes``."""
     cfg = replace(config, ram_bytes=pins.lru_bytes, pin_bytes=0)
-    inst, usage = simulate(trace, train, layout, device, cfg, pins.pinned, None, coupling)
-    return TrainingReplay(pins, summarize(step_table(trace, train, inst), usage, cfg.other_seconds_per_token), inst.expert_wait)
+    r = replay_steps(trace, train, layout, device, cfg, pins.pinned, None, coupling)
+    return TrainingReplay(pins, summarize(r.steps, r.usage, cfg.other_seconds_per_token), r.expert_wait)
 
 
 def stall_value_pins(trace: RoutingTrace, train: np.ndarray, layout: Layout, device: ArrayProfile, config: RuntimeConfig,

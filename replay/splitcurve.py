@@ -43,7 +43,7 @@ from containers.geometry import ExpertFormat
 
 from .config import RuntimeConfig
 from .device import ArrayProfile
-from .engine import SplitState, simulate
+from .engine import SplitState
 from .evidence import MIN_SESSIONS
 from .gate import (
     check_trace_matches,
@@ -52,10 +52,11 @@ from .gate import (
     training_coupling,
 )
 from .gatefile import Interval
-from .metrics import step_table, summarize
+from .metrics import summarize
 from .placement import held_out_evidence, sufficiency, training_forwards
 from .planfile import Plan
 from .splitsizes import segment_sizes, tops_by_wait
+from .streaming import replay_steps
 from .trace import RoutingTrace
 
 RATIOS = (0.125, 0.25, 0.375, 0.5)
@@ -155,8 +156,8 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
         nonlocal replays
         replays += 1
         cfg = replace(config, ram_bytes=lru_bytes, pin_bytes=0)
-        inst, usage = simulate(trace, train, layout, device, cfg, None, state, coupling)
-        return summarize(step_table(trace, train, inst), usage, cfg.other_seconds_per_token).stall_per_token_s, inst.expert_wait
+        r = replay_steps(trace, train, layout, device, cfg, None, state, coupling)
+        return summarize(r.steps, r.usage, cfg.other_seconds_per_token).stall_per_token_s, r.expert_wait
 
     def held_point(R: int, c: _Candidate):
         run = run_layout("split" if c.state is not None else "whole", trace, held_mask, layout, device,
