@@ -29,6 +29,7 @@ from .container import MANIFEST_NAME, MAX_FILES, Container
 from .errors import InputError
 from .manifest import build_manifest, compare_manifests, load_manifest
 from .segments import SegmentSpec, reassembled_digest
+from .sparse import data_map, is_zero
 
 COMPARE_CHUNK = 16 * 1024 * 1024
 
@@ -138,19 +139,48 @@ def _check_segments(src: Container, dst: Container, st: dict, dt: dict, segments
 
 
 def _byte_compare(src: Container, dst: Container, names: list[str]) -> list[str]:
+    """Compare every byte of each named tensor in SRC and DST; holes compare as zeros, unread."""
     out = []
-    for name in names:
-        a, b = src.tensors[name], dst.tensors[name]
-        if a.nbytes != b.nbytes:
-            continue
-        with open(src.files[a.file], "rb") as fa, open(dst.files[b.file], "rb") as fb:
-            fa.seek(a.entry.begin)
-            fb.seek(b.entry.begin)
-            left = a.nbytes
-            while left > 0:
-                n = min(left, COMPARE_CHUNK)
-                if fa.read(n) != fb.read(n):
-                    out.append(f"tensor {name}: byte comparison differs")
-                    break
-                left -= n
+    fds: dict = {}
+    try:
+        for name in names:
+            a, b = src.tensors[name], dst.tensors[name]
+            if a.nbytes != b.nbytes:
+                continue
+            fa, ma = _opened(fds, src.files[a.file])
+            fb, mb = _opened(fds, dst.files[b.file])
+            if not _same_bytes(fa, ma, a.entry.begin, fb, mb, b.entry.begin, a.nbytes):
+                out.append(f"tensor {name}: byte comparison differs")
+    finally:
+        for fd, _ in fds.values():
+            os.close(fd)
     return out
+
+
+def _opened(fds: dict, path: Path):
+    if path not in fds:
+        fd = os.open(path, os.O_RDONLY)
+        fds[path] = (fd, data_map(fd))
+    return fds[path]
+
+
+def _same_bytes(fa: int, ma, a0: int, fb: int, mb, b0: int, n: int) -> bool:
+    """Bytes ``[a0, a0+n)`` of ``fa`` equal bytes ``[b0, b0+n)`` of ``fb``; a hole reads as zeros."""
+    cuts = {0, n}
+    cuts.update(x - a0 for x, _, _ in ma.runs(a0, a0 + n))
+    cuts.update(x - b0 for x, _, _ in mb.runs(b0, b0 + n))
+    edges = sorted(cuts)
+    for lo, hi in zip(edges, edges[1:]):
+        a_data = ma.data_bytes(a0 + lo, a0 + hi) > 0
+        b_data = mb.data_bytes(b0 + lo, b0 + hi) > 0
+        if not (a_data or b_data):
+            continue
+        for pos in range(lo, hi, COMPARE_CHUNK):
+            k = min(COMPARE_CHUNK, hi - pos)
+            left = os.pread(fa, k, a0 + pos) if a_data else None
+            right = os.pread(fb, k, b0 + pos) if b_data else None
+            if left is None:
+                left, right = right, left
+            if len(left) != k or (right is None and not is_zero(left)) or (right is not None and left != right):
+                return False
+    return True

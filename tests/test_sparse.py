@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import xxhash
-from conftest import run_cli
+from conftest import run_cli, small_geometry
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -172,12 +172,30 @@ def test_verify_catches_a_flip_in_data_and_in_a_hole(sparse_pipeline, tmp_path):
             old = fh.read(1)
             fh.seek(offset)
             fh.write(bytes([old[0] ^ 0x40]))
-        problems, _ = verify(src, dst, progress=False)
-        assert any(name in p and "differ" in p for p in problems), (label, problems)
+        problems, _ = verify(src, dst, full=True, progress=False)
+        assert any(name in p and "bytes differ" in p for p in problems), (label, problems)
+        assert f"tensor {name}: byte comparison differs" in problems, (label, problems)
         with open(path, "r+b") as fh:
             fh.seek(offset)
             fh.write(old)
-    assert verify(src, dst, progress=False)[0] == []
+    assert verify(src, dst, full=True, progress=False)[0] == []
+
+
+def test_full_byte_compare_of_sparse_and_dense_copies(tmp_path):
+    """A dense copy of a sparse container: same digests, and verify --full finds it equal (holes vs written zeros)."""
+    g = small_geometry(moe_layers=2, experts=16, hidden=1024, ffn=512)
+    src = synth_container(tmp_path / "src", g, seed=9, progress=False, sparse=True)
+    dst = tmp_path / "dense"
+    dst.mkdir()
+    for p in src.iterdir():
+        with open(p, "rb") as a, open(dst / p.name, "wb") as b:
+            shutil.copyfileobj(a, b, 16 << 20)   # every zero written: no holes
+    assert _allocated(src) < _logical(src) / 2 and _allocated(dst) >= _logical(dst) * 0.99
+    ms, md = build_manifest(Container.open(src), progress=False), build_manifest(Container.open(dst), progress=False)
+    assert ms["fingerprint"] == md["fingerprint"] and ms["tensors"] == md["tensors"]
+    write_manifest(md, dst / MANIFEST_NAME)
+    problems = verify(src, dst, full=True, progress=False)[0]
+    assert not [p for p in problems if "differ" in p], problems
 
 
 def _sparse_copy(a, b):
