@@ -1,0 +1,111 @@
+"""Seed hypotheses as tables (issue 14 item 6): verdicts a broken rule would get wrong."""
+
+import numpy as np
+import pytest
+
+from containers.errors import InputError
+from replay.hypotheses import (INSUFFICIENT, MEDIAN_TOLERANCE, NOT_SUPPORTED, SUPPORTED, ArmSteps, admission_table,
+                               placement_table, quantile_difference, split_table, stall_interval, tail_table)
+
+
+def steps(n_sessions=8, per=40, seed=0):
+    rng = np.random.default_rng(seed)
+    session = np.repeat(np.arange(n_sessions), per)
+    base = rng.gamma(4.0, 0.05, size=n_sessions * per)        # s of stall per step
+    return session, base
+
+
+def arm(name, stall, session, spec=0.0, hit=None):
+    return ArmSteps(name, np.asarray(stall, float), np.ones(len(stall)), session, spec, hit)
+
+
+def test_h2_supported_when_stall_value_stalls_less_and_converts_bytes_better():
+    session, s0 = steps()
+    arms = {"none": arm("none", s0, session),
+            "probability": arm("probability", s0 * 0.9, session, spec=1e9),
+            "per-byte": arm("per-byte", s0 * 0.92, session, spec=1e9),
+            "stall-value": arm("stall-value", s0 * 0.8, session, spec=0.8e9),
+            "oracle": arm("oracle", s0 * 0.5, session, spec=0.5e9)}
+    t = admission_table(arms, "test")
+    assert t.verdict == SUPPORTED, t.reason
+    assert {c.against for c in t.comparisons} == {"probability", "per-byte"}          # never against the oracle
+    rows = {r.name: r for r in t.rows}
+    assert rows["stall-value"].eta_stall_s_per_byte > rows["probability"].eta_stall_s_per_byte > 0
+    assert rows["none"].eta_stall_s_per_byte is None
+    assert any("bound" in n for n in t.notes)
+
+
+def test_h2_not_supported_when_probability_first_matches_it_and_the_falsifier_is_stated():
+    session, s0 = steps()
+    arms = {"none": arm("none", s0, session), "probability": arm("probability", s0 * 0.9, session, spec=1e9),
+            "stall-value": arm("stall-value", s0 * 0.9, session, spec=1e9)}
+    t = admission_table(arms, "test")
+    assert t.verdict == NOT_SUPPORTED
+    assert "Falsifier: If probability-only or deadline-only policies match" in t.reason
+
+
+def test_h2_lower_stall_but_lower_eta_is_not_supported():
+    session, s0 = steps()
+    arms = {"none": arm("none", s0, session), "probability": arm("probability", s0 * 0.95, session, spec=0.1e9),
+            "stall-value": arm("stall-value", s0 * 0.9, session, spec=10e9)}
+    t = admission_table(arms, "test")
+    assert t.verdict == NOT_SUPPORTED and "eta_stall" in t.reason
+
+
+def test_too_few_sessions_is_insufficient_not_a_verdict():
+    session, s0 = steps(n_sessions=3)
+    arms = {"none": arm("none", s0, session), "probability": arm("probability", s0, session, spec=1e9),
+            "stall-value": arm("stall-value", s0 * 0.5, session, spec=1e9)}
+    t = admission_table(arms, "test")
+    assert t.verdict == INSUFFICIENT and "3 held-out session" in t.reason
+
+
+def test_h3a_reports_hit_rate_beside_s():
+    session, s0 = steps()
+    arms = {"frequency": arm("frequency", s0, session, hit=0.40), "stall-value": arm("stall-value", s0 * 0.85, session, hit=0.41)}
+    t = placement_table(arms, "64 GB")
+    assert t.verdict == SUPPORTED
+    assert any("+1.0 points" in n for n in t.notes)
+
+
+def test_h3b_needs_a_lower_split_somewhere_and_no_higher_anywhere():
+    session, s0 = steps()
+    w = arm("whole", s0, session)
+    good = {8_000_000_000: (w, arm("split", s0 * 0.8, session)), 16_000_000_000: (w, arm("split", s0, session))}
+    assert split_table(good, "t").verdict == SUPPORTED
+    bad = {**good, 32_000_000_000: (w, arm("split", s0 * 1.3, session))}
+    t = split_table(bad, "t")
+    assert t.verdict == NOT_SUPPORTED and "stall MORE" in t.reason
+    flat = {8_000_000_000: (w, arm("split", s0, session))}
+    assert split_table(flat, "t").verdict == NOT_SUPPORTED
+
+
+def test_h5_p99_down_median_flat_is_supported_median_up_is_not():
+    session, s0 = steps(per=200)
+    cut = np.minimum(s0, np.quantile(s0, 0.9))               # the tail is cut, the median untouched
+    t = tail_table({"default": arm("default", s0, session), "tail-control": arm("tail-control", cut, session)}, "t")
+    assert t.verdict == SUPPORTED, t.reason
+    raised = np.maximum(cut, np.quantile(s0, 0.5) * (1 + 4 * MEDIAN_TOLERANCE))   # median pushed up 20%
+    t = tail_table({"default": arm("default", s0, session), "tail-control": arm("tail-control", raised, session)}, "t")
+    assert t.verdict == NOT_SUPPORTED and "beyond" in t.reason
+
+
+def test_quantile_difference_of_identical_arms_is_zero_and_interval_covers_a_real_shift():
+    session, s0 = steps()
+    a = arm("a", s0, session)
+    iv, reps = quantile_difference(a, a, 0.99)
+    assert iv.estimate == iv.low == iv.high == 0 and not reps.any()
+    iv, _ = quantile_difference(a, arm("b", s0 - 0.01, session), 0.5)
+    assert iv.low <= 0.01 + 1e-12 and iv.high >= 0.01 - 1e-12
+
+
+def test_s_interval_contains_the_estimate():
+    session, s0 = steps()
+    iv = stall_interval(arm("a", s0, session))
+    assert iv.low < iv.estimate < iv.high and iv.estimate == pytest.approx(s0.mean())
+
+
+def test_arms_on_different_steps_are_refused():
+    session, s0 = steps()
+    with pytest.raises(InputError, match="not the same steps"):
+        placement_table({"frequency": arm("frequency", s0, session), "stall-value": arm("stall-value", s0[:-1], session[:-1])}, "t")
