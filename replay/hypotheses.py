@@ -43,7 +43,14 @@ import numpy as np
 
 from containers.errors import InputError
 
-from .evidence import MIN_BLOCKS, MIN_SESSIONS, SESSION_UNITS, block_evidence, holm, session_evidence
+from .evidence import (
+    MIN_BLOCKS,
+    MIN_SESSIONS,
+    SESSION_UNITS,
+    block_evidence,
+    holm,
+    session_evidence,
+)
 from .stats import Interval
 
 ALPHA = 0.025

@@ -4,8 +4,19 @@ import numpy as np
 import pytest
 
 from containers.errors import InputError
-from replay.hypotheses import (INSUFFICIENT, MEDIAN_TOLERANCE, NOT_SUPPORTED, SUPPORTED, ArmSteps, admission_table,
-                               placement_table, quantile_difference, split_table, stall_interval, tail_table)
+from replay.hypotheses import (
+    INSUFFICIENT,
+    MEDIAN_TOLERANCE,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    ArmSteps,
+    admission_table,
+    placement_table,
+    quantile_difference,
+    split_table,
+    stall_interval,
+    tail_table,
+)
 
 
 def steps(n_sessions=8, per=40, seed=0):
