@@ -1,0 +1,141 @@
+"""Replay peak memory against trace length: GLM-5.2 decode traces of 5k to 1M tokens.
+
+Usage: python benchmarks/bench_memory.py [--tokens 5000 20000 100000 1000000]
+                                         [--baseline f117103] [--baseline-max 100000]
+
+For each length, writes a synthetic GLM-5.2 trace file (75 layers, top-8 of 256; sessions of
+10,000 tokens, generated 100,000 tokens at a time so the generator stays small), then replays
+every forward through the stock layout on the Mac Pro profile (no cache, 8 workers, no prefetch)
+in fresh processes and prints each one's wall time, peak RSS (the child's VmHWM) and the stall
+per committed token S it computed:
+
+* ``streamed``: :class:`replay.trace.TraceFile` + :func:`replay.streaming.replay_steps` over its
+  row blocks (the rows never all in memory);
+* ``in memory``: :func:`replay.trace.load_trace` (gates left in the file) + ``replay_steps``;
+* ``baseline``: the --baseline commit's tree (``git archive``) doing what its ``run_layout`` did,
+  ``load_trace`` + ``simulate`` + ``step_table``, up to --baseline-max tokens (it needs about
+  23 MB per 1,000 tokens).
+
+The first replay in each tree compiles the model once (numba caches it); a 50-token replay warms
+each tree first so no figure includes that. Scratch files go to a temporary directory (about 1.6
+GB per million tokens), removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO
+
+GENERATE = """
+import sys, numpy as np
+from containers.geometry import load_geometry
+from relayout.trace_synth import synth_trace
+from replay.trace import RoutingTrace, save_trace
+tokens, path = int(sys.argv[1]), sys.argv[2]
+g = load_geometry("glm-5.2-int4-row")
+layers, L, k = list(g.moe_layers), len(g.moe_layers), 8
+piece, per_session = 100_000, 10_000
+R = tokens * L
+arrays = dict(row_forward=np.empty(R, np.int32), row_layer=np.empty(R, np.int16), row_position=np.zeros(R, np.int32),
+              experts=np.empty((R, k), np.int16), gates=np.empty((R, k), np.float32),
+              fwd_session=np.empty(tokens, np.int32), fwd_kind=np.empty(tokens, np.int8),
+              fwd_evaluated=np.empty(tokens, np.int32), fwd_committed=np.empty(tokens, np.int32))
+sessions = []
+for i, f0 in enumerate(range(0, tokens, piece)):
+    n = min(piece, tokens - f0)
+    t = synth_trace(layers, 256, k, n, max(1, n // per_session), seed=i, geometry=g.name)
+    r0 = f0 * L
+    arrays["row_forward"][r0:r0 + n * L] = t.row_forward + f0
+    for name in ("row_layer", "experts", "gates"):
+        arrays[name][r0:r0 + n * L] = getattr(t, name)
+    arrays["fwd_session"][f0:f0 + n] = t.fwd_session + len(sessions)
+    for name in ("fwd_kind", "fwd_evaluated", "fwd_committed"):
+        arrays[name][f0:f0 + n] = getattr(t, name)
+    sessions += t.sessions
+    del t
+save_trace(RoutingTrace(layers=np.asarray(layers, np.int16), n_experts=256, top_k=k, geometry=g.name, sessions=sessions,
+                        source="bench_memory", **arrays), path)
+"""
+
+REPLAY = """
+import json, sys, time, numpy as np
+t0 = time.perf_counter()
+from containers.geometry import load_geometry
+from relayout.plan import source_from_geometry
+from replay.config import RuntimeConfig
+from replay.device import load_device
+mode, path = sys.argv[1], sys.argv[2]
+layout = source_from_geometry(load_geometry("glm-5.2-int4-row")).stock
+dev, cfg = load_device("mac-pro-2019-applraid-4x"), RuntimeConfig()
+if mode == "streamed":
+    from replay.streaming import replay_steps
+    from replay.trace import TraceFile
+    tf = TraceFile(path)
+    steps = replay_steps(tf, np.ones(tf.n_forwards, bool), layout, dev, cfg, blocks=tf.row_blocks()).steps
+elif mode == "in memory":
+    from replay.streaming import replay_steps
+    from replay.trace import load_trace
+    tr = load_trace(path)
+    steps = replay_steps(tr, np.ones(tr.n_forwards, bool), layout, dev, cfg).steps
+else:
+    from replay.engine import simulate
+    from replay.metrics import step_table
+    from replay.trace import load_trace
+    tr = load_trace(path)
+    mask = np.ones(tr.n_forwards, bool)
+    inst, _ = simulate(tr, mask, layout, dev, cfg)
+    steps = step_table(tr, mask, inst)
+hwm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]) / 1024
+print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": hwm, "S": steps.stall.sum() / steps.committed.sum(),
+                  "steps": len(steps.stall)}))
+"""
+
+
+def child(tree: Path, script: str, *args: str) -> str:
+    code = f"import sys; sys.path.insert(0, {str(tree)!r})\n" + script
+    return subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True, cwd=tree).stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[5000, 20000, 100_000, 1_000_000])
+    ap.add_argument("--baseline", default="f117103")
+    ap.add_argument("--baseline-max", type=int, default=100_000)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="relayout-bench-memory-"))
+    try:
+        old = work / "baseline"
+        old.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        warm = work / "warm.rt"
+        child(REPO, GENERATE, "50", str(warm))
+        for tree, mode in ((REPO, "streamed"), (REPO, "in memory"), (old, "baseline")):
+            child(tree, REPLAY, mode, str(warm))
+        print(f"GLM-5.2 decode replay, stock layout, Mac Pro profile, RuntimeConfig() defaults; baseline = {args.baseline}")
+        for tokens in args.tokens:
+            path = work / f"t{tokens}.rt"
+            t = time.perf_counter()
+            child(REPO, GENERATE, str(tokens), str(path))
+            print(f"{tokens:,} tokens: trace file {path.stat().st_size / 1e6:.0f} MB, written in {time.perf_counter() - t:.0f} s",
+                  flush=True)
+            runs = [(REPO, "streamed"), (REPO, "in memory")] + ([(old, "baseline")] if tokens <= args.baseline_max else [])
+            for tree, mode in runs:
+                r = json.loads(child(tree, REPLAY, mode, str(path)).splitlines()[-1])
+                print(f"  {mode:>9}: peak RSS {r['peak_mb']:7.0f} MB, {r['seconds']:7.1f} s, {r['steps']:,} steps, "
+                      f"S = {r['S'] * 1e3:.6f} ms/token", flush=True)
+            path.unlink()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
