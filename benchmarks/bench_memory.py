@@ -1,7 +1,7 @@
 """Replay peak memory against trace length: GLM-5.2 decode traces of 5k to 1M tokens.
 
 Usage: python benchmarks/bench_memory.py [--tokens 5000 20000 100000 1000000]
-                                         [--baseline f117103] [--baseline-max 100000]
+                                         [--baseline f117103] [--baseline-max 100000] [--tree REV]
 
 For each length, writes a synthetic GLM-5.2 trace file (75 layers, top-8 of 256; sessions of
 10,000 tokens, generated 100,000 tokens at a time so the generator stays small), then replays
@@ -16,7 +16,8 @@ per committed token S it computed:
   ``load_trace`` + ``simulate`` + ``step_table``, up to --baseline-max tokens (it needs about
   23 MB per 1,000 tokens).
 
-The first replay in each tree compiles the model once (numba caches it); a 50-token replay warms
+``--tree REV`` measures that commit's tree (``git archive``) instead of the working checkout, so
+that edits made meanwhile in a shared checkout do not reach the runs. The first replay in each tree compiles the model once (numba caches it); a 50-token replay warms
 each tree first so no figure includes that. Scratch files go to a temporary directory (about 1.6
 GB per million tokens), removed at the end.
 """
@@ -104,32 +105,40 @@ def child(tree: Path, script: str, *args: str) -> str:
     return subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True, cwd=tree).stdout
 
 
+def extract(rev: str, into: Path) -> Path:
+    """The tree of commit ``rev`` of this repository, written to ``into``."""
+    into.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[5000, 20000, 100_000, 1_000_000])
     ap.add_argument("--baseline", default="f117103")
     ap.add_argument("--baseline-max", type=int, default=100_000)
+    ap.add_argument("--tree", default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="relayout-bench-memory-"))
     try:
-        old = work / "baseline"
-        old.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        old = extract(args.baseline, work / "baseline")
+        tree = extract(args.tree, work / "tree") if args.tree else REPO
         warm = work / "warm.rt"
-        child(REPO, GENERATE, "50", str(warm))
-        for tree, mode in ((REPO, "streamed"), (REPO, "in memory"), (old, "baseline")):
-            child(tree, REPLAY, mode, str(warm))
-        print(f"GLM-5.2 decode replay, stock layout, Mac Pro profile, RuntimeConfig() defaults; baseline = {args.baseline}")
+        child(tree, GENERATE, "50", str(warm))
+        for where, mode in ((tree, "streamed"), (tree, "in memory"), (old, "baseline")):
+            child(where, REPLAY, mode, str(warm))
+        print(f"GLM-5.2 decode replay, stock layout, Mac Pro profile, RuntimeConfig() defaults; "
+              f"tree {args.tree or 'working checkout'}, baseline {args.baseline}")
         for tokens in args.tokens:
             path = work / f"t{tokens}.rt"
             t = time.perf_counter()
-            child(REPO, GENERATE, str(tokens), str(path))
+            child(tree, GENERATE, str(tokens), str(path))
             print(f"{tokens:,} tokens: trace file {path.stat().st_size / 1e6:.0f} MB, written in {time.perf_counter() - t:.0f} s",
                   flush=True)
-            runs = [(REPO, "streamed"), (REPO, "in memory")] + ([(old, "baseline")] if tokens <= args.baseline_max else [])
-            for tree, mode in runs:
-                r = json.loads(child(tree, REPLAY, mode, str(path)).splitlines()[-1])
+            runs = [(tree, "streamed"), (tree, "in memory")] + ([(old, "baseline")] if tokens <= args.baseline_max else [])
+            for where, mode in runs:
+                r = json.loads(child(where, REPLAY, mode, str(path)).splitlines()[-1])
                 print(f"  {mode:>9}: peak RSS {r['peak_mb']:7.0f} MB, {r['seconds']:7.1f} s, {r['steps']:,} steps, "
                       f"S = {r['S'] * 1e3:.6f} ms/token", flush=True)
             path.unlink()
