@@ -1,6 +1,6 @@
 """Placement arms at equal RAM and splits as a curve (issue 14 items 4-5): replayed and measured.
 
-Usage: python benchmarks/bench_placement_split.py [--work /tmp/relayout-bench-d] [--tokens 2400] [--skip-measure]
+Usage: python benchmarks/bench_placement_split.py [--work /tmp/relayout-bench-d] [--tokens 2400] [--reps 5] [--skip-measure]
 
 Part 1 (replayed): a GLM-5.2 int4-row geometry with full-size 18.9 MB experts (12 MoE layers of
 256 experts), a synthetic trace of 17 sessions (12 train, 5 held out), the shipped
@@ -11,7 +11,7 @@ Part 2 (measured): a small container of 1.19 MB experts (Qwen3-30B-A3B geometry,
 of 64) on this disk, calibrated; the split curve picks a split at a budget below one whole
 expert per layer, the plan is made with that ratio and top budget (replay rule), the container
 rewritten, and S measured cold on the held-out steps for the whole container (LRU at the budget)
-and the split one (tops + LRU in the rest), three alternating repetitions each, beside the
+and the split one (tops + LRU in the rest), alternating repetitions (--reps), beside the
 model's prediction on the calibrated profile.
 """
 
@@ -73,7 +73,7 @@ def replayed(work: Path, tokens: int) -> None:
     print(f"({time.perf_counter() - t0:.1f} s)\n")
 
 
-def measured(work: Path) -> None:
+def measured(work: Path, reps: int) -> None:
     g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=4, experts=64, ffn=384)
     src = work / "qwen-src"
     if not src.exists():
@@ -111,7 +111,7 @@ def measured(work: Path) -> None:
     pred_whole = run_layout("whole", tr, mask, whole.layout, dev, cfg_whole, no_pins).summary.stall_per_token_s
     pred_split = run_layout("split", tr, mask, plan.layout, dev, cfg_split, no_pins, state).summary.stall_per_token_s
     runs = {"whole": [], "split": []}
-    for rep in range(3):
+    for rep in range(reps):
         for name in ("whole", "split"):
             out = work / f"{name}-{rep}.jsonl"
             if name == "whole":
@@ -120,7 +120,7 @@ def measured(work: Path) -> None:
                 measure(Container.open(dst), tr, mask, cfg_split, out, run_id=out.stem, progress=False,
                         split=(plan.layout, state))
             runs[name].append(report([out])["runs"][0]["stall_per_committed_token_ns"] / 1e9)
-    print(f"\nmeasured on this disk ({int(mask.sum())} held-out steps, cold, 3 alternating repetitions; "
+    print(f"\nmeasured on this disk ({int(mask.sum())} held-out steps, cold, {reps} alternating repetitions; "
           f"budget {budget / 1e6:.2f} MB: split ratio {point.ratio:g}, tops {plan.split['resident_bytes'] / 1e6:.2f} MB, "
           f"LRU {point.lru_bytes / 1e6:.2f} MB)")
     for name, pred in (("whole", pred_whole), ("split", pred_split)):
@@ -135,12 +135,13 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/relayout-bench-d")
     ap.add_argument("--tokens", type=int, default=2400)
     ap.add_argument("--skip-measure", action="store_true")
+    ap.add_argument("--reps", type=int, default=5, help="measured repetitions per layout (alternating)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     replayed(work, args.tokens)
     if not args.skip_measure:
-        measured(work)
+        measured(work, args.reps)
 
 
 if __name__ == "__main__":
