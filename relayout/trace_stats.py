@@ -5,8 +5,10 @@ seen at least ``min_count`` times, the lift from layer L to L+1 for the same pos
 reuse distance (forwards between two uses of the same expert at the same layer).
 
 Bounded for any trace :func:`replay.trace.load_trace` accepts: pair statistics are sparse (memory
-grows with the rows, not with the square of the experts per layer), each layer's rows are
-found once by one sort, and arrays indexed by expert are O(experts per layer).
+grows with the rows, not with the square of the experts per layer), one layer's rows are
+worked on at a time (found by a pass over the row layers, so nothing is as large as the whole
+trace's rows but the trace itself, whose gates stay in the file), and arrays indexed by expert
+are O(experts per layer).
 """
 
 from __future__ import annotations
@@ -46,13 +48,16 @@ def reuse_distances(trace: RoutingTrace, layer: int, rows: np.ndarray | None = N
     return d[same & (d > 0)]
 
 
-def layer_row_groups(trace: RoutingTrace) -> dict[int, np.ndarray]:
-    """Row indices (ascending) of every layer of ``trace``, from one stable sort."""
-    order = np.argsort(trace.row_layer, kind="stable")
-    sorted_layers = trace.row_layer[order]
-    lo = np.searchsorted(sorted_layers, trace.layers, side="left")
-    hi = np.searchsorted(sorted_layers, trace.layers, side="right")
-    return {int(layer): order[a:b] for layer, a, b in zip(trace.layers.tolist(), lo, hi)}
+def layer_rows_in_turn(trace: RoutingTrace):
+    """``(layer, rows, next layer's rows or None)`` for every layer of ``trace`` in order, the row
+    indices ascending; at most two layers' indices exist at a time (one pass over ``row_layer``
+    per layer, instead of a sort index as large as the trace's rows)."""
+    layers = trace.layers.tolist()
+    rows = trace.layer_rows(layers[0]) if layers else None
+    for i, layer in enumerate(layers):
+        following = trace.layer_rows(layers[i + 1]) if i + 1 < len(layers) else None
+        yield layer, rows, following if i + 1 < len(layers) and layers[i + 1] == layer + 1 else None
+        rows = following
 
 
 def _within_layer_lifts(ex: np.ndarray, n_experts: int, heat: np.ndarray, n_rows: int, min_count: int) -> np.ndarray:
@@ -81,16 +86,13 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
         "heat_only": trace.heat_only,
         "layers": [],
     }
-    layer_set = set(trace.layers.tolist())
-    groups = {} if trace.heat_only else layer_row_groups(trace)
-    for li, layer in enumerate(trace.layers.tolist()):
+    if trace.heat_only:
+        for li, layer in enumerate(trace.layers.tolist()):
+            out["layers"].append({"layer": layer,
+                                  "heat_entropy_bits": round(float(entropy_bits(trace.heat[li].astype(float))), 4),
+                                  "selections": int(trace.heat[li].sum())})
+    for layer, rows, next_rows in ([] if trace.heat_only else layer_rows_in_turn(trace)):
         entry = {"layer": layer}
-        if trace.heat_only:
-            entry["heat_entropy_bits"] = round(float(entropy_bits(trace.heat[li].astype(float))), 4)
-            entry["selections"] = int(trace.heat[li].sum())
-            out["layers"].append(entry)
-            continue
-        rows = groups[layer]
         ex = trace.experts[rows].astype(np.int64)
         heat = heat_of(ex, trace.n_experts)
         lifts = _within_layer_lifts(ex, trace.n_experts, heat, len(rows), min_count)
@@ -103,8 +105,8 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
             lift=_q(lifts),
             reuse_distance=_q(reuse_distances(trace, layer, rows).astype(float)),
         )
-        if layer + 1 in layer_set:
-            entry["cross_layer_lift"] = _q(cross_layer_lift(trace, layer, 1, min_count, rows, groups[layer + 1]))
+        if next_rows is not None:
+            entry["cross_layer_lift"] = _q(cross_layer_lift(trace, layer, 1, min_count, rows, next_rows))
         out["layers"].append(entry)
     if not trace.heat_only and out["layers"]:
         def med(key, sub):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from containers.errors import InputError
 from relayout.coactivation import pair_counts, write_coli_pairs
 from relayout.trace_import import import_traces, read_route_trace
-from relayout.trace_stats import reuse_distances, trace_stats
+from relayout.trace_stats import layer_rows_in_turn, reuse_distances, trace_stats
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
 from replay.trace import FORWARD_KINDS, load_trace, save_trace
 
@@ -283,6 +283,19 @@ def test_pair_counts_match_brute_force(seed, k):
                 if i != j:
                     brute[i, j] += 1
     assert np.array_equal(C, brute)
+
+
+def test_stats_take_the_layers_in_turn_with_the_next_layers_rows():
+    tr = synth_trace([3, 4, 6, 7], 16, 2, 50, 2, seed=2)
+    seen = []
+    for layer, rows, following in layer_rows_in_turn(tr):
+        assert (tr.row_layer[rows] == layer).all() and (np.diff(rows) > 0).all()
+        if layer + 1 in (4, 7):
+            assert np.array_equal(following, np.flatnonzero(tr.row_layer == layer + 1))
+        else:
+            assert following is None                       # 4 -> 6 and 7 are not consecutive layers
+        seen.append(rows)
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(tr.n_rows))
 
 
 def test_reuse_distance_counts_forwards_between_uses():
