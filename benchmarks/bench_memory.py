@@ -14,7 +14,9 @@ per committed token S it computed:
 * ``in memory``: :func:`replay.trace.load_trace` (gates left in the file) + ``replay_steps``;
 * ``baseline``: the --baseline commit's tree (``git archive``) doing what its ``run_layout`` did,
   ``load_trace`` + ``simulate`` + ``step_table``, up to --baseline-max tokens (it needs about
-  23 MB per 1,000 tokens).
+  23 MB per 1,000 tokens);
+* ``stats`` and ``baseline stats``: ``relayout trace stats``' work (``load_trace`` + ``trace_stats``)
+  in each tree.
 
 ``--tree REV`` measures that commit's tree (``git archive``) instead of the working checkout, so
 that edits made meanwhile in a shared checkout do not reach the runs. The first replay in each tree compiles the model once (numba caches it); a 50-token replay warms
@@ -86,6 +88,14 @@ elif mode == "in memory":
     from replay.trace import load_trace
     tr = load_trace(path)
     steps = replay_steps(tr, np.ones(tr.n_forwards, bool), layout, dev, cfg).steps
+elif mode.endswith("stats"):
+    from relayout.trace_stats import trace_stats
+    from replay.trace import load_trace
+    tr = load_trace(path)
+    t = trace_stats(tr)
+    hwm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]) / 1024
+    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": hwm, "S": float("nan"), "steps": t["forwards"]}))
+    sys.exit(0)
 else:
     from replay.engine import simulate
     from replay.metrics import step_table
@@ -137,10 +147,12 @@ def main() -> None:
             print(f"{tokens:,} tokens: trace file {path.stat().st_size / 1e6:.0f} MB, written in {time.perf_counter() - t:.0f} s",
                   flush=True)
             runs = [(tree, "streamed"), (tree, "in memory")] + ([(old, "baseline")] if tokens <= args.baseline_max else [])
+            runs += [(tree, "stats")] + ([(old, "baseline stats")] if tokens <= args.baseline_max else [])
             for where, mode in runs:
                 r = json.loads(child(where, REPLAY, mode, str(path)).splitlines()[-1])
-                print(f"  {mode:>9}: peak RSS {r['peak_mb']:7.0f} MB, {r['seconds']:7.1f} s, {r['steps']:,} steps, "
-                      f"S = {r['S'] * 1e3:.6f} ms/token", flush=True)
+                what = (f"{r['steps']:,} steps, S = {r['S'] * 1e3:.6f} ms/token" if "stats" not in mode else
+                        "relayout trace stats (load_trace + trace_stats)")
+                print(f"  {mode:>14}: peak RSS {r['peak_mb']:7.0f} MB, {r['seconds']:7.1f} s, {what}", flush=True)
             path.unlink()
     finally:
         shutil.rmtree(work, ignore_errors=True)
