@@ -192,25 +192,24 @@ class RoutingTrace:
         """
         if self.heat_only:
             return []
+        # a session's forwards are contiguous (validate), and rows follow their forwards: each
+        # session is one range of forwards and one range of rows, hashed in place
         S, F = len(self.sessions), self.n_forwards
-        f_order = np.argsort(self.fwd_session, kind="stable")
-        f_counts = np.bincount(self.fwd_session, minlength=S)
-        f_starts = np.concatenate([[0], np.cumsum(f_counts)])
-        rel = np.empty(F, dtype=np.int64)
-        rel[f_order] = np.arange(F) - np.repeat(f_starts[:-1], f_counts)
-        row_session = self.fwd_session[self.row_forward]
-        r_order = np.argsort(row_session, kind="stable")
-        r_starts = np.concatenate([[0], np.cumsum(np.bincount(row_session, minlength=S))])
-        columns = (rel[self.row_forward], self.row_layer, self.row_position)
+        runs = np.flatnonzero(np.diff(self.fwd_session, prepend=-1)) if F else np.zeros(0, dtype=np.int64)
+        f_lo = np.zeros(S, dtype=np.int64)
+        f_hi = np.zeros(S, dtype=np.int64)
+        f_lo[self.fwd_session[runs]] = runs
+        f_hi[self.fwd_session[runs]] = np.append(runs[1:], F)
         out = []
         for si in range(S):
             h = xxhash.xxh3_128()
-            fs = f_order[f_starts[si]:f_starts[si + 1]]
+            fs = slice(int(f_lo[si]), int(f_hi[si]))
             for arr in (self.fwd_kind[fs], self.fwd_evaluated[fs], self.fwd_committed[fs]):
                 h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-            rs = r_order[r_starts[si]:r_starts[si + 1]]
-            for arr in columns:
-                h.update(np.ascontiguousarray(arr[rs], dtype=np.int64).tobytes())
+            r0, r1 = np.searchsorted(self.row_forward, [fs.start, fs.stop]) if fs.stop > fs.start else (0, 0)
+            rs = slice(int(r0), int(r1))
+            for arr in (self.row_forward[rs].astype(np.int64) - fs.start, self.row_layer[rs], self.row_position[rs]):
+                h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
             h.update(np.ascontiguousarray(self.experts[rs], dtype=np.int64).tobytes())
             out.append(h.hexdigest())
         return out

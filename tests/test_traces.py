@@ -248,6 +248,19 @@ def test_gates_stay_in_the_file_until_used_and_are_verified_then(tmp_path):
         later.gates
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.permutations(range(4)))
+def test_a_sessions_fingerprint_is_its_content_wherever_it_sits(seed, order):
+    tr = synth_trace([3, 4], 16, 2, 40, 4, seed=seed % 1000)
+    tr.fwd_session = np.asarray(order, dtype=np.int32)[tr.fwd_session]       # session blocks in any order
+    prints = tr.session_fingerprints()
+    assert len(set(prints)) == 4
+    for si in range(4):
+        alone = tr.subset([si])
+        alone.sessions = ["renamed"]
+        assert alone.session_fingerprints() == [prints[si]]
+
+
 def test_interleaved_sessions_are_refused(tmp_path):
     # the replay model starts each session with a cold cache: a session must be one run of forwards
     tr = synth_trace([3], 16, 2, 30, 3, seed=1)
