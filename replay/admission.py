@@ -29,17 +29,20 @@ the layer's demand loads are done (:mod:`replay.instance`). Policies, by what th
 
 The estimated need time of a candidate is when the next layer is routed plus the expected
 matmuls the compute thread runs before it: those of the layer's resident experts (it runs them
-first) and of the candidates ahead of it in issue order, each weighted by its probability.
+first; experts below the probability floor are left out) and of the candidates ahead of it in
+issue order, each weighted by its probability.
 
 Tail control (5.8): a load not started when the next layer is routed is dropped (its deadline
 passed); with ``cancel_stale``, a load the next layer was routed without also stops issuing its
 remaining reads (one already at the drives completes); with ``adaptive_budget`` the byte budget is
 at most what the drives can deliver between the prefetcher's start (after their backlog) and the
-next routing; with ``backoff`` a layer whose measured stall-conversion (:func:`record_outcome`)
+next routing (a load is admitted while the bytes admitted before it fit in that window, so
+it is expected to start in time); with ``backoff`` a layer whose measured stall-conversion (:func:`record_outcome`)
 is not positive stops prefetching, probing once every :data:`BACKOFF_PROBE` forwards.
 
 Per instance the replay counts the candidates a policy rejected (``rejected``: candidates it did
-not admit) and the loads cancelled (``cancelled``: dropped or cut).
+not admit) and the loads cancelled (``cancelled``: dropped or cut). Where all experts have the same bytes (GLM-5.2),
+``per-byte`` ranks as ``probability`` does.
 
 References
 ----------
@@ -49,6 +52,7 @@ Seed sections 5.2-5.4 and 5.8; experiments E2 and E5.
 from __future__ import annotations
 
 from collections import namedtuple
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
@@ -99,12 +103,12 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
     ``top-k``, its ``(targets, counts)`` pair table, or None for ``none`` and ``oracle``."""
     L, E = len(layout.layers), layout.n_experts
     kind = config.prefetch
-    if isinstance(learned, SourceModel):
+    if kind in ("none", "oracle"):                # they learn nothing: whatever was learned is not theirs
+        model = None
+    elif isinstance(learned, SourceModel):
         if learned.name != kind:
             raise InputError(None, f"the learned source is {learned.name!r}, the configuration asks for {kind!r}")
         model = learned
-    elif kind in ("none", "oracle"):
-        model = None
     elif kind == "coupled" and learned is not None and config.admission == "top-k":
         targets, counts = learned
         model = SourceModel("coupled", np.asarray(targets), np.asarray(counts), np.zeros((L, E)), np.zeros((L, E)),
@@ -167,15 +171,16 @@ def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, c
     # the candidates: the C most probable experts not in RAM (the oracle's: the ones really needed)
     nc, considered, resident_compute = 0, 0, 0.0
     a, b = inst.sel_start[i + 1], inst.sel_start[i + 2]
+    oracle = policy == ORACLE_POLICY
+    floor = max(pol.min_probability, 1e-300)
     for e in range(E):
         pe = p[e]
+        if pe < floor and not oracle:
+            continue
         if ram.pinned[nl, e] or lru.cached[nl, e]:
             resident_compute += pe * seconds[e]
             continue
-        if policy == ORACLE_POLICY:
-            if not _in(e, inst.sel_e, a, b):
-                continue
-        elif pe <= 0.0 or pe < pol.min_probability:
+        if oracle and not _in(e, inst.sel_e, a, b):
             continue
         considered += 1
         if nc == C and (policy == ORACLE_POLICY or p[cand[C - 1]] >= pe):
@@ -204,8 +209,9 @@ def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, c
         backlog = max(backlog, drives.free[m] - start)
     t0 = start + backlog
     budget = float(pol.prefetch_bytes) if pol.prefetch_bytes > 0 else np.inf
+    window = np.inf                              # adaptive: bytes the drives deliver before the next routing
     if pol.adaptive_budget:
-        budget = min(budget, max(routed - t0, 0.0) * min(dev.full_bandwidth, dev.members * dev.stream_bandwidth))
+        window = max(routed - t0, 0.0) * min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
     lam, rho = ctl.late_frac[nl], ctl.cost_ratio[nl]
     p_victim = 0.0
     if lru.capacity[nl] > 0 and lru.size[nl] >= lru.capacity[nl] and lru.oldest[nl] >= 0:
@@ -233,6 +239,8 @@ def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, c
         c = order[r]
         e = cand[c]
         nbytes = lay.ebytes[nl, e]
+        if used >= window:
+            break                                # it would start after the next layer is routed
         if used + nbytes > budget:
             continue
         if policy == STALL_VALUE and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes) <= 0.0:
@@ -318,3 +326,33 @@ def record_outcome(li, saved, wasted, ctl):
     still held when the layer was routed). Their difference is the instance's measured
     stall-conversion, whose running mean decides backoff."""
     ctl.gain[li] += FEEDBACK_WEIGHT * ((saved - wasted) - ctl.gain[li])
+
+
+@dataclass(frozen=True)
+class AdmissionCounts:
+    """What a policy did, per committed token (:func:`admission_counts`): ``loads`` (prefetch
+    loads completed or in flight at routing), ``rejected`` (candidates not admitted),
+    ``cancelled`` (admitted loads dropped or cut), ``speculative_bytes`` (bytes the prefetcher
+    read, cut loads' reads included) and ``unused_bytes`` (of those loaded, bytes the layer did
+    not select); ``cancellation_rate``: cancelled over admitted (loads + cancelled), None when
+    nothing was admitted."""
+
+    loads: float
+    rejected: float
+    cancelled: float
+    speculative_bytes: float
+    unused_bytes: float
+    cancellation_rate: float | None
+
+
+def admission_counts(steps) -> AdmissionCounts | None:
+    """The :class:`AdmissionCounts` of a replay's step table (:class:`replay.metrics.StepTable`);
+    None when no source ran."""
+    p = steps.prefetch
+    if p is None:
+        return None
+    tokens = max(float(steps.committed.sum()), 1e-12)
+    loads, cancelled = float(p["loads"].sum()), float(p["cancelled"].sum())
+    return AdmissionCounts(loads / tokens, float(p["rejected"].sum()) / tokens, cancelled / tokens,
+                           float(p["issued"].sum()) / tokens, float(p["unused"].sum()) / tokens,
+                           cancelled / (loads + cancelled) if loads + cancelled else None)

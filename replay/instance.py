@@ -692,16 +692,17 @@ def _feedback(i, li, k, miss, lay, pol, dev, ctl, out):
 @njit(**HELPER)
 def _prefetch_outcome(i, li, inst, pending, pf_n, lay, pol, dev, ctl):
     """The measured stall-conversion of the prefetches made for instance ``i`` (for backoff,
-    :func:`replay.admission.record_outcome`): the estimated stall the timely used ones removed
-    (lambda x rho x their load time) less the drive time the unused ones held after routing."""
+    :func:`replay.admission.record_outcome`): the estimated stall the used ones removed (lambda x
+    rho x the part of their load time done before routing) less the drive time the unused ones
+    held after routing."""
     saved, wasted = 0.0, 0.0
     a, b = inst.sel_start[i], inst.sel_start[i + 1]
     for p in range(pf_n):
         e = pending.experts[p]
         r = pending.ready[e]
         if _selected(e, inst.sel_e, a, b):
-            if r <= 0:
-                saved += ctl.late_frac[li] * ctl.cost_ratio[li] * load_seconds(li, e, False, lay, pol, dev)
+            s = load_seconds(li, e, False, lay, pol, dev)
+            saved += ctl.late_frac[li] * ctl.cost_ratio[li] * min(s, max(s - r, 0.0))
         else:
             wasted += max(r, 0.0)
     record_outcome(li, saved, wasted, ctl)
