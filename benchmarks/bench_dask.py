@@ -11,9 +11,11 @@ Prints, measured in this run:
 * pooled counting of --files trace files (``relayout.training.pooled_training``), serial and on
   the cluster, alternating: seconds, speedup, identical counts.
 
-Both paths load the replay model's compiled code from numba's cache before timing. The
-machine's cores are shared with whatever else runs on it: compare the ratios, measured side by
-side, not the seconds across runs.
+Both paths load the replay model's compiled code before timing (this process, and every worker
+through ``Client.run``). Run it from a checkout nobody edits while it runs (``git worktree add``):
+numba's cache is keyed by the source files, so an edit makes fresh worker processes compile
+again. The machine's cores are shared with whatever else runs on it: compare the ratios,
+measured side by side, not the seconds across runs.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def main() -> None:
     with open_executor("local", workers=args.workers) as cluster:
         startup = time.perf_counter() - t
         print(f"{cluster.name}: started in {startup:.1f} s")
-        sweep(plan, trace, device, RuntimeConfig(), [0.0], WORKERS[:args.workers], executor=cluster)  # workers load the model
+        cluster.client.run(sweep, plan, trace, device, RuntimeConfig(), [0.0], [1])  # every worker loads the compiled model
         times = {"serial sweep": [], "dask sweep": [], "serial count": [], "dask count": []}
         identical_sweep = identical_count = True
         for _ in range(args.pairs):

@@ -174,10 +174,13 @@ class PairCounts:
         """The counts of both (the rows of both files), exact."""
         if not np.array_equal(self.layers, other.layers) or self.n_experts != other.n_experts:
             raise ValueError("pair counts of different layers or expert counts cannot be merged")
-        keys, inverse = np.unique(np.concatenate([self.keys, other.keys]), return_inverse=True)
-        counts = np.zeros(len(keys), dtype=np.int64)
-        np.add.at(counts, inverse, np.concatenate([self.counts, other.counts]))
-        return PairCounts(self.layers, self.n_experts, self.rows + other.rows, self.heat + other.heat, keys, counts)
+        keys = np.concatenate([self.keys, other.keys])
+        order = np.argsort(keys, kind="stable")  # two sorted runs: a linear merge
+        keys = keys[order]
+        counts = np.concatenate([self.counts, other.counts])[order]
+        first = np.flatnonzero(np.diff(keys, prepend=-1)) if len(keys) else np.zeros(0, dtype=np.int64)
+        return PairCounts(self.layers, self.n_experts, self.rows + other.rows, self.heat + other.heat, keys[first],
+                          np.add.reduceat(counts, first) if len(first) else counts[:0])
 
     def layer(self, index: int) -> LayerCounts:
         """Dense counts of the ``index``-th layer counted."""
