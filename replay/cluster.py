@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -72,19 +73,23 @@ def _combine(combine: Callable, left: _Outcome, right: _Outcome) -> _Outcome:
     return _run(combine, left.value, right.value)
 
 
-class Executor:
-    """Runs independent tasks; see the module doc. Subclasses implement the three methods."""
+class Executor(ABC):
+    """Runs independent tasks; see the module doc. ``name`` says where, ``workers`` how many
+    run at once."""
 
     name = "executor"
     workers = 1
 
+    @abstractmethod
     def map(self, function: Callable, tasks: Sequence[tuple], desc: str = "tasks") -> list:
-        raise NotImplementedError
+        """``[function(*args) for args in tasks]``, in order; ``desc`` labels the progress bar."""
 
+    @abstractmethod
     def map_reduce(self, function: Callable, tasks: Sequence[tuple], combine: Callable, desc: str = "tasks"):
-        raise NotImplementedError
+        """``combine`` (associative) over ``function(*args)`` of every task, in task order."""
 
     def share(self, value):
+        """A handle to pass to tasks instead of ``value`` (the value itself when serial)."""
         return value
 
 
