@@ -5,8 +5,11 @@ arms are compared pairwise, step for step. For each hypothesis the table gives e
 (seconds of foreground stall per committed token) with its 95% bootstrap interval, the figures
 the seed asks for beside it, the paired comparisons the claim rests on, and a verdict:
 
-* ``supported``: every comparison the claim needs holds at family-wise level 2.5% one-sided
-  (Holm's procedure over the comparisons; the lower tail of a 95% interval);
+* ``supported``: every comparison the claim needs holds: at family-wise level 2.5% one-sided
+  (Holm's procedure over the comparisons; the lower tail of a 95% interval), and by at least
+  :data:`MATERIAL_SHARE` of the other arm's TPOT (C + S + O per committed token; of its S where
+  compute is not known), so a host that is compute-bound, where every saving is a sliver of the
+  token's time, supports nothing;
 * ``not supported``: the evidence suffices and at least one comparison does not hold; the
   falsifier's wording is printed with it, as a result, not an error;
 * ``insufficient``: too few held-out sessions (or blocks) to decide.
@@ -37,7 +40,7 @@ The seed proposal, sections 4.3 (eta_stall), 8 (E2, E3, E5 and their falsifiers)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,6 +58,8 @@ from .stats import Interval
 
 ALPHA = 0.025
 """Family-wise level of one hypothesis's comparisons (one-sided)."""
+MATERIAL_SHARE = 0.01
+"""The smallest saving, as a share of the other arm's TPOT, a comparison counts as an improvement."""
 MEDIAN_TOLERANCE = 0.05
 """H5: the largest rise of the median step stall, as a share of the default arm's, that is not "material"."""
 RESAMPLES = 4000
@@ -104,7 +109,8 @@ class ArmSteps:
     per step [N], ``session`` (unit id per step [N]); ``speculative_bytes`` (prefetched bytes in
     all, for eta_stall; 0 without prefetch), and, where known, the RAM hit rate (share of union
     lookups served from RAM), timely required-byte recall (0-1), unused speculative bytes per
-    committed token and the mean drive queue depth (requests)."""
+    committed token, the mean drive queue depth (requests) and ``compute`` (s per step of
+    everything but stall: matmuls, dense work, other overhead)."""
 
     name: str
     stall: np.ndarray
@@ -115,10 +121,22 @@ class ArmSteps:
     timely_recall: float | None = None
     unused_bytes_per_token: float | None = None
     queue_depth: float | None = None
+    compute: np.ndarray | None = None
 
     @property
     def stall_per_token_s(self) -> float:
         return float(self.stall.sum() / max(self.committed.sum(), 1e-12))
+
+    @property
+    def tpot_s(self) -> float | None:
+        """C + S + O per committed token (s), when compute is known."""
+        if self.compute is None:
+            return None
+        return float((self.stall.sum() + self.compute.sum()) / max(self.committed.sum(), 1e-12))
+
+    def material(self) -> float:
+        """The smallest saving against this arm that counts (s per committed token)."""
+        return MATERIAL_SHARE * (self.tpot_s if self.tpot_s is not None else self.stall_per_token_s)
 
     @property
     def speculative_bytes_per_token(self) -> float:
@@ -135,17 +153,23 @@ def arm_from_run(run, name: str | None = None) -> ArmSteps:
     pf = m.prefetch
     spec = float(s.prefetch["issued"].sum()) if s.prefetch is not None else 0.0
     depth = float(np.mean(m.drive_queue_depth)) if m.drive_queue_depth else None
-    return ArmSteps(name or run.name, np.asarray(s.stall, float), np.asarray(s.committed, float), np.asarray(s.session),
+    committed = np.asarray(s.committed, float)
+    return ArmSteps(name or run.name, np.asarray(s.stall, float), committed, np.asarray(s.session),
                     spec, m.ram_hit_rate, None if pf is None else pf.timely_required_byte_recall,
-                    None if pf is None else pf.unused_prefetched_bytes_per_token, depth)
+                    None if pf is None else pf.unused_prefetched_bytes_per_token, depth,
+                    np.asarray(s.compute, float) + m.other_per_token_s * committed)
 
 
 def arm_from_measured(run, name: str | None = None) -> ArmSteps:
     """An arm from a measured STALL_TRACE run (:class:`replay.stalltrace.RunMetrics`): steps in
     (request, step) order, requests as units."""
     _, session = np.unique(np.array([str(k[0]) for k in run.step_keys]), return_inverse=True)
+    fig = run.to_json()
+    c, o = fig.get("compute_per_committed_token_ns"), fig.get("other_per_committed_token_ns")
+    committed = np.asarray(run.step_committed, float)
+    compute = None if c is None or o is None else committed * (c + o) / 1e9
     return ArmSteps(name or run.configuration or run.run_id, np.asarray(run.step_stall, float) / 1e9,
-                    np.asarray(run.step_committed, float), session, float(run.speculative_bytes))
+                    committed, session, float(run.speculative_bytes), compute=compute)
 
 
 @dataclass(frozen=True)
@@ -314,13 +338,21 @@ def _lower_stall_comparisons(h: Hypothesis, arms: dict[str, ArmSteps], seed: int
     against = [c for c in h.comparators if c in arms]
     found = [saving(arms[c], test, seed) for c in against]
     held = holm([p for _, p in found], ALPHA) if found else []
-    out = []
-    for c, (iv, p), ok in zip(against, found, held):
-        words = (f"{h.test_arm} stalls less than {c}: {_ms(iv.estimate)} ms/token [{_ms(iv.low)}, {_ms(iv.high)}]" if ok else
-                 f"{h.test_arm} does not stall significantly less than {c}: {_ms(iv.estimate)} ms/token "
-                 f"[{_ms(iv.low)}, {_ms(iv.high)}]")
-        out.append(Comparison(h.test_arm, c, "S", iv, p, bool(ok), words))
-    return out
+    return [_stall_comparison(h.test_arm, c, iv, p, bool(sig), arms[c].material()) for c, (iv, p), sig in zip(against, found, held)]
+
+
+def _stall_comparison(test: str, against: str, iv: Interval, p: float, significant: bool, material: float) -> Comparison:
+    """``test`` stalls less than ``against`` when the saving is significant and material."""
+    holds = significant and iv.estimate >= material
+    span = f"{_ms(iv.estimate)} ms/token [{_ms(iv.low)}, {_ms(iv.high)}]"
+    if holds:
+        words = f"{test} stalls less than {against}: {span}"
+    elif significant:
+        words = (f"{test} stalls less than {against} by only {span}, under {MATERIAL_SHARE:.0%} of {against}'s TPOT "
+                 f"({_ms(material)} ms/token)")
+    else:
+        words = f"{test} does not stall significantly less than {against}: {span}"
+    return Comparison(test, against, "S", iv, p, holds, words)
 
 
 def _table(h: Hypothesis, regime: str, arms: dict[str, ArmSteps], comparisons: list[Comparison], min_sessions: int,
@@ -399,29 +431,23 @@ def split_table(curve: dict[int, tuple[ArmSteps, ArmSteps]], regime: str, min_se
         raise InputError(None, "H3b needs at least one RAM budget")
     arms, found = {}, []
     for ram, (whole, split) in sorted(curve.items()):
-        gb = f"{ram / 1e9:g} GB"
-        arms[f"whole @ {gb}"] = ArmSteps(f"whole @ {gb}", whole.stall, whole.committed, whole.session, whole.speculative_bytes,
-                                         whole.ram_hit_rate)
-        arms[f"split @ {gb}"] = ArmSteps(f"split @ {gb}", split.stall, split.committed, split.session, split.speculative_bytes,
-                                         split.ram_hit_rate)
+        gb = f"{ram / 1e9:.3g} GB"
+        arms[f"whole @ {gb}"] = replace(whole, name=f"whole @ {gb}")
+        arms[f"split @ {gb}"] = replace(split, name=f"split @ {gb}")
         found.append((gb, *saving(whole, split, seed), *saving(split, whole, seed)))
     _check_paired(arms)
     better = holm([p for _, _, p, _, _ in found], ALPHA)
     worse = holm([p for _, _, _, _, p in found], ALPHA)
-    comparisons = []
-    for (gb, iv, p, _, _), b in zip(found, better):
-        words = (f"at {gb} split experts stall less: {_ms(iv.estimate)} ms/token [{_ms(iv.low)}, {_ms(iv.high)}]" if b else
-                 f"at {gb} split experts do not stall significantly less: {_ms(iv.estimate)} ms/token "
-                 f"[{_ms(iv.low)}, {_ms(iv.high)}]")
-        comparisons.append(Comparison(f"split @ {gb}", f"whole @ {gb}", "S", iv, p, bool(b), words))
+    comparisons = [_stall_comparison(f"split @ {gb}", f"whole @ {gb}", iv, p, bool(b), curve[ram][0].material())
+                   for (gb, iv, p, _, _), b, ram in zip(found, better, sorted(curve))]
     ok, why = sufficiency(next(iter(arms.values())), min_sessions)
     rows = rows_for(arms, seed)
     if not ok:
         return HypothesisTable(h, regime, rows, comparisons, INSUFFICIENT, why,
                                f"insufficient: {why}; the table's figures are shown, no verdict is drawn")
-    harmed = [f"at {gb} split experts stall MORE: {_ms(iv.estimate)} ms/token [{_ms(iv.low)}, {_ms(iv.high)}]"
+    harmed = [f"at {gb} split experts stall MORE: {_ms(-iv.estimate)} ms/token [{_ms(-iv.high)}, {_ms(-iv.low)}]"
               for (gb, iv, _, _, _), w in zip(found, worse) if w]
-    if any(better) and not harmed:
+    if any(c.holds for c in comparisons) and not harmed:
         return HypothesisTable(h, regime, rows, comparisons, SUPPORTED, why,
                                "supported: " + "; ".join(c.words for c in comparisons if c.holds))
     return HypothesisTable(h, regime, rows, comparisons, NOT_SUPPORTED, why,
@@ -442,7 +468,7 @@ def tail_table(arms: dict[str, ArmSteps], regime: str, min_sessions: int = MIN_S
     d, t = arms["default"], arms[test_arm]
     p99, reps99 = quantile_difference(d, t, 0.99, seed)
     p99_p = float((reps99 <= 0).mean())
-    ok99 = p99_p <= ALPHA
+    ok99 = p99_p <= ALPHA and p99.estimate >= d.material()
     med, _ = quantile_difference(t, d, 0.5, seed)          # rise of the median: test - default
     allowed = MEDIAN_TOLERANCE * float(np.quantile(d.step_stall_per_token(), 0.5))
     ok_med = med.estimate <= allowed
@@ -458,6 +484,6 @@ def tail_table(arms: dict[str, ArmSteps], regime: str, min_sessions: int = MIN_S
 
 
 __all__ = ["ALPHA", "ArmRow", "ArmSteps", "Comparison", "HYPOTHESES", "Hypothesis", "HypothesisTable", "INSUFFICIENT",
-           "MEDIAN_TOLERANCE", "NOT_SUPPORTED", "SUPPORTED", "admission_table", "arm_from_measured", "arm_from_run",
+           "MATERIAL_SHARE", "MEDIAN_TOLERANCE", "NOT_SUPPORTED", "SUPPORTED", "admission_table", "arm_from_measured", "arm_from_run",
            "placement_table", "quantile_difference", "rows_for", "saving", "split_table", "stall_interval", "sufficiency",
            "tail_table"]

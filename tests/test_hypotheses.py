@@ -120,3 +120,13 @@ def test_arms_on_different_steps_are_refused():
     session, s0 = steps()
     with pytest.raises(InputError, match="not the same steps"):
         placement_table({"frequency": arm("frequency", s0, session), "stall-value": arm("stall-value", s0[:-1], session[:-1])}, "t")
+
+
+def test_a_significant_saving_under_one_percent_of_tpot_is_not_an_improvement():
+    session, s0 = steps()
+    compute = np.full(len(s0), 100.0)                         # 100 s of compute per step: stall is a sliver
+    base = ArmSteps("frequency", s0, np.ones(len(s0)), session, compute=compute)
+    t = placement_table({"frequency": base, "stall-value": ArmSteps("stall-value", s0 * 0.8, np.ones(len(s0)), session,
+                                                                    compute=compute)}, "t")
+    assert t.verdict == NOT_SUPPORTED and "by only" in t.reason
+    assert t.comparisons[0].p_value < 0.001                   # significant, just not material

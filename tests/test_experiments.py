@@ -1,0 +1,85 @@
+"""The seed's experiments replayed (issue 14 item 6): arms on the same held-out steps, tables a
+broken runner would get wrong."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from containers.geometry import load_geometry
+from relayout.plan import make_plan, source_from_geometry
+from relayout.trace_synth import SynthParams, synth_trace
+from replay.config import RuntimeConfig
+from replay.device import load_device
+from replay.experiments import (
+    admission_arms,
+    hypothesis_tables,
+    placement_arm_steps,
+    split_arm_steps,
+    tail_arms,
+)
+from replay.hypotheses import INSUFFICIENT, NOT_SUPPORTED, SUPPORTED
+from replay.placement import placement_arms
+from replay.planfile import load_plan, save_plan
+from replay.splitcurve import split_curve
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=3, experts=32, ffn=384)   # 1.19 MB experts
+    tr = synth_trace(g.moe_layers, 32, 8, 700, 17, seed=4, params=SynthParams(clique_strength=0.9))
+    d = tmp_path_factory.mktemp("exp")
+    save_plan(make_plan(tr, source_from_geometry(g), progress=False), d / "plan.json")
+    return load_plan(d / "plan.json"), tr
+
+
+DEVICE = "single-nvme"
+CONFIG = RuntimeConfig(workers=2, prefetch_experts=4, prefetch_bytes=4 * 1_200_000)
+
+
+def test_admission_arms_share_the_held_out_steps_and_the_oracle_bound_holds(case):
+    plan, tr = case
+    arms = admission_arms(plan, tr, load_device(DEVICE), CONFIG)
+    assert set(arms) == {"none", "probability", "per-byte", "deadline", "stall-value", "oracle"}
+    first = arms["none"]
+    for a in arms.values():
+        assert np.array_equal(a.committed, first.committed) and np.array_equal(a.session, first.session)
+    assert arms["none"].speculative_bytes == 0 and arms["stall-value"].speculative_bytes > 0
+    assert arms["oracle"].stall_per_token_s <= min(a.stall_per_token_s for a in arms.values()) + 1e-12
+
+
+def test_placement_and_split_arms_replay_what_the_studies_report(case):
+    plan, tr = case
+    dev = load_device(DEVICE)
+    ram = int(0.3 * plan.layout.expert_bytes()[:, 0].sum() * plan.layout.n_experts)
+    cfg = RuntimeConfig(workers=2)
+    study = placement_arms(plan, tr, dev, cfg, ram)
+    arms = placement_arm_steps(plan, tr, dev, cfg, ram)
+    for a in study.arms:
+        assert arms[a.pins.arm].stall_per_token_s == pytest.approx(a.stall_per_token_s.estimate, rel=1e-12)
+    curve = split_curve(plan, tr, dev, cfg, [ram])
+    (whole, split), = split_arm_steps(plan, tr, dev, cfg, [ram]).values()
+    assert whole.stall_per_token_s == pytest.approx(curve.whole[0].stall_per_token_s.estimate, rel=1e-12)
+    assert split.stall_per_token_s == pytest.approx(curve.split[0].stall_per_token_s.estimate, rel=1e-12)
+
+
+def test_tail_arms_are_the_runtime_rule_and_its_budgeted_variants(case):
+    plan, tr = case
+    arms = tail_arms(plan, tr, load_device(DEVICE), CONFIG)
+    assert list(arms) == ["default", "fixed-budget", "cancel", "adaptive", "tail-control"]
+    assert arms["fixed-budget"].speculative_bytes <= arms["default"].speculative_bytes
+
+
+def test_a_compute_bound_host_supports_no_hypothesis(case):
+    """Matmuls so slow that every load finishes long before it is needed: no policy, placement,
+    split or tail control can remove stall, and no table may say otherwise."""
+    plan, tr = case
+    slow = replace(CONFIG, compute_bytes_per_second=1e6, dense_seconds=0.5)
+    ram = int(0.3 * plan.layout.expert_bytes()[:, 0].sum() * plan.layout.n_experts)
+    tables = hypothesis_tables(plan, tr, load_device(DEVICE), slow, [ram], [CONFIG.prefetch_bytes])
+    assert [t.hypothesis.key for t in tables] == ["H2", "H3a", "H3b", "H5"]
+    for t in tables:
+        assert t.verdict in (NOT_SUPPORTED, INSUFFICIENT), (t.hypothesis.key, t.reason)
+        assert t.verdict != SUPPORTED
+        if t.verdict == NOT_SUPPORTED:
+            assert "Falsifier:" in t.reason
