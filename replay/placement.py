@@ -30,9 +30,14 @@ LRU). For each pin share ``s`` of a grid (:data:`PIN_SHARES`, plus the arms' ``p
 best experts by value per byte are pinned within ``s x R`` and the training sessions are
 replayed again with the LRU at ``R`` minus the pins; the experts left unpinned get their new
 wait (which now includes what the smaller LRU costs them), pinned ones keep their first-round
-value, and the pins are chosen once more and replayed. Displacement is netted by the choice:
-among all these candidates, the LRU-only replay and the frequency arm's pins, the arm keeps the
-pin set with the lowest replayed S on the training sessions. So, **by construction**, the
+value, and the pins are chosen once more and replayed. One more candidate nets displacement
+explicitly, as seed 5.5's ``V(e) = (E[dW_e | resident] - E[C_displace]) / b_e``: the LRU-only
+replays at ``R`` and at ``R / 2`` give the LRU's marginal stall per byte (their S difference over
+``R / 2`` bytes, s per committed token per byte), and an expert's net value per byte is its wait
+per committed token per byte minus that slope; experts of positive net value are pinned best
+first (at most ``R``), then replayed and chosen again once, like the others. Among all these
+candidates, the LRU-only replay and the frequency arm's pins, the arm keeps the pin set with the
+lowest replayed S on the training sessions. So, **by construction**, the
 stall-value arm's training S is never above the frequency arm's or the LRU-only arm's at the same
 RAM (the property the issue asks for is guaranteed by keeping the better candidate, not
 discovered); on held-out sessions it can lose, and the table says so when it does.
@@ -272,7 +277,23 @@ def stall_value_pins(trace: RoutingTrace, train: np.ndarray, layout: Layout, dev
                                f"replayed wait per byte, chosen again after replaying the first pins, pin share {share:g}")
         if second.ranking and not np.array_equal(second.pinned, first.pinned):
             candidates.append(replay_training(trace, train, layout, device, config, second, coupling))
-    replays = len(candidates)
+    # net of displacement: the LRU's marginal stall per byte, from LRU-only replays at R and R/2
+    half = replay_training(trace, train, layout, device, config,
+                           PinSet("lru", np.zeros_like(lru_only.pins.pinned), [], 0, ram_bytes // 2, 0.0, ""), coupling)
+    tokens = max(lru_only.summary.committed_tokens, 1)
+    slope = max(0.0, (half.summary.stall_per_token_s - lru_only.summary.stall_per_token_s) / max(ram_bytes - ram_bytes // 2, 1))
+    net = lru_only.wait / tokens / per_byte - slope
+    how = (f"replayed wait per byte net of the LRU's marginal stall per byte ({slope * 1e9:.3g} s/token per GB, "
+           "from LRU-only replays at the budget and half of it)")
+    netted = pins_by_value("stall-value", net, ebytes, ram_bytes, 1.0, how)
+    if netted.ranking:
+        run1 = replay_training(trace, train, layout, device, config, netted, coupling)
+        candidates.append(run1)
+        again = np.where(netted.pinned, net, run1.wait / tokens / per_byte - slope)
+        second = pins_by_value("stall-value", again, ebytes, ram_bytes, 1.0, how + ", chosen again after replaying them")
+        if second.ranking and not np.array_equal(second.pinned, netted.pinned):
+            candidates.append(replay_training(trace, train, layout, device, config, second, coupling))
+    replays = len(candidates) + 1
     for r in [lru_only, *rivals]:
         how = f"the {r.pins.arm} arm's choice: no replayed candidate stalled less on the training sessions"
         candidates.append(TrainingReplay(replace(r.pins, arm="stall-value", how=how), r.summary, r.wait))
