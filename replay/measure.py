@@ -483,6 +483,13 @@ class SplitReads:
     thread runs a resident top's share of the matmul before waiting for the bottom (as the replay
     model does). Reads are not coalesced across experts. ``need_bytes`` [L, E]: bytes a miss of the
     expert reads (bottom segments when its top is resident, all segments otherwise).
+
+    Where the replay model (:func:`replay.readplan.plan_layer`) plans these reads differently:
+    it reads a bottom at the block's start rather than its end (same length, so the same timing
+    up to alignment), plans three scale reads where a whole split expert has six, and scales a
+    per-row format's down scales by the bottom's share where the segment format stores a full
+    copy in each half (so for int4-row/int8-row experts it counts a few kB less per miss).
+    Weight bytes agree exactly.
     """
 
     def __init__(self, container: Container, layout: Layout, state: SplitState):
