@@ -21,7 +21,7 @@ from containers.geometry import geometry_names, load_geometry
 from containers.jsonfile import shipped_names
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
-from replay.config import PREFETCH_SOURCES
+from replay.config import MODEL_SOURCES, PREFETCH_SOURCES
 from replay.planfile import METHODS
 
 from . import __version__
@@ -30,6 +30,7 @@ from .render import (
     format_calibration,
     format_compare,
     format_gate,
+    format_hypotheses,
     format_inspect,
     format_measure,
     format_placement,
@@ -217,6 +218,7 @@ def _runtime_config(args):
         pin_bytes=int(getattr(args, "pin_gb", 0.0) * 1e9), dense_seconds=args.dense_ms / 1e3,
         compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
         prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
+        prefetch_bytes=int(getattr(args, "prefetch_budget_mb", 0.0) * 1e6),
     )
 
 
@@ -252,6 +254,8 @@ def cmd_replay(args) -> int:
     device = load_device(args.device)
     config = _runtime_config(args)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
+    if args.policy is not None or args.hypotheses is not None:
+        return _replay_hypotheses(args, plan, trace, device, config)
     if args.sweep:
         with open_executor(args.scheduler) as executor:
             cells = sweep(plan, trace, device, config, _floats(args.sweep_ram), [int(w) for w in _floats(args.sweep_workers)],
@@ -281,6 +285,42 @@ def cmd_replay(args) -> int:
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
           + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
     return _verify_and_report(args.container, args.out, False, False)
+
+
+def _replay_hypotheses(args, plan, trace, device, config) -> int:
+    """``replay --policy``: the seed's hypothesis tables (H2 at one regime; with ``--sweep``, every
+    hypothesis over RAM x speculative-byte budgets)."""
+    from dataclasses import replace
+
+    from containers.atomic import write_json_atomic
+    from replay.cluster import open_executor
+    from replay.experiments import ADMISSION_ARMS, HYPOTHESIS_KEYS, hypothesis_tables
+
+    names = ADMISSION_ARMS if args.policy in (None, "all") else tuple(p for p in args.policy.split(",") if p)
+    policies = tuple(dict.fromkeys([*names, "stall-value"]))          # the arm the claim is about is always run
+    keys = tuple(k for k in (args.hypotheses or ("H2,H3a,H3b,H5" if args.sweep else "H2")).split(",") if k)
+    unknown = [k for k in keys if k not in HYPOTHESIS_KEYS]
+    if unknown:
+        raise InputError(None, f"unknown hypothesis {unknown[0]!r} (choose {', '.join(HYPOTHESIS_KEYS)})")
+    source = config.prefetch if config.prefetch != "none" else "coupled"
+    expert = int(plan.layout.expert_bytes().max())
+    if args.sweep:
+        ram = [int(x * 1e9) for x in _floats(args.sweep_ram)]
+        budgets = ([int(x * 1e6) for x in _floats(args.sweep_budgets_mb)] if args.sweep_budgets_mb else
+                   sorted({max(1, config.prefetch_experts // 2) * expert, config.prefetch_experts * expert}))
+    else:
+        ram, budgets = [config.ram_bytes], [config.prefetch_bytes]
+    with open_executor(args.scheduler if args.sweep else "none") as executor:
+        tables = hypothesis_tables(plan, trace, device, replace(config, prefetch=source), ram, budgets, keys, policies,
+                                   source, args.min_sessions, executor)
+    record = {"format": "relayout.hypotheses", "plan": plan.digest, "device": device.name, "source": source,
+              "tables": [t.to_json() for t in tables]}
+    if args.output:
+        write_json_atomic(args.output, record)
+    print(json.dumps(record, indent=1) if args.json else format_hypotheses(tables))
+    if args.output and not args.json:
+        print(f"\nwrote {args.output}")
+    return 0
 
 
 def cmd_placement(args) -> int:
@@ -474,6 +514,18 @@ def cmd_report(args) -> int:
     from replay.stalltrace import report, write_plots
 
     r = report(args.runs)
+    if args.hypothesis:
+        from replay.hypotheses import measured_table
+
+        names = {}
+        for spec in args.arm or []:
+            arm, sep, label = spec.partition("=")
+            if not sep or not arm or not label:
+                raise InputError(None, f"--arm takes ARM=CONFIGURATION, got {spec!r}")
+            names[label] = arm
+        table = measured_table(args.hypothesis, r.runs, names, args.min_sessions)
+        print(json.dumps(table.to_json(), indent=1) if args.json else format_hypotheses([table]))
+        return 0
     print(json.dumps(r.to_json(), indent=1) if args.json else format_report(r.to_json()))
     if args.plots:
         predicted = None
@@ -552,10 +604,11 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
                                                             + ("" if modelled else " (slept)"))
     r.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second"
                                                                  + ("" if modelled else " (slept)"))
-    r.add_argument("--prefetch", choices=PREFETCH_SOURCES, default="none",
+    r.add_argument("--prefetch", choices=MODEL_SOURCES if modelled else PREFETCH_SOURCES, default="none",
                    help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, a bound), "
                         "coupled (cross-layer pair counts of the training sessions, like COUPLE"
-                        + (")" if modelled else "; needs --layout)"))
+                        + ("); replay only: heat, persistence, session (probability sources learned on the training "
+                           "sessions)" if modelled else "; needs --layout)"))
     r.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetcher loads per layer (K, 1-64)")
     if modelled:
         r.add_argument("--pin-gb", type=float, default=0.0, help="pin the hottest experts (training heat), GB")
@@ -682,6 +735,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
     w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
     _scheduler_option(w, "the sweep's cells (one task per cell)")
+    h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate)")
+    h.add_argument("--policy", metavar="NAME[,NAME...]",
+                   help="admission policies to compare with stall-value at equal budgets (probability, per-byte, deadline, "
+                        "stall-value, oracle, or 'all'); over --prefetch's source (coupled when none); prints H2's table, "
+                        "with --sweep every hypothesis over --sweep-ram x --sweep-budgets-mb")
+    h.add_argument("--hypotheses", metavar="H[,H...]", help="which tables: H2, H3a, H3b, H5 (default: H2; with --sweep all four)")
+    h.add_argument("--prefetch-budget-mb", type=float, default=0.0,
+                   help="speculative bytes admitted per layer (B), MB; 0 = only the queue-slot budget --prefetch-experts limits")
+    h.add_argument("--sweep-budgets-mb", help="speculative-byte budgets for --sweep --policy, MB per layer "
+                                              "(default: half and all of --prefetch-experts experts' worth)")
     _rewrite_options(s, src_flag=True)
 
     s = _command(sub, "placement", "placement arms at equal RAM (LRU, frequency pins, hybrid, probability per byte, "
@@ -778,6 +841,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--plots", metavar="DIR", help="write PNG figures (needs the 'plots' extra: matplotlib)")
     s.add_argument("--predicted", metavar="gate.json", help="with --plots: add predicted vs measured S")
+    h = s.add_argument_group("hypotheses (the tables of replay --policy, from measured runs)")
+    h.add_argument("--hypothesis", choices=("H2", "H3a", "H5"),
+                   help="judge a seed hypothesis on the runs: each run's configuration (or run id) is an arm; H2 needs "
+                        "none and stall-value, H3a stall-value and frequency, H5 default and tail-control")
+    h.add_argument("--arm", action="append", metavar="ARM=CONFIGURATION",
+                   help="name the arm a configuration label stands for (repeatable)")
+    h.add_argument("--min-sessions", type=int, default=5, help="units (repetition x request) a verdict needs")
 
     s = _command(sub, "compare", "paired comparison of STALL_TRACE files (first = control)", cmd_compare)
     s.add_argument("runs", nargs="+", help="STALL_TRACE files; the first is the control")

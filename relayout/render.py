@@ -393,3 +393,30 @@ def format_split_curve(curve) -> str:
     if not curve.sufficient:
         lines.append("INSUFFICIENT evidence for a comparison: " + curve.sufficiency)
     return "\n".join(lines)
+
+
+def format_hypotheses(tables) -> str:
+    """``replay --policy`` and ``report --hypothesis``: one table per hypothesis and regime
+    (:class:`replay.hypotheses.HypothesisTable`): each arm's S with its 95% interval and the seed's
+    figures beside it (ms per committed token; speculative and unused MB per committed token;
+    eta_stall in ms of stall removed per MB speculated), the comparisons, the verdict in words."""
+    def opt(x, fmt, scale=1.0):
+        return "n/a" if x is None else format(x * scale, fmt)
+
+    out = []
+    for t in tables:
+        h = t.hypothesis
+        out += [f"{h.key} at {t.regime}: {t.verdict.upper()} ({t.sufficiency})", f"  claim: {h.claim}",
+                f"  {'arm':<22}{'S ms/token (95% CI)':>28}{'p50':>8}{'p99':>8}{'spec MB':>9}{'eta ms/MB':>10}"
+                f"{'RAM hits':>9}{'timely':>8}{'unused MB':>10}{'QD':>6}"]
+        for r in t.rows:
+            s = r.stall_per_token_s
+            ci = f"{s.estimate * 1e3:.3f} [{s.low * 1e3:.3f}, {s.high * 1e3:.3f}]"
+            out.append(f"  {r.name:<22}{ci:>28}{r.p50_step_stall_s * 1e3:>8.3f}{r.p99_step_stall_s * 1e3:>8.3f}"
+                       f"{r.speculative_bytes_per_token / 1e6:>9.2f}{opt(r.eta_stall_s_per_byte, '.4f', 1e9):>10}"
+                       f"{opt(r.ram_hit_rate, '.1%'):>9}{opt(r.timely_recall, '.1%'):>8}"
+                       f"{opt(r.unused_bytes_per_token, '.2f', 1e-6):>10}{opt(r.queue_depth, '.2f'):>6}")
+        out += [f"  - {c.words}" for c in t.comparisons]
+        out += [f"  note: {n}" for n in t.notes]
+        out += [f"  {t.reason}", ""]
+    return "\n".join(out).rstrip()

@@ -172,6 +172,46 @@ def arm_from_measured(run, name: str | None = None) -> ArmSteps:
                     committed, session, float(run.speculative_bytes), compute=compute)
 
 
+def measured_arms(runs, names: dict[str, str] | None = None) -> dict[str, ArmSteps]:
+    """Arms from measured STALL_TRACE runs (:class:`replay.stalltrace.RunMetrics`): a run belongs
+    to the arm its ``configuration`` (else its run id) names, renamed by ``names`` (configuration
+    -> arm); an arm's repetitions are concatenated in file order, each (repetition, request) one
+    unit, so arms measured with the same prompts and repetitions pair step for step."""
+    grouped: dict[str, list] = {}
+    for run in runs:
+        label = run.configuration or run.run_id
+        grouped.setdefault((names or {}).get(label, label), []).append(run)
+    arms = {}
+    for name, group in grouped.items():
+        parts = [arm_from_measured(r, name) for r in group]
+        offset, sessions = 0, []
+        for a in parts:
+            sessions.append(a.session + offset)
+            offset += int(a.session.max()) + 1 if len(a.session) else 0
+        compute = None if any(a.compute is None for a in parts) else np.concatenate([a.compute for a in parts])
+        arms[name] = ArmSteps(name, np.concatenate([a.stall for a in parts]), np.concatenate([a.committed for a in parts]),
+                              np.concatenate(sessions), float(sum(a.speculative_bytes for a in parts)), compute=compute)
+    return arms
+
+
+def measured_table(key: str, runs, names: dict[str, str] | None = None, min_sessions: int = MIN_SESSIONS,
+                   seed: int = 0) -> HypothesisTable:
+    """Hypothesis ``key`` (H2, H3a or H5) from measured runs (:func:`measured_arms`): the same
+    table, comparisons and verdict as from a replay."""
+    arms = measured_arms(runs, names)
+    regime = "measured runs: " + ", ".join(f"{n} ({len(np.unique(a.session))} units)" for n, a in arms.items())
+    if key == "H2":
+        return admission_table(arms, regime, min_sessions, seed)
+    if key == "H3a":
+        return placement_table(arms, regime, min_sessions, seed)
+    if key == "H5":
+        return tail_table(arms, regime, min_sessions, seed)
+    if key == "H3b":
+        raise InputError(None, "H3b from measured runs is not implemented (it needs whole/split run pairs per RAM "
+                               "budget); replay it with relayout replay --policy ... --sweep --hypotheses H3b")
+    raise InputError(None, f"unknown hypothesis {key!r} (choose H2, H3a, H5)")
+
+
 @dataclass(frozen=True)
 class ArmRow:
     """One arm's line of a table: S with its 95% interval (s per committed token), p50 and p99 of
@@ -484,6 +524,6 @@ def tail_table(arms: dict[str, ArmSteps], regime: str, min_sessions: int = MIN_S
 
 
 __all__ = ["ALPHA", "ArmRow", "ArmSteps", "Comparison", "HYPOTHESES", "Hypothesis", "HypothesisTable", "INSUFFICIENT",
-           "MATERIAL_SHARE", "MEDIAN_TOLERANCE", "NOT_SUPPORTED", "SUPPORTED", "admission_table", "arm_from_measured", "arm_from_run",
+           "MATERIAL_SHARE", "MEDIAN_TOLERANCE", "measured_arms", "measured_table", "NOT_SUPPORTED", "SUPPORTED", "admission_table", "arm_from_measured", "arm_from_run",
            "placement_table", "quantile_difference", "rows_for", "saving", "split_table", "stall_interval", "sufficiency",
            "tail_table"]

@@ -83,3 +83,29 @@ def test_a_compute_bound_host_supports_no_hypothesis(case):
         assert t.verdict != SUPPORTED
         if t.verdict == NOT_SUPPORTED:
             assert "Falsifier:" in t.reason
+
+
+def test_cli_policy_prints_h2_and_sweep_writes_every_hypothesis(case, tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    from replay.trace import save_trace
+
+    plan, tr = case
+    save_trace(tr, tmp_path / "t.rt")
+    common = ["--layout", plan.path, "--trace", tmp_path / "t.rt", "--device", DEVICE, "--workers", 2, "--prefetch-experts", 4]
+    r = run_cli("replay", *common, "--policy", "probability,deadline", "--prefetch-budget-mb", 4.8, "-o", tmp_path / "h2.json")
+    assert r.returncode == 0, r.stderr
+    assert "H2 at RAM 0 GB, B = 4.8 MB per layer" in r.stdout
+    assert "Falsifier" in r.stdout or "SUPPORTED" in r.stdout
+    rec = json.loads((tmp_path / "h2.json").read_text())
+    assert [t["hypothesis"] for t in rec["tables"]] == ["H2"]
+    assert [a["arm"] for a in rec["tables"][0]["arms"]] == ["none", "probability", "deadline", "stall-value"]
+    ram_gb = 0.3 * plan.layout.expert_bytes()[:, 0].sum() * plan.layout.n_experts / 1e9
+    r = run_cli("replay", *common, "--policy", "probability", "--sweep", "--sweep-ram", f"{ram_gb}", "--sweep-budgets-mb", "4.8",
+                "--scheduler", "none", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [t["hypothesis"] for t in json.loads(r.stdout)["tables"]] == ["H2", "H3a", "H3b", "H5"]
+    r = run_cli("replay", *common, "--hypotheses", "H9")
+    assert r.returncode == 2 and "unknown hypothesis 'H9'" in r.stderr

@@ -130,3 +130,41 @@ def test_a_significant_saving_under_one_percent_of_tpot_is_not_an_improvement():
                                                                     compute=compute)}, "t")
     assert t.verdict == NOT_SUPPORTED and "by only" in t.reason
     assert t.comparisons[0].p_value < 0.001                   # significant, just not material
+
+
+def _measured(path, run, configuration, late_ns, requests=6, steps_per=6):
+    """A STALL_TRACE run: per (request, step) one required expert late by ``late_ns[request][step]``."""
+    import json
+
+    recs = []
+    for q in range(requests):
+        for s in range(steps_per):
+            recs.append({"record": "step", "run_id": run, "request_id": q, "step": s, "committed_tokens": 1,
+                         "evaluated_positions": 1, "configuration": configuration})
+            recs.append({"run_id": run, "request_id": q, "step": s, "layer": 3, "expert_id": 1, "required": True,
+                         "bytes": 1000, "issue_ns": 0, "ready_ns": int(late_ns[q][s]), "need_ns": 0})
+    with open(path, "a") as f:
+        f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
+def test_report_judges_h5_from_measured_runs_like_a_replay(tmp_path):
+    from conftest import run_cli
+
+    rng = np.random.default_rng(3)
+    late = rng.integers(1_000_000, 3_000_000, size=(6, 6))
+    late[:, 0] = 40_000_000                                 # each request's first step is the tail
+    cut = late.copy()
+    cut[:, 0] = 3_000_000                                   # tail control removes it, the median unchanged
+    path = tmp_path / "runs.jsonl"
+    _measured(path, "a", "stock-prefetch", late)
+    _measured(path, "b", "budgeted", cut)
+    from replay.hypotheses import measured_table
+    from replay.stalltrace import report
+
+    t = measured_table("H5", report([path]).runs, {"stock-prefetch": "default", "budgeted": "tail-control"})
+    assert t.verdict == SUPPORTED, t.reason
+    assert t.comparisons[0].difference.estimate == pytest.approx(0.040 - 0.003, rel=1e-6)   # p99: the 40 ms tail, cut to 3 ms
+    r = run_cli("report", path, "--hypothesis", "H5", "--arm", "default=stock-prefetch", "--arm", "tail-control=budgeted")
+    assert r.returncode == 0 and "H5 at measured runs" in r.stdout and "SUPPORTED" in r.stdout
+    r = run_cli("report", path, "--hypothesis", "H5")
+    assert r.returncode != 0 and "needs the 'default' arm" in r.stderr and "Traceback" not in r.stderr
