@@ -20,8 +20,9 @@ the layer's demand loads are done (:mod:`replay.instance`). Policies, by what th
   admitted before it: 1 when it completes by its need time, else the share of it done by then
   (a load still in flight when needed removes that share of the wait, so the deterministic
   chance of finishing in time is refined to the share of the stall removed),
-  ``C_queue = (1 - p) * max(0, ready - routed)`` (the drive time a wrong load still holds when
-  the next layer's demand reads start) and ``C_pollution = (1 - p) * p_v * lambda * rho * s`` (a
+  ``C_queue = (1 - p) * (b / F) * max(0, ready - routed) / s`` (a wrong load's bytes still to
+  transfer when the next layer's demand reads start, in the drives' channel time at the array's
+  full bandwidth ``F``: the share of the channel it takes from them) and ``C_pollution = (1 - p) * p_v * lambda * rho * s`` (a
   wrong load evicting the LRU's oldest expert, of probability ``p_v``). Candidates are taken in
   order of V at the prefetcher's start, each re-valued at its own start; none of value <= 0;
 * ``oracle``: the experts layer L+1 really needs, not in RAM, in need (issue) order: the
@@ -62,7 +63,12 @@ from containers.layout import Layout
 
 from .config import ADMISSION_POLICIES, RuntimeConfig
 from .jit import HELPER
-from .predictors import CALIBRATION_BINS, SourceModel, prediction_source
+from .predictors import (
+    CALIBRATION_BINS,
+    SourceModel,
+    prediction_source,
+    untouched_probability,
+)
 
 TOP_K, PROBABILITY, PER_BYTE, DEADLINE, STALL_VALUE, ORACLE_POLICY, OBSERVE = (
     ADMISSION_POLICIES.index(x) for x in ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe"))
@@ -155,13 +161,16 @@ def load_seconds(nl, e, first, lay, pol, dev):
 
 
 @njit(**HELPER)
-def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, ctl, out_list, pf):
+def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, out_list, pf):
     """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
 
-    ``p`` [E]: the source's probabilities; ``start``: when the prefetcher may start (s, instance
+    ``src.p`` [E]: the source's probabilities (``n_touched``: see
+    :func:`replay.predictors.next_layer_probabilities`; when the experts it does not list fall
+    below the probability floor, only the listed ones are scanned); ``start``: when the prefetcher may start (s, instance
     ``i``'s clock); ``routed``: when layer ``nl`` is routed. Fills ``out_list`` with the admitted
     experts in load order and returns how many; counts the rejected candidates in ``pf``.
     """
+    p = src.p
     E = len(p)
     lru = ram.lru
     cand, key, need, svc = ctl.cand, ctl.key, ctl.need, ctl.svc
@@ -173,14 +182,18 @@ def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, c
     a, b = inst.sel_start[i + 1], inst.sel_start[i + 2]
     oracle = policy == ORACLE_POLICY
     floor = max(pol.min_probability, 1e-300)
-    for e in range(E):
+    mode, n_scan = 0, E                          # 0: every expert, 1: the source's list, 2: the true union
+    if oracle:
+        mode, n_scan = 2, b - a
+    elif n_touched >= 0 and untouched_probability(src, nl) < floor:
+        mode, n_scan = 1, n_touched
+    for x in range(n_scan):
+        e = x if mode == 0 else (src.touched[x] if mode == 1 else inst.sel_e[a + x])
         pe = p[e]
         if pe < floor and not oracle:
             continue
         if ram.pinned[nl, e] or lru.cached[nl, e]:
             resident_compute += pe * seconds[e]
-            continue
-        if oracle and not _in(e, inst.sel_e, a, b):
             continue
         considered += 1
         if nc == C and (policy == ORACLE_POLICY or p[cand[C - 1]] >= pe):
@@ -223,7 +236,7 @@ def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, c
         elif policy == PER_BYTE:
             key[c] = -p[e] / lay.ebytes[nl, e]
         elif policy == STALL_VALUE:
-            key[c] = -_value(p[e], need[c], svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e])
+            key[c] = -_value(p[e], need[c], svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e], dev.full_bandwidth)
         elif policy == DEADLINE:
             key[c] = need[c]
         else:                                    # oracle: need order, as listed
@@ -243,7 +256,8 @@ def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, c
             break                                # it would start after the next layer is routed
         if used + nbytes > budget:
             continue
-        if policy == STALL_VALUE and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes) <= 0.0:
+        if policy == STALL_VALUE and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes,
+                                            dev.full_bandwidth) <= 0.0:
             continue
         out_list[n_out] = e
         n_out += 1
@@ -254,24 +268,16 @@ def choose(i, nl, session, start, routed, inst, p, ram, lay, pol, dev, drives, c
 
 
 @njit(**HELPER)
-def _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes):
+def _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, full_bandwidth):
     """V(a) of seed 5.3 for a load starting at ``t`` (s); see the module docstring."""
     if t >= routed:
         return 0.0                               # would be dropped: it cannot start in time
     on_time = min(max((need - t) / svc, 0.0), 1.0) if svc > 0 else 1.0
     q = p * lam
     gain = q * on_time * rho * svc
-    queue = (1.0 - p) * max(t + svc - routed, 0.0)
+    queue = (1.0 - p) * nbytes / full_bandwidth * min(max(t + svc - routed, 0.0) / svc, 1.0) if svc > 0 else 0.0
     pollution = (1.0 - p) * p_victim * lam * rho * svc
     return (gain - queue - pollution) / nbytes
-
-
-@njit(**HELPER)
-def _in(e, sel_e, a, b):
-    for j in range(a, b):
-        if sel_e[j] == e:
-            return True
-    return False
 
 
 @njit(**HELPER)

@@ -585,12 +585,12 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     else:
         if backed_off(li, pol, ctl):
             return 0
-        next_layer_probabilities(src, i, li, inst)
+        n_touched = next_layer_probabilities(src, i, li, inst)
         if pol.admission == OBSERVE:
             _late_need(li, src.p, ram, ctl)
             ctl.q_for[0] = i + 1
             return 0
-        n = choose(i, li, session, start, deadline, inst, src.p, ram, lay, pol, dev, drives, ctl, pf_list, pf)
+        n = choose(i, li, session, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, pf_list, pf)
     lru, seen = ram.lru, ram.scale_seen
     keep_top = 1.0 - lay.top_fraction[li]
     bases = lay.bases

@@ -294,16 +294,22 @@ def next_layer_probabilities(src, i, nl, inst, calibrated=True):
     """Fill ``src.p`` [E] with each expert's probability of being in layer ``nl``'s union, given
     instance ``i`` (layer ``nl - 1`` of the same forward) was just routed. The oracle reads
     instance ``i + 1``, the true next layer. With ``calibrated`` False, ``src.p`` gets each raw
-    score's calibration bin instead (the calibration pass learns from those)."""
+    score's calibration bin instead (the calibration pass learns from those).
+
+    Returns, for the sparse sources (oracle, coupled), how many experts ``src.touched`` lists:
+    every other expert has :func:`untouched_probability`; -1 for the others."""
     p, raw = src.p, src.raw
     E = len(p)
     kind = src.kind
     if kind == ORACLE:
         for e in range(E):
             p[e] = 0.0
+        n_touched = 0
         for j in range(inst.sel_start[i + 1], inst.sel_start[i + 2]):
             p[inst.sel_e[j]] = 1.0
-        return
+            src.touched[n_touched] = inst.sel_e[j]
+            n_touched += 1
+        return n_touched
     calib = src.calib[nl]
     if kind == COUPLED:
         n_touched = 0
@@ -327,7 +333,7 @@ def next_layer_probabilities(src, i, nl, inst, calibrated=True):
             f = src.touched[t]
             p[f] = _mapped(calib, _bin(raw[f] / total if total > 0 else 0.0), calibrated)
             raw[f] = 0.0
-        return
+        return n_touched
     forward, session = inst.forward[i], inst.session[i]
     for e in range(E):
         if kind == HEAT:
@@ -344,6 +350,13 @@ def next_layer_probabilities(src, i, nl, inst, calibrated=True):
                 c, n = src.count[nl, e], float(src.n_fwd[nl])
             r = (c + SESSION_PRIOR_FORWARDS * src.heat[nl, e]) / (n + SESSION_PRIOR_FORWARDS)
         p[e] = _mapped(calib, _bin(r), calibrated)
+    return -1
+
+
+@njit(**HELPER)
+def untouched_probability(src, nl):
+    """The probability a sparse source gives the experts of layer ``nl`` it did not list."""
+    return 0.0 if src.kind == ORACLE else src.calib[nl, 0]
 
 
 @njit(**HELPER)
