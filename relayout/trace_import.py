@@ -403,8 +403,10 @@ def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | 
         _check_padding(path, sum(len(c) for c in parts["calls"]), k, n_sel)
     if range_error is not None:
         raise range_error
-    calls, rows, layers, lines = (_joined(parts[key]) for key in ("calls", "rows", "layers", "lines"))
-    experts, gates = _padded(parts["experts"], k, -1), _padded(parts["gates"], k, np.nan)
+    # each column joined in turn, its blocks freed as it is (memory: the rows plus one column)
+    calls, rows, layers, lines = (_joined(parts.pop(key)) for key in ("calls", "rows", "layers", "lines"))
+    experts = _padded(parts.pop("experts"), k, -1)
+    gates = _padded(parts.pop("gates"), k, np.nan)
     forward = _route_forwards(path, lines, calls, layers)
     del calls
     _check_route_duplicates(path, lines, forward, layers, rows)
