@@ -1,16 +1,17 @@
 """ROUTE_TRACE import: expert selections per second and peak RSS, this tree against a baseline commit.
 
 Usage: python benchmarks/bench_trace_import.py [--selections 10000000] [--large 100000000]
-                                               [--baseline f117103] [--pairs 3]
+                                               [--baseline f117103] [--pairs 3] [--tree REV]
 
 Writes a GLM-5.2-shaped ROUTE_TRACE text (75 layers, top-8 of 256, one decode row per call,
 ``<id>:<gate>`` with 4-digit gates) of --selections expert selections, then imports it
 (``relayout.trace_import.import_traces``: parse, checks, assembly, validation) in fresh
-processes, alternating this tree's importer with --baseline's (its ``relayout/trace_import.py``
-taken with ``git show``; everything else is this tree's), --pairs times, and prints each run's
+processes, alternating this tree with --baseline's (``git archive``), --pairs times, and prints each run's
 selections/s and peak RSS (VmHWM of the child) and the medians side by side. With --large, this
 tree's importer alone also imports a text of that many selections (the baseline would need about
-30x the text's size in RAM). Scratch files go to a temporary directory, removed at the end.
+30x the text's size in RAM). ``--tree REV`` measures that commit's tree instead of the working
+checkout (edits made meanwhile in a shared checkout then do not reach the runs). Scratch files go
+to a temporary directory, removed at the end.
 """
 
 from __future__ import annotations
@@ -45,18 +46,25 @@ def write_route_trace(path: Path, selections: int, seed: int = 0) -> int:
     return path.stat().st_size
 
 
-def run_import(module_dir: Path | None, path: Path) -> tuple[float, float, int]:
-    """Import ``path`` in a fresh process with the importer in ``module_dir`` (None: this tree's);
-    returns (seconds, peak RSS MB, selections)."""
-    which = (f"sys.path.insert(0, {str(module_dir)!r}); import baseline_trace_import as ti" if module_dir
-             else "import relayout.trace_import as ti")
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); {which}; from pathlib import Path; "
+def run_import(tree: Path, path: Path) -> tuple[float, float, int]:
+    """Import ``path`` in a fresh process with the importer of ``tree``; returns (seconds, peak RSS
+    MB, selections)."""
+    code = (f"import sys, time; sys.path.insert(0, {str(tree)!r}); import relayout.trace_import as ti; "
+            f"from pathlib import Path; "
             f"t = time.perf_counter(); tr, _ = ti.import_traces([Path({str(path)!r})], 'route'); "
             f"dt = time.perf_counter() - t; n = tr.n_selections; "
             f"hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
             f"print(dt, int(hwm) / 1024, n)")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tree).stdout.split()
     return float(out[0]), float(out[1]), int(out[2])
+
+
+def extract(rev: str, into: Path) -> Path:
+    """The tree of commit ``rev`` of this repository, written to ``into``."""
+    into.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
 
 
 def main() -> None:
@@ -65,22 +73,20 @@ def main() -> None:
     ap.add_argument("--large", type=int, default=0)
     ap.add_argument("--baseline", default="f117103")
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--tree", default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="relayout-bench-import-"))
     try:
-        old = work / "baseline"
-        old.mkdir()
-        src = subprocess.run(["git", "-C", str(REPO), "show", f"{args.baseline}:relayout/trace_import.py"],
-                             check=True, capture_output=True, text=True).stdout
-        (old / "baseline_trace_import.py").write_text(src)
+        old = extract(args.baseline, work / "baseline")
+        tree = extract(args.tree, work / "tree") if args.tree else REPO
         text = work / "t.route"
         size = write_route_trace(text, args.selections)
-        print(f"ROUTE_TRACE text: {args.selections:,} selections, {size / 1e6:.0f} MB")
+        print(f"ROUTE_TRACE text: {args.selections:,} selections, {size / 1e6:.0f} MB; tree {args.tree or 'working checkout'}")
         rates = {"this tree": [], f"baseline {args.baseline}": []}
         peaks = {k: [] for k in rates}
         for pair in range(args.pairs):
-            for label, mod in (("this tree", None), (f"baseline {args.baseline}", old)):
-                dt, mb, n = run_import(mod, text)
+            for label, where in (("this tree", tree), (f"baseline {args.baseline}", old)):
+                dt, mb, n = run_import(where, text)
                 assert n == args.selections
                 rates[label].append(n / dt)
                 peaks[label].append(mb)
@@ -96,7 +102,7 @@ def main() -> None:
         if args.large:
             big = work / "big.route"
             size = write_route_trace(big, args.large, seed=1)
-            dt, mb, n = run_import(None, big)
+            dt, mb, n = run_import(tree, big)
             assert n == args.large
             print(f"this tree, {args.large:,} selections ({size / 1e9:.2f} GB of text): {dt:.1f} s = "
                   f"{n / dt / 1e6:.2f} M selections/s, peak RSS {mb:.0f} MB ({mb * 1e6 / size:.2f}x the text; "
