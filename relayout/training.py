@@ -7,10 +7,10 @@ trace order; the rest are held out for replay. :class:`TrainingSet` holds those 
 fingerprints, which replay uses to keep training sessions out of its evidence).
 
 **Pooling.** Many trace files (a community's sessions from many machines) are pooled by
-map-reduce: each file is loaded, split and counted on its own (:func:`count_trace_file`, one task
-per file, on a :mod:`replay.cluster` executor), and the per-file counts are merged exactly
-(:meth:`TrainingSet.merged`), so no machine ever holds more than one trace and the merged
-counts. Every file is split by ``train_fraction`` on its own, so each keeps held-out sessions a
+map-reduce: each file is loaded, split and counted on its own (:func:`count_trace_file`; a task
+counts a batch of consecutive files, on a :mod:`replay.cluster` executor), and the counts are
+merged exactly (:meth:`TrainingSet.merged`), so no machine ever holds more than one trace and
+the merged counts. Every file is split by ``train_fraction`` on its own, so each keeps held-out sessions a
 replay of that file can be judged on. A pooled plan names its sessions ``<trace path>:<session>``
 (two files may both call a session ``s0``).
 """
@@ -116,18 +116,37 @@ def count_trace_file(path: str, geometry: dict, train_fraction: float) -> Traini
     return training_of_trace(trace, geometry, train_fraction, f"{path}:")[0]
 
 
+def count_trace_files(paths: list[str], geometry: dict, train_fraction: float) -> TrainingSet:
+    """:func:`count_trace_file` of each file, merged in order, one trace in memory at a time: the
+    map task of pooled planning (a batch of files, so fewer partial counts travel to be merged)."""
+    total = None
+    for path in paths:
+        part = count_trace_file(path, geometry, train_fraction)
+        total = part if total is None else total.merged(part)
+    return total
+
+
 def merge_training(a: TrainingSet, b: TrainingSet) -> TrainingSet:
     """The reduce step of pooled planning (:meth:`TrainingSet.merged`)."""
     return a.merged(b)
 
 
+BATCHES_PER_WORKER = 4
+"""Pooled counting splits the files into this many consecutive batches per worker (enough to
+balance uneven files, few enough that merging partial counts costs little)."""
+
+
 def pooled_training(paths: list[str], geometry: dict, train_fraction: float, executor) -> TrainingSet:
-    """Training set of every file in ``paths``, counted one task per file on ``executor`` (a
-    :class:`replay.cluster.Executor`) and merged in the order given."""
+    """Training set of every file in ``paths``, counted in batches of consecutive files, one task
+    per batch on ``executor`` (a :class:`replay.cluster.Executor`), merged in the order given.
+    The result does not depend on the batching (merging is exact and keeps the order)."""
     if not paths:
         raise InputError(None, "no trace files to pool")
-    return executor.map_reduce(count_trace_file, [(str(p), geometry, train_fraction) for p in paths], merge_training,
-                               desc="count traces")
+    n = min(len(paths), max(1, executor.workers * BATCHES_PER_WORKER))
+    bounds = np.linspace(0, len(paths), n + 1).round().astype(int)
+    batches = [[str(p) for p in paths[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
+    return executor.map_reduce(count_trace_files, [(batch, geometry, train_fraction) for batch in batches], merge_training,
+                               desc="count trace batches")
 
 
 def trace_paths(specs: list[str | os.PathLike]) -> list[str]:

@@ -125,7 +125,8 @@ def _direct_counts(paths, layers, E):
 
 
 def test_pooled_counts_are_exact_and_the_same_on_dask_and_serial(cluster, tmp_path):
-    paths = _files(tmp_path)
+    """5 files: serially in 4 batches (one of two files), on 2 workers in 5 batches of one."""
+    paths = _files(tmp_path, n=5)
     g = load_geometry("glm-5.2-int4-row").scaled(moe_layers=3, experts=32)
     geometry = source_from_geometry(g).geometry
     serial = pooled_training(paths, geometry, 0.7, SerialExecutor())
