@@ -221,10 +221,8 @@ def sniff_format(path: Path) -> str:
 
 
 _POW10 = 10 ** np.arange(19, dtype=np.int64)
-_CLASS = np.full(256, 255, dtype=np.uint8)
-_CLASS[48:58] = 0
-for _byte, _cls in ((32, 1), (10, 2), (58, 3), (46, 4), (13, 5)):
-    _CLASS[_byte] = _cls
+_ROUTE_BYTES = (32, 10, 58, 46, 13)
+"""Besides digits, the bytes a regular ROUTE_TRACE holds: space, newline, ':', '.', CR."""
 _INT_RE = re.compile(rb"-?[0-9]+")
 _GATE_RE = re.compile(rb"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
@@ -241,16 +239,19 @@ def _fast_route_parse(data: bytes):
     u = np.frombuffer(data, dtype=np.uint8)
     if not len(u):
         return None
-    cls = _CLASS[u]
-    if cls.max() == 255:
+    # digit runs: the places where "is a digit" flips, alternately a run's start and its end
+    isdig = np.zeros(len(u) + 2, dtype=bool)
+    np.less(u - np.uint8(48), 10, out=isdig[1:-1])
+    allowed = isdig[1:-1].copy()
+    for byte in _ROUTE_BYTES:
+        allowed |= u == byte
+    if not allowed.all():
         return None
-    isdig = cls == 0
-    edge = np.diff(isdig.view(np.int8), prepend=np.int8(0), append=np.int8(0))
-    starts = np.flatnonzero(edge == 1)
-    ends = np.flatnonzero(edge == -1)
+    flips = np.flatnonzero(isdig[1:] != isdig[:-1])
+    starts, ends = flips[0::2], flips[1::2]
     if not len(starts):
         return None
-    newlines = np.flatnonzero(cls == 2)
+    newlines = np.flatnonzero(u == 10)
     bounds = np.concatenate([[0], np.searchsorted(starts, newlines), [len(starts)]])
     counts = np.diff(bounds)
     nonblank = np.flatnonzero(counts)
@@ -260,7 +261,7 @@ def _fast_route_parse(data: bytes):
     k = (n_tok - 3) // 3
     n_rows = len(nonblank)
     # every ':' and '.' is the one inside a selection, directly between its digit runs
-    if np.count_nonzero(cls == 3) != n_rows * k or np.count_nonzero(cls == 4) != n_rows * k:
+    if np.count_nonzero(u == 58) != n_rows * k or np.count_nonzero(u == 46) != n_rows * k:
         return None
     before = u[np.maximum(starts - 1, 0)].reshape(-1, n_tok)
     expect = np.array([32, 32] + [32, 58, 46] * k, dtype=np.uint8)
