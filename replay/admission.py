@@ -2,7 +2,8 @@
 
 When layer L is routed, a prediction source (:mod:`replay.predictors`) gives each expert of layer
 L+1 a probability ``p``. The *candidates* are the source's ``prefetch_candidates`` most probable
-experts not already in RAM (pinned or in the LRU) with ``p >= prefetch_min_probability``; every
+experts (ties: lower id first) not already in RAM (pinned or in the LRU) with
+``p >= prefetch_min_probability``; every
 policy chooses among the same candidates, under the same budgets: at most ``Q`` =
 ``prefetch_experts`` loads (the prefetch queue slots) and ``B`` = ``prefetch_bytes`` speculative
 bytes per layer (0: only Q limits). Demand reads keep strict priority: the prefetcher starts once
@@ -196,10 +197,10 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
             resident_compute += pe * seconds[e]
             continue
         considered += 1
-        if nc == C and (policy == ORACLE_POLICY or p[cand[C - 1]] >= pe):
+        if nc == C and (oracle or not _ahead(e, cand[C - 1], p)):
             continue                             # not among the C most probable
         q = nc
-        while q > 0 and policy != ORACLE_POLICY and p[cand[q - 1]] < pe:
+        while q > 0 and not oracle and _ahead(e, cand[q - 1], p):
             if q < C:
                 cand[q] = cand[q - 1]
             q -= 1
@@ -278,6 +279,12 @@ def _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, full_bandwidth):
     queue = (1.0 - p) * nbytes / full_bandwidth * min(max(t + svc - routed, 0.0) / svc, 1.0) if svc > 0 else 0.0
     pollution = (1.0 - p) * p_victim * lam * rho * svc
     return (gain - queue - pollution) / nbytes
+
+
+@njit(**HELPER)
+def _ahead(e, f, p):
+    """Expert ``e`` ranks before ``f`` by probability: higher, or equal and a lower id."""
+    return p[e] > p[f] or (p[e] == p[f] and e < f)
 
 
 @njit(**HELPER)
