@@ -140,7 +140,8 @@ class RoutingTrace:
 
     @property
     def n_selections(self) -> int:
-        return int((self.experts >= 0).sum())
+        return sum(int(np.count_nonzero(self.experts[r0:r0 + ROWS_PER_BLOCK] >= 0))
+                   for r0 in range(0, self.n_rows, ROWS_PER_BLOCK))
 
     def layer_index(self, layer: int) -> int:
         idx = np.searchsorted(self.layers, layer)
@@ -291,8 +292,14 @@ class RoutingTrace:
             if self.top_k < 1:
                 bad("rows without selections (top_k 0)")
             gates = None if _deferred(self, "gates") else self.gates   # deferred gates were checked as they were read
-            check_row_block(bad, RowBlock(self.row_forward, self.row_layer, self.experts), self.row_position, gates,
-                            self.n_experts, F, layers, None)
+            previous = None
+            for r0 in range(0, R, ROWS_PER_BLOCK):              # in blocks: the checks' temporaries stay small
+                rows = slice(r0, r0 + ROWS_PER_BLOCK)
+                check_row_block(bad, RowBlock(self.row_forward[rows], self.row_layer[rows], self.experts[rows]),
+                                self.row_position[rows], None if gates is None else gates[rows], self.n_experts, F,
+                                layers, previous)
+                last = min(r0 + ROWS_PER_BLOCK, R) - 1
+                previous = (int(self.row_forward[last]), int(self.row_layer[last]), int(self.row_position[last]))
         if F:
             if self.fwd_session.min() < 0 or self.fwd_session.max() >= len(self.sessions):
                 raise InputError(where, "a forward points at a session that does not exist")

@@ -153,6 +153,9 @@ def test_rows_out_of_order_across_a_block_boundary_are_refused(case, tmp_path, m
     write_unchecked(tr, tmp_path / "order.rt", monkeypatch)
     with pytest.raises(InputError, match="not sorted|not in forward order"):
         TraceFile(tmp_path / "order.rt", rows_per_block=16)
+    monkeypatch.setattr("replay.trace.ROWS_PER_BLOCK", 16)     # validate checks in blocks too
+    with pytest.raises(InputError, match="not sorted|not in forward order"):
+        tr.validate()
 
 
 def test_a_trace_file_that_changes_after_opening_is_refused(case, tmp_path):
