@@ -155,3 +155,15 @@ def test_the_reliability_plot_is_written(tmp_path):
     scores = [score_source(learn_source(n, tr, train, layout()), tr, test, layout()) for n in ("heat", "oracle")]
     plot_reliability(scores, tmp_path / "reliability.png")
     assert (tmp_path / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9]), min_size=1, max_size=20), st.integers(1, 8))
+def test_top_k_of_a_probability_source_is_the_k_most_probable_ties_by_id(p, k):
+    from replay.predictors import most_probable
+
+    p = np.array(p)
+    out = np.empty(len(p), dtype=np.int64)
+    n = most_probable(p, k, out)
+    want = sorted((e for e in range(len(p)) if p[e] > 0), key=lambda e: (-p[e], e))[:k]
+    assert out[:n].tolist() == want
