@@ -211,3 +211,22 @@ def _sparse_copy(a, b):
             out.truncate(dmap.end)
     finally:
         os.close(fd)
+
+
+def test_offsets_beyond_4_gib_are_hashed_recorded_and_checked(tmp_path):
+    """A sparse shard over 2**32 bytes: offsets past 4 GiB in the header, the manifest and the check."""
+    g = load_geometry("glm-5.2-int4-g64").scaled(moe_layers=1, experts=256, vocab=2048, shard_bytes=8_000_000_000)
+    src = synth_container(tmp_path / "big", g, seed=2, progress=False, sparse=True)
+    c = Container.open(src)
+    far = max(c.tensors.values(), key=lambda t: t.entry.end)
+    assert far.entry.begin > 2**32 and _allocated(src) < _logical(src) / 100
+    m = build_manifest(c, progress=False)
+    write_manifest(m, src / MANIFEST_NAME)
+    assert m["tensors"][far.entry.name]["offset"] == far.entry.begin
+    assert run_cli("manifest", "--check", str(src)).returncode == 0
+    path = c.files[far.file]
+    with open(path, "r+b") as fh:               # one byte in the far tensor's hole
+        fh.seek(far.entry.begin + far.nbytes - 3)
+        fh.write(b"\x01")
+    res = run_cli("manifest", "--check", str(src))
+    assert res.returncode == 2 and f"tensor {far.entry.name} ({path.name}): hash differs" in res.stdout
