@@ -239,6 +239,14 @@ def measure(
         raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
     if config.prefetch == "coupled" and coupling is None:
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
+    replay_only = [what for what, on in (
+        (f"prefetch source {config.prefetch!r}", config.prefetch not in PREFETCH_SOURCES),
+        (f"admission policy {config.admission!r}", config.admission != "top-k"),
+        ("a speculative-byte budget", config.prefetch_bytes > 0), ("stale cancellation", config.cancel_stale),
+        ("the adaptive budget", config.adaptive_budget), ("backoff", config.backoff)) if on]
+    if replay_only:
+        raise InputError(None, f"the harness performs the runtime's own prefetch (sources {', '.join(PREFETCH_SOURCES)}, "
+                               f"top-K); {replay_only[0]} exists in the replay model only")
     lay = layout_arrays(layout, config, None)
     ebytes = layout.expert_bytes() if seg is None else seg.need_bytes
     capacity = lru_capacities(config.ram_bytes, ebytes[:, 0])

@@ -263,3 +263,17 @@ def test_measure_and_report_cli(small_container, trace_for, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"record": "step", "run_id": "r"}\n')
     res = run_cli("report", tmp_path / "bad.jsonl")
     assert res.returncode == 2 and "bad.jsonl:1" in res.stderr
+
+
+@pytest.mark.parametrize("knob", [dict(prefetch="heat"), dict(prefetch="coupled", admission="stall-value"),
+                                  dict(prefetch="oracle", prefetch_bytes=10**6), dict(prefetch="oracle", cancel_stale=True),
+                                  dict(prefetch="oracle", adaptive_budget=True), dict(prefetch="oracle", backoff=True)])
+def test_the_harness_refuses_what_only_the_replay_model_has(small_container, trace_for, tmp_path, knob):
+    """A policy the runtime does not have must not be measured silently as the runtime's top-K."""
+    from containers.errors import InputError
+
+    trace = trace_for
+    with pytest.raises(InputError, match="replay model only"):
+        measure(Container.open(small_container), trace, np.ones(trace.n_forwards, bool), RuntimeConfig(workers=2, **knob),
+                tmp_path / "run.jsonl", progress=False, coupling=(np.full((1, 1, 1), -1), np.zeros((1, 1, 1))))
+    assert not (tmp_path / "run.jsonl").exists()
