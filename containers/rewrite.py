@@ -173,11 +173,12 @@ def rewrite_container(
 
             with tqdm(total=logical, unit="B", unit_scale=True, desc="rewrite", disable=None if progress else True) as bar, \
                     ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash") as pool, \
-                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher:
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher, \
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hints") as hints:
                 # file i is fsynced, checked, renamed and journaled while file i+1 is being copied
                 pending = None
                 for of in todo:
-                    written = _copy_file(src, of, dest, pool, sources, bar.update)
+                    written = _copy_file(src, of, dest, pool, sources, bar.update, hints)
                     if pending is not None:
                         pending.result()
                     pending = finisher.submit(finish, written)
@@ -265,19 +266,24 @@ class _Written:
     tmp: str
     layout: object
     hashes: dict
+    writeback: Future | None = None    # the last writeback started for ``fd`` (wait before closing it)
 
 
-def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources: "_Sources", on_bytes) -> _Written:
+def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources: "_Sources", on_bytes,
+               hints: ThreadPoolExecutor) -> _Written:
     """Write one output file's bytes to its temp name; tensors are hashed as their copy ends.
 
     Only the data runs of a sparse source are copied: the file is extended to its size first,
-    so the source's holes (and the padding) stay holes that read as zeros.
+    so the source's holes (and the padding) stay holes that read as zeros. The kernel hints
+    (read-ahead of the sources, writeback of this file) are given from the ``hints`` thread,
+    since either call can block while the disk is busy.
     """
     layout = plan_shard(tensor_specs(src, of), of.alignment, of.metadata)   # checked before the rewrite began
     tmp = f".{of.name}.tmp-{os.getpid()}"
     buf = bytearray(8 * 1024 * 1024)
     hashes = {}
     fd = None
+    writeback = None
     try:
         fd = dest.create(tmp)
         os.pwrite(fd, layout.header, 0)
@@ -285,13 +291,13 @@ def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources:
         # copy in source order (sequential reads; the scattered writes land in the page cache and
         # reach the disk in order at fsync), asking the kernel to read ahead about a span ahead
         order = sorted(layout.placements, key=lambda p: (str(p[0].source.path), p[0].source.offset))
-        read_ahead = _ReadAhead([spec.source for spec, _ in order], sources)
+        read_ahead = _ReadAhead([spec.source for spec, _ in order], sources, hints)
         unflushed = 0
         for i, (spec, begin) in enumerate(order):
             rng = spec.source
             read_ahead.advance(i)
-            if unflushed >= WRITEBACK_BYTES:
-                _start_writeback(fd)
+            if unflushed >= WRITEBACK_BYTES and (writeback is None or writeback.done()):
+                writeback = hints.submit(_start_writeback, fd)
                 unflushed = 0
             unflushed += rng.nbytes
             if isinstance(rng, FileRange):
@@ -304,8 +310,10 @@ def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources:
             else:
                 hashes[spec.name] = _write_stream(fd, begin, rng)
             on_bytes(rng.nbytes)
-        return _Written(of, fd, tmp, layout, hashes)
+        return _Written(of, fd, tmp, layout, hashes, writeback)
     except BaseException as exc:
+        if writeback is not None:
+            writeback.exception()       # wait: the call must not meet a closed (or reused) descriptor
         if fd is not None:
             os.close(fd)
         dest.unlink(tmp)
@@ -321,6 +329,8 @@ def _finish_file(w: _Written, dest: Destination, src: Container, src_tensors: di
     """
     try:
         try:
+            if w.writeback is not None:
+                w.writeback.exception()     # the hint thread is done with this descriptor
             fsync_fd(w.fd)
         finally:
             os.close(w.fd)
@@ -454,6 +464,14 @@ def _bytes_to_allocate(src: Container, files: list[OutputFile], sources: _Source
     return total
 
 
+def _advise_willneed(fd: int, runs: list[tuple[int, int]]) -> None:
+    for a, b in runs:
+        try:
+            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+        except (AttributeError, OSError):
+            pass
+
+
 class _ReadAhead:
     """``WILLNEED`` advice for the sources of one output file, each byte advised once.
 
@@ -462,8 +480,9 @@ class _ReadAhead:
     data runs are advised (a hole would be read ahead as zero pages).
     """
 
-    def __init__(self, srcs: list, sources: _Sources):
+    def __init__(self, srcs: list, sources: _Sources, hints: ThreadPoolExecutor):
         self.sources = sources
+        self.hints = hints
         self.spans: list[list] = []       # [path, begin, end]
         self.span_of: list[int] = []
         for rng in srcs:
@@ -483,12 +502,8 @@ class _ReadAhead:
         while self.advised < want:
             path, begin, end = self.spans[self.advised]
             fd, dmap = self.sources.fd(path), self.sources.map(path)
-            for a, b, is_data in dmap.runs(begin, end):
-                if is_data:
-                    try:
-                        os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
-                    except (AttributeError, OSError):
-                        pass
+            runs = [(a, b) for a, b, is_data in dmap.runs(begin, end) if is_data]
+            self.hints.submit(_advise_willneed, fd, runs)
             self.advised += 1
 
 
