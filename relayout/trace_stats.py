@@ -17,7 +17,7 @@ import numpy as np
 
 from replay.trace import FORWARD_KINDS, RoutingTrace
 
-from .coactivation import cross_layer_lift, heat_of, pair_count_items
+from .coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
 from .trace_synth import entropy_bits
 
 
@@ -60,12 +60,40 @@ def layer_rows_in_turn(trace: RoutingTrace):
         rows = following
 
 
+PAIR_BLOCK_ROWS = 1 << 16
+"""Rows counted at a time for pair statistics: their working arrays grow with k^2 per row, so a
+layer's rows are counted in blocks and the sparse counts merged."""
+
+
+def _in_blocks(count, n_rows: int, n_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sparse ``(i, j, count)`` sorted by (i, j), summed over ``count(rows)`` of consecutive blocks
+    of ``PAIR_BLOCK_ROWS`` row indices 0..n_rows-1 (each returns the same kind of triple)."""
+    keys, counts = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    for r0 in range(0, max(n_rows, 1), PAIR_BLOCK_ROWS):
+        i, j, c = count(slice(r0, r0 + PAIR_BLOCK_ROWS))
+        keys, inverse = np.unique(np.concatenate([keys, i * n_experts + j]), return_inverse=True)
+        counts = np.bincount(inverse, weights=np.concatenate([counts, c]), minlength=len(keys)).astype(np.int64)
+    return keys // n_experts, keys % n_experts, counts
+
+
 def _within_layer_lifts(ex: np.ndarray, n_experts: int, heat: np.ndarray, n_rows: int, min_count: int) -> np.ndarray:
     """Lifts C N / (heat_i heat_j) of the pairs i < j seen at least ``min_count`` times, (i, j) order."""
-    i, j, c = pair_count_items(ex, n_experts)
+    i, j, c = _in_blocks(lambda rows: pair_count_items(ex[rows], n_experts), len(ex), n_experts)
     keep = c >= max(min_count, 1)
     h = heat.astype(np.float64)
     return c[keep] * float(n_rows) / (h[i[keep]] * h[j[keep]])
+
+
+def _cross_layer_lifts(trace: RoutingTrace, layer: int, rows: np.ndarray, next_rows: np.ndarray, min_count: int) -> np.ndarray:
+    """:func:`relayout.coactivation.cross_layer_lift` from ``layer`` to the next, counted in blocks."""
+    ra, rb = aligned_rows(trace, layer, layer + 1, rows_a=rows, rows_b=next_rows)
+    if not len(ra):
+        return np.zeros(0)
+    e, f, X = _in_blocks(lambda b: cross_layer_items(trace, ra[b], rb[b]), len(ra), trace.n_experts)
+    ha = heat_of(trace.experts[ra], trace.n_experts).astype(np.float64)
+    hb = heat_of(trace.experts[rb], trace.n_experts).astype(np.float64)
+    keep = X >= min_count
+    return X[keep] * float(len(ra)) / (ha[e[keep]] * hb[f[keep]])
 
 
 def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
@@ -106,7 +134,7 @@ def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
             reuse_distance=_q(reuse_distances(trace, layer, rows).astype(float)),
         )
         if next_rows is not None:
-            entry["cross_layer_lift"] = _q(cross_layer_lift(trace, layer, 1, min_count, rows, next_rows))
+            entry["cross_layer_lift"] = _q(_cross_layer_lifts(trace, layer, rows, next_rows, min_count))
         out["layers"].append(entry)
     if not trace.heat_only and out["layers"]:
         def med(key, sub):

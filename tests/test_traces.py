@@ -311,6 +311,14 @@ def test_stats_take_the_layers_in_turn_with_the_next_layers_rows():
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(tr.n_rows))
 
 
+def test_stats_counted_in_blocks_are_the_stats_counted_at_once(monkeypatch):
+    tr = synth_trace([3, 4, 5, 7], 32, 4, 300, 3, seed=4)
+    whole = trace_stats(tr, min_count=2)
+    monkeypatch.setattr("relayout.trace_stats.PAIR_BLOCK_ROWS", 29)
+    assert trace_stats(tr, min_count=2) == whole
+    assert any(l["pairs_supported"] for l in whole["layers"]) and "cross_layer_lift" in whole["layers"][0]
+
+
 def test_reuse_distance_counts_forwards_between_uses():
     tr = synth_trace([3], 16, 2, 50, 1, seed=0)
     d = reuse_distances(tr, 3)
