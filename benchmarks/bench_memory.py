@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/bench_memory.py [--tokens 5000 20000 100000 1000000]
                                          [--baseline f117103] [--baseline-max 100000] [--tree REV]
+                                         [--modes streamed "in memory" baseline stats "baseline stats"]
 
 For each length, writes a synthetic GLM-5.2 trace file (75 layers, top-8 of 256; sessions of
 10,000 tokens, generated 100,000 tokens at a time so the generator stays small), then replays
@@ -110,6 +111,9 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": hwm, "S": step
 """
 
 
+MODES = ("streamed", "in memory", "baseline", "stats", "baseline stats")
+
+
 def child(tree: Path, script: str, *args: str) -> str:
     code = f"import sys; sys.path.insert(0, {str(tree)!r})\n" + script
     return subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True, cwd=tree).stdout
@@ -129,6 +133,7 @@ def main() -> None:
     ap.add_argument("--baseline", default="f117103")
     ap.add_argument("--baseline-max", type=int, default=100_000)
     ap.add_argument("--tree", default=None)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="relayout-bench-memory-"))
     try:
@@ -146,8 +151,8 @@ def main() -> None:
             child(tree, GENERATE, str(tokens), str(path))
             print(f"{tokens:,} tokens: trace file {path.stat().st_size / 1e6:.0f} MB, written in {time.perf_counter() - t:.0f} s",
                   flush=True)
-            runs = [(tree, "streamed"), (tree, "in memory")] + ([(old, "baseline")] if tokens <= args.baseline_max else [])
-            runs += [(tree, "stats")] + ([(old, "baseline stats")] if tokens <= args.baseline_max else [])
+            runs = [(old if mode.startswith("baseline") else tree, mode) for mode in MODES
+                    if mode in args.modes and (not mode.startswith("baseline") or tokens <= args.baseline_max)]
             for where, mode in runs:
                 r = json.loads(child(where, REPLAY, mode, str(path)).splitlines()[-1])
                 what = (f"{r['steps']:,} steps, S = {r['S'] * 1e3:.6f} ms/token" if "stats" not in mode else
