@@ -10,7 +10,8 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    sessions, of which the last :data:`HELD_OUT_SESSIONS` are held out), plans each layout
    (``stock``, ``louvain``, ``random``) and rewrites the non-stock ones next to it;
 3. for every cell (layout x RAM budget x prefetch source) measures S for real
-   (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts interleaved within each
+   (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts interleaved (in a balanced,
+   rotating order: :func:`measurement_order`) within each
    repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
    those steps on the profile (:func:`replay.engine.simulate`);
 4. compares: predicted/measured S per cell; per non-stock layout the predicted and the measured
@@ -301,6 +302,15 @@ def _cells(o: ValidateOptions) -> list[tuple]:
     return [(pf, frac) for pf in o.prefetch for frac in o.ram]
 
 
+def measurement_order(methods: list[str], rep: int, cell: int) -> list[str]:
+    """The order the layouts of one cell are measured in, repetition ``rep``: rotated by one
+    place per repetition and per cell, so over ``len(methods)`` repetitions every layout is
+    measured in every position equally often (a disk whose speed drifts within a round, as a
+    throttled cloud volume does, then favours none; seed 9.2: configuration order balanced)."""
+    k = (rep + cell) % len(methods)
+    return list(methods[k:]) + list(methods[:k])
+
+
 def _step_order(m, fw: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
     """A measured run's per-step stall (ns) and committed tokens, in the order of forwards ``fw``."""
     index = {int(f): i for i, f in enumerate(fw.tolist())}
@@ -425,9 +435,9 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         bar = tqdm(total=reps * n_runs, desc="validate: measured runs", unit="run", disable=None if progress else True)
         try:
             for rep in range(reps):
-                for pf, frac in cells:
+                for ci, (pf, frac) in enumerate(cells):
                     cfg = config_of(pf, frac)
-                    for m in methods:
+                    for m in measurement_order(methods, rep, ci):
                         run_id = f"{m}-ram{frac:g}-{pf}-rep{rep}"
                         out = run_dir / f"{run_id}.jsonl"
                         res = measure(Container.open(lay.dirs[m]), trace, mask, cfg, out, run_id=run_id, progress=False,

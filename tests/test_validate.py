@@ -158,3 +158,18 @@ def test_summary_sentences():
     assert not s["holds"] and "saving sign wrong in 1 of 1" in s["text"] and "CONTRADICTS" in s["text"]
     s = summarize_validation([_cell("stock", 1.0), _cell("louvain", 1.0)], [_comparison(None, same=False)])
     assert not s["holds"] and "the gate would decide differently in 1 of 1" in s["text"]
+
+
+def test_layouts_are_measured_in_a_balanced_rotating_order():
+    """A fixed order (stock always first) turns a disk's drift within a round into a fake saving."""
+    from collections import Counter
+
+    from relayout.validate import measurement_order
+
+    methods = ["stock", "louvain", "random"]
+    for cell in range(4):
+        orders = [measurement_order(methods, rep, cell) for rep in range(3)]
+        assert all(sorted(o) == sorted(methods) for o in orders)
+        for pos in range(3):                                     # every layout once in every position
+            assert Counter(o[pos] for o in orders) == Counter(methods)
+    assert measurement_order(methods, 0, 1) != measurement_order(methods, 0, 0)   # cells rotate too
