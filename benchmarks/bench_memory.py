@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO
+from common import REPO, extract
 
 GENERATE = """
 import sys, numpy as np
@@ -117,14 +117,6 @@ MODES = ("streamed", "in memory", "baseline", "stats", "baseline stats")
 def child(tree: Path, script: str, *args: str) -> str:
     code = f"import sys; sys.path.insert(0, {str(tree)!r})\n" + script
     return subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True, cwd=tree).stdout
-
-
-def extract(rev: str, into: Path) -> Path:
-    """The tree of commit ``rev`` of this repository, written to ``into``."""
-    into.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import REPO
+from common import REPO, extract
 
 TARGET_SELECTIONS_PER_S = 2e6
 
@@ -57,14 +57,6 @@ def run_import(tree: Path, path: Path) -> tuple[float, float, int]:
             f"print(dt, int(hwm) / 1024, n)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tree).stdout.split()
     return float(out[0]), float(out[1]), int(out[2])
-
-
-def extract(rev: str, into: Path) -> Path:
-    """The tree of commit ``rev`` of this repository, written to ``into``."""
-    into.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def main() -> None:

@@ -16,6 +16,14 @@ from containers.geometry import load_geometry  # noqa: E402
 from containers.synth import synth_container  # noqa: E402
 
 
+def extract(rev: str, into: Path) -> Path:
+    """The tree of commit ``rev`` of this repository, written to ``into``."""
+    into.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def big_container(root: Path, gigabytes: float, seed: int = 0) -> Path:
     """A GLM-5.2 int4-row container with full-size 18.9 MB experts, about ``gigabytes`` GB."""
     g = load_geometry("glm-5.2-int4-row")
