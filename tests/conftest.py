@@ -4,10 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from containers.geometry import load_geometry
 from containers.synth import synth_container
+from replay.trace import RoutingTrace
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,3 +86,26 @@ def tree_state(root: Path) -> dict:
             st = p.stat()
             out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns, xxhash.xxh3_128_hexdigest(p.read_bytes()))
     return out
+
+
+def make_trace(rows, layers=(3,), committed=None, evaluated=None, sessions=None, E=16):
+    """rows: per forward a list of positions, each a list of expert ids (same k)."""
+    rf, rl, rp, ex = [], [], [], []
+    for f, positions in enumerate(rows):
+        for layer in layers:
+            for p, sel in enumerate(positions):
+                rf.append(f)
+                rl.append(layer)
+                rp.append(p)
+                ex.append(sel)
+    F = len(rows)
+    ev = np.array(evaluated or [len(p) for p in rows], dtype=np.int32)
+    sess = np.array(sessions or [0] * F, dtype=np.int32)
+    return RoutingTrace(
+        layers=np.array(layers, dtype=np.int16), n_experts=E, top_k=len(ex[0]), geometry="test",
+        sessions=[f"s{i}" for i in range(int(sess.max()) + 1)],
+        row_forward=np.array(rf, dtype=np.int32), row_layer=np.array(rl, dtype=np.int16), row_position=np.array(rp, dtype=np.int32),
+        experts=np.array(ex, dtype=np.int16), gates=np.full((len(ex), len(ex[0])), np.nan, dtype=np.float32),
+        fwd_session=sess, fwd_kind=np.zeros(F, dtype=np.int8), fwd_evaluated=ev,
+        fwd_committed=np.array(committed or [1] * F, dtype=np.int32),
+    )

@@ -5,7 +5,7 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, make_trace, run_cli
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
@@ -22,29 +22,12 @@ from replay.placement import (
     union_probability,
 )
 from replay.planfile import load_plan, plan_digest, save_plan, with_pins
-from replay.trace import RoutingTrace, save_trace
+from replay.trace import save_trace
 
 
 def hand_trace(forwards, layers=(3,), E=8, sessions=None):
     """``forwards``: per forward a list of positions, each a list of expert ids (same k)."""
-    rf, rl, rp, ex = [], [], [], []
-    for f, positions in enumerate(forwards):
-        for layer in layers:
-            for p, sel in enumerate(positions):
-                rf.append(f)
-                rl.append(layer)
-                rp.append(p)
-                ex.append(sel)
-    F = len(forwards)
-    sess = np.array(sessions or [0] * F, dtype=np.int32)
-    return RoutingTrace(
-        layers=np.array(layers, dtype=np.int16), n_experts=E, top_k=len(ex[0]), geometry="test",
-        sessions=[f"s{i}" for i in range(int(sess.max()) + 1)],
-        row_forward=np.array(rf, dtype=np.int32), row_layer=np.array(rl, dtype=np.int16), row_position=np.array(rp, dtype=np.int32),
-        experts=np.array(ex, dtype=np.int16), gates=np.full((len(ex), len(ex[0])), np.nan, dtype=np.float32),
-        fwd_session=sess, fwd_kind=np.zeros(F, dtype=np.int8), fwd_evaluated=np.array([len(p) for p in forwards], dtype=np.int32),
-        fwd_committed=np.ones(F, dtype=np.int32),
-    )
+    return make_trace(forwards, layers, sessions=sessions, E=E)
 
 
 def hand_layout(layers=(3,), E=8):

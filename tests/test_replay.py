@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import make_trace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,6 @@ from replay.metrics import step_table, summarize
 from replay.planfile import load_plan, save_plan
 from replay.runtime import lru_hits
 from replay.stats import paired_saving
-from replay.trace import RoutingTrace
 from replay.unions import instance_unions
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
@@ -42,29 +42,6 @@ def simple_layout(E=16, wbytes=(8192, 8192, 16384), sbytes=(4096, 4096, 4096), l
                 loc[li, e, slot] = (0, off, n)
                 off += n
     return Layout(["f.safetensors"], [off], list(layers), E, loc, 4096)
-
-
-def make_trace(rows, layers=(3,), committed=None, evaluated=None, sessions=None, E=16):
-    """rows: per forward a list of positions, each a list of expert ids (same k)."""
-    rf, rl, rp, ex = [], [], [], []
-    for f, positions in enumerate(rows):
-        for layer in layers:
-            for p, sel in enumerate(positions):
-                rf.append(f)
-                rl.append(layer)
-                rp.append(p)
-                ex.append(sel)
-    F = len(rows)
-    ev = np.array(evaluated or [len(p) for p in rows], dtype=np.int32)
-    sess = np.array(sessions or [0] * F, dtype=np.int32)
-    return RoutingTrace(
-        layers=np.array(layers, dtype=np.int16), n_experts=E, top_k=len(ex[0]), geometry="test",
-        sessions=[f"s{i}" for i in range(int(sess.max()) + 1)],
-        row_forward=np.array(rf, dtype=np.int32), row_layer=np.array(rl, dtype=np.int16), row_position=np.array(rp, dtype=np.int32),
-        experts=np.array(ex, dtype=np.int16), gates=np.full((len(ex), len(ex[0])), np.nan, dtype=np.float32),
-        fwd_session=sess, fwd_kind=np.zeros(F, dtype=np.int8), fwd_evaluated=ev,
-        fwd_committed=np.array(committed or [1] * F, dtype=np.int32),
-    )
 
 
 def test_one_drive_no_cache_no_compute_stall_is_the_sum_of_request_costs():
