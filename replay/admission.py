@@ -246,7 +246,7 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
     n_out, used, t = 0, 0.0, t0
     for c in range(nc):
         order[c] = c
-    _argsort(order, nc, key)
+    _sort(order, nc, key)
     for r in range(nc):
         if n_out >= pol.prefetch_experts:
             break
@@ -289,7 +289,7 @@ def _ahead(e, f, p):
 
 @njit(**HELPER)
 def _sort(items, n, by):
-    """Sort ``items[:n]`` ascending by ``by[item]`` (insertion sort; n <= 64)."""
+    """Sort ``items[:n]`` ascending by ``by[item]`` (insertion sort, stable; n <= 64)."""
     for x in range(1, n):
         v = items[x]
         y = x
@@ -297,18 +297,6 @@ def _sort(items, n, by):
             items[y] = items[y - 1]
             y -= 1
         items[y] = v
-
-
-@njit(**HELPER)
-def _argsort(order, n, key):
-    """Sort the indices ``order[:n]`` ascending by ``key``; stable."""
-    for x in range(1, n):
-        v = order[x]
-        y = x
-        while y > 0 and key[order[y - 1]] > key[v]:
-            order[y] = order[y - 1]
-            y -= 1
-        order[y] = v
 
 
 @njit(**HELPER)
