@@ -129,12 +129,13 @@ Reads = namedtuple("Reads", "addr length warm")
 Workers = namedtuple("Workers", "free job pos")
 """The reader pool [W]: each worker's free time (s), its job (-1 idle) and next read in it."""
 
-Drives = namedtuple("Drives", "free small_free host pieces nbytes member_bytes slots")
+Drives = namedtuple("Drives", "free small_free host pieces nbytes member_bytes slots head")
 """The drives' state, carried between instances when a prefetch source runs. Per member [M]:
 the large-transfer and small-read channels' free times (s); ``host`` [2]: the host link's large
 and small channels' free times (s); ``pieces``, ``nbytes`` [M]: one read's split (scratch);
 ``member_bytes`` [M]: bytes each member transferred over the whole replay; ``slots`` [M, Q]:
-when each of a member's queue slots frees (s)."""
+when each of a member's queue slots frees (s), a ring sorted by that time from ``head`` [M]
+(the slot that frees first) on, so a request takes its slot in one step (:func:`_take_slot`)."""
 
 Prefetched = namedtuple("Prefetched", "ready nbytes experts score touched")
 """Prefetches made for the next instance. Per expert [E]: ``ready`` (in the next instance's
@@ -163,7 +164,7 @@ def new_work(K, E, W, M, Q):
     reads = Reads(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.bool_))
     workers = Workers(np.empty(W), np.empty(W, np.int64), np.empty(W, np.int64))
     drives = Drives(np.zeros(M), np.zeros(M), np.zeros(2), np.empty(M, np.int64), np.empty(M, np.int64),
-                    np.zeros(M, np.int64), np.zeros((M, Q)))
+                    np.zeros(M, np.int64), np.zeros((M, Q)), np.zeros(M, np.int64))
     pending = Prefetched(np.full(E, np.inf), np.zeros(E, np.int64), np.empty(PREFETCH_SLOTS, np.int64),
                          np.zeros(E, np.int64), np.empty(E, np.int64))
     R = max(6 * K, 6)
@@ -484,17 +485,10 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
             chan = sfree[m] if small else mfree[m]
             mdone = t
             for _ in range(pieces[m]):
-                q, t0 = 0, slots[m, 0]           # the slot that frees first (any free one will do)
-                if t0 > t:
-                    for r in range(1, Q):
-                        if slots[m, r] < t0:
-                            q, t0 = r, slots[m, r]
-                            if t0 <= t:
-                                break
-                t0 = max(t0, t)
+                t0 = max(slots[m, drives.head[m]], t)     # the slot that frees first
                 chan = max(t0 + a, chan) + xfer
                 d = max(t0 + serve, chan)
-                slots[m, q] = d
+                _take_slot(slots[m], drives.head, m, Q, d)
                 mdone = max(mdone, d)
             usage.residence_seconds[m] += mdone - t
             if small:
@@ -512,6 +506,24 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
         hdone = max(host[0], t) + xfer
         host[0] = hdone
     return max(done, hdone)
+
+
+@njit(**HELPER)
+def _take_slot(ring, head, m, Q, done):
+    """Give member ``m``'s first-freeing queue slot (``ring[head[m]]``) to a request completing at
+    ``done`` (s), keeping ``ring`` [Q] sorted from ``head[m]`` on: the slot leaves the front and
+    re-enters at its place from the back (requests reach a drive in time order, so it is mostly
+    the back: one step)."""
+    h = head[m]
+    head[m] = h + 1 if h + 1 < Q else 0
+    p = h                                        # the back of the ring, now the free position
+    for _ in range(Q - 1):
+        prev = p - 1 if p > 0 else Q - 1
+        if ring[prev] <= done:
+            break
+        ring[p] = ring[prev]
+        p = prev
+    ring[p] = done
 
 
 @njit(**HELPER)
