@@ -842,9 +842,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plots", metavar="DIR", help="write PNG figures (needs the 'plots' extra: matplotlib)")
     s.add_argument("--predicted", metavar="gate.json", help="with --plots: add predicted vs measured S")
     h = s.add_argument_group("hypotheses (the tables of replay --policy, from measured runs)")
-    h.add_argument("--hypothesis", choices=("H2", "H3a", "H5"),
+    h.add_argument("--hypothesis", choices=("H2", "H3a", "H3b", "H5"),
                    help="judge a seed hypothesis on the runs: each run's configuration (or run id) is an arm; H2 needs "
-                        "none and stall-value, H3a stall-value and frequency, H5 default and tail-control")
+                        "none and stall-value, H3a stall-value and frequency, H3b whole@GB and split@GB at each RAM "
+                        "budget (GB), H5 default and tail-control")
     h.add_argument("--arm", action="append", metavar="ARM=CONFIGURATION",
                    help="name the arm a configuration label stands for (repeatable)")
     h.add_argument("--min-sessions", type=int, default=5, help="units (repetition x request) a verdict needs")

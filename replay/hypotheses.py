@@ -40,6 +40,7 @@ The seed proposal, sections 4.3 (eta_stall), 8 (E2, E3, E5 and their falsifiers)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -194,10 +195,32 @@ def measured_arms(runs, names: dict[str, str] | None = None) -> dict[str, ArmSte
     return arms
 
 
+SPLIT_ARM = re.compile(r"(whole|split)@(\d+(?:\.\d+)?)$")
+"""H3b's measured arm names: ``whole@GB`` or ``split@GB``, the run's layout at a RAM budget in GB."""
+
+
+def measured_curve(arms: dict[str, ArmSteps]) -> dict[int, tuple[ArmSteps, ArmSteps]]:
+    """H3b's ``{ram_bytes: (whole, split)}`` from measured arms named ``whole@GB`` and
+    ``split@GB`` (:data:`SPLIT_ARM`); every budget needs both arms."""
+    points: dict[int, dict[str, ArmSteps]] = {}
+    for name, arm in arms.items():
+        m = SPLIT_ARM.match(name)
+        if m is None:
+            raise InputError(None, f"H3b arm {name!r} is not whole@GB or split@GB (name it with --arm whole@16=CONFIGURATION)")
+        points.setdefault(round(float(m.group(2)) * 1e9), {})[m.group(1)] = arm
+    for ram, pair in sorted(points.items()):
+        missing = {"whole", "split"} - set(pair)
+        if missing:
+            raise InputError(None, f"H3b at {ram / 1e9:.3g} GB has no {missing.pop()}@ run to compare with")
+    return {ram: (pair["whole"], pair["split"]) for ram, pair in points.items()}
+
+
 def measured_table(key: str, runs, names: dict[str, str] | None = None, min_sessions: int = MIN_SESSIONS,
                    seed: int = 0) -> HypothesisTable:
-    """Hypothesis ``key`` (H2, H3a or H5) from measured runs (:func:`measured_arms`): the same
-    table, comparisons and verdict as from a replay."""
+    """Hypothesis ``key`` (H2, H3a, H3b or H5) from measured runs (:func:`measured_arms`): the same
+    table, comparisons and verdict as from a replay. H3b's arms are named ``whole@GB`` and
+    ``split@GB`` (:func:`measured_curve`): runs of the whole-expert and the split container at
+    each RAM budget, measured with the same prompts and repetitions."""
     arms = measured_arms(runs, names)
     regime = "measured runs: " + ", ".join(f"{n} ({len(np.unique(a.session))} units)" for n, a in arms.items())
     if key == "H2":
@@ -207,9 +230,8 @@ def measured_table(key: str, runs, names: dict[str, str] | None = None, min_sess
     if key == "H5":
         return tail_table(arms, regime, min_sessions, seed)
     if key == "H3b":
-        raise InputError(None, "H3b from measured runs is not implemented (it needs whole/split run pairs per RAM "
-                               "budget); replay it with relayout replay --policy ... --sweep --hypotheses H3b")
-    raise InputError(None, f"unknown hypothesis {key!r} (choose H2, H3a, H5)")
+        return split_table(measured_curve(arms), regime, min_sessions, seed)
+    raise InputError(None, f"unknown hypothesis {key!r} (choose H2, H3a, H3b, H5)")
 
 
 @dataclass(frozen=True)
@@ -524,6 +546,6 @@ def tail_table(arms: dict[str, ArmSteps], regime: str, min_sessions: int = MIN_S
 
 
 __all__ = ["ALPHA", "ArmRow", "ArmSteps", "Comparison", "HYPOTHESES", "Hypothesis", "HypothesisTable", "INSUFFICIENT",
-           "MATERIAL_SHARE", "MEDIAN_TOLERANCE", "measured_arms", "measured_table", "NOT_SUPPORTED", "SUPPORTED", "admission_table", "arm_from_measured", "arm_from_run",
+           "MATERIAL_SHARE", "MEDIAN_TOLERANCE", "measured_arms", "measured_curve", "measured_table", "SPLIT_ARM", "NOT_SUPPORTED", "SUPPORTED", "admission_table", "arm_from_measured", "arm_from_run",
            "placement_table", "quantile_difference", "rows_for", "saving", "split_table", "stall_interval", "sufficiency",
            "tail_table"]
