@@ -21,7 +21,7 @@ from containers.geometry import geometry_names, load_geometry
 from containers.jsonfile import shipped_names
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
-from replay.config import MODEL_SOURCES, PREFETCH_SOURCES
+from replay.config import PREFETCH_SOURCES
 from replay.planfile import METHODS
 
 from . import __version__
@@ -34,6 +34,7 @@ from .render import (
     format_inspect,
     format_measure,
     format_placement,
+    format_reliability,
     format_report,
     format_split_curve,
     format_stats,
@@ -209,6 +210,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _prefetch_setting(text: str) -> str:
+    """``--prefetch`` of the replay model: one source, or several joined by '+'."""
+    from replay.config import prefetch_sources
+
+    prefetch_sources(text)
+    return text
+
+
 def _runtime_config(args):
     from replay.config import RuntimeConfig
 
@@ -219,6 +228,7 @@ def _runtime_config(args):
         compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
         prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
         prefetch_bytes=int(getattr(args, "prefetch_budget_mb", 0.0) * 1e6),
+        source_caps=tuple(_floats(getattr(args, "source_caps", None) or "")),
     )
 
 
@@ -290,11 +300,12 @@ def cmd_replay(args) -> int:
 def _replay_hypotheses(args, plan, trace, device, config) -> int:
     """``replay --policy``: the seed's hypothesis tables (H2 at one regime; with ``--sweep``, every
     hypothesis over RAM x speculative-byte budgets)."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from containers.atomic import write_json_atomic
     from replay.cluster import open_executor
-    from replay.experiments import ADMISSION_ARMS, HYPOTHESIS_KEYS, hypothesis_tables
+    from replay.config import SOURCE_SEPARATOR
+    from replay.experiments import ADMISSION_ARMS, HYPOTHESIS_KEYS, hypothesis_tables, predictor_scores
 
     names = ADMISSION_ARMS if args.policy in (None, "all") else tuple(p for p in args.policy.split(",") if p)
     policies = tuple(dict.fromkeys([*names, "stall-value"]))          # the arm the claim is about is always run
@@ -313,11 +324,20 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
     with open_executor(args.scheduler if args.sweep else "none") as executor:
         tables = hypothesis_tables(plan, trace, device, replace(config, prefetch=source), ram, budgets, keys, policies,
                                    source, args.min_sessions, executor)
+    scores = predictor_scores(plan, trace, source) if SOURCE_SEPARATOR in source else []
     record = {"format": "relayout.hypotheses", "plan": plan.digest, "device": device.name, "source": source,
               "tables": [t.to_json() for t in tables]}
+    if scores:
+        record["predictors"] = [asdict(r) for r in scores]
     if args.output:
         write_json_atomic(args.output, record)
-    print(json.dumps(record, indent=1) if args.json else format_hypotheses(tables))
+    if args.json:
+        print(json.dumps(record, indent=1))
+    else:
+        if scores:
+            print(f"prediction sources on the held-out sessions ({source}: each alone, then fused)\n"
+                  + format_reliability(scores) + "\n")
+        print(format_hypotheses(tables))
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
     return 0
@@ -604,11 +624,14 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
                                                             + ("" if modelled else " (slept)"))
     r.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second"
                                                                  + ("" if modelled else " (slept)"))
-    r.add_argument("--prefetch", choices=MODEL_SOURCES if modelled else PREFETCH_SOURCES, default="none",
+    r.add_argument("--prefetch", type=_prefetch_setting if modelled else str, default="none",
+                   choices=None if modelled else PREFETCH_SOURCES, metavar="SOURCE" if modelled else None,
                    help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, a bound), "
                         "coupled (cross-layer pair counts of the training sessions, like COUPLE"
                         + ("); replay only: heat, persistence, session (probability sources learned on the training "
-                           "sessions)" if modelled else "; needs --layout)"))
+                           "sessions), or several of coupled, heat, persistence, session joined by '+' (e.g. "
+                           "coupled+persistence: their probabilities fused by a log-odds regression learned on the "
+                           "training sessions; needs --policy)" if modelled else "; needs --layout)"))
     r.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetcher loads per layer (K, 1-64)")
     if modelled:
         r.add_argument("--pin-gb", type=float, default=0.0, help="pin the hottest experts (training heat), GB")
@@ -745,6 +768,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative bytes admitted per layer (B), MB; 0 = only the queue-slot budget --prefetch-experts limits")
     h.add_argument("--sweep-budgets-mb", help="speculative-byte budgets for --sweep --policy, MB per layer "
                                               "(default: half and all of --prefetch-experts experts' worth)")
+    h.add_argument("--source-caps", metavar="SHARE[,SHARE...]",
+                   help="per-source caps for --prefetch a+b: the most of B and of --prefetch-experts each source's "
+                        "candidates take per layer, one share (0-1) per source in --prefetch's order (default: no caps; "
+                        "H5's source-caps arm: equal shares)")
     _rewrite_options(s, src_flag=True)
 
     s = _command(sub, "placement", "placement arms at equal RAM (LRU, frequency pins, hybrid, probability per byte, "

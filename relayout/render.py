@@ -395,6 +395,23 @@ def format_split_curve(curve) -> str:
     return "\n".join(lines)
 
 
+def format_reliability(scores) -> str:
+    """Prediction sources on held-out sessions (:class:`replay.predictors.Reliability`): each
+    one's candidates, base rate, Brier score and expected calibration error, beside the Brier score
+    of a constant forecast at the base rate (a source below it has skill)."""
+    lines = [f"  {'source':<28}{'candidates':>12}{'base rate':>11}{'Brier':>10}{'ECE':>9}{'Brier at base rate':>20}"]
+    for r in scores:
+        if r.brier is None:
+            lines.append(f"  {r.source:<28}{0:>12}  nothing scored (no held-out candidate)")
+            continue
+        lines.append(f"  {r.source:<28}{r.candidates:>12,}{r.base_rate:>11.4f}{r.brier:>10.5f}{r.ece:>9.5f}"
+                     f"{r.base_rate * (1 - r.base_rate):>20.5f}")
+    bins = len(scores[0].bin_count) if scores else 0
+    lines.append("  candidates: every expert of every predicted layer of the held-out forwards; ECE over "
+                 f"{bins} equal-width probability bins")
+    return "\n".join(lines)
+
+
 def format_hypotheses(tables) -> str:
     """``replay --policy`` and ``report --hypothesis``: one table per hypothesis and regime
     (:class:`replay.hypotheses.HypothesisTable`): each arm's S with its 95% interval and the seed's
@@ -403,10 +420,13 @@ def format_hypotheses(tables) -> str:
     def opt(x, fmt, scale=1.0):
         return "n/a" if x is None else format(x * scale, fmt)
 
+    from replay.hypotheses import HYPOTHESES
+
     out = []
     for t in tables:
         h = t.hypothesis
-        out += [f"{h.key} at {t.regime}: {t.verdict.upper()} ({t.sufficiency})", f"  claim: {h.claim}",
+        judged = "" if h.test_arm == HYPOTHESES[h.key].test_arm else f", arm judged: {h.test_arm}"
+        out += [f"{h.key} at {t.regime}{judged}: {t.verdict.upper()} ({t.sufficiency})", f"  claim: {h.claim}",
                 f"  {'arm':<22}{'S ms/token (95% CI)':>28}{'p50':>8}{'p99':>8}{'spec MB':>9}{'eta ms/MB':>10}"
                 f"{'RAM hits':>9}{'timely':>8}{'unused MB':>10}{'QD':>6}"]
         for r in t.rows:

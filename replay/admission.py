@@ -42,8 +42,23 @@ next routing (a load is admitted while the bytes admitted before it fit in that 
 it is expected to start in time); with ``backoff`` a layer whose measured stall-conversion (:func:`record_outcome`)
 is not positive stops prefetching, probing once every :data:`BACKOFF_PROBE` forwards.
 
+Under ``top-k`` the list is the source's K best (the runtime's rule); a byte budget B, the
+adaptive budget and the per-source caps, when set, keep its loads that fit, in rank order (the
+experts already in RAM are skipped and charge nothing), and backoff applies as above.
+
+Several sources at once (``prefetch = "a+b"``, :mod:`replay.predictors`): every policy ranks on
+the fused probability; each candidate is charged to the source credited with it (the one whose
+own probability of it is highest, ties to the first listed). **Per-source caps** (``source_caps``
+``c_s``, seed 5.8's lossless tail control: no one source may take more than its share): the loads
+charged to source ``s`` in one layer are at most ``floor(c_s Q)`` and, with a byte budget, take
+at most ``c_s B`` bytes. A candidate the policy would have admitted (it fits the budgets, and
+under ``stall-value`` its value is positive) but whose source's cap it would exceed is skipped
+and counted apart (``capped``); later candidates may still be admitted. With no caps (or every
+share 1) a run is the same, to the bit, as without the machinery.
+
 Per instance the replay counts the candidates a policy rejected (``rejected``: candidates it did
-not admit) and the loads cancelled (``cancelled``: dropped or cut). Where all experts have the same bytes (GLM-5.2),
+not admit, those skipped by a cap not included), those skipped by a cap (``capped``) and the loads
+cancelled (``cancelled``: dropped or cut). Where all experts have the same bytes (GLM-5.2),
 ``per-byte`` ranks as ``probability`` does.
 
 References
@@ -66,6 +81,7 @@ from .config import ADMISSION_POLICIES, RuntimeConfig
 from .jit import HELPER
 from .predictors import (
     CALIBRATION_BINS,
+    FusedModel,
     SourceModel,
     prediction_source,
     untouched_probability,
@@ -99,17 +115,39 @@ backoff), ``probes`` (instances skipped by backoff). Scratch [64] over the candi
 ``observe``): ``q_pending`` [E] (q of the layer being predicted), ``q_for`` [1] (its instance, -1
 none), ``waited`` [E] (scratch: the miss made the compute thread wait)."""
 
-Prefetcher = namedtuple("Prefetcher", "source control")
-"""What the compiled prefetcher reads and keeps: the :data:`replay.predictors.PredictionSource`
-and the :data:`Control`."""
+Prefetcher = namedtuple("Prefetcher", "source control sources fusion")
+"""What the compiled prefetcher reads and keeps: ``source``, the
+:data:`replay.predictors.PredictionSource` the policy reads its probabilities from (with several
+sources, the holder of their fused probability); the :data:`Control`; ``sources``, the tuple of
+the sources that run (one source: ``(source,)``); the :data:`Fusion`."""
+
+Fusion = namedtuple("Fusion", "coef credit caps cap_slots cap_bytes used_slots used_bytes credited admitted capped")
+"""Several sources and their caps (module doc). ``coef`` [S + 1]: the fusion's weights
+(:class:`replay.predictors.FusedModel`); ``credit`` [E]: the source each expert of the layer
+being predicted is charged to (0 with one source); ``caps`` (bool: the caps apply);
+per source [S]: ``cap_slots`` (floor(c_s Q) loads), ``cap_bytes`` (c_s B bytes; inf without a
+byte budget), ``used_slots``, ``used_bytes`` (scratch: what the layer being predicted charged so
+far), and totals over the replay: ``credited`` (candidates a policy chose among, by credited
+source), ``admitted`` (loads admitted), ``capped`` (candidates skipped by the cap)."""
 
 
 def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetcher:
     """The :data:`Prefetcher` of a replay under ``config``: ``learned`` is the source learned on
-    training sessions (a :class:`replay.predictors.SourceModel`), or, for ``coupled`` under
-    ``top-k``, its ``(targets, counts)`` pair table, or None for ``none`` and ``oracle``."""
+    training sessions (a :class:`replay.predictors.SourceModel`; for several sources, their
+    :class:`replay.predictors.FusedModel`), or, for ``coupled`` under ``top-k``, its
+    ``(targets, counts)`` pair table, or None for ``none`` and ``oracle``."""
     L, E = len(layout.layers), layout.n_experts
     kind = config.prefetch
+    names = config.sources
+    if len(names) > 1:
+        if not isinstance(learned, FusedModel):
+            raise InputError(None, f"the prefetch sources {kind!r} need their fused probability learned from training "
+                                   f"sessions (replay.predictors.learn_fused)")
+        if learned.names != names:
+            raise InputError(None, f"the learned sources are {learned.name!r}, the configuration asks for {kind!r}")
+        sources = tuple(prediction_source(m, layout) for m in learned.sources)
+        holder = prediction_source(None, layout, "fused")
+        return Prefetcher(holder, new_control(L, E), sources, new_fusion(config, E, learned.coef))
     if kind in ("none", "oracle"):                # they learn nothing: whatever was learned is not theirs
         model = None
     elif isinstance(learned, SourceModel):
@@ -125,7 +163,19 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
     else:
         raise InputError(None, f"the {kind} prefetch source under admission {config.admission!r} needs its probabilities "
                                f"learned from training sessions (replay.predictors.learn_source)")
-    return Prefetcher(prediction_source(model, layout, kind), new_control(L, E))
+    source = prediction_source(model, layout, kind)
+    return Prefetcher(source, new_control(L, E), (source,), new_fusion(config, E, np.array([0.0, 1.0])))
+
+
+def new_fusion(config: RuntimeConfig, E: int, coef: np.ndarray) -> Fusion:
+    """A fresh :data:`Fusion` for ``config``'s sources (weights ``coef``) and caps."""
+    S = max(len(config.sources), 1)
+    shares = np.asarray(config.source_caps or (1.0,) * S, dtype=np.float64)
+    slots = np.floor(shares * config.prefetch_experts + 1e-9).astype(np.int64)
+    nbytes = shares * config.prefetch_bytes if config.prefetch_bytes > 0 else np.full(S, np.inf)
+    return Fusion(np.ascontiguousarray(coef, dtype=np.float64), np.zeros(E, dtype=np.int64), bool(config.source_caps),
+                  slots, nbytes, np.zeros(S, dtype=np.int64), np.zeros(S), np.zeros(S, dtype=np.int64),
+                  np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64))
 
 
 def new_control(L: int, E: int) -> Control:
@@ -162,14 +212,15 @@ def load_seconds(nl, e, first, lay, pol, dev):
 
 
 @njit(**HELPER)
-def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, out_list, pf):
+def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, fusion, out_list, pf):
     """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
 
     ``src.p`` [E]: the source's probabilities (``n_touched``: see
     :func:`replay.predictors.next_layer_probabilities`; when the experts it does not list fall
     below the probability floor, only the listed ones are scanned); ``start``: when the prefetcher may start (s, instance
-    ``i``'s clock); ``routed``: when layer ``nl`` is routed. Fills ``out_list`` with the admitted
-    experts in load order and returns how many; counts the rejected candidates in ``pf``.
+    ``i``'s clock); ``routed``: when layer ``nl`` is routed; ``fusion``: the credits and the
+    per-source caps (:data:`Fusion`). Fills ``out_list`` with the admitted experts in load order
+    and returns how many; counts the rejected and the capped candidates in ``pf``.
     """
     p = src.p
     E = len(p)
@@ -218,14 +269,8 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         t_need += p[e] * seconds[e]
         svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
     # budgets: Q slots, B bytes (adaptive: what the drives can deliver before the next routing)
-    backlog = 0.0
-    for m in range(dev.members):
-        backlog = max(backlog, drives.free[m] - start)
-    t0 = start + backlog
+    t0, window = _window(start, routed, pol, dev, drives)
     budget = float(pol.prefetch_bytes) if pol.prefetch_bytes > 0 else np.inf
-    window = np.inf                              # adaptive: bytes the drives deliver before the next routing
-    if pol.adaptive_budget:
-        window = max(routed - t0, 0.0) * min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
     lam, rho = ctl.late_frac[nl], ctl.cost_ratio[nl]
     p_victim = 0.0
     if lru.capacity[nl] > 0 and lru.size[nl] >= lru.capacity[nl] and lru.oldest[nl] >= 0:
@@ -243,10 +288,13 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         else:                                    # oracle: need order, as listed
             key[c] = c
     order = ctl.order
-    n_out, used, t = 0, 0.0, t0
+    n_out, used, t, n_capped = 0, 0.0, t0, 0
+    credit = fusion.credit
     for c in range(nc):
         order[c] = c
+        fusion.credited[credit[cand[c]]] += 1
     _sort(order, nc, key)
+    _reset_caps(fusion)
     for r in range(nc):
         if n_out >= pol.prefetch_experts:
             break
@@ -260,12 +308,83 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         if policy == STALL_VALUE and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes,
                                             dev.full_bandwidth) <= 0.0:
             continue
+        if fusion.caps and not _charge(credit[e], nbytes, fusion):
+            n_capped += 1
+            continue
         out_list[n_out] = e
         n_out += 1
         used += nbytes
         t += svc[c]
-    pf.rejected[i] += considered - n_out
+        fusion.admitted[credit[e]] += 1
+    pf.rejected[i] += considered - n_out - n_capped
+    pf.capped[i] += n_capped
     return n_out
+
+
+@njit(**HELPER)
+def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, fusion, pf):
+    """Under ``top-k``: keep the loads of ``out_list[:n]`` (the rule's list, rank order) that fit
+    the byte budget, the adaptive budget and the per-source caps (module doc), in order; the
+    experts in RAM are skipped without charge. Returns how many are kept; counts the rejected
+    and the capped ones in ``pf``."""
+    t0, window = _window(start, routed, pol, dev, drives)
+    budget = float(pol.prefetch_bytes) if pol.prefetch_bytes > 0 else np.inf
+    credit = fusion.credit
+    _reset_caps(fusion)
+    n_out, used, considered, n_capped = 0, 0.0, 0, 0
+    for r in range(n):
+        e = out_list[r]
+        if ram.pinned[nl, e] or ram.lru.cached[nl, e]:
+            continue
+        considered += 1
+        fusion.credited[credit[e]] += 1
+        nbytes = lay.ebytes[nl, e]
+        if used >= window or used + nbytes > budget:
+            continue
+        if fusion.caps and not _charge(credit[e], nbytes, fusion):
+            n_capped += 1
+            continue
+        out_list[n_out] = e
+        n_out += 1
+        used += nbytes
+        fusion.admitted[credit[e]] += 1
+    pf.rejected[i] += considered - n_out - n_capped
+    pf.capped[i] += n_capped
+    return n_out
+
+
+@njit(**HELPER)
+def _window(start, routed, pol, dev, drives):
+    """When the prefetcher's first load can start (s: after the drives' backlog) and, with the
+    adaptive budget, the bytes the drives deliver from then until ``routed`` (inf without)."""
+    backlog = 0.0
+    for m in range(dev.members):
+        backlog = max(backlog, drives.free[m] - start)
+    t0 = start + backlog
+    window = np.inf
+    if pol.adaptive_budget:
+        window = max(routed - t0, 0.0) * min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
+    return t0, window
+
+
+@njit(**HELPER)
+def _reset_caps(fusion):
+    if fusion.caps:
+        for s in range(len(fusion.used_slots)):
+            fusion.used_slots[s] = 0
+            fusion.used_bytes[s] = 0.0
+
+
+@njit(**HELPER)
+def _charge(s, nbytes, fusion):
+    """Charge one load of ``nbytes`` to source ``s`` if its caps allow it (returns True), else
+    count it capped (returns False)."""
+    if fusion.used_slots[s] + 1 > fusion.cap_slots[s] or fusion.used_bytes[s] + nbytes > fusion.cap_bytes[s]:
+        fusion.capped[s] += 1
+        return False
+    fusion.used_slots[s] += 1
+    fusion.used_bytes[s] += nbytes
+    return True
 
 
 @njit(**HELPER)
@@ -332,7 +451,8 @@ def record_outcome(li, saved, wasted, ctl):
 @dataclass(frozen=True)
 class AdmissionCounts:
     """What a policy did, per committed token (:func:`admission_counts`): ``loads`` (prefetch
-    loads completed or in flight at routing), ``rejected`` (candidates not admitted),
+    loads completed or in flight at routing), ``rejected`` (candidates not admitted, those a
+    per-source cap skipped apart), ``capped`` (candidates skipped by a per-source cap),
     ``cancelled`` (admitted loads dropped or cut), ``speculative_bytes`` (bytes the prefetcher
     read, cut loads' reads included) and ``unused_bytes`` (of those loaded, bytes the layer did
     not select); ``cancellation_rate``: cancelled over admitted (loads + cancelled), None when
@@ -340,6 +460,7 @@ class AdmissionCounts:
 
     loads: float
     rejected: float
+    capped: float
     cancelled: float
     speculative_bytes: float
     unused_bytes: float
@@ -354,6 +475,7 @@ def admission_counts(steps) -> AdmissionCounts | None:
         return None
     tokens = max(float(steps.committed.sum()), 1e-12)
     loads, cancelled = float(p["loads"].sum()), float(p["cancelled"].sum())
-    return AdmissionCounts(loads / tokens, float(p["rejected"].sum()) / tokens, cancelled / tokens,
+    return AdmissionCounts(loads / tokens, float(p["rejected"].sum()) / tokens, float(p["capped"].sum()) / tokens,
+                           cancelled / tokens,
                            float(p["issued"].sum()) / tokens, float(p["unused"].sum()) / tokens,
                            cancelled / (loads + cancelled) if loads + cancelled else None)

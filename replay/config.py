@@ -20,6 +20,18 @@ MODEL_SOURCES = PREFETCH_SOURCES + ("heat", "persistence", "session")
 """Prefetch sources the replay model has: the runtime's, and the probability sources of
 :mod:`replay.predictors` (replay only). The compiled model takes a source as its index here."""
 
+SOURCE_SEPARATOR = "+"
+"""Joins several prefetch sources run at once (``"coupled+persistence"``): their probabilities
+are fused into one (:mod:`replay.predictors`), each candidate credited to one of them
+(:mod:`replay.admission`)."""
+
+MAX_SOURCES = 3
+"""Most sources one run combines (the fusion is learned over every combination of their
+calibration bins: ``CALIBRATION_BINS ** MAX_SOURCES`` cells per layer)."""
+
+FUSED = len(MODEL_SOURCES)
+"""The compiled model's source index of several sources at once (the fused probability)."""
+
 ADMISSION_POLICIES = ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe")
 """How the prefetcher admits a source's candidates (:mod:`replay.admission`): ``top-k`` (the
 runtime's rule: the source's K best, in rank order), ``probability`` (highest probability first),
@@ -53,6 +65,7 @@ class RuntimeConfig:
     cancel_stale: bool = False         # stop a load's later reads once the next layer is routed without it
     adaptive_budget: bool = False      # admit only the bytes the drives can deliver before the next layer is routed
     backoff: bool = False              # a layer stops prefetching while its measured stall-conversion turns non-positive
+    source_caps: tuple = ()            # per source of `prefetch`, in its order: the most of B and of Q its candidates take per layer (share, 0-1); () = no caps
 
     def __post_init__(self):
         if not self.batched and not 1 <= self.workers <= 16:
@@ -61,8 +74,16 @@ class RuntimeConfig:
             raise InputError(None, "RAM budgets must be >= 0")
         if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
             raise InputError(None, "coalescing needs a span of at least 1 byte and a gap >= 0")
-        if self.prefetch not in MODEL_SOURCES:
-            raise InputError(None, f"unknown prefetch source {self.prefetch!r} (choose {', '.join(MODEL_SOURCES)})")
+        names = prefetch_sources(self.prefetch)
+        if self.source_caps:
+            object.__setattr__(self, "source_caps", tuple(float(c) for c in self.source_caps))
+            if len(self.source_caps) != len(names) or self.prefetch == "none":
+                raise InputError(None, f"--source-caps gives {len(self.source_caps)} shares for the prefetch source(s) "
+                                       f"{self.prefetch!r}: give one per source, in order")
+            if not all(0.0 <= c <= 1.0 for c in self.source_caps):
+                raise InputError(None, f"--source-caps: every share must be in [0, 1] (got {list(self.source_caps)})")
+            if self.admission == "observe":
+                raise InputError(None, "per-source caps share the prefetch budgets; admission 'observe' loads nothing")
         if not 1 <= self.prefetch_experts <= 64:
             raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
         if self.admission not in ADMISSION_POLICIES:
@@ -79,8 +100,38 @@ class RuntimeConfig:
         """Loads that can be outstanding at once."""
         return 64 if self.batched else self.workers
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The prefetch source names of ``prefetch``, in order (``()`` for ``none``)."""
+        return () if self.prefetch == "none" else prefetch_sources(self.prefetch)
+
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["source_caps"] = list(self.source_caps)
+        return out
+
+
+def prefetch_sources(prefetch: str) -> tuple[str, ...]:
+    """The source names of a ``prefetch`` setting: one of :data:`MODEL_SOURCES`, or 2 to
+    :data:`MAX_SOURCES` distinct probability sources joined by :data:`SOURCE_SEPARATOR` (not
+    ``none`` or ``oracle``: the oracle is a bound, not a source to fuse)."""
+    if prefetch in MODEL_SOURCES:
+        return (prefetch,)
+    names = tuple(prefetch.split(SOURCE_SEPARATOR))
+    if len(names) < 2 or any(n not in MODEL_SOURCES for n in names):
+        raise InputError(None, f"unknown prefetch source {prefetch!r} (choose {', '.join(MODEL_SOURCES)}, or several of "
+                               f"{', '.join(MODEL_SOURCES[2:])} joined by {SOURCE_SEPARATOR!r})")
+    if {"none", "oracle"} & set(names) or len(set(names)) != len(names) or len(names) > MAX_SOURCES:
+        raise InputError(None, f"prefetch sources {prefetch!r}: combine 2-{MAX_SOURCES} distinct sources of "
+                               f"{', '.join(MODEL_SOURCES[2:])} (not none or oracle)")
+    return names
+
+
+def source_index(prefetch: str) -> int:
+    """The compiled model's index of a ``prefetch`` setting: its place in :data:`MODEL_SOURCES`,
+    or :data:`FUSED` for several sources."""
+    names = prefetch_sources(prefetch)
+    return MODEL_SOURCES.index(names[0]) if len(names) == 1 else FUSED
 
 
 def lru_capacities(ram_bytes: int, expert_bytes: np.ndarray) -> np.ndarray:

@@ -60,7 +60,7 @@ import numpy as np
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
 from .admission import prefetcher_inputs
-from .config import ADMISSION_POLICIES, MODEL_SOURCES, RuntimeConfig, lru_capacities
+from .config import ADMISSION_POLICIES, RuntimeConfig, lru_capacities, source_index
 from .device import SPLIT_RULES, ArrayProfile
 from .instance import (
     Device,
@@ -113,7 +113,7 @@ class PrefetchResult:
     prefetch, or a demand load that finished early), as the STALL_TRACE analysis counts them.
     ``timely_n``, ``slack``: the timely prefetches and the sum of their lead slack (s).
     ``unused``: bytes prefetched for this layer that it did not select.
-    ``rejected``, ``cancelled``, ``demand_done`` and the late-need reliability sums (``late_*``,
+    ``rejected``, ``capped``, ``cancelled``, ``demand_done`` and the late-need reliability sums (``late_*``,
     [R], totals over the replay): see the fields and :mod:`replay.admission`.
     """
 
@@ -124,7 +124,8 @@ class PrefetchResult:
     timely_n: np.ndarray = output("I", np.int64)
     slack: np.ndarray = output("I")            # s
     unused: np.ndarray = output("I")           # bytes
-    rejected: np.ndarray = output("I", np.int64)   # candidates the admission policy did not admit (replay.admission)
+    rejected: np.ndarray = output("I", np.int64)   # candidates the admission policy did not admit (replay.admission), capped ones apart
+    capped: np.ndarray = output("I", np.int64)     # candidates a per-source cap skipped (replay.admission)
     cancelled: np.ndarray = output("I", np.int64)  # admitted loads dropped (not started by the routing) or cut (cancel_stale)
     demand_done: np.ndarray = output("I")      # s after routing, when the instance's last demand load completed
     late_n: np.ndarray = output("R")           # policy observe: candidates per late-need probability bin
@@ -333,7 +334,7 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
     return ReadPolicy(bool(config.coalesce), int(config.coalesce_gap_bytes), int(config.coalesce_max_bytes),
                       bool(config.direct), int(device.direct_alignment), int(config.in_flight),
                       float(device.page_cache_fraction), float(config.dense_seconds),
-                      MODEL_SOURCES.index(config.prefetch), int(config.prefetch_experts),
+                      source_index(config.prefetch), int(config.prefetch_experts),
                       ADMISSION_POLICIES.index(config.admission), int(config.prefetch_bytes), int(config.prefetch_candidates),
                       float(config.prefetch_min_probability), bool(config.cancel_stale), bool(config.adaptive_budget),
                       bool(config.backoff))

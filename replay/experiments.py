@@ -14,7 +14,11 @@ budget). Every knob not named here comes from the caller's :class:`~replay.confi
   :mod:`replay.splitcurve` at each RAM budget, each replayed.
 * **E5 / H5** (:func:`tail_arms`): the runtime's admission (``default``: its top-K rule, no byte
   budget), a fixed byte budget, stale cancellation, the queue-aware adaptive budget, and all of
-  them with backoff (``tail-control``, the arm H5 judges).
+  them with backoff (``tail-control``, the arm H5 judges). Over several sources (``"a+b"``: their
+  fused probability, :mod:`replay.predictors`) the arms rank on the fused probability and one
+  more arm, ``source-caps``, is ``tail-control`` with per-source caps (:mod:`replay.admission`;
+  each source an equal share of B and Q unless the configuration gives ``source_caps``); H5 is
+  then judged twice, once with each (:func:`regime_tables`).
 
 Regimes are independent: :func:`hypothesis_tables` runs one task per regime on an executor
 (:mod:`replay.cluster`), so a sweep runs the same on the serial path and on a Dask cluster.
@@ -28,7 +32,7 @@ import numpy as np
 
 from containers.errors import InputError
 
-from .config import ADMISSION_POLICIES, RuntimeConfig
+from .config import ADMISSION_POLICIES, RuntimeConfig, prefetch_sources
 from .device import ArrayProfile
 from .engine import SplitState
 from .evidence import MIN_SESSIONS
@@ -68,12 +72,30 @@ def _no_pins(plan: Plan) -> np.ndarray:
 
 
 def learned_source(trace: RoutingTrace, plan: Plan, source: str, train: np.ndarray):
-    """The prediction source ``source`` learned on the plan's training forwards ``train``."""
-    from .predictors import learn_source
+    """The prediction source ``source`` learned on the plan's training forwards ``train`` (several
+    sources, ``"a+b"``: their :class:`replay.predictors.FusedModel`)."""
+    from .predictors import learn_fused, learn_source
 
     if source in ("none", "oracle"):
         return None
+    names = prefetch_sources(source)
+    if len(names) > 1:
+        return learn_fused(names, trace, train, plan.layout)
     return learn_source(source, trace, train, plan.layout)
+
+
+def predictor_scores(plan: Plan, trace: RoutingTrace, source: str) -> list:
+    """Each source of ``source`` and (several sources) their fusion, learned on the plan's
+    training sessions and scored on its held-out ones (:class:`replay.predictors.Reliability`):
+    the reader sees whether fusing helps."""
+    from .predictors import score_source
+
+    mask, train = _held_out(trace, plan)
+    learned = learned_source(trace, plan, source, train)
+    if learned is None:
+        return []
+    models = list(getattr(learned, "sources", [])) + [learned]
+    return [score_source(m, trace, mask, plan.layout) for m in models]
 
 
 def admission_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
@@ -88,7 +110,8 @@ def admission_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
     mask, train = _held_out(trace, plan)
     learned = learned_source(trace, plan, source, train)
     pins = _no_pins(plan)
-    arms = {"none": arm_from_run(run_layout("none", trace, mask, plan.layout, device, replace(config, prefetch="none"), pins))}
+    off = replace(config, prefetch="none", source_caps=())
+    arms = {"none": arm_from_run(run_layout("none", trace, mask, plan.layout, device, off, pins))}
     for p in policies:
         cfg = replace(config, prefetch=source, admission=p)
         arms[p] = arm_from_run(run_layout(p, trace, mask, plan.layout, device, cfg, pins, coupling=learned))
@@ -97,18 +120,26 @@ def admission_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
 
 TAIL_ARMS = ("default", "fixed-budget", "cancel", "adaptive", "tail-control")
 """E5's arms (module doc); ``tail-control`` is the one H5 judges."""
+CAPS_ARM = "source-caps"
+"""E5's arm over several sources: ``tail-control`` with per-source caps."""
 
 
 def tail_configs(config: RuntimeConfig, source: str = "coupled") -> dict[str, RuntimeConfig]:
     """E5's arms as configurations: the runtime's top-K rule over ``source`` with no byte budget,
     then the byte budget ``config.prefetch_bytes`` (default: the K largest experts' worth is the
-    caller's to set), stale cancellation, the adaptive budget, and all three with backoff."""
+    caller's to set), stale cancellation, the adaptive budget, and all three with backoff; over
+    several sources, also :data:`CAPS_ARM` (caps ``config.source_caps``, else equal shares)."""
+    names = prefetch_sources(source)
     default = replace(config, prefetch=source, admission="top-k", prefetch_bytes=0, cancel_stale=False,
-                      adaptive_budget=False, backoff=False)
+                      adaptive_budget=False, backoff=False, source_caps=())
     budget = replace(default, prefetch_bytes=config.prefetch_bytes)
-    return {"default": default, "fixed-budget": budget, "cancel": replace(budget, cancel_stale=True),
+    arms = {"default": default, "fixed-budget": budget, "cancel": replace(budget, cancel_stale=True),
             "adaptive": replace(budget, adaptive_budget=True),
             "tail-control": replace(budget, cancel_stale=True, adaptive_budget=True, backoff=True)}
+    if len(names) > 1:
+        caps = config.source_caps if config.prefetch == source and config.source_caps else (1.0 / len(names),) * len(names)
+        arms[CAPS_ARM] = replace(arms["tail-control"], source_caps=caps)
+    return arms
 
 
 def tail_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
@@ -184,18 +215,22 @@ def regime_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config:
                   keys: tuple[str, ...], policies: tuple[str, ...], source: str, min_sessions: int) -> list[HypothesisTable]:
     """Every hypothesis of ``keys`` at one regime (one task of :func:`hypothesis_tables`)."""
     cfg = replace(config, ram_bytes=regime.ram_bytes, prefetch_bytes=regime.prefetch_bytes)
+    off = replace(cfg, prefetch="none", source_caps=())
     words = regime.words()
     out = []
     if "H2" in keys:
         out.append(admission_table(admission_arms(plan, trace, device, cfg, policies, source), words, min_sessions))
     if "H3a" in keys and regime.ram_bytes > 0:
-        out.append(placement_table(placement_arm_steps(plan, trace, device, replace(cfg, prefetch="none"), regime.ram_bytes),
+        out.append(placement_table(placement_arm_steps(plan, trace, device, off, regime.ram_bytes),
                                    words, min_sessions))
     if "H3b" in keys and regime.ram_bytes > 0:
-        curve = split_arm_steps(plan, trace, device, replace(cfg, prefetch="none"), [regime.ram_bytes])
+        curve = split_arm_steps(plan, trace, device, off, [regime.ram_bytes])
         out.append(split_table(curve, words, min_sessions))
     if "H5" in keys and regime.prefetch_bytes > 0:
-        out.append(tail_table(tail_arms(plan, trace, device, cfg, source), words, min_sessions))
+        arms = tail_arms(plan, trace, device, cfg, source)
+        out.append(tail_table(arms, words, min_sessions))
+        if CAPS_ARM in arms:
+            out.append(tail_table(arms, words, min_sessions, test_arm=CAPS_ARM))
     return out
 
 
@@ -221,5 +256,6 @@ def hypothesis_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, con
     return [t for tables in per for t in tables]
 
 
-__all__ = ["ADMISSION_ARMS", "HYPOTHESIS_KEYS", "Regime", "TAIL_ARMS", "admission_arms", "hypothesis_tables",
-           "learned_source", "placement_arm_steps", "regime_tables", "split_arm_steps", "tail_arms", "tail_configs"]
+__all__ = ["ADMISSION_ARMS", "CAPS_ARM", "HYPOTHESIS_KEYS", "Regime", "TAIL_ARMS", "admission_arms", "hypothesis_tables",
+           "learned_source", "placement_arm_steps", "predictor_scores", "regime_tables", "split_arm_steps", "tail_arms",
+           "tail_configs"]

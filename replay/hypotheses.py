@@ -110,8 +110,9 @@ class ArmSteps:
     per step [N], ``session`` (unit id per step [N]); ``speculative_bytes`` (prefetched bytes in
     all, for eta_stall; 0 without prefetch), and, where known, the RAM hit rate (share of union
     lookups served from RAM), timely required-byte recall (0-1), unused speculative bytes per
-    committed token, the mean drive queue depth (requests) and ``compute`` (s per step of
-    everything but stall: matmuls, dense work, other overhead)."""
+    committed token, the mean drive queue depth (requests), ``compute`` (s per step of
+    everything but stall: matmuls, dense work, other overhead) and the prefetch candidates a
+    per-source cap skipped per committed token (:mod:`replay.admission`)."""
 
     name: str
     stall: np.ndarray
@@ -123,6 +124,7 @@ class ArmSteps:
     unused_bytes_per_token: float | None = None
     queue_depth: float | None = None
     compute: np.ndarray | None = None
+    capped_per_token: float | None = None
 
     @property
     def stall_per_token_s(self) -> float:
@@ -158,7 +160,8 @@ def arm_from_run(run, name: str | None = None) -> ArmSteps:
     return ArmSteps(name or run.name, np.asarray(s.stall, float), committed, np.asarray(s.session),
                     spec, m.ram_hit_rate, None if pf is None else pf.timely_required_byte_recall,
                     None if pf is None else pf.unused_prefetched_bytes_per_token, depth,
-                    np.asarray(s.compute, float) + m.other_per_token_s * committed)
+                    np.asarray(s.compute, float) + m.other_per_token_s * committed,
+                    None if s.prefetch is None else float(s.prefetch["capped"].sum() / max(committed.sum(), 1e-12)))
 
 
 def arm_from_measured(run, name: str | None = None) -> ArmSteps:
@@ -542,7 +545,9 @@ def tail_table(arms: dict[str, ArmSteps], regime: str, min_sessions: int = MIN_S
                    f"median step stall rises by {_ms(med.estimate)} ms/token [{_ms(med.low)}, {_ms(med.high)}] "
                    f"({'within' if ok_med else 'beyond'} the {MEDIAN_TOLERANCE:.0%} tolerance, {_ms(allowed)} ms/token)"),
     ]
-    return _table(h, regime, arms, comparisons, min_sessions, seed)
+    notes = [f"{a.name}: {a.capped_per_token:.2f} prefetch candidates per committed token skipped by a per-source cap"
+             for a in arms.values() if a.capped_per_token]
+    return _table(h, regime, arms, comparisons, min_sessions, seed, notes=notes)
 
 
 __all__ = ["ALPHA", "ArmRow", "ArmSteps", "Comparison", "HYPOTHESES", "Hypothesis", "HypothesisTable", "INSUFFICIENT",

@@ -33,6 +33,7 @@ from numba import njit
 from .admission import (
     OBSERVE,
     TOP_K,
+    admit_listed,
     backed_off,
     choose,
     load_seconds,
@@ -42,10 +43,12 @@ from .admission import (
 from .device import split_read
 from .jit import HELPER, LOOP, STAGE
 from .predictors import (
+    FUSED,
     add_reliability,
+    fused_probabilities,
     most_probable,
     next_layer_probabilities,
-    observe_union,
+    observe_sources,
 )
 from .prefetch import COUPLED, ORACLE, predict_next
 from .readplan import WEIGHT, ReadPlan, plan_layer
@@ -87,8 +90,8 @@ ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alig
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
 page-cache share of weight reads, 0-1); ``dense_seconds`` (per layer, before it is routed, s);
-``prefetch`` (the source, an index into ``MODEL_SOURCES``) and ``prefetch_experts`` (its K, or
-the queue-slot budget Q); ``admission`` (an index into ``ADMISSION_POLICIES``), ``prefetch_bytes``
+``prefetch`` (the source, an index into ``MODEL_SOURCES``; ``replay.config.FUSED`` for several)
+and ``prefetch_experts`` (its K, or the queue-slot budget Q); ``admission`` (an index into ``ADMISSION_POLICIES``), ``prefetch_bytes``
 (B per layer, 0 none), ``candidates``, ``min_probability``, and the tail controls ``cancel_stale``,
 ``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""
 
@@ -214,8 +217,8 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         if pf_for != i:
             pf_n = 0
         if pol.prefetch != 0:
-            observe_union(table.source, li, inst_fwd[i], inst_session[i], inst.sel_e, inst.sel_start[i],
-                          inst.sel_start[i + 1])
+            observe_sources(table.sources, li, inst_fwd[i], inst_session[i], inst.sel_e, inst.sel_start[i],
+                            inst.sel_start[i + 1])
         k, resident = _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out)
         if pol.backoff and pf_n > 0:
             _prefetch_outcome(i, li, inst, pending, pf_n, lay, pol, dev, ctl)
@@ -573,9 +576,11 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
 
     Under ``top-k`` (the runtime's rule) it predicts up to K experts (:func:`replay.prefetch.predict_next`
     for the oracle and coupled sources, the K most probable for the others) and skips those
-    already in RAM; under the other policies it admits candidates under the budgets
-    (:func:`replay.admission.choose`); under ``observe`` it only records the late-need
-    probabilities q of layer ``li`` for scoring. It loads the list one at a time, in order, from
+    already in RAM, keeping, with a byte budget, the adaptive budget or per-source caps, those
+    that fit (:func:`replay.admission.admit_listed`); under the other policies it admits
+    candidates under the budgets (:func:`replay.admission.choose`); under ``observe`` it only records the late-need
+    probabilities q of layer ``li`` for scoring. With backoff, a backed-off layer loads nothing
+    (:func:`replay.admission.backed_off`). It loads the list one at a time, in order, from
     ``start`` (this layer's demand loads done, s) until ``deadline`` (the next layer is routed,
     s): a load not started by then is dropped, one in flight completes (with ``cancel_stale``, a
     load the next layer does not select issues no read after ``deadline``: it is cut, its bytes
@@ -585,24 +590,27 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     in ``pending`` and returns how many were loaded; dropped and cut loads count as cancelled.
     """
     pf_list = pending.experts
-    src, ctl = table.source, table.control
+    src, ctl, fusion = table.source, table.control, table.fusion
     res, pf = out.instance, out.prefetch
+    if backed_off(li, pol, ctl):
+        return 0
     if pol.admission == TOP_K:
         if pol.prefetch == ORACLE or pol.prefetch == COUPLED:
             n = predict_next(pol.prefetch, i, li - 1, inst.sel_start, inst.sel_e, inst.sel_mult, src.targets,
                              src.counts, pol.prefetch_experts, pending.score, pending.touched, pf_list)
         else:
-            next_layer_probabilities(src, i, li, inst)
+            _probabilities(i, li, inst, table)
             n = most_probable(src.p, pol.prefetch_experts, pf_list)
+        if pol.prefetch_bytes > 0 or pol.adaptive_budget or fusion.caps:
+            n = admit_listed(i, li, start, deadline, n, pf_list, ram, lay, pol, dev, drives, fusion, pf)
     else:
-        if backed_off(li, pol, ctl):
-            return 0
-        n_touched = next_layer_probabilities(src, i, li, inst)
+        n_touched = _probabilities(i, li, inst, table)
         if pol.admission == OBSERVE:
             _late_need(li, src.p, ram, ctl)
             ctl.q_for[0] = i + 1
             return 0
-        n = choose(i, li, session, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, pf_list, pf)
+        n = choose(i, li, session, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, fusion,
+                   pf_list, pf)
     lru, seen = ram.lru, ram.scale_seen
     keep_top = 1.0 - lay.top_fraction[li]
     bases = lay.bases
@@ -664,6 +672,19 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
         if t <= deadline:
             lru_add(lru, li, e)
     return loaded
+
+
+@njit(**HELPER)
+def _probabilities(i, nl, inst, table):
+    """Fill ``table.source.p`` with the probabilities of layer ``nl``'s experts: the source's, or
+    several sources' fused (:func:`replay.predictors.fused_probabilities`, which credits each
+    expert to a source). Returns :func:`replay.predictors.next_layer_probabilities`'s listed
+    count (-1 for the fused probability: every expert has its own)."""
+    src = table.source
+    if src.kind != FUSED:
+        return next_layer_probabilities(src, i, nl, inst)
+    fused_probabilities(table.sources, src, table.fusion.coef, table.fusion.credit, i, nl, inst)
+    return -1
 
 
 @njit(**HELPER)

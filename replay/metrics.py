@@ -37,7 +37,7 @@ class StepTable:
 STEP_SUMS = {"stall": "stall", "oracle_stall": "oracle_stall", "compute": "compute", "union_bytes": "union_bytes",
              "reads": "reads", "read_bytes": "read_bytes", "hits": "hits", "lookups": "union_experts"}
 """The :class:`StepTable` columns summed per step, and the per-instance output each sums."""
-PREFETCH_STEP_SUMS = ("issued", "required", "timely", "timely_n", "slack", "unused", "loads", "rejected", "cancelled")
+PREFETCH_STEP_SUMS = ("issued", "required", "timely", "timely_n", "slack", "unused", "loads", "rejected", "capped", "cancelled")
 """The prefetch outputs summed per step (:attr:`StepTable.prefetch`)."""
 
 

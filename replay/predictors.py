@@ -20,6 +20,15 @@ sessions, not ranks:
   forwards at the training heat;
 * ``oracle``: 1 for the experts layer L+1 really selects, 0 otherwise (not calibrated: the bound).
 
+Several sources at once (``prefetch = "coupled+persistence"``) are *fused* into one probability
+per candidate (:func:`learn_fused`): ``p = sigmoid(w_0 + sum_s w_s logit(p_s))`` over the
+sources' calibrated probabilities ``p_s`` (clipped to [:data:`FUSION_EPS`, 1 - FUSION_EPS]), a
+logarithmic opinion pool whose weights are fitted by maximum likelihood on the training
+sessions. Each source's probability takes one value per calibration bin, so the fit runs exactly
+on the counts of candidates and needed ones per combination of the sources' bins (per layer),
+never on the candidates one by one. Each candidate is *credited* to the source whose own
+probability is highest (ties: the first listed), for the per-source caps of :mod:`replay.admission`.
+
 :func:`score_source` scores a source on held-out sessions: the Brier score, the expected
 calibration error over :data:`RELIABILITY_BINS` equal-width probability bins, and the
 reliability-plot data (:func:`plot_reliability` draws it). The deadline-aware late-need
@@ -33,6 +42,10 @@ References
 ----------
 Seed sections 5.1-5.2 and experiment E1 (Brier score, expected calibration error, reliability
 plots on held-out sessions). Isotonic calibration: pool-adjacent-violators (Ayer et al., 1955).
+Fusion: the logarithmic opinion pool (Genest and Zidek, "Combining probability distributions: a
+critique and an annotated bibliography", Statistical Science 1, 1986), its weights fitted as a
+logistic regression by iteratively reweighted least squares (McCullagh and Nelder, "Generalized
+Linear Models", 2nd ed., 1989, section 4.4).
 """
 
 from __future__ import annotations
@@ -46,7 +59,7 @@ from numba import njit
 from containers.errors import InputError
 from containers.layout import Layout
 
-from .config import MODEL_SOURCES
+from .config import FUSED, MODEL_SOURCES, SOURCE_SEPARATOR
 from .jit import HELPER, LOOP
 from .prefetch import coupling_table
 from .trace import RoutingTrace
@@ -70,6 +83,13 @@ SESSION_PRIOR_FORWARDS = 4.0
 
 SCORE_CHUNK_FORWARDS = 4096
 """Forwards per compiled call of the calibration and scoring passes (memory bound)."""
+
+FUSION_EPS = 1e-4
+"""The fusion clips each source's probability to [FUSION_EPS, 1 - FUSION_EPS] before its log-odds."""
+
+FUSION_RIDGE = 1e-6
+"""L2 penalty of the fusion's weights (not its intercept), per candidate of the fit: keeps the fit
+finite when a source separates the training candidates perfectly."""
 
 PredictionSource = namedtuple("PredictionSource", "kind targets counts selections heat calib last_fwd last_session "
                                                   "count n_fwd session p raw touched")
@@ -96,6 +116,24 @@ class SourceModel:
     selections: np.ndarray
     heat: np.ndarray
     calib: np.ndarray
+
+
+@dataclass
+class FusedModel:
+    """Several sources learned on training sessions and fused into one probability
+    (:func:`learn_fused`): ``sources`` (:class:`SourceModel`, in the order of the setting) and
+    ``coef`` [S + 1], the intercept ``w_0`` then each source's weight ``w_s`` on its log-odds."""
+
+    sources: list
+    coef: np.ndarray
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.sources)
+
+    @property
+    def name(self) -> str:
+        return SOURCE_SEPARATOR.join(self.names)
 
 
 @dataclass
@@ -218,7 +256,8 @@ def learn_source(name: str, trace: RoutingTrace, train: np.ndarray, layout: Layo
 
 def prediction_source(model: SourceModel | None, layout: Layout, kind: str | None = None) -> PredictionSource:
     """The compiled model's :data:`PredictionSource` for ``model`` (fresh replay state); with no
-    model, an empty one of source ``kind`` (``none`` or ``oracle``, which learn nothing)."""
+    model, an empty one of source ``kind`` (``none`` or ``oracle``, which learn nothing; or
+    ``fused``: the holder of several sources' fused probability, :func:`fused_probabilities`)."""
     L, E = len(layout.layers), layout.n_experts
     if model is None:
         model = SourceModel(kind or "none", np.full((L, E, 1), -1, dtype=np.int32), np.zeros((L, E, 1), dtype=np.int32),
@@ -227,21 +266,109 @@ def prediction_source(model: SourceModel | None, layout: Layout, kind: str | Non
         raise InputError(None, f"the {model.name} source was learned for {model.heat.shape} experts, "
                                f"the layout has {(L, E)}")
     return PredictionSource(
-        MODEL_SOURCES.index(model.name), np.ascontiguousarray(model.targets, dtype=np.int32),
+        FUSED if model.name == "fused" else MODEL_SOURCES.index(model.name), np.ascontiguousarray(model.targets, dtype=np.int32),
         np.ascontiguousarray(model.counts, dtype=np.int32), np.ascontiguousarray(model.selections, dtype=np.float64),
         np.ascontiguousarray(model.heat, dtype=np.float64), np.ascontiguousarray(model.calib, dtype=np.float64),
         np.full((L, E), -1, dtype=np.int64), np.full((L, E), -1, dtype=np.int64), np.zeros((L, E)),
         np.zeros(L, dtype=np.int64), np.full(L, -1, dtype=np.int64), np.zeros(E), np.zeros(E), np.zeros(E, dtype=np.int64))
 
 
-def score_source(model: SourceModel, trace: RoutingTrace, test: np.ndarray, layout: Layout) -> Reliability:
-    """Score ``model`` on the forwards of mask ``test`` (held-out sessions): every expert of every
-    layer that has a previous layer in the same forward is one candidate (:class:`Reliability`)."""
+def score_source(model, trace: RoutingTrace, test: np.ndarray, layout: Layout) -> Reliability:
+    """Score ``model`` (a :class:`SourceModel`, or a :class:`FusedModel`: :func:`score_fused`) on
+    the forwards of mask ``test`` (held-out sessions): every expert of every layer that has a
+    previous layer in the same forward is one candidate (:class:`Reliability`)."""
+    if isinstance(model, FusedModel):
+        return score_fused(model, trace, test, layout)
     src = prediction_source(model, layout)
     n, sp, sy, sq = (np.zeros(RELIABILITY_BINS) for _ in range(4))
     for inst in chunk_instances(whole_forward_blocks(trace, SCORE_CHUNK_FORWARDS), test, trace.fwd_session, layout):
         _scoring_pass(inst, src, n, sp, sy, sq)
     return reliability(model.name, n, sp, sy, sq)
+
+
+def fit_fusion(p: np.ndarray, n: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The fusion's weights, by maximum likelihood: ``n`` [C] candidates, ``y`` [C] of them
+    needed, each with the sources' probabilities ``p`` [C, S] (one row per combination of the
+    sources' calibration bins). Returns ``coef`` [S + 1] (intercept first) maximising
+    ``sum y log f + (n - y) log(1 - f)``, ``f = sigmoid(coef . [1, logit(p)])``, less the
+    :data:`FUSION_RIDGE` penalty; iteratively reweighted least squares (Newton's method).
+    """
+    keep = n > 0
+    X = np.column_stack([np.ones(int(keep.sum())), _logit(p[keep])])
+    n, y = n[keep].astype(np.float64), y[keep].astype(np.float64)
+    S1 = X.shape[1]
+    coef = np.zeros(S1)
+    if not len(n):
+        return coef
+    coef[0] = np.log(max(y.sum(), 0.5) / max(n.sum() - y.sum(), 0.5))
+    ridge = FUSION_RIDGE * n.sum() * np.eye(S1)
+    ridge[0, 0] = 0.0
+    for _ in range(100):
+        f = 1.0 / (1.0 + np.exp(-(X @ coef)))
+        w = n * f * (1.0 - f)
+        grad = X.T @ (y - n * f) - ridge @ coef
+        hess = (X * w[:, None]).T @ X + ridge
+        step = np.linalg.lstsq(hess, grad, rcond=None)[0]
+        coef = coef + step
+        if np.max(np.abs(step)) < 1e-10:
+            break
+    return coef
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    q = np.clip(p, FUSION_EPS, 1.0 - FUSION_EPS)
+    return np.log(q / (1.0 - q))
+
+
+def learn_fused(names: tuple[str, ...], trace: RoutingTrace, train: np.ndarray, layout: Layout,
+                coupling: tuple | None = None) -> FusedModel:
+    """Learn each source of ``names`` on the forwards of mask ``train`` (:func:`learn_source`),
+    then the fusion's weights on the same forwards (:func:`fit_fusion` over the counts per
+    combination of the sources' calibration bins, every layer pooled)."""
+    models = [learn_source(name, trace, train, layout, coupling if name == "coupled" else None) for name in names]
+    n, y = _fused_cells(models, trace, train, layout)
+    return FusedModel(models, fit_fusion(_cell_probabilities(models, n.shape[1]).reshape(-1, len(models)),
+                                         n.ravel(), y.ravel()))
+
+
+def _fused_cells(models: list, trace: RoutingTrace, mask: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates and needed ones [L, CALIBRATION_BINS ** S] per layer and combination of the
+    sources' bins (``b_0 + CALIBRATION_BINS b_1 + ...``), over the forwards of ``mask``."""
+    L = len(layout.layers)
+    n, y = np.zeros((L, CALIBRATION_BINS ** len(models))), np.zeros((L, CALIBRATION_BINS ** len(models)))
+    srcs = tuple(prediction_source(m, layout) for m in models)
+    for inst in chunk_instances(whole_forward_blocks(trace, SCORE_CHUNK_FORWARDS), mask, trace.fwd_session, layout):
+        _cells_pass(inst, srcs, n, y)
+    return n, y
+
+
+def _cell_probabilities(models: list, n_cells: int) -> np.ndarray:
+    """[L, cells, S]: each source's calibrated probability in each cell of :func:`_fused_cells`."""
+    S = len(models)
+    cell = np.arange(n_cells)
+    bins = [(cell // CALIBRATION_BINS ** s) % CALIBRATION_BINS for s in range(S)]
+    return np.stack([m.calib[:, bins[s]] for s, m in enumerate(models)], axis=-1)
+
+
+def fused_probability(coef: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """The fused probability of candidates whose sources give ``p`` [..., S]."""
+    return 1.0 / (1.0 + np.exp(-(coef[0] + _logit(p) @ coef[1:])))
+
+
+def score_fused(model: FusedModel, trace: RoutingTrace, test: np.ndarray, layout: Layout) -> Reliability:
+    """Score the fused probability of ``model`` on the forwards of mask ``test`` (held-out
+    sessions), with the same candidates, bins and figures as :func:`score_source`."""
+    n, y = _fused_cells(model.sources, trace, test, layout)
+    f = fused_probability(model.coef, _cell_probabilities(model.sources, n.shape[1]))
+    return reliability_of_cells(model.name, f.ravel(), n.ravel(), y.ravel())
+
+
+def reliability_of_cells(source: str, p: np.ndarray, n: np.ndarray, y: np.ndarray) -> Reliability:
+    """The :class:`Reliability` of candidates grouped in cells: ``n`` [C] candidates of
+    probability ``p`` [C], ``y`` [C] of them needed."""
+    b = np.minimum((p * RELIABILITY_BINS).astype(np.int64), RELIABILITY_BINS - 1)
+    return reliability(source, np.bincount(b, n, RELIABILITY_BINS), np.bincount(b, n * p, RELIABILITY_BINS),
+                       np.bincount(b, y, RELIABILITY_BINS), np.bincount(b, n * p * p - 2 * p * y + y, RELIABILITY_BINS))
 
 
 def plot_reliability(scores: list[Reliability], path) -> None:
@@ -354,6 +481,40 @@ def next_layer_probabilities(src, i, nl, inst, calibrated=True):
 
 
 @njit(**HELPER)
+def observe_sources(sources, li, forward, session, sel_e, a, b):
+    """:func:`observe_union` for each source of the tuple ``sources``."""
+    for s in range(len(sources)):
+        observe_union(sources[s], li, forward, session, sel_e, a, b)
+
+
+@njit(**HELPER)
+def fused_probabilities(sources, holder, coef, credit, i, nl, inst):
+    """Fill ``holder.p`` [E] with the fused probability of each expert of layer ``nl`` (module
+    doc; ``coef`` [S + 1]) from the sources of the tuple ``sources``, and ``credit`` [E] with
+    the source credited with it: the highest own probability, ties to the first listed.
+    ``holder.raw`` is scratch (the sources' best probability so far)."""
+    p, best = holder.p, holder.raw
+    E = len(p)
+    for e in range(E):
+        p[e] = coef[0]
+        best[e] = -1.0
+    for s in range(len(sources)):
+        src = sources[s]
+        next_layer_probabilities(src, i, nl, inst)
+        w = coef[s + 1]
+        for e in range(E):
+            ps = src.p[e]
+            q = min(max(ps, FUSION_EPS), 1.0 - FUSION_EPS)
+            p[e] += w * np.log(q / (1.0 - q))
+            if ps > best[e]:
+                best[e] = ps
+                credit[e] = s
+    for e in range(E):
+        p[e] = 1.0 / (1.0 + np.exp(-p[e]))
+        best[e] = 0.0
+
+
+@njit(**HELPER)
 def untouched_probability(src, nl):
     """The probability a sparse source gives the experts of layer ``nl`` it did not list."""
     return 0.0 if src.kind == ORACLE else src.calib[nl, 0]
@@ -420,6 +581,36 @@ def _scoring_pass(inst, src, n, sum_p, sum_y, sum_sq):
         for e in range(E):
             add_reliability(src.p[e], needed[e], n, sum_p, sum_y, sum_sq)
             needed[e] = False
+
+
+@njit(**LOOP)
+def _cells_pass(inst, sources, n, y):
+    """Accumulate, per layer and combination of the sources' raw-score bins (``b_0 +
+    CALIBRATION_BINS b_1 + ...``), candidates ``n`` and needed ones ``y`` over ``inst``."""
+    I = len(inst.forward)
+    E = len(sources[0].p)
+    needed = np.zeros(E, np.bool_)
+    cell = np.zeros(E, np.int64)
+    for i in range(I):
+        li = inst.layer[i]
+        observe_sources(sources, li, inst.forward[i], inst.session[i], inst.sel_e, inst.sel_start[i], inst.sel_start[i + 1])
+        if not predicts_next(inst, i):
+            continue
+        scale = 1
+        for s in range(len(sources)):
+            src = sources[s]
+            next_layer_probabilities(src, i, li + 1, inst, False)
+            for e in range(E):
+                cell[e] += int(src.p[e]) * scale
+            scale *= CALIBRATION_BINS
+        for j in range(inst.sel_start[i + 1], inst.sel_start[i + 2]):
+            needed[inst.sel_e[j]] = True
+        for e in range(E):
+            n[li + 1, cell[e]] += 1.0
+            if needed[e]:
+                y[li + 1, cell[e]] += 1.0
+                needed[e] = False
+            cell[e] = 0
 
 
 @njit(**HELPER)
