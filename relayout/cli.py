@@ -255,16 +255,19 @@ def cmd_replay(args) -> int:
     from replay.device import load_device
     from replay.gate import compare, measured_tpot_parts, sweep
     from replay.planfile import load_plan
-    from replay.trace import load_trace
+    from replay.trace import TraceFile, load_trace
 
     if args.min_sessions < 1:
         raise InputError(None, f"--min-sessions must be at least 1, got {args.min_sessions}")
     plan = load_plan(args.layout)
-    trace = load_trace(args.trace)
+    hypotheses = args.policy is not None or args.hypotheses is not None
+    # the gate and the sweep read the rows block by block from the file (memory flat in trace length);
+    # the hypothesis tables hold the trace in memory
+    trace = load_trace(args.trace) if hypotheses else TraceFile(args.trace)
     device = load_device(args.device)
     config = _runtime_config(args)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
-    if args.policy is not None or args.hypotheses is not None:
+    if hypotheses:
         return _replay_hypotheses(args, plan, trace, device, config)
     if args.sweep:
         with open_executor(args.scheduler) as executor:
@@ -735,8 +738,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--split-workers", type=int, default=8, help="reader workers for the replay rule")
 
     s = _command(sub, "replay", "replay held-out routing through baseline and plan layouts; gate the rewrite", cmd_replay)
-    s.add_argument("--layout", required=True, metavar="PLAN.json", help="the plan to evaluate")
-    s.add_argument("--trace", required=True, help="a relayout trace; sessions the plan trained on are excluded")
+    s.add_argument("--layout", required=True, metavar="PLAN.json",
+                   help="the plan to evaluate; the pin set it carries (relayout placement --plan-out), if any, is pinned "
+                        "in both layouts, and --pin-gb is then refused")
+    s.add_argument("--trace", required=True,
+                   help="a relayout trace file (relayout trace import); sessions the plan trained on are excluded. The gate "
+                        "and --sweep stream its rows from the file (memory flat in trace length); --policy and "
+                        "--hypotheses load it into memory")
     s.add_argument("--device", required=True, help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
     _runtime_options(s, modelled=True)
     g = s.add_argument_group("gate")

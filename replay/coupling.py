@@ -4,6 +4,10 @@ For the same (forward, position), expert ``e`` selected at layer L and expert ``
 L+dL count one co-occurrence. The replay's coupled prefetch source (:mod:`replay.prefetch`)
 learns its pair table from these counts, like colibrì's ``COUPLE`` reading ``.coli_pairs``
 (exported by :func:`relayout.coactivation.write_coli_pairs` from the same counts).
+
+:func:`coupling_table` counts every consecutive layer pair in one pass over the rows, block by
+block of whole forwards (:meth:`replay.trace.TraceSource.column_blocks`), so a trace streamed
+from its file gives the table a trace in memory gives.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from containers.errors import InputError
+from containers.layout import Layout
 
-from .trace import RoutingTrace
+from .trace import RoutingTrace, TraceSource
 
 
 def aligned_rows(trace: RoutingTrace, layer_a: int, layer_b: int, forwards: np.ndarray | None = None,
@@ -60,4 +65,54 @@ def top_targets(X: np.ndarray, max_targets: int) -> tuple[np.ndarray, np.ndarray
     if pad > 0:
         targets = np.pad(targets, ((0, 0), (0, pad)), constant_values=-1)
         counts = np.pad(counts, ((0, 0), (0, pad)))
+    return targets, counts
+
+
+def layer_pair_counts(trace: TraceSource, forwards: np.ndarray, pairs: list[tuple[int, int]], n_experts: int) -> np.ndarray:
+    """Counts [P, E, E] for each ``(layer_a, layer_b)`` of ``pairs``: expert e at ``layer_a`` with
+    expert f at ``layer_b`` in the same (forward, position), over the rows of forward mask
+    ``forwards`` [F] (:func:`cross_layer_counts` of every pair), read once in blocks of whole
+    forwards. ``n_experts``: E, at least the trace's."""
+    E = n_experts
+    out = np.zeros((len(pairs), E * E), dtype=np.int64)
+    if not pairs:
+        return out.reshape(0, E, E)
+    names = ("row_forward", "row_layer", "row_position", "experts")
+    for rf, rl, rp, ex in trace.column_blocks(names, whole_forwards=True):
+        keep = forwards[rf]
+        if not keep.any():
+            continue
+        rf, rl, rp, ex = rf[keep], rl[keep], rp[keep], ex[keep]
+        # a layer's rows in (forward, position) order: a stable sort by layer keeps the trace's order
+        by_layer = np.argsort(rl, kind="stable")
+        sorted_layers = rl[by_layer]
+        key = rf.astype(np.int64) * (int(rp.max()) + 1) + rp
+        for i, (a, b) in enumerate(pairs):
+            ra, rb = (by_layer[np.searchsorted(sorted_layers, x):np.searchsorted(sorted_layers, x, side="right")] for x in (a, b))
+            _, ia, ib = np.intersect1d(key[ra], key[rb], assume_unique=True, return_indices=True)
+            A = ex[ra[ia]].astype(np.int64)[:, :, None]
+            B = ex[rb[ib]].astype(np.int64)[:, None, :]
+            ok = (A >= 0) & (B >= 0)
+            out[i] += np.bincount((A * E + B)[ok], minlength=E * E)
+    return out.reshape(len(pairs), E, E)
+
+
+def coupling_table(trace: TraceSource, forwards: np.ndarray, layout: Layout, max_targets: int) -> tuple[np.ndarray, np.ndarray]:
+    """The coupled prefetch source's table from the forwards of mask ``forwards`` (training sessions).
+
+    Returns ``(targets, counts)``, int32 [L, E, max_targets]: for layout layer ``l`` and expert
+    ``e``, the experts of layer ``l + 1`` that most often served the same position
+    (:func:`layer_pair_counts`), best first (:func:`top_targets`), padded with -1 and 0; zero
+    for a layer the trace does not route. The same table as :func:`replay.prefetch.coupling_table`
+    (which counts a trace in memory), in one pass over the rows.
+    """
+    L, E = len(layout.layers), layout.n_experts
+    targets = np.full((L, E, max_targets), -1, dtype=np.int32)
+    counts = np.zeros((L, E, max_targets), dtype=np.int32)
+    present = {int(x) for x in trace.layers}
+    pairs = [(li, int(layout.layers[li]), int(layout.layers[li + 1])) for li in range(L - 1)
+             if int(layout.layers[li]) in present and int(layout.layers[li + 1]) in present]
+    X = layer_pair_counts(trace, forwards, [(a, b) for _, a, b in pairs], E)
+    for (li, _, _), x in zip(pairs, X):
+        targets[li], counts[li] = top_targets(x, max_targets)
     return targets, counts

@@ -3,9 +3,9 @@ interval, and whether there is enough of it for a verdict at all.
 
 Held out by content
     A plan records a fingerprint of each training session's routing
-    (:meth:`replay.trace.RoutingTrace.session_fingerprints`). A session of the evaluated trace
-    whose fingerprint matches one of them is excluded whatever it is called; names are labels
-    only. (Plans made before fingerprints existed fall back to names, and say so.)
+    (:meth:`replay.trace.TraceSource.session_fingerprints`, the same from memory or from the
+    file). A session of the evaluated trace whose fingerprint matches one of them is excluded
+    whatever it is called; names are labels only. (Plans made before fingerprints existed fall back to names, and say so.)
 
 Units and interval (seed sections 4 and 9)
     With at least :data:`SESSION_UNITS` held-out sessions the unit of resampling is the session:
@@ -36,7 +36,7 @@ import numpy as np
 from containers.errors import InputError
 
 from .planfile import Plan
-from .trace import FORWARD_KINDS, RoutingTrace
+from .trace import FORWARD_KINDS, TraceSource
 
 SESSION_UNITS = 5
 """Held-out sessions from which the session is the unit of resampling."""
@@ -58,7 +58,7 @@ class HeldOut:
     matched_by: str                  # "content" or "name"
 
 
-def split_sessions_by_content(trace: RoutingTrace, plans: list[Plan]) -> HeldOut:
+def split_sessions_by_content(trace: TraceSource, plans: list[Plan]) -> HeldOut:
     """Sessions of ``trace`` that trained any of ``plans`` (by routing content) and the rest."""
     fps = trace.session_fingerprints()
     training: set[int] = set()
@@ -85,7 +85,7 @@ def split_sessions_by_content(trace: RoutingTrace, plans: list[Plan]) -> HeldOut
     return HeldOut(evaluated, sorted(training), excluded, "name" if by_name else "content")
 
 
-def evaluation_mask(trace: RoutingTrace, sessions: list[int]) -> np.ndarray:
+def evaluation_mask(trace: TraceSource, sessions: list[int]) -> np.ndarray:
     """Decode and verify forwards [F] of ``sessions`` (prefill excluded); one-line errors when empty."""
     if not sessions:
         raise InputError(trace.source or None, "every session of this trace has the routing of a session the plan was "

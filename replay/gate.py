@@ -19,6 +19,7 @@ from containers.errors import InputError
 from containers.layout import Layout
 
 from .config import RuntimeConfig, pinned_experts
+from .coupling import coupling_table
 from .device import ArrayProfile
 from .engine import split_state
 from .evidence import (
@@ -45,6 +46,7 @@ from .gatefile import (
     Headroom,
     Interval,
     LayoutMetrics,
+    PinsUsed,
     PlanRef,
     Saving,
     SessionResult,
@@ -53,22 +55,22 @@ from .gatefile import (
 )
 from .metrics import session_sums, summarize
 from .planfile import Plan
-from .prefetch import coupling_table
+from .prefetch import COUPLED_TARGETS
 from .streaming import replay_steps
-from .trace import RoutingTrace
+from .trace import TraceSource
 
 DEFAULT_THRESHOLD = 0.05
 SWEEP_ALPHA = 0.025
 """Family-wise level of the sweep's Holm correction (one-sided, as a 95% interval's lower tail)."""
 
 
-def evaluation_forwards(trace: RoutingTrace, plans: list[Plan]) -> tuple[np.ndarray, HeldOut]:
+def evaluation_forwards(trace: TraceSource, plans: list[Plan]) -> tuple[np.ndarray, HeldOut]:
     """Decode and verify forwards of the sessions none of ``plans`` trained on (by routing content)."""
     held = split_sessions_by_content(trace, plans)
     return evaluation_mask(trace, held.evaluated), held
 
 
-def check_trace_matches(trace: RoutingTrace, plan: Plan) -> None:
+def check_trace_matches(trace: TraceSource, plan: Plan) -> None:
     trace.require_rows("replay")
     g = plan.geometry
     if trace.n_experts > g["n_experts"]:
@@ -86,35 +88,66 @@ class LayoutRun:
     sessions: dict
 
 
-def run_layout(name: str, trace: RoutingTrace, mask: np.ndarray, layout: Layout, device: ArrayProfile,
+def run_layout(name: str, trace: TraceSource, mask: np.ndarray, layout: Layout, device: ArrayProfile,
                config: RuntimeConfig, pinned: np.ndarray, split=None, coupling=None) -> LayoutRun:
-    r = replay_steps(trace, mask, layout, device, config, pinned, split, coupling)
+    """Replay the forwards of mask ``mask`` through ``layout``, the rows read block by block."""
+    r = replay_steps(trace, mask, layout, device, config, pinned, split, coupling, blocks=trace.row_blocks())
     return LayoutRun(name, r.steps, summarize(r.steps, r.usage, config.other_seconds_per_token),
                      session_sums(r.steps, len(trace.sessions)))
 
 
-def _training_forwards(trace: RoutingTrace, plan: Plan, what: str) -> np.ndarray:
+def _training_forwards(trace: TraceSource, plan: Plan, what: str) -> np.ndarray:
     train = split_sessions_by_content(trace, [plan]).training
     if not train:
         raise InputError(trace.source or None, f"{what} needs the plan's training sessions in the trace")
     return trace.session_forward_mask(train)
 
 
-def training_coupling(trace: RoutingTrace, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+def training_coupling(trace: TraceSource, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """The coupled prefetch source's table, learned from the plan's training sessions."""
-    return coupling_table(trace, _training_forwards(trace, plan, "the coupled prefetch source (its pair table)"), plan.layout)
+    train = _training_forwards(trace, plan, "the coupled prefetch source (its pair table)")
+    return coupling_table(trace, train, plan.layout, COUPLED_TARGETS)
 
 
-def _pins(trace: RoutingTrace, plan: Plan, config: RuntimeConfig) -> np.ndarray:
+def gate_pins(trace: TraceSource, plan: Plan, config: RuntimeConfig) -> tuple[np.ndarray, PinsUsed]:
+    """The pinned experts [L, E] both layouts of a comparison replay with, and the record of them.
+
+    Pins name experts, not offsets, so the baseline gets the same set as the plan. The plan's own
+    pin set (``relayout placement --plan-out``) when it carries one; otherwise, with
+    ``config.pin_bytes`` > 0, the experts of most training-session selections per byte within
+    that budget; otherwise none. A plan with pins and ``pin_bytes`` > 0 is refused (two pin
+    sets for one replay). The LRU is ``config.ram_bytes`` in every case.
+    """
     L, E = len(plan.layout.layers), plan.layout.n_experts
-    if config.pin_bytes <= 0:
-        return np.zeros((L, E), dtype=bool)
-    fm = _training_forwards(trace, plan, "pinning (to rank experts by heat)")
-    heat = np.zeros((L, E))
-    for li, layer in enumerate(plan.layout.layers):
-        rows = trace.experts[trace.layer_rows(layer, fm)]
-        heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=E)[:E]
-    return pinned_experts(heat, plan.layout.expert_bytes()[:, 0], config.pin_bytes)
+    expert_bytes = plan.layout.expert_bytes()[:, 0]
+    if plan.pins is not None:
+        p = plan.pins
+        if config.pin_bytes > 0:
+            raise InputError(plan.path, f"the plan carries its own pin set ({len(p.experts)} experts of arm {p.arm!r}); "
+                                        "drop --pin-gb (pin_bytes), which would pin by training heat instead")
+        index = {int(layer): li for li, layer in enumerate(plan.layout.layers)}
+        pinned = np.zeros((L, E), dtype=bool)
+        for layer, e in p.experts:
+            pinned[index[layer], e] = True
+        source = "plan"
+        how = (f"the plan's pin set: arm {p.arm!r} ({p.how}), chosen on {p.device} for {p.ram_bytes} bytes of RAM "
+               f"({p.pin_bytes} pinned, {p.lru_bytes} LRU); this replay's LRU is {config.ram_bytes} bytes")
+    elif config.pin_bytes > 0:
+        train = _training_forwards(trace, plan, "pinning (to rank experts by heat)")
+        by_trace_layer = trace.expert_heat(train)
+        heat = np.zeros((L, E))
+        for li, layer in enumerate(plan.layout.layers):
+            t = int(np.searchsorted(trace.layers, layer))
+            if t < len(trace.layers) and trace.layers[t] == layer:
+                heat[li, :trace.n_experts] = by_trace_layer[t]
+        pinned = pinned_experts(heat, expert_bytes, config.pin_bytes)
+        source = "heat"
+        how = (f"the experts of most selections per byte in the plan's training sessions, within pin_bytes = "
+               f"{config.pin_bytes} bytes (--pin-gb); LRU {config.ram_bytes} bytes")
+    else:
+        pinned = np.zeros((L, E), dtype=bool)
+        source, how = "none", f"no pins (the plan carries none and pin_bytes is 0); LRU {config.ram_bytes} bytes"
+    return pinned, PinsUsed(source, int(pinned.sum()), int((pinned * expert_bytes[:, None]).sum()), how)
 
 
 @dataclass(frozen=True)
@@ -144,7 +177,7 @@ def measured_tpot_parts(path) -> TpotParts:
                                                  f"committed token over {int(a)} tokens")
 
 
-def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
+def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeConfig,
             baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0,
             min_sessions: int = MIN_SESSIONS, tpot_parts: TpotParts | None = None) -> GateRecord:
     """Replay baseline (stock, or another plan's layout) and the plan; gate; return the gate record.
@@ -161,7 +194,7 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
         raise InputError(baseline.path, "baseline plan is for a different container than the plan")
     mask, held = evaluation_forwards(trace, [plan] + ([baseline] if baseline else []))
     evaluated = held.evaluated
-    pins = _pins(trace, plan, config)
+    pins, pins_used = gate_pins(trace, plan, config)
     split = split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
     plan_config = config
     if split is not None:
@@ -214,6 +247,7 @@ def compare(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runti
         plan_metrics=pm,
         per_session=[SessionResult(trace.sessions[i], int(base.sessions["committed"][i]), float(base.sessions["stall"][i]),
                                    float(new.sessions["stall"][i]), float(base.sessions["oracle"][i])) for i in evaluated],
+        pins=pins_used,
     )
 
 
@@ -251,7 +285,7 @@ def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: fl
     return f"FAIL: {text} The bound leaves {headroom / tpot:.1%} of TPOT of headroom, but this layout does not capture enough of it."
 
 
-def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
+def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
           workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None,
           min_sessions: int = MIN_SESSIONS, executor=None) -> list[dict]:
     """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing.
@@ -281,7 +315,7 @@ def sweep(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Runtime
     return cells
 
 
-def sweep_cell(plan: Plan, trace: RoutingTrace, device: ArrayProfile, baseline: Plan | None, config: RuntimeConfig,
+def sweep_cell(plan: Plan, trace: TraceSource, device: ArrayProfile, baseline: Plan | None, config: RuntimeConfig,
                threshold: float, min_sessions: int) -> dict:
     """One cell of :func:`sweep`: the gate at ``config``, as the sweep table's row without its RAM
     budget (stall and TPOT in seconds per committed token)."""
@@ -293,4 +327,4 @@ def sweep_cell(plan: Plan, trace: RoutingTrace, device: ArrayProfile, baseline: 
             "saving": records.to_json(g.saving_per_token_s),
             "saving_fraction_of_tpot": records.to_json(g.saving_fraction_of_tpot),
             "tpot_s": g.threshold.tpot_s, "p_below_threshold": g.evidence.p_below_threshold,
-            "sufficient": g.evidence.sufficient}
+            "sufficient": g.evidence.sufficient, "pins": g.pins.source}

@@ -190,6 +190,21 @@ class SessionResult:
     oracle_stall_s: float
 
 
+PIN_SOURCES = ("plan", "heat", "none")
+
+
+@dataclass(frozen=True)
+class PinsUsed:
+    """The pin set both layouts were replayed with (:func:`replay.gate.gate_pins`): ``plan`` (the
+    plan's own, from ``relayout placement``), ``heat`` (the hottest training experts within
+    ``pin_bytes``) or ``none``; how many experts and their bytes, and a sentence saying how."""
+
+    source: str
+    experts: int
+    bytes: int
+    how: str
+
+
 @dataclass(frozen=True)
 class GateRecord:
     """The replay comparison that decides whether a plan may rewrite a container."""
@@ -213,6 +228,8 @@ class GateRecord:
     baseline_metrics: LayoutMetrics
     plan_metrics: LayoutMetrics
     per_session: list[SessionResult]
+    pins: PinsUsed | None = None
+    """None only in records made before the pin set was recorded."""
 
     def to_json(self) -> dict:
         return records.to_json(self)
@@ -222,6 +239,8 @@ class GateRecord:
         g = records.from_json(cls, obj, where, "gate record")
         if g.verdict not in VERDICTS:
             raise InputError(where, f"gate record's verdict {g.verdict!r} is not one of {', '.join(VERDICTS)}")
+        if g.pins is not None and g.pins.source not in PIN_SOURCES:
+            raise InputError(where, f"gate record's pin source {g.pins.source!r} is not one of {', '.join(PIN_SOURCES)}")
         return g
 
 

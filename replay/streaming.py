@@ -23,7 +23,7 @@ from .config import RuntimeConfig
 from .device import ArrayProfile
 from .engine import DeviceUsage, Replay, SplitState
 from .metrics import StepTable, step_sums, steps_from_sums
-from .trace import RoutingTrace
+from .trace import TraceSource
 from .unions import (
     DEFAULT_CHUNK_FORWARDS,
     RowBlock,
@@ -44,7 +44,7 @@ class StepReplay:
 
 
 def replay_steps(
-    trace: RoutingTrace,
+    trace: TraceSource,
     forwards: np.ndarray,
     layout: Layout,
     device: ArrayProfile,
@@ -58,9 +58,10 @@ def replay_steps(
     """Replay the forwards of mask ``forwards`` [F] chunk by chunk, keeping per-step sums only.
 
     ``trace`` gives the forwards (sessions, committed and evaluated counts) and, unless
-    ``blocks`` is given, the rows, in chunks of ``chunk_forwards`` forwards. ``blocks``: the
-    trace's rows in consecutive blocks (e.g. :meth:`replay.trace.TraceFile.row_blocks`, for a
-    trace whose rows are not in memory), recut at forward boundaries. ``pinned``, ``split``,
+    ``blocks`` is given, the rows (then it must be a :class:`replay.trace.RoutingTrace`), in
+    chunks of ``chunk_forwards`` forwards. ``blocks``: the trace's rows in consecutive blocks
+    (:meth:`replay.trace.TraceSource.row_blocks`, from memory or streamed from the file, as
+    :func:`replay.gate.run_layout` passes them), recut at forward boundaries. ``pinned``, ``split``,
     ``coupling``: as :func:`replay.engine.simulate`.
     """
     replay = Replay(layout, device, config, pinned, split, coupling)

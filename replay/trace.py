@@ -33,7 +33,8 @@ import json
 import os
 import struct
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,8 +105,174 @@ def _deferred(trace: "RoutingTrace", name: str) -> bool:
     return isinstance(trace.__dict__.get("_" + name), _Deferred)
 
 
+class TraceSource:
+    """What a replay, its gate and its evidence read from a trace, whether its rows are in memory
+    (:class:`RoutingTrace`) or streamed from its file (:class:`TraceFile`).
+
+    Both hold the trace's description (``layers``, ``n_experts``, ``top_k``, ``geometry``,
+    ``sessions``, ``source``, ``meta``, ``heat_only``) and its per-forward arrays (``fwd_*``, 13
+    bytes a forward) in memory. Rows are read only here, block by block (:meth:`column_blocks`),
+    so every computation below holds one block of rows (``rows_per_block``) whatever the trace's
+    length, and gives the same result, to the bit, from memory or from the file. A subclass
+    supplies the rows through ``_columns`` and ``_array_chunks``.
+    """
+
+    @property
+    def n_forwards(self) -> int:
+        return len(self.fwd_session)
+
+    def require_rows(self, what: str) -> None:
+        if self.heat_only:
+            raise InputError(self.source or None, f"{what} needs per-token routing, but this trace holds heat only (from .coli_usage)")
+
+    def session_forward_mask(self, sessions: list[int] | np.ndarray) -> np.ndarray:
+        return np.isin(self.fwd_session, np.asarray(sessions))
+
+    def column_blocks(self, names: tuple, whole_forwards: bool = False) -> Iterator[tuple]:
+        """The row arrays ``names`` (e.g. ``("row_forward", "experts")``) in consecutive blocks of
+        at most ``rows_per_block`` rows, one tuple of arrays per block, in ``names``'s order.
+
+        ``whole_forwards``: blocks are recut so that no forward spans two (``names[0]`` must be
+        ``row_forward``; :func:`whole_forward_runs`).
+        """
+        blocks = self._blocks_of(names)
+        return whole_forward_runs(blocks) if whole_forwards else blocks
+
+    def _blocks_of(self, names: tuple) -> Iterator[tuple]:
+        R, step = self.n_rows, self.rows_per_block
+        with self._columns(names) as columns:
+            for r0 in range(0, R, step):
+                n = min(step, R - r0)
+                yield tuple(take(n) for take in columns)
+
+    def row_blocks(self) -> Iterator[RowBlock]:
+        """The rows (forward, layer, experts) in consecutive blocks of ``rows_per_block`` rows
+        (:func:`replay.streaming.replay_steps` with ``blocks=``)."""
+        for block in self._blocks_of(("row_forward", "row_layer", "experts")):
+            yield RowBlock(*block)
+
+    def expert_heat(self, forwards: np.ndarray | None = None) -> np.ndarray:
+        """Selections per (layer index, expert), int64 [L, E]: of the rows of the forward mask
+        ``forwards`` [F], or of every row (a heat-only trace: its heat table)."""
+        if self.heat_only and forwards is None:
+            return self.heat
+        self.require_rows("heat of chosen forwards")
+        L, E = len(self.layers), self.n_experts
+        out = np.zeros(L * E, dtype=np.int64)
+        for rf, rl, ex in self._blocks_of(("row_forward", "row_layer", "experts")):
+            keep = ex >= 0
+            if forwards is not None:
+                keep &= forwards[rf][:, None]
+            cell = np.searchsorted(self.layers, rl).astype(np.int64)[:, None] * E + ex
+            out += np.bincount(cell[keep], minlength=L * E)
+        return out.reshape(L, E)
+
+    def fingerprint(self) -> str:
+        """xxh3-128 of the routing content (arrays and sessions), independent of file compression:
+        the same value from memory and from the file (each array's bytes hashed as stored)."""
+        states = {}
+        for name, chunk in self._array_chunks():
+            states.setdefault(name, xxhash.xxh3_128()).update(chunk)
+        h = [json.dumps([self.layers.tolist(), self.n_experts, self.top_k, self.sessions]).encode()]
+        h += [states.get(name, xxhash.xxh3_128()).hexdigest().encode() for name in _ARRAYS]
+        if "heat" in states:
+            h.append(states["heat"].hexdigest().encode())
+        return digest_of(b"|".join(h))
+
+    def session_fingerprints(self) -> list[str]:
+        """xxh3-128 of each session's routing content, in session order, independent of its name.
+
+        Two sessions with the same forwards (kind, evaluated and committed counts) and the same
+        rows (layer, position, selected experts, in order) have the same fingerprint, whatever
+        the session is called or where it sits in the trace; gates are not included (a router's
+        scores may be rounded differently by another exporter). Heat-only traces have none.
+        """
+        if self.heat_only:
+            return []
+        # a session's forwards are contiguous (validate), and rows follow their forwards: each
+        # session is one range of forwards and one range of rows; the ranges are taken in trace
+        # order, each array of a range hashed in turn, at most one block of it at a time
+        S, F = len(self.sessions), self.n_forwards
+        runs = np.flatnonzero(np.diff(self.fwd_session, prepend=-1)) if F else np.zeros(0, dtype=np.int64)
+        f_ends = np.append(runs[1:], F).astype(np.int64)
+        rows_per_forward = np.zeros(F, dtype=np.int64)
+        for rf, in self._blocks_of(("row_forward",)):
+            rows_per_forward += np.bincount(rf, minlength=F)
+        r_ends = np.cumsum(rows_per_forward)[f_ends - 1] if F else f_ends
+        empty = xxhash.xxh3_128().hexdigest()
+        out = [empty] * S
+        names = ("row_forward", "row_layer", "row_position", "experts")
+        with self._columns(names) as columns:
+            r0 = 0
+            for f0, f1, r1 in zip(runs.tolist(), f_ends.tolist(), r_ends.tolist()):
+                h = xxhash.xxh3_128()
+                for arr in (self.fwd_kind[f0:f1], self.fwd_evaluated[f0:f1], self.fwd_committed[f0:f1]):
+                    h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+                for name, take in zip(names, columns):
+                    for n in _pieces(r1 - r0, self.rows_per_block):
+                        arr = take(n).astype(np.int64)
+                        h.update((arr - f0 if name == "row_forward" else arr).tobytes())
+                out[int(self.fwd_session[f0])] = h.hexdigest()
+                r0 = r1
+        return out
+
+    def _check_rows(self, gates: bool) -> None:
+        """:meth:`RoutingTrace.validate`'s checks of every row, block by block (``gates``: the
+        gates too)."""
+        def bad(problem: str):
+            raise InputError(self.source or None, problem)
+
+        if self.n_rows and self.top_k < 1:
+            bad("rows without selections (top_k 0)")
+        names = ("row_forward", "row_layer", "experts", "row_position") + (("gates",) if gates else ())
+        previous = None
+        for block in self._blocks_of(names):
+            check_row_block(bad, RowBlock(*block[:3]), block[3], block[4] if gates else None, self.n_experts,
+                            self.n_forwards, self.layers, previous)
+            previous = (int(block[0][-1]), int(block[1][-1]), int(block[3][-1]))
+
+
+def _pieces(n: int, step: int) -> Iterator[int]:
+    """Sizes of consecutive pieces of ``n`` items, each at most ``step``."""
+    while n > 0:
+        yield min(n, step)
+        n -= step
+
+
+def whole_forward_runs(blocks: Iterable[tuple]) -> Iterator[tuple]:
+    """Blocks of rows (tuples of row arrays, the first ``row_forward``, sorted by forward) recut so
+    that no forward spans two blocks: each block but the last ends at its last forward boundary,
+    and the rows after it start the next. Yields plain tuples."""
+    tail = None
+    for b in blocks:
+        if tail is not None:
+            b = tuple(np.concatenate([t, x]) for t, x in zip(tail, b))
+        if not len(b[0]):
+            continue
+        cut = int(np.searchsorted(b[0], b[0][-1]))
+        if cut == 0:
+            tail = b
+            continue
+        yield tuple(x[:cut] for x in b)
+        tail = tuple(x[cut:] for x in b)
+    if tail is not None and len(tail[0]):
+        yield tail
+
+
+class _ArrayColumn:
+    """Consecutive rows of an array in memory: ``take(n)`` returns the next ``n`` (a view)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.at = array, 0
+
+    def __call__(self, n: int) -> np.ndarray:
+        out = self.array[self.at:self.at + n]
+        self.at += n
+        return out
+
+
 @dataclass
-class RoutingTrace:
+class RoutingTrace(TraceSource):
     """Routing of a whole trace. Arrays are indexed by row (R) or by forward (F)."""
 
     layers: np.ndarray          # int16 [L] absolute layer numbers, sorted
@@ -135,13 +302,27 @@ class RoutingTrace:
         return len(self.row_forward)
 
     @property
-    def n_forwards(self) -> int:
-        return len(self.fwd_session)
+    def rows_per_block(self) -> int:
+        return ROWS_PER_BLOCK
 
     @property
     def n_selections(self) -> int:
-        return sum(int(np.count_nonzero(self.experts[r0:r0 + ROWS_PER_BLOCK] >= 0))
-                   for r0 in range(0, self.n_rows, ROWS_PER_BLOCK))
+        return sum(int(np.count_nonzero(ex >= 0)) for ex, in self._blocks_of(("experts",)))
+
+    @contextmanager
+    def _columns(self, names: tuple):
+        yield [_ArrayColumn(getattr(self, name)) for name in names]
+
+    def _array_chunks(self) -> Iterator[tuple[str, memoryview]]:
+        """Each array's bytes as held (deferred gates: as stored, streamed from the file), in chunks."""
+        for name in _ARRAYS + (("heat",) if self.heat is not None else ()):
+            if name == "gates" and _deferred(self, "gates"):
+                yield from _stream_chunks(self.__dict__["_gates"].layout, ("gates",))
+                continue
+            arr = getattr(self, name)
+            step = max(1, READ_CHUNK // max(1, arr.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))))
+            for r0 in range(0, max(len(arr), 1), step):
+                yield name, memoryview(np.ascontiguousarray(arr[r0:r0 + step])).cast("B")
 
     def layer_index(self, layer: int) -> int:
         idx = np.searchsorted(self.layers, layer)
@@ -149,71 +330,12 @@ class RoutingTrace:
             raise KeyError(layer)
         return int(idx)
 
-    def require_rows(self, what: str) -> None:
-        if self.heat_only:
-            raise InputError(self.source or None, f"{what} needs per-token routing, but this trace holds heat only (from .coli_usage)")
-
-    def expert_heat(self) -> np.ndarray:
-        """Selections per (layer index, expert): int64 [L, E]."""
-        if self.heat_only:
-            return self.heat
-        out = np.zeros((len(self.layers), self.n_experts), dtype=np.int64)
-        li = np.searchsorted(self.layers, self.row_layer)
-        valid = self.experts >= 0
-        np.add.at(out, (np.repeat(li, self.top_k).reshape(-1, self.top_k)[valid], self.experts[valid].astype(np.int64)), 1)
-        return out
-
     def layer_rows(self, layer: int, forwards: np.ndarray | None = None) -> np.ndarray:
         """Row indices of ``layer`` (optionally only in the given forward mask [F])."""
         mask = self.row_layer == layer
         if forwards is not None:
             mask &= forwards[self.row_forward]
         return np.flatnonzero(mask)
-
-    def session_forward_mask(self, sessions: list[int] | np.ndarray) -> np.ndarray:
-        return np.isin(self.fwd_session, np.asarray(sessions))
-
-    def fingerprint(self) -> str:
-        """xxh3-128 of the routing content (arrays and sessions), independent of file compression."""
-        h = [json.dumps([self.layers.tolist(), self.n_experts, self.top_k, self.sessions]).encode()]
-        for name in _ARRAYS:
-            arr = getattr(self, name)
-            h.append(digest_of(np.ascontiguousarray(arr).tobytes()).encode())
-        if self.heat is not None:
-            h.append(digest_of(np.ascontiguousarray(self.heat).tobytes()).encode())
-        return digest_of(b"|".join(h))
-
-    def session_fingerprints(self) -> list[str]:
-        """xxh3-128 of each session's routing content, in session order, independent of its name.
-
-        Two sessions with the same forwards (kind, evaluated and committed counts) and the same
-        rows (layer, position, selected experts, in order) have the same fingerprint, whatever
-        the session is called or where it sits in the trace; gates are not included (a router's
-        scores may be rounded differently by another exporter). Heat-only traces have none.
-        """
-        if self.heat_only:
-            return []
-        # a session's forwards are contiguous (validate), and rows follow their forwards: each
-        # session is one range of forwards and one range of rows, hashed in place
-        S, F = len(self.sessions), self.n_forwards
-        runs = np.flatnonzero(np.diff(self.fwd_session, prepend=-1)) if F else np.zeros(0, dtype=np.int64)
-        f_lo = np.zeros(S, dtype=np.int64)
-        f_hi = np.zeros(S, dtype=np.int64)
-        f_lo[self.fwd_session[runs]] = runs
-        f_hi[self.fwd_session[runs]] = np.append(runs[1:], F)
-        out = []
-        for si in range(S):
-            h = xxhash.xxh3_128()
-            fs = slice(int(f_lo[si]), int(f_hi[si]))
-            for arr in (self.fwd_kind[fs], self.fwd_evaluated[fs], self.fwd_committed[fs]):
-                h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-            r0, r1 = np.searchsorted(self.row_forward, [fs.start, fs.stop]) if fs.stop > fs.start else (0, 0)
-            rs = slice(int(r0), int(r1))
-            for arr in (self.row_forward[rs].astype(np.int64) - fs.start, self.row_layer[rs], self.row_position[rs]):
-                h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-            h.update(np.ascontiguousarray(self.experts[rs], dtype=np.int64).tobytes())
-            out.append(h.hexdigest())
-        return out
 
     def subset(self, sessions: list[int]) -> "RoutingTrace":
         """A trace holding only the given sessions (indices), renumbered, order kept."""
@@ -288,18 +410,7 @@ class RoutingTrace:
         gates_shape = self.__dict__["_gates"].layout.specs["gates"][1] if _deferred(self, "gates") else self.gates.shape
         if self.experts.shape != (R, self.top_k) or tuple(gates_shape) != (R, self.top_k):
             raise InputError(where, "expert/gate arrays do not match the row count")
-        if R:
-            if self.top_k < 1:
-                bad("rows without selections (top_k 0)")
-            gates = None if _deferred(self, "gates") else self.gates   # deferred gates were checked as they were read
-            previous = None
-            for r0 in range(0, R, ROWS_PER_BLOCK):              # in blocks: the checks' temporaries stay small
-                rows = slice(r0, r0 + ROWS_PER_BLOCK)
-                check_row_block(bad, RowBlock(self.row_forward[rows], self.row_layer[rows], self.experts[rows]),
-                                self.row_position[rows], None if gates is None else gates[rows], self.n_experts, F,
-                                layers, previous)
-                last = min(r0 + ROWS_PER_BLOCK, R) - 1
-                previous = (int(self.row_forward[last]), int(self.row_layer[last]), int(self.row_position[last]))
+        self._check_rows(gates=not _deferred(self, "gates"))   # deferred gates were checked as they were read
         if F:
             if self.fwd_session.min() < 0 or self.fwd_session.max() >= len(self.sessions):
                 raise InputError(where, "a forward points at a session that does not exist")
@@ -618,16 +729,20 @@ def load_trace(path: str | os.PathLike, gates: bool = False) -> RoutingTrace:
     return trace
 
 
-class TraceFile:
-    """A trace on disk whose rows are read in blocks, never all at once: for a replay of a trace
-    larger than RAM (:func:`replay.streaming.replay_steps` with ``blocks=``).
+class TraceFile(TraceSource):
+    """A trace on disk whose rows are read in blocks, never all at once: for a replay and a gate of
+    a trace larger than RAM (everything :class:`TraceSource` offers, e.g. :meth:`row_blocks` for
+    :func:`replay.streaming.replay_steps` with ``blocks=``).
 
     Opening verifies the digest and the header, reads the per-forward arrays (``fwd_*``, 13
     bytes a forward) and checks everything :meth:`RoutingTrace.validate` checks, the rows
-    block by block. :meth:`row_blocks` then reads the rows a replay needs, in order; each
-    pass refuses a file that changed since it was opened. Memory: the forward arrays and one
-    block per row array.
+    block by block. Each later pass over the rows refuses a file that changed since it was
+    opened. Memory: the forward arrays and one block per row array. The two whole-trace digests
+    (:meth:`fingerprint`, :meth:`session_fingerprints`) are computed once, on first use.
     """
+
+    heat_only = False
+    heat = None
 
     def __init__(self, path: str | os.PathLike, rows_per_block: int = ROWS_PER_BLOCK):
         self.path = Path(path)
@@ -643,15 +758,22 @@ class TraceFile:
         self.sessions, self.meta, self.source = h["sessions"], h.get("meta", {}), str(self.path)
         if h["heat_only"]:
             raise InputError(self.path, "replay needs per-token routing, but this trace holds heat only (from .coli_usage)")
+        self._digests: dict = {}
         self._validate()
-
-    @property
-    def n_forwards(self) -> int:
-        return len(self.fwd_session)
 
     @property
     def n_rows(self) -> int:
         return self._layout.specs["row_forward"][1][0]
+
+    def fingerprint(self) -> str:
+        if "trace" not in self._digests:
+            self._digests["trace"] = super().fingerprint()
+        return self._digests["trace"]
+
+    def session_fingerprints(self) -> list[str]:
+        if "sessions" not in self._digests:
+            self._digests["sessions"] = super().session_fingerprints()
+        return list(self._digests["sessions"])
 
     def _validate(self) -> None:
         forwards = RoutingTrace(
@@ -661,37 +783,64 @@ class TraceFile:
             gates=np.zeros((0, self.top_k), np.float32), source=self.source, meta=self.meta,
             **{name: getattr(self, name) for name in _FWD_ARRAYS})
         forwards.validate()                                 # the trace's own checks, rows aside
+        self._check_rows(gates=True)
 
-        def bad(problem: str):
-            raise InputError(self.path, problem)
+    @contextmanager
+    def _columns(self, names: tuple):
+        readers = []
+        try:
+            with _guarded(self.path):
+                for name in names:
+                    readers.append(_array_stream(self._layout, name))
+            yield [_StreamColumn(reader, self._layout.specs[name], self.path) for name, reader in zip(names, readers)]
+        finally:
+            for reader in readers:
+                reader.close()
 
-        if self.n_rows and self.top_k < 1:
-            bad("rows without selections (top_k 0)")
-        previous = None
-        for block, positions, gates in self._blocks(("row_forward", "row_layer", "experts", "row_position", "gates")):
-            check_row_block(bad, block, positions, gates, self.n_experts, self.n_forwards, self.layers, previous)
-            previous = (int(block.row_forward[-1]), int(block.row_layer[-1]), int(positions[-1]))
+    def _array_chunks(self) -> Iterator[tuple[str, bytes]]:
+        return _stream_chunks(self._layout, _ARRAYS)
 
-    def row_blocks(self) -> Iterator[RowBlock]:
-        """The rows (forward, layer, experts) in consecutive blocks of ``rows_per_block`` rows."""
-        for block, in self._blocks(("row_forward", "row_layer", "experts")):
-            yield block
 
-    def _blocks(self, names: tuple) -> Iterator[tuple]:
+class _StreamColumn:
+    """Consecutive rows of an array streamed from a trace file: ``take(n)`` reads the next ``n``."""
+
+    def __init__(self, reader, spec: tuple, path: Path):
+        self.reader, self.dtype, self.row_shape, self.path = reader, spec[0], tuple(spec[1][1:]), path
+
+    def __call__(self, n: int) -> np.ndarray:
         with _guarded(self.path):
-            readers = [_array_stream(self._layout, name) for name in names]
-            try:
-                R, step = self.n_rows, self.rows_per_block
-                for r0 in range(0, R, step):
-                    n = min(step, R - r0)
-                    arrays = []
-                    for name, reader in zip(names, readers):
-                        dtype, shape, _ = self._layout.specs[name]
-                        arrays.append(_fill(reader, np.empty((n,) + tuple(shape[1:]), dtype=dtype), self.path))
-                    yield (RowBlock(*arrays[:3]),) + tuple(arrays[3:])
-            finally:
-                for reader in readers:
-                    reader.close()
+            return _fill(self.reader, np.empty((n,) + self.row_shape, dtype=self.dtype), self.path)
+
+
+def _stream_chunks(layout: _Layout, names: tuple) -> Iterator[tuple[str, bytes]]:
+    """``(name, bytes)`` of the arrays ``names`` of a trace file, in the file's order, in chunks of
+    at most :data:`READ_CHUNK` bytes, from one decompressing pass starting at the first of them."""
+    order = sorted((spec[2], name) for name, spec in layout.specs.items() if name in names)
+    if not order:
+        return
+    with _guarded(layout.path):
+        reader = _array_stream(layout, order[0][1])
+    with reader:
+        at = order[0][0]
+        for offset, name in order:
+            dtype, shape, _ = layout.specs[name]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            for _ in _chunks(reader, offset - at, layout.path):     # arrays between the named ones
+                pass
+            for chunk in _chunks(reader, nbytes, layout.path):
+                yield name, chunk
+            at = offset + nbytes
+
+
+def _chunks(reader, n: int, path: Path) -> Iterator[bytes]:
+    """The next ``n`` bytes of ``reader`` in chunks of at most :data:`READ_CHUNK` bytes."""
+    while n > 0:
+        with _guarded(path):
+            chunk = reader.read(min(n, READ_CHUNK))
+        if not chunk:
+            raise InputError(path, "trace file is truncated")
+        n -= len(chunk)
+        yield chunk
 
 
 def _check_header(header, version: int, path: Path) -> list[tuple[str, np.dtype, tuple]]:

@@ -21,10 +21,7 @@ from numba import njit
 from containers.layout import Layout
 
 from .jit import LOOP
-from .trace import RoutingTrace
-
-RowBlock = namedtuple("RowBlock", "row_forward row_layer experts")
-"""Consecutive rows of a trace: the row arrays replay reads (:class:`replay.trace.RoutingTrace`)."""
+from .trace import RoutingTrace, RowBlock, whole_forward_runs
 
 Instances = namedtuple("Instances", "forward layer session sel_start sel_e sel_mult")
 """The instances of the selected forwards, in time order (forward, then layer), as the compiled
@@ -79,22 +76,10 @@ def whole_forward_blocks(trace: RoutingTrace, chunk_forwards: int) -> Iterator[R
 
 
 def realign_blocks(blocks: Iterable[RowBlock]) -> Iterator[RowBlock]:
-    """Blocks of rows (sorted by forward) recut so that no forward spans two blocks: each block
-    but the last ends at its last forward boundary, and the rows after it start the next."""
-    tail = None
-    for b in blocks:
-        if tail is not None:
-            b = RowBlock(*(np.concatenate([t, x]) for t, x in zip(tail, b)))
-        if not len(b.row_forward):
-            continue
-        cut = int(np.searchsorted(b.row_forward, b.row_forward[-1]))
-        if cut == 0:
-            tail = b
-            continue
-        yield RowBlock(*(x[:cut] for x in b))
-        tail = RowBlock(*(x[cut:] for x in b))
-    if tail is not None and len(tail.row_forward):
-        yield tail
+    """Blocks of rows (sorted by forward) recut so that no forward spans two blocks
+    (:func:`replay.trace.whole_forward_runs`)."""
+    for b in whole_forward_runs(blocks):
+        yield RowBlock(*b)
 
 
 def chunk_instances(blocks: Iterable[RowBlock], forwards: np.ndarray, fwd_session: np.ndarray,
