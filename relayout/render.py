@@ -320,13 +320,21 @@ def format_validation(v: dict) -> str:
               f"{v['config']['workers']} workers; {', '.join(v['config']['cache'])}")]
     if v["config"].get("chosen"):
         lines.append(v["config"]["chosen"])
-    lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S (each rep)':>30}{'pred/meas':>11}"]
+    drift = v.get("drift")
+    if drift:
+        rates = " ".join(f"{r / 1e9:.2f}" for r in drift["rates_Bps"])
+        lines.append(f"disk probe ({drift['probe']['size_bytes'] // 1024} KiB reads, depth {drift['probe']['depth']}), "
+                     f"before the first repetition and after each: {rates} GB/s (moved by {drift['change']:.0%})")
+    lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S (each rep)':>30}{'pred/meas':>11}"
+                  + (f"{'at probed speed':>17}" if drift else "")]
     for c in v["cells"]:
         m = c["measured_stall_per_token_s"]
         each = " ".join(f"{x * ms:.2f}" for x in m["repetitions"])
         ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
+        probed = c.get("at_probed_speed")
+        at_probe = "" if not drift else f"{'n/a' if not probed or probed['ratio'] is None else format(probed['ratio'], '.2f'):>17}"
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
-                     f"{m['mean'] * ms:>12.2f} ({each}){'':>2}{ratio:>9}")
+                     f"{m['mean'] * ms:>12.2f} ({each}){'':>2}{ratio:>9}{at_probe}")
     if v["comparisons"]:
         lines += ["", ("saving vs stock, ms/token (95% interval; gate: low end >= "
                        f"{v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)")]

@@ -13,7 +13,13 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts interleaved (in a balanced,
    rotating order: :func:`measurement_order`) within each
    repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
-   those steps on the profile (:func:`replay.engine.simulate`);
+   those steps on the profile (:func:`replay.engine.simulate`). A probe
+   (:func:`replay.calibrate.probe_rate`: 4 MiB reads at depth 8 for 1 s on the container's
+   largest file, half of it in a container too small for 4 MiB) before the first repetition and
+   after each follows the disk's speed; each repetition is also predicted on the profile scaled
+   (:meth:`replay.device.ArrayProfile.scaled`) by the probes around it over the rate the profile
+   gives the probe's reads: a diagnosis of a drifting disk beside the verdict, which stays on
+   the profile as calibrated;
 4. compares: predicted/measured S per cell; per non-stock layout the predicted and the measured
    saving against stock at the same RAM budget and prefetch source, each with a 95% moving-block
    bootstrap interval over paired steps (measured: each repetition is its own "session", so no
@@ -356,7 +362,7 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
 
 def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     """Run the validation (see the module doc) and return the ``validation.json`` record, written to ``o.output``."""
-    from replay.calibrate import calibrate
+    from replay.calibrate import calibrate, probe_rate
     from replay.device import load_device
     from replay.engine import simulate
     from replay.gate import evaluation_forwards, training_coupling
@@ -420,6 +426,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         mask = first(tokens)
         fw = np.flatnonzero(mask)
         methods = list(o.layouts)
+        probe_file, probe_size = _probe_target(lay.dirs["stock"])
+        rates = [probe_rate(probe_file, probe_size)] if probe_file else []
 
         # predictions: exactly the measured steps, on the profile
         predicted = {}
@@ -453,11 +461,24 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                         if not o.keep:
                             out.unlink()
                         bar.update(1)
+                if probe_file:
+                    rates.append(probe_rate(probe_file, probe_size, seed=rep + 1))
         finally:
             bar.close()
+        drift = None
+        if probe_file:
+            drift = _drift(probe_file, probe_size, rates, device)
+            for pf, frac in cells:
+                for m in methods:
+                    each = []
+                    for f in drift["scales"]:
+                        inst, usage = simulate(trace, mask, lay.layouts[m], device.scaled(f), config_of(pf, frac),
+                                               coupling=coupling)
+                        each.append(summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s)
+                    drift["predicted"][(m, pf, frac)] = each
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
-                         base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw)
+                         base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift)
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -468,6 +489,29 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             work.remove()
 
 
+def _probe_target(container_dir: Path) -> tuple[Path | None, int]:
+    """The drift probe's file (the container's largest) and read size (bytes):
+    :data:`replay.calibrate.PROBE_SIZE`, or half the file, aligned, in a container too small for it."""
+    from replay.calibrate import ALIGN, PROBE_SIZE
+
+    files = sorted(Path(container_dir).glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    size = min(PROBE_SIZE, files[-1].stat().st_size // 2 // ALIGN * ALIGN) if files else 0
+    return (files[-1], size) if size >= ALIGN else (None, 0)
+
+
+def _drift(probe_file: Path, probe_size: int, rates: list[float], device) -> dict:
+    """The disk's probed rate before the first repetition and after each (bytes/s), and each
+    repetition's speed against the profile's: the mean of the probes around it over the rate the
+    profile gives the probe's reads (:meth:`replay.device.ArrayProfile.steady_rate`)."""
+    from replay.calibrate import PROBE_DEPTH, PROBE_SECONDS
+
+    profile_rate = device.steady_rate(probe_size, PROBE_DEPTH)
+    scales = [(rates[r] + rates[r + 1]) / 2 / profile_rate for r in range(len(rates) - 1)]
+    return {"probe": {"file": str(probe_file), "size_bytes": probe_size, "depth": PROBE_DEPTH, "seconds": PROBE_SECONDS},
+            "rates_Bps": rates, "profile_rate_Bps": profile_rate, "scales": scales,
+            "change": max(rates) / min(rates) - 1, "predicted": {}}
+
+
 def _interval(ev) -> dict:
     est, low, high = ev.interval()
     return {"estimate_s": est, "low_s": low, "high_s": high, "method": ev.method, "block_steps": ev.block_steps,
@@ -475,7 +519,7 @@ def _interval(ev) -> dict:
 
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
-            reps, chosen, cells, methods, predicted, measured, fw) -> dict:
+            reps, chosen, cells, methods, predicted, measured, fw, drift) -> dict:
     out_cells, comparisons = [], []
     for pf, frac in cells:
         for m in methods:
@@ -484,6 +528,11 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             each = [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
             mean = float(np.mean(each))
             pred = summ.stall_per_token_s
+            adjusted = None
+            if drift is not None:
+                each_pred = drift["predicted"][(m, pf, frac)]
+                adjusted = {"predicted_stall_per_token_s": each_pred,
+                            "ratio": float(np.mean(each_pred)) / mean if mean > 0 else None}
             recall = None
             if pf != "none":
                 recall = {"predicted": summ.prefetch.timely_required_byte_recall if summ.prefetch else None,
@@ -497,6 +546,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "measured_tpot_s": {"mean": float(np.mean([r["tpot_s"] for r in runs])), "repetitions": [r["tpot_s"] for r in runs]},
                 "measured_wall_seconds": [r["wall_s"] for r in runs],
                 "ratio": pred / mean if mean > 0 else None,
+                "at_probed_speed": adjusted,
                 "timely_required_byte_recall": recall,
             })
         base_steps, base_sum = predicted[("stock", pf, frac)]
@@ -554,14 +604,20 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                    "prefetch": list(o.prefetch), "workers": o.workers, "minutes": o.minutes, "chosen": chosen,
                    "runtime": base_cfg.to_json(), "gate_threshold": GATE_THRESHOLD, "tolerance": TOLERANCE,
                    "cache": cold, "seed": o.seed},
+        "drift": None if drift is None else {k: v for k, v in drift.items() if k != "predicted"},
         "cells": out_cells,
         "comparisons": comparisons,
-        "summary": summarize_validation(out_cells, comparisons),
+        "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"]),
     }
 
 
-def summarize_validation(cells: list[dict], comparisons: list[dict]) -> dict:
-    """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so."""
+def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None) -> dict:
+    """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so.
+
+    ``drift``: how far the disk's probed rate moved during the run (largest / smallest probe - 1),
+    when probed; the sentence then adds predicted/measured S with each repetition predicted at
+    its probed speed (the cells' ``at_probed_speed``), a diagnosis: the verdict stays on the
+    calibrated profile's predictions."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None
@@ -600,7 +656,15 @@ def summarize_validation(cells: list[dict], comparisons: list[dict]) -> dict:
     if spread is not None and spread > TOLERANCE:
         text += (f". The repetitions of one cell differ by up to {spread:.0%} of their mean: the disk was not steady "
                  "(other I/O?), so rerun on an idle machine or with more --reps before reading the savings")
-    return {"holds": bool(holds), "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
+    probed = [c["at_probed_speed"]["ratio"] for c in cells if c.get("at_probed_speed") and c["at_probed_speed"]["ratio"]]
+    probed_within = None
+    if drift is not None and probed:
+        probed_within = max(abs(r - 1) for r in probed)
+        text += (f". The disk's probed rate moved by {drift:.0%} during the run; predicting each repetition at its "
+                 f"probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
+                 f"({sum(abs(r - 1) <= PLOT_BAND for r in probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
+                 f"against {sum(abs(r - 1) <= PLOT_BAND for r in ratios)} of {len(ratios)} on the profile as calibrated)")
+    return {"holds": bool(holds), "drift": drift, "probed_within": probed_within, "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "comparisons": M, "inside_measured": len(inside), "sign_decided": len(decided), "sign_wrong": len(wrong),
             "gate_disagreements": len(gate_diff), "contradictions": len(contradicted), "text": text}
 

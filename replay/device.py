@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 from numba import njit
@@ -154,6 +154,26 @@ class ArrayProfile:
     def full_bandwidth(self) -> float:
         """The array's large-read ceiling: members x drive bandwidth, capped by the host link."""
         return min(self.members * self.drive.bandwidth, self.host_bandwidth)
+
+    def steady_rate(self, size: int, depth: int) -> float:
+        """Bytes/s of ``depth`` outstanding reads of ``size`` bytes in steady state, each spread
+        evenly over the members (:func:`queue_throughput` per member), capped by the host link.
+        Exact for a single drive; for an array it ignores how chunk boundaries split a read."""
+        d = self.drive
+        per_member = queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots,
+                                      size / self.members, depth, d.max_request)
+        return float(min(self.members * per_member, self.host_bandwidth))
+
+    def scaled(self, factor: float) -> "ArrayProfile":
+        """This array with every drive and host rate ``factor`` times as fast (bandwidths x
+        ``factor``, request cost / ``factor``): the same drives at another speed, e.g. a disk
+        measured ``factor`` times as fast as when it was calibrated."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise InputError(self.name, f"a speed factor must be positive and finite, got {factor!r}")
+        d = self.drive
+        b1 = None if d.stream_bandwidth is None else d.stream_bandwidth * factor
+        drive = replace(d, request_seconds=d.request_seconds / factor, bandwidth=d.bandwidth * factor, stream_bandwidth=b1)
+        return replace(self, drive=drive, host_bandwidth=self.host_bandwidth * factor)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -43,6 +43,14 @@ def _check_record(v: dict) -> None:
         m = c["measured_stall_per_token_s"]
         assert m["mean"] > 0 and len(m["repetitions"]) == 2 and all(x >= 0 for x in m["repetitions"])
         assert c["ratio"] == pytest.approx(c["predicted_stall_per_token_s"] / m["mean"])
+    d = v["drift"]                                       # probed before the first repetition and after each
+    assert len(d["rates_Bps"]) == 3 and all(r > 0 for r in d["rates_Bps"]) and len(d["scales"]) == 2
+    assert d["scales"][1] == pytest.approx((d["rates_Bps"][1] + d["rates_Bps"][2]) / 2 / d["profile_rate_Bps"])
+    assert d["change"] == pytest.approx(max(d["rates_Bps"]) / min(d["rates_Bps"]) - 1)
+    for c in v["cells"]:
+        p = c["at_probed_speed"]
+        assert len(p["predicted_stall_per_token_s"]) == 2 and all(x > 0 for x in p["predicted_stall_per_token_s"])
+        assert p["ratio"] == pytest.approx(sum(p["predicted_stall_per_token_s"]) / 2 / c["measured_stall_per_token_s"]["mean"])
     assert len(v["comparisons"]) == 1
     x = v["comparisons"][0]
     assert x["layout"] == "louvain" and x["baseline"] == "stock"
@@ -158,6 +166,36 @@ def test_summary_sentences():
     assert not s["holds"] and "saving sign wrong in 1 of 1" in s["text"] and "CONTRADICTS" in s["text"]
     s = summarize_validation([_cell("stock", 1.0), _cell("louvain", 1.0)], [_comparison(None, same=False)])
     assert not s["holds"] and "the gate would decide differently in 1 of 1" in s["text"]
+    drifting = [{**_cell("stock", 1.3), "at_probed_speed": {"ratio": 1.04}},
+                {**_cell("louvain", 1.25), "at_probed_speed": {"ratio": 0.97}}]
+    s = summarize_validation(drifting, [_comparison(True)], drift=0.31)
+    assert not s["holds"] and s["drift"] == 0.31 and s["probed_within"] == pytest.approx(0.04)
+    assert ("probed rate moved by 31%" in s["text"] and "0.97-1.04 (2 of 2 cells within +/-10%, against 0 of 2 on the "
+            "profile as calibrated)" in s["text"])
+
+
+def test_a_scaled_profile_is_the_same_drives_at_another_speed():
+    import numpy as np
+
+    from replay.device import load_device, queue_throughput
+
+    d = load_device("single-nvme")
+    f = d.scaled(2.5)
+    assert f.drive.queue_slots == d.drive.queue_slots and f.drive.max_request_bytes == d.drive.max_request_bytes
+    assert f.full_bandwidth == pytest.approx(2.5 * d.full_bandwidth)
+    size, depth = np.array([4096, 1 << 20, 19_000_000]), np.array([1, 8, 32])
+    x = queue_throughput(d.drive.request_seconds, d.drive.request_bandwidth, d.drive.bandwidth, d.drive.queue_slots,
+                         size[:, None], depth[None, :], d.drive.max_request)
+    y = queue_throughput(f.drive.request_seconds, f.drive.request_bandwidth, f.drive.bandwidth, f.drive.queue_slots,
+                         size[:, None], depth[None, :], f.drive.max_request)
+    assert np.allclose(y, 2.5 * x, rtol=1e-12)
+    with pytest.raises(Exception, match="positive and finite"):
+        d.scaled(0.0)
+    four = 4 << 20                                       # one drive: the queue model's steady rate
+    assert d.steady_rate(four, 8) == pytest.approx(min(float(queue_throughput(
+        d.drive.request_seconds, d.drive.request_bandwidth, d.drive.bandwidth, d.drive.queue_slots, four, 8,
+        d.drive.max_request)), d.host_bandwidth))
+    assert f.steady_rate(four, 8) == pytest.approx(2.5 * d.steady_rate(four, 8))
 
 
 def test_layouts_are_measured_in_a_balanced_rotating_order():
