@@ -152,12 +152,16 @@ def test_every_policy_gets_the_same_byte_budget():
     lay = layout()
     model = learn_source("coupled", tr, tr.session_forward_mask([0]), lay)
     test = tr.session_forward_mask([1])
-    for policy in POLICIES:
+    for policy in POLICIES + ("top-k",):
         cfg = free_compute(dense_seconds=0.05, prefetch="coupled", admission=policy, prefetch_experts=8,
                            prefetch_bytes=2 * 45056, prefetch_min_probability=0.0)
         inst, _ = stall(tr, test, cfg, model, lay=lay)
         assert inst.prefetch.issued.max() <= 2 * 45056, policy
         assert inst.prefetch.loads.sum() > 0, policy
+    # the runtime's top-K rule (K = 8) without a byte budget loads more than two experts' worth
+    unbounded, _ = stall(tr, test, replace(cfg, prefetch_bytes=0), model, lay=lay)
+    assert unbounded.prefetch.issued.max() > 2 * 45056
+    assert inst.prefetch.rejected.sum() > 0 == unbounded.prefetch.rejected.sum()
 
 
 def test_observe_scores_the_late_need_probability_without_loading():

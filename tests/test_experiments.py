@@ -17,6 +17,7 @@ from replay.experiments import (
     placement_arm_steps,
     split_arm_steps,
     tail_arms,
+    tail_configs,
 )
 from replay.hypotheses import INSUFFICIENT, NOT_SUPPORTED, SUPPORTED
 from replay.placement import placement_arms
@@ -70,6 +71,26 @@ def test_tail_arms_are_the_runtime_rule_and_its_budgeted_variants(case):
     assert arms["fixed-budget"].speculative_bytes <= arms["default"].speculative_bytes
 
 
+def test_over_two_sources_h5_judges_the_per_source_caps_arm_too(case):
+    plan, tr = case
+    dev = load_device(DEVICE)
+    cfg = replace(CONFIG, dense_seconds=0.005)       # time for every admitted load to start before the routing
+    arms = tail_arms(plan, tr, dev, cfg, source="heat+coupled")
+    assert list(arms) == ["default", "fixed-budget", "cancel", "adaptive", "tail-control", "source-caps"]
+    for a in arms.values():
+        assert np.array_equal(a.committed, arms["default"].committed)
+    # equal shares (0.5, 0.5) of Q = 4 and B = 4 experts: at most 2 loads of each source per layer
+    assert arms["source-caps"].capped_per_token > 0 and arms["tail-control"].capped_per_token == 0
+    assert arms["source-caps"].speculative_bytes <= arms["tail-control"].speculative_bytes
+    tables = hypothesis_tables(plan, tr, dev, cfg, [0], [CONFIG.prefetch_bytes], ("H5",), source="heat+coupled")
+    assert [t.hypothesis.test_arm for t in tables] == ["tail-control", "source-caps"]
+    assert any("skipped by a per-source cap" in n for n in tables[1].notes)
+    caps = tail_configs(replace(CONFIG, prefetch="heat+coupled", admission="probability", source_caps=(0.25, 1.0)),
+                        "heat+coupled")
+    assert caps["source-caps"].source_caps == (0.25, 1.0) and caps["tail-control"].source_caps == ()
+    assert "source-caps" not in tail_configs(CONFIG, "coupled")
+
+
 def test_a_compute_bound_host_supports_no_hypothesis(case):
     """Matmuls so slow that every load finishes long before it is needed: no policy, placement,
     split or tail control can remove stall, and no table may say otherwise."""
@@ -109,3 +130,29 @@ def test_cli_policy_prints_h2_and_sweep_writes_every_hypothesis(case, tmp_path):
     assert [t["hypothesis"] for t in json.loads(r.stdout)["tables"]] == ["H2", "H3a", "H3b", "H5"]
     r = run_cli("replay", *common, "--hypotheses", "H9")
     assert r.returncode == 2 and "unknown hypothesis 'H9'" in r.stderr
+
+
+def test_cli_policy_over_two_sources_scores_them_and_their_fusion(case, tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    from replay.trace import save_trace
+
+    plan, tr = case
+    save_trace(tr, tmp_path / "t.rt")
+    common = ["--layout", plan.path, "--trace", tmp_path / "t.rt", "--device", DEVICE, "--workers", 2, "--prefetch-experts", 4,
+              "--prefetch-budget-mb", 4.8]
+    r = run_cli("replay", *common, "--prefetch", "coupled+persistence", "--policy", "probability",
+                "--hypotheses", "H2,H5", "--source-caps", "0.75,0.25", "-o", tmp_path / "h.json")
+    assert r.returncode == 0, r.stderr
+    assert "prediction sources on the held-out sessions (coupled+persistence" in r.stdout
+    assert "H5 at RAM 0 GB, B = 4.8 MB per layer, arm judged: source-caps" in r.stdout
+    rec = json.loads((tmp_path / "h.json").read_text())
+    assert [p["source"] for p in rec["predictors"]] == ["coupled", "persistence", "coupled+persistence"]
+    assert len({p["candidates"] for p in rec["predictors"]}) == 1
+    assert [t["hypothesis"] for t in rec["tables"]] == ["H2", "H5", "H5"]
+    r = run_cli("replay", *common, "--prefetch", "coupled+oracle", "--policy", "probability")
+    assert r.returncode == 2 and "not none or oracle" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("replay", *common, "--prefetch", "coupled+persistence", "--policy", "probability", "--source-caps", "0.5")
+    assert r.returncode == 2 and "one per source" in r.stderr
