@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_memory.py [--tokens 5000 20000 100000 1000000]
                                          [--baseline f117103] [--baseline-max 100000] [--tree REV]
-                                         [--modes streamed "in memory" baseline stats "baseline stats"]
+                                         [--modes streamed "in memory" baseline stats "baseline stats" "cli gate"]
 
 For each length, writes a synthetic GLM-5.2 trace file (75 layers, top-8 of 256; sessions of
 10,000 tokens, generated 100,000 tokens at a time so the generator stays small), then replays
@@ -17,7 +17,13 @@ per committed token S it computed:
   ``load_trace`` + ``simulate`` + ``step_table``, up to --baseline-max tokens (it needs about
   23 MB per 1,000 tokens);
 * ``stats`` and ``baseline stats``: ``relayout trace stats``' work (``load_trace`` + ``trace_stats``)
-  in each tree.
+  in each tree;
+* ``cli gate``: the command a user runs, ``python -m relayout replay --layout plan.json --trace
+  T.rt --device mac-pro-2019-applraid-4x -o gate.json`` (the whole gate: held-out sessions by
+  content, the stock baseline and the plan replayed, the bootstrap, gate.json), the CLI's
+  defaults otherwise. The plan is made once, ``relayout plan --method heat --train-fraction 0.3``
+  from the first 100,000 tokens, which every longer trace begins with (the generator's first
+  piece), so its 3 training sessions are excluded by content and the rest are held out.
 
 ``--tree REV`` measures that commit's tree (``git archive``) instead of the working checkout, so
 that edits made meanwhile in a shared checkout do not reach the runs. The first replay in each tree compiles the model once (numba caches it); a 50-token replay warms
@@ -110,13 +116,42 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": hwm, "S": step
                   "steps": len(steps.stall)}))
 """
 
+CLI = """
+import json, runpy, sys, time
+t0 = time.perf_counter()
+sys.argv = ["relayout", *sys.argv[1:]]
+try:
+    runpy.run_module("relayout", run_name="__main__")
+except SystemExit as exc:
+    if exc.code:
+        raise
+hwm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]) / 1024
+print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": hwm}))
+"""
+"""``python -m relayout ARGS`` in this process, then its wall time and peak RSS as the last line."""
 
-MODES = ("streamed", "in memory", "baseline", "stats", "baseline stats")
+PLAN_TOKENS = 100_000
+
+
+MODES = ("streamed", "in memory", "baseline", "stats", "baseline stats", "cli gate")
 
 
 def child(tree: Path, script: str, *args: str) -> str:
     code = f"import sys; sys.path.insert(0, {str(tree)!r})\n" + script
     return subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True, cwd=tree).stdout
+
+
+def cli_gate(tree: Path, plan: Path, trace: Path, out: Path) -> dict:
+    """``relayout replay`` (the gate) on ``trace`` in a fresh process: its time, peak RSS and what it found."""
+    r = json.loads(child(tree, CLI, "replay", "--layout", str(plan), "--trace", str(trace), "--device",
+                         "mac-pro-2019-applraid-4x", "-o", str(out)).splitlines()[-1])
+    g = json.loads(out.read_text())
+    b, p = g["baseline_metrics"], g["plan_metrics"]
+    r["what"] = (f"{b['steps']:,} held-out steps of {len(g['trace']['sessions_evaluated'])} sessions "
+                 f"({len(g['trace']['sessions_excluded_as_training'])} excluded as training), S = "
+                 f"{b['stall_per_token_s'] * 1e3:.6f} ms/token stock, {p['stall_per_token_s'] * 1e3:.6f} plan, "
+                 f"verdict {g['verdict']}")
+    return r
 
 
 def main() -> None:
@@ -135,6 +170,13 @@ def main() -> None:
         child(tree, GENERATE, "50", str(warm))
         for where, mode in ((tree, "streamed"), (tree, "in memory"), (old, "baseline")):
             child(where, REPLAY, mode, str(warm))
+        plan = work / "plan.json"
+        if "cli gate" in args.modes:
+            child(tree, GENERATE, str(PLAN_TOKENS), str(work / "plan.rt"))
+            child(tree, CLI, "plan", "--trace", str(work / "plan.rt"), "--geometry", "glm-5.2-int4-row", "--method", "heat",
+                  "--train-fraction", "0.3", "-o", str(plan))
+            (work / "plan.rt").unlink()
+            cli_gate(tree, plan, warm, work / "gate.json")
         print(f"GLM-5.2 decode replay, stock layout, Mac Pro profile, RuntimeConfig() defaults; "
               f"tree {args.tree or 'working checkout'}, baseline {args.baseline}")
         for tokens in args.tokens:
@@ -146,6 +188,10 @@ def main() -> None:
             runs = [(old if mode.startswith("baseline") else tree, mode) for mode in MODES
                     if mode in args.modes and (not mode.startswith("baseline") or tokens <= args.baseline_max)]
             for where, mode in runs:
+                if mode == "cli gate":
+                    r = cli_gate(tree, plan, path, work / "gate.json")
+                    print(f"  {mode:>14}: peak RSS {r['peak_mb']:7.0f} MB, {r['seconds']:7.1f} s, {r['what']}", flush=True)
+                    continue
                 r = json.loads(child(where, REPLAY, mode, str(path)).splitlines()[-1])
                 what = (f"{r['steps']:,} steps, S = {r['S'] * 1e3:.6f} ms/token" if "stats" not in mode else
                         "relayout trace stats (load_trace + trace_stats)")
