@@ -228,7 +228,7 @@ def _runtime_config(args):
         compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
         prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
         prefetch_bytes=int(getattr(args, "prefetch_budget_mb", 0.0) * 1e6),
-        source_caps=tuple(_floats(getattr(args, "source_caps", None) or "")),
+        source_caps=_floats(getattr(args, "source_caps", None) or ""),
     )
 
 

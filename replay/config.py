@@ -6,7 +6,7 @@ planning can rank pins without loading the replay model. Bytes, seconds, bytes/s
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class RuntimeConfig:
     cancel_stale: bool = False         # stop a load's later reads once the next layer is routed without it
     adaptive_budget: bool = False      # admit only the bytes the drives can deliver before the next layer is routed
     backoff: bool = False              # a layer stops prefetching while its measured stall-conversion turns non-positive
-    source_caps: tuple = ()            # per source of `prefetch`, in its order: the most of B and of Q its candidates take per layer (share, 0-1); () = no caps
+    source_caps: list[float] = field(default_factory=list)  # per source of `prefetch`, in order: the most of B and of Q it takes per layer (share, 0-1); [] = no caps
 
     def __post_init__(self):
         if not self.batched and not 1 <= self.workers <= 16:
@@ -75,8 +75,8 @@ class RuntimeConfig:
         if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
             raise InputError(None, "coalescing needs a span of at least 1 byte and a gap >= 0")
         names = prefetch_sources(self.prefetch)
+        object.__setattr__(self, "source_caps", [float(c) for c in self.source_caps])
         if self.source_caps:
-            object.__setattr__(self, "source_caps", tuple(float(c) for c in self.source_caps))
             if len(self.source_caps) != len(names) or self.prefetch == "none":
                 raise InputError(None, f"--source-caps gives {len(self.source_caps)} shares for the prefetch source(s) "
                                        f"{self.prefetch!r}: give one per source, in order")
@@ -106,9 +106,7 @@ class RuntimeConfig:
         return () if self.prefetch == "none" else prefetch_sources(self.prefetch)
 
     def to_json(self) -> dict:
-        out = asdict(self)
-        out["source_caps"] = list(self.source_caps)
-        return out
+        return asdict(self)
 
 
 def prefetch_sources(prefetch: str) -> tuple[str, ...]:

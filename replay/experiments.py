@@ -110,7 +110,7 @@ def admission_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
     mask, train = _held_out(trace, plan)
     learned = learned_source(trace, plan, source, train)
     pins = _no_pins(plan)
-    off = replace(config, prefetch="none", source_caps=())
+    off = replace(config, prefetch="none", source_caps=[])
     arms = {"none": arm_from_run(run_layout("none", trace, mask, plan.layout, device, off, pins))}
     for p in policies:
         cfg = replace(config, prefetch=source, admission=p)
@@ -131,13 +131,13 @@ def tail_configs(config: RuntimeConfig, source: str = "coupled") -> dict[str, Ru
     several sources, also :data:`CAPS_ARM` (caps ``config.source_caps``, else equal shares)."""
     names = prefetch_sources(source)
     default = replace(config, prefetch=source, admission="top-k", prefetch_bytes=0, cancel_stale=False,
-                      adaptive_budget=False, backoff=False, source_caps=())
+                      adaptive_budget=False, backoff=False, source_caps=[])
     budget = replace(default, prefetch_bytes=config.prefetch_bytes)
     arms = {"default": default, "fixed-budget": budget, "cancel": replace(budget, cancel_stale=True),
             "adaptive": replace(budget, adaptive_budget=True),
             "tail-control": replace(budget, cancel_stale=True, adaptive_budget=True, backoff=True)}
     if len(names) > 1:
-        caps = config.source_caps if config.prefetch == source and config.source_caps else (1.0 / len(names),) * len(names)
+        caps = config.source_caps if config.prefetch == source and config.source_caps else [1.0 / len(names)] * len(names)
         arms[CAPS_ARM] = replace(arms["tail-control"], source_caps=caps)
     return arms
 
@@ -215,7 +215,7 @@ def regime_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config:
                   keys: tuple[str, ...], policies: tuple[str, ...], source: str, min_sessions: int) -> list[HypothesisTable]:
     """Every hypothesis of ``keys`` at one regime (one task of :func:`hypothesis_tables`)."""
     cfg = replace(config, ram_bytes=regime.ram_bytes, prefetch_bytes=regime.prefetch_bytes)
-    off = replace(cfg, prefetch="none", source_caps=())
+    off = replace(cfg, prefetch="none", source_caps=[])
     words = regime.words()
     out = []
     if "H2" in keys:

@@ -291,7 +291,8 @@ def fit_fusion(p: np.ndarray, n: np.ndarray, y: np.ndarray) -> np.ndarray:
     needed, each with the sources' probabilities ``p`` [C, S] (one row per combination of the
     sources' calibration bins). Returns ``coef`` [S + 1] (intercept first) maximising
     ``sum y log f + (n - y) log(1 - f)``, ``f = sigmoid(coef . [1, logit(p)])``, less the
-    :data:`FUSION_RIDGE` penalty; iteratively reweighted least squares (Newton's method).
+    :data:`FUSION_RIDGE` penalty; iteratively reweighted least squares (Newton's method), each
+    step halved until the penalised likelihood does not fall, from the constant base-rate forecast.
     """
     keep = n > 0
     X = np.column_stack([np.ones(int(keep.sum())), _logit(p[keep])])
@@ -303,13 +304,26 @@ def fit_fusion(p: np.ndarray, n: np.ndarray, y: np.ndarray) -> np.ndarray:
     coef[0] = np.log(max(y.sum(), 0.5) / max(n.sum() - y.sum(), 0.5))
     ridge = FUSION_RIDGE * n.sum() * np.eye(S1)
     ridge[0, 0] = 0.0
+
+    def loss(c):                                 # the penalised negative log-likelihood
+        z = X @ c
+        return float(np.sum(n * np.logaddexp(0.0, z) - y * z) + 0.5 * c @ ridge @ c)
+
+    current = loss(coef)
     for _ in range(100):
-        f = 1.0 / (1.0 + np.exp(-(X @ coef)))
+        f = 0.5 * (1.0 + np.tanh(0.5 * (X @ coef)))
         w = n * f * (1.0 - f)
         grad = X.T @ (y - n * f) - ridge @ coef
         hess = (X * w[:, None]).T @ X + ridge
         step = np.linalg.lstsq(hess, grad, rcond=None)[0]
-        coef = coef + step
+        for _ in range(40):
+            trial = loss(coef + step)
+            if trial <= current:
+                break
+            step = step / 2
+        else:
+            break
+        coef, current = coef + step, trial
         if np.max(np.abs(step)) < 1e-10:
             break
     return coef
@@ -352,7 +366,7 @@ def _cell_probabilities(models: list, n_cells: int) -> np.ndarray:
 
 def fused_probability(coef: np.ndarray, p: np.ndarray) -> np.ndarray:
     """The fused probability of candidates whose sources give ``p`` [..., S]."""
-    return 1.0 / (1.0 + np.exp(-(coef[0] + _logit(p) @ coef[1:])))
+    return 0.5 * (1.0 + np.tanh(0.5 * (coef[0] + _logit(p) @ coef[1:])))
 
 
 def score_fused(model: FusedModel, trace: RoutingTrace, test: np.ndarray, layout: Layout) -> Reliability:
@@ -510,7 +524,7 @@ def fused_probabilities(sources, holder, coef, credit, i, nl, inst):
                 best[e] = ps
                 credit[e] = s
     for e in range(E):
-        p[e] = 1.0 / (1.0 + np.exp(-p[e]))
+        p[e] = 0.5 * (1.0 + np.tanh(0.5 * p[e]))      # the logistic function, as fused_probability computes it
         best[e] = 0.0
 
 

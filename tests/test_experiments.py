@@ -87,7 +87,7 @@ def test_over_two_sources_h5_judges_the_per_source_caps_arm_too(case):
     assert any("skipped by a per-source cap" in n for n in tables[1].notes)
     caps = tail_configs(replace(CONFIG, prefetch="heat+coupled", admission="probability", source_caps=(0.25, 1.0)),
                         "heat+coupled")
-    assert caps["source-caps"].source_caps == (0.25, 1.0) and caps["tail-control"].source_caps == ()
+    assert caps["source-caps"].source_caps == [0.25, 1.0] and caps["tail-control"].source_caps == []
     assert "source-caps" not in tail_configs(CONFIG, "coupled")
 
 

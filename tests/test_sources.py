@@ -53,6 +53,22 @@ def test_the_fusion_recovers_a_known_logistic_combination_and_is_calibrated():
         assert reliability_of_cells("one", p[:, s], n, held_out).ece > 0.05
 
 
+def test_the_fit_converges_on_imbalanced_cells_where_plain_newton_steps_diverge():
+    """Many rare-event candidates at one near-constant probability of the second source (as a
+    replay's bin 0 is): undamped Newton steps from the base rate run off to |w| ~ 1e6 here."""
+    rng = np.random.default_rng(0)
+    p1 = np.concatenate([np.full(50, 1e-4), np.linspace(0.01, 0.9, 50)])
+    p = np.column_stack([p1, np.concatenate([np.full(50, 0.03), np.full(50, 0.031)])])
+    n = np.concatenate([np.full(50, 5e7), np.full(50, 1e6)])
+    y = rng.binomial(n.astype(np.int64), 0.9 * p1 + 0.001).astype(float)
+    coef = fit_fusion(p, n, y)
+    assert np.all(np.abs(coef) < 100)
+    f = fused_probability(coef, p)
+    assert reliability_of_cells("fused", f, n, y).ece < 0.01
+    base = y.sum() / n.sum()
+    assert np.sum(y * np.log(f) + (n - y) * np.log(1 - f)) > np.sum(y * np.log(base) + (n - y) * np.log(1 - base))
+
+
 def test_fusion_fits_the_training_sessions_at_least_as_well_as_each_source():
     """The fit maximises the likelihood over weights that include each source alone (w_s = 1,
     the others 0), so on the candidates it was fitted to no source has a lower log-loss."""
@@ -220,3 +236,15 @@ def test_settings_of_several_sources_are_checked():
     fused, _ = _hand_models(L=3)
     with pytest.raises(InputError, match="learned sources are 'heat\\+coupled'"):
         prefetcher_inputs(RuntimeConfig(prefetch="coupled+heat", admission="probability"), layout(), fused)
+
+
+def test_a_configuration_with_caps_reads_back_from_its_json():
+    """gate.json records the runtime configuration and reads it back strictly (containers.records)."""
+    import json
+
+    from containers import records
+
+    cfg = RuntimeConfig(prefetch="coupled+persistence", admission="stall-value", source_caps=(0.75, 0.25))
+    back = records.from_json(RuntimeConfig, json.loads(json.dumps(cfg.to_json())), None)
+    assert back == cfg and back.source_caps == [0.75, 0.25]
+    assert records.from_json(RuntimeConfig, json.loads(json.dumps(RuntimeConfig().to_json())), None) == RuntimeConfig()
