@@ -126,6 +126,8 @@ def format_gate(g) -> str:
         f"{rt.workers}{' (batched)' if rt.batched else ''}, coalesce {'on' if rt.coalesce else 'off'}",
         _prefetch_line(rt, b.prefetch, p.prefetch),
     ]
+    if g.pins is not None:
+        lines.append(f"pins: {g.pins.experts} experts, {human_bytes(g.pins.bytes)}: {g.pins.how}")
     return "\n".join(lines)
 
 

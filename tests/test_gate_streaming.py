@@ -199,6 +199,7 @@ def test_replay_from_the_command_line_streams_the_file_and_records_the_plan_pins
     assert res.returncode == 0, res.stderr
     gate = json.loads((tmp_path / "gate.json").read_text())
     assert gate["pins"]["source"] == "plan" and gate["pins"]["experts"] == len(hot)
+    assert f"pins: {len(hot)} experts, " in res.stdout and "the plan's pin set" in res.stdout
     assert gate["trace"]["fingerprint"] == case["trace"].fingerprint()
     config = _runtime_config(build_parser().parse_args(common))          # the CLI's runtime defaults
     assert gate == compare(pinned, load_trace(case["path"]), load_device(DEVICE), config).to_json()
