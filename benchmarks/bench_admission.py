@@ -7,15 +7,18 @@ A synthetic trace (relayout.trace_synth, GLM-5.2 geometry: 75 MoE layers, 256 ex
 of ``--sessions`` sessions; the first half trains, the second half is held out. Prints:
 
 1. each prediction source's held-out Brier score and expected calibration error (every expert of
-   every predicted layer is a candidate), and the late-need probability q's scores from a replay
-   that observes without loading;
+   every predicted layer is a candidate), the same for the coupled and persistence sources fused
+   (replay.predictors.learn_fused), and the late-need probability q's scores from a replay that
+   observes without loading;
 2. the admission arms at equal budgets (Q = 6 queue slots, B = 6 experts' bytes per layer, the
    coupled source's probabilities for every policy; oracle: the true experts): S, the saving
    against no prefetch, eta_stall, timely required-byte recall, speculative and unused bytes,
    loads, rejected and cancelled candidates per committed token, the drives' mean queue depth
    and the p50/p95/p99/max step stall; then H2's verdict (replay.hypotheses);
 3. the tail-control arms (E5) on the probability-first policy: default, stale cancellation, the
-   queue-aware adaptive budget, backoff and all three, with the same columns; then H5's verdict.
+   queue-aware adaptive budget, backoff and all three, with the same columns, then all three over
+   the fused coupled+persistence probability without and with per-source caps (half of B and Q
+   each; "capped": candidates per token a cap skipped); then H5's verdict.
 
 Synthetic routing has little structure a predictor can use, so these figures describe the
 machinery on one synthetic regime, not colibrì on real traces.
@@ -38,7 +41,7 @@ from replay.device import load_device
 from replay.engine import simulate
 from replay.gate import run_layout
 from replay.hypotheses import admission_table, arm_from_run, tail_table
-from replay.predictors import learn_source, reliability, score_source
+from replay.predictors import learn_fused, learn_source, reliability, score_source
 
 
 def main() -> None:
@@ -66,6 +69,11 @@ def main() -> None:
         r = score_source(models[name], trace, test, lay)
         print(f"   {name:<12} Brier {r.brier:.5f}  ECE {r.ece:.5f}  base rate {r.base_rate:.4f}  "
               f"(constant base rate: Brier {r.base_rate * (1 - r.base_rate):.5f}; {time.perf_counter() - t:.1f} s)")
+    t = time.perf_counter()
+    fused = models[FUSED] = learn_fused(tuple(FUSED.split("+")), trace, train, lay)
+    r = score_source(fused, trace, test, lay)
+    print(f"   {FUSED} fused (weights {', '.join(f'{w:+.3f}' for w in fused.coef)}): Brier {r.brier:.5f}  ECE {r.ece:.5f}  "
+          f"({time.perf_counter() - t:.1f} s)")
     base = RuntimeConfig(ram_bytes=int(args.ram_gb * 1e9), dense_seconds=args.dense_ms * 1e-3)
     inst, _ = simulate(trace, test, lay, dev, replace(base, prefetch="coupled", admission="observe"), coupling=models["coupled"])
     p = inst.prefetch
@@ -87,16 +95,23 @@ def main() -> None:
     tails = {"none": base, "default": default, "cancel-stale": replace(default, cancel_stale=True),
              "adaptive-budget": replace(default, adaptive_budget=True), "backoff": replace(default, backoff=True),
              "tail-control": replace(default, cancel_stale=True, adaptive_budget=True, backoff=True)}
+    tails["fused control"] = replace(tails["tail-control"], prefetch=FUSED)
+    tails["fused + caps"] = replace(tails["fused control"], source_caps=(0.5, 0.5))
     print("3. tail control on probability-first admission (E5)")
     runs = _table(tails, trace, test, lay, dev, models)
     h5 = tail_table({k: arm_from_run(r, k) for k, r in runs.items() if k != "none"}, f"synthetic GLM-5.2, {args.device}")
     print(f"   H5: {h5.verdict} ({h5.sufficiency}; {h5.reason})")
 
 
+FUSED = "coupled+persistence"
+"""The two sources sections 1 and 3 fuse."""
+
+
 def _table(arms, trace, test, lay, dev, models) -> dict:
     """Replay each arm on the held-out forwards and print its line; returns the runs."""
     print(f"   {'arm':<16}{'S ms/tok':>9}{'saving':>8}{'eta ms/GB':>10}{'recall':>7}{'spec MB':>8}{'unused MB':>10}"
-          f"{'loads':>7}{'reject':>8}{'cancel':>7}{'queue':>6}{'p50':>7}{'p95':>7}{'p99':>7}{'max':>7}  (per token; ms)")
+          f"{'loads':>7}{'reject':>8}{'capped':>7}{'cancel':>7}{'queue':>6}{'p50':>7}{'p95':>7}{'p99':>7}{'max':>7}"
+          "  (per token; ms)")
     runs, s0 = {}, None
     for name, cfg in arms.items():
         model = models.get(cfg.prefetch)
@@ -114,7 +129,8 @@ def _table(arms, trace, test, lay, dev, models) -> dict:
         q = m.step_stall_s
         print(f"   {name:<16}{S * 1e3:9.2f}{(s0 - S) * 1e3:8.2f}{eta}{rec if rec is not None else 0:7.3f}"
               f"{spec / 1e6:8.1f}{(c.unused_bytes if c else 0) / 1e6:10.1f}{(c.loads if c else 0):7.1f}"
-              f"{(c.rejected if c else 0):8.1f}{(c.cancelled if c else 0):7.1f}{np.mean(m.drive_queue_depth):6.2f}"
+              f"{(c.rejected if c else 0):8.1f}{(c.capped if c else 0):7.1f}{(c.cancelled if c else 0):7.1f}"
+              f"{np.mean(m.drive_queue_depth):6.2f}"
               f"{q.p50 * 1e3:7.1f}{q.p95 * 1e3:7.1f}{q.p99 * 1e3:7.1f}{q.max * 1e3:7.1f}  [{dt:.1f} s]")
     return runs
 

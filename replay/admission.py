@@ -115,20 +115,28 @@ backoff), ``probes`` (instances skipped by backoff). Scratch [64] over the candi
 ``observe``): ``q_pending`` [E] (q of the layer being predicted), ``q_for`` [1] (its instance, -1
 none), ``waited`` [E] (scratch: the miss made the compute thread wait)."""
 
-Prefetcher = namedtuple("Prefetcher", "source control sources fusion")
+Prefetcher = namedtuple("Prefetcher", "source control sources fusion charge")
 """What the compiled prefetcher reads and keeps: ``source``, the
 :data:`replay.predictors.PredictionSource` the policy reads its probabilities from (with several
 sources, the holder of their fused probability); the :data:`Control`; ``sources``, the tuple of
-the sources that run (one source: ``(source,)``); the :data:`Fusion`."""
+the sources that run (one source: ``(source,)``); the :data:`Fusion`; ``charge``: the same
+:data:`Fusion` when loads are charged to sources (caps, or several sources), else None (the
+admission then compiles without the charging code)."""
 
-Fusion = namedtuple("Fusion", "coef credit caps cap_slots cap_bytes used_slots used_bytes credited admitted capped")
+Fusion = namedtuple("Fusion", "coef credit caps limits tally")
 """Several sources and their caps (module doc). ``coef`` [S + 1]: the fusion's weights
 (:class:`replay.predictors.FusedModel`); ``credit`` [E]: the source each expert of the layer
 being predicted is charged to (0 with one source); ``caps`` (bool: the caps apply);
-per source [S]: ``cap_slots`` (floor(c_s Q) loads), ``cap_bytes`` (c_s B bytes; inf without a
-byte budget), ``used_slots``, ``used_bytes`` (scratch: what the layer being predicted charged so
-far), and totals over the replay: ``credited`` (candidates a policy chose among, by credited
-source), ``admitted`` (loads admitted), ``capped`` (candidates skipped by the cap)."""
+``limits`` [4, S] per source: the most loads (floor(c_s Q)) and bytes (c_s B; inf without a
+byte budget) it may take per layer, then what the layer being predicted charged it so far
+(rows :data:`CAP_SLOTS`, :data:`CAP_BYTES`, :data:`USED_SLOTS`, :data:`USED_BYTES`);
+``tally`` [3, S] int64, totals over the replay per source while loads are charged to
+sources (caps, or several sources; ``Prefetcher.charge``): candidates a policy chose among
+credited to it, loads admitted, candidates skipped by its cap (rows :data:`CREDITED`,
+:data:`ADMITTED`, :data:`CAPPED`)."""
+
+CAP_SLOTS, CAP_BYTES, USED_SLOTS, USED_BYTES = range(4)
+CREDITED, ADMITTED, CAPPED = range(3)
 
 
 def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetcher:
@@ -147,7 +155,8 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
             raise InputError(None, f"the learned sources are {learned.name!r}, the configuration asks for {kind!r}")
         sources = tuple(prediction_source(m, layout) for m in learned.sources)
         holder = prediction_source(None, layout, "fused")
-        return Prefetcher(holder, new_control(L, E), sources, new_fusion(config, E, learned.coef))
+        fusion = new_fusion(config, E, learned.coef)
+        return Prefetcher(holder, new_control(L, E), sources, fusion, fusion)
     if kind in ("none", "oracle"):                # they learn nothing: whatever was learned is not theirs
         model = None
     elif isinstance(learned, SourceModel):
@@ -164,7 +173,8 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
         raise InputError(None, f"the {kind} prefetch source under admission {config.admission!r} needs its probabilities "
                                f"learned from training sessions (replay.predictors.learn_source)")
     source = prediction_source(model, layout, kind)
-    return Prefetcher(source, new_control(L, E), (source,), new_fusion(config, E, np.array([0.0, 1.0])))
+    fusion = new_fusion(config, E, np.array([0.0, 1.0]))
+    return Prefetcher(source, new_control(L, E), (source,), fusion, fusion if config.source_caps else None)
 
 
 def new_fusion(config: RuntimeConfig, E: int, coef: np.ndarray) -> Fusion:
@@ -174,8 +184,7 @@ def new_fusion(config: RuntimeConfig, E: int, coef: np.ndarray) -> Fusion:
     slots = np.floor(shares * config.prefetch_experts + 1e-9).astype(np.int64)
     nbytes = shares * config.prefetch_bytes if config.prefetch_bytes > 0 else np.full(S, np.inf)
     return Fusion(np.ascontiguousarray(coef, dtype=np.float64), np.zeros(E, dtype=np.int64), bool(config.source_caps),
-                  slots, nbytes, np.zeros(S, dtype=np.int64), np.zeros(S), np.zeros(S, dtype=np.int64),
-                  np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64))
+                  np.stack([slots.astype(np.float64), nbytes, np.zeros(S), np.zeros(S)]), np.zeros((3, S), dtype=np.int64))
 
 
 def new_control(L: int, E: int) -> Control:
@@ -212,14 +221,14 @@ def load_seconds(nl, e, first, lay, pol, dev):
 
 
 @njit(**HELPER)
-def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, fusion, out_list, pf):
+def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, charge, out_list, pf):
     """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
 
     ``src.p`` [E]: the source's probabilities (``n_touched``: see
     :func:`replay.predictors.next_layer_probabilities`; when the experts it does not list fall
     below the probability floor, only the listed ones are scanned); ``start``: when the prefetcher may start (s, instance
-    ``i``'s clock); ``routed``: when layer ``nl`` is routed; ``fusion``: the credits and the
-    per-source caps (:data:`Fusion`). Fills ``out_list`` with the admitted experts in load order
+    ``i``'s clock); ``routed``: when layer ``nl`` is routed; ``charge``: the credits and the
+    per-source caps (:data:`Fusion`), or None when loads are not charged to sources. Fills ``out_list`` with the admitted experts in load order
     and returns how many; counts the rejected and the capped candidates in ``pf``.
     """
     p = src.p
@@ -269,7 +278,8 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         t_need += p[e] * seconds[e]
         svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
     # budgets: Q slots, B bytes (adaptive: what the drives can deliver before the next routing)
-    t0, window = _window(start, routed, pol, dev, drives)
+    t0, window = _window(start, routed, pol.adaptive_budget, drives.free,
+                         min(dev.full_bandwidth, dev.members * dev.stream_bandwidth))
     budget = float(pol.prefetch_bytes) if pol.prefetch_bytes > 0 else np.inf
     lam, rho = ctl.late_frac[nl], ctl.cost_ratio[nl]
     p_victim = 0.0
@@ -288,102 +298,114 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         else:                                    # oracle: need order, as listed
             key[c] = c
     order = ctl.order
-    n_out, used, t, n_capped = 0, 0.0, t0, 0
-    credit = fusion.credit
     for c in range(nc):
         order[c] = c
-        fusion.credited[credit[cand[c]]] += 1
     _sort(order, nc, key)
-    _reset_caps(fusion)
+    n_out, n_capped = _admit(order, nc, cand, need, svc, p, lay.ebytes[nl], t0, routed, window, budget,
+                             pol.prefetch_experts, policy == STALL_VALUE, lam, rho, p_victim, dev.full_bandwidth,
+                             charge, out_list)
+    _count(i, considered, n_out, n_capped, pf.rejected, pf.capped)
+    return n_out
+
+
+@njit(**HELPER)
+def _admit(order, nc, cand, need, svc, p, ebytes, t0, routed, window, budget, slots, valued, lam, rho, p_victim,
+           full_bandwidth, charge, out_list):
+    """Take candidates ``cand[order[:nc]]`` in that order into ``out_list`` while they fit: at
+    most ``slots`` loads, ``budget`` bytes (of ``ebytes`` [E]) and, from the first one that would
+    start at ``t0`` + the admitted loads' times (``svc``, s) with ``window`` bytes admitted, none;
+    with ``valued``, only those of positive V(a) at their start; with a ``charge``
+    (:data:`Fusion`), each charged to its source (:func:`_charge`). Returns (loads admitted,
+    candidates capped)."""
+    if charge is not None:
+        _start_layer(cand, order, nc, charge)
+    n_out, used, t, n_capped = 0, 0.0, t0, 0
     for r in range(nc):
-        if n_out >= pol.prefetch_experts:
+        if n_out >= slots:
             break
         c = order[r]
         e = cand[c]
-        nbytes = lay.ebytes[nl, e]
+        nbytes = ebytes[e]
         if used >= window:
             break                                # it would start after the next layer is routed
         if used + nbytes > budget:
             continue
-        if policy == STALL_VALUE and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes,
-                                            dev.full_bandwidth) <= 0.0:
+        if valued and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes, full_bandwidth) <= 0.0:
             continue
-        if fusion.caps and not _charge(credit[e], nbytes, fusion):
-            n_capped += 1
-            continue
+        if charge is not None:
+            if not _charge(charge.credit[e], nbytes, charge):
+                n_capped += 1
+                continue
         out_list[n_out] = e
         n_out += 1
         used += nbytes
         t += svc[c]
-        fusion.admitted[credit[e]] += 1
-    pf.rejected[i] += considered - n_out - n_capped
-    pf.capped[i] += n_capped
-    return n_out
+    return n_out, n_capped
 
 
 @njit(**HELPER)
-def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, fusion, pf):
+def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, ctl, charge, pf):
     """Under ``top-k``: keep the loads of ``out_list[:n]`` (the rule's list, rank order) that fit
     the byte budget, the adaptive budget and the per-source caps (module doc), in order; the
     experts in RAM are skipped without charge. Returns how many are kept; counts the rejected
     and the capped ones in ``pf``."""
-    t0, window = _window(start, routed, pol, dev, drives)
+    t0, window = _window(start, routed, pol.adaptive_budget, drives.free,
+                         min(dev.full_bandwidth, dev.members * dev.stream_bandwidth))
     budget = float(pol.prefetch_bytes) if pol.prefetch_bytes > 0 else np.inf
-    credit = fusion.credit
-    _reset_caps(fusion)
-    n_out, used, considered, n_capped = 0, 0.0, 0, 0
+    cand, order, svc = ctl.cand, ctl.order, ctl.svc
+    nc = 0
     for r in range(n):
         e = out_list[r]
-        if ram.pinned[nl, e] or ram.lru.cached[nl, e]:
-            continue
-        considered += 1
-        fusion.credited[credit[e]] += 1
-        nbytes = lay.ebytes[nl, e]
-        if used >= window or used + nbytes > budget:
-            continue
-        if fusion.caps and not _charge(credit[e], nbytes, fusion):
-            n_capped += 1
-            continue
-        out_list[n_out] = e
-        n_out += 1
-        used += nbytes
-        fusion.admitted[credit[e]] += 1
-    pf.rejected[i] += considered - n_out - n_capped
-    pf.capped[i] += n_capped
+        if not (ram.pinned[nl, e] or ram.lru.cached[nl, e]):
+            cand[nc], order[nc], svc[nc] = e, nc, 0.0
+            nc += 1
+    n_out, n_capped = _admit(order, nc, cand, svc, svc, svc, lay.ebytes[nl], t0, routed, window, budget, n,
+                             False, 0.0, 0.0, 0.0, 1.0, charge, out_list)     # (need, p: not read unless valued)
+    _count(i, nc, n_out, n_capped, pf.rejected, pf.capped)
     return n_out
 
 
 @njit(**HELPER)
-def _window(start, routed, pol, dev, drives):
-    """When the prefetcher's first load can start (s: after the drives' backlog) and, with the
-    adaptive budget, the bytes the drives deliver from then until ``routed`` (inf without)."""
-    backlog = 0.0
-    for m in range(dev.members):
-        backlog = max(backlog, drives.free[m] - start)
-    t0 = start + backlog
-    window = np.inf
-    if pol.adaptive_budget:
-        window = max(routed - t0, 0.0) * min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
-    return t0, window
+def _start_layer(cand, order, n, fusion):
+    """A layer's prefetch begins: nothing charged to any source yet; count its candidates
+    ``cand[order[:n]]`` by credited source."""
+    for s in range(fusion.limits.shape[1]):
+        fusion.limits[USED_SLOTS, s] = 0.0
+        fusion.limits[USED_BYTES, s] = 0.0
+    for c in range(n):
+        fusion.tally[CREDITED, fusion.credit[cand[order[c]]]] += 1
 
 
 @njit(**HELPER)
-def _reset_caps(fusion):
-    if fusion.caps:
-        for s in range(len(fusion.used_slots)):
-            fusion.used_slots[s] = 0
-            fusion.used_bytes[s] = 0.0
+def _count(i, considered, n_out, n_capped, rejected, capped):
+    """Instance ``i``'s candidates not admitted: ``rejected`` [I] (a cap's apart) and ``capped`` [I]."""
+    rejected[i] += considered - n_out - n_capped
+    capped[i] += n_capped
+
+
+@njit(**HELPER)
+def _window(start, routed, adaptive, free, rate):
+    """When the prefetcher's first load can start (s: after the drives' backlog, their channels'
+    free times ``free`` [M]) and, with the ``adaptive`` budget, the bytes the drives deliver at
+    ``rate`` (bytes/s) from then until ``routed`` (inf without)."""
+    backlog = 0.0
+    for m in range(len(free)):
+        backlog = max(backlog, free[m] - start)
+    t0 = start + backlog
+    return t0, (max(routed - t0, 0.0) * rate if adaptive else np.inf)
 
 
 @njit(**HELPER)
 def _charge(s, nbytes, fusion):
-    """Charge one load of ``nbytes`` to source ``s`` if its caps allow it (returns True), else
-    count it capped (returns False)."""
-    if fusion.used_slots[s] + 1 > fusion.cap_slots[s] or fusion.used_bytes[s] + nbytes > fusion.cap_bytes[s]:
-        fusion.capped[s] += 1
+    """Charge one load of ``nbytes`` to source ``s`` (returns True) unless the caps apply and
+    its cap would be exceeded (counted capped; returns False)."""
+    lim = fusion.limits
+    if fusion.caps and (lim[USED_SLOTS, s] + 1 > lim[CAP_SLOTS, s] or lim[USED_BYTES, s] + nbytes > lim[CAP_BYTES, s]):
+        fusion.tally[CAPPED, s] += 1
         return False
-    fusion.used_slots[s] += 1
-    fusion.used_bytes[s] += nbytes
+    lim[USED_SLOTS, s] += 1
+    lim[USED_BYTES, s] += nbytes
+    fusion.tally[ADMITTED, s] += 1
     return True
 
 

@@ -49,6 +49,7 @@ from .predictors import (
     most_probable,
     next_layer_probabilities,
     observe_sources,
+    observe_union,
 )
 from .prefetch import COUPLED, ORACLE, predict_next
 from .readplan import WEIGHT, ReadPlan, plan_layer
@@ -216,9 +217,12 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         lru_start(lru, li, inst_session[i])
         if pf_for != i:
             pf_n = 0
-        if pol.prefetch != 0:
+        if pol.prefetch == FUSED:
             observe_sources(table.sources, li, inst_fwd[i], inst_session[i], inst.sel_e, inst.sel_start[i],
                             inst.sel_start[i + 1])
+        elif pol.prefetch != 0:
+            observe_union(table.source, li, inst_fwd[i], inst_session[i], inst.sel_e, inst.sel_start[i],
+                          inst.sel_start[i + 1])
         k, resident = _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out)
         if pol.backoff and pf_n > 0:
             _prefetch_outcome(i, li, inst, pending, pf_n, lay, pol, dev, ctl)
@@ -594,22 +598,28 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     res, pf = out.instance, out.prefetch
     if backed_off(li, pol, ctl):
         return 0
+    listed = pol.admission == TOP_K and (pol.prefetch == ORACLE or pol.prefetch == COUPLED)   # the runtime's own list
+    n_touched = -1
+    if listed:
+        pass
+    elif src.kind == FUSED:                      # several sources: their fused probability, each expert credited
+        fused_probabilities(table.sources, src, fusion.coef, fusion.credit, i, li, inst)
+    else:
+        n_touched = next_layer_probabilities(src, i, li, inst)
     if pol.admission == TOP_K:
-        if pol.prefetch == ORACLE or pol.prefetch == COUPLED:
+        if listed:
             n = predict_next(pol.prefetch, i, li - 1, inst.sel_start, inst.sel_e, inst.sel_mult, src.targets,
                              src.counts, pol.prefetch_experts, pending.score, pending.touched, pf_list)
         else:
-            _probabilities(i, li, inst, table)
             n = most_probable(src.p, pol.prefetch_experts, pf_list)
         if pol.prefetch_bytes > 0 or pol.adaptive_budget or fusion.caps:
-            n = admit_listed(i, li, start, deadline, n, pf_list, ram, lay, pol, dev, drives, fusion, pf)
+            n = admit_listed(i, li, start, deadline, n, pf_list, ram, lay, pol, dev, drives, ctl, table.charge, pf)
     else:
-        n_touched = _probabilities(i, li, inst, table)
         if pol.admission == OBSERVE:
             _late_need(li, src.p, ram, ctl)
             ctl.q_for[0] = i + 1
             return 0
-        n = choose(i, li, session, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, fusion,
+        n = choose(i, li, session, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, table.charge,
                    pf_list, pf)
     lru, seen = ram.lru, ram.scale_seen
     keep_top = 1.0 - lay.top_fraction[li]
@@ -672,19 +682,6 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
         if t <= deadline:
             lru_add(lru, li, e)
     return loaded
-
-
-@njit(**HELPER)
-def _probabilities(i, nl, inst, table):
-    """Fill ``table.source.p`` with the probabilities of layer ``nl``'s experts: the source's, or
-    several sources' fused (:func:`replay.predictors.fused_probabilities`, which credits each
-    expert to a source). Returns :func:`replay.predictors.next_layer_probabilities`'s listed
-    count (-1 for the fused probability: every expert has its own)."""
-    src = table.source
-    if src.kind != FUSED:
-        return next_layer_probabilities(src, i, nl, inst)
-    fused_probabilities(table.sources, src, table.fusion.coef, table.fusion.credit, i, nl, inst)
-    return -1
 
 
 @njit(**HELPER)

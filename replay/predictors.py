@@ -249,7 +249,7 @@ def learn_source(name: str, trace: RoutingTrace, train: np.ndarray, layout: Layo
         n, y = np.zeros((L, CALIBRATION_BINS)), np.zeros((L, CALIBRATION_BINS))
         src = prediction_source(model, layout)
         for inst in chunk_instances(whole_forward_blocks(trace, SCORE_CHUNK_FORWARDS), train, trace.fwd_session, layout):
-            _calibration_pass(inst, src, n, y)
+            _cells_pass(inst, (src,), n, y)
         model.calib = np.stack([isotonic_bins(n[li], y[li]) for li in range(L)])
     return model
 
@@ -556,29 +556,6 @@ def predicts_next(inst, i):
 
 
 @njit(**LOOP)
-def _calibration_pass(inst, src, n, y):
-    """Accumulate, per layer and raw-score bin, candidates ``n`` and needed ones ``y``: the
-    source run over ``inst`` as the replay runs it (raw scores, before calibration)."""
-    I = len(inst.forward)
-    E = len(src.p)
-    needed = np.zeros(E, np.bool_)
-    for i in range(I):
-        li = inst.layer[i]
-        observe_union(src, li, inst.forward[i], inst.session[i], inst.sel_e, inst.sel_start[i], inst.sel_start[i + 1])
-        if not predicts_next(inst, i):
-            continue
-        next_layer_probabilities(src, i, li + 1, inst, False)
-        for j in range(inst.sel_start[i + 1], inst.sel_start[i + 2]):
-            needed[inst.sel_e[j]] = True
-        for e in range(E):
-            b = int(src.p[e])
-            n[li + 1, b] += 1.0
-            if needed[e]:
-                y[li + 1, b] += 1.0
-                needed[e] = False
-
-
-@njit(**LOOP)
 def _scoring_pass(inst, src, n, sum_p, sum_y, sum_sq):
     """Accumulate the reliability sums of the calibrated source over ``inst``."""
     I = len(inst.forward)
@@ -600,7 +577,9 @@ def _scoring_pass(inst, src, n, sum_p, sum_y, sum_sq):
 @njit(**LOOP)
 def _cells_pass(inst, sources, n, y):
     """Accumulate, per layer and combination of the sources' raw-score bins (``b_0 +
-    CALIBRATION_BINS b_1 + ...``), candidates ``n`` and needed ones ``y`` over ``inst``."""
+    CALIBRATION_BINS b_1 + ...``), candidates ``n`` and needed ones ``y``: the sources of the
+    tuple ``sources`` run over ``inst`` as the replay runs them (raw scores, before calibration;
+    one source: the calibration pass of :func:`learn_source`)."""
     I = len(inst.forward)
     E = len(sources[0].p)
     needed = np.zeros(E, np.bool_)
