@@ -147,11 +147,11 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         raise InputError(target, "no such file or directory")
     try:
         _, direct = _open(path)
+        max_request = system_max_request_bytes(path)        # while the test file exists
         cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
     finally:
         if made is not None:
             made.unlink(missing_ok=True)
-    max_request = system_max_request_bytes(path)
     fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells],
                           max_request or 0)
     a, b1, bandwidth, slots = fit["request_seconds"], fit["stream_bandwidth"], fit["bandwidth"], fit["queue_slots"]

@@ -249,6 +249,10 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
     assert dev.name == "test-disk" and dev.drive.bandwidth > 0 and dev.drive.queue_slots >= 1
     assert len(profile["calibration"]["cells"]) == 20
     assert not list(tmp_path.glob(".relayout-calibrate-*")), "the test file is removed"
+    from replay.calibrate import system_max_request_bytes
+
+    # read while the test file existed: the system's request limit of the disk under tmp_path
+    assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(tmp_path)
 
 
 def test_measure_and_report_cli(small_container, trace_for, tmp_path):
