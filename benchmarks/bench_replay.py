@@ -24,10 +24,10 @@ from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
 from relayout.trace_synth import synth_trace
 from replay.config import RuntimeConfig
+from replay.coupling import coupling_table
 from replay.device import load_device
 from replay.engine import simulate
 from replay.predictors import learn_source
-from replay.prefetch import coupling_table
 from replay.trace import save_trace
 
 TARGET_LOADS_PER_S = 2e6

@@ -218,7 +218,7 @@ def count_pairs(trace: RoutingTrace, forwards: np.ndarray, layers: list[int], n_
 
 
 def cross_layer_items(trace: RoutingTrace, ra: np.ndarray, rb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sparse :func:`cross_layer_counts` of aligned rows ``ra``/``rb``: ``(e, f, count)`` sorted."""
+    """Sparse counts [E, E] of aligned rows ``ra``/``rb``: ``(e, f, count)`` sorted."""
     E, k = trace.n_experts, trace.top_k
     A = trace.experts[ra].astype(np.int64)
     B = trace.experts[rb].astype(np.int64)

@@ -19,6 +19,9 @@ from containers.layout import Layout
 
 from .trace import RoutingTrace, TraceSource
 
+COUPLED_TARGETS = 16
+"""Successors kept per expert, as in the ``.coli_pairs`` file relayout exports for colibrì."""
+
 
 def aligned_rows(trace: RoutingTrace, layer_a: int, layer_b: int, forwards: np.ndarray | None = None,
                  rows_a: np.ndarray | None = None, rows_b: np.ndarray | None = None):
@@ -39,21 +42,6 @@ def aligned_rows(trace: RoutingTrace, layer_a: int, layer_b: int, forwards: np.n
     return ra[ia], rb[ib]
 
 
-def cross_layer_counts(trace: RoutingTrace, layer: int, dl: int, forwards: np.ndarray | None = None) -> np.ndarray:
-    """Counts [E, E]: expert e at ``layer`` with expert f at ``layer + dl`` in the same position."""
-    E, k = trace.n_experts, trace.top_k
-    ra, rb = aligned_rows(trace, layer, layer + dl, forwards)
-    A = trace.experts[ra].astype(np.int64)
-    B = trace.experts[rb].astype(np.int64)
-    out = np.zeros(E * E, dtype=np.int64)
-    for a in range(k):
-        for b in range(k):
-            i, j = A[:, a], B[:, b]
-            ok = (i >= 0) & (j >= 0)
-            out += np.bincount(i[ok] * E + j[ok], minlength=E * E)
-    return out.reshape(E, E)
-
-
 def top_targets(X: np.ndarray, max_targets: int) -> tuple[np.ndarray, np.ndarray]:
     """Each row's ``max_targets`` largest non-zero counts of ``X`` [E, E], by count (descending)
     then id: ``(targets, counts)``, int64 [E, max_targets], padded with -1 and 0."""
@@ -71,8 +59,7 @@ def top_targets(X: np.ndarray, max_targets: int) -> tuple[np.ndarray, np.ndarray
 def layer_pair_counts(trace: TraceSource, forwards: np.ndarray, pairs: list[tuple[int, int]], n_experts: int) -> np.ndarray:
     """Counts [P, E, E] for each ``(layer_a, layer_b)`` of ``pairs``: expert e at ``layer_a`` with
     expert f at ``layer_b`` in the same (forward, position), over the rows of forward mask
-    ``forwards`` [F] (:func:`cross_layer_counts` of every pair), read once in blocks of whole
-    forwards. ``n_experts``: E, at least the trace's."""
+    ``forwards`` [F], read once in blocks of whole forwards. ``n_experts``: E, at least the trace's."""
     E = n_experts
     out = np.zeros((len(pairs), E * E), dtype=np.int64)
     if not pairs:
@@ -97,14 +84,14 @@ def layer_pair_counts(trace: TraceSource, forwards: np.ndarray, pairs: list[tupl
     return out.reshape(len(pairs), E, E)
 
 
-def coupling_table(trace: TraceSource, forwards: np.ndarray, layout: Layout, max_targets: int) -> tuple[np.ndarray, np.ndarray]:
+def coupling_table(trace: TraceSource, forwards: np.ndarray, layout: Layout,
+                   max_targets: int = COUPLED_TARGETS) -> tuple[np.ndarray, np.ndarray]:
     """The coupled prefetch source's table from the forwards of mask ``forwards`` (training sessions).
 
     Returns ``(targets, counts)``, int32 [L, E, max_targets]: for layout layer ``l`` and expert
     ``e``, the experts of layer ``l + 1`` that most often served the same position
     (:func:`layer_pair_counts`), best first (:func:`top_targets`), padded with -1 and 0; zero
-    for a layer the trace does not route. The same table as :func:`replay.prefetch.coupling_table`
-    (which counts a trace in memory), in one pass over the rows.
+    for a layer the trace does not route; one pass over the rows, in memory or streamed.
     """
     L, E = len(layout.layers), layout.n_experts
     targets = np.full((L, E, max_targets), -1, dtype=np.int32)

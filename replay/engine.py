@@ -239,7 +239,7 @@ class Replay:
     :class:`replay.predictors.SourceModel` (:func:`replay.predictors.learn_source`), needed by
     every source but ``none`` and ``oracle`` under an admission policy other than ``top-k``; or,
     for ``coupled`` under ``top-k`` (the runtime's rule), just its ``(targets, counts)`` table
-    (:func:`replay.prefetch.coupling_table`).
+    (:func:`replay.coupling.coupling_table`).
     """
 
     def __init__(self, layout: Layout, device: ArrayProfile, config: RuntimeConfig, pinned: np.ndarray | None = None,

@@ -19,7 +19,7 @@ from containers.errors import InputError
 from containers.layout import Layout
 
 from .config import RuntimeConfig, pinned_experts
-from .coupling import coupling_table
+from .coupling import COUPLED_TARGETS, coupling_table
 from .device import ArrayProfile
 from .engine import split_state
 from .evidence import (
@@ -55,7 +55,6 @@ from .gatefile import (
 )
 from .metrics import session_sums, summarize
 from .planfile import Plan
-from .prefetch import COUPLED_TARGETS
 from .streaming import replay_steps
 from .trace import TraceSource
 

@@ -211,7 +211,7 @@ def measure(
 ) -> MeasureResult:
     """Run the demand path on ``container`` for the forwards in mask ``forwards``.
 
-    ``coupling`` is the coupled prefetch source's table (:func:`replay.prefetch.coupling_table`),
+    ``coupling`` is the coupled prefetch source's table (:func:`replay.coupling.coupling_table`),
     needed when ``config.prefetch == "coupled"``. ``run_id`` defaults to :func:`default_run_id`
     of the container. ``split``: for a container stored as split segments, the split plan's
     layout and its :class:`replay.engine.SplitState` (:class:`SplitReads` says what is read).

@@ -11,7 +11,7 @@ sessions, not ranks:
 * ``persistence``: previous-token persistence, ``2^-(g - 1)`` when ``e`` was in layer L+1's union
   ``g`` forwards ago in this session (1 for the previous token), 0 when not in the last
   :data:`PERSISTENCE_FORWARDS` forwards;
-* ``coupled``: cross-layer coupling, the pair table :func:`replay.prefetch.coupling_table` learns
+* ``coupled``: cross-layer coupling, the pair table :func:`replay.coupling.coupling_table` learns
   on the training sessions (each expert's 16 strongest successors, as colibrì's ``.coli_pairs``):
   ``sum over a in U(L) of count(L:a -> L+1:e)`` over ``sum over a in U(L)`` of ``a``'s training
   selections, the position-weighted chance ``e`` follows U(L);
@@ -60,8 +60,8 @@ from containers.errors import InputError
 from containers.layout import Layout
 
 from .config import FUSED, MODEL_SOURCES, SOURCE_SEPARATOR
+from .coupling import coupling_table
 from .jit import HELPER, LOOP
-from .prefetch import coupling_table
 from .trace import RoutingTrace
 from .unions import chunk_instances, whole_forward_blocks
 

@@ -12,48 +12,18 @@ replay model offers two sources:
   expert keeping its 16 strongest successors as the ``.coli_pairs`` file does), highest first,
   ties by id.
 
-How the loads are timed (after the layer's demand reads, dropped once L+1 is routed) is in
+The table is :func:`replay.coupling.coupling_table`. How the loads are timed (after the layer's demand reads, dropped once L+1 is routed) is in
 :mod:`replay.engine`.
 """
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
-from containers.layout import Layout
-
 from .config import PREFETCH_SOURCES
-from .coupling import cross_layer_counts, top_targets
 from .jit import HELPER
-from .trace import RoutingTrace
 
 ORACLE, COUPLED = PREFETCH_SOURCES.index("oracle"), PREFETCH_SOURCES.index("coupled")
-
-
-COUPLED_TARGETS = 16
-"""Successors kept per expert, as in the ``.coli_pairs`` file relayout exports for colibrì."""
-
-
-def coupling_table(trace: RoutingTrace, forwards: np.ndarray, layout: Layout,
-                   max_targets: int = COUPLED_TARGETS) -> tuple[np.ndarray, np.ndarray]:
-    """The coupled source's table from the forwards of mask ``forwards`` (training sessions).
-
-    Returns ``(targets, counts)``, int32 [L, E, max_targets]: for layout layer ``l`` and expert
-    ``e``, the experts of layer ``l + 1`` that most often served the same position
-    (:func:`replay.coupling.cross_layer_counts`), best first, padded with -1 and 0.
-    """
-    L, E = len(layout.layers), layout.n_experts
-    targets = np.full((L, E, max_targets), -1, dtype=np.int32)
-    counts = np.zeros((L, E, max_targets), dtype=np.int32)
-    present = set(int(x) for x in trace.layers)
-    for li in range(L - 1):
-        layer, nxt = int(layout.layers[li]), int(layout.layers[li + 1])
-        if layer in present and nxt in present:
-            X = np.zeros((E, E), dtype=np.int64)
-            X[:trace.n_experts, :trace.n_experts] = cross_layer_counts(trace, layer, nxt - layer, forwards)
-            targets[li], counts[li] = top_targets(X, max_targets)
-    return targets, counts
 
 
 @njit(**HELPER)

@@ -8,11 +8,19 @@ import pytest
 
 from containers.layout import Layout
 from replay.config import RuntimeConfig
+from replay.coupling import coupling_table
 from replay.device import ArrayProfile, DriveProfile
-from replay.engine import (DeviceOutputs, DeviceUsage, InstanceOutputs, InstanceResult, PrefetchOutputs, PrefetchResult,
-                           new_results, simulate)
+from replay.engine import (
+    DeviceOutputs,
+    DeviceUsage,
+    InstanceOutputs,
+    InstanceResult,
+    PrefetchOutputs,
+    PrefetchResult,
+    new_results,
+    simulate,
+)
 from replay.predictors import RELIABILITY_BINS, learn_source
-from replay.prefetch import coupling_table
 from replay.trace import RoutingTrace
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)

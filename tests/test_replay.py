@@ -393,7 +393,7 @@ def test_coupled_prediction_is_the_k_best_scores(union, k, seed):
 
 
 def test_coupled_source_learns_which_experts_follow(tmp_path):
-    from replay.prefetch import coupling_table
+    from replay.coupling import coupling_table
 
     # layer 4 always picks the two experts after layer 3's: a coupling a table can learn
     rng = np.random.default_rng(0)

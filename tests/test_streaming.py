@@ -10,10 +10,10 @@ from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
 from relayout.trace_synth import synth_trace
 from replay.config import RuntimeConfig
+from replay.coupling import coupling_table
 from replay.device import load_device
 from replay.engine import simulate
 from replay.metrics import StepTable, step_table
-from replay.prefetch import coupling_table
 from replay.streaming import replay_steps
 from replay.trace import RoutingTrace, TraceFile, load_trace, save_trace
 from replay.unions import RowBlock, realign_blocks, whole_forward_blocks
