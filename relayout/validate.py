@@ -14,9 +14,9 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    rotating order: :func:`measurement_order`) within each
    repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
    those steps on the profile (:func:`replay.engine.simulate`). A probe
-   (:func:`replay.calibrate.probe_rate`: 4 MiB reads at depth 8 for 1 s on the container's
-   largest file, half of it in a container too small for 4 MiB) before the first repetition and
-   after each follows the disk's speed; each repetition is also predicted on the profile scaled
+   (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
+   runtime's workers, for 1 s on the container's largest file) before the first repetition and
+   after each follows the disk's speed at the measured runs' operating point; each repetition is also predicted on the profile scaled
    (:meth:`replay.device.ArrayProfile.scaled`) by the probes around it over the rate the profile
    gives the probe's reads: a diagnosis of a drifting disk beside the verdict, which stays on
    the profile as calibrated;
@@ -426,8 +426,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         mask = first(tokens)
         fw = np.flatnonzero(mask)
         methods = list(o.layouts)
-        probe_file, probe_size = _probe_target(lay.dirs["stock"])
-        rates = [probe_rate(probe_file, probe_size)] if probe_file else []
+        probe_file, probe_size = _probe_target(lay.dirs["stock"], lay.layouts["stock"])
+        rates = [probe_rate(probe_file, probe_size, o.workers)] if probe_file else []
 
         # predictions: exactly the measured steps, on the profile
         predicted = {}
@@ -462,12 +462,12 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                             out.unlink()
                         bar.update(1)
                 if probe_file:
-                    rates.append(probe_rate(probe_file, probe_size, seed=rep + 1))
+                    rates.append(probe_rate(probe_file, probe_size, o.workers, seed=rep + 1))
         finally:
             bar.close()
         drift = None
         if probe_file:
-            drift = _drift(probe_file, probe_size, rates, device)
+            drift = _drift(probe_file, probe_size, o.workers, rates, device)
             for pf, frac in cells:
                 for m in methods:
                     each = []
@@ -489,25 +489,26 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             work.remove()
 
 
-def _probe_target(container_dir: Path) -> tuple[Path | None, int]:
-    """The drift probe's file (the container's largest) and read size (bytes):
-    :data:`replay.calibrate.PROBE_SIZE`, or half the file, aligned, in a container too small for it."""
-    from replay.calibrate import ALIGN, PROBE_SIZE
+def _probe_target(container_dir: Path, stock) -> tuple[Path | None, int]:
+    """The drift probe's file (the container's largest) and read size (bytes): the median
+    expert's bytes, aligned up, as the measured forwards read them (at most half the file)."""
+    from replay.calibrate import ALIGN
 
     files = sorted(Path(container_dir).glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    size = min(PROBE_SIZE, files[-1].stat().st_size // 2 // ALIGN * ALIGN) if files else 0
+    expert = -(-int(np.median(stock.expert_bytes())) // ALIGN) * ALIGN
+    size = min(expert, files[-1].stat().st_size // 2 // ALIGN * ALIGN) if files else 0
     return (files[-1], size) if size >= ALIGN else (None, 0)
 
 
-def _drift(probe_file: Path, probe_size: int, rates: list[float], device) -> dict:
+def _drift(probe_file: Path, probe_size: int, depth: int, rates: list[float], device) -> dict:
     """The disk's probed rate before the first repetition and after each (bytes/s), and each
     repetition's speed against the profile's: the mean of the probes around it over the rate the
     profile gives the probe's reads (:meth:`replay.device.ArrayProfile.steady_rate`)."""
-    from replay.calibrate import PROBE_DEPTH, PROBE_SECONDS
+    from replay.calibrate import PROBE_SECONDS
 
-    profile_rate = device.steady_rate(probe_size, PROBE_DEPTH)
+    profile_rate = device.steady_rate(probe_size, depth)
     scales = [(rates[r] + rates[r + 1]) / 2 / profile_rate for r in range(len(rates) - 1)]
-    return {"probe": {"file": str(probe_file), "size_bytes": probe_size, "depth": PROBE_DEPTH, "seconds": PROBE_SECONDS},
+    return {"probe": {"file": str(probe_file), "size_bytes": probe_size, "depth": depth, "seconds": PROBE_SECONDS},
             "rates_Bps": rates, "profile_rate_Bps": profile_rate, "scales": scales,
             "change": max(rates) / min(rates) - 1, "predicted": {}}
 

@@ -105,13 +105,10 @@ def _cell(path: Path, size: int, depth: int, seconds: float, seed: int) -> Cell:
     return Cell(size, depth, len(lat), elapsed, float(np.mean(lat)) if lat else float("nan"))
 
 
-PROBE_SIZE = 4 * 1024 * 1024
-PROBE_DEPTH = 8
 PROBE_SECONDS = 1.0
 
 
-def probe_rate(path: str | os.PathLike, size: int = PROBE_SIZE, depth: int = PROBE_DEPTH,
-               seconds: float = PROBE_SECONDS, seed: int = 0) -> float:
+def probe_rate(path: str | os.PathLike, size: int, depth: int, seconds: float = PROBE_SECONDS, seed: int = 0) -> float:
     """The disk's rate now (bytes/s): ``depth`` outstanding random aligned reads of ``size`` bytes
     of the file at ``path`` (only read, page cache bypassed as :func:`calibrate` does it) for
     ``seconds``. One cell of the calibration grid, to follow a disk whose speed drifts

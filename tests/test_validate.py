@@ -45,6 +45,7 @@ def _check_record(v: dict) -> None:
         assert c["ratio"] == pytest.approx(c["predicted_stall_per_token_s"] / m["mean"])
     d = v["drift"]                                       # probed before the first repetition and after each
     assert len(d["rates_Bps"]) == 3 and all(r > 0 for r in d["rates_Bps"]) and len(d["scales"]) == 2
+    assert d["probe"]["depth"] == v["config"]["workers"] and d["probe"]["size_bytes"] % 4096 == 0   # the runs' reads
     assert d["scales"][1] == pytest.approx((d["rates_Bps"][1] + d["rates_Bps"][2]) / 2 / d["profile_rate_Bps"])
     assert d["change"] == pytest.approx(max(d["rates_Bps"]) / min(d["rates_Bps"]) - 1)
     for c in v["cells"]:
