@@ -16,10 +16,10 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    those steps on the profile (:func:`replay.engine.simulate`). A probe
    (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
    runtime's workers, for 1 s on the container's largest file) before the first repetition and
-   after each follows the disk's speed at the measured runs' operating point; each repetition is also predicted on the profile scaled
-   (:meth:`replay.device.ArrayProfile.scaled`) by the probes around it over the rate the profile
-   gives the probe's reads: a diagnosis of a drifting disk beside the verdict, which stays on
-   the profile as calibrated;
+   after each follows the disk's speed at the measured runs' operating point; each repetition
+   is also predicted on the profile scaled (:meth:`replay.device.ArrayProfile.scaled`) by the
+   probes around it over the rate the profile gives the probe's reads: a diagnosis of a
+   drifting disk beside the verdict, which stays on the profile as calibrated;
 4. compares: predicted/measured S per cell; per non-stock layout the predicted and the measured
    saving against stock at the same RAM budget and prefetch source, each with a 95% moving-block
    bootstrap interval over paired steps (measured: each repetition is its own "session", so no
@@ -465,7 +465,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                     rates.append(probe_rate(probe_file, probe_size, o.workers, seed=rep + 1))
         finally:
             bar.close()
-        drift = None
+        drift, probed = None, {}
         if probe_file:
             drift = _drift(probe_file, probe_size, o.workers, rates, device)
             for pf, frac in cells:
@@ -475,10 +475,10 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                         inst, usage = simulate(trace, mask, lay.layouts[m], device.scaled(f), config_of(pf, frac),
                                                coupling=coupling)
                         each.append(summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s)
-                    drift["predicted"][(m, pf, frac)] = each
+                    probed[(m, pf, frac)] = each
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
-                         base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift)
+                         base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed)
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -510,7 +510,7 @@ def _drift(probe_file: Path, probe_size: int, depth: int, rates: list[float], de
     scales = [(rates[r] + rates[r + 1]) / 2 / profile_rate for r in range(len(rates) - 1)]
     return {"probe": {"file": str(probe_file), "size_bytes": probe_size, "depth": depth, "seconds": PROBE_SECONDS},
             "rates_Bps": rates, "profile_rate_Bps": profile_rate, "scales": scales,
-            "change": max(rates) / min(rates) - 1, "predicted": {}}
+            "change": max(rates) / min(rates) - 1}
 
 
 def _interval(ev) -> dict:
@@ -520,7 +520,7 @@ def _interval(ev) -> dict:
 
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
-            reps, chosen, cells, methods, predicted, measured, fw, drift) -> dict:
+            reps, chosen, cells, methods, predicted, measured, fw, drift, probed) -> dict:
     out_cells, comparisons = [], []
     for pf, frac in cells:
         for m in methods:
@@ -531,7 +531,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             pred = summ.stall_per_token_s
             adjusted = None
             if drift is not None:
-                each_pred = drift["predicted"][(m, pf, frac)]
+                each_pred = probed[(m, pf, frac)]
                 adjusted = {"predicted_stall_per_token_s": each_pred,
                             "ratio": float(np.mean(each_pred)) / mean if mean > 0 else None}
             recall = None
@@ -605,7 +605,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                    "prefetch": list(o.prefetch), "workers": o.workers, "minutes": o.minutes, "chosen": chosen,
                    "runtime": base_cfg.to_json(), "gate_threshold": GATE_THRESHOLD, "tolerance": TOLERANCE,
                    "cache": cold, "seed": o.seed},
-        "drift": None if drift is None else {k: v for k, v in drift.items() if k != "predicted"},
+        "drift": drift,
         "cells": out_cells,
         "comparisons": comparisons,
         "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"]),
@@ -665,7 +665,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  f"probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
                  f"({sum(abs(r - 1) <= PLOT_BAND for r in probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
                  f"against {sum(abs(r - 1) <= PLOT_BAND for r in ratios)} of {len(ratios)} on the profile as calibrated)")
-    return {"holds": bool(holds), "drift": drift, "probed_within": probed_within, "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
+    return {"holds": bool(holds), "drift": drift, "probed_within": probed_within, "repetition_spread_max": spread,
+            "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "comparisons": M, "inside_measured": len(inside), "sign_decided": len(decided), "sign_wrong": len(wrong),
             "gate_disagreements": len(gate_diff), "contradictions": len(contradicted), "text": text}
 
