@@ -313,6 +313,17 @@ def format_measure(result) -> str:
 
 
 
+def _savings(x: dict) -> str:
+    """One validation comparison's predicted and measured saving (ms/token) and how they agree."""
+    ms = 1e3
+    p, m = x["predicted_saving"], x["measured_saving"]
+    sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
+    return (f"predicted {p['estimate_s'] * ms:+.2f} [{p['low_s'] * ms:+.2f}, {p['high_s'] * ms:+.2f}]  measured "
+            f"{m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, {m['high_s'] * ms:+.2f}]  "
+            f"{'inside' if x['predicted_inside_measured'] else 'outside'}, sign {sign}, "
+            f"{'agrees' if x['agreement'] == 'agrees' else 'DISAGREES'}")
+
+
 def format_validation(v: dict) -> str:
     """``relayout validate``'s tables and summary from its ``validation.json`` record (S in ms/token)."""
     ms = 1e3
@@ -327,28 +338,36 @@ def format_validation(v: dict) -> str:
         rates = " ".join(f"{r / 1e9:.2f}" for r in drift["rates_Bps"])
         lines.append(f"disk probe ({drift['probe']['size_bytes'] // 1024} KiB reads, depth {drift['probe']['depth']}), "
                      f"before the first repetition and after each: {rates} GB/s (moved by {drift['change']:.0%})")
-    lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S (each rep)':>30}{'pred/meas':>11}"
-                  + (f"{'at probed speed':>17}" if drift else "")]
+    lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S [95% over reps] (each rep)':>46}"
+                  f"{'pred/meas':>11}{'':<12}" + (f"{'at probed speed':>17}" if drift else "")]
     for c in v["cells"]:
         m = c["measured_stall_per_token_s"]
         each = " ".join(f"{x * ms:.2f}" for x in m["repetitions"])
         ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
         probed = c.get("at_probed_speed")
         at_probe = "" if not drift else f"{'n/a' if not probed or probed['ratio'] is None else format(probed['ratio'], '.2f'):>17}"
+        measured = f"{m['mean'] * ms:.2f} [{m['low'] * ms:.2f}, {m['high'] * ms:.2f}] ({each})"
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
-                     f"{m['mean'] * ms:>12.2f} ({each}){'':>2}{ratio:>9}{at_probe}")
+                     f"{measured:>46}{ratio:>11}  {c['agreement'].upper() if c['agreement'] == 'disagrees' else c['agreement']:<10}"
+                     f"{at_probe}")
+    lines.append("S in ms per committed token; a cell agrees within +/-"
+                 f"{v['config']['tolerance']:.0%}, disagrees when its prediction lies outside the measured interval widened "
+                 "by that much, else is unresolved (the repetitions scatter too widely to tell)")
     if v["comparisons"]:
-        lines += ["", ("saving vs stock, ms/token (95% interval; gate: low end >= "
-                       f"{v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)")]
+        lines += ["", ("saving vs stock, ms/token (95% intervals: predicted over held-out steps, measured over repetitions; "
+                       f"gate: low end >= {v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)")]
         for x in v["comparisons"]:
-            p, m, g = x["predicted_saving"], x["measured_saving"], x["gate"]
-            sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
-            lines.append(f"  {x['layout']:<8} RAM {x['ram_fraction']:g}, prefetch {x['prefetch']:<8} predicted "
-                         f"{p['estimate_s'] * ms:+.2f} [{p['low_s'] * ms:+.2f}, {p['high_s'] * ms:+.2f}]  measured "
-                         f"{m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, {m['high_s'] * ms:+.2f}]  "
-                         f"{'inside' if x['predicted_inside_measured'] else 'outside'}, sign {sign}, gate "
+            g = x["gate"]
+            lines.append(f"  {x['layout']:<8} RAM {x['ram_fraction']:g}, prefetch {x['prefetch']:<8} {_savings(x)}, gate "
                          f"{'pass' if g['predicted']['passes'] else 'fail'}/{'pass' if g['measured']['passes'] else 'fail'}"
                          f"{'' if g['same_decision'] else ' DIFFERS'}")
+            lines.append(f"    {x['words']}")
+    if v.get("prefetch_comparisons"):
+        lines += ["", "prefetch saving vs no prefetch, same layout and RAM, ms/token (95% intervals as above; agrees "
+                      f"inside the measured interval or within +/-{v['prefetch_comparisons'][0]['tolerance']:.0%} of it)"]
+        for x in v["prefetch_comparisons"]:
+            lines.append(f"  {x['prefetch']:<8} {x['layout']:<8} RAM {x['ram_fraction']:g}  {_savings(x)}, "
+                         f"{'within' if x['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}")
             lines.append(f"    {x['words']}")
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)

@@ -20,18 +20,27 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    is also predicted on the profile scaled (:meth:`replay.device.ArrayProfile.scaled`) by the
    probes around it over the rate the profile gives the probe's reads: a diagnosis of a
    drifting disk beside the verdict, which stays on the profile as calibrated;
-4. compares: predicted/measured S per cell; per non-stock layout the predicted and the measured
-   saving against stock at the same RAM budget and prefetch source, each with a 95% moving-block
-   bootstrap interval over paired steps (measured: each repetition is its own "session", so no
-   block crosses repetitions), whether the predicted saving lies in the measured interval,
-   whether the signs agree where the measured interval excludes zero, and whether the gate's
-   decision (the saving's low end at least :data:`GATE_THRESHOLD` of TPOT) is the same;
+4. compares: predicted/measured S per cell, with the measured S's 95% interval over the
+   repetitions (each repetition one unit: the disk's drift between runs is the larger part of
+   the uncertainty, and no resampling of steps within runs sees it); per non-stock layout the
+   predicted and the measured saving against stock at the same RAM budget and prefetch source
+   (predicted: a 95% moving-block bootstrap interval over the held-out steps; measured: the
+   95% interval over the repetitions' savings, both layouts of a repetition measured minutes
+   apart), whether the predicted saving lies in the measured interval, whether the signs agree
+   where the measured interval excludes zero, and whether the gate's decision (the saving's low
+   end at least :data:`GATE_THRESHOLD` of TPOT) is the same; per prefetch source, its saving
+   against no prefetch (same layout and RAM) the same way, and whether the prediction is within
+   :data:`PREFETCH_TOLERANCE` of the measurement;
 5. writes ``validation.json`` (format :data:`VALIDATION_FORMAT`, version
    :data:`VALIDATION_VERSION`) and, with ``plots``, a predicted-vs-measured scatter.
 
-The model *holds* when every cell's predicted/measured ratio is within :data:`TOLERANCE` of 1,
-no measured saving that excludes zero has the other sign from the predicted one, and the gate
-decides alike on every comparison.
+The verdict (:func:`summarize_validation`) is one of three. The model *holds* when every cell's
+predicted/measured ratio is within :data:`TOLERANCE` of 1, every predicted saving agrees with
+the measured one and the gate decides alike on every comparison. It does *not hold* when a
+measurement rules a prediction out: a cell whose predicted S lies outside the measured interval
+widened by the tolerance (:func:`cell_agreement`), a predicted saving outside the measured
+interval or of the other sign. Otherwise it is *inconclusive*: the repetitions scatter too
+widely to confirm or refute it, and the summary says to measure more.
 
 Units: S, savings and TPOT in seconds per committed token in the record (``_s``), milliseconds
 in text; sizes in bytes; RAM budgets as fractions of the routed bytes of the traced layers.
@@ -62,17 +71,20 @@ from containers.manifest import build_manifest, write_manifest
 from containers.synth import synth_container
 from replay.config import PREFETCH_SOURCES, RuntimeConfig
 from replay.evidence import block_evidence
+from replay.stats import repetition_interval
 
 from .demo import measured_vs_predicted
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 1
+VALIDATION_VERSION = 2
 LAYOUTS = ("stock", "louvain", "random")
 """Layouts a validation can measure; ``stock`` (the source itself) is the baseline of every saving."""
 GATE_THRESHOLD = 0.05
 """The gate's threshold: the saving's interval low end must reach this fraction of the baseline TPOT."""
 TOLERANCE = 0.20
 """The model holds when every cell's predicted/measured S is within this fraction of 1."""
+PREFETCH_TOLERANCE = 0.30
+"""A predicted prefetch saving agrees when within this fraction of the measured one (or inside its interval)."""
 PLOT_BAND = 0.10
 """The band drawn around y = x in the scatter (+/- this fraction)."""
 WORK_NAME = "relayout-validate"
@@ -519,15 +531,61 @@ def _interval(ev) -> dict:
             "units": len(ev.base), "blocks": ev.n_blocks, "seed": ev.seed, "resamples": ev.resamples}
 
 
+def _over_repetitions(values: list[float]) -> dict:
+    """A measured figure's mean and 95% interval with each repetition one unit (s/token)."""
+    iv = repetition_interval(values)
+    return {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high, "method": "repetitions (Student t)",
+            "units": iv.n_units}
+
+
+def cell_agreement(predicted: float, mean: float, low: float, high: float, tolerance: float = TOLERANCE) -> str:
+    """``"agrees"`` when predicted S is within ``tolerance`` of the measured mean; ``"disagrees"``
+    when it lies outside the measured 95% interval widened by ``tolerance`` (no S the measurement
+    admits is within tolerance of the prediction); else ``"unresolved"`` (the repetitions
+    scatter too widely to tell). Any one unit (s/token)."""
+    if mean > 0 and abs(predicted / mean - 1) <= tolerance:
+        return "agrees"
+    if predicted > high * (1 + tolerance) or predicted < max(low, 0.0) * (1 - tolerance):
+        return "disagrees"
+    return "unresolved"
+
+
+def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict], tolerance: float | None = None) -> dict:
+    """Predicted against measured saving of ``new`` over ``base`` (s/token): the prediction paired by
+    step (moving-block bootstrap over the held-out steps), the measurement paired by repetition (each
+    repetition measures both, minutes apart on a disk that drifts: one unit each).
+
+    ``agreement``: ``"agrees"`` when the predicted saving lies inside the measured interval (or,
+    with ``tolerance``, within that fraction of the measured estimate), ``"disagrees"`` when the
+    measured interval excludes zero with the other sign or excludes the prediction (and, with
+    ``tolerance``, differs from it by more than that fraction)."""
+    p = _interval(block_evidence(base_pred.stall, new_pred.stall, base_pred.committed, base_pred.session))
+    each = [float((b["stall"].sum() - n["stall"].sum()) / b["committed"].sum()) for b, n in zip(base_runs, runs)]
+    m = {**_over_repetitions(each), "repetitions": each}
+    excludes = m["low_s"] > 0 or m["high_s"] < 0
+    sign = bool(np.sign(p["estimate_s"]) == np.sign(m["estimate_s"])) if excludes else None
+    inside = bool(m["low_s"] <= p["estimate_s"] <= m["high_s"])
+    close = tolerance is not None and abs(p["estimate_s"] - m["estimate_s"]) <= tolerance * abs(m["estimate_s"])
+    agreement = "disagrees" if sign is False or not (inside or close) else "agrees"
+    out = {"predicted_saving": p, "measured_saving": m, "predicted_inside_measured": inside,
+           "measured_excludes_zero": bool(excludes), "sign_agrees": sign, "agreement": agreement,
+           "words": measured_vs_predicted(m["estimate_s"] * 1e3, m["low_s"] * 1e3, m["high_s"] * 1e3,
+                                          p["estimate_s"] * 1e3) + " (ms/token)"}
+    if tolerance is not None:
+        out["within_tolerance"] = bool(close)
+    return out
+
+
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed) -> dict:
-    out_cells, comparisons = [], []
+    out_cells, comparisons, prefetch_comparisons = [], [], []
     for pf, frac in cells:
         for m in methods:
             steps, summ = predicted[(m, pf, frac)]
             runs = measured[(m, pf, frac)]
             each = [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
-            mean = float(np.mean(each))
+            iv = _over_repetitions(each)
+            mean = iv["estimate_s"]
             pred = summ.stall_per_token_s
             adjusted = None
             if drift is not None:
@@ -543,10 +601,12 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "predicted_stall_per_token_s": pred,
                 "predicted_oracle_stall_per_token_s": summ.oracle_stall_per_token_s,
                 "predicted_tpot_s": summ.tpot_s,
-                "measured_stall_per_token_s": {"mean": mean, "repetitions": each},
+                "measured_stall_per_token_s": {"mean": mean, "repetitions": each, "low": iv["low_s"], "high": iv["high_s"],
+                                               "interval": iv["method"]},
                 "measured_tpot_s": {"mean": float(np.mean([r["tpot_s"] for r in runs])), "repetitions": [r["tpot_s"] for r in runs]},
                 "measured_wall_seconds": [r["wall_s"] for r in runs],
                 "ratio": pred / mean if mean > 0 else None,
+                "agreement": cell_agreement(pred, mean, iv["low_s"], iv["high_s"]),
                 "at_probed_speed": adjusted,
                 "timely_required_byte_recall": recall,
             })
@@ -555,34 +615,28 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         for m in methods:
             if m == "stock":
                 continue
-            steps, summ = predicted[(m, pf, frac)]
-            runs = measured[(m, pf, frac)]
-            p_ev = block_evidence(base_steps.stall, steps.stall, base_steps.committed, base_steps.session)
-            m_ev = block_evidence(np.concatenate([r["stall"] for r in base_runs]), np.concatenate([r["stall"] for r in runs]),
-                                  np.concatenate([r["committed"] for r in base_runs]),
-                                  np.concatenate([np.full(len(r["stall"]), i) for i, r in enumerate(base_runs)]))
-            p, mm = _interval(p_ev), _interval(m_ev)
-            excludes = mm["low_s"] > 0 or mm["high_s"] < 0
-            sign = None
-            if excludes:
-                sign = bool(np.sign(p["estimate_s"]) == np.sign(mm["estimate_s"]))
+            x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)])
+            p, mm = x["predicted_saving"], x["measured_saving"]
             tpot_p = base_sum.tpot_s
             tpot_m = float(np.mean([r["tpot_s"] for r in base_runs]))
             gate_p = p["low_s"] >= GATE_THRESHOLD * tpot_p
             gate_m = mm["low_s"] >= GATE_THRESHOLD * tpot_m
             comparisons.append({
-                "layout": m, "baseline": "stock", "ram_fraction": frac, "prefetch": pf,
-                "predicted_saving": p, "measured_saving": mm,
-                "predicted_inside_measured": bool(mm["low_s"] <= p["estimate_s"] <= mm["high_s"]),
-                "measured_excludes_zero": bool(excludes),
-                "sign_agrees": sign,
+                "layout": m, "baseline": "stock", "ram_fraction": frac, "prefetch": pf, **x,
                 "gate": {"threshold": GATE_THRESHOLD,
                          "predicted": {"tpot_s": tpot_p, "need_s": GATE_THRESHOLD * tpot_p, "passes": bool(gate_p)},
                          "measured": {"tpot_s": tpot_m, "need_s": GATE_THRESHOLD * tpot_m, "passes": bool(gate_m)},
                          "same_decision": bool(gate_p == gate_m)},
-                "words": measured_vs_predicted(mm["estimate_s"] * 1e3, mm["low_s"] * 1e3, mm["high_s"] * 1e3,
-                                               p["estimate_s"] * 1e3) + " (ms/token)",
             })
+    if "none" in o.prefetch:
+        for pf, frac in cells:
+            if pf == "none":
+                continue
+            for m in methods:
+                x = _saving(predicted[(m, "none", frac)][0], predicted[(m, pf, frac)][0], measured[(m, "none", frac)],
+                            measured[(m, pf, frac)], tolerance=PREFETCH_TOLERANCE)
+                prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
+                                             "tolerance": PREFETCH_TOLERANCE, **x})
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
     return {
         "format": VALIDATION_FORMAT,
@@ -608,49 +662,86 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         "drift": drift,
         "cells": out_cells,
         "comparisons": comparisons,
-        "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"]),
+        "prefetch_comparisons": prefetch_comparisons,
+        "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"],
+                                        prefetch_comparisons),
     }
 
 
-def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None) -> dict:
+def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
+                         prefetch_comparisons: list[dict] = ()) -> dict:
     """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so.
 
-    ``drift``: how far the disk's probed rate moved during the run (largest / smallest probe - 1),
-    when probed; the sentence then adds predicted/measured S with each repetition predicted at
-    its probed speed (the cells' ``at_probed_speed``), a diagnosis: the verdict stays on the
-    calibrated profile's predictions."""
+    ``verdict``: ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
+    measured mean, every predicted saving agrees with the measured one (layouts:
+    inside its interval; prefetch: inside it or within :data:`PREFETCH_TOLERANCE`) and the gate
+    decides alike everywhere; ``"does not hold"`` when a measurement rules a prediction out (a
+    cell's predicted S outside the measured interval widened by the tolerance, a predicted saving
+    outside the measured interval, or of the other sign where that interval excludes zero);
+    otherwise ``"inconclusive"``: nothing measured contradicts the model, but the repetitions
+    scatter too widely to confirm it. ``drift``: how far the disk's probed rate moved during the
+    run (largest / smallest probe - 1), when probed; the sentence then adds predicted/measured S
+    with each repetition predicted at its probed speed (the cells' ``at_probed_speed``), a
+    diagnosis: the verdict stays on the calibrated profile's predictions."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None
+    states = [c["agreement"] for c in cells]
+    cells_out, cells_open = states.count("disagrees"), states.count("unresolved")
     decided = [c for c in comparisons if c["sign_agrees"] is not None]
     wrong = [c for c in decided if not c["sign_agrees"]]
     gate_diff = [c for c in comparisons if not c["gate"]["same_decision"]]
     inside = [c for c in comparisons if c["predicted_inside_measured"]]
+    outside = [c for c in comparisons if c["agreement"] == "disagrees" and c["sign_agrees"] is not False]
     contradicted = [c for c in comparisons if "CONTRADICTS" in c["words"]]
+    pf_close = [c for c in prefetch_comparisons if c["within_tolerance"]]
+    pf_out = [c for c in prefetch_comparisons if c["agreement"] == "disagrees"]
+    pf_wrong = [c for c in prefetch_comparisons if c["sign_agrees"] is False]
     spreads = [(max(c["measured_stall_per_token_s"]["repetitions"]) - min(c["measured_stall_per_token_s"]["repetitions"]))
                / c["measured_stall_per_token_s"]["mean"] for c in cells
                if c.get("measured_stall_per_token_s") and c["measured_stall_per_token_s"]["mean"] > 0]
     spread = max(spreads) if spreads else None
     ratio_ok = within is not None and within <= TOLERANCE
-    holds = ratio_ok and not wrong and not gate_diff
-    M = len(comparisons)
+    ruled_out = bool(cells_out or wrong or outside or pf_out or not ratios)
+    holds = ratio_ok and not cells_open and not ruled_out and not gate_diff
+    verdict = "holds" if holds else "does not hold" if ruled_out else "inconclusive"
+    M, P = len(comparisons), len(prefetch_comparisons)
     sav = (f"; the predicted saving lies inside the measured 95% interval in {len(inside)} of {M} comparison(s), the sign "
            f"is wrong in {len(wrong)} of {len(decided)} where the measured interval excludes zero, and the gate "
            f"(low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of {M}") if M else ""
-    if holds:
-        text = (f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% "
-                f"(predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells){sav}")
-    else:
+    if P:
+        sav += (f"; the predicted prefetch saving is within +/-{PREFETCH_TOLERANCE:.0%} of the measured one in "
+                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}")
+    span = f"predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells" if ratios else "no cell measured any stall"
+    if verdict == "holds":
+        text = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span}){sav}"
+    elif verdict == "does not hold":
         why = []
-        if not ratio_ok:
-            why.append(f"predicted/measured S ranges {lo:.2f}-{hi:.2f}, beyond +/-{TOLERANCE:.0%}" if ratios
-                       else "no cell measured any stall")
+        if not ratios:
+            why.append(span)
+        if cells_out:
+            why.append(f"in {cells_out} of {len(cells)} cell(s) the predicted S lies outside the measured 95% interval "
+                       f"widened by +/-{TOLERANCE:.0%}")
         if wrong:
             why.append(f"saving sign wrong in {len(wrong)} of {len(decided)} cell(s)")
+        if outside:
+            why.append(f"the predicted saving lies outside the measured interval in {len(outside)} of {M}")
+        if pf_wrong:
+            why.append(f"prefetch saving sign wrong in {len(pf_wrong)} of {P}")
+        elif pf_out:
+            why.append(f"the predicted prefetch saving is ruled out by the measurement in {len(pf_out)} of {P}")
+        text = "the model does NOT hold on this disk: " + "; ".join(why) + (f" ({span})" if ratios else "") + sav
+    else:
+        why = []
+        if cells_open:
+            why.append(f"{cells_open} of {len(cells)} cell(s) are beyond +/-{TOLERANCE:.0%} but inside the measured "
+                       f"interval widened by it")
         if gate_diff:
-            why.append(f"the gate would decide differently in {len(gate_diff)} of {M}")
-        text = "the model does NOT hold on this disk: " + "; ".join(why) + (
-            f" (predicted/measured S {lo:.2f}-{hi:.2f})" if ratio_ok and ratios else "") + sav
+            why.append(f"the gate would decide differently in {len(gate_diff)} of {M} where the measured interval holds "
+                       "the predicted saving")
+        text = (f"INCONCLUSIVE on this disk: no measurement rules the model out, but it is not confirmed ({span}): "
+                + "; ".join(why) + sav + ". The measured runs scatter too widely to decide: rerun with more --reps on "
+                "an idle disk")
     if contradicted:
         text += (f". Measurement CONTRADICTS the prediction in {len(contradicted)} comparison(s): "
                  + "; ".join(f"{c['layout']} at RAM {c['ram_fraction']:g}, prefetch {c['prefetch']}" for c in contradicted))
@@ -665,10 +756,13 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  f"probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
                  f"({sum(abs(r - 1) <= PLOT_BAND for r in probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
                  f"against {sum(abs(r - 1) <= PLOT_BAND for r in ratios)} of {len(ratios)} on the profile as calibrated)")
-    return {"holds": bool(holds), "drift": drift, "probed_within": probed_within, "repetition_spread_max": spread,
-            "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
-            "comparisons": M, "inside_measured": len(inside), "sign_decided": len(decided), "sign_wrong": len(wrong),
-            "gate_disagreements": len(gate_diff), "contradictions": len(contradicted), "text": text}
+    return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
+            "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
+            "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,
+            "comparisons": M, "inside_measured": len(inside), "outside_measured": len(outside),
+            "sign_decided": len(decided), "sign_wrong": len(wrong), "gate_disagreements": len(gate_diff),
+            "contradictions": len(contradicted), "prefetch_comparisons": P, "prefetch_within_tolerance": len(pf_close),
+            "prefetch_disagree": len(pf_out), "prefetch_tolerance": PREFETCH_TOLERANCE, "text": text}
 
 
 def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path]:
@@ -712,5 +806,5 @@ def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path
     return [path]
 
 
-__all__ = ["GATE_THRESHOLD", "LAYOUTS", "TOLERANCE", "VALIDATION_FORMAT", "VALIDATION_VERSION", "ValidateOptions",
-           "check_options", "parse_list", "summarize_validation", "validate", "write_validation_plot"]
+__all__ = ["GATE_THRESHOLD", "LAYOUTS", "PREFETCH_TOLERANCE", "TOLERANCE", "VALIDATION_FORMAT", "VALIDATION_VERSION", "ValidateOptions",
+           "cell_agreement", "check_options", "parse_list", "summarize_validation", "validate", "write_validation_plot"]

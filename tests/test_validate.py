@@ -6,7 +6,9 @@ that the source is untouched and the work directory goes (or stays with --keep).
 """
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from conftest import run_cli, small_geometry, source_with_manifest, tree_state
 
@@ -15,8 +17,10 @@ from relayout.validate import (
     VALIDATION_VERSION,
     WORK_MARKER,
     WORK_NAME,
+    cell_agreement,
     summarize_validation,
 )
+from replay.stats import repetition_interval
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,11 @@ def _check_record(v: dict) -> None:
         assert c["predicted_stall_per_token_s"] > 0
         m = c["measured_stall_per_token_s"]
         assert m["mean"] > 0 and len(m["repetitions"]) == 2 and all(x >= 0 for x in m["repetitions"])
+        assert m["mean"] == pytest.approx(sum(m["repetitions"]) / 2)
+        half = 12.706 * abs(m["repetitions"][0] - m["repetitions"][1]) / 2      # t(0.975, 1) * sd / sqrt(2)
+        assert m["low"] == pytest.approx(m["mean"] - half, rel=1e-4) and m["high"] == pytest.approx(m["mean"] + half, rel=1e-4)
         assert c["ratio"] == pytest.approx(c["predicted_stall_per_token_s"] / m["mean"])
+        assert c["agreement"] == cell_agreement(c["predicted_stall_per_token_s"], m["mean"], m["low"], m["high"])
     d = v["drift"]                                       # probed before the first repetition and after each
     assert len(d["rates_Bps"]) == 3 and all(r > 0 for r in d["rates_Bps"]) and len(d["scales"]) == 2
     assert d["probe"]["depth"] == v["config"]["workers"] and d["probe"]["size_bytes"] % 4096 == 0   # the runs' reads
@@ -55,10 +63,14 @@ def _check_record(v: dict) -> None:
     assert len(v["comparisons"]) == 1
     x = v["comparisons"][0]
     assert x["layout"] == "louvain" and x["baseline"] == "stock"
-    for side in ("predicted_saving", "measured_saving"):
-        s = x[side]
-        assert s["low_s"] <= s["high_s"] and s["method"] == "moving-block" and s["block_steps"] >= 1
-    assert x["measured_saving"]["units"] == 2 * x["predicted_saving"]["units"]   # both repetitions, paired by step
+    p, m = x["predicted_saving"], x["measured_saving"]
+    assert p["low_s"] <= p["high_s"] and p["method"] == "moving-block" and p["block_steps"] >= 1 and p["units"] == 8
+    assert m["low_s"] <= m["estimate_s"] <= m["high_s"] and m["units"] == 2 and len(m["repetitions"]) == 2   # per repetition
+    stock, louvain = (next(c for c in v["cells"] if c["layout"] == k) for k in ("stock", "louvain"))
+    assert m["repetitions"] == pytest.approx([a - b for a, b in zip(stock["measured_stall_per_token_s"]["repetitions"],
+                                                                    louvain["measured_stall_per_token_s"]["repetitions"])])
+    assert x["agreement"] in ("agrees", "disagrees") and "within_tolerance" not in x
+    assert v["prefetch_comparisons"] == []               # no prefetch source measured
     assert isinstance(x["predicted_inside_measured"], bool) and isinstance(x["measured_excludes_zero"], bool)
     assert x["sign_agrees"] in (True, False, None) and (x["sign_agrees"] is None) == (not x["measured_excludes_zero"])
     g = x["gate"]
@@ -66,8 +78,9 @@ def _check_record(v: dict) -> None:
     assert g["predicted"]["tpot_s"] > 0 and g["measured"]["tpot_s"] > 0
     assert x["words"]
     s = v["summary"]
-    assert isinstance(s["holds"], bool) and s["comparisons"] == 1
-    assert s["text"].startswith("the model holds on this disk within" if s["holds"] else "the model does NOT hold")
+    assert isinstance(s["holds"], bool) and s["comparisons"] == 1 and s["holds"] == (s["verdict"] == "holds")
+    assert s["text"].startswith({"holds": "the model holds on this disk within", "does not hold": "the model does NOT hold",
+                                 "inconclusive": "INCONCLUSIVE"}[s["verdict"]])
 
 
 def test_validate_record_source_untouched_work_dir_removed(disk, tmp_path):
@@ -106,6 +119,27 @@ def test_validate_keep_and_plots(disk, tmp_path):
         import shutil
 
         shutil.rmtree(disk / WORK_NAME, ignore_errors=True)
+
+
+def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
+    out = tmp_path / "validation.json"
+    r = run_cli("validate", disk, "--container", disk / "src", "--device", "single-nvme", "--reps", 2, "--tokens", 8,
+                "--ram", "0", "--prefetch", "none,oracle", "--layouts", "stock,louvain", "-o", out)
+    assert r.returncode == 0, r.stderr
+    v = json.loads(out.read_text())
+    cells = {(c["layout"], c["prefetch"]): c for c in v["cells"]}
+    assert len(v["prefetch_comparisons"]) == 2 and len(v["comparisons"]) == 2
+    for x in v["prefetch_comparisons"]:
+        assert x["prefetch"] == "oracle" and x["baseline"] == "none" and x["tolerance"] == 0.30
+        none, oracle = cells[(x["layout"], "none")], cells[(x["layout"], "oracle")]
+        assert x["measured_saving"]["repetitions"] == pytest.approx(
+            [a - b for a, b in zip(none["measured_stall_per_token_s"]["repetitions"],
+                                   oracle["measured_stall_per_token_s"]["repetitions"])])
+        assert x["predicted_saving"]["estimate_s"] == pytest.approx(
+            none["predicted_stall_per_token_s"] - oracle["predicted_stall_per_token_s"])
+        assert isinstance(x["within_tolerance"], bool) and x["agreement"] in ("agrees", "disagrees")
+    assert v["summary"]["prefetch_comparisons"] == 2
+    assert "prefetch saving vs no prefetch" in r.stdout and "of the measured one in" in v["summary"]["text"]
 
 
 def test_validate_refuses_a_foreign_work_dir(disk, tmp_path):
@@ -148,31 +182,94 @@ def test_validate_bad_paths_are_one_line(disk, tmp_path):
     assert not (disk / WORK_NAME).exists()
 
 
-def _cell(layout, ratio):
-    return {"layout": layout, "ratio": ratio}
+def _cell(layout, predicted, reps):
+    m = repetition_interval(reps)
+    return {"layout": layout, "ratio": predicted / m.estimate, "agreement": cell_agreement(predicted, m.estimate, m.low, m.high),
+            "measured_stall_per_token_s": {"mean": m.estimate, "repetitions": list(reps), "low": m.low, "high": m.high}}
 
 
-def _comparison(sign, same=True, words="measurement agrees with the prediction"):
+STEADY = (0.99, 1.0, 1.01)
+
+
+def _comparison(sign, same=True, inside=True, words="measurement agrees with the prediction"):
     return {"layout": "louvain", "ram_fraction": 0.0, "prefetch": "none", "sign_agrees": sign,
-            "predicted_inside_measured": sign is not False, "gate": {"same_decision": same}, "words": words}
+            "predicted_inside_measured": inside, "agreement": "agrees" if inside and sign is not False else "disagrees",
+            "gate": {"same_decision": same}, "words": words}
+
+
+def test_repetition_interval_is_students_t_over_repetitions():
+    iv = repetition_interval([1.0, 2.0, 4.0])
+    sd = ((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) ** 0.5 / 2 ** 0.5
+    assert iv.estimate == pytest.approx(7 / 3) and iv.n_units == 3
+    assert iv.high - iv.estimate == pytest.approx(4.302653 * sd / 3 ** 0.5, rel=1e-6)   # t(0.975, 2)
+    assert iv.estimate - iv.low == pytest.approx(iv.high - iv.estimate)
+    assert repetition_interval([5.0]).low == repetition_interval([5.0]).high == 5.0
+
+
+def test_a_cell_is_ruled_out_only_beyond_its_measured_interval_and_the_tolerance():
+    assert cell_agreement(1.15, 1.0, 0.99, 1.01) == "agrees"                # within +/-20% of the mean
+    assert cell_agreement(1.3, 1.0, 0.99, 1.01) == "disagrees"              # 1.3 > 1.01 x 1.2
+    assert cell_agreement(1.3, 1.0, 0.5, 1.5) == "unresolved"               # the repetitions admit S = 1.5
+    assert cell_agreement(0.7, 1.0, 0.9, 1.1) == "disagrees"                # 0.7 < 0.9 x 0.8
+    assert cell_agreement(0.2, 1.0, -0.3, 2.3) == "unresolved"              # a low end below zero is zero
+    assert cell_agreement(0.0, 0.0, 0.0, 0.0) == "unresolved"               # nothing measured, nothing predicted
 
 
 def test_summary_sentences():
-    s = summarize_validation([_cell("stock", 0.93), _cell("louvain", 1.08)], [_comparison(True)])
-    assert s["holds"] and s["text"].startswith("the model holds on this disk within 8%")
-    s = summarize_validation([_cell("stock", 0.5), _cell("louvain", 0.7)], [_comparison(None)])
-    assert not s["holds"] and "does NOT hold" in s["text"] and "0.50-0.70" in s["text"]
-    s = summarize_validation([_cell("stock", 1.0), _cell("louvain", 1.0)],
-                             [_comparison(False, words="measurement CONTRADICTS the prediction: ...")])
-    assert not s["holds"] and "saving sign wrong in 1 of 1" in s["text"] and "CONTRADICTS" in s["text"]
-    s = summarize_validation([_cell("stock", 1.0), _cell("louvain", 1.0)], [_comparison(None, same=False)])
-    assert not s["holds"] and "the gate would decide differently in 1 of 1" in s["text"]
-    drifting = [{**_cell("stock", 1.3), "at_probed_speed": {"ratio": 1.04}},
-                {**_cell("louvain", 1.25), "at_probed_speed": {"ratio": 0.97}}]
+    s = summarize_validation([_cell("stock", 0.93, STEADY), _cell("louvain", 1.08, STEADY)], [_comparison(True)])
+    assert s["verdict"] == "holds" and s["holds"] and s["text"].startswith("the model holds on this disk within 8%")
+    s = summarize_validation([_cell("stock", 0.5, STEADY), _cell("louvain", 0.7, STEADY)], [_comparison(None)])
+    assert s["verdict"] == "does not hold" and not s["holds"] and s["cells_disagree"] == 2
+    assert "does NOT hold" in s["text"] and "0.50-0.70" in s["text"] and "widened by +/-20%" in s["text"]
+    s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)],
+                             [_comparison(False, inside=False, words="measurement CONTRADICTS the prediction: ...")])
+    assert s["verdict"] == "does not hold" and "saving sign wrong in 1 of 1" in s["text"] and "CONTRADICTS" in s["text"]
+    s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)], [_comparison(True, inside=False)])
+    assert s["verdict"] == "does not hold" and "outside the measured interval in 1 of 1" in s["text"]
+    # scattered repetitions: beyond the tolerance, but the measurement does not rule the prediction out
+    s = summarize_validation([_cell("stock", 1.3, (0.7, 1.0, 1.3)), _cell("louvain", 1.0, STEADY)], [_comparison(None)])
+    assert s["verdict"] == "inconclusive" and not s["holds"] and s["cells_unresolved"] == 1
+    assert s["text"].startswith("INCONCLUSIVE") and "1 of 2 cell(s) are beyond +/-20%" in s["text"] and "--reps" in s["text"]
+    s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)], [_comparison(None, same=False)])
+    assert s["verdict"] == "inconclusive" and "the gate would decide differently in 1 of 1 where" in s["text"]
+    drifting = [{**_cell("stock", 1.3, STEADY), "at_probed_speed": {"ratio": 1.04}},
+                {**_cell("louvain", 1.25, STEADY), "at_probed_speed": {"ratio": 0.97}}]
     s = summarize_validation(drifting, [_comparison(True)], drift=0.31)
     assert not s["holds"] and s["drift"] == 0.31 and s["probed_within"] == pytest.approx(0.04)
     assert ("probed rate moved by 31%" in s["text"] and "0.97-1.04 (2 of 2 cells within +/-10%, against 0 of 2 on the "
             "profile as calibrated)" in s["text"])
+
+
+def _steps(stall_ms):
+    n = len(stall_ms)
+    return SimpleNamespace(stall=np.asarray(stall_ms) / 1e3, committed=np.ones(n), session=np.zeros(n, dtype=np.int64))
+
+
+def _runs(stall_ms_per_rep):
+    return [{"stall": np.asarray(x) / 1e3, "committed": np.ones(len(x))} for x in stall_ms_per_rep]
+
+
+def test_prefetch_saving_agrees_inside_the_measured_interval_or_within_the_tolerance():
+    from relayout.validate import PREFETCH_TOLERANCE, _saving
+
+    none_pred = _steps([100.0] * 8)
+    none_runs = _runs([[100.0] * 8] * 3)
+    measured = _runs([[120.0] * 8, [122.0] * 8, [118.0] * 8])       # prefetch costs 20 ms/token, steadily
+
+    def compare(predicted_cost_ms, runs=measured):
+        return _saving(none_pred, _steps([100.0 + predicted_cost_ms] * 8), none_runs, runs, tolerance=PREFETCH_TOLERANCE)
+
+    x = compare(5.0)                                                 # predicted -5 vs measured -20 [-25, -15]
+    assert x["measured_saving"]["estimate_s"] == pytest.approx(-0.020) and x["measured_excludes_zero"]
+    assert x["sign_agrees"] and not x["predicted_inside_measured"] and not x["within_tolerance"]
+    assert x["agreement"] == "disagrees"
+    x = compare(19.0)
+    assert x["predicted_inside_measured"] and x["agreement"] == "agrees"
+    steady = _runs([[120.0] * 8, [120.1] * 8, [119.9] * 8])
+    x = compare(14.5, steady)                                        # 27.5% off, outside a tight interval
+    assert not x["predicted_inside_measured"] and x["within_tolerance"] and x["agreement"] == "agrees"
+    x = compare(-10.0)                                               # predicted a gain, measured a clear cost
+    assert x["sign_agrees"] is False and x["agreement"] == "disagrees" and "CONTRADICTS" in x["words"]
 
 
 def test_a_scaled_profile_is_the_same_drives_at_another_speed():
