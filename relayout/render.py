@@ -338,6 +338,9 @@ def format_validation(v: dict) -> str:
         rates = " ".join(f"{r / 1e9:.2f}" for r in drift["rates_Bps"])
         lines.append(f"disk probe ({drift['probe']['size_bytes'] // 1024} KiB reads, depth {drift['probe']['depth']}), "
                      f"before the first repetition and after each: {rates} GB/s (moved by {drift['change']:.0%})")
+    if v.get("first_read"):
+        lines.append("each container read once before measuring (a virtual disk may serve a block slower the first time): "
+                     + ", ".join(f"{m} {r['rate_Bps'] / 1e9:.2f} GB/s" for m, r in v["first_read"].items() if r["rate_Bps"]))
     lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S [95% over reps] (each rep)':>46}"
                   f"{'pred/meas':>11}{'':<12}" + (f"{'at probed speed':>17}" if drift else "")]
     for c in v["cells"]:

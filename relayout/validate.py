@@ -9,7 +9,9 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    directory under ``PATH``; synthesises a routing trace for it (:data:`TRACE_SESSIONS`
    sessions, of which the last :data:`HELD_OUT_SESSIONS` are held out), plans each layout
    (``stock``, ``louvain``, ``random``) and rewrites the non-stock ones next to it;
-3. for every cell (layout x RAM budget x prefetch source) measures S for real
+3. reads every container once (:func:`_read_each_once`: a virtual disk may serve a block slower
+   the first time it is read, which would favour the freshly written copies); then, for every
+   cell (layout x RAM budget x prefetch source), measures S for real
    (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts interleaved (in a balanced,
    rotating order: :func:`measurement_order`) within each
    repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
@@ -85,6 +87,8 @@ TOLERANCE = 0.20
 """The model holds when every cell's predicted/measured S is within this fraction of 1."""
 PREFETCH_TOLERANCE = 0.30
 """A predicted prefetch saving agrees when within this fraction of the measured one (or inside its interval)."""
+FIRST_READ_SLOW = 0.75
+"""A container whose first read runs below this fraction of the fastest one's rate is named in the summary."""
 PLOT_BAND = 0.10
 """The band drawn around y = x in the scatter (+/- this fraction)."""
 WORK_NAME = "relayout-validate"
@@ -399,6 +403,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             device_source = f"calibrated on {o.path}, saved as {profile_path}"
             notify(f"wrote {profile_path}")
         src, manifest, trace, lay, synthetic = _prepare(o, work, notify)
+        first_read = _read_each_once(lay.dirs, progress)
         plans = list(lay.plans.values())
         mask_all, held = evaluation_forwards(trace, plans)
         available = int(mask_all.sum())
@@ -490,7 +495,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                     probed[(m, pf, frac)] = each
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
-                         base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed)
+                         base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read)
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -499,6 +504,24 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     finally:
         if not o.keep:
             work.remove()
+
+
+def _read_each_once(dirs: dict, progress: bool) -> dict:
+    """Read every file of each layout's container once (:func:`replay.calibrate.read_once`),
+    before anything is measured, so no layout is measured on blocks read for the first time.
+    Returns per layout ``{"bytes", "seconds", "rate_Bps"}``: a source read much slower than the
+    fresh copies shows a disk whose first reads are slow (:func:`summarize_validation` says so)."""
+    from replay.calibrate import read_once
+
+    files = {m: sorted(p for p in Path(d).iterdir() if p.is_file()) for m, d in dirs.items()}
+    total = sum(p.stat().st_size for fs in files.values() for p in fs)
+    out = {}
+    with tqdm(total=total, desc="validate: reading each container once", unit="B", unit_scale=True,
+              disable=None if progress else True) as bar:
+        for m, fs in files.items():
+            n, seconds = read_once(fs, bar.update)
+            out[m] = {"bytes": n, "seconds": seconds, "rate_Bps": n / seconds if seconds > 0 else None}
+    return out
 
 
 def _probe_target(container_dir: Path, stock) -> tuple[Path | None, int]:
@@ -577,7 +600,7 @@ def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict], tolera
 
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
-            reps, chosen, cells, methods, predicted, measured, fw, drift, probed) -> dict:
+            reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
     for pf, frac in cells:
         for m in methods:
@@ -660,16 +683,17 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                    "runtime": base_cfg.to_json(), "gate_threshold": GATE_THRESHOLD, "tolerance": TOLERANCE,
                    "cache": cold, "seed": o.seed},
         "drift": drift,
+        "first_read": first_read,
         "cells": out_cells,
         "comparisons": comparisons,
         "prefetch_comparisons": prefetch_comparisons,
         "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"],
-                                        prefetch_comparisons),
+                                        prefetch_comparisons, first_read),
     }
 
 
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
-                         prefetch_comparisons: list[dict] = ()) -> dict:
+                         prefetch_comparisons: list[dict] = (), first_read: dict | None = None) -> dict:
     """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so.
 
     ``verdict``: ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
@@ -682,7 +706,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     scatter too widely to confirm it. ``drift``: how far the disk's probed rate moved during the
     run (largest / smallest probe - 1), when probed; the sentence then adds predicted/measured S
     with each repetition predicted at its probed speed (the cells' ``at_probed_speed``), a
-    diagnosis: the verdict stays on the calibrated profile's predictions."""
+    diagnosis: the verdict stays on the calibrated profile's predictions. ``first_read``: each
+    layout's read-once rate (:func:`_read_each_once`); one below :data:`FIRST_READ_SLOW` of the
+    fastest is named, with what it means for measuring a rewrite on this disk."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None
@@ -747,7 +773,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  + "; ".join(f"{c['layout']} at RAM {c['ram_fraction']:g}, prefetch {c['prefetch']}" for c in contradicted))
     if spread is not None and spread > TOLERANCE:
         text += (f". The repetitions of one cell differ by up to {spread:.0%} of their mean: the disk was not steady "
-                 "(other I/O?), so rerun on an idle machine or with more --reps before reading the savings")
+                 "(other I/O?)" + ("" if verdict == "inconclusive" else
+                                   ", so rerun on an idle machine or with more --reps before reading the savings"))
     probed = [c["at_probed_speed"]["ratio"] for c in cells if c.get("at_probed_speed") and c["at_probed_speed"]["ratio"]]
     probed_within = None
     if drift is not None and probed:
@@ -756,7 +783,19 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  f"probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
                  f"({sum(abs(r - 1) <= PLOT_BAND for r in probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
                  f"against {sum(abs(r - 1) <= PLOT_BAND for r in ratios)} of {len(ratios)} on the profile as calibrated)")
+    slow = []
+    if first_read:
+        fastest = max(r["rate_Bps"] or 0.0 for r in first_read.values())
+        slow = [(m, r["rate_Bps"] / fastest) for m, r in first_read.items() if fastest and r["rate_Bps"] is not None
+                and r["rate_Bps"] < FIRST_READ_SLOW * fastest]
+    if slow:
+        text += (". Read once before measuring, " + ", ".join(f"the {m} container ran at {f:.0%}" for m, f in slow)
+                 + " of the fastest: this disk serves some blocks slower the first time they are read (a lazily "
+                 "fetched or host-cached virtual disk), so every container was read once first; a runtime measured on "
+                 "an old container against a freshly written copy on this disk would credit the copy with that "
+                 "difference")
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
+            "first_read_slow": [m for m, _ in slow],
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,
             "comparisons": M, "inside_measured": len(inside), "outside_measured": len(outside),

@@ -120,6 +120,68 @@ def probe_rate(path: str | os.PathLike, size: int, depth: int, seconds: float = 
     return _cell(path, size, depth, seconds, seed).throughput
 
 
+READ_ONCE_BYTES = 4 * 1024 * 1024
+READ_ONCE_DEPTH = 8
+
+
+def read_once(paths: list, progress=None) -> tuple[int, float]:
+    """Read every byte of the files at ``paths`` once, page cache bypassed as :func:`calibrate`
+    does it: :data:`READ_ONCE_DEPTH` threads take the next :data:`READ_ONCE_BYTES` chunk in file
+    order. Returns ``(bytes read, seconds)``; a failed read raises :class:`InputError` naming the file.
+
+    Why: a virtual disk may serve a block slower the first time it is read than ever after (a
+    cloud volume fetching blocks lazily, a host's cache below the guest); on this project's VM a
+    file that had never been read read at 0.43-0.73 GB/s and at 0.61-1.0 GB/s the next time,
+    while a freshly written file read at 0.85-1.08 GB/s (``docs/BENCHMARKS.md``). A layout
+    measured on such blocks against a freshly written copy would be credited with the difference.
+    ``progress``: called with the bytes of each chunk read (e.g. a tqdm bar's ``update``).
+    """
+    jobs = []
+    fds = []
+    try:
+        for p in paths:
+            fd, direct = _open(Path(p))
+            fds.append(fd)
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            size = os.fstat(fd).st_size
+            jobs += [(p, fd, off, min(READ_ONCE_BYTES, size - off)) for off in range(0, size, READ_ONCE_BYTES)]
+        nxt = iter(jobs)
+        lock = threading.Lock()
+        total, failed = [0], []
+
+        def worker():
+            buf = mmap.mmap(-1, READ_ONCE_BYTES)
+            while not failed:
+                with lock:
+                    job = next(nxt, None)
+                if job is None:
+                    return
+                path, fd, off, n = job
+                try:
+                    got = os.preadv(fd, [memoryview(buf)[:-(-n // ALIGN) * ALIGN]], off)
+                except OSError as exc:
+                    failed.append(InputError(path, f"read failed at byte {off}: {exc.strerror or exc}"))
+                    return
+                with lock:
+                    total[0] += got
+                    if progress is not None:
+                        progress(got)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(READ_ONCE_DEPTH)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if failed:
+            raise failed[0]
+        return total[0], time.perf_counter() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0.4, name: str | None = None) -> dict:
     """Measure and fit; returns a device profile (JSON-ready) with the measurements attached.
 

@@ -6,6 +6,7 @@ that the source is untouched and the work directory goes (or stays with --keep).
 """
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -60,6 +61,9 @@ def _check_record(v: dict) -> None:
         p = c["at_probed_speed"]
         assert len(p["predicted_stall_per_token_s"]) == 2 and all(x > 0 for x in p["predicted_stall_per_token_s"])
         assert p["ratio"] == pytest.approx(sum(p["predicted_stall_per_token_s"]) / 2 / c["measured_stall_per_token_s"]["mean"])
+    first = v["first_read"]                             # every container read once, whole, before measuring
+    assert set(first) == {"stock", "louvain"} and all(r["rate_Bps"] > 0 for r in first.values())
+    assert first["stock"]["bytes"] == sum(p.stat().st_size for p in Path(v["container"]["path"]).iterdir() if p.is_file())
     assert len(v["comparisons"]) == 1
     x = v["comparisons"][0]
     assert x["layout"] == "louvain" and x["baseline"] == "stock"
@@ -238,6 +242,29 @@ def test_summary_sentences():
     assert not s["holds"] and s["drift"] == 0.31 and s["probed_within"] == pytest.approx(0.04)
     assert ("probed rate moved by 31%" in s["text"] and "0.97-1.04 (2 of 2 cells within +/-10%, against 0 of 2 on the "
             "profile as calibrated)" in s["text"])
+
+
+def test_a_container_whose_first_read_was_slow_is_named():
+    cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
+    slow = {"stock": {"rate_Bps": 0.6e9}, "louvain": {"rate_Bps": 1.0e9}, "random": {"rate_Bps": 0.9e9}}
+    s = summarize_validation(cells, [_comparison(True)], first_read=slow)
+    assert s["first_read_slow"] == ["stock"] and "the stock container ran at 60% of the fastest" in s["text"]
+    s = summarize_validation(cells, [_comparison(True)], first_read={**slow, "stock": {"rate_Bps": 0.8e9}})
+    assert s["first_read_slow"] == [] and "first time" not in s["text"]
+
+
+def test_read_once_reads_every_byte_of_every_file(tmp_path):
+    from replay.calibrate import READ_ONCE_BYTES, read_once
+
+    sizes = [0, 1, 4097, 2 * READ_ONCE_BYTES + 123]
+    paths = []
+    for i, n in enumerate(sizes):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes())
+    seen = []
+    n, seconds = read_once(paths, seen.append)
+    assert n == sum(sizes) == sum(seen) and seconds > 0
+    assert len(seen) == 1 + 1 + 3                       # one call per chunk read: 1, 4097 and three chunks
 
 
 def _steps(stall_ms):
