@@ -14,8 +14,12 @@ matmul. Every wait is timed with the monotonic clock (ns).
 With a prefetch source (``config.prefetch``), a prefetch thread does what the replay model
 assumes: once a layer's demand loads are done it loads the next layer's predicted experts (not
 in the LRU) one at a time, until that layer is routed; loads not started by then are dropped, one
-in flight completes and the next layer waits for it if it needs the expert. Its loads are
-recorded as ``speculative`` records of the layer they were loaded for.
+in flight completes and the next layer waits for it if it needs the expert. The next layer's
+demand reads are issued only once that load has completed, all of its reads: colibrì's
+``moe()`` waits for the pilot's load in flight on a layer before it routes it (the
+``PILOT_REAL`` barrier on ``g_pilot_inflight``), and the model queues the next layer's demand
+reads behind it. Its loads are recorded as ``speculative`` records of the layer they were
+loaded for.
 
 A container stored as vertical split segments is measured with its split plan (layout and
 resident tops): a miss reads its bottom segments when its top is resident and its whole block
@@ -267,7 +271,9 @@ def measure(
     _sleep = _ComputeClock()
     t_start = time.perf_counter_ns()
 
-    def job(reads):
+    def job(reads, after=()):
+        for fut in after:                      # a prefetch load in flight at routing completes first
+            fut.result()
         t0 = time.perf_counter_ns()
         io = IO_ZERO
         for f, off, n, direct in reads:
@@ -322,7 +328,8 @@ def measure(
                 misses.sort(key=lambda em: lay.rank[li, em[0]])                # issue order: physical order
                 planned = (layer_reads(lay, li, [e for e, _ in misses], [e in inflight for e, _ in misses], config)
                            if seg is None else seg.layer_reads(li, [e for e, _ in misses]))
-                futures = _submit(pool, job, planned, len(misses), config)
+                in_flight = [fut for e, fut in loaded.items() if e not in ready_now]
+                futures = _submit(pool, job, planned, len(misses), config, in_flight)
                 futures = [((inflight[e], True),) if e in inflight else fut for (e, _), fut in zip(misses, futures)]
                 nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
                 predict = prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1
@@ -404,7 +411,8 @@ class _Prefetcher:
 
     ``start`` queues the loads (best prediction first) once a layer's demand loads are done;
     ``route`` is called when the next layer is routed: loads not started by then are dropped, and
-    it returns the started ones (done or in flight) by expert.
+    it returns the started ones (done or in flight) by expert. The caller issues that layer's
+    demand reads once the ones in flight have completed (:func:`measure`).
     """
 
     def __init__(self, config: RuntimeConfig, coupling, n_experts: int, read):
@@ -561,14 +569,16 @@ def layer_reads(lay, li: int, experts: list, skip: list, config: RuntimeConfig, 
     return list(zip(*(a[:n].tolist() for a in plan)))
 
 
-def _submit(pool, job, reads: list, k: int, config: RuntimeConfig) -> list:
+def _submit(pool, job, reads: list, k: int, config: RuntimeConfig, after: list = ()) -> list:
     """Submit a layer's planned jobs (:func:`layer_reads`) in issue order; returns per miss its
     (future, counts its reads) pairs (None for a miss with nothing to read). O_DIRECT is for
-    weight reads; a coalesced weight read shared by a run counts on its first expert."""
+    weight reads; a coalesced weight read shared by a run counts on its first expert. Every job
+    issues its first read only once the futures ``after`` (the prefetch loads in flight when the
+    layer was routed) have completed."""
     jobs: dict[int, list] = {}
     for f, off, n, first, last, kind, j in reads:
         jobs.setdefault(j, []).append((f, off, n, config.direct and kind == WEIGHT))
-    futs = {j: pool.submit(job, rs) for j, rs in jobs.items()}        # dicts keep the issue order
+    futs = {j: pool.submit(job, rs, list(after)) for j, rs in jobs.items()}     # dicts keep the issue order
     wjob, sjob, lead = [None] * k, [None] * k, [None] * k
     for f, off, n, first, last, kind, j in reads:
         if kind == WEIGHT:

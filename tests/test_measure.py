@@ -211,6 +211,23 @@ def test_a_prefetch_in_flight_at_routing_is_waited_for_not_read_again(small_cont
     assert len(demand) + len(spec) == len(recs) == sum(len(es) for es in selection.values())
 
 
+def test_demand_reads_wait_for_the_prefetch_load_in_flight_at_routing(small_container, trace_for, tmp_path, monkeypatch):
+    """The load in flight when a layer is routed completes, every read of it, before that layer's
+    demand reads are issued: colibrì's moe() waits for it before routing (the PILOT_REAL barrier),
+    and the model queues the demand reads behind it. Without the barrier the held load's reads went
+    to the drive after the demand reads issued at routing."""
+    _fix_prefetch_timing(monkeypatch, "late")
+    c = Container.open(small_container)
+    mask = np.ones(trace_for.n_forwards, bool)
+    mask[20:] = False
+    _, _, recs = _run_prefetch(c, trace_for, mask, tmp_path, "oracle", 0.0)
+    spec = {(r["step"], r["layer"]): r for r in recs if r["priority"] == "speculative"}
+    demand = [r for r in recs if r["priority"] == "demand" and (r["step"], r["layer"]) in spec]
+    assert spec and demand
+    late = [r for r in demand if r["issue_ns"] < spec[r["step"], r["layer"]]["ready_ns"]]
+    assert not late, f"{len(late)} of {len(demand)} demand loads were issued while the layer's prefetch load was in flight"
+
+
 def test_everything_cached_and_compute_fixed_means_zero_stall(small_container, trace_for, tmp_path):
     """With RAM for every expert, only each session's first touches load; after them nothing waits."""
     big = RuntimeConfig(workers=2, ram_bytes=10**10, dense_seconds=0.0, compute_bytes_per_second=1e12)

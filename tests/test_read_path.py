@@ -66,10 +66,10 @@ def test_model_and_harness_issue_identical_read_lists(small_container, tmp_path,
             done[-1].append((f, off, n, direct))
         return real_read(self, f, off, n, direct)
 
-    def submit(pool, job, reads, k, config):
+    def submit(pool, job, reads, k, config, after=()):
         done.append([])
         planned.append(reads)
-        return real_submit(pool, job, reads, k, config)
+        return real_submit(pool, job, reads, k, config, after)
 
     monkeypatch.setattr(rm._Reader, "read", read)
     monkeypatch.setattr(rm, "_submit", submit)
