@@ -351,7 +351,7 @@ def format_validation(v: dict) -> str:
         at_probe = "" if not drift else f"{'n/a' if not probed or probed['ratio'] is None else format(probed['ratio'], '.2f'):>17}"
         measured = f"{m['mean'] * ms:.2f} [{m['low'] * ms:.2f}, {m['high'] * ms:.2f}] ({each})"
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
-                     f"{measured:>46}{ratio:>11}  {c['agreement'].upper() if c['agreement'] == 'disagrees' else c['agreement']:<10}"
+                     f"  {measured:>44}{ratio:>11}  {c['agreement'].upper() if c['agreement'] == 'disagrees' else c['agreement']:<10}"
                      f"{at_probe}")
     lines.append("S in ms per committed token; a cell agrees within +/-"
                  f"{v['config']['tolerance']:.0%}, disagrees when its prediction lies outside the measured interval widened "
@@ -369,9 +369,21 @@ def format_validation(v: dict) -> str:
         lines += ["", "prefetch saving vs no prefetch, same layout and RAM, ms/token (95% intervals as above; agrees "
                       f"inside the measured interval or within +/-{v['prefetch_comparisons'][0]['tolerance']:.0%} of it)"]
         for x in v["prefetch_comparisons"]:
-            lines.append(f"  {x['prefetch']:<8} {x['layout']:<8} RAM {x['ram_fraction']:g}  {_savings(x)}, "
-                         f"{'within' if x['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}")
-            lines.append(f"    {x['words']}")
+            p, m = x["predicted_saving"], x["measured_saving"]
+            lines.append(f"  {x['prefetch']:<8} {x['layout']:<8} RAM {x['ram_fraction']:g}  predicted "
+                         f"{p['estimate_s'] * ms:+.2f} [{p['low_s'] * ms:+.2f}, {p['high_s'] * ms:+.2f}]  measured "
+                         f"{m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, {m['high_s'] * ms:+.2f}]")
+            judged = "measured"
+            d = x.get("drift_controlled")
+            if d:
+                c = d["measured"]
+                lines.append(f"    drift taken out by {d['control']} (x{c['beta']:.2f}): predicted {d['predicted_s'] * ms:+.2f}"
+                             f"  measured {c['estimate_s'] * ms:+.2f} [{c['low_s'] * ms:+.2f}, {c['high_s'] * ms:+.2f}]")
+                judged = "drift-controlled"
+            sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
+            lines.append(f"    judged on the {judged} saving: {'inside' if x['predicted_inside_measured'] else 'outside'}, "
+                         f"{'within' if x['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}, sign {sign}, "
+                         f"{'agrees' if x['agreement'] == 'agrees' else 'DISAGREES'}; {x['words']}")
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)
 

@@ -409,6 +409,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         available = int(mask_all.sum())
         stock_plan = lay.plans["stock"]
         layers = set(trace.layers.tolist())
+        control_layer = min(layers)     # no prefetch source loads for it: each run's own drift control
         ebytes = stock_plan.stock.expert_bytes()
         routed = int(sum(ebytes[li].sum() for li, l in enumerate(stock_plan.stock.layers) if l in layers))
         coupling = training_coupling(trace, stock_plan) if "coupled" in o.prefetch else None
@@ -453,7 +454,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             for m in methods:
                 inst, usage = simulate(trace, mask, lay.layouts[m], device, cfg, coupling=coupling)
                 steps = step_table(trace, mask, inst)
-                predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0))
+                control = float(inst.stall[inst.layer == lay.layouts[m].layers.index(control_layer)].sum())
+                predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0), control)
 
         # measurements: cold, the layouts interleaved within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
@@ -472,6 +474,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                         stall, committed = _step_order(run, fw, str(out))
                         measured[(m, pf, frac)].append({
                             "stall": stall / 1e9, "committed": committed, "wall_s": res.wall_seconds,
+                            "control_stall": run.layer_stall.get(control_layer, 0) / 1e9,
                             "tpot_s": (run.published["tpot_ns"] or 0.0) / 1e9,
                             "recall": run.published["timely_required_byte_recall"], "cold": res.cold, "direct": res.direct,
                         })
@@ -573,30 +576,89 @@ def cell_agreement(predicted: float, mean: float, low: float, high: float, toler
     return "unresolved"
 
 
-def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict], tolerance: float | None = None) -> dict:
-    """Predicted against measured saving of ``new`` over ``base`` (s/token): the prediction paired by
-    step (moving-block bootstrap over the held-out steps), the measurement paired by repetition (each
-    repetition measures both, minutes apart on a disk that drifts: one unit each).
-
-    ``agreement``: ``"agrees"`` when the predicted saving lies inside the measured interval (or,
-    with ``tolerance``, within that fraction of the measured estimate), ``"disagrees"`` when the
-    measured interval excludes zero with the other sign or excludes the prediction (and, with
+def _judge(predicted_s: float, m: dict, tolerance: float | None = None) -> dict:
+    """How a predicted saving (s/token) stands against a measured one (``m``: estimate and 95%
+    interval): ``agreement`` is ``"agrees"`` when the prediction lies inside the measured interval
+    (or, with ``tolerance``, within that fraction of the measured estimate), ``"disagrees"`` when
+    the measured interval excludes zero with the other sign or excludes the prediction (and, with
     ``tolerance``, differs from it by more than that fraction)."""
-    p = _interval(block_evidence(base_pred.stall, new_pred.stall, base_pred.committed, base_pred.session))
-    each = [float((b["stall"].sum() - n["stall"].sum()) / b["committed"].sum()) for b, n in zip(base_runs, runs)]
-    m = {**_over_repetitions(each), "repetitions": each}
     excludes = m["low_s"] > 0 or m["high_s"] < 0
-    sign = bool(np.sign(p["estimate_s"]) == np.sign(m["estimate_s"])) if excludes else None
-    inside = bool(m["low_s"] <= p["estimate_s"] <= m["high_s"])
-    close = tolerance is not None and abs(p["estimate_s"] - m["estimate_s"]) <= tolerance * abs(m["estimate_s"])
-    agreement = "disagrees" if sign is False or not (inside or close) else "agrees"
-    out = {"predicted_saving": p, "measured_saving": m, "predicted_inside_measured": inside,
-           "measured_excludes_zero": bool(excludes), "sign_agrees": sign, "agreement": agreement,
+    sign = bool(np.sign(predicted_s) == np.sign(m["estimate_s"])) if excludes else None
+    inside = bool(m["low_s"] <= predicted_s <= m["high_s"])
+    close = tolerance is not None and abs(predicted_s - m["estimate_s"]) <= tolerance * abs(m["estimate_s"])
+    out = {"predicted_inside_measured": inside, "measured_excludes_zero": bool(excludes), "sign_agrees": sign,
+           "agreement": "disagrees" if sign is False or not (inside or close) else "agrees",
            "words": measured_vs_predicted(m["estimate_s"] * 1e3, m["low_s"] * 1e3, m["high_s"] * 1e3,
-                                          p["estimate_s"] * 1e3) + " (ms/token)"}
+                                          predicted_s * 1e3) + " (ms/token)"}
     if tolerance is not None:
         out["within_tolerance"] = bool(close)
     return out
+
+
+def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict]) -> dict:
+    """Predicted against measured saving of ``new`` over ``base`` (s/token): the prediction paired by
+    step (moving-block bootstrap over the held-out steps), the measurement paired by repetition (each
+    repetition measures both, minutes apart on a disk that drifts: one unit each); judged by :func:`_judge`."""
+    p = _interval(block_evidence(base_pred.stall, new_pred.stall, base_pred.committed, base_pred.session))
+    each = [float((b["stall"].sum() - n["stall"].sum()) / b["committed"].sum()) for b, n in zip(base_runs, runs)]
+    m = {**_over_repetitions(each), "repetitions": each}
+    return {"predicted_saving": p, "measured_saving": m, **_judge(p["estimate_s"], m)}
+
+
+def drift_controlled_savings(base_total, base_control, new_total, new_control, tokens: float) -> tuple[list, float] | None:
+    """Per repetition, the saving of ``new`` over ``base`` with the disk's drift taken out by a
+    control layer that ``new`` cannot change (s/token), and the drift factor used.
+
+    Parameters
+    ----------
+    base_total, new_total : per repetition, the run's total stall (s).
+    base_control, new_control : per repetition, the control layer's stall in the same runs (s).
+    tokens : committed tokens of one run (the same steps every run).
+
+    Returns
+    -------
+    ``(savings, beta)``: ``((base_rest - new_rest) - beta * (base_control - new_control)) / tokens``
+    per repetition, where ``rest`` is the stall outside the control layer and ``beta`` the
+    baseline's rest over its control stall (summed over repetitions): if the disk's speed scales
+    every layer's stall alike, a drift that moved the control layer by ``x`` moved the rest by
+    ``beta * x``, while the control layer's true saving is zero. ``None`` when the baseline's
+    control layer never stalled (nothing to scale by).
+
+    References
+    ----------
+    Deng, Xu, Kohavi, Walker (2013), "Improving the sensitivity of online controlled experiments by
+    utilizing pre-experiment data" (a control variate, CUPED), WSDM.
+    """
+    bt, bc, nt, nc = (np.asarray(x, dtype=np.float64) for x in (base_total, base_control, new_total, new_control))
+    if bc.sum() <= 0:
+        return None
+    beta = float((bt - bc).sum() / bc.sum())
+    return [float(x) for x in (((bt - bc) - (nt - nc)) - beta * (bc - nc)) / tokens], beta
+
+
+def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], runs: list[dict]) -> dict:
+    """A prefetch source's saving against none (same layout and RAM), predicted and measured as
+    :func:`_saving` does, plus the measurement with the drift taken out by the first MoE layer
+    (:func:`drift_controlled_savings`: no source prefetches for a forward's first layer), which
+    judges the comparison when available, with :data:`PREFETCH_TOLERANCE`: the judgement's fields
+    (:func:`_judge`) refer to the measurement ``judged_on`` names (``"drift_controlled"`` or the
+    plain ``"measured_saving"``)."""
+    x = _saving(base_pred[0], new_pred[0], base_runs, runs)
+    tokens = float(base_runs[0]["committed"].sum())
+    controlled = drift_controlled_savings([r["stall"].sum() for r in base_runs], [r["control_stall"] for r in base_runs],
+                                          [r["stall"].sum() for r in runs], [r["control_stall"] for r in runs], tokens)
+    pred_tokens = float(base_pred[0].committed.sum())
+    predicted = drift_controlled_savings([base_pred[0].stall.sum()], [base_pred[2]], [new_pred[0].stall.sum()],
+                                         [new_pred[2]], pred_tokens)
+    if controlled is None or predicted is None:
+        return {**x, **_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], PREFETCH_TOLERANCE),
+                "drift_controlled": None, "judged_on": "measured_saving"}
+    each, beta = controlled
+    m = {**_over_repetitions(each), "repetitions": each, "beta": beta}
+    p = predicted[0][0]
+    return {**x, **_judge(p, m, PREFETCH_TOLERANCE),
+            "drift_controlled": {"predicted_s": p, "measured": m, "control": "the first MoE layer of each forward"},
+            "judged_on": "drift_controlled"}
 
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
@@ -604,7 +666,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
     out_cells, comparisons, prefetch_comparisons = [], [], []
     for pf, frac in cells:
         for m in methods:
-            steps, summ = predicted[(m, pf, frac)]
+            steps, summ, _ = predicted[(m, pf, frac)]
             runs = measured[(m, pf, frac)]
             each = [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
             iv = _over_repetitions(each)
@@ -633,7 +695,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "at_probed_speed": adjusted,
                 "timely_required_byte_recall": recall,
             })
-        base_steps, base_sum = predicted[("stock", pf, frac)]
+        base_steps, base_sum, _ = predicted[("stock", pf, frac)]
         base_runs = measured[("stock", pf, frac)]
         for m in methods:
             if m == "stock":
@@ -656,8 +718,8 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             if pf == "none":
                 continue
             for m in methods:
-                x = _saving(predicted[(m, "none", frac)][0], predicted[(m, pf, frac)][0], measured[(m, "none", frac)],
-                            measured[(m, pf, frac)], tolerance=PREFETCH_TOLERANCE)
+                x = _prefetch_saving(predicted[(m, "none", frac)], predicted[(m, pf, frac)], measured[(m, "none", frac)],
+                                     measured[(m, pf, frac)])
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
@@ -846,4 +908,4 @@ def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path
 
 
 __all__ = ["GATE_THRESHOLD", "LAYOUTS", "PREFETCH_TOLERANCE", "TOLERANCE", "VALIDATION_FORMAT", "VALIDATION_VERSION", "ValidateOptions",
-           "cell_agreement", "check_options", "parse_list", "summarize_validation", "validate", "write_validation_plot"]
+           "cell_agreement", "check_options", "drift_controlled_savings", "parse_list", "summarize_validation", "validate", "write_validation_plot"]

@@ -7,7 +7,6 @@ that the source is untouched and the work directory goes (or stays with --keep).
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from relayout.validate import (
     WORK_MARKER,
     WORK_NAME,
     cell_agreement,
+    drift_controlled_savings,
     summarize_validation,
 )
 from replay.stats import repetition_interval
@@ -142,6 +142,10 @@ def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
         assert x["predicted_saving"]["estimate_s"] == pytest.approx(
             none["predicted_stall_per_token_s"] - oracle["predicted_stall_per_token_s"])
         assert isinstance(x["within_tolerance"], bool) and x["agreement"] in ("agrees", "disagrees")
+        d = x["drift_controlled"]                       # the first MoE layer: no source prefetches for it
+        assert x["judged_on"] == "drift_controlled" and len(d["measured"]["repetitions"]) == 2
+        assert d["predicted_s"] == pytest.approx(x["predicted_saving"]["estimate_s"])   # the model's control is untouched
+        assert d["measured"]["beta"] > 0
     assert v["summary"]["prefetch_comparisons"] == 2
     assert "prefetch saving vs no prefetch" in r.stdout and "of the measured one in" in v["summary"]["text"]
 
@@ -267,36 +271,39 @@ def test_read_once_reads_every_byte_of_every_file(tmp_path):
     assert len(seen) == 1 + 1 + 3                       # one call per chunk read: 1, 4097 and three chunks
 
 
-def _steps(stall_ms):
-    n = len(stall_ms)
-    return SimpleNamespace(stall=np.asarray(stall_ms) / 1e3, committed=np.ones(n), session=np.zeros(n, dtype=np.int64))
-
-
-def _runs(stall_ms_per_rep):
-    return [{"stall": np.asarray(x) / 1e3, "committed": np.ones(len(x))} for x in stall_ms_per_rep]
-
-
 def test_prefetch_saving_agrees_inside_the_measured_interval_or_within_the_tolerance():
-    from relayout.validate import PREFETCH_TOLERANCE, _saving
+    from relayout.validate import PREFETCH_TOLERANCE, _judge
 
-    none_pred = _steps([100.0] * 8)
-    none_runs = _runs([[100.0] * 8] * 3)
-    measured = _runs([[120.0] * 8, [122.0] * 8, [118.0] * 8])       # prefetch costs 20 ms/token, steadily
+    def measured(reps_ms):
+        iv = repetition_interval(np.asarray(reps_ms) / 1e3)
+        return {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high}
 
-    def compare(predicted_cost_ms, runs=measured):
-        return _saving(none_pred, _steps([100.0 + predicted_cost_ms] * 8), none_runs, runs, tolerance=PREFETCH_TOLERANCE)
-
-    x = compare(5.0)                                                 # predicted -5 vs measured -20 [-25, -15]
-    assert x["measured_saving"]["estimate_s"] == pytest.approx(-0.020) and x["measured_excludes_zero"]
-    assert x["sign_agrees"] and not x["predicted_inside_measured"] and not x["within_tolerance"]
-    assert x["agreement"] == "disagrees"
-    x = compare(19.0)
+    cost = measured([-20.0, -22.0, -18.0])                           # prefetch costs 20 ms/token, steadily
+    x = _judge(-0.005, cost, PREFETCH_TOLERANCE)                     # predicted -5 vs measured -20 [-25, -15]
+    assert x["measured_excludes_zero"] and x["sign_agrees"] and not x["predicted_inside_measured"]
+    assert not x["within_tolerance"] and x["agreement"] == "disagrees"
+    x = _judge(-0.019, cost, PREFETCH_TOLERANCE)
     assert x["predicted_inside_measured"] and x["agreement"] == "agrees"
-    steady = _runs([[120.0] * 8, [120.1] * 8, [119.9] * 8])
-    x = compare(14.5, steady)                                        # 27.5% off, outside a tight interval
+    x = _judge(-0.0145, measured([-20.0, -20.1, -19.9]), PREFETCH_TOLERANCE)   # 27.5% off, outside a tight interval
     assert not x["predicted_inside_measured"] and x["within_tolerance"] and x["agreement"] == "agrees"
-    x = compare(-10.0)                                               # predicted a gain, measured a clear cost
+    x = _judge(+0.010, cost, PREFETCH_TOLERANCE)                     # predicted a gain, measured a clear cost
     assert x["sign_agrees"] is False and x["agreement"] == "disagrees" and "CONTRADICTS" in x["words"]
+    assert "within_tolerance" not in _judge(-0.019, cost)            # layouts: no tolerance, the interval alone
+
+
+def test_the_control_layer_takes_the_disks_drift_out_of_a_prefetch_saving():
+    """Control layer 10 s and the rest 30 s of stall at the disk's usual speed; the prefetch removes
+    6 s of the rest. Each run happens at its own speed factor (stall x f)."""
+    f_none, f_src = np.array([1.3, 0.9, 1.1]), np.array([0.8, 1.2, 1.0])
+    tokens = 100.0
+    each, beta = drift_controlled_savings(f_none * 40, f_none * 10, f_src * 34, f_src * 10, tokens)
+    assert beta == pytest.approx(3.0)
+    assert each == pytest.approx(list(6 * f_src / tokens))           # the saving at each prefetch run's speed
+    naive = (f_none * 40 - f_src * 34) / tokens
+    assert naive[0] == pytest.approx(0.248) and naive[1] == pytest.approx(-0.048)   # the drift, not the prefetch
+    each, _ = drift_controlled_savings([40.0], [10.0], [34.0], [10.0], tokens)      # a steady disk: both agree
+    assert each == pytest.approx([0.06])
+    assert drift_controlled_savings([40.0], [0.0], [34.0], [0.0], tokens) is None   # nothing to scale by
 
 
 def test_a_scaled_profile_is_the_same_drives_at_another_speed():
