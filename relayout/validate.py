@@ -852,10 +852,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                 and r["rate_Bps"] < FIRST_READ_SLOW * fastest]
     if slow:
         text += (". Read once before measuring, " + ", ".join(f"the {m} container ran at {f:.0%}" for m, f in slow)
-                 + " of the fastest: this disk serves some blocks slower the first time they are read (a lazily "
-                 "fetched or host-cached virtual disk), so every container was read once first; a runtime measured on "
-                 "an old container against a freshly written copy on this disk would credit the copy with that "
-                 "difference")
+                 + " of the fastest: this disk does not serve every file alike on a first read (a host cache or a "
+                 "lazily fetched volume below the guest can do this), so every container was read once before any was "
+                 "measured; runtime measurements of two containers on this disk are comparable only after the same")
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "first_read_slow": [m for m, _ in slow],
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
