@@ -837,7 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--name", help="profile name (default: from PATH)")
 
     s = _command(sub, "validate", "measure S for real on the disk holding PATH and compare it with the replay model's "
-                                  "prediction, cell by cell", cmd_validate)
+                                  "prediction, cell by cell: the model holds, does not hold, or the measurement is "
+                                  "inconclusive", cmd_validate)
     s.add_argument("path", help="a directory on the disk to validate (calibration file and work directory go there)")
     s.add_argument("--device", metavar="PROFILE.json",
                    help=f"use this profile ({', '.join(shipped_names('devices'))} or a JSON) instead of calibrating PATH")
@@ -850,7 +851,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reps", type=int, help="measured repetitions per cell, >= 2 (default 3)")
     s.add_argument("--layouts", default="stock,louvain,random", help="layouts to measure; stock is the baseline")
     s.add_argument("--ram", default="0,0.25", help="RAM budgets for the expert LRU, fractions of the routed bytes")
-    s.add_argument("--prefetch", default="none", help=f"prefetch sources ({', '.join(PREFETCH_SOURCES)})")
+    s.add_argument("--prefetch", default="none", help=f"prefetch sources ({', '.join(PREFETCH_SOURCES)}); with none among "
+                                                      "them each source's saving against none is judged too")
     s.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
     s.add_argument("--seed", type=int, default=0, help="seed of the synthetic container, trace and plans")
     s.add_argument("-o", "--output", default="validation.json", help="the record to write (a calibrated profile is saved "
