@@ -78,7 +78,7 @@ from containers.errors import InputError
 from containers.layout import Layout
 
 from .config import ADMISSION_POLICIES, RuntimeConfig
-from .jit import HELPER
+from .jit import HELPER, STAGE
 from .predictors import (
     CALIBRATION_BINS,
     FusedModel,
@@ -220,7 +220,7 @@ def load_seconds(nl, e, first, lay, pol, dev):
     return s
 
 
-@njit(**HELPER)
+@njit(**STAGE)
 def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, charge, out_list, pf):
     """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
 
@@ -277,8 +277,7 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
     p_victim = 0.0
     if lru.capacity[nl] > 0 and lru.size[nl] >= lru.capacity[nl] and lru.oldest[nl] >= 0:
         p_victim = p[lru.oldest[nl]]
-    if charge is not None:
-        _start_layer(cand, nc, charge)
+    _start_layer(cand, nc, charge)
     if policy == STALL_VALUE and not _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay,
                                                pol, dev):
         _count(i, considered, 0, 0, pf.rejected, pf.capped)
@@ -379,8 +378,7 @@ def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, 
         if not (ram.pinned[nl, e] or ram.lru.cached[nl, e]):
             cand[nc], order[nc], svc[nc] = e, nc, 0.0
             nc += 1
-    if charge is not None:
-        _start_layer(cand, nc, charge)
+    _start_layer(cand, nc, charge)
     n_out, n_capped = _admit(order, nc, cand, svc, svc, svc, lay.ebytes[nl], t0, routed, window, budget, n,
                              False, 0.0, 0.0, 0.0, 1.0, charge, out_list)     # (need, p: not read unless valued)
     _count(i, nc, n_out, n_capped, pf.rejected, pf.capped)
@@ -390,7 +388,9 @@ def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, 
 @njit(**HELPER)
 def _start_layer(cand, n, fusion):
     """A layer's prefetch begins: nothing charged to any source yet; count its candidates
-    ``cand[:n]`` by credited source."""
+    ``cand[:n]`` by credited source (nothing when loads are not charged to sources: ``fusion`` None)."""
+    if fusion is None:
+        return
     for s in range(fusion.limits.shape[1]):
         fusion.limits[USED_SLOTS, s] = 0.0
         fusion.limits[USED_BYTES, s] = 0.0
