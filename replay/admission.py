@@ -78,7 +78,7 @@ from containers.errors import InputError
 from containers.layout import Layout
 
 from .config import ADMISSION_POLICIES, RuntimeConfig
-from .jit import HELPER
+from .jit import HELPER, STAGE
 from .predictors import (
     CALIBRATION_BINS,
     FusedModel,
@@ -220,7 +220,7 @@ def load_seconds(nl, e, first, lay, pol, dev):
     return s
 
 
-@njit(**HELPER)
+@njit(**STAGE)
 def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, charge, out_list, pf):
     """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
 
@@ -269,14 +269,6 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
             nc = min(nc + 1, C)
     if nc == 0:
         return 0
-    # need times: resident work first, then the candidates ahead in issue order (by probability)
-    _sort(cand, nc, lay.rank[nl])                # issue order
-    t_need = routed + resident_compute
-    for c in range(nc):
-        e = cand[c]
-        need[c] = t_need
-        t_need += p[e] * seconds[e]
-        svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
     # budgets: Q slots, B bytes (adaptive: what the drives can deliver before the next routing)
     t0, window = _window(start, routed, pol.adaptive_budget, drives.free,
                          min(dev.full_bandwidth, dev.members * dev.stream_bandwidth))
@@ -285,6 +277,19 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
     p_victim = 0.0
     if lru.capacity[nl] > 0 and lru.size[nl] >= lru.capacity[nl] and lru.oldest[nl] >= 0:
         p_victim = p[lru.oldest[nl]]
+    _start_layer(cand, nc, charge)
+    if policy == STALL_VALUE and not _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay,
+                                               pol, dev):
+        _count(i, considered, 0, 0, pf.rejected, pf.capped)
+        return 0
+    # need times: resident work first, then the candidates ahead in issue order (by probability)
+    _sort(cand, nc, lay.rank[nl])                # issue order
+    t_need = routed + resident_compute
+    for c in range(nc):
+        e = cand[c]
+        need[c] = t_need
+        t_need += p[e] * seconds[e]
+        svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
     for c in range(nc):                          # the policy's order key (ascending is taken first)
         e = cand[c]
         if policy == PROBABILITY:
@@ -309,16 +314,30 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
 
 
 @njit(**HELPER)
+def _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay, pol, dev):
+    """Some candidate of ``cand[:nc]`` may have a positive V(a) when loaded from ``t0`` (s), the
+    prefetcher's start: its V were it needed no sooner than its load completes (need time inf) is
+    positive. No need time values it higher (V does not decrease with the need time, rounding
+    included), and until a load is admitted every candidate is valued at ``t0``: when none may,
+    ``stall-value`` admits none, in whatever order it takes them. ``svc`` is scratch."""
+    for c in range(nc):
+        e = cand[c]
+        svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
+        if not _value(p[e], np.inf, svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e],
+                      dev.full_bandwidth) <= 0.0:
+            return True
+    return False
+
+
+@njit(**HELPER)
 def _admit(order, nc, cand, need, svc, p, ebytes, t0, routed, window, budget, slots, valued, lam, rho, p_victim,
            full_bandwidth, charge, out_list):
     """Take candidates ``cand[order[:nc]]`` in that order into ``out_list`` while they fit: at
     most ``slots`` loads, ``budget`` bytes (of ``ebytes`` [E]) and, from the first one that would
     start at ``t0`` + the admitted loads' times (``svc``, s) with ``window`` bytes admitted, none;
     with ``valued``, only those of positive V(a) at their start; with a ``charge``
-    (:data:`Fusion`), each charged to its source (:func:`_charge`). Returns (loads admitted,
-    candidates capped)."""
-    if charge is not None:
-        _start_layer(cand, order, nc, charge)
+    (:data:`Fusion`, the layer started with :func:`_start_layer`), each charged to its source
+    (:func:`_charge`). Returns (loads admitted, candidates capped)."""
     n_out, used, t, n_capped = 0, 0.0, t0, 0
     for r in range(nc):
         if n_out >= slots:
@@ -359,6 +378,7 @@ def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, 
         if not (ram.pinned[nl, e] or ram.lru.cached[nl, e]):
             cand[nc], order[nc], svc[nc] = e, nc, 0.0
             nc += 1
+    _start_layer(cand, nc, charge)
     n_out, n_capped = _admit(order, nc, cand, svc, svc, svc, lay.ebytes[nl], t0, routed, window, budget, n,
                              False, 0.0, 0.0, 0.0, 1.0, charge, out_list)     # (need, p: not read unless valued)
     _count(i, nc, n_out, n_capped, pf.rejected, pf.capped)
@@ -366,14 +386,16 @@ def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, 
 
 
 @njit(**HELPER)
-def _start_layer(cand, order, n, fusion):
+def _start_layer(cand, n, fusion):
     """A layer's prefetch begins: nothing charged to any source yet; count its candidates
-    ``cand[order[:n]]`` by credited source."""
+    ``cand[:n]`` by credited source (nothing when loads are not charged to sources: ``fusion`` None)."""
+    if fusion is None:
+        return
     for s in range(fusion.limits.shape[1]):
         fusion.limits[USED_SLOTS, s] = 0.0
         fusion.limits[USED_BYTES, s] = 0.0
     for c in range(n):
-        fusion.tally[CREDITED, fusion.credit[cand[order[c]]]] += 1
+        fusion.tally[CREDITED, fusion.credit[cand[c]]] += 1
 
 
 @njit(**HELPER)

@@ -5,10 +5,13 @@
 nothing, so they are built without reference counting (``_nrt=False``, as numba builds its own
 string helpers); otherwise every call pays an atomic increment and decrement per array argument.
 ``STAGE`` is for the stages of one instance the loop calls (the weight jobs, the read plan, the
-reader pool, the prefetcher, serving one read): numba inlines them into the loop, so a call does
-not pass the hundreds of machine words its grouped arguments flatten to (numba passes a named
-tuple of arrays field by field). The replay benchmark models about 1.4-1.5x the requests/s with
-them inlined (docs/BENCHMARKS.md); the first build takes about a second longer.
+reader pool, the prefetcher and its admission, serving one read): numba inlines them into the
+loop, so a call does not pass the hundreds of machine words its grouped arguments flatten to
+(numba passes a named tuple of arrays field by field). An inlined stage is typed inside its
+caller, where a None argument's branches are not pruned: code that reads an optional argument
+(``if x is None``) goes in a ``HELPER`` that takes it. The replay benchmark models about
+1.4-1.5x the requests/s with them inlined (docs/BENCHMARKS.md); the first build takes about a
+second longer.
 ``error_model="numpy"`` drops division-by-zero checks: every divisor is a validated size or rate.
 
 The first run on a machine compiles them (10-75 s, depending on the machine and its load);

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_predictors import layout, routing
 
-from replay.admission import prefetcher_inputs
+from replay.admission import _value, prefetcher_inputs
 from replay.config import RuntimeConfig
 from replay.device import ArrayProfile, DriveProfile
 from replay.engine import simulate
@@ -188,3 +188,16 @@ def test_a_probability_source_needs_its_learned_model():
         prefetcher_inputs(RuntimeConfig(prefetch="heat", admission="stall-value"), layout(), None)
     with pytest.raises(InputError, match="unknown admission policy"):
         RuntimeConfig(admission="best")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0, 1), st.floats(-1e-2, 1e-2), st.floats(1e-6, 1e-2), st.floats(0, 1e-2), st.floats(0, 1e-2),
+       st.floats(0, 1), st.floats(0, 4), st.floats(0, 1), st.integers(1, 10**8))
+def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes(p, need, svc, t, routed, lam, rho,
+                                                                                 p_victim, nbytes):
+    """V(a) does not decrease with the need time, to the last bit (replay.admission._may_gain
+    skips ordering the candidates when none is positive at need time inf)."""
+    bound = _value(p, np.inf, svc, t, routed, lam, rho, p_victim, nbytes, 2e9)
+    assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= bound
+    assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= _value(
+        p, need + abs(need) * 1e-9 + 1e-12, svc, t, routed, lam, rho, p_victim, nbytes, 2e9)
