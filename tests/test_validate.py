@@ -48,8 +48,9 @@ def _check_record(v: dict) -> None:
         m = c["measured_stall_per_token_s"]
         assert m["mean"] > 0 and len(m["repetitions"]) == 2 and all(x >= 0 for x in m["repetitions"])
         assert m["mean"] == pytest.approx(sum(m["repetitions"]) / 2)
-        half = 12.706 * abs(m["repetitions"][0] - m["repetitions"][1]) / 2      # t(0.975, 1) * sd / sqrt(2)
-        assert m["low"] == pytest.approx(m["mean"] - half, rel=1e-4) and m["high"] == pytest.approx(m["mean"] + half, rel=1e-4)
+        half = 12.706204736 * abs(m["repetitions"][0] - m["repetitions"][1]) / 2      # t(0.975, 1) * sd / sqrt(2)
+        assert (m["high"] - m["low"]) / 2 == pytest.approx(half, rel=1e-6)
+        assert (m["high"] + m["low"]) / 2 == pytest.approx(m["mean"], rel=1e-9)
         assert c["ratio"] == pytest.approx(c["predicted_stall_per_token_s"] / m["mean"])
         assert c["agreement"] == cell_agreement(c["predicted_stall_per_token_s"], m["mean"], m["low"], m["high"])
     d = v["drift"]                                       # probed before the first repetition and after each
