@@ -72,6 +72,23 @@ def test_malformed_records_are_rejected_with_line_numbers(tmp_path, bad, words):
     assert str(exc.value).startswith(f"{p}:2:") and words in str(exc.value)
 
 
+def test_compares_few_repetitions_with_a_students_t_interval(tmp_path):
+    """Two pairs: a percentile bootstrap over them spans just the two savings; t(0.975, 1) = 12.7
+    says how little two repetitions of a drifting disk pin down."""
+    def config(name, lates):
+        recs = []
+        for i, late in enumerate(lates):
+            recs.append(step(0, run=f"{name}{i}", token_hashes=["a"]))
+            recs.append(expert(0, 3, 1, 0, late, 0, run=f"{name}{i}"))
+        return write(tmp_path / f"{name}.jsonl", recs)
+
+    x = compare([config("ctl", [1000, 1000]), config("new", [500, 300])])["comparisons"][0]
+    assert x["per_pair_ns"] == pytest.approx([500.0, 700.0]) and x["saving_ns"]["estimate"] == pytest.approx(600)
+    half = 12.706204736 * float(np.std([500.0, 700.0], ddof=1)) / 2 ** 0.5
+    assert x["saving_ns"]["high"] == pytest.approx(600 + half) and x["saving_ns"]["low"] == pytest.approx(600 - half)
+    assert x["saving_ns"]["low"] < 0                    # two repetitions cannot exclude zero here
+
+
 def test_compare_pairs_repetitions_and_flags_token_divergence(tmp_path):
     def config(name, late, runs=4, tokens=("a", "b")):
         recs = []
