@@ -798,8 +798,11 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
            f"is wrong in {len(wrong)} of {len(decided)} where the measured interval excludes zero, and the gate "
            f"(low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of {M}") if M else ""
     if P:
+        controlled = sum(c["judged_on"] == "drift_controlled" for c in prefetch_comparisons)
         sav += (f"; the predicted prefetch saving is within +/-{PREFETCH_TOLERANCE:.0%} of the measured one in "
-                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}")
+                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}"
+                + (f" ({controlled} of them measured with the disk's drift taken out by the first MoE layer)"
+                   if controlled else ""))
     span = f"predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells" if ratios else "no cell measured any stall"
     if verdict == "holds":
         text = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span}){sav}"

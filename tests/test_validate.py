@@ -148,6 +148,7 @@ def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
         assert d["predicted_s"] == pytest.approx(x["predicted_saving"]["estimate_s"])   # the model's control is untouched
         assert d["measured"]["beta"] > 0
     assert v["summary"]["prefetch_comparisons"] == 2
+    assert "(2 of them measured with the disk's drift taken out by the first MoE layer)" in v["summary"]["text"]
     assert "prefetch saving vs no prefetch" in r.stdout and "of the measured one in" in v["summary"]["text"]
 
 
