@@ -313,14 +313,18 @@ def format_measure(result) -> str:
 
 
 
-def _savings(x: dict) -> str:
-    """One validation comparison's predicted and measured saving (ms/token) and how they agree."""
+def _predicted_measured(x: dict) -> str:
+    """One validation comparison's predicted and measured saving with their 95% intervals (ms/token)."""
     ms = 1e3
     p, m = x["predicted_saving"], x["measured_saving"]
-    sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
     return (f"predicted {p['estimate_s'] * ms:+.2f} [{p['low_s'] * ms:+.2f}, {p['high_s'] * ms:+.2f}]  measured "
-            f"{m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, {m['high_s'] * ms:+.2f}]  "
-            f"{'inside' if x['predicted_inside_measured'] else 'outside'}, sign {sign}, "
+            f"{m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, {m['high_s'] * ms:+.2f}]")
+
+
+def _agreement(x: dict) -> str:
+    """How a validation comparison's prediction stands against its measurement, in words."""
+    sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
+    return (f"{'inside' if x['predicted_inside_measured'] else 'outside'}, sign {sign}, "
             f"{'agrees' if x['agreement'] == 'agrees' else 'DISAGREES'}")
 
 
@@ -361,7 +365,8 @@ def format_validation(v: dict) -> str:
                        f"gate: low end >= {v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)")]
         for x in v["comparisons"]:
             g = x["gate"]
-            lines.append(f"  {x['layout']:<8} RAM {x['ram_fraction']:g}, prefetch {x['prefetch']:<8} {_savings(x)}, gate "
+            lines.append(f"  {x['layout']:<8} RAM {x['ram_fraction']:g}, prefetch {x['prefetch']:<8} {_predicted_measured(x)}  "
+                         f"{_agreement(x)}, gate "
                          f"{'pass' if g['predicted']['passes'] else 'fail'}/{'pass' if g['measured']['passes'] else 'fail'}"
                          f"{'' if g['same_decision'] else ' DIFFERS'}")
             lines.append(f"    {x['words']}")
@@ -369,10 +374,7 @@ def format_validation(v: dict) -> str:
         lines += ["", "prefetch saving vs no prefetch, same layout and RAM, ms/token (95% intervals as above; agrees "
                       f"inside the measured interval or within +/-{v['prefetch_comparisons'][0]['tolerance']:.0%} of it)"]
         for x in v["prefetch_comparisons"]:
-            p, m = x["predicted_saving"], x["measured_saving"]
-            lines.append(f"  {x['prefetch']:<8} {x['layout']:<8} RAM {x['ram_fraction']:g}  predicted "
-                         f"{p['estimate_s'] * ms:+.2f} [{p['low_s'] * ms:+.2f}, {p['high_s'] * ms:+.2f}]  measured "
-                         f"{m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, {m['high_s'] * ms:+.2f}]")
+            lines.append(f"  {x['prefetch']:<8} {x['layout']:<8} RAM {x['ram_fraction']:g}  {_predicted_measured(x)}")
             judged = "measured"
             d = x.get("drift_controlled")
             if d:
@@ -380,10 +382,8 @@ def format_validation(v: dict) -> str:
                 lines.append(f"    drift taken out by {d['control']} (x{c['beta']:.2f}): predicted {d['predicted_s'] * ms:+.2f}"
                              f"  measured {c['estimate_s'] * ms:+.2f} [{c['low_s'] * ms:+.2f}, {c['high_s'] * ms:+.2f}]")
                 judged = "drift-controlled"
-            sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
-            lines.append(f"    judged on the {judged} saving: {'inside' if x['predicted_inside_measured'] else 'outside'}, "
-                         f"{'within' if x['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}, sign {sign}, "
-                         f"{'agrees' if x['agreement'] == 'agrees' else 'DISAGREES'}; {x['words']}")
+            lines.append(f"    judged on the {judged} saving: {'within' if x['within_tolerance'] else 'not within'} "
+                         f"+/-{x['tolerance']:.0%}, {_agreement(x)}; {x['words']}")
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)
 

@@ -512,8 +512,9 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 def _read_each_once(dirs: dict, progress: bool) -> dict:
     """Read every file of each layout's container once (:func:`replay.calibrate.read_once`),
     before anything is measured, so no layout is measured on blocks read for the first time.
-    Returns per layout ``{"bytes", "seconds", "rate_Bps"}``: a source read much slower than the
-    fresh copies shows a disk whose first reads are slow (:func:`summarize_validation` says so)."""
+    Returns per layout ``{"bytes", "seconds", "rate_Bps"}``: containers read at very different
+    rates show a disk that does not serve every file alike on a first read
+    (:func:`summarize_validation` names the slow ones)."""
     from replay.calibrate import read_once
 
     files = {m: sorted(p for p in Path(d).iterdir() if p.is_file()) for m, d in dirs.items()}
@@ -596,13 +597,12 @@ def _judge(predicted_s: float, m: dict, tolerance: float | None = None) -> dict:
 
 
 def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict]) -> dict:
-    """Predicted against measured saving of ``new`` over ``base`` (s/token): the prediction paired by
+    """Predicted and measured saving of ``new`` over ``base`` (s/token): the prediction paired by
     step (moving-block bootstrap over the held-out steps), the measurement paired by repetition (each
-    repetition measures both, minutes apart on a disk that drifts: one unit each); judged by :func:`_judge`."""
+    repetition measures both, minutes apart on a disk that drifts: one unit each)."""
     p = _interval(block_evidence(base_pred.stall, new_pred.stall, base_pred.committed, base_pred.session))
     each = [float((b["stall"].sum() - n["stall"].sum()) / b["committed"].sum()) for b, n in zip(base_runs, runs)]
-    m = {**_over_repetitions(each), "repetitions": each}
-    return {"predicted_saving": p, "measured_saving": m, **_judge(p["estimate_s"], m)}
+    return {"predicted_saving": p, "measured_saving": {**_over_repetitions(each), "repetitions": each}}
 
 
 def drift_controlled_savings(base_total, base_control, new_total, new_control, tokens: float) -> tuple[list, float] | None:
@@ -702,6 +702,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 continue
             x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)])
             p, mm = x["predicted_saving"], x["measured_saving"]
+            x.update(_judge(p["estimate_s"], mm))
             tpot_p = base_sum.tpot_s
             tpot_m = float(np.mean([r["tpot_s"] for r in base_runs]))
             gate_p = p["low_s"] >= GATE_THRESHOLD * tpot_p

@@ -129,11 +129,11 @@ def read_once(paths: list, progress=None) -> tuple[int, float]:
     does it: :data:`READ_ONCE_DEPTH` threads take the next :data:`READ_ONCE_BYTES` chunk in file
     order. Returns ``(bytes read, seconds)``; a failed read raises :class:`InputError` naming the file.
 
-    Why: a virtual disk may serve a block slower the first time it is read than ever after (a
-    cloud volume fetching blocks lazily, a host's cache below the guest); on this project's VM a
-    file that had never been read read at 0.43-0.73 GB/s and at 0.61-1.0 GB/s the next time,
-    while a freshly written file read at 0.85-1.08 GB/s (``docs/BENCHMARKS.md``). A layout
-    measured on such blocks against a freshly written copy would be credited with the difference.
+    Why: a virtual disk may serve a file at another speed the first time it is read (a cloud
+    volume fetching blocks lazily, a host's cache below the guest); on this project's VM files
+    that had never been read often read at 0.43-0.73 GB/s and at 0.61-1.05 GB/s the next time,
+    though not always (``docs/BENCHMARKS.md``). A layout measured on such blocks against one
+    read before would be credited or charged with the difference.
     ``progress``: called with the bytes of each chunk read (e.g. a tqdm bar's ``update``).
     """
     jobs = []
