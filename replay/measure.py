@@ -9,7 +9,9 @@ offsets; then three buffered scale preads; with coalescing, one read for a run o
 experts, never over ``coalesce_max_bytes``, and the scale reads as separate jobs). The calling thread
 plays the compute thread: it sleeps for each layer's dense time, for the resident experts'
 matmuls, then for each missing expert in issue order waits for its bytes and sleeps for its
-matmul. Every wait is timed with the monotonic clock (ns).
+matmul. Every wait is timed with the monotonic clock (ns). Nothing the runtime does not do is
+timed: the reader threads are started, their buffers allocated and the compiled planner loaded
+before the first step, and the records are encoded after each step, not between its waits.
 
 With a prefetch source (``config.prefetch``), a prefetch thread does what the replay model
 assumes: once a layer's demand loads are done it loads the next layer's predicted experts (not
@@ -156,6 +158,12 @@ class _Reader:
             self.local.buf = buf
         return buf
 
+    def prepare(self, n: int) -> None:
+        """Give the calling thread its buffer for reads of up to ``n`` bytes, its pages touched,
+        so its first timed read does not fault them in."""
+        buf = self._buffer(min(n, MAX_READ))
+        buf[:] = bytes(len(buf))
+
     def read(self, f: int, off: int, n: int, direct: bool) -> tuple:
         """Read the range; returns how (:data:`IO_ZERO`'s fields)."""
         direct = direct and self.direct is not None
@@ -259,6 +267,11 @@ def measure(
     reader = _Reader(container.files, config.direct)
     pool = ThreadPoolExecutor(max_workers=config.in_flight, thread_name_prefix="relayout-io")
     prefetcher = _Prefetcher(config, coupling, E, reader.read) if config.prefetch != "none" else None
+    largest = int(ebytes.max()) + 2 * ALIGN if ebytes.size else ALIGN
+    _start_threads(pool, config.in_flight, reader, largest)
+    if prefetcher:
+        _start_threads(prefetcher.thread, 1, reader, largest)
+    _warm_compiled(lay, config, prefetcher)
     sink = _Sink(out, record)
     fw = np.flatnonzero(forwards)
     row_start = np.searchsorted(trace.row_forward, np.arange(trace.n_forwards + 1))
@@ -366,10 +379,10 @@ def measure(
                         prefetcher.unused(run_id, request, int(f), layer, e, int(ebytes[li, e]), fut, counts)
                         if capacity[li] > 0 and e not in ready_now:
                             _lru_insert(lru, e, capacity[li])
-                if prefetcher:
-                    prefetcher.flush(sink, wait=False)
                 stall_ns += layer_stall
                 compute_ns += time.perf_counter_ns() - c0 - layer_stall
+            if prefetcher:
+                prefetcher.flush(sink, wait=False)
             wall = time.perf_counter_ns() - step_t0
             total_stall += stall_ns
             sink.step(run_id, request, int(f), *counts, compute_ns, wall, stall_ns, bool(assumed[f]), configuration)
@@ -387,6 +400,32 @@ def measure(
     path = sink.close()
     committed = int(np.maximum(trace.fwd_committed[fw], 1).sum())
     return MeasureResult(path, how, reader.direct is not None, wall_s, len(fw), committed, total_stall)
+
+
+def _start_threads(pool: ThreadPoolExecutor, n: int, reader: _Reader, largest: int) -> None:
+    """Start all ``n`` threads of ``pool`` and give each its read buffer (``largest`` bytes)
+    before anything is timed: the runtime's reader threads exist before it decodes, while a
+    pool started on demand creates its threads during the first layer's submissions, and with
+    the GIL contended each start took milliseconds (the first step measured about 120 ms of
+    compute against the usual 11)."""
+    barrier = threading.Barrier(n)
+
+    def ready():
+        reader.prepare(largest)
+        barrier.wait()
+
+    for fut in [pool.submit(ready) for _ in range(n)]:
+        fut.result()
+
+
+def _warm_compiled(lay, config: RuntimeConfig, prefetcher: "_Prefetcher | None") -> None:
+    """Call the compiled read planner (and predictor) once before anything is timed: a compiled
+    function loads from numba's cache on its first call in a process, about half a second that
+    the first measured step counted as compute (hiding the stall of the reads under way)."""
+    layer_reads(lay, 0, [0], [False], config)
+    if prefetcher:
+        one = np.zeros(1, dtype=np.int64)
+        prefetcher.warm(one, one + 1)
 
 
 def _add_io(a: tuple, b: tuple) -> tuple:
@@ -431,11 +470,7 @@ class _Prefetcher:
         self.out = np.empty(64, np.int64)
 
     def start(self, li, union, mult, next_union, next_mult, next_lru, reads_of) -> None:
-        sel_e = np.concatenate([union, next_union]).astype(np.int64)
-        sel_mult = np.concatenate([mult, next_mult]).astype(np.int64)
-        sel_start = np.array([0, len(union), len(sel_e)], dtype=np.int64)
-        n = predict_next(self.source, 0, li, sel_start, sel_e, sel_mult, self.targets, self.counts, self.k,
-                         self.score, self.touched, self.out)
+        n = self._predict(li, union, mult, next_union, next_mult)
         with self.lock:
             self.open = True
         self.for_layer = li + 1
@@ -445,6 +480,17 @@ class _Prefetcher:
                 continue
             started = [False]
             self.loads[e] = (self.thread.submit(self._load, reads_of(li + 1, e), started), started)
+
+    def warm(self, union, mult) -> None:
+        """Predict once, untimed: the compiled predictor loads on its first call (about half a second)."""
+        self._predict(0, union, mult, union, mult)
+
+    def _predict(self, li, union, mult, next_union, next_mult) -> int:
+        sel_e = np.concatenate([union, next_union]).astype(np.int64)
+        sel_mult = np.concatenate([mult, next_mult]).astype(np.int64)
+        sel_start = np.array([0, len(union), len(sel_e)], dtype=np.int64)
+        return predict_next(self.source, 0, li, sel_start, sel_e, sel_mult, self.targets, self.counts, self.k,
+                           self.score, self.touched, self.out)
 
     def _load(self, reads, started):
         with self.lock:
@@ -636,11 +682,18 @@ class _ComputeClock:
 
 
 class _Sink:
-    """Streams records to a (zstd) JSONL temp file, renamed into place on success only."""
+    """Streams records to a (zstd) JSONL temp file, renamed into place on success only.
+
+    A step's expert records are held until its step record and written with it, once its last
+    layer is done: encoding them between the compute thread's waits would add time the compute
+    model does not have (and lengthen the window a prefetch load has before the next layer is
+    routed).
+    """
 
     def __init__(self, out, record: bool):
         self.out = Path(out) if out is not None and record else None
         self.stack = contextlib.ExitStack()
+        self.held: list[tuple] = []
         self.fh = self.z = None
         if self.out is not None:
             self.fh = self.stack.enter_context(atomic_output(self.out, "wb"))
@@ -653,8 +706,12 @@ class _Sink:
 
     def expert(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority="demand", *,
                counts=(1, 1), stall=0, io=IO_ZERO):
-        if self.out is None:
-            return
+        if self.out is not None:
+            self.held.append((run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority, counts,
+                              stall, io))
+
+    def _expert_record(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority, counts,
+                       stall, io) -> dict:
         rec = {"run_id": run, "request_id": request, "step": step, "layer": layer, "expert_id": e, "segment_id": 0,
                "evaluated_positions": counts[1], "committed_tokens": counts[0],
                "required": required, "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need,
@@ -663,15 +720,22 @@ class _Sink:
                "prediction_source": "demand" if priority == "demand" else "prefetch",
                "used_before_eviction": required, "cancelled": False}
         rec.update(zip(IO_FIELDS, io))
-        self._write(rec)
+        return rec
+
+    def _write_held(self) -> None:
+        for args in self.held:
+            self._write(self._expert_record(*args))
+        self.held = []
 
     def step(self, run, request, step, committed, evaluated, compute_ns, wall_ns, stall_ns, assumed=False, configuration=None):
+        self._write_held()
         self._write({"record": "step", "run_id": run, "request_id": request, "step": step, "committed_tokens": committed,
                      "evaluated_positions": evaluated, "committed_assumed": assumed, "compute_ns": compute_ns, "stall_ns": stall_ns,
                      "other_ns": max(0, wall_ns - compute_ns - stall_ns), "wall_ns": wall_ns, "token_hashes": None,
                      "configuration": configuration})
 
     def close(self) -> Path | None:
+        self._write_held()
         if self.z is not None:
             self.z.flush(zstandard.FLUSH_FRAME)
         self.stack.close()

@@ -298,3 +298,41 @@ def test_the_harness_refuses_what_only_the_replay_model_has(small_container, tra
         measure(Container.open(small_container), trace, np.ones(trace.n_forwards, bool), RuntimeConfig(workers=2, **knob),
                 tmp_path / "run.jsonl", progress=False, coupling=(np.full((1, 1, 1), -1), np.zeros((1, 1, 1))))
     assert not (tmp_path / "run.jsonl").exists()
+
+
+def test_expert_records_are_written_with_their_step_not_between_the_waits(tmp_path):
+    """Encoding a record between the compute thread's waits is time the compute model does not
+    have: the sink holds a step's expert records and writes them with its step record."""
+    from replay.measure import _Sink
+
+    out = tmp_path / "held.jsonl"
+    sink = _Sink(out, record=True)
+    sink.expert("r", "q", 7, 3, 11, True, 100, 1, 2, 2, "nvme", stall=1)
+    sink.fh.flush()
+    assert [f.stat().st_size for f in tmp_path.iterdir()] == [0]     # the temp file, nothing in it yet
+    sink.step("r", "q", 7, 1, 1, 10, 20, 1)
+    sink.close()
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("record", "expert") for r in recs] == ["expert", "step"]
+    assert recs[0]["expert_id"] == 11 and recs[0]["foreground_stall_ns"] == 1
+
+
+def test_reader_threads_exist_with_their_buffers_before_anything_is_timed(small_container):
+    """The pool's threads are started (each with its read buffer) before the first step: a pool
+    that starts them on demand does it inside the first layer's timed submissions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from replay.measure import _Reader, _start_threads
+
+    c = Container.open(small_container)
+    reader = _Reader(c.files, direct=False)
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="relayout-test-io")
+    try:
+        _start_threads(pool, 4, reader, 3 * 4096)
+        names = [t.name for t in threading.enumerate() if t.name.startswith("relayout-test-io")]
+        assert len(names) == 4
+        sizes = {pool.submit(lambda: len(reader.local.buf)).result() for _ in range(16)}
+        assert sizes == {3 * 4096}
+    finally:
+        pool.shutdown(wait=True)
+        reader.close()
