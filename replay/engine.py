@@ -90,7 +90,7 @@ FILE_ALIGNMENT = 1 << 20
 """Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
 
 AXES = {"I": "instances", "L": "layout layers", "E": "experts", "M": "array members",
-        "R": "reliability bins (replay.predictors.RELIABILITY_BINS)"}
+        "R": "reliability bins (replay.predictors.RELIABILITY_BINS)", "A": "the array as a whole (one value)"}
 """The axes an output's shape is written in (see :func:`output`)."""
 
 
@@ -160,11 +160,14 @@ class InstanceResult:
 
 @dataclass
 class DeviceUsage:
-    """Totals over the whole replay, per member [M]: busy transfer seconds, requests, residence seconds."""
+    """Totals over the whole replay, per member [M]: busy transfer seconds, requests, residence
+    seconds; and [A] ``busy_seconds``, the time the array had at least one drive read outstanding
+    (s), as a measured run's drive time is read off its STALL_TRACE (:mod:`relayout.validate`)."""
 
     transfer_seconds: np.ndarray = output("M")
     requests: np.ndarray = output("M", np.int64)
     residence_seconds: np.ndarray = output("M")
+    busy_seconds: np.ndarray = output("A")
 
 
 def _outputs(cls) -> list:
@@ -188,7 +191,7 @@ def new_results(I: int, L: int, E: int, M: int, keep: Results | None = None) -> 
     each shaped and typed as its result field declares. With ``keep`` (an earlier chunk's
     results), the outputs not per instance (no ``"I"`` axis: totals over the replay) are
     ``keep``'s arrays, so they go on accumulating."""
-    sizes = dict(zip(AXES, (I, L, E, M, RELIABILITY_BINS)))
+    sizes = dict(zip(AXES, (I, L, E, M, RELIABILITY_BINS, 1)))
 
     def zeros(kind, cls, kept):
         return kind(*(getattr(kept, f.name) if kept is not None and "I" not in f.metadata["shape"] else

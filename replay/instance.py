@@ -133,10 +133,11 @@ Reads = namedtuple("Reads", "addr length warm")
 Workers = namedtuple("Workers", "free job pos")
 """The reader pool [W]: each worker's free time (s), its job (-1 idle) and next read in it."""
 
-Drives = namedtuple("Drives", "free small_free host pieces nbytes member_bytes slots head")
+Drives = namedtuple("Drives", "free small_free host busy pieces nbytes member_bytes slots head")
 """The drives' state, carried between instances when a prefetch source runs. Per member [M]:
 the large-transfer and small-read channels' free times (s); ``host`` [2]: the host link's large
-and small channels' free times (s); ``pieces``, ``nbytes`` [M]: one read's split (scratch);
+and small channels' free times (s); ``busy`` [1]: until when the array has a read outstanding
+(s); ``pieces``, ``nbytes`` [M]: one read's split (scratch);
 ``member_bytes`` [M]: bytes each member transferred over the whole replay; ``slots`` [M, Q]:
 when each of a member's queue slots frees (s), a ring sorted by that time from ``head`` [M]
 (the slot that frees first) on, so a request takes its slot in one step (:func:`_take_slot`)."""
@@ -167,7 +168,7 @@ def new_work(K, E, W, M, Q):
     R = max(8 * K, 7)
     reads = Reads(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.bool_))
     workers = Workers(np.empty(W), np.empty(W, np.int64), np.empty(W, np.int64))
-    drives = Drives(np.zeros(M), np.zeros(M), np.zeros(2), np.empty(M, np.int64), np.empty(M, np.int64),
+    drives = Drives(np.zeros(M), np.zeros(M), np.zeros(2), np.zeros(1), np.empty(M, np.int64), np.empty(M, np.int64),
                     np.zeros(M, np.int64), np.zeros((M, Q)), np.zeros(M, np.int64))
     pending = Prefetched(np.full(E, np.inf), np.zeros(E, np.int64), np.empty(PREFETCH_SLOTS, np.int64),
                          np.zeros(E, np.int64), np.empty(E, np.int64))
@@ -245,6 +246,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
                 for q in range(dev.queue_slots):
                     slots[m, q] = 0.0
             host[0], host[1] = 0.0, 0.0
+            drives.busy[0] = 0.0
             continue
         # the prefetcher starts once this layer's demand loads, and its own previous load, are done
         start = pilot_free
@@ -262,6 +264,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             for q in range(dev.queue_slots):
                 slots[m, q] = max(slots[m, q] - next_at, 0.0)
         host[0], host[1] = max(host[0] - next_at, 0.0), max(host[1] - next_at, 0.0)
+        drives.busy[0] = max(drives.busy[0] - next_at, 0.0)
     for m in range(dev.members):
         usage.transfer_seconds[m] = drives.member_bytes[m] / dev.bandwidth
 
@@ -472,7 +475,8 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
     of their own beside the large transfers and delay them by their own transfer time. The host
     link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
     A warm read costs memory time only. Bytes go into ``drives.member_bytes``, requests and
-    residence (s) into ``usage``.
+    residence (s) into ``usage``, and the time the read keeps the array busy beyond the reads
+    before it (reads arrive in time order) into ``usage.busy_seconds``.
     """
     if warm:
         return t + n / MEMORY_BANDWIDTH
@@ -512,7 +516,11 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
     else:
         hdone = max(host[0], t) + xfer
         host[0] = hdone
-    return max(done, hdone)
+    done = max(done, hdone)
+    busy = drives.busy
+    usage.busy_seconds[0] += max(done - max(t, busy[0]), 0.0)
+    busy[0] = max(busy[0], done)
+    return done
 
 
 @njit(**HELPER)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .device import ArrayProfile
 from .engine import DeviceUsage, InstanceResult
 from .gatefile import LayoutMetrics, PrefetchMetrics, Quantiles
 from .trace import RoutingTrace
@@ -104,6 +105,14 @@ def summarize(steps: StepTable, usage: DeviceUsage, other_seconds_per_token: flo
         drive_requests_per_token=(usage.requests / A).round(2).tolist(),
         prefetch=_prefetch_metrics(steps.prefetch, A),
     )
+
+
+def drive_rate(usage: DeviceUsage, device: ArrayProfile) -> float | None:
+    """Bytes/s the modelled array served while it had a drive read outstanding: the bytes its
+    members transferred over ``usage.busy_seconds`` (what :func:`replay.stalltrace.drive_busy`
+    reads off a measured run). None when nothing was read from the drives."""
+    busy = float(usage.busy_seconds.sum())
+    return float(usage.transfer_seconds.sum()) * device.drive.bandwidth / busy if busy > 0 else None
 
 
 def _prefetch_metrics(p: dict | None, committed: float) -> PrefetchMetrics | None:

@@ -39,7 +39,9 @@ slack, union bytes per committed token, p50-p99 step stall, TPOT and its partiti
 (``compute_ns``), ``O_tok`` (``other_ns``) from step records, hit rate by serving tier
 (``tier_served``), queue occupancy (``queue_depth``, ``worker_occupancy``), and reads by
 priority, drive requests apart from page-cache hits (``drive_requests``/``page_cache_requests``
-and their bytes, as ``relayout measure`` records them).
+and their bytes, as ``relayout measure`` records them), and the rate the drive ran at
+(``drive``: its bytes over the time at least one load reading from it was under way,
+:func:`drive_busy`).
 
 What a STALL_TRACE cannot give: calibrated late-need probability and prediction quality per
 source unless the runtime records its predictions (``prediction_score`` of records that were
@@ -234,6 +236,13 @@ class RunMetrics:
     speculative_bytes: int
     token_hashes: dict                    # "request:step" -> hashes (or None)
     warnings: list
+    drive_bytes: int = 0                  # bytes the drive served (records' drive_bytes)
+    drive_busy_ns: int = 0                # time at least one load reading from the drive was under way
+
+    @property
+    def drive_rate_Bps(self) -> float | None:
+        """Bytes/s the drive served while busy (:func:`drive_busy`); None without I/O counts."""
+        return self.drive_bytes / self.drive_busy_ns * 1e9 if self.drive_busy_ns > 0 else None
 
     @property
     def committed_tokens(self) -> int:
@@ -365,6 +374,7 @@ def run_metrics(run: Run) -> RunMetrics:
     configuration = next((steps[k].get("configuration") for k in step_keys if k in steps
                           and isinstance(steps[k].get("configuration"), str)), None)
     spec_bytes = int(nb[spec].sum())
+    drive_bytes, busy_ns = drive_busy(run.io, issue, ready)
     out = {
         "run_id": run.run_id,
         "source": run.source,
@@ -389,6 +399,7 @@ def run_metrics(run: Run) -> RunMetrics:
         "other_per_committed_token_ns": timing["other_ns"],
         "tiers": dict(sorted(tiers.items())),
         "reads": reads,
+        "drive": {"bytes": drive_bytes, "busy_ns": busy_ns, "rate_Bps": drive_bytes / busy_ns * 1e9} if busy_ns else None,
         "queue_depth": _quantiles(qd),
         "worker_occupancy": _quantiles(wo),
         "stall_checks": checks,
@@ -397,7 +408,19 @@ def run_metrics(run: Run) -> RunMetrics:
     }
     hashes = {f"{k[0]}:{k[1]}": steps[k].get("token_hashes", steps[k].get("token_hash")) for k in step_keys if k in steps}
     return RunMetrics(run.run_id, run.source, configuration, out, step_keys, stall, committed,
-                      dict(sorted(stall_by_layer.items())), spec_bytes, hashes, warnings)
+                      dict(sorted(stall_by_layer.items())), spec_bytes, hashes, warnings, drive_bytes, busy_ns)
+
+
+def drive_busy(io: list, issue: np.ndarray, ready: np.ndarray) -> tuple[int, int]:
+    """(bytes, ns) of a run's drive work: the bytes its records say the drive served, and the
+    union of the [issue, ready] spans of the loads that read from the drive (``drive_requests``
+    > 0), the time the drive had at least one of them under way. Their ratio is the rate the
+    disk ran at during the run, as :class:`replay.engine.DeviceUsage`'s ``busy_seconds`` gives
+    the model's. (0, 0) when the records carry no I/O counts."""
+    rows = [i for i, x in enumerate(io) if x is not None and x[0] > 0]
+    if not rows:
+        return 0, 0
+    return int(sum(io[i][1] for i in rows)), int(interval_union(issue[rows], ready[rows]))
 
 
 @dataclass

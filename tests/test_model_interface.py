@@ -71,7 +71,7 @@ def test_the_compiled_outputs_are_the_result_fields_declared_as_outputs():
         # every field of the public result is an output, except the instance's identity and the prefetch group
         assert set(f.name for f in fields(cls)) - set(declared) <= {"forward", "layer", "prefetch"}
     out = new_results(5, 2, 8, 3)
-    sizes = {"I": 5, "L": 2, "E": 8, "M": 3, "R": RELIABILITY_BINS}
+    sizes = {"I": 5, "L": 2, "E": 8, "M": 3, "R": RELIABILITY_BINS, "A": 1}
     for cls, _, group in DECLARED:
         for f in fields(cls):
             if "shape" in f.metadata:
@@ -105,7 +105,7 @@ def test_every_declared_output_is_filled_and_handed_over_with_its_shape():
                 if "shape" not in f.metadata:
                     continue
                 a = getattr(res, f.name)
-                assert a.shape == tuple({"I": I, "L": 2, "E": 8, "M": 1, "R": RELIABILITY_BINS}[x]
+                assert a.shape == tuple({"I": I, "L": 2, "E": 8, "M": 1, "R": RELIABILITY_BINS, "A": 1}[x]
                                         for x in f.metadata["shape"]), f.name
                 assert a.dtype == f.metadata["dtype"], f.name
                 if a.any():
@@ -137,4 +137,16 @@ def test_two_misses_on_one_drive_by_hand():
     assert usage.requests.tolist() == [8]
     assert usage.transfer_seconds == pytest.approx([2 * 45056 / 1e9], rel=1e-12)
     assert usage.residence_seconds == pytest.approx([2 * per_expert], rel=1e-12)
+    assert usage.busy_seconds == pytest.approx([2 * per_expert], rel=1e-12)    # one read at a time: all of it
     assert inst.prefetch is None
+
+
+def test_busy_time_counts_overlapping_reads_once():
+    """Two workers keep the drive busy from routing until the last read completes, their reads
+    overlapping: the array's busy time is that span (the stall, with no compute), less than the
+    reads' summed residence, and not less than the bytes' transfer time."""
+    tr = trace([[[1, 4]]], L=1)
+    inst, usage = simulate(tr, np.ones(1, bool), layout(L=1), one_drive(), RuntimeConfig(workers=2, **NO_COMPUTE))
+    assert usage.busy_seconds == pytest.approx(inst.stall, rel=1e-12)
+    assert usage.busy_seconds[0] < usage.residence_seconds[0]
+    assert usage.busy_seconds[0] >= usage.transfer_seconds[0]

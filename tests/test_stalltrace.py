@@ -120,3 +120,15 @@ def test_plots_are_written(tmp_path):
     paths = write_plots(r, tmp_path / "plots", gate)
     assert [p.name for p in paths] == ["stall_cdf.png", "stall_per_layer.png", "predicted_vs_measured.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_drive_busy_is_the_union_of_the_loads_that_read_the_drive():
+    """Two overlapping drive loads and one apart count their union; a page-cache load (no drive
+    requests) and a record without I/O counts do not count at all."""
+    from replay.stalltrace import drive_busy
+
+    io = [(2, 100, 0, 0, 0, 0), (1, 50, 0, 0, 0, 0), (0, 0, 3, 30, 0, 0), None, (1, 10, 0, 0, 0, 0)]
+    issue = np.array([0, 5, 0, 0, 40], dtype=np.int64)
+    ready = np.array([10, 20, 100, 100, 45], dtype=np.int64)
+    assert drive_busy(io, issue, ready) == (160, 25)
+    assert drive_busy([None, (0, 0, 1, 4, 0, 0)], issue[:2], ready[:2]) == (0, 0)

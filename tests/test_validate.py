@@ -62,6 +62,10 @@ def _check_record(v: dict) -> None:
         p = c["at_probed_speed"]
         assert len(p["predicted_stall_per_token_s"]) == 2 and all(x > 0 for x in p["predicted_stall_per_token_s"])
         assert p["ratio"] == pytest.approx(sum(p["predicted_stall_per_token_s"]) / 2 / c["measured_stall_per_token_s"]["mean"])
+    for c in v["cells"]:                                # each run predicted at the rate its drive ran at
+        a = c["at_run_speed"]
+        assert len(a["scales"]) == 2 and all(f > 0 for f in a["scales"]) and all(r > 0 for r in a["measured_rate_Bps"])
+        assert a["ratio"] == pytest.approx(sum(a["predicted_stall_per_token_s"]) / 2 / c["measured_stall_per_token_s"]["mean"])
     first = v["first_read"]                             # every container read once, whole, before measuring
     assert set(first) == {"stock", "louvain"} and all(r["rate_Bps"] > 0 for r in first.values())
     assert first["stock"]["bytes"] == sum(p.stat().st_size for p in Path(v["container"]["path"]).iterdir() if p.is_file())
@@ -345,3 +349,34 @@ def test_layouts_are_measured_in_a_balanced_rotating_order():
         for pos in range(3):                                     # every layout once in every position
             assert Counter(o[pos] for o in orders) == Counter(methods)
     assert measurement_order(methods, 0, 1) != measurement_order(methods, 0, 0)   # cells rotate too
+
+
+def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
+    """A run "measured" on the same drive at 0.6 times its speed: the fixed point recovers the
+    factor from the two rates alone, and predicts the run as the slowed drive does."""
+    from relayout.validate import at_run_speed
+    from replay.config import RuntimeConfig
+    from replay.device import load_device
+    from replay.engine import simulate
+    from replay.metrics import drive_rate, step_table, summarize
+    from relayout.plan import source_from_geometry
+    from relayout.trace_synth import synth_trace
+
+    g = small_geometry()
+    tr = synth_trace(g.moe_layers, g.n_routed_experts, 8, 30, 1, seed=4, geometry=g.name)
+    stock = source_from_geometry(g).stock
+    mask = np.ones(tr.n_forwards, bool)
+    device = load_device("single-nvme")
+
+    def stall_and_rate(dev):
+        inst, usage = simulate(tr, mask, stock, dev, RuntimeConfig())
+        return summarize(step_table(tr, mask, inst), usage, 0.0).stall_per_token_s, drive_rate(usage, dev)
+
+    slow_stall, slow_rate = stall_and_rate(device.scaled(0.6))
+    fast_stall, fast_rate = stall_and_rate(device)
+    assert slow_stall > 1.3 * fast_stall and slow_rate < 0.7 * fast_rate
+    x = at_run_speed(stall_and_rate, device, slow_rate)
+    assert x["scale"] == pytest.approx(0.6, rel=1e-3)
+    assert x["predicted_stall_per_token_s"] == pytest.approx(slow_stall, rel=1e-3)
+    assert x["modelled_rate_Bps"] == pytest.approx(slow_rate, rel=1e-3)
+    assert at_run_speed(stall_and_rate, device, None) is None
