@@ -328,6 +328,17 @@ def _agreement(x: dict) -> str:
             f"{'agrees' if x['agreement'] == 'agrees' else 'DISAGREES'}")
 
 
+def _at_run_speed(x: dict) -> list[str]:
+    """A validation comparison's measured saving at equal disk speed (each run brought to the
+    profile's speed by the model's sensitivity to it), when the runs carried I/O counts."""
+    a = x.get("at_run_speed")
+    if not a:
+        return []
+    m, ms = a["measured"], 1e3
+    return [f"    at equal disk speed (diagnosis): measured {m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, "
+            f"{m['high_s'] * ms:+.2f}], {_agreement(a)}"]
+
+
 def format_validation(v: dict) -> str:
     """``relayout validate``'s tables and summary from its ``validation.json`` record (S in ms/token)."""
     ms = 1e3
@@ -373,6 +384,7 @@ def format_validation(v: dict) -> str:
                          f"{'pass' if g['predicted']['passes'] else 'fail'}/{'pass' if g['measured']['passes'] else 'fail'}"
                          f"{'' if g['same_decision'] else ' DIFFERS'}")
             lines.append(f"    {x['words']}")
+            lines += _at_run_speed(x)
     if v.get("prefetch_comparisons"):
         lines += ["", "prefetch saving vs no prefetch, same layout and RAM, ms/token (95% intervals as above; agrees "
                       f"inside the measured interval or within +/-{v['prefetch_comparisons'][0]['tolerance']:.0%} of it)"]
@@ -387,6 +399,7 @@ def format_validation(v: dict) -> str:
                 judged = "drift-controlled"
             lines.append(f"    judged on the {judged} saving: {'within' if x['within_tolerance'] else 'not within'} "
                          f"+/-{x['tolerance']:.0%}, {_agreement(x)}; {x['words']}")
+            lines += _at_run_speed(x)
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)
 

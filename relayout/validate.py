@@ -655,6 +655,30 @@ def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict]) -> dic
     return {"predicted_saving": p, "measured_saving": {**_over_repetitions(each), "repetitions": each}}
 
 
+def speed_normalized_savings(base_measured, base_predicted: float, base_at_run, new_measured, new_predicted: float,
+                             new_at_run) -> list[float]:
+    """Per repetition, the measured saving of ``new`` over ``base`` with each run brought to the
+    profile's speed by the model's own sensitivity to speed (s/token).
+
+    Parameters
+    ----------
+    base_measured, new_measured : per repetition, the run's measured S (s/token).
+    base_predicted, new_predicted : S predicted on the profile as calibrated (s/token).
+    base_at_run, new_at_run : per repetition, S predicted at the speed the run's drive served it
+        (:func:`at_run_speed`).
+
+    Returns
+    -------
+    ``base_measured * base_predicted / base_at_run - new_measured * new_predicted / new_at_run``
+    per repetition. If each run measured ``(1 + e)`` times its prediction at its own speed, this is
+    ``base_predicted * (1 + e_base) - new_predicted * (1 + e_new)``: the predicted saving exactly
+    when the model errs alike on both layouts, whatever the disk's speed did between the runs.
+    What remains in it is the model's error on the saving, plus the runs' noise.
+    """
+    return [float(b * base_predicted / ba - n * new_predicted / na)
+            for b, ba, n, na in zip(base_measured, base_at_run, new_measured, new_at_run)]
+
+
 def drift_controlled_savings(base_total, base_control, new_total, new_control, tokens: float) -> tuple[list, float] | None:
     """Per repetition, the saving of ``new`` over ``base`` with the disk's drift taken out by a
     control layer that ``new`` cannot change (s/token), and the drift factor used.
@@ -711,6 +735,25 @@ def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], r
             "judged_on": "drift_controlled"}
 
 
+def _run_stalls(runs: list[dict]) -> list[float]:
+    """Each measured run's S (s/token)."""
+    return [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
+
+
+def _saving_at_run_speed(predicted_s: float, base: tuple, new: tuple) -> dict | None:
+    """The measured saving at equal disk speed (:func:`speed_normalized_savings`) over the
+    repetitions and how the predicted saving stands against it (:func:`_judge`): a diagnosis
+    beside the plain comparison, which the verdict rests on. ``base``, ``new``: (measured S per
+    repetition, S predicted on the profile, :func:`at_run_speed` per repetition)."""
+    (bm, bp, ba), (nm, npred, na) = base, new
+    if not ba or not na or any(x is None for x in ba + na):
+        return None
+    each = speed_normalized_savings(bm, bp, [x["predicted_stall_per_token_s"] for x in ba],
+                                    nm, npred, [x["predicted_stall_per_token_s"] for x in na])
+    m = {**_over_repetitions(each), "repetitions": each}
+    return {"measured": m, **_judge(predicted_s, m)}
+
+
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
@@ -718,7 +761,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         for m in methods:
             steps, summ, _ = predicted[(m, pf, frac)]
             runs = measured[(m, pf, frac)]
-            each = [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
+            each = _run_stalls(runs)
             iv = _over_repetitions(each)
             mean = iv["estimate_s"]
             pred = summ.stall_per_token_s
@@ -761,6 +804,9 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)])
             p, mm = x["predicted_saving"], x["measured_saving"]
             x.update(_judge(p["estimate_s"], mm))
+            x["at_run_speed"] = _saving_at_run_speed(p["estimate_s"], *(
+                (_run_stalls(measured[k]), predicted[k][1].stall_per_token_s, at_run[k])
+                for k in (("stock", pf, frac), (m, pf, frac))))
             tpot_p = base_sum.tpot_s
             tpot_m = float(np.mean([r["tpot_s"] for r in base_runs]))
             gate_p = p["low_s"] >= GATE_THRESHOLD * tpot_p
@@ -779,6 +825,9 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             for m in methods:
                 x = _prefetch_saving(predicted[(m, "none", frac)], predicted[(m, pf, frac)], measured[(m, "none", frac)],
                                      measured[(m, pf, frac)])
+                x["at_run_speed"] = _saving_at_run_speed(x["predicted_saving"]["estimate_s"], *(
+                    (_run_stalls(measured[k]), predicted[k][1].stall_per_token_s, at_run[k])
+                    for k in ((m, "none", frac), (m, pf, frac))))
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
@@ -911,6 +960,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  f"against {sum(abs(r - 1) <= PLOT_BAND for r in ratios)} of {len(ratios)} on the profile as calibrated)")
     at_run = [c["at_run_speed"]["ratio"] for c in cells if c.get("at_run_speed") and c["at_run_speed"]["ratio"]]
     run_within = max(abs(r - 1) for r in at_run) if at_run else None
+    run_savings = [c["at_run_speed"] for c in comparisons if c.get("at_run_speed")]
+    run_pf = [c["at_run_speed"] for c in prefetch_comparisons if c.get("at_run_speed")]
     if at_run:
         scales = [f for c in cells if c.get("at_run_speed") for f in c["at_run_speed"]["scales"]]
         text += (f". At the speed each run's disk served its reads (the run's drive bytes over the time the drive was "
@@ -918,6 +969,17 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  f"{min(at_run):.2f}-{max(at_run):.2f} ({sum(abs(r - 1) <= PLOT_BAND for r in at_run)} of {len(at_run)} "
                  f"cells within +/-{PLOT_BAND:.0%}): this tests the read path, queueing and overlap with compute, "
                  "not a forecast of the disk's speed")
+        compute = max((c["predicted_tpot_s"] - c["predicted_stall_per_token_s"]) / c["predicted_stall_per_token_s"]
+                      for c in cells if c["predicted_stall_per_token_s"] > 0)
+        if compute < TOLERANCE:
+            text += (f", and with compute at most {compute:.0%} of S here, S is mostly drive time and this check is close "
+                     "to an identity: what it shows is that the gap on the profile is the disk's speed")
+        for what, xs in (("layout", run_savings), ("prefetch", run_pf)):
+            if xs:
+                width = max((x["measured"]["high_s"] - x["measured"]["low_s"]) / 2 for x in xs) * 1e3
+                text += (f"; at equal disk speed the predicted {what} saving lies inside the measured interval in "
+                         f"{sum(x['predicted_inside_measured'] for x in xs)} of {len(xs)} (half-widths up to "
+                         f"{width:.1f} ms/token), ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
     slow = []
     if first_read:
         fastest = max(r["rate_Bps"] or 0.0 for r in first_read.values())
@@ -931,6 +993,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "run_speed_within": run_within,
             "run_speed_cells_within_band": sum(abs(r - 1) <= PLOT_BAND for r in at_run) if at_run else None,
+            "run_speed_savings_inside": sum(x["predicted_inside_measured"] for x in run_savings) if run_savings else None,
+            "run_speed_prefetch_inside": sum(x["predicted_inside_measured"] for x in run_pf) if run_pf else None,
             "first_read_slow": [m for m, _ in slow],
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,

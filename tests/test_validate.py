@@ -19,6 +19,7 @@ from relayout.validate import (
     WORK_NAME,
     cell_agreement,
     drift_controlled_savings,
+    speed_normalized_savings,
     summarize_validation,
 )
 from replay.stats import repetition_interval
@@ -79,6 +80,12 @@ def _check_record(v: dict) -> None:
     assert m["repetitions"] == pytest.approx([a - b for a, b in zip(stock["measured_stall_per_token_s"]["repetitions"],
                                                                     louvain["measured_stall_per_token_s"]["repetitions"])])
     assert x["agreement"] in ("agrees", "disagrees") and "within_tolerance" not in x
+    a = x["at_run_speed"]                                # each run brought to the profile's speed, then paired
+    assert a["measured"]["repetitions"] == pytest.approx(speed_normalized_savings(
+        stock["measured_stall_per_token_s"]["repetitions"], stock["predicted_stall_per_token_s"],
+        stock["at_run_speed"]["predicted_stall_per_token_s"], louvain["measured_stall_per_token_s"]["repetitions"],
+        louvain["predicted_stall_per_token_s"], louvain["at_run_speed"]["predicted_stall_per_token_s"]))
+    assert a["agreement"] in ("agrees", "disagrees") and isinstance(a["predicted_inside_measured"], bool)
     assert v["prefetch_comparisons"] == []               # no prefetch source measured
     assert isinstance(x["predicted_inside_measured"], bool) and isinstance(x["measured_excludes_zero"], bool)
     assert x["sign_agrees"] in (True, False, None) and (x["sign_agrees"] is None) == (not x["measured_excludes_zero"])
@@ -380,3 +387,19 @@ def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
     assert x["predicted_stall_per_token_s"] == pytest.approx(slow_stall, rel=1e-3)
     assert x["modelled_rate_Bps"] == pytest.approx(slow_rate, rel=1e-3)
     assert at_run_speed(stall_and_rate, device, None) is None
+
+
+def test_speed_normalized_savings_remove_the_disks_speed_not_the_models_error():
+    """Two layouts whose runs measured exactly what the model predicts at each run's speed give
+    the predicted saving whatever the disk did between them; a model 10% wrong on one layout
+    only shows that 10% of its S."""
+    pred_base, pred_new = 0.300, 0.250                  # s/token on the profile
+    speeds = [(0.5, 1.4), (1.2, 0.7), (1.0, 1.0)]        # each repetition: the base run's and the new run's disk speed
+    base_at = [pred_base / f for f, _ in speeds]         # S predicted at each run's speed (a drive-bound S scales as 1/f)
+    new_at = [pred_new / g for _, g in speeds]
+    exact = speed_normalized_savings(base_at, pred_base, base_at, new_at, pred_new, new_at)
+    assert exact == pytest.approx([0.05] * 3)
+    off = speed_normalized_savings(base_at, pred_base, base_at, [1.1 * x for x in new_at], pred_new, new_at)
+    assert off == pytest.approx([0.05 - 0.1 * pred_new] * 3)
+    naive = [b - n for b, n in zip(base_at, new_at)]     # the plain paired saving sees the disk
+    assert max(naive) - min(naive) > 0.3
