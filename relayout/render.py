@@ -335,8 +335,10 @@ def _at_run_speed(x: dict) -> list[str]:
     if not a:
         return []
     m, ms = a["measured"], 1e3
+    close = ("" if "within_tolerance" not in a else
+             f"{'within' if a['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}, ")
     return [f"    at equal disk speed (diagnosis): measured {m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, "
-            f"{m['high_s'] * ms:+.2f}], {_agreement(a)}"]
+            f"{m['high_s'] * ms:+.2f}], {close}{_agreement(a)}"]
 
 
 def format_validation(v: dict) -> str:
@@ -358,15 +360,16 @@ def format_validation(v: dict) -> str:
                      + ", ".join(f"{m} {r['rate_Bps'] / 1e9:.2f} GB/s" for m, r in v["first_read"].items() if r["rate_Bps"]))
     lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S [95% over reps] (each rep)':>46}"
                   f"{'pred/meas':>11}{'':<12}" + (f"{'at probed speed':>17}" if drift else "")
-                  + (f"{'at run speed':>14}" if any(c.get("at_run_speed") for c in v["cells"]) else "")]
+                  + (f"{'at run speed':>14}{'at neighbours':>15}" if any(c.get("at_run_speed") for c in v["cells"]) else "")]
     for c in v["cells"]:
         m = c["measured_stall_per_token_s"]
         each = " ".join(f"{x * ms:.2f}" for x in m["repetitions"])
         ratio = "n/a" if c["ratio"] is None else f"{c['ratio']:.2f}"
         probed = c.get("at_probed_speed")
         at_probe = "" if not drift else f"{'n/a' if not probed or probed['ratio'] is None else format(probed['ratio'], '.2f'):>17}"
-        run_speed = c.get("at_run_speed")
-        at_run = f"{format(run_speed['ratio'], '.2f') if run_speed and run_speed['ratio'] is not None else 'n/a':>14}"
+        run_speed, near = c.get("at_run_speed"), c.get("at_neighbour_speed")
+        at_run = (f"{format(run_speed['ratio'], '.2f') if run_speed and run_speed['ratio'] is not None else 'n/a':>14}"
+                  f"{format(near['ratio'], '.2f') if near and near['ratio'] is not None else 'n/a':>15}")
         measured = f"{m['mean'] * ms:.2f} [{m['low'] * ms:.2f}, {m['high'] * ms:.2f}] ({each})"
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
                      f"  {measured:>44}{ratio:>11}  {c['agreement'].upper() if c['agreement'] == 'disagrees' else c['agreement']:<10}"

@@ -25,7 +25,9 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    measured run is also predicted at the rate its own drive served it (:func:`at_run_speed`:
    the run's drive bytes over the time a drive load was under way, the model scaled until its
    own rate agrees), which separates the model's read path, queueing and overlap with compute
-   from the forecast of a drifting disk's speed; a diagnosis too;
+   from the forecast of a drifting disk's speed; and at the speed of the runs measured just
+   before and after it (:func:`neighbour_scales`), which tests the prediction on a measurement
+   its speed was not read off; diagnoses too;
 4. compares: predicted/measured S per cell, with the measured S's 95% interval over the
    repetitions (each repetition one unit: the disk's drift between runs is the larger part of
    the uncertainty, and no resampling of steps within runs sees it); per non-stock layout the
@@ -463,12 +465,14 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         # measurements: cold, the layouts interleaved within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
+        run_order = []                               # (layout, prefetch, RAM fraction), in the order measured
         bar = tqdm(total=reps * n_runs, desc="validate: measured runs", unit="run", disable=None if progress else True)
         try:
             for rep in range(reps):
                 for ci, (pf, frac) in enumerate(cells):
                     cfg = config_of(pf, frac)
                     for m in measurement_order(methods, rep, ci):
+                        run_order.append((m, pf, frac))
                         run_id = f"{m}-ram{frac:g}-{pf}-rep{rep}"
                         out = run_dir / f"{run_id}.jsonl"
                         res = measure(Container.open(lay.dirs[m]), trace, mask, cfg, out, run_id=run_id, progress=False,
@@ -512,10 +516,25 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
                 at_run[(m, pf, frac)] = [at_run_speed(stall_and_rate, device, r["drive_rate_Bps"])
                                          for r in measured[(m, pf, frac)]]
+        seen = {k: 0 for k in at_run}
+        sequence = []                                # each measured run's at_run entry, in the order measured
+        for k in run_order:
+            sequence.append((k, at_run[k][seen[k]]))
+            seen[k] += 1
+        near = neighbour_scales([x["scale"] if x else None for _, x in sequence])
+        at_near = {k: [] for k in at_run}
+        for (k, _), f in zip(sequence, near):
+            m, pf, frac = k
+            if f is None:
+                at_near[k].append(None)
+                continue
+            inst, usage = simulate(trace, mask, lay.layouts[m], device.scaled(f), config_of(pf, frac), coupling=coupling)
+            at_near[k].append({"scale": f, "predicted_stall_per_token_s":
+                               summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s})
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
                          base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read,
-                         at_run)
+                         at_run, at_near)
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -587,6 +606,18 @@ def at_run_speed(stall_and_rate, device, measured_rate: float | None) -> dict | 
         f *= measured_rate / rate
         stall, rate = stall_and_rate(device.scaled(f))
     return {"scale": f, "predicted_stall_per_token_s": stall, "measured_rate_Bps": measured_rate, "modelled_rate_Bps": rate}
+
+
+def neighbour_scales(scales: list) -> list:
+    """For each run, in the order the runs were measured, the mean of the speed factors
+    (:func:`at_run_speed`'s ``scale``) of the runs measured just before and just after it: the
+    disk's speed around a run, read off other runs, so a prediction at it is tested on a
+    measurement its speed was not taken from. None where no neighbour has a factor."""
+    out = []
+    for j in range(len(scales)):
+        near = [scales[i] for i in (j - 1, j + 1) if 0 <= i < len(scales) and scales[i] is not None]
+        out.append(float(np.mean(near)) if near else None)
+    return out
 
 
 def _drift(probe_file: Path, probe_size: int, depth: int, rates: list[float], device) -> dict:
@@ -740,22 +771,23 @@ def _run_stalls(runs: list[dict]) -> list[float]:
     return [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
 
 
-def _saving_at_run_speed(predicted_s: float, base: tuple, new: tuple) -> dict | None:
+def _saving_at_run_speed(predicted_s: float, base: tuple, new: tuple, tolerance: float | None = None) -> dict | None:
     """The measured saving at equal disk speed (:func:`speed_normalized_savings`) over the
     repetitions and how the predicted saving stands against it (:func:`_judge`): a diagnosis
     beside the plain comparison, which the verdict rests on. ``base``, ``new``: (measured S per
-    repetition, S predicted on the profile, :func:`at_run_speed` per repetition)."""
+    repetition, S predicted on the profile, :func:`at_run_speed` per repetition); ``tolerance``
+    as :func:`_judge` takes it."""
     (bm, bp, ba), (nm, npred, na) = base, new
     if not ba or not na or any(x is None for x in ba + na):
         return None
     each = speed_normalized_savings(bm, bp, [x["predicted_stall_per_token_s"] for x in ba],
                                     nm, npred, [x["predicted_stall_per_token_s"] for x in na])
     m = {**_over_repetitions(each), "repetitions": each}
-    return {"measured": m, **_judge(predicted_s, m)}
+    return {"measured": m, **_judge(predicted_s, m, tolerance)}
 
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
-            reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run) -> dict:
+            reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
     for pf, frac in cells:
         for m in methods:
@@ -777,6 +809,12 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 run_speed = {"scales": [x["scale"] for x in runs_at], "predicted_stall_per_token_s": each_at,
                              "measured_rate_Bps": [x["measured_rate_Bps"] for x in runs_at],
                              "ratio": float(np.mean(each_at)) / mean if mean > 0 else None}
+            near = at_near[(m, pf, frac)]
+            near_speed = None
+            if near and all(x is not None for x in near):
+                each_near = [x["predicted_stall_per_token_s"] for x in near]
+                near_speed = {"scales": [x["scale"] for x in near], "predicted_stall_per_token_s": each_near,
+                              "ratio": float(np.mean(each_near)) / mean if mean > 0 else None}
             recall = None
             if pf != "none":
                 recall = {"predicted": summ.prefetch.timely_required_byte_recall if summ.prefetch else None,
@@ -794,6 +832,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "agreement": cell_agreement(pred, mean, iv["low_s"], iv["high_s"]),
                 "at_probed_speed": adjusted,
                 "at_run_speed": run_speed,
+                "at_neighbour_speed": near_speed,
                 "timely_required_byte_recall": recall,
             })
         base_steps, base_sum, _ = predicted[("stock", pf, frac)]
@@ -827,7 +866,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                                      measured[(m, pf, frac)])
                 x["at_run_speed"] = _saving_at_run_speed(x["predicted_saving"]["estimate_s"], *(
                     (_run_stalls(measured[k]), predicted[k][1].stall_per_token_s, at_run[k])
-                    for k in ((m, "none", frac), (m, pf, frac))))
+                    for k in ((m, "none", frac), (m, pf, frac))), tolerance=PREFETCH_TOLERANCE)
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
@@ -878,7 +917,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     with each repetition predicted at its probed speed (the cells' ``at_probed_speed``), a
     diagnosis: the verdict stays on the calibrated profile's predictions. So do the cells'
     ``at_run_speed`` predictions (:func:`at_run_speed`: each run predicted at the rate its own
-    disk served it), which the sentence reports when the records carry I/O counts. ``first_read``: each
+    disk served it) and ``at_neighbour_speed`` ones (at the rate of the runs measured just before
+    and after it, :func:`neighbour_scales`), which the sentence reports when the records carry I/O
+    counts. ``first_read``: each
     layout's read-once rate (:func:`_read_each_once`); one below :data:`FIRST_READ_SLOW` of the
     fastest is named, with what it means for measuring a rewrite on this disk."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
@@ -960,6 +1001,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  f"against {sum(abs(r - 1) <= PLOT_BAND for r in ratios)} of {len(ratios)} on the profile as calibrated)")
     at_run = [c["at_run_speed"]["ratio"] for c in cells if c.get("at_run_speed") and c["at_run_speed"]["ratio"]]
     run_within = max(abs(r - 1) for r in at_run) if at_run else None
+    at_near = [c["at_neighbour_speed"]["ratio"] for c in cells
+               if c.get("at_neighbour_speed") and c["at_neighbour_speed"]["ratio"]]
     run_savings = [c["at_run_speed"] for c in comparisons if c.get("at_run_speed")]
     run_pf = [c["at_run_speed"] for c in prefetch_comparisons if c.get("at_run_speed")]
     if at_run:
@@ -974,12 +1017,19 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         if compute < TOLERANCE:
             text += (f", and with compute at most {compute:.0%} of S here, S is mostly drive time and this check is close "
                      "to an identity: what it shows is that the gap on the profile is the disk's speed")
+        if at_near:
+            text += (f". At the speed of the runs measured just before and after each run (read off those runs, not "
+                     f"the run itself: a test of the prediction with the disk's drift followed), predicted/measured S "
+                     f"is {min(at_near):.2f}-{max(at_near):.2f} ({sum(abs(r - 1) <= PLOT_BAND for r in at_near)} of "
+                     f"{len(at_near)} cells within +/-{PLOT_BAND:.0%})")
         for what, xs in (("layout", run_savings), ("prefetch", run_pf)):
             if xs:
                 width = max((x["measured"]["high_s"] - x["measured"]["low_s"]) / 2 for x in xs) * 1e3
+                close = (f", within +/-{PREFETCH_TOLERANCE:.0%} of it in {sum(x['within_tolerance'] for x in xs)}"
+                         if what == "prefetch" else "")
                 text += (f"; at equal disk speed the predicted {what} saving lies inside the measured interval in "
                          f"{sum(x['predicted_inside_measured'] for x in xs)} of {len(xs)} (half-widths up to "
-                         f"{width:.1f} ms/token), ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
+                         f"{width:.1f} ms/token){close}, ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
     slow = []
     if first_read:
         fastest = max(r["rate_Bps"] or 0.0 for r in first_read.values())
@@ -993,8 +1043,11 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "run_speed_within": run_within,
             "run_speed_cells_within_band": sum(abs(r - 1) <= PLOT_BAND for r in at_run) if at_run else None,
+            "neighbour_speed_within": max(abs(r - 1) for r in at_near) if at_near else None,
+            "neighbour_speed_cells_within_band": sum(abs(r - 1) <= PLOT_BAND for r in at_near) if at_near else None,
             "run_speed_savings_inside": sum(x["predicted_inside_measured"] for x in run_savings) if run_savings else None,
             "run_speed_prefetch_inside": sum(x["predicted_inside_measured"] for x in run_pf) if run_pf else None,
+            "run_speed_prefetch_within_tolerance": sum(x["within_tolerance"] for x in run_pf) if run_pf else None,
             "first_read_slow": [m for m, _ in slow],
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,

@@ -67,6 +67,12 @@ def _check_record(v: dict) -> None:
         a = c["at_run_speed"]
         assert len(a["scales"]) == 2 and all(f > 0 for f in a["scales"]) and all(r > 0 for r in a["measured_rate_Bps"])
         assert a["ratio"] == pytest.approx(sum(a["predicted_stall_per_token_s"]) / 2 / c["measured_stall_per_token_s"]["mean"])
+        n = c["at_neighbour_speed"]
+        assert len(n["scales"]) == 2 and all(f > 0 for f in n["scales"])
+        assert n["ratio"] == pytest.approx(sum(n["predicted_stall_per_token_s"]) / 2 / c["measured_stall_per_token_s"]["mean"])
+    first_run = next(c for c in v["cells"] if c["layout"] == "stock")   # rep 0 measures stock first, then louvain
+    louvain_r0 = next(c for c in v["cells"] if c["layout"] == "louvain")["at_run_speed"]["scales"][0]
+    assert first_run["at_neighbour_speed"]["scales"][0] == pytest.approx(louvain_r0)
     first = v["first_read"]                             # every container read once, whole, before measuring
     assert set(first) == {"stock", "louvain"} and all(r["rate_Bps"] > 0 for r in first.values())
     assert first["stock"]["bytes"] == sum(p.stat().st_size for p in Path(v["container"]["path"]).iterdir() if p.is_file())
@@ -403,3 +409,11 @@ def test_speed_normalized_savings_remove_the_disks_speed_not_the_models_error():
     assert off == pytest.approx([0.05 - 0.1 * pred_new] * 3)
     naive = [b - n for b, n in zip(base_at, new_at)]     # the plain paired saving sees the disk
     assert max(naive) - min(naive) > 0.3
+
+
+def test_neighbour_scales_come_from_the_runs_around_each_run_never_itself():
+    from relayout.validate import neighbour_scales
+
+    assert neighbour_scales([1.0, 2.0, 4.0, None, 8.0]) == [2.0, 2.5, 2.0, 6.0, None]
+    assert neighbour_scales([3.0]) == [None]
+    assert neighbour_scales([]) == []
