@@ -2,15 +2,16 @@
 
 What a user runs before trusting a gate on their own storage (issue 12). It
 
-1. calibrates the disk holding ``PATH`` (:func:`replay.calibrate.calibrate`) unless a device
-   profile is given, and saves the profile next to the output;
-2. takes a container on that disk (``--container``, only ever read) or builds a synthetic
+1. takes a container on that disk (``--container``, only ever read) or builds a synthetic
    GLM-5.2 int4-row container with full-size 18.9 MB experts, about ``gb`` GB, in a work
    directory under ``PATH``; synthesises a routing trace for it (:data:`TRACE_SESSIONS`
    sessions, of which the last :data:`HELD_OUT_SESSIONS` are held out), plans each layout
    (``stock``, ``louvain``, ``random``) and rewrites the non-stock ones next to it;
-3. reads every container once (:func:`_read_each_once`: a virtual disk may serve a block slower
-   the first time it is read, which would favour the freshly written copies); then, for every
+2. reads every container once (:func:`_read_each_once`: a virtual disk may serve a block slower
+   the first time it is read, which would favour the freshly written copies);
+3. calibrates the disk holding ``PATH`` (:func:`replay.calibrate.calibrate`) unless a device
+   profile is given, on the stock container's largest file when it can
+   (:func:`calibration_target`), and saves the profile next to the output; then, for every
    cell (layout x RAM budget x prefetch source), measures S for real
    (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts interleaved (in a balanced,
    rotating order: :func:`measurement_order`) within each
@@ -400,16 +401,18 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         device_source = f"given: {o.device}"
     work = WorkDir(o.path)
     try:
+        src, manifest, trace, lay, synthetic = _prepare(o, work, notify)
+        first_read = _read_each_once(lay.dirs, progress)
         if not o.device:
-            notify(f"calibrating the disk holding {o.path} ({CALIBRATION_SECONDS:g} s per cell, {CALIBRATION_MB} MiB test file)")
-            profile = calibrate(o.path, CALIBRATION_MB, CALIBRATION_SECONDS, f"calibrated-{o.path.resolve().name or 'disk'}")
+            target = calibration_target(lay.dirs["stock"], o.path)
+            notify(f"calibrating the disk holding {o.path} on {target} ({CALIBRATION_SECONDS:g} s per cell"
+                   + (f", {CALIBRATION_MB} MiB test file)" if target.is_dir() else ", reading it only)"))
+            profile = calibrate(target, CALIBRATION_MB, CALIBRATION_SECONDS, f"calibrated-{o.path.resolve().name or 'disk'}")
             profile_path = o.output.with_name(o.output.stem + ".device.json")
             write_json_atomic(profile_path, profile)
             device = load_device(str(profile_path))
-            device_source = f"calibrated on {o.path}, saved as {profile_path}"
+            device_source = f"calibrated on {target}, saved as {profile_path}"
             notify(f"wrote {profile_path}")
-        src, manifest, trace, lay, synthetic = _prepare(o, work, notify)
-        first_read = _read_each_once(lay.dirs, progress)
         plans = list(lay.plans.values())
         mask_all, held = evaluation_forwards(trace, plans)
         available = int(mask_all.sum())
@@ -543,6 +546,21 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     finally:
         if not o.keep:
             work.remove()
+
+
+def calibration_target(container_dir: Path, path: Path) -> Path:
+    """What ``validate`` calibrates on: the largest safetensors file of the stock container
+    (only read), once every container has been read once, when it lies on the file system of
+    ``path`` and holds the calibration's largest reads; else ``path``, where a test file is
+    written. The runs then read data the calibration read too, in the same state: this VM's disk
+    read a freshly written test file at other speeds than the containers read once before
+    (2026-12-02, two runs: each run's disk 0.91-1.70 times as fast as the test-file profile)."""
+    from replay.calibrate import MIN_FILE_BYTES
+
+    files = sorted(Path(container_dir).glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    if files and files[-1].stat().st_size >= MIN_FILE_BYTES and os.stat(files[-1]).st_dev == os.stat(path).st_dev:
+        return files[-1]
+    return Path(path)
 
 
 def _read_each_once(dirs: dict, progress: bool) -> dict:
@@ -786,6 +804,20 @@ def _saving_at_run_speed(predicted_s: float, base: tuple, new: tuple, tolerance:
     return {"measured": m, **_judge(predicted_s, m, tolerance)}
 
 
+def _predicted_at(entries: list, measured_mean: float) -> dict | None:
+    """A cell's repetitions predicted at other speeds (:func:`at_run_speed`, or the neighbours'
+    speed): the factors, the predictions (s/token), the measured drive rates where known, and
+    the mean prediction over the measured mean S. None when a repetition has none."""
+    if not entries or any(x is None for x in entries):
+        return None
+    each = [x["predicted_stall_per_token_s"] for x in entries]
+    out = {"scales": [x["scale"] for x in entries], "predicted_stall_per_token_s": each,
+           "ratio": float(np.mean(each)) / measured_mean if measured_mean > 0 else None}
+    if "measured_rate_Bps" in entries[0]:
+        out["measured_rate_Bps"] = [x["measured_rate_Bps"] for x in entries]
+    return out
+
+
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
@@ -802,19 +834,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 each_pred = probed[(m, pf, frac)]
                 adjusted = {"predicted_stall_per_token_s": each_pred,
                             "ratio": float(np.mean(each_pred)) / mean if mean > 0 else None}
-            runs_at = at_run[(m, pf, frac)]
-            run_speed = None
-            if runs_at and all(x is not None for x in runs_at):
-                each_at = [x["predicted_stall_per_token_s"] for x in runs_at]
-                run_speed = {"scales": [x["scale"] for x in runs_at], "predicted_stall_per_token_s": each_at,
-                             "measured_rate_Bps": [x["measured_rate_Bps"] for x in runs_at],
-                             "ratio": float(np.mean(each_at)) / mean if mean > 0 else None}
-            near = at_near[(m, pf, frac)]
-            near_speed = None
-            if near and all(x is not None for x in near):
-                each_near = [x["predicted_stall_per_token_s"] for x in near]
-                near_speed = {"scales": [x["scale"] for x in near], "predicted_stall_per_token_s": each_near,
-                              "ratio": float(np.mean(each_near)) / mean if mean > 0 else None}
+            run_speed, near_speed = (_predicted_at(x[(m, pf, frac)], mean) for x in (at_run, at_near))
             recall = None
             if pf != "none":
                 recall = {"predicted": summ.prefetch.timely_required_byte_recall if summ.prefetch else None,

@@ -68,6 +68,8 @@ def _open(path: Path) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
+MIN_FILE_BYTES = 64 * 1024 * 1024
+"""The smallest file calibration reads (twice its largest test read)."""
 MIN_CELL_SECONDS = 0.05
 MAX_CELL_SECONDS = 60.0
 
@@ -200,7 +202,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         path = made
     elif target.is_file():
         path = target
-        if path.stat().st_size < 64 * 1024 * 1024:
+        if path.stat().st_size < MIN_FILE_BYTES:
             raise InputError(path, "too small to calibrate on (needs >= 64 MB); give its directory instead")
     else:
         raise InputError(target, "no such file or directory")

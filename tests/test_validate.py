@@ -417,3 +417,18 @@ def test_neighbour_scales_come_from_the_runs_around_each_run_never_itself():
     assert neighbour_scales([1.0, 2.0, 4.0, None, 8.0]) == [2.0, 2.5, 2.0, 6.0, None]
     assert neighbour_scales([3.0]) == [None]
     assert neighbour_scales([]) == []
+
+
+def test_calibration_reads_the_stock_containers_largest_file_when_it_can(tmp_path):
+    """validate calibrates on data its runs read (the stock container's largest file, only read)
+    when that file is large enough; else it writes a test file in PATH."""
+    from relayout.validate import calibration_target
+    from replay.calibrate import MIN_FILE_BYTES
+
+    c = tmp_path / "stock"
+    c.mkdir()
+    (c / "a.safetensors").write_bytes(b"x" * 100)
+    assert calibration_target(c, tmp_path) == tmp_path               # too small: a test file in PATH
+    with open(c / "b.safetensors", "wb") as f:                       # sparse, the size is what counts
+        f.truncate(MIN_FILE_BYTES)
+    assert calibration_target(c, tmp_path) == c / "b.safetensors"
