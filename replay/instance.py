@@ -114,14 +114,14 @@ session that last read each expert's scales, whose pages the OS then caches; -1 
 
 # ------------------------------------------------------------------------ per-call working arrays
 
-Misses = namedtuple("Misses", "expert top comp first ready lookup wlen sbytes skip wjob sjob wait")
+Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait")
 """One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
 resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (its
 first access in the session: its scales are not yet in the page cache); ``ready`` (>= 0: a
 prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` (weight bytes
 it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
 ``sjob`` (the jobs carrying its weights and its scales); ``wait`` (s the compute thread waited for
-it). ``lookup``: the misses in lookup order, for the LRU."""
+it)."""
 
 Jobs = namedtuple("Jobs", "first_read tail done")
 """The reader pool's jobs [2K]: ``first_read`` [2K+1] (each job's first read; one past the
@@ -162,7 +162,7 @@ def new_work(K, E, W, M, Q):
     array members of ``Q`` queue slots (a job has at most three weight reads or one span, and three
     scale reads)."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
-                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
+                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K))
     jobs = Jobs(np.empty(2 * K + 1, np.int64), np.empty(2 * K), np.empty(2 * K))
     R = max(8 * K, 7)
@@ -275,7 +275,8 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
 
     An expert is served by the pinned store, then the layer's LRU, then (with no LRU) a prefetch
     that completed before routing; a prefetch still in flight makes a miss that waits for it
-    instead of reading. The misses then enter the LRU. Counts the union, hits, compute time (dense and
+    instead of reading. The misses then enter the LRU in issue (physical) order, the order their
+    loads complete in and the harness (:mod:`replay.measure`) inserts them in. Counts the union, hits, compute time (dense and
     matmuls) and the prefetch metrics. Returns the number of misses and the compute on resident work (s): the
     matmuls of experts in RAM and the top parts of missing experts whose top segment is resident.
     """
@@ -288,7 +289,7 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
     miss_e, miss_top, miss_comp, miss_first, miss_ready = miss.expert, miss.top, miss.comp, miss.first, miss.ready
     res, pf = out.instance, out.prefetch
     no_cache = lru.capacity[li] <= 0
-    k, hits, n_missed = 0, 0, 0
+    k, hits = 0, 0
     union_bytes, matmul, on_hits, on_tops = 0.0, 0.0, 0.0, 0.0
     for j in range(a, b):
         e = sel_e[j]
@@ -312,8 +313,6 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
                 pf.timely_n[i] += 1
                 pf.slack[i] += -pf_ready[e]
             continue
-        miss.lookup[n_missed] = e
-        n_missed += 1
         if top_resident[e]:
             on_tops += comp * top_fraction
         q = k                                    # insert by physical place
@@ -324,8 +323,8 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
         miss_e[q], miss_top[q], miss_comp[q], miss_first[q] = e, top_resident[e], comp, first
         miss_ready[q] = pf_ready[e] if prefetched and pf_ready[e] > 0 else -1.0
         k += 1
-    for m in range(n_missed):
-        lru_add(lru, li, miss.lookup[m])
+    for m in range(k):                           # in issue order, as their loads complete and the runtime stamps them
+        lru_add(lru, li, miss_e[m])
     for p in range(pf_n):                        # prefetched, not selected: wasted (an LRU keeps them)
         e = pending.experts[p]
         if not _selected(e, sel_e, a, b):

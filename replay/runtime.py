@@ -41,23 +41,30 @@ def lru_hits(
     sel_expert: np.ndarray,
     capacity: np.ndarray,
     pinned: np.ndarray,
+    rank: np.ndarray | None = None,
 ) -> np.ndarray:
     """Which union selections are served from RAM, demand loads only (the replay model runs the
     same steps inside its timing loop, where prefetched experts enter the LRU too).
 
     Instances (one per forward and layer) are in time order; instance ``i``'s union experts are
-    ``sel_expert[sel_start[i]:sel_start[i+1]]``, ascending. Returns a boolean hit mask over them.
+    ``sel_expert[sel_start[i]:sel_start[i+1]]``, ascending. ``rank`` [L, E]: each expert's place in
+    its layer's physical order (:func:`replay.engine.layout_arrays`); an instance's misses enter
+    the LRU in that order, the order their loads are issued and complete in (default: by id, the
+    stock order). Returns a boolean hit mask over the selections.
     """
     hits = np.zeros(len(sel_expert), dtype=bool)
+    if rank is None:
+        rank = np.tile(np.arange(pinned.shape[1], dtype=np.int64), (pinned.shape[0], 1))
     _demand_pass(np.asarray(inst_layer, dtype=np.int64), np.asarray(inst_session, dtype=np.int64),
                  np.asarray(sel_start, dtype=np.int64), np.asarray(sel_expert, dtype=np.int64),
-                 np.asarray(pinned, dtype=bool), new_lru(capacity, pinned.shape[1]), hits)
+                 np.asarray(pinned, dtype=bool), np.asarray(rank, dtype=np.int64), new_lru(capacity, pinned.shape[1]), hits)
     return hits
 
 
 @njit(**LOOP)
-def _demand_pass(inst_layer, inst_session, starts, sel_expert, pinned, lru, hits):
-    """Marks ``hits``: pinned experts, then each layer's LRU (see :func:`lru_touch`, :func:`lru_add`)."""
+def _demand_pass(inst_layer, inst_session, starts, sel_expert, pinned, rank, lru, hits):
+    """Marks ``hits``: pinned experts, then each layer's LRU (see :func:`lru_touch`, :func:`lru_add`);
+    an instance's misses enter the LRU by ``rank``."""
     missed = np.empty(max(1, pinned.shape[1]), np.int64)
     for i in range(len(inst_layer)):
         li = inst_layer[i]
@@ -67,7 +74,11 @@ def _demand_pass(inst_layer, inst_session, starts, sel_expert, pinned, lru, hits
             e = sel_expert[j]
             hits[j] = pinned[li, e] or lru_touch(lru, li, e)
             if not hits[j]:
-                missed[n_missed] = e
+                q = n_missed                         # insert by physical place
+                while q > 0 and rank[li, missed[q - 1]] > rank[li, e]:
+                    missed[q] = missed[q - 1]
+                    q -= 1
+                missed[q] = e
                 n_missed += 1
         for m in range(n_missed):
             lru_add(lru, li, missed[m])

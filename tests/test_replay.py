@@ -15,7 +15,7 @@ from containers.geometry import load_geometry
 from containers.layout import Layout
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
+from replay.config import RuntimeConfig, lru_capacities
 from replay.device import ArrayProfile, DriveProfile, load_device, member_split
 from replay.engine import simulate
 from replay.gate import compare
@@ -123,9 +123,11 @@ def test_striping_matches_a_chunk_by_chunk_walk(members, chunk, rule, start, len
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.lists(st.integers(0, 11), max_size=6, unique=True)),
                 min_size=1, max_size=40),
-       st.lists(st.integers(0, 5), min_size=3, max_size=3))
-def test_lru_matches_an_ordered_dict(steps, caps):
-    # instances of up to 3 layers, sessions in runs; the reference is the runtime's LRU written plainly
+       st.lists(st.integers(0, 5), min_size=3, max_size=3), st.randoms(use_true_random=False))
+def test_lru_matches_an_ordered_dict(steps, caps, rnd):
+    # instances of up to 3 layers, sessions in runs; the reference is the runtime's LRU written
+    # plainly: hits refreshed in lookup order, then the misses inserted in physical order
+    rank = np.array([rnd.sample(range(12), 12) for _ in range(3)])
     steps = sorted(steps, key=lambda s: s[1])              # sessions contiguous, as in a trace
     inst_layer = np.array([s[0] for s in steps])
     inst_session = np.array([s[1] for s in steps])
@@ -134,7 +136,7 @@ def test_lru_matches_an_ordered_dict(steps, caps):
     sel_e = np.array([e for x in sels for e in x], dtype=np.int64)
     pinned = np.zeros((3, 12), bool)
     pinned[:, 11] = True
-    got = lru_hits(inst_layer, inst_session, sel_start, sel_e, np.array(caps), pinned)
+    got = lru_hits(inst_layer, inst_session, sel_start, sel_e, np.array(caps), pinned, rank)
     want = []
     caches = {}
     for (li, sess, _), x in zip(steps, sels):
@@ -150,7 +152,7 @@ def test_lru_matches_an_ordered_dict(steps, caps):
                 want.append(False)
                 missed.append(e)
         if caps[li] > 0:
-            for e in missed:
+            for e in sorted(missed, key=lambda e: rank[li, e]):
                 lru[e] = None
             while len(lru) > caps[li]:
                 lru.popitem(last=False)
@@ -453,3 +455,31 @@ def test_top_targets_pads_when_a_layer_has_fewer_experts_than_targets():
     assert targets.shape == counts.shape == (3, 5)
     assert targets[0].tolist() == [1, 2, -1, -1, -1] and counts[0].tolist() == [3, 1, 0, 0, 0]
     assert targets[2].tolist() == [-1] * 5
+
+
+def test_the_models_lru_takes_misses_in_physical_order_as_the_harness_does(tmp_path):
+    """With a layout whose physical order is not the expert ids', the replay model's RAM hits
+    are those of an LRU that inserts each instance's misses in physical order (the order the
+    harness inserts them in, and their loads complete in), not in lookup order: the two orders
+    give different hits here, so a model inserting by id fails."""
+    from replay.engine import layout_arrays
+    from replay.unions import chunk_instances, whole_forward_blocks
+
+    g = load_geometry("glm-5.2-int4-row")
+    tr = synth_trace(g.moe_layers[:3], 256, 8, 400, 2, seed=11, geometry=g.name)
+    src = source_from_geometry(g)
+    save_plan(make_plan(tr, src, "random", progress=False), tmp_path / "plan.json")
+    plan = load_plan(tmp_path / "plan.json")
+    cfg = RuntimeConfig(ram_bytes=int(0.2 * plan.layout.expert_bytes()[:3].sum()))
+    mask = np.ones(tr.n_forwards, bool)
+    inst, _ = simulate(tr, mask, plan.layout, load_device("single-nvme"), cfg)
+    (chunk,) = list(chunk_instances(whole_forward_blocks(tr, tr.n_forwards), mask, tr.fwd_session, plan.layout))
+
+    caps = lru_capacities(cfg.ram_bytes, plan.layout.expert_bytes()[:, 0])
+    pinned = np.zeros((len(plan.layout.layers), plan.layout.n_experts), bool)
+    rank = layout_arrays(plan.layout, cfg, None).rank
+    args = (chunk.layer, chunk.session, chunk.sel_start, chunk.sel_e, caps, pinned)
+    by_place = lru_hits(*args, rank)
+    per_instance = np.add.reduceat(by_place.astype(np.int64), chunk.sel_start[:-1])
+    assert inst.hits.tolist() == per_instance.tolist()
+    assert by_place.tolist() != lru_hits(*args).tolist()
