@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import make_trace
+from numba import njit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from replay.config import RuntimeConfig
 from replay.device import ArrayProfile, DriveProfile, load_device, member_split
 from replay.engine import simulate
 from replay.gate import compare
+from replay.jit import fetch_lines
 from replay.metrics import step_table, summarize
 from replay.planfile import load_plan, save_plan
 from replay.runtime import lru_hits
@@ -453,3 +455,18 @@ def test_top_targets_pads_when_a_layer_has_fewer_experts_than_targets():
     assert targets.shape == counts.shape == (3, 5)
     assert targets[0].tolist() == [1, 2, -1, -1, -1] and counts[0].tolist() == [3, 1, 0, 0, 0]
     assert targets[2].tolist() == [-1] * 5
+
+
+@njit
+def _fetched_sum(a, i):
+    fetch_lines(a[i])
+    fetch_lines(a[i, :0])
+    fetch_lines(a[i, 1:2])
+    return a[i].sum()
+
+
+def test_fetching_rows_into_the_cpu_caches_changes_no_value():
+    a = np.arange(60.0).reshape(3, 20)
+    before = a.copy()
+    assert _fetched_sum(a, 1) == before[1].sum()
+    assert np.array_equal(a, before)
