@@ -106,14 +106,20 @@ so its measured stall-conversion can recover."""
 
 MAX_CANDIDATES = 64
 
-Control = namedtuple("Control", "late_frac cost_ratio gain probes cand key need svc order q_pending q_for waited")
+RANKED_POOL = 64
+"""Up to this many candidates, the C most probable are found by counting, for each, the
+candidates ahead of it (branch-free, vectorised); beyond it, by insertion into a ranked list."""
+
+Control = namedtuple("Control", "late_frac cost_ratio gain probes cand key need svc order q_pending q_for waited "
+                                "pool pool_p")
 """The controller's state (:func:`new_control`). Per layer [L]: ``late_frac`` (lambda, the running
 share of demand misses that made the compute thread wait), ``cost_ratio`` (rho, running stall per
 late miss over its estimated load time), ``gain`` (running stall-conversion, s per instance, for
 backoff), ``probes`` (instances skipped by backoff). Scratch [64] over the candidates: ``cand``,
 ``key``, ``need`` (estimated need time, s), ``svc`` (estimated load time, s), ``order``. For scoring q (policy
 ``observe``): ``q_pending`` [E] (q of the layer being predicted), ``q_for`` [1] (its instance, -1
-none), ``waited`` [E] (scratch: the miss made the compute thread wait)."""
+none), ``waited`` [E] (scratch: the miss made the compute thread wait). Scratch [E] over the
+experts a policy considers: ``pool`` and their probabilities ``pool_p``."""
 
 Prefetcher = namedtuple("Prefetcher", "source control sources fusion charge")
 """What the compiled prefetcher reads and keeps: ``source``, the
@@ -193,7 +199,8 @@ def new_control(L: int, E: int) -> Control:
     return Control(np.ones(L), np.ones(L), np.full(L, 1e-9), np.zeros(L, dtype=np.int64),
                    np.empty(MAX_CANDIDATES, dtype=np.int64), np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES),
                    np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES, dtype=np.int64), np.zeros(E),
-                   np.full(1, -1, dtype=np.int64), np.zeros(E, dtype=np.bool_))
+                   np.full(1, -1, dtype=np.int64), np.zeros(E, dtype=np.bool_), np.empty(E, dtype=np.int64),
+                   np.empty(E))
 
 
 @njit(**HELPER)
@@ -239,7 +246,8 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
     seconds = lay.seconds[nl]
     policy = pol.admission
     # the candidates: the C most probable experts not in RAM (the oracle's: the ones really needed)
-    nc, considered, resident_compute = 0, 0, 0.0
+    pool, pool_p = ctl.pool, ctl.pool_p
+    considered, resident_compute = 0, 0.0
     a, b = inst.sel_start[i + 1], inst.sel_start[i + 2]
     oracle = policy == ORACLE_POLICY
     floor = max(pol.min_probability, 1e-300)
@@ -256,17 +264,9 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         if ram.pinned[nl, e] or lru.cached[nl, e]:
             resident_compute += pe * seconds[e]
             continue
+        pool[considered], pool_p[considered] = e, pe
         considered += 1
-        if nc == C and (oracle or not _ahead(e, cand[C - 1], p)):
-            continue                             # not among the C most probable
-        q = nc
-        while q > 0 and not oracle and _ahead(e, cand[q - 1], p):
-            if q < C:
-                cand[q] = cand[q - 1]
-            q -= 1
-        if q < C:
-            cand[q] = e
-            nc = min(nc + 1, C)
+    nc = _most_probable(pool, pool_p, considered, C, oracle, p, cand)
     if nc == 0:
         return 0
     # budgets: Q slots, B bytes (adaptive: what the drives can deliver before the next routing)
@@ -311,6 +311,43 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
                              charge, out_list)
     _count(i, considered, n_out, n_capped, pf.rejected, pf.capped)
     return n_out
+
+
+@njit(**HELPER)
+def _most_probable(pool, pool_p, n, C, in_order, p, cand):
+    """Fill ``cand`` with the (up to) ``C`` experts of ``pool[:n]`` (probabilities ``pool_p``
+    [n], as ``p`` [E] gives them) that rank first by probability (:func:`_ahead`), or with
+    ``in_order`` the first ``C``; returns how many. The set is exact; its order is not
+    (:func:`choose` puts the candidates in issue order, by their distinct ranks, before any
+    order matters)."""
+    if in_order or n <= C:
+        nc = min(n, C)
+        for c in range(nc):
+            cand[c] = pool[c]
+        return nc
+    if n > RANKED_POOL:
+        nc = 0
+        for x in range(n):
+            e = pool[x]
+            if nc == C and not _ahead(e, cand[C - 1], p):
+                continue
+            q = min(nc, C - 1)
+            while q > 0 and _ahead(e, cand[q - 1], p):
+                cand[q] = cand[q - 1]
+                q -= 1
+            cand[q] = e
+            nc = min(nc + 1, C)
+        return nc
+    nc = 0
+    for x in range(n):
+        px, ex = pool_p[x], pool[x]
+        ahead = 0
+        for y in range(n):
+            ahead += (pool_p[y] > px) | ((pool_p[y] == px) & (pool[y] < ex))
+        if ahead < C:
+            cand[nc] = ex
+            nc += 1
+    return nc
 
 
 @njit(**HELPER)

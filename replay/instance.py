@@ -41,7 +41,7 @@ from .admission import (
     record_outcome,
 )
 from .device import split_read
-from .jit import HELPER, LOOP, STAGE
+from .jit import HELPER, LOOP, STAGE, fetch_lines
 from .predictors import (
     FUSED,
     add_reliability,
@@ -215,6 +215,8 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
     learning = pol.prefetch != 0 and pol.admission != TOP_K     # the controller measures what misses cost
     for i in range(I):
         li = inst_li[i]
+        if i + 1 < I:
+            _fetch_rows(i + 1, inst, table.source, ram, lay, learning, out)
         lru_start(lru, li, inst_session[i])
         if pf_for != i:
             pf_n = 0
@@ -267,6 +269,48 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         drives.busy[0] = max(drives.busy[0] - next_at, 0.0)
     for m in range(dev.members):
         usage.transfer_seconds[m] = drives.member_bytes[m] / dev.bandwidth
+
+
+@njit(**STAGE)
+def _fetch_rows(i, inst, src, ram, lay, choosing, out):
+    """Start bringing into the CPU caches what instance ``i`` reads per union expert (its RAM
+    tiers, layout rows and, for the coupled source, its pair-table rows) and, when its prefetcher
+    ``choosing`` will rank the next layer's experts (:func:`replay.admission.choose`), the rows
+    that ranking scans, so those reads, spread over tables of megabytes, do not each wait for
+    memory in turn when it runs."""
+    li = inst.layer[i]
+    if choosing and li + 1 < len(lay.top_fraction):
+        fetch_lines(ram.pinned[li + 1])
+        fetch_lines(ram.lru.cached[li + 1])
+        fetch_lines(lay.seconds[li + 1])
+        fetch_lines(ram.scale_seen[li + 1])
+        fetch_lines(lay.wbytes[li + 1])
+        fetch_lines(lay.ebytes[li + 1])
+        fetch_lines(lay.rank[li + 1])
+        fetch_lines(lay.top_resident[li + 1])
+    coupled = src.kind == COUPLED
+    lru = ram.lru
+    for j in range(inst.sel_start[i], inst.sel_start[i + 1]):
+        e = inst.sel_e[j]
+        if coupled:
+            fetch_lines(src.targets[li, e])
+            fetch_lines(src.counts[li, e])
+            fetch_lines(src.selections[li, e:e + 1])
+        fetch_lines(ram.pinned[li, e:e + 1])
+        fetch_lines(lru.cached[li, e:e + 1])
+        fetch_lines(lru.newer[li, e:e + 1])
+        fetch_lines(lru.older[li, e:e + 1])
+        fetch_lines(ram.scale_seen[li, e:e + 1])
+        fetch_lines(lay.seconds[li, e:e + 1])
+        fetch_lines(lay.ebytes[li, e:e + 1])
+        fetch_lines(lay.rank[li, e:e + 1])
+        fetch_lines(lay.top_resident[li, e:e + 1])
+        fetch_lines(lay.adjacent[li, e:e + 1])
+        fetch_lines(lay.pos_file[li, e:e + 1])
+        fetch_lines(lay.pos_off[li, e:e + 1])
+        fetch_lines(lay.wbytes[li, e:e + 1])
+        fetch_lines(lay.sloc[li, e])
+        fetch_lines(out.instance.expert_wait[li, e:e + 1])
 
 
 @njit(**HELPER)

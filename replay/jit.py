@@ -13,6 +13,10 @@ caller, where a None argument's branches are not pruned: code that reads an opti
 1.4-1.5x the requests/s with them inlined (docs/BENCHMARKS.md); the first build takes about a
 second longer.
 ``error_model="numpy"`` drops division-by-zero checks: every divisor is a validated size or rate.
+:func:`fetch_lines` asks the CPU to load an array row into its caches ahead of use (a hint that
+changes no value): the model's per-expert tables (layout, RAM tiers, the coupled pair table)
+together exceed the core's cache, so the loop fetches the next instance's rows while this one
+runs instead of waiting for each row in turn.
 
 The first run on a machine compiles them (10-75 s, depending on the machine and its load);
 later runs load the cached build in well under a second. :func:`compile_notice` says so while it
@@ -24,12 +28,18 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from numba.core import event
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils, event
+from numba.extending import intrinsic
 from tqdm import tqdm
 
 LOOP = dict(cache=True, error_model="numpy")
 HELPER = dict(LOOP, _nrt=False)
 STAGE = dict(HELPER, inline="always")
+
+CACHE_LINE = 64
+"""Bytes per CPU cache line (x86-64 and most ARM cores)."""
 
 
 class _CompileProgress(event.Listener):
@@ -69,3 +79,30 @@ def compile_notice(enabled: bool = True):
     finally:
         event.unregister("numba:compile", listener)
         listener.close()
+
+
+@intrinsic
+def _prefetch_line(typingctx, a, offset):
+    """Ask the CPU to bring the cache line holding byte ``offset`` of array ``a``'s data into
+    its caches (LLVM's ``prefetch``: a hint, no effect on any value; it never faults)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.gep(builder.bitcast(data, i8p), [args[1]])
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])      # read, keep in all cache levels, data
+        return context.get_dummy_value()
+    return types.void(a, types.intp), codegen
+
+
+@njit(**STAGE)
+def fetch_lines(a):
+    """Bring every cache line of the contiguous array ``a``'s data (``a.nbytes`` bytes) into
+    the CPU caches ahead of use; meant for rows of a few lines."""
+    n = a.nbytes
+    for off in range(0, n, CACHE_LINE):
+        _prefetch_line(a, off)
+    if n > 0:
+        _prefetch_line(a, n - 1)

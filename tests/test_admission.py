@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_predictors import layout, routing
 
-from replay.admission import _value, prefetcher_inputs
+from replay.admission import _most_probable, _value, prefetcher_inputs
 from replay.config import RuntimeConfig
 from replay.device import ArrayProfile, DriveProfile
 from replay.engine import simulate
@@ -201,3 +201,20 @@ def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes
     assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= bound
     assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= _value(
         p, need + abs(need) * 1e-9 + 1e-12, svc, t, routed, lam, rho, p_victim, nbytes, 2e9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 256), st.integers(1, 64), st.integers(1, 6), st.booleans(), st.integers(0, 2**32 - 1))
+def test_the_candidates_are_exactly_the_most_probable_whichever_way_they_are_found(n, C, levels, in_order, seed):
+    """replay.admission._most_probable: counting (up to RANKED_POOL considered experts) and
+    insertion (beyond) find the same set as a sort by probability then id; few probability
+    levels make ties."""
+    rng = np.random.default_rng(seed)
+    p = rng.integers(1, levels + 1, 256) / levels
+    pool = rng.permutation(256)[:n].astype(np.int64)
+    pool_p = np.empty(256)
+    pool_p[:n] = p[pool]
+    cand = np.full(64, -1, dtype=np.int64)
+    nc = _most_probable(pool.copy(), pool_p, n, C, in_order, p, cand)
+    expect = pool[:C] if in_order else sorted(pool.tolist(), key=lambda e: (-p[e], e))[:C]
+    assert nc == min(n, C) and sorted(cand[:nc].tolist()) == sorted(int(e) for e in expect)

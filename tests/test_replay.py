@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import make_trace
+from numba import njit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from replay.config import RuntimeConfig, lru_capacities
 from replay.device import ArrayProfile, DriveProfile, load_device, member_split
 from replay.engine import simulate
 from replay.gate import compare
+from replay.jit import fetch_lines
 from replay.metrics import step_table, summarize
 from replay.planfile import load_plan, save_plan
 from replay.runtime import lru_hits
@@ -483,3 +485,18 @@ def test_the_models_lru_takes_misses_in_physical_order_as_the_harness_does(tmp_p
     per_instance = np.add.reduceat(by_place.astype(np.int64), chunk.sel_start[:-1])
     assert inst.hits.tolist() == per_instance.tolist()
     assert by_place.tolist() != lru_hits(*args).tolist()
+
+
+@njit
+def _fetched_sum(a, i):
+    fetch_lines(a[i])
+    fetch_lines(a[i, :0])
+    fetch_lines(a[i, 1:2])
+    return a[i].sum()
+
+
+def test_fetching_rows_into_the_cpu_caches_changes_no_value():
+    a = np.arange(60.0).reshape(3, 20)
+    before = a.copy()
+    assert _fetched_sum(a, 1) == before[1].sum()
+    assert np.array_equal(a, before)
