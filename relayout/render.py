@@ -358,9 +358,10 @@ def format_validation(v: dict) -> str:
     if v.get("first_read"):
         lines.append("each container read once before measuring (a virtual disk may serve a block slower the first time): "
                      + ", ".join(f"{m} {r['rate_Bps'] / 1e9:.2f} GB/s" for m, r in v["first_read"].items() if r["rate_Bps"]))
+    run_speeds = any(c.get("at_run_speed") for c in v["cells"])
     lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S [95% over reps] (each rep)':>46}"
                   f"{'pred/meas':>11}{'':<12}" + (f"{'at probed speed':>17}" if drift else "")
-                  + (f"{'at run speed':>14}{'at neighbours':>15}" if any(c.get("at_run_speed") for c in v["cells"]) else "")]
+                  + (f"{'at run speed':>14}{'at neighbours':>15}" if run_speeds else "")]
     for c in v["cells"]:
         m = c["measured_stall_per_token_s"]
         each = " ".join(f"{x * ms:.2f}" for x in m["repetitions"])
@@ -368,12 +369,13 @@ def format_validation(v: dict) -> str:
         probed = c.get("at_probed_speed")
         at_probe = "" if not drift else f"{'n/a' if not probed or probed['ratio'] is None else format(probed['ratio'], '.2f'):>17}"
         run_speed, near = c.get("at_run_speed"), c.get("at_neighbour_speed")
-        at_run = (f"{format(run_speed['ratio'], '.2f') if run_speed and run_speed['ratio'] is not None else 'n/a':>14}"
-                  f"{format(near['ratio'], '.2f') if near and near['ratio'] is not None else 'n/a':>15}")
+        at_run = "" if not run_speeds else (
+            f"{format(run_speed['ratio'], '.2f') if run_speed and run_speed['ratio'] is not None else 'n/a':>14}"
+            f"{format(near['ratio'], '.2f') if near and near['ratio'] is not None else 'n/a':>15}")
         measured = f"{m['mean'] * ms:.2f} [{m['low'] * ms:.2f}, {m['high'] * ms:.2f}] ({each})"
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
                      f"  {measured:>44}{ratio:>11}  {c['agreement'].upper() if c['agreement'] == 'disagrees' else c['agreement']:<10}"
-                     f"{at_probe}{at_run if any(x.get('at_run_speed') for x in v['cells']) else ''}")
+                     f"{at_probe}{at_run}")
     lines.append("S in ms per committed token; a cell agrees within +/-"
                  f"{v['config']['tolerance']:.0%}, disagrees when its prediction lies outside the measured interval widened "
                  "by that much, else is unresolved (the repetitions scatter too widely to tell)")

@@ -66,6 +66,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -468,14 +469,14 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         # measurements: cold, the layouts interleaved within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
-        run_order = []                               # (layout, prefetch, RAM fraction), in the order measured
+        run_order = []                               # ((layout, prefetch, RAM fraction), repetition), as measured
         bar = tqdm(total=reps * n_runs, desc="validate: measured runs", unit="run", disable=None if progress else True)
         try:
             for rep in range(reps):
                 for ci, (pf, frac) in enumerate(cells):
                     cfg = config_of(pf, frac)
                     for m in measurement_order(methods, rep, ci):
-                        run_order.append((m, pf, frac))
+                        run_order.append(((m, pf, frac), rep))
                         run_id = f"{m}-ram{frac:g}-{pf}-rep{rep}"
                         out = run_dir / f"{run_id}.jsonl"
                         res = measure(Container.open(lay.dirs[m]), trace, mask, cfg, out, run_id=run_id, progress=False,
@@ -497,43 +498,25 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                     rates.append(probe_rate(probe_file, probe_size, o.workers, seed=rep + 1))
         finally:
             bar.close()
+
+        def stall_and_rate(key: tuple, device_at) -> tuple[float, float | None]:
+            """S (s/token) predicted for cell ``key`` on ``device_at``, and the rate its drives ran at."""
+            m, pf, frac = key
+            inst, usage = simulate(trace, mask, lay.layouts[m], device_at, config_of(pf, frac), coupling=coupling)
+            return summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s, drive_rate(usage, device_at)
+
+        keys = [(m, pf, frac) for pf, frac in cells for m in methods]
         drift, probed = None, {}
         if probe_file:
             drift = _drift(probe_file, probe_size, o.workers, rates, device)
-            for pf, frac in cells:
-                for m in methods:
-                    each = []
-                    for f in drift["scales"]:
-                        inst, usage = simulate(trace, mask, lay.layouts[m], device.scaled(f), config_of(pf, frac),
-                                               coupling=coupling)
-                        each.append(summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s)
-                    probed[(m, pf, frac)] = each
-
-        at_run = {}
-        for pf, frac in cells:
-            for m in methods:
-                def stall_and_rate(device_at):
-                    inst, usage = simulate(trace, mask, lay.layouts[m], device_at, config_of(pf, frac), coupling=coupling)
-                    return (summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s,
-                            drive_rate(usage, device_at))
-
-                at_run[(m, pf, frac)] = [at_run_speed(stall_and_rate, device, r["drive_rate_Bps"])
-                                         for r in measured[(m, pf, frac)]]
-        seen = {k: 0 for k in at_run}
-        sequence = []                                # each measured run's at_run entry, in the order measured
-        for k in run_order:
-            sequence.append((k, at_run[k][seen[k]]))
-            seen[k] += 1
-        near = neighbour_scales([x["scale"] if x else None for _, x in sequence])
-        at_near = {k: [] for k in at_run}
-        for (k, _), f in zip(sequence, near):
-            m, pf, frac = k
-            if f is None:
-                at_near[k].append(None)
-                continue
-            inst, usage = simulate(trace, mask, lay.layouts[m], device.scaled(f), config_of(pf, frac), coupling=coupling)
-            at_near[k].append({"scale": f, "predicted_stall_per_token_s":
-                               summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s})
+            probed = {k: [stall_and_rate(k, device.scaled(f))[0] for f in drift["scales"]] for k in keys}
+        at_run = {k: [at_run_speed(partial(stall_and_rate, k), device, r["drive_rate_Bps"]) for r in measured[k]]
+                  for k in keys}
+        near = neighbour_scales([at_run[k][r]["scale"] if at_run[k][r] else None for k, r in run_order])
+        at_near = {k: [None] * len(measured[k]) for k in keys}
+        for (k, r), f in zip(run_order, near):
+            if f is not None:
+                at_near[k][r] = {"scale": f, "predicted_stall_per_token_s": stall_and_rate(k, device.scaled(f))[0]}
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
                          base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read,
@@ -821,6 +804,10 @@ def _predicted_at(entries: list, measured_mean: float) -> dict | None:
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
+
+    def side(key: tuple) -> tuple:                   # one side of a saving at equal disk speed (_saving_at_run_speed)
+        return _run_stalls(measured[key]), predicted[key][1].stall_per_token_s, at_run[key]
+
     for pf, frac in cells:
         for m in methods:
             steps, summ, _ = predicted[(m, pf, frac)]
@@ -863,9 +850,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)])
             p, mm = x["predicted_saving"], x["measured_saving"]
             x.update(_judge(p["estimate_s"], mm))
-            x["at_run_speed"] = _saving_at_run_speed(p["estimate_s"], *(
-                (_run_stalls(measured[k]), predicted[k][1].stall_per_token_s, at_run[k])
-                for k in (("stock", pf, frac), (m, pf, frac))))
+            x["at_run_speed"] = _saving_at_run_speed(p["estimate_s"], side(("stock", pf, frac)), side((m, pf, frac)))
             tpot_p = base_sum.tpot_s
             tpot_m = float(np.mean([r["tpot_s"] for r in base_runs]))
             gate_p = p["low_s"] >= GATE_THRESHOLD * tpot_p
@@ -884,9 +869,8 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             for m in methods:
                 x = _prefetch_saving(predicted[(m, "none", frac)], predicted[(m, pf, frac)], measured[(m, "none", frac)],
                                      measured[(m, pf, frac)])
-                x["at_run_speed"] = _saving_at_run_speed(x["predicted_saving"]["estimate_s"], *(
-                    (_run_stalls(measured[k]), predicted[k][1].stall_per_token_s, at_run[k])
-                    for k in ((m, "none", frac), (m, pf, frac))), tolerance=PREFETCH_TOLERANCE)
+                x["at_run_speed"] = _saving_at_run_speed(x["predicted_saving"]["estimate_s"], side((m, "none", frac)),
+                                                         side((m, pf, frac)), tolerance=PREFETCH_TOLERANCE)
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
@@ -919,6 +903,11 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"],
                                         prefetch_comparisons, first_read),
     }
+
+
+def _in_band(ratios: list[float]) -> int:
+    """How many predicted/measured ratios lie within :data:`PLOT_BAND` of 1."""
+    return sum(abs(r - 1) <= PLOT_BAND for r in ratios)
 
 
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
@@ -1017,8 +1006,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         probed_within = max(abs(r - 1) for r in probed)
         text += (f". The disk's probed rate moved by {drift:.0%} during the run; predicting each repetition at its "
                  f"probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
-                 f"({sum(abs(r - 1) <= PLOT_BAND for r in probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
-                 f"against {sum(abs(r - 1) <= PLOT_BAND for r in ratios)} of {len(ratios)} on the profile as calibrated)")
+                 f"({_in_band(probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
+                 f"against {_in_band(ratios)} of {len(ratios)} on the profile as calibrated)")
     at_run = [c["at_run_speed"]["ratio"] for c in cells if c.get("at_run_speed") and c["at_run_speed"]["ratio"]]
     run_within = max(abs(r - 1) for r in at_run) if at_run else None
     at_near = [c["at_neighbour_speed"]["ratio"] for c in cells
@@ -1029,7 +1018,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         scales = [f for c in cells if c.get("at_run_speed") for f in c["at_run_speed"]["scales"]]
         text += (f". At the speed each run's disk served its reads (the run's drive bytes over the time the drive was "
                  f"busy, {min(scales):.2f}-{max(scales):.2f} times the profile's), predicted/measured S is "
-                 f"{min(at_run):.2f}-{max(at_run):.2f} ({sum(abs(r - 1) <= PLOT_BAND for r in at_run)} of {len(at_run)} "
+                 f"{min(at_run):.2f}-{max(at_run):.2f} ({_in_band(at_run)} of {len(at_run)} "
                  f"cells within +/-{PLOT_BAND:.0%}): this tests the read path, queueing and overlap with compute, "
                  "not a forecast of the disk's speed")
         compute = max((c["predicted_tpot_s"] - c["predicted_stall_per_token_s"]) / c["predicted_stall_per_token_s"]
@@ -1040,7 +1029,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         if at_near:
             text += (f". At the speed of the runs measured just before and after each run (read off those runs, not "
                      f"the run itself: a test of the prediction with the disk's drift followed), predicted/measured S "
-                     f"is {min(at_near):.2f}-{max(at_near):.2f} ({sum(abs(r - 1) <= PLOT_BAND for r in at_near)} of "
+                     f"is {min(at_near):.2f}-{max(at_near):.2f} ({_in_band(at_near)} of "
                      f"{len(at_near)} cells within +/-{PLOT_BAND:.0%})")
         for what, xs in (("layout", run_savings), ("prefetch", run_pf)):
             if xs:
@@ -1062,9 +1051,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  "measured; runtime measurements of two containers on this disk are comparable only after the same")
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "run_speed_within": run_within,
-            "run_speed_cells_within_band": sum(abs(r - 1) <= PLOT_BAND for r in at_run) if at_run else None,
+            "run_speed_cells_within_band": _in_band(at_run) if at_run else None,
             "neighbour_speed_within": max(abs(r - 1) for r in at_near) if at_near else None,
-            "neighbour_speed_cells_within_band": sum(abs(r - 1) <= PLOT_BAND for r in at_near) if at_near else None,
+            "neighbour_speed_cells_within_band": _in_band(at_near) if at_near else None,
             "run_speed_savings_inside": sum(x["predicted_inside_measured"] for x in run_savings) if run_savings else None,
             "run_speed_prefetch_inside": sum(x["predicted_inside_measured"] for x in run_pf) if run_pf else None,
             "run_speed_prefetch_within_tolerance": sum(x["within_tolerance"] for x in run_pf) if run_pf else None,

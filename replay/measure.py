@@ -684,7 +684,7 @@ class _ComputeClock:
 class _Sink:
     """Streams records to a (zstd) JSONL temp file, renamed into place on success only.
 
-    A step's expert records are held until its step record and written with it, once its last
+    A step's expert records are held until its step record and encoded with it, once its last
     layer is done: encoding them between the compute thread's waits would add time the compute
     model does not have (and lengthen the window a prefetch load has before the next layer is
     routed).
@@ -693,7 +693,7 @@ class _Sink:
     def __init__(self, out, record: bool):
         self.out = Path(out) if out is not None and record else None
         self.stack = contextlib.ExitStack()
-        self.held: list[tuple] = []
+        self.held: list[dict] = []
         self.fh = self.z = None
         if self.out is not None:
             self.fh = self.stack.enter_context(atomic_output(self.out, "wb"))
@@ -706,12 +706,8 @@ class _Sink:
 
     def expert(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority="demand", *,
                counts=(1, 1), stall=0, io=IO_ZERO):
-        if self.out is not None:
-            self.held.append((run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority, counts,
-                              stall, io))
-
-    def _expert_record(self, run, request, step, layer, e, required, nbytes, issue, ready, need, tier, priority, counts,
-                       stall, io) -> dict:
+        if self.out is None:
+            return
         rec = {"run_id": run, "request_id": request, "step": step, "layer": layer, "expert_id": e, "segment_id": 0,
                "evaluated_positions": counts[1], "committed_tokens": counts[0],
                "required": required, "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need,
@@ -720,11 +716,11 @@ class _Sink:
                "prediction_source": "demand" if priority == "demand" else "prefetch",
                "used_before_eviction": required, "cancelled": False}
         rec.update(zip(IO_FIELDS, io))
-        return rec
+        self.held.append(rec)
 
     def _write_held(self) -> None:
-        for args in self.held:
-            self._write(self._expert_record(*args))
+        for rec in self.held:
+            self._write(rec)
         self.held = []
 
     def step(self, run, request, step, committed, evaluated, compute_ns, wall_ns, stall_ns, assumed=False, configuration=None):
