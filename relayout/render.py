@@ -395,15 +395,8 @@ def format_validation(v: dict) -> str:
                       f"inside the measured interval or within +/-{v['prefetch_comparisons'][0]['tolerance']:.0%} of it)"]
         for x in v["prefetch_comparisons"]:
             lines.append(f"  {x['prefetch']:<8} {x['layout']:<8} RAM {x['ram_fraction']:g}  {_predicted_measured(x)}")
-            judged = "measured"
-            d = x.get("drift_controlled")
-            if d:
-                c = d["measured"]
-                lines.append(f"    drift taken out by {d['control']} (x{c['beta']:.2f}): predicted {d['predicted_s'] * ms:+.2f}"
-                             f"  measured {c['estimate_s'] * ms:+.2f} [{c['low_s'] * ms:+.2f}, {c['high_s'] * ms:+.2f}]")
-                judged = "drift-controlled"
-            lines.append(f"    judged on the {judged} saving: {'within' if x['within_tolerance'] else 'not within'} "
-                         f"+/-{x['tolerance']:.0%}, {_agreement(x)}; {x['words']}")
+            lines.append(f"    {'within' if x['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}, "
+                         f"{_agreement(x)}; {x['words']}")
             lines += _at_run_speed(x)
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)

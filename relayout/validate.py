@@ -86,7 +86,7 @@ from replay.stats import repetition_interval
 from .demo import measured_vs_predicted
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 3
+VALIDATION_VERSION = 4
 LAYOUTS = ("stock", "louvain", "random")
 """Layouts a validation can measure; ``stock`` (the source itself) is the baseline of every saving."""
 GATE_THRESHOLD = 0.05
@@ -419,7 +419,6 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         available = int(mask_all.sum())
         stock_plan = lay.plans["stock"]
         layers = set(trace.layers.tolist())
-        control_layer = min(layers)     # no prefetch source loads for it: each run's own drift control
         ebytes = stock_plan.stock.expert_bytes()
         routed = int(sum(ebytes[li].sum() for li, l in enumerate(stock_plan.stock.layers) if l in layers))
         coupling = training_coupling(trace, stock_plan) if "coupled" in o.prefetch else None
@@ -464,8 +463,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             for m in methods:
                 inst, usage = simulate(trace, mask, lay.layouts[m], device, cfg, coupling=coupling)
                 steps = step_table(trace, mask, inst)
-                control = float(inst.stall[inst.layer == lay.layouts[m].layers.index(control_layer)].sum())
-                predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0), control)
+                predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0))
 
         # measurements: cold, the layouts interleaved within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
@@ -486,7 +484,6 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                         stall, committed = _step_order(run, fw, str(out))
                         measured[(m, pf, frac)].append({
                             "stall": stall / 1e9, "committed": committed, "wall_s": res.wall_seconds,
-                            "control_stall": run.layer_stall.get(control_layer, 0) / 1e9,
                             "tpot_s": (run.published["tpot_ns"] or 0.0) / 1e9,
                             "recall": run.published["timely_required_byte_recall"], "cold": res.cold, "direct": res.direct,
                             "drive_rate_Bps": run.drive_rate_Bps,
@@ -711,60 +708,15 @@ def speed_normalized_savings(base_measured, base_predicted: float, base_at_run, 
             for b, ba, n, na in zip(base_measured, base_at_run, new_measured, new_at_run)]
 
 
-def drift_controlled_savings(base_total, base_control, new_total, new_control, tokens: float) -> tuple[list, float] | None:
-    """Per repetition, the saving of ``new`` over ``base`` with the disk's drift taken out by a
-    control layer that ``new`` cannot change (s/token), and the drift factor used.
-
-    Parameters
-    ----------
-    base_total, new_total : per repetition, the run's total stall (s).
-    base_control, new_control : per repetition, the control layer's stall in the same runs (s).
-    tokens : committed tokens of one run (the same steps every run).
-
-    Returns
-    -------
-    ``(savings, beta)``: ``((base_rest - new_rest) - beta * (base_control - new_control)) / tokens``
-    per repetition, where ``rest`` is the stall outside the control layer and ``beta`` the
-    baseline's rest over its control stall (summed over repetitions): if the disk's speed scales
-    every layer's stall alike, a drift that moved the control layer by ``x`` moved the rest by
-    ``beta * x``, while the control layer's true saving is zero. ``None`` when the baseline's
-    control layer never stalled (nothing to scale by).
-
-    References
-    ----------
-    Deng, Xu, Kohavi, Walker (2013), "Improving the sensitivity of online controlled experiments by
-    utilizing pre-experiment data" (a control variate, CUPED), WSDM.
-    """
-    bt, bc, nt, nc = (np.asarray(x, dtype=np.float64) for x in (base_total, base_control, new_total, new_control))
-    if bc.sum() <= 0:
-        return None
-    beta = float((bt - bc).sum() / bc.sum())
-    return [float(x) for x in (((bt - bc) - (nt - nc)) - beta * (bc - nc)) / tokens], beta
-
-
 def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], runs: list[dict]) -> dict:
     """A prefetch source's saving against none (same layout and RAM), predicted and measured as
-    :func:`_saving` does, plus the measurement with the drift taken out by the first MoE layer
-    (:func:`drift_controlled_savings`: no source prefetches for a forward's first layer), which
-    judges the comparison when available, with :data:`PREFETCH_TOLERANCE`: the judgement's fields
-    (:func:`_judge`) refer to the measurement ``judged_on`` names (``"drift_controlled"`` or the
-    plain ``"measured_saving"``)."""
+    :func:`_saving` does, judged with :data:`PREFETCH_TOLERANCE` (:func:`_judge`).
+
+    The measured saving is the plain one, over repetitions: no layer of a forward is beyond a
+    prefetch source's reach to serve as a drift control, since the runtime queues layer L+1's
+    loads when L is routed, beside L's demand reads, the first layer's included."""
     x = _saving(base_pred[0], new_pred[0], base_runs, runs)
-    tokens = float(base_runs[0]["committed"].sum())
-    controlled = drift_controlled_savings([r["stall"].sum() for r in base_runs], [r["control_stall"] for r in base_runs],
-                                          [r["stall"].sum() for r in runs], [r["control_stall"] for r in runs], tokens)
-    pred_tokens = float(base_pred[0].committed.sum())
-    predicted = drift_controlled_savings([base_pred[0].stall.sum()], [base_pred[2]], [new_pred[0].stall.sum()],
-                                         [new_pred[2]], pred_tokens)
-    if controlled is None or predicted is None:
-        return {**x, **_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], PREFETCH_TOLERANCE),
-                "drift_controlled": None, "judged_on": "measured_saving"}
-    each, beta = controlled
-    m = {**_over_repetitions(each), "repetitions": each, "beta": beta}
-    p = predicted[0][0]
-    return {**x, **_judge(p, m, PREFETCH_TOLERANCE),
-            "drift_controlled": {"predicted_s": p, "measured": m, "control": "the first MoE layer of each forward"},
-            "judged_on": "drift_controlled"}
+    return {**x, **_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], PREFETCH_TOLERANCE)}
 
 
 def _run_stalls(runs: list[dict]) -> list[float]:
@@ -810,7 +762,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
 
     for pf, frac in cells:
         for m in methods:
-            steps, summ, _ = predicted[(m, pf, frac)]
+            steps, summ = predicted[(m, pf, frac)]
             runs = measured[(m, pf, frac)]
             each = _run_stalls(runs)
             iv = _over_repetitions(each)
@@ -842,7 +794,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "at_neighbour_speed": near_speed,
                 "timely_required_byte_recall": recall,
             })
-        base_steps, base_sum, _ = predicted[("stock", pf, frac)]
+        base_steps, base_sum = predicted[("stock", pf, frac)]
         base_runs = measured[("stock", pf, frac)]
         for m in methods:
             if m == "stock":
@@ -958,11 +910,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
            f"is wrong in {len(wrong)} of {len(decided)} where the measured interval excludes zero, and the gate "
            f"(low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of {M}") if M else ""
     if P:
-        controlled = sum(c["judged_on"] == "drift_controlled" for c in prefetch_comparisons)
         sav += (f"; the predicted prefetch saving is within +/-{PREFETCH_TOLERANCE:.0%} of the measured one in "
-                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}"
-                + (f" ({controlled} of them measured with the disk's drift taken out by the first MoE layer)"
-                   if controlled else ""))
+                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}")
     span = f"predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells" if ratios else "no cell measured any stall"
     if verdict == "holds":
         text = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span}){sav}"
@@ -1108,4 +1057,4 @@ def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path
 
 
 __all__ = ["GATE_THRESHOLD", "LAYOUTS", "PREFETCH_TOLERANCE", "TOLERANCE", "VALIDATION_FORMAT", "VALIDATION_VERSION", "ValidateOptions",
-           "cell_agreement", "check_options", "drift_controlled_savings", "parse_list", "summarize_validation", "validate", "write_validation_plot"]
+           "cell_agreement", "check_options", "parse_list", "summarize_validation", "validate", "write_validation_plot"]

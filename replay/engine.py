@@ -38,18 +38,20 @@ path, never summed per expert. With a split plan, a missing expert whose top seg
 runs its top part at once and waits only for its bottom segment.
 
 **Prefetch** (``config.prefetch``, sources in :mod:`replay.prefetch`). When layer L is routed, the
-prefetcher predicts up to K experts of layer L+1 and, once L's demand loads are done (demand reads
-before prefetch), loads those not in RAM one at a time on its own thread, until L+1 is routed: L+1
-is routed when L's compute ends plus the dense time. A load not started by then is dropped, one in
-flight completes, and its drive time delays L+1's demand reads: all of its reads, those it issues
-after the routing too, come before them, because colibrì's ``moe()`` waits for the pilot's load in
-flight on a layer before routing it (the ``PILOT_REAL`` barrier on ``g_pilot_inflight``; the
-harness, :mod:`replay.measure`, does the same). Where colibrì differs from this model and from the
-harness: it queues its predictions for L+1 right after routing L (``couple_prefetch`` after its
-phase A), so its pilot's reads share the drive with L's own demand reads rather than following
-them. Loads that completed enter L+1's LRU (or, with no cache, wait for L+1 alone); an expert
-still in flight makes L+1's compute thread wait for it instead of reading it again. A wrong
-prediction costs drive time and, with a cache, an LRU slot.
+prefetcher predicts up to K experts of layer L+1 and loads those not in RAM one at a time on its
+own thread, until L+1 is routed: L+1 is routed when L's compute ends plus the dense time. Under
+the runtime's own rule (top-K, no controls: :func:`replay.instance.runtime_rule`) it queues them
+at once, before L's demand loads, as colibrì does (``couple_prefetch`` right after its router), so
+its reads share the drives with L's demand reads in one event order (:func:`replay.instance._reader_pool`);
+a controlled prefetcher (a byte or adaptive budget, caps, stale cancellation, backoff, or an
+admission policy other than top-K) keeps demand's strict priority (seed 5.3) and starts once L's
+demand loads are done. A load not started by the time L+1 is routed is dropped, one in flight
+completes, and L+1's demand reads are issued only once it has: colibrì's ``moe()`` waits for the
+pilot's load in flight on a layer before it routes it (the ``PILOT_REAL`` barrier on
+``g_pilot_inflight``; the harness, :mod:`replay.measure`, does the same). Loads that completed
+enter L+1's LRU (or, with no cache, wait for L+1 alone); an expert still in flight makes L+1's
+compute thread wait for it instead of reading it again. A wrong prediction costs drive time and,
+with a cache, an LRU slot.
 
 The **oracle** replaces the drives by a stream at the array's full bandwidth with no per-request
 cost: the lower bound on stall that no layout can beat (for the misses left after prefetch).

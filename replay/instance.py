@@ -150,22 +150,33 @@ clock, s; inf: none), ``nbytes`` (expert bytes). ``experts`` [64]: the list, in 
 Single = namedtuple("Single", "expert skip top wlen")
 """One prefetch load as :func:`replay.readplan.plan_layer` takes it: arrays [1]."""
 
-Work = namedtuple("Work", "miss jobs reads workers drives pending plan single")
+Pilot = namedtuple("Pilot", "state free was_seen n_plan nbytes")
+"""The prefetch thread's loads queued at routing (:func:`_queue_at_routing`), as jobs after the
+layer's demand jobs. ``state`` [4]: the first of its jobs, the next to start (or under way), one
+past the last, and the next read's place in the job under way; ``free`` [1]: when it issues its next read (s); per queued load [64]: the
+session that had last read the expert's scales before it (restored if the load is dropped),
+its planned preads and bytes."""
+
+PILOT_FIRST, PILOT_NEXT, PILOT_END, PILOT_POS = 0, 1, 2, 3
+
+Work = namedtuple("Work", "miss jobs reads workers drives pending plan single pilot")
 """Every working array of one replay, carried over its :func:`simulate_instances` calls:
 :class:`Misses`, :class:`Jobs`, :class:`Reads`, :class:`Workers`, :class:`Drives`, :class:`Prefetched`, the read plan
-(:data:`replay.readplan.ReadPlan`) and :class:`Single`."""
+(:data:`replay.readplan.ReadPlan`), :class:`Single` and :class:`Pilot`."""
 
 
 @njit(**LOOP)
 def new_work(K, E, W, M, Q):
     """Working arrays for batch unions of up to ``K`` experts out of ``E``, ``W`` workers and ``M``
     array members of ``Q`` queue slots (a job has at most three weight reads or one span, and three
-    scale reads)."""
+    scale reads; the prefetch thread's queued loads, up to :data:`PREFETCH_SLOTS` of at most eight
+    reads each, follow the demand jobs)."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K))
-    jobs = Jobs(np.empty(2 * K + 1, np.int64), np.empty(2 * K), np.empty(2 * K))
-    R = max(8 * K, 7)
+    J = 2 * K + PREFETCH_SLOTS
+    jobs = Jobs(np.empty(J + 1, np.int64), np.empty(J), np.empty(J))
+    R = max(8 * K, 7) + 8 * PREFETCH_SLOTS
     reads = Reads(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.bool_))
     workers = Workers(np.empty(W), np.empty(W, np.int64), np.empty(W, np.int64))
     drives = Drives(np.zeros(M), np.zeros(M), np.zeros(2), np.zeros(1), np.empty(M, np.int64), np.empty(M, np.int64),
@@ -176,7 +187,9 @@ def new_work(K, E, W, M, Q):
     plan = ReadPlan(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64),
                     np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64))
     single = Single(np.empty(1, np.int64), np.zeros(1, np.bool_), np.empty(1, np.bool_), np.empty(1, np.int64))
-    return Work(miss, jobs, reads, workers, drives, pending, plan, single)
+    pilot = Pilot(np.zeros(4, np.int64), np.zeros(1), np.empty(PREFETCH_SLOTS, np.int64),
+                  np.empty(PREFETCH_SLOTS, np.int64), np.empty(PREFETCH_SLOTS, np.int64))
+    return Work(miss, jobs, reads, workers, drives, pending, plan, single, pilot)
 
 
 # ------------------------------------------------------------------------------------- the loop
@@ -204,7 +217,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
     inst_fwd, inst_li, inst_session = inst.forward, inst.layer, inst.session
     I = len(inst.sel_start) - 1
     miss, jobs, reads, workers, drives, pending = work.miss, work.jobs, work.reads, work.workers, work.drives, work.pending
-    plan = work.plan
+    plan, pilot = work.plan, work.pilot
     mfree, sfree, host, job_done, slots = drives.free, drives.small_free, drives.host, jobs.done, drives.slots
     pf_ready, pf_list = pending.ready, pending.experts
     lru, res, usage = ram.lru, out.instance, out.device
@@ -213,6 +226,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
     ctl = table.control
     ctl.q_for[0] = -1
     learning = pol.prefetch != 0 and pol.admission != TOP_K     # the controller measures what misses cost
+    at_routing = runtime_rule(pol, table)
     for i in range(I):
         li = inst_li[i]
         if i + 1 < I:
@@ -229,14 +243,24 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         k, resident = _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out)
         if pol.backoff and pf_n > 0:
             _prefetch_outcome(i, li, inst, pending, pf_n, lay, pol, dev, ctl)
-        pilot_free = 0.0                         # when the prefetcher's last load (used or not) completes
+        pilot_free = 0.0                         # when the prefetcher's load in flight at routing completes
         for p in range(pf_n):
             pilot_free = max(pilot_free, pf_ready[pf_list[p]])
             pf_ready[pf_list[p]] = np.inf
+        has_next = i + 1 < I and inst_fwd[i + 1] == inst_fwd[i] and inst_li[i + 1] == li + 1
         n_jobs, end = 0, resident
+        jobs.first_read[0] = 0
         if k > 0:
             n_jobs = _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res)
-            _reader_pool(n_jobs, pol.workers, jobs, reads, workers, dev, drives, usage)
+        pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT], pilot.state[PILOT_END] = n_jobs, n_jobs, n_jobs
+        pilot.state[PILOT_POS] = 0
+        pilot.free[0] = pilot_free
+        if at_routing and has_next:              # the runtime queues L+1's predictions when L is routed
+            lru_start(lru, li + 1, inst_session[i])
+            _queue_at_routing(i, li + 1, inst_session[i], inst, table, ram, lay, pol, pending, plan, work.single,
+                              jobs, reads, n_jobs, pilot, out)
+        if k > 0:
+            _reader_pool(n_jobs, pol.workers, pilot_free, jobs, reads, workers, pilot, dev, drives, usage)
             end = _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out)
             for j in range(n_jobs):
                 out.prefetch.demand_done[i] = max(out.prefetch.demand_done[i], job_done[j])
@@ -250,13 +274,17 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             host[0], host[1] = 0.0, 0.0
             drives.busy[0] = 0.0
             continue
-        # the prefetcher starts once this layer's demand loads, and its own previous load, are done
-        start = pilot_free
-        for j in range(n_jobs):
-            start = max(start, job_done[j])
         next_at = end + pol.dense_seconds      # the next layer is routed then: later loads are dropped
         pf_n = 0
-        if i + 1 < I and inst_fwd[i + 1] == inst_fwd[i] and inst_li[i + 1] == li + 1:
+        if at_routing and has_next:
+            _pilot_rest(next_at, jobs, reads, pilot, dev, drives, usage)
+            pf_n = _pilot_outcome(i, li + 1, next_at, lay, pending, ram, jobs, pilot, out)
+            pf_for = i + 1
+        elif has_next:
+            # a controlled prefetcher starts once this layer's demand loads, and its own load in flight, are done
+            start = pilot_free
+            for j in range(n_jobs):
+                start = max(start, job_done[j])
             lru_start(lru, li + 1, inst_session[i])
             pf_n = _prefetch(i, li + 1, inst_session[i], start, next_at, inst, table, ram, lay, pol, dev, pending,
                              plan, work.single, reads, drives, out)
@@ -471,18 +499,23 @@ def _close_job(job, job_read, n_reads, reads):
 
 
 @njit(**STAGE)
-def _reader_pool(n_jobs, n_workers, jobs, reads, workers, dev, drives, usage):
+def _reader_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, drives, usage):
     """Event-ordered reader pool: ``jobs.done`` [n_jobs] gets each job's completion time (s).
 
-    Workers take jobs in issue order and run each job's reads one after another; at every step the
-    worker that is free earliest (lowest index on ties) issues its next read, so reads reach the
-    drives in time order. The drives' state (``drives``) is the caller's; ``usage`` (the device
-    outputs) accumulates per member.
+    Workers take jobs in issue order from ``start`` (s: the prefetch load in flight when the
+    layer was routed has completed, as colibrì's ``moe()`` waits for it) and run each job's reads
+    one after another; at every step the worker that is free earliest (lowest index on ties)
+    issues its next read, so reads reach the drives in time order. The prefetch thread
+    (``pilot``), when loads were queued at routing, is one more such reader with its own jobs: it
+    issues its next read when it is free first (it wins ties: its loads were queued before the
+    demand loads). Returns once every demand read is issued; the prefetch thread's remaining
+    reads are :func:`_pilot_rest`'s. The drives' state (``drives``) is the caller's; ``usage``
+    (the device outputs) accumulates per member.
     """
     job_read, wfree, wjob, wpos = jobs.first_read, workers.free, workers.job, workers.pos
     W = min(n_workers, n_jobs)
     for w in range(W):
-        wfree[w], wjob[w], wpos[w] = 0.0, -1, 0
+        wfree[w], wjob[w], wpos[w] = start, -1, 0
     next_job = 0
     while True:
         w, t = -1, np.inf
@@ -491,6 +524,9 @@ def _reader_pool(n_jobs, n_workers, jobs, reads, workers, dev, drives, usage):
                 w, t = v, wfree[v]
         if w < 0:
             return
+        if pilot.state[PILOT_NEXT] < pilot.state[PILOT_END] and pilot.free[0] <= t:
+            _pilot_read(jobs, reads, pilot, dev, drives, usage)
+            continue
         if wjob[w] < 0:
             wjob[w], wpos[w] = next_job, 0
             next_job += 1
@@ -503,6 +539,22 @@ def _reader_pool(n_jobs, n_workers, jobs, reads, workers, dev, drives, usage):
             jobs.done[job] = done
             wjob[w] = -1
         wfree[w] = done
+
+
+@njit(**HELPER)
+def _pilot_read(jobs, reads, pilot, dev, drives, usage):
+    """The prefetch thread issues its next read at its free time; a load's last read (plus its
+    page-cache tail) completes the load's job."""
+    state = pilot.state
+    job = state[PILOT_NEXT]
+    r = jobs.first_read[job] + state[PILOT_POS]
+    done = _serve_read(reads.addr[r], reads.length[r], reads.warm[r], pilot.free[0], dev, drives, usage)
+    state[PILOT_POS] += 1
+    if r + 1 == jobs.first_read[job + 1]:
+        done += jobs.tail[job]
+        jobs.done[job] = done
+        state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
+    pilot.free[0] = done
 
 
 @njit(**STAGE)
@@ -624,14 +676,132 @@ def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
     return t
 
 
+@njit(**HELPER)
+def runtime_rule(pol, table):
+    """Whether the prefetcher runs as the runtime does: top-K with none of the controls (byte or
+    adaptive budget, per-source caps, stale cancellation, backoff). Then it queues its loads when
+    the layer is routed, beside the layer's demand loads (colibrì's ``couple_prefetch`` right after
+    the router); a controlled prefetcher keeps demand's strict priority and starts once the
+    layer's demand loads are done (seed 5.3)."""
+    return (pol.prefetch != 0 and pol.admission == TOP_K and pol.prefetch_bytes == 0 and not pol.adaptive_budget
+            and not pol.cancel_stale and not pol.backoff and not table.fusion.caps)
+
+
+@njit(**STAGE)
+def _top_k(i, li, inst, table, pol, pending):
+    """The top-K rule's list for layer ``li`` (the next one) while instance ``i`` runs, into
+    ``pending.experts``: :func:`replay.prefetch.predict_next` for the oracle and coupled sources
+    (the runtime's own lists), the K most probable for the others. Returns its length."""
+    src = table.source
+    if pol.prefetch == ORACLE or pol.prefetch == COUPLED:
+        return predict_next(pol.prefetch, i, li - 1, inst.sel_start, inst.sel_e, inst.sel_mult, src.targets,
+                            src.counts, pol.prefetch_experts, pending.score, pending.touched, pending.experts)
+    if src.kind == FUSED:                        # several sources: their fused probability, each expert credited
+        fused_probabilities(table.sources, src, table.fusion.coef, table.fusion.credit, i, li, inst)
+    else:
+        next_layer_probabilities(src, i, li, inst)
+    return most_probable(src.p, pol.prefetch_experts, pending.experts)
+
+
+@njit(**STAGE)
+def _queue_at_routing(i, li, session, inst, table, ram, lay, pol, pending, plan, single, jobs, reads, n_jobs, pilot,
+                      out):
+    """Queue the prefetch thread's loads for layer ``li`` (the next one) when instance ``i`` is
+    routed, under :func:`runtime_rule`: the top-K list (:func:`_top_k`) less the experts in RAM
+    (the runtime checks residency when it queues), each planned as one job (its weights and, on
+    its first access in the session, its scales: :func:`replay.readplan.plan_layer`) after the
+    demand jobs ``[0, n_jobs)``. The list stays in ``pending.experts``; ``pilot`` gets the jobs."""
+    pf_list = pending.experts
+    n = _top_k(i, li, inst, table, pol, pending)
+    lru, seen = ram.lru, ram.scale_seen
+    keep_top = 1.0 - lay.top_fraction[li]
+    bases = lay.bases
+    n_reads = jobs.first_read[n_jobs]
+    job = n_jobs
+    for p in range(n):
+        e = pf_list[p]
+        if ram.pinned[li, e] or lru.cached[li, e]:
+            continue
+        single.expert[0], single.top[0] = e, lay.top_resident[li, e]
+        n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, keep_top, lay.adjacent[li], lay.pos_file[li],
+                               lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1, single.wlen,
+                               plan)
+        q = job - n_jobs
+        pf_list[q] = e
+        pilot.was_seen[q] = seen[li, e]
+        first = seen[li, e] != session
+        seen[li, e] = session
+        jobs.first_read[job] = n_reads
+        tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
+        for r in range(n_plan):
+            f, nb = plan.file[r], plan.length[r]
+            if plan.kind[r] == WEIGHT:
+                n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
+            elif first:
+                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], nb, False
+                n_reads += 1
+            else:
+                warm_scales += nb
+                has_warm_scales = True
+            total += nb
+        jobs.tail[job] = tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
+        n_reads = _close_job(job, jobs.first_read, n_reads, reads)
+        pilot.n_plan[q], pilot.nbytes[q] = n_plan, total
+        job += 1
+    jobs.first_read[job] = n_reads
+    pilot.state[PILOT_END] = job
+
+
+@njit(**STAGE)
+def _pilot_rest(deadline, jobs, reads, pilot, dev, drives, usage):
+    """The prefetch thread's reads after the layer's last demand read, until ``deadline`` (the
+    next layer is routed, s): a load not started by then is dropped, one under way completes."""
+    state = pilot.state
+    while state[PILOT_NEXT] < state[PILOT_END]:
+        if state[PILOT_POS] == 0 and pilot.free[0] >= deadline:
+            return
+        _pilot_read(jobs, reads, pilot, dev, drives, usage)
+
+
+@njit(**STAGE)
+def _pilot_outcome(i, li, deadline, lay, pending, ram, jobs, pilot, out):
+    """What the loads queued at routing for layer ``li`` came to, once the next layer is routed at
+    ``deadline`` (s): a started load completed (:func:`_pilot_rest`): its ready time goes into
+    ``pending`` in the next instance's clock and, when it completed before ``deadline``, it
+    enters the LRU; a dropped one counts as cancelled and its scales as not read. Keeps the
+    loaded experts first in ``pending.experts``, in load order; returns how many."""
+    res, pf = out.instance, out.prefetch
+    pf_list = pending.experts
+    first, started = pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT]
+    loaded = 0
+    for q in range(pilot.state[PILOT_END] - first):
+        e = pf_list[q]
+        if first + q >= started:
+            ram.scale_seen[li, e] = pilot.was_seen[q]
+            pf.cancelled[i] += 1
+            continue
+        done = jobs.done[first + q]
+        res.reads[i] += pilot.n_plan[q]
+        res.read_bytes[i] += pilot.nbytes[q]
+        pending.ready[e] = done - deadline
+        pending.nbytes[e] = lay.ebytes[li, e]
+        pf.loads[i] += 1
+        pf.issued[i] += pending.nbytes[e]
+        pf_list[loaded] = e
+        loaded += 1
+        if done <= deadline:
+            lru_add(ram.lru, li, e)
+    return loaded
+
+
 @njit(**STAGE)
 def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, pending, plan, single, reads, drives,
               out):
-    """The prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs.
+    """A controlled prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs
+    (the runtime's own rule queues its loads at routing instead: :func:`_queue_at_routing`).
 
-    Under ``top-k`` (the runtime's rule) it predicts up to K experts (:func:`replay.prefetch.predict_next`
-    for the oracle and coupled sources, the K most probable for the others) and skips those
-    already in RAM, keeping, with a byte budget, the adaptive budget or per-source caps, those
+    Under ``top-k`` it takes the rule's list (:func:`_top_k`) and skips the experts already in
+    RAM, keeping, with a byte budget, the adaptive budget or per-source caps, those
     that fit (:func:`replay.admission.admit_listed`); under the other policies it admits
     candidates under the budgets (:func:`replay.admission.choose`); under ``observe`` it only records the late-need
     probabilities q of layer ``li`` for scoring. With backoff, a backed-off layer loads nothing
@@ -649,23 +819,16 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     res, pf = out.instance, out.prefetch
     if backed_off(li, pol, ctl):
         return 0
-    listed = pol.admission == TOP_K and (pol.prefetch == ORACLE or pol.prefetch == COUPLED)   # the runtime's own list
-    n_touched = -1
-    if listed:
-        pass
-    elif src.kind == FUSED:                      # several sources: their fused probability, each expert credited
-        fused_probabilities(table.sources, src, fusion.coef, fusion.credit, i, li, inst)
-    else:
-        n_touched = next_layer_probabilities(src, i, li, inst)
     if pol.admission == TOP_K:
-        if listed:
-            n = predict_next(pol.prefetch, i, li - 1, inst.sel_start, inst.sel_e, inst.sel_mult, src.targets,
-                             src.counts, pol.prefetch_experts, pending.score, pending.touched, pf_list)
-        else:
-            n = most_probable(src.p, pol.prefetch_experts, pf_list)
+        n = _top_k(i, li, inst, table, pol, pending)
         if pol.prefetch_bytes > 0 or pol.adaptive_budget or fusion.caps:
             n = admit_listed(i, li, start, deadline, n, pf_list, ram, lay, pol, dev, drives, ctl, table.charge, pf)
     else:
+        n_touched = -1
+        if src.kind == FUSED:                    # several sources: their fused probability, each expert credited
+            fused_probabilities(table.sources, src, fusion.coef, fusion.credit, i, li, inst)
+        else:
+            n_touched = next_layer_probabilities(src, i, li, inst)
         if pol.admission == OBSERVE:
             _late_need(li, src.p, ram, ctl)
             ctl.q_for[0] = i + 1

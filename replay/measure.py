@@ -13,15 +13,16 @@ matmul. Every wait is timed with the monotonic clock (ns). Nothing the runtime d
 timed: the reader threads are started, their buffers allocated and the compiled planner loaded
 before the first step, and the records are encoded after each step, not between its waits.
 
-With a prefetch source (``config.prefetch``), a prefetch thread does what the replay model
-assumes: once a layer's demand loads are done it loads the next layer's predicted experts (not
-in the LRU) one at a time, until that layer is routed; loads not started by then are dropped, one
-in flight completes and the next layer waits for it if it needs the expert. The next layer's
-demand reads are issued only once that load has completed, all of its reads: colibrì's
-``moe()`` waits for the pilot's load in flight on a layer before it routes it (the
-``PILOT_REAL`` barrier on ``g_pilot_inflight``), and the model queues the next layer's demand
-reads behind it. Its loads are recorded as ``speculative`` records of the layer they were
-loaded for.
+With a prefetch source (``config.prefetch``), a prefetch thread does what the runtime and the
+replay model do: when a layer is routed, before its demand loads are submitted, the next layer's
+predicted experts (not in the LRU) are queued on it (colibrì's ``couple_prefetch`` right after
+the router), and it loads them one at a time beside the layer's demand loads, until the next
+layer is routed; loads not started by then are dropped, one in flight completes and the next
+layer waits for it if it needs the expert. The next layer's demand reads are issued only once
+that load has completed, all of its reads: colibrì's ``moe()`` waits for the pilot's load in
+flight on a layer before it routes it (the ``PILOT_REAL`` barrier on ``g_pilot_inflight``), and
+the model's demand readers start then too. Its loads are recorded as ``speculative`` records of
+the layer they were loaded for.
 
 A container stored as vertical split segments is measured with its split plan (layout and
 resident tops): a miss reads its bottom segments when its top is resident and its whole block
@@ -342,22 +343,19 @@ def measure(
                 planned = (layer_reads(lay, li, [e for e, _ in misses], [e in inflight for e, _ in misses], config)
                            if seg is None else seg.layer_reads(li, [e for e, _ in misses]))
                 in_flight = [fut for e, fut in loaded.items() if e not in ready_now]
+                nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
+                if prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1:
+                    prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)   # queued at routing
                 futures = _submit(pool, job, planned, len(misses), config, in_flight)
                 futures = [((inflight[e], True),) if e in inflight else fut for (e, _), fut in zip(misses, futures)]
-                nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
-                predict = prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1
-                if predict and not misses:
-                    prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)
                 _sleep(sum(comp[li, e] * m for e, m in hits)
                        + (0.0 if seg is None else sum(seg.top_seconds(li, e, comp[li, e]) * m for e, m in misses)))
                 layer_stall = 0
-                for n_miss, ((e, m), fut) in enumerate(zip(misses, futures)):
+                for (e, m), fut in zip(misses, futures):
                     need = time.perf_counter_ns()
                     issue, ready, io = _wait(fut)
                     waited = max(0, ready - need)
                     layer_stall += waited
-                    if predict and n_miss == len(misses) - 1:           # the layer's demand loads are done
-                        prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)
                     kind = "speculative" if e in inflight else "demand"
                     sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, _tier(io), kind,
                                 counts=counts, stall=waited, io=io)
@@ -448,7 +446,9 @@ def _lru_insert(lru: OrderedDict, e: int, capacity: int) -> None:
 class _Prefetcher:
     """The prefetch thread: loads predicted experts of the next layer one at a time.
 
-    ``start`` queues the loads (best prediction first) once a layer's demand loads are done;
+    ``start`` queues the loads (best prediction first) when a layer is routed, before its demand
+    loads are submitted (colibrì's ``couple_prefetch`` right after the router), so they share the
+    drive with them;
     ``route`` is called when the next layer is routed: loads not started by then are dropped, and
     it returns the started ones (done or in flight) by expert. The caller issues that layer's
     demand reads once the ones in flight have completed (:func:`measure`).
@@ -462,6 +462,7 @@ class _Prefetcher:
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-prefetch")
         self.lock = threading.Lock()
         self.open = False
+        self.batch = 0                       # start() calls so far: a load queued by an earlier one is dropped
         self.for_layer = -1
         self.loads: dict[int, tuple] = {}
         self.pending: list[tuple] = []       # unused loads whose record is written once they complete
@@ -473,13 +474,14 @@ class _Prefetcher:
         n = self._predict(li, union, mult, next_union, next_mult)
         with self.lock:
             self.open = True
+            self.batch += 1
         self.for_layer = li + 1
         self.loads = {}
         for e in self.out[:n].tolist():
             if e in next_lru:
                 continue
             started = [False]
-            self.loads[e] = (self.thread.submit(self._load, reads_of(li + 1, e), started), started)
+            self.loads[e] = (self.thread.submit(self._load, reads_of(li + 1, e), started, self.batch), started)
 
     def warm(self, union, mult) -> None:
         """Predict once, untimed: the compiled predictor loads on its first call (about half a second)."""
@@ -492,9 +494,9 @@ class _Prefetcher:
         return predict_next(self.source, 0, li, sel_start, sel_e, sel_mult, self.targets, self.counts, self.k,
                            self.score, self.touched, self.out)
 
-    def _load(self, reads, started):
+    def _load(self, reads, started, batch):
         with self.lock:
-            if not self.open:
+            if not self.open or batch != self.batch:   # dropped: its layer was routed before it started
                 return None
             started[0] = True
         t0 = time.perf_counter_ns()

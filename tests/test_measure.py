@@ -81,9 +81,13 @@ def _check_prefetch_structure(res, m, recs, selection, prefetch):
     for r in spec:
         f, layer = r["step"], r["layer"]
         assert layer != first_layer[f], "nothing prefetches a step's first MoE layer"
-        prev = layer_after[f][layer_after[f].index(layer) - 1]
-        done = max(q["ready_ns"] for q in recs if q["step"] == f and q["layer"] == prev and q["required"])
-        assert r["issue_ns"] >= done, "a prefetch starts only once the previous layer's loads are done"
+        at = layer_after[f].index(layer)
+        if at >= 2:                               # queued when the previous layer was routed: after the one before it
+            before = layer_after[f][at - 2]
+            done = max(q["ready_ns"] for q in recs if q["step"] == f and q["layer"] == before and q["required"])
+            assert r["issue_ns"] >= done, "a prefetch starts only once the previous layer is routed"
+        need = min(q["need_ns"] for q in recs if q["step"] == f and q["layer"] == layer and q["required"])
+        assert r["issue_ns"] <= need, "a prefetch not started by the time its layer is routed is dropped"
     by_layer = {}
     for r in spec:
         by_layer.setdefault((r["step"], r["layer"]), []).append((r["issue_ns"], r["ready_ns"]))
@@ -111,9 +115,9 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
     """Let the test, not the machine, decide when the prefetch thread's loads run.
 
     ``early``: every emulated compute first waits for the loads the prefetch thread has queued, so
-    a prefetch always has time to spare. ``late``: once a prefetch has started, compute waits until
-    its first load has begun; that load's read is held until the next layer has been routed, so
-    exactly one load is in flight at each route. Returns the prefetchers made.
+    a prefetch always has time to spare. ``late``: once a prefetch has been queued, compute waits
+    until its first load has begun; that load's reads are held until the next layer has been
+    routed, so exactly one load is in flight at each route. Returns the prefetchers made.
     """
     import replay.measure as rm
 
@@ -121,18 +125,29 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
 
     class Controlled(rm._Prefetcher):
         def __init__(self, config, coupling, n_experts, read):
-            routed = self.routed = threading.Event()
+            self.routes = 0                          # layers routed so far
+            self.released = threading.Condition()
+            self.local = threading.local()
 
-            def held_read(*args):
-                assert routed.wait(HOLD_LIMIT), "a held prefetch load was never released"
+            def held_read(*args):                    # a load's reads wait for the route after it started
+                with self.released:
+                    assert self.released.wait_for(lambda: self.routes > self.local.started_at, HOLD_LIMIT), \
+                        "a held prefetch load was never released"
                 return read(*args)
 
             super().__init__(config, coupling, n_experts, held_read if schedule == "late" else read)
             prefetchers.append(self)
 
-        def start(self, *args, **kw):
-            self.routed.clear()
-            super().start(*args, **kw)
+        def _load(self, reads, started, batch):      # on the prefetch thread
+            self.local.started_at = self.routes
+            return super()._load(reads, started, batch)
+
+        def route(self, li):
+            out = super().route(li)
+            with self.released:
+                self.routes += 1
+                self.released.notify_all()
+            return out
 
     class Clock(rm._ComputeClock):
         def __call__(self, seconds):
@@ -146,8 +161,6 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
                     while not loads[0][1][0]:        # the first queued load is the first the thread takes
                         assert time.monotonic() < deadline, "the prefetch thread never took its first load"
                         time.sleep(0)
-                else:
-                    p.routed.set()                   # routed: the held load may read now
             super().__call__(seconds)
 
     monkeypatch.setattr(rm, "_Prefetcher", Controlled)
@@ -209,6 +222,32 @@ def test_a_prefetch_in_flight_at_routing_is_waited_for_not_read_again(small_cont
     assert all(r["issue_ns"] < r["need_ns"] for r in spec)
     demand = [r for r in recs if r["priority"] == "demand"]
     assert len(demand) + len(spec) == len(recs) == sum(len(es) for es in selection.values())
+
+
+def test_the_prefetch_is_queued_when_the_previous_layer_is_routed(small_container, trace_for, tmp_path, monkeypatch):
+    """colibrì queues layer L+1's predictions right after routing L (couple_prefetch), before L's
+    demand loads: a prefetch load for L+1 can start before L's compute first waits for a miss.
+    Here the clock lets the prefetch thread take its first load before L's compute runs, so every
+    first load starts before L's first wait; queued once L's demand loads were done (as the
+    harness did before), none could."""
+    _fix_prefetch_timing(monkeypatch, "late")
+    c = Container.open(small_container)
+    mask = np.ones(trace_for.n_forwards, bool)
+    mask[20:] = False
+    selection = _selection(trace_for, mask)
+    _, _, recs = _run_prefetch(c, trace_for, mask, tmp_path, "oracle", 0.0)
+    layers = {}
+    for f, layer in sorted(selection):
+        layers.setdefault(f, []).append(layer)
+    checked = 0
+    for r in (r for r in recs if r["priority"] == "speculative"):
+        f = r["step"]
+        prev = layers[f][layers[f].index(r["layer"]) - 1]
+        needs = [q["need_ns"] for q in recs if q["step"] == f and q["layer"] == prev and q["priority"] == "demand"]
+        if needs:
+            assert r["issue_ns"] < min(needs), "a prefetch load waited for the previous layer's demand loads"
+            checked += 1
+    assert checked
 
 
 def test_demand_reads_wait_for_the_prefetch_load_in_flight_at_routing(small_container, trace_for, tmp_path, monkeypatch):

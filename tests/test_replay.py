@@ -330,23 +330,39 @@ def test_oracle_prefetch_with_time_to_spare_removes_the_next_layers_stall():
     lay, tr, none = two_layer_case(dense=0.01)
     base, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), none)
     inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="oracle"))
-    assert base.stall[1] > 0 and inst.stall[1] == 0
-    assert inst.stall[0] == pytest.approx(base.stall[0], rel=1e-12)       # demand reads go first
+    per_expert = (1e-4 + 32768 / 1e9) + 3 * (1e-4 + 4096 / 1e9)
+    assert base.stall.tolist() == pytest.approx([2 * per_expert, 2 * per_expert], rel=1e-12)
+    assert inst.stall[1] == 0
+    # the runtime queues layer 4's loads when layer 3 is routed (colibri's couple_prefetch): the
+    # prefetch thread and the demand worker alternate on the drive, the prefetch thread first, so
+    # each demand read waits for the transfer queued before it: one 32 KiB weight transfer in all
+    assert inst.stall[0] == pytest.approx(2 * per_expert + 32768 / 1e9, rel=1e-12)
     assert inst.hits.tolist() == [0, 2] and inst.reads.sum() == base.reads.sum()
     p = inst.prefetch
     assert p.issued.tolist() == [2 * EXPERT, 0] and p.required.tolist() == [2 * EXPERT, 2 * EXPERT]
     assert p.timely.tolist() == [0, 2 * EXPERT] and p.unused.sum() == 0
-    per_expert = (1e-4 + 32768 / 1e9) + 3 * (1e-4 + 4096 / 1e9)
-    # both loads end 2 x per_expert after layer 3's demand loads; layer 4 is routed 10 ms after that
-    assert p.slack.sum() == pytest.approx((0.01 - per_expert) + (0.01 - 2 * per_expert), rel=1e-9)
+    # the loads end per_expert and 2 x per_expert after layer 3 is routed (the drive serves the
+    # prefetch thread's reads first); layer 4 is routed 10 ms after layer 3's compute ends
+    routed = inst.stall[0] + 0.01
+    assert p.slack.sum() == pytest.approx((routed - per_expert) + (routed - 2 * per_expert), rel=1e-9)
+    # a controlled prefetcher (here a byte budget that admits both) keeps demand's strict priority
+    held, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="oracle", prefetch_bytes=10**9))
+    assert held.stall[0] == pytest.approx(base.stall[0], rel=1e-12) and held.stall[1] == 0
+    assert held.prefetch.slack.sum() == pytest.approx((0.01 - per_expert) + (0.01 - 2 * per_expert), rel=1e-9)
 
 
 def test_prefetch_with_no_time_before_the_next_layer_changes_nothing():
     lay, tr, none = two_layer_case(dense=0.0)
     base, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), none)
+    # demand first: the prefetcher starts when layer 3's demand loads are done, which is when
+    # layer 4 is routed (no compute, no dense time)
+    held, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="oracle", prefetch_bytes=10**9))
+    assert held.stall.tolist() == base.stall.tolist() and held.prefetch.issued.sum() == 0
+    assert held.prefetch.required[1] == 2 * EXPERT and held.prefetch.timely.sum() == 0
+    assert held.prefetch.cancelled[0] == 2
+    # the runtime's rule queued them at routing: they load beside layer 3's demand reads, in time
     inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="oracle"))
-    assert inst.stall.tolist() == base.stall.tolist() and inst.prefetch.issued.sum() == 0
-    assert inst.prefetch.required[1] == 2 * EXPERT and inst.prefetch.timely.sum() == 0
+    assert inst.stall[1] == 0 and inst.prefetch.timely[1] == 2 * EXPERT and inst.prefetch.cancelled.sum() == 0
 
 
 def test_a_wrong_prefetch_in_flight_delays_the_demand_it_did_not_predict():
@@ -358,7 +374,13 @@ def test_a_wrong_prefetch_in_flight_delays_the_demand_it_did_not_predict():
     inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="coupled"), coupling=table)
     assert inst.prefetch.issued[0] == EXPERT and inst.prefetch.unused[1] == EXPERT
     assert inst.prefetch.timely.sum() == 0
-    assert inst.stall[1] > base.stall[1]                 # the drive was busy with expert 9
+    # queued at routing (the runtime's rule), expert 9's reads share the drive with layer 3's demand
+    assert inst.stall[0] > base.stall[0] and inst.stall[1] == base.stall[1]
+    # after layer 3's demand (a controlled prefetcher), it is in flight when layer 4 is routed
+    held, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(none, prefetch="coupled", prefetch_bytes=10**9),
+                       coupling=table)
+    assert held.prefetch.issued[0] == EXPERT and held.stall[0] == base.stall[0]
+    assert held.stall[1] > base.stall[1]                 # the drive was busy with expert 9
     # with a cache, a wrong prefetch also takes a slot: here it evicts layer 4's expert 2
     lay, tr, none = two_layer_case(dense=0.01, ram_bytes=2 * 2 * EXPERT)   # one expert per layer
     tr2 = make_trace([[[0, 1]], [[0, 1]]], **TWO_LAYERS)
