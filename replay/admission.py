@@ -6,8 +6,9 @@ experts (ties: lower id first) not already in RAM (pinned or in the LRU) with
 ``p >= prefetch_min_probability``; every
 policy chooses among the same candidates, under the same budgets: at most ``Q`` =
 ``prefetch_experts`` loads (the prefetch queue slots) and ``B`` = ``prefetch_bytes`` speculative
-bytes per layer (0: only Q limits). Demand reads keep strict priority: the prefetcher starts once
-the layer's demand loads are done (:mod:`replay.instance`). Policies, by what they rank on:
+bytes per layer (0: only Q limits). Demand reads keep strict priority: a controlled prefetcher
+starts once the layer's demand loads are done (:mod:`replay.instance`; the runtime's plain top-K
+rule queues its loads at routing instead, as colibrì does). Policies, by what they rank on:
 
 * ``probability``: ``p``, highest first; ``per-byte``: ``p / b`` (``b`` the expert's bytes);
 * ``deadline``: the estimated need time, earliest first;
