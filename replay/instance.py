@@ -153,9 +153,9 @@ Single = namedtuple("Single", "expert skip top wlen")
 Pilot = namedtuple("Pilot", "state free was_seen n_plan nbytes")
 """The prefetch thread's loads queued at routing (:func:`_queue_at_routing`), as jobs after the
 layer's demand jobs. ``state`` [4]: the first of its jobs, the next to start (or under way), one
-past the last, and the next read's place in the job under way; ``free`` [1]: when it issues its next read (s); per queued load [64]: the
-session that had last read the expert's scales before it (restored if the load is dropped),
-its planned preads and bytes."""
+past the last, and the next read's place in the job under way; ``free`` [1]: when it issues its
+next read (s); per queued load [64]: the session that had last read the expert's scales before
+it (restored if the load is dropped), its planned preads and bytes."""
 
 PILOT_FIRST, PILOT_NEXT, PILOT_END, PILOT_POS = 0, 1, 2, 3
 
