@@ -257,16 +257,14 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         mode, n_scan = 2, b - a
     elif n_touched >= 0 and untouched_probability(src, nl) < floor:
         mode, n_scan = 1, n_touched
-    for x in range(n_scan):
+    for x in range(n_scan):                      # branch-free: which way an expert goes is data, not a jump
         e = x if mode == 0 else (src.touched[x] if mode == 1 else inst.sel_e[a + x])
         pe = p[e]
-        if pe < floor and not oracle:
-            continue
-        if ram.pinned[nl, e] or lru.cached[nl, e]:
-            resident_compute += pe * seconds[e]
-            continue
-        pool[considered], pool_p[considered] = e, pe
-        considered += 1
+        above = oracle | (not pe < floor)
+        resident = ram.pinned[nl, e] | lru.cached[nl, e]
+        resident_compute += pe * seconds[e] if above & resident else 0.0    # (+0.0 leaves the sum's bits)
+        pool[considered], pool_p[considered] = e, pe                        # kept only when counted
+        considered += above & (not resident)
     nc = _most_probable(pool, pool_p, considered, C, oracle, p, cand)
     if nc == 0:
         return 0

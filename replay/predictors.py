@@ -102,7 +102,8 @@ expert); ``calib`` [L, CALIBRATION_BINS] (probability per raw-score bin). What t
 seen of the replayed sessions so far, per layer: ``last_fwd`` [L, E] (the forward each expert
 was last in the union, in ``last_session`` [L, E]), ``count`` [L, E] (union memberships in the
 current session ``session`` [L], over ``n_fwd`` [L] forwards). Scratch [E]: ``p``
-(probabilities of the layer being predicted), ``raw``, ``touched``."""
+(probabilities of the layer being predicted), ``raw``; [E + 1]: ``touched`` (the experts listed,
+written branch-free, so one past the last may be written)."""
 
 
 @dataclass
@@ -270,7 +271,7 @@ def prediction_source(model: SourceModel | None, layout: Layout, kind: str | Non
         np.ascontiguousarray(model.counts, dtype=np.int32), np.ascontiguousarray(model.selections, dtype=np.float64),
         np.ascontiguousarray(model.heat, dtype=np.float64), np.ascontiguousarray(model.calib, dtype=np.float64),
         np.full((L, E), -1, dtype=np.int64), np.full((L, E), -1, dtype=np.int64), np.zeros((L, E)),
-        np.zeros(L, dtype=np.int64), np.full(L, -1, dtype=np.int64), np.zeros(E), np.zeros(E), np.zeros(E, dtype=np.int64))
+        np.zeros(L, dtype=np.int64), np.full(L, -1, dtype=np.int64), np.zeros(E), np.zeros(E), np.zeros(E + 1, dtype=np.int64))
 
 
 def score_source(model, trace: RoutingTrace, test: np.ndarray, layout: Layout) -> Reliability:
@@ -463,9 +464,8 @@ def next_layer_probabilities(src, i, nl, inst, calibrated=True):
                 f = src.targets[li, ea, m]
                 if f < 0:
                     break
-                if raw[f] == 0:
-                    src.touched[n_touched] = f
-                    n_touched += 1
+                src.touched[n_touched] = f       # listed when new: branch-free, the slot is kept only then
+                n_touched += raw[f] == 0
                 raw[f] += src.counts[li, ea, m]
         base = _mapped(calib, 0, calibrated)
         for e in range(E):

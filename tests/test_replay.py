@@ -102,11 +102,13 @@ def test_md_striping_by_hand():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 6), st.sampled_from([512, 4096, 32768]), st.sampled_from(["md", "apple"]),
-       st.integers(0, 10**6), st.integers(0, 200_000))
-def test_striping_matches_a_chunk_by_chunk_walk(members, chunk, rule, start, length):
+@given(st.integers(1, 6), st.sampled_from([512, 3000, 4096, 32768, 393216]), st.sampled_from(["md", "apple"]),
+       st.integers(0, 10**6), st.integers(0, 200_000), st.sampled_from([None, 1000, 4096]))
+def test_striping_matches_a_chunk_by_chunk_walk(members, chunk, rule, start, length, max_request):
+    """Chunk sizes, member counts and request limits that are powers of two (split by shifts) and
+    that are not (by division) split alike."""
     rule = rule if members > 1 else "none"
-    dev = ArrayProfile("a", DriveProfile("d", 1e-4, 1e9), members, chunk, rule, 1e12)
+    dev = ArrayProfile("a", DriveProfile("d", 1e-4, 1e9, max_request_bytes=max_request), members, chunk, rule, 1e12)
     pieces, nbytes = member_split(dev, np.array([start]), np.array([length]))
     want_bytes = [0] * members
     want_pieces = [0] * members
@@ -119,6 +121,8 @@ def test_striping_matches_a_chunk_by_chunk_walk(members, chunk, rule, start, len
         pos += n
     if rule != "md":
         want_pieces = [int(b > 0) for b in want_bytes]
+    if max_request:
+        want_pieces = [max(p, -(-b // max_request)) for p, b in zip(want_pieces, want_bytes)]
     assert nbytes[0].tolist() == want_bytes and pieces[0].tolist() == want_pieces
 
 
