@@ -13,9 +13,9 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    profile is given, on the stock container's largest file when it can
    (:func:`calibration_target`), and saves the profile next to the output; then, for every
    cell (layout x RAM budget x prefetch source), measures S for real
-   (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts interleaved (in a balanced,
-   rotating order: :func:`measurement_order`) within each
-   repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
+   (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts and prefetch sources of a
+   RAM budget interleaved (in a counterbalanced, rotating order: :func:`measurement_order`)
+   within each repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
    those steps on the profile (:func:`replay.engine.simulate`). A probe
    (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
    runtime's workers, for 1 s on the container's largest file) before the first repetition and
@@ -328,17 +328,21 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
 
 
 def _cells(o: ValidateOptions) -> list[tuple]:
-    """(prefetch, ram fraction) pairs, in the order the cells are measured."""
+    """(prefetch, ram fraction) pairs, in the order the record lists the cells."""
     return [(pf, frac) for pf in o.prefetch for frac in o.ram]
 
 
-def measurement_order(methods: list[str], rep: int, cell: int) -> list[str]:
-    """The order the layouts of one cell are measured in, repetition ``rep``: rotated by one
-    place per repetition and per cell, so over ``len(methods)`` repetitions every layout is
-    measured in every position equally often (a disk whose speed drifts within a round, as a
-    throttled cloud volume does, then favours none; seed 9.2: configuration order balanced)."""
-    k = (rep + cell) % len(methods)
-    return list(methods[k:]) + list(methods[:k])
+def measurement_order(runs: list, rep: int, block: int) -> list:
+    """The order the ``runs`` of one block (every layout x prefetch source at one RAM budget) are
+    measured in, repetition ``rep``: rotated by one place per pair of repetitions and per block,
+    and reversed in the second repetition of each pair (ABBA counterbalancing). Over a pair every
+    run's mean place in the block is the same, so a disk whose speed drifts steadily within a
+    round (a throttled cloud volume, this machine's virtual disk) favours no side of any saving,
+    layout or prefetch source; with an odd number of repetitions the last one is unpaired (seed
+    9.2: configuration order balanced)."""
+    k = (rep // 2 + block) % len(runs)
+    order = list(runs[k:]) + list(runs[:k])
+    return order[::-1] if rep % 2 else order
 
 
 def _step_order(m, fw: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -465,15 +469,16 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                 steps = step_table(trace, mask, inst)
                 predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0))
 
-        # measurements: cold, the layouts interleaved within each repetition
+        # measurements: cold, the layouts and prefetch sources of a RAM budget interleaved within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
         run_order = []                               # ((layout, prefetch, RAM fraction), repetition), as measured
         bar = tqdm(total=reps * n_runs, desc="validate: measured runs", unit="run", disable=None if progress else True)
         try:
+            block_runs = [(m, pf) for m in methods for pf in o.prefetch]
             for rep in range(reps):
-                for ci, (pf, frac) in enumerate(cells):
-                    cfg = config_of(pf, frac)
-                    for m in measurement_order(methods, rep, ci):
+                for bi, frac in enumerate(o.ram):
+                    for m, pf in measurement_order(block_runs, rep, bi):
+                        cfg = config_of(pf, frac)
                         run_order.append(((m, pf, frac), rep))
                         run_id = f"{m}-ram{frac:g}-{pf}-rep{rep}"
                         out = run_dir / f"{run_id}.jsonl"
