@@ -713,43 +713,53 @@ def _queue_at_routing(i, li, session, inst, table, ram, lay, pol, pending, plan,
     demand jobs ``[0, n_jobs)``. The list stays in ``pending.experts``; ``pilot`` gets the jobs."""
     pf_list = pending.experts
     n = _top_k(i, li, inst, table, pol, pending)
-    lru, seen = ram.lru, ram.scale_seen
-    keep_top = 1.0 - lay.top_fraction[li]
-    bases = lay.bases
+    lru = ram.lru
     n_reads = jobs.first_read[n_jobs]
     job = n_jobs
     for p in range(n):
         e = pf_list[p]
         if ram.pinned[li, e] or lru.cached[li, e]:
             continue
-        single.expert[0], single.top[0] = e, lay.top_resident[li, e]
-        n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, keep_top, lay.adjacent[li], lay.pos_file[li],
-                               lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1, single.wlen,
-                               plan)
         q = job - n_jobs
         pf_list[q] = e
-        pilot.was_seen[q] = seen[li, e]
-        first = seen[li, e] != session
-        seen[li, e] = session
+        pilot.was_seen[q] = ram.scale_seen[li, e]
         jobs.first_read[job] = n_reads
-        tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
-        for r in range(n_plan):
-            f, nb = plan.file[r], plan.length[r]
-            if plan.kind[r] == WEIGHT:
-                n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
-            elif first:
-                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], nb, False
-                n_reads += 1
-            else:
-                warm_scales += nb
-                has_warm_scales = True
-            total += nb
-        jobs.tail[job] = tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
+        n_plan, n_reads, jobs.tail[job], total = _plan_load(li, e, session, lay, pol, plan, single, ram.scale_seen, reads,
+                                                            n_reads)
         n_reads = _close_job(job, jobs.first_read, n_reads, reads)
         pilot.n_plan[q], pilot.nbytes[q] = n_plan, total
         job += 1
     jobs.first_read[job] = n_reads
     pilot.state[PILOT_END] = job
+
+
+@njit(**STAGE)
+def _plan_load(li, e, session, lay, pol, plan, single, seen, reads, n_reads):
+    """Plan one prefetch load of expert ``e`` of layer ``li`` (read alone, never coalesced: its
+    weights and, on its first access in ``session``, its scales, :func:`replay.readplan.plan_layer`)
+    into ``reads`` from ``n_reads`` on, and mark its scales read (``seen``). Returns the preads
+    planned, the reads queued so far, the page-cache time after its drive reads (warm weights and
+    scales, s) and its bytes."""
+    single.expert[0], single.top[0] = e, lay.top_resident[li, e]
+    n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
+                           lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1,
+                           single.wlen, plan)
+    first = seen[li, e] != session
+    seen[li, e] = session
+    bases = lay.bases
+    tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
+    for r in range(n_plan):
+        f, nb = plan.file[r], plan.length[r]
+        if plan.kind[r] == WEIGHT:
+            n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
+        elif first:
+            reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], nb, False
+            n_reads += 1
+        else:
+            warm_scales += nb
+            has_warm_scales = True
+        total += nb
+    return n_plan, n_reads, tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0), total
 
 
 @njit(**STAGE)
@@ -836,8 +846,6 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
         n = choose(i, li, session, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, table.charge,
                    pf_list, pf)
     lru, seen = ram.lru, ram.scale_seen
-    keep_top = 1.0 - lay.top_fraction[li]
-    bases = lay.bases
     a, b = inst.sel_start[i + 1], inst.sel_start[i + 2]
     t = start
     loaded = 0
@@ -850,25 +858,8 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
                 if not (ram.pinned[li, pf_list[r]] or lru.cached[li, pf_list[r]]):
                     pf.cancelled[i] += 1
             break
-        single.expert[0], single.top[0] = e, lay.top_resident[li, e]
-        n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, keep_top, lay.adjacent[li], lay.pos_file[li],
-                               lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1, single.wlen,
-                               plan)
         was_seen = seen[li, e]
-        first = was_seen != session
-        seen[li, e] = session
-        n_reads, tail, warm_scales, has_warm_scales, total = 0, 0.0, 0, False, 0
-        for r in range(n_plan):
-            f, nb = plan.file[r], plan.length[r]
-            if plan.kind[r] == WEIGHT:
-                n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
-            elif first:
-                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], nb, False
-                n_reads += 1
-            else:
-                warm_scales += nb
-                has_warm_scales = True
-            total += nb
+        n_plan, n_reads, tail, total = _plan_load(li, e, session, lay, pol, plan, single, seen, reads, 0)
         stale = pol.cancel_stale and not _selected(e, inst.sel_e, a, b)
         issued, issued_bytes = n_reads, 0
         for r in range(n_reads):
@@ -886,7 +877,7 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
             continue
         res.reads[i] += n_plan
         res.read_bytes[i] += total
-        t += tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
+        t += tail
         pending.ready[e] = t - deadline
         pending.nbytes[e] = lay.ebytes[li, e]
         pf.loads[i] += 1
