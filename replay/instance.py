@@ -779,8 +779,9 @@ def _pilot_outcome(i, li, deadline, lay, pending, ram, jobs, pilot, out):
     ``deadline`` (s): a started load completed (:func:`_pilot_rest`): its ready time goes into
     ``pending`` in the next instance's clock and, when it completed before ``deadline``, it
     enters the LRU; a dropped one counts as cancelled and its scales as not read. Keeps the
-    loaded experts first in ``pending.experts``, in load order; returns how many."""
-    res, pf = out.instance, out.prefetch
+    loaded experts first in ``pending.experts``, in load order (:func:`_record_load`); returns how
+    many."""
+    pf = out.prefetch
     pf_list = pending.experts
     first, started = pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT]
     loaded = 0
@@ -790,18 +791,28 @@ def _pilot_outcome(i, li, deadline, lay, pending, ram, jobs, pilot, out):
             ram.scale_seen[li, e] = pilot.was_seen[q]
             pf.cancelled[i] += 1
             continue
-        done = jobs.done[first + q]
-        res.reads[i] += pilot.n_plan[q]
-        res.read_bytes[i] += pilot.nbytes[q]
-        pending.ready[e] = done - deadline
-        pending.nbytes[e] = lay.ebytes[li, e]
-        pf.loads[i] += 1
-        pf.issued[i] += pending.nbytes[e]
-        pf_list[loaded] = e
-        loaded += 1
-        if done <= deadline:
-            lru_add(ram.lru, li, e)
+        loaded = _record_load(i, li, e, pilot.n_plan[q], pilot.nbytes[q], jobs.done[first + q], deadline, lay, pending,
+                              ram.lru, out, loaded)
     return loaded
+
+
+@njit(**HELPER)
+def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, out, loaded):
+    """A prefetch load of expert ``e`` of layer ``li`` for instance ``i``, ``n_plan`` preads of
+    ``nbytes``, completed at ``done`` (s): count it, keep its ready time in the next instance's
+    clock (that layer is routed at ``deadline``, s), list it ``loaded``-th in ``pending.experts``
+    and, when it completed before ``deadline``, put it in the LRU. Returns the loads listed."""
+    res, pf = out.instance, out.prefetch
+    res.reads[i] += n_plan
+    res.read_bytes[i] += nbytes
+    pending.ready[e] = done - deadline
+    pending.nbytes[e] = lay.ebytes[li, e]
+    pf.loads[i] += 1
+    pf.issued[i] += pending.nbytes[e]
+    pending.experts[loaded] = e
+    if done <= deadline:
+        lru_add(lru, li, e)
+    return loaded + 1
 
 
 @njit(**STAGE)
@@ -875,17 +886,8 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
             pf.issued[i] += issued_bytes
             pf.cancelled[i] += 1
             continue
-        res.reads[i] += n_plan
-        res.read_bytes[i] += total
         t += tail
-        pending.ready[e] = t - deadline
-        pending.nbytes[e] = lay.ebytes[li, e]
-        pf.loads[i] += 1
-        pf.issued[i] += pending.nbytes[e]
-        pf_list[loaded] = e
-        loaded += 1
-        if t <= deadline:
-            lru_add(lru, li, e)
+        loaded = _record_load(i, li, e, n_plan, total, t, deadline, lay, pending, lru, out, loaded)
     return loaded
 
 
