@@ -109,7 +109,9 @@ TRAIN_FRACTION = 0.7
 HELD_OUT_SESSIONS = TRACE_SESSIONS - round(TRACE_SESSIONS * TRAIN_FRACTION)
 SESSION_TOKENS = 60
 DEFAULT_TOKENS = 40
-DEFAULT_REPS = 3
+DEFAULT_REPS = 4
+"""Repetitions per cell unless ``--reps`` says otherwise: even, as :func:`measurement_order`
+counterbalances the run order over pairs of repetitions (``MIN_REPS`` and ``MAX_REPS`` are even too)."""
 MIN_TOKENS = 4
 MIN_REPS = 2
 MAX_REPS = 10
@@ -368,15 +370,15 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
         tokens = min(available, steps_fit // (reps * n_runs_per_rep))
     elif o.tokens is not None:
         tokens = min(o.tokens, available)
-        reps = min(MAX_REPS, steps_fit // (tokens * n_runs_per_rep))
+        reps = min(MAX_REPS, steps_fit // (tokens * n_runs_per_rep) // 2 * 2)
     else:                                                     # DEFAULT_REPS when each run can still have DEFAULT_TOKENS
         reps = DEFAULT_REPS
         tokens = min(available, steps_fit // (reps * n_runs_per_rep))
         if tokens < min(DEFAULT_TOKENS, available):
             reps = MIN_REPS
             tokens = min(available, steps_fit // (reps * n_runs_per_rep))
-        if tokens >= available:
-            reps = min(MAX_REPS, max(MIN_REPS, steps_fit // (tokens * n_runs_per_rep)))
+        if tokens >= available:                               # an even count: the order is counterbalanced in pairs
+            reps = min(MAX_REPS, max(MIN_REPS, steps_fit // (tokens * n_runs_per_rep) // 2 * 2))
     over = ""
     if tokens < MIN_TOKENS or reps < MIN_REPS:
         tokens, reps = max(tokens, MIN_TOKENS), max(reps, MIN_REPS)
@@ -452,6 +454,9 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             budget -= max(15.0, 0.1 * budget)       # predictions, evidence, writing, removing the work directory
             tokens, reps, chosen = _choose_size(o, available, n_runs, res.wall_seconds, probe_steps, budget)
             notify(chosen)
+        if reps % 2:
+            notify(f"{reps} repetitions: the last is unpaired, so a disk whose speed drifts through a round is not "
+                   "fully counterbalanced (an even --reps is)")
         if o.tokens is not None and o.tokens > available:
             notify(f"only {available} held-out steps in the trace: measuring {available}, not {o.tokens}")
         mask = first(tokens)

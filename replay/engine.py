@@ -47,8 +47,10 @@ a controlled prefetcher (a byte or adaptive budget, caps, stale cancellation, ba
 admission policy other than top-K) keeps demand's strict priority (seed 5.3) and starts once L's
 demand loads are done. A load not started by the time L+1 is routed is dropped, one in flight
 completes, and L+1's demand reads are issued only once it has: colibrì's ``moe()`` waits for the
-pilot's load in flight on a layer before it routes it (the ``PILOT_REAL`` barrier on
-``g_pilot_inflight``; the harness, :mod:`replay.measure`, does the same). Loads that completed
+pilot's load in flight on a layer at its start (the ``PILOT_REAL`` barrier on
+``g_pilot_inflight``; the harness, :mod:`replay.measure`, does the same). Where colibrì differs:
+that wait holds its whole layer, the resident experts' matmuls included, where the model and the
+harness hold only the demand reads. Loads that completed
 enter L+1's LRU (or, with no cache, wait for L+1 alone); an expert still in flight makes L+1's
 compute thread wait for it instead of reading it again. A wrong prediction costs drive time and,
 with a cache, an LRU slot.

@@ -827,8 +827,8 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     candidates under the budgets (:func:`replay.admission.choose`); under ``observe`` it only records the late-need
     probabilities q of layer ``li`` for scoring. With backoff, a backed-off layer loads nothing
     (:func:`replay.admission.backed_off`). It loads the list one at a time, in order, from
-    ``start`` (this layer's demand loads done, s) until ``deadline`` (the next layer is routed,
-    s): a load not started by then is dropped, one in flight completes (with ``cancel_stale``, a
+    ``start`` (this layer's demand loads and the prefetch load in flight at routing done, s)
+    until ``deadline`` (the next layer is routed, s): a load not started by then is dropped, one in flight completes (with ``cancel_stale``, a
     load the next layer does not select issues no read after ``deadline``: it is cut, its bytes
     already read are wasted and its scales count as not cached). A load reads the expert's
     weights and, on its first access in the session, its scales; it enters the LRU when it

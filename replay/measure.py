@@ -19,9 +19,10 @@ predicted experts (not in the LRU) are queued on it (colibrì's ``couple_prefetc
 the router), and it loads them one at a time beside the layer's demand loads, until the next
 layer is routed; loads not started by then are dropped, one in flight completes and the next
 layer waits for it if it needs the expert. The next layer's demand reads are issued only once
-that load has completed, all of its reads: colibrì's ``moe()`` waits for the pilot's load in
-flight on a layer before it routes it (the ``PILOT_REAL`` barrier on ``g_pilot_inflight``), and
-the model's demand readers start then too. Its loads are recorded as ``speculative`` records of
+that load has completed, all of its reads, and so are the model's: colibrì's ``moe()`` waits
+for the pilot's load in flight on a layer at its start (the ``PILOT_REAL`` barrier on
+``g_pilot_inflight``). Where colibrì differs: that wait holds its whole layer, resident experts'
+matmuls included, where here only the demand reads wait. Its loads are recorded as ``speculative`` records of
 the layer they were loaded for.
 
 A container stored as vertical split segments is measured with its split plan (layout and
@@ -294,9 +295,15 @@ def measure(
             io = _add_io(io, reader.read(f, off, n, direct))
         return t0, time.perf_counter_ns(), io
 
-    def reads_of(li: int, e: int) -> list:     # one prefetch load: read alone, never coalesced
-        return [(f, off, n, config.direct and kind == WEIGHT)
-                for f, off, n, _, _, kind, _ in layer_reads(lay, li, [e], [False], config, coalesce=False)]
+    load_reads: dict[tuple, list] = {}
+
+    def reads_of(li: int, e: int) -> list:
+        """One prefetch load's reads (alone, never coalesced), planned once per expert: the
+        prefetch is queued between routing and the demand jobs, where planning would delay them."""
+        if (li, e) not in load_reads:
+            planned = layer_reads(lay, li, [e], [False], config, coalesce=False)
+            load_reads[li, e] = [(f, off, n, config.direct and kind == WEIGHT) for f, off, n, _, _, kind, _ in planned]
+        return load_reads[li, e]
 
     try:
         for f in tqdm(fw, desc="measure", disable=None if progress else True):

@@ -346,6 +346,21 @@ def test_runs_are_measured_in_a_counterbalanced_rotating_order():
     assert measurement_order(runs, 0, 1) != measurement_order(runs, 0, 0)               # blocks rotate too
 
 
+def test_a_budget_is_measured_in_pairs_of_repetitions(tmp_path):
+    """The run order is counterbalanced over pairs of repetitions, so --minutes picks an even
+    number of them (unless --reps says otherwise), whatever the budget and the trace's length."""
+    from relayout.validate import ValidateOptions, _choose_size
+
+    for tokens in (None, 8):
+        o = ValidateOptions(tmp_path, tmp_path / "v.json", minutes=5, tokens=tokens)
+        for available in (10, 40, 400):
+            for budget in (30.0, 90.0, 300.0, 900.0, 5000.0):
+                t, reps, _ = _choose_size(o, available, 18, 1.0, 10, budget)
+                assert reps % 2 == 0 and reps >= 2 and t >= 1
+    o = ValidateOptions(tmp_path, tmp_path / "v.json", minutes=5, reps=3)
+    assert _choose_size(o, 400, 18, 1.0, 10, 900.0)[1] == 3
+
+
 def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
     """A run "measured" on the same drive at 0.6 times its speed: the fixed point recovers the
     factor from the two rates alone, and predicts the run as the slowed drive does."""
