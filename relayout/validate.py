@@ -371,10 +371,10 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
     elif o.tokens is not None:
         tokens = min(o.tokens, available)
         reps = min(MAX_REPS, steps_fit // (tokens * n_runs_per_rep) // 2 * 2)
-    else:                                      # DEFAULT_REPS when each run can still have half DEFAULT_TOKENS
-        reps = DEFAULT_REPS
+    else:                    # DEFAULT_REPS unless a run would get fewer than 2 x MIN_TOKENS steps: the
+        reps = DEFAULT_REPS  # repetitions are the interval's units, and 2 of them give it one degree of freedom
         tokens = min(available, steps_fit // (reps * n_runs_per_rep))
-        if tokens < min(DEFAULT_TOKENS // 2, available):
+        if tokens < min(2 * MIN_TOKENS, available):
             reps = MIN_REPS
             tokens = min(available, steps_fit // (reps * n_runs_per_rep))
         if tokens >= available:                               # an even count: the order is counterbalanced in pairs
