@@ -848,7 +848,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--minutes", type=float, help="fit the whole run in about this many minutes: a probe measurement "
                                                  "chooses --reps (>= 2) and/or --tokens")
     s.add_argument("--tokens", type=int, help="held-out steps measured and replayed per run (default 40)")
-    s.add_argument("--reps", type=int, help="measured repetitions per cell, >= 2 (default 4; an even count counterbalances the run order)")
+    s.add_argument("--reps", type=int, help="measured repetitions per cell, >= 2 (default 4; an even count "
+                                            "counterbalances the run order)")
     s.add_argument("--layouts", default="stock,louvain,random", help="layouts to measure; stock is the baseline")
     s.add_argument("--ram", default="0,0.25", help="RAM budgets for the expert LRU, fractions of the routed bytes")
     s.add_argument("--prefetch", default="none", help=f"prefetch sources ({', '.join(PREFETCH_SOURCES)}); with none among "

@@ -346,8 +346,8 @@ def format_validation(v: dict) -> str:
     ms = 1e3
     lines = [(f"device {v['device']['name']} ({v['device']['source']}); container {v['container']['path']}"
               f"{' (synthetic)' if v['container']['synthetic'] else ''}, {human_bytes(v['container']['routed_bytes'])} routed"),
-             (f"{v['config']['tokens']} held-out steps x {v['config']['reps']} repetitions per cell, layouts and prefetch sources interleaved; "
-              f"{v['config']['workers']} workers; {', '.join(v['config']['cache'])}")]
+             (f"{v['config']['tokens']} held-out steps x {v['config']['reps']} repetitions per cell, layouts and prefetch "
+              f"sources interleaved; {v['config']['workers']} workers; {', '.join(v['config']['cache'])}")]
     if v["config"].get("chosen"):
         lines.append(v["config"]["chosen"])
     drift = v.get("drift")

@@ -15,8 +15,8 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    cell (layout x RAM budget x prefetch source), measures S for real
    (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts and prefetch sources of a
    RAM budget interleaved (in a counterbalanced, rotating order: :func:`measurement_order`)
-   within each repetition, on the same first ``tokens`` held-out steps, and predicts S by replaying exactly
-   those steps on the profile (:func:`replay.engine.simulate`). A probe
+   within each repetition, on the same first ``tokens`` held-out steps, and predicts S by
+   replaying exactly those steps on the profile (:func:`replay.engine.simulate`). A probe
    (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
    runtime's workers, for 1 s on the container's largest file) before the first repetition and
    after each follows the disk's speed at the measured runs' operating point; each repetition
@@ -371,13 +371,15 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
     elif o.tokens is not None:
         tokens = min(o.tokens, available)
         reps = min(MAX_REPS, steps_fit // (tokens * n_runs_per_rep) // 2 * 2)
-    else:                    # DEFAULT_REPS unless a run would get fewer than 2 x MIN_TOKENS steps: the
-        reps = DEFAULT_REPS  # repetitions are the interval's units, and 2 of them give it one degree of freedom
+    else:
+        # DEFAULT_REPS unless a run would get fewer than 2 x MIN_TOKENS steps: the repetitions are
+        # the interval's units, and 2 of them give it one degree of freedom
+        reps = DEFAULT_REPS
         tokens = min(available, steps_fit // (reps * n_runs_per_rep))
         if tokens < min(2 * MIN_TOKENS, available):
             reps = MIN_REPS
             tokens = min(available, steps_fit // (reps * n_runs_per_rep))
-        if tokens >= available:                               # an even count: the order is counterbalanced in pairs
+        if tokens >= available:                # an even count: the order is counterbalanced in pairs
             reps = min(MAX_REPS, max(MIN_REPS, steps_fit // (tokens * n_runs_per_rep) // 2 * 2))
     over = ""
     if tokens < MIN_TOKENS or reps < MIN_REPS:

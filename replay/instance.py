@@ -828,9 +828,10 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     probabilities q of layer ``li`` for scoring. With backoff, a backed-off layer loads nothing
     (:func:`replay.admission.backed_off`). It loads the list one at a time, in order, from
     ``start`` (this layer's demand loads and the prefetch load in flight at routing done, s)
-    until ``deadline`` (the next layer is routed, s): a load not started by then is dropped, one in flight completes (with ``cancel_stale``, a
-    load the next layer does not select issues no read after ``deadline``: it is cut, its bytes
-    already read are wasted and its scales count as not cached). A load reads the expert's
+    until ``deadline`` (the next layer is routed, s): a load not started by then is dropped, one
+    in flight completes (with ``cancel_stale``, a load the next layer does not select issues no
+    read after ``deadline``: it is cut, its bytes already read are wasted and its scales count as
+    not cached). A load reads the expert's
     weights and, on its first access in the session, its scales; it enters the LRU when it
     completes before the deadline. Records each expert's ready time in the next instance's clock
     in ``pending`` and returns how many were loaded; dropped and cut loads count as cancelled.

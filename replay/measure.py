@@ -22,8 +22,8 @@ layer waits for it if it needs the expert. The next layer's demand reads are iss
 that load has completed, all of its reads, and so are the model's: colibrì's ``moe()`` waits
 for the pilot's load in flight on a layer at its start (the ``PILOT_REAL`` barrier on
 ``g_pilot_inflight``). Where colibrì differs: that wait holds its whole layer, resident experts'
-matmuls included, where here only the demand reads wait. Its loads are recorded as ``speculative`` records of
-the layer they were loaded for.
+matmuls included, where here only the demand reads wait. Its loads are recorded as
+``speculative`` records of the layer they were loaded for.
 
 A container stored as vertical split segments is measured with its split plan (layout and
 resident tops): a miss reads its bottom segments when its top is resident and its whole block
@@ -468,8 +468,7 @@ class _Prefetcher:
         self.read = read
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-prefetch")
         self.lock = threading.Lock()
-        self.open = False
-        self.batch = 0                       # start() calls so far: a load queued by an earlier one is dropped
+        self.batch = 0                       # the loads of the current batch may start; route() and close() end it
         self.for_layer = -1
         self.loads: dict[int, tuple] = {}
         self.pending: list[tuple] = []       # unused loads whose record is written once they complete
@@ -480,7 +479,6 @@ class _Prefetcher:
     def start(self, li, union, mult, next_union, next_mult, next_lru, reads_of) -> None:
         n = self._predict(li, union, mult, next_union, next_mult)
         with self.lock:
-            self.open = True
             self.batch += 1
         self.for_layer = li + 1
         self.loads = {}
@@ -503,7 +501,7 @@ class _Prefetcher:
 
     def _load(self, reads, started, batch):
         with self.lock:
-            if not self.open or batch != self.batch:   # dropped: its layer was routed before it started
+            if batch != self.batch:                # dropped: its layer was routed before it started
                 return None
             started[0] = True
         t0 = time.perf_counter_ns()
@@ -514,7 +512,7 @@ class _Prefetcher:
 
     def route(self, li: int) -> dict:
         with self.lock:
-            self.open = False
+            self.batch += 1
             loads = self.loads if self.for_layer == li else {}
             started = {e: fut for e, (fut, flag) in loads.items() if flag[0]}
         self.loads, self.for_layer = {}, -1
@@ -537,7 +535,7 @@ class _Prefetcher:
 
     def close(self) -> None:
         with self.lock:
-            self.open = False
+            self.batch += 1
         self.thread.shutdown(wait=True)
 
 
