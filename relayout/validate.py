@@ -13,9 +13,11 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    profile is given, on the stock container's largest file when it can
    (:func:`calibration_target`), and saves the profile next to the output; then, for every
    cell (layout x RAM budget x prefetch source), measures S for real
-   (:func:`replay.measure.measure`, cold) ``reps`` times, the layouts and prefetch sources of a
-   RAM budget interleaved (in a counterbalanced, rotating order: :func:`measurement_order`)
-   within each repetition, on the same first ``tokens`` held-out steps, and predicts S by
+   (:func:`replay.measure.measure_interleaved`, cold) ``reps`` times, the layouts and prefetch
+   sources of a RAM budget measured together, step by step in lockstep (every run's step j
+   before any run's step j + 1, their order rotating each step from a counterbalanced one:
+   :func:`measurement_order`), so every run of a block sees the disk of the same seconds, on
+   the same first ``tokens`` held-out steps, and predicts S by
    replaying exactly those steps on the profile (:func:`replay.engine.simulate`). A probe
    (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
    runtime's workers, for 1 s on the container's largest file) before the first repetition and
@@ -26,16 +28,16 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    measured run is also predicted at the rate its own drive served it (:func:`at_run_speed`:
    the run's drive bytes over the time a drive load was under way, the model scaled until its
    own rate agrees), which separates the model's read path, queueing and overlap with compute
-   from the forecast of a drifting disk's speed; and at the speed of the runs measured just
-   before and after it (:func:`neighbour_scales`), which tests the prediction on a measurement
-   its speed was not read off; diagnoses too;
+   from the forecast of a drifting disk's speed; and at the speed of the runs interleaved with
+   it (:func:`neighbour_scales`), which tests the prediction on a measurement its speed was not
+   read off; diagnoses too;
 4. compares: predicted/measured S per cell, with the measured S's 95% interval over the
    repetitions (each repetition one unit: the disk's drift between runs is the larger part of
    the uncertainty, and no resampling of steps within runs sees it); per non-stock layout the
    predicted and the measured saving against stock at the same RAM budget and prefetch source
    (predicted: a 95% moving-block bootstrap interval over the held-out steps; measured: the
-   95% interval over the repetitions' savings, both layouts of a repetition measured minutes
-   apart), whether the predicted saving lies in the measured interval, whether the signs agree
+   95% interval over the repetitions' savings, both layouts of a repetition measured
+   interleaved), whether the predicted saving lies in the measured interval, whether the signs agree
    where the measured interval excludes zero, and whether the gate's decision (the saving's low
    end at least :data:`GATE_THRESHOLD` of TPOT) is the same; per prefetch source, its saving
    against no prefetch (same layout and RAM) the same way, and whether the prediction is within
@@ -86,7 +88,7 @@ from replay.stats import repetition_interval
 from .demo import measured_vs_predicted
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 4
+VALIDATION_VERSION = 5
 LAYOUTS = ("stock", "louvain", "random")
 """Layouts a validation can measure; ``stock`` (the source itself) is the baseline of every saving."""
 GATE_THRESHOLD = 0.05
@@ -335,8 +337,9 @@ def _cells(o: ValidateOptions) -> list[tuple]:
 
 
 def measurement_order(runs: list, rep: int, block: int) -> list:
-    """The order the ``runs`` of one block (every layout x prefetch source at one RAM budget) are
-    measured in, repetition ``rep``: rotated by one place per pair of repetitions and per block,
+    """The order the ``runs`` of one block (every layout x prefetch source at one RAM budget) take
+    their first step in, repetition ``rep`` (:func:`replay.measure.measure_interleaved` then
+    rotates it by one place each step): rotated by one place per pair of repetitions and per block,
     and reversed in the second repetition of each pair (ABBA counterbalancing). Over a pair every
     run's mean place in the block is the same, so a disk whose speed drifts steadily within a
     round (a throttled cloud volume, this machine's virtual disk) favours no side of any saving,
@@ -398,7 +401,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     from replay.device import load_device
     from replay.engine import simulate
     from replay.gate import evaluation_forwards, training_coupling
-    from replay.measure import measure
+    from replay.measure import Arm, measure, measure_interleaved
     from replay.metrics import drive_rate, step_table, summarize
     from replay.stalltrace import report
 
@@ -478,19 +481,23 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         # measurements: cold, the layouts and prefetch sources of a RAM budget interleaved within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
-        run_order = []                               # ((layout, prefetch, RAM fraction), repetition), as measured
-        bar = tqdm(total=reps * n_runs, desc="validate: measured runs", unit="run", disable=None if progress else True)
+        run_order = []                               # ((layout, prefetch, RAM fraction), repetition, block), as measured
+        bar = tqdm(total=reps * n_runs * len(fw), desc="validate: measured steps", unit="step",
+                   disable=None if progress else True)
         try:
             block_runs = [(m, pf) for m in methods for pf in o.prefetch]
             for rep in range(reps):
                 for bi, frac in enumerate(o.ram):
-                    for m, pf in measurement_order(block_runs, rep, bi):
-                        cfg = config_of(pf, frac)
-                        run_order.append(((m, pf, frac), rep))
+                    block = measurement_order(block_runs, rep, bi)
+                    arms = []
+                    for m, pf in block:
                         run_id = f"{m}-ram{frac:g}-{pf}-rep{rep}"
-                        out = run_dir / f"{run_id}.jsonl"
-                        res = measure(Container.open(lay.dirs[m]), trace, mask, cfg, out, run_id=run_id, progress=False,
-                                      coupling=coupling)
+                        arms.append(Arm(Container.open(lay.dirs[m]), config_of(pf, frac), run_dir / f"{run_id}.jsonl",
+                                        run_id=run_id, coupling=coupling))
+                    results = measure_interleaved(arms, trace, mask, progress=False, on_step=lambda: bar.update(1))
+                    for (m, pf), arm, res in zip(block, arms, results):
+                        run_order.append(((m, pf, frac), rep, (rep, bi)))
+                        out = arm.out
                         r = report([out])
                         run = r.runs[0]
                         stall, committed = _step_order(run, fw, str(out))
@@ -502,7 +509,6 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                         })
                         if not o.keep:
                             out.unlink()
-                        bar.update(1)
                 if probe_file:
                     rates.append(probe_rate(probe_file, probe_size, o.workers, seed=rep + 1))
         finally:
@@ -521,9 +527,10 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             probed = {k: [stall_and_rate(k, device.scaled(f))[0] for f in drift["scales"]] for k in keys}
         at_run = {k: [at_run_speed(partial(stall_and_rate, k), device, r["drive_rate_Bps"]) for r in measured[k]]
                   for k in keys}
-        near = neighbour_scales([at_run[k][r]["scale"] if at_run[k][r] else None for k, r in run_order])
+        near = neighbour_scales([at_run[k][r]["scale"] if at_run[k][r] else None for k, r, _ in run_order],
+                                [g for _, _, g in run_order])
         at_near = {k: [None] * len(measured[k]) for k in keys}
-        for (k, r), f in zip(run_order, near):
+        for (k, r, _), f in zip(run_order, near):
             if f is not None:
                 at_near[k][r] = {"scale": f, "predicted_stall_per_token_s": stall_and_rate(k, device.scaled(f))[0]}
 
@@ -618,14 +625,15 @@ def at_run_speed(stall_and_rate, device, measured_rate: float | None) -> dict | 
     return {"scale": f, "predicted_stall_per_token_s": stall, "measured_rate_Bps": measured_rate, "modelled_rate_Bps": rate}
 
 
-def neighbour_scales(scales: list) -> list:
-    """For each run, in the order the runs were measured, the mean of the speed factors
-    (:func:`at_run_speed`'s ``scale``) of the runs measured just before and just after it: the
-    disk's speed around a run, read off other runs, so a prediction at it is tested on a
-    measurement its speed was not taken from. None where no neighbour has a factor."""
+def neighbour_scales(scales: list, groups: list) -> list:
+    """For each run, the mean of the speed factors (:func:`at_run_speed`'s ``scale``) of the
+    other runs of its group (``groups``, one id per run: the runs measured interleaved with it,
+    :func:`replay.measure.measure_interleaved`): the disk's speed during a run, read off other
+    runs, so a prediction at it is tested on a measurement its speed was not taken from. None
+    where no other run of the group has a factor."""
     out = []
-    for j in range(len(scales)):
-        near = [scales[i] for i in (j - 1, j + 1) if 0 <= i < len(scales) and scales[i] is not None]
+    for j, g in enumerate(groups):
+        near = [x for i, x in enumerate(scales) if i != j and groups[i] == g and x is not None]
         out.append(float(np.mean(near)) if near else None)
     return out
 
@@ -690,7 +698,7 @@ def _judge(predicted_s: float, m: dict, tolerance: float | None = None) -> dict:
 def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict]) -> dict:
     """Predicted and measured saving of ``new`` over ``base`` (s/token): the prediction paired by
     step (moving-block bootstrap over the held-out steps), the measurement paired by repetition (each
-    repetition measures both, minutes apart on a disk that drifts: one unit each)."""
+    repetition measures both, interleaved step by step: one unit each)."""
     p = _interval(block_evidence(base_pred.stall, new_pred.stall, base_pred.committed, base_pred.session))
     each = [float((b["stall"].sum() - n["stall"].sum()) / b["committed"].sum()) for b, n in zip(base_runs, runs)]
     return {"predicted_saving": p, "measured_saving": {**_over_repetitions(each), "repetitions": each}}
@@ -890,8 +898,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     with each repetition predicted at its probed speed (the cells' ``at_probed_speed``), a
     diagnosis: the verdict stays on the calibrated profile's predictions. So do the cells'
     ``at_run_speed`` predictions (:func:`at_run_speed`: each run predicted at the rate its own
-    disk served it) and ``at_neighbour_speed`` ones (at the rate of the runs measured just before
-    and after it, :func:`neighbour_scales`), which the sentence reports when the records carry I/O
+    disk served it) and ``at_neighbour_speed`` ones (at the rate of the runs measured interleaved
+    with it, :func:`neighbour_scales`), which the sentence reports when the records carry I/O
     counts. ``first_read``: each
     layout's read-once rate (:func:`_read_each_once`); one below :data:`FIRST_READ_SLOW` of the
     fastest is named, with what it means for measuring a rewrite on this disk."""
@@ -988,7 +996,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             text += (f", and with compute at most {compute:.0%} of S here, S is mostly drive time and this check is close "
                      "to an identity: what it shows is that the gap on the profile is the disk's speed")
         if at_near:
-            text += (f". At the speed of the runs measured just before and after each run (read off those runs, not "
+            text += (f". At the speed of the runs interleaved with each run (read off those runs, not "
                      f"the run itself: a test of the prediction with the disk's drift followed), predicted/measured S "
                      f"is {min(at_near):.2f}-{max(at_near):.2f} ({_in_band(at_near)} of "
                      f"{len(at_near)} cells within +/-{PLOT_BAND:.0%})")

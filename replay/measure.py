@@ -56,6 +56,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,6 +211,25 @@ class _Reader:
             os.close(fd)
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One run of a measurement: a container read under one runtime configuration.
+
+    ``out``: the STALL_TRACE to write (None for none); ``run_id`` defaults to
+    :func:`default_run_id` of the container; ``coupling``: the coupled prefetch source's table
+    (:func:`replay.coupling.coupling_table`), needed when ``config.prefetch == "coupled"``;
+    ``split``: for a container stored as split segments, the split plan's layout and its
+    :class:`replay.engine.SplitState` (:class:`SplitReads` says what is read).
+    """
+
+    container: Container
+    config: RuntimeConfig
+    out: str | os.PathLike | None
+    run_id: str | None = None
+    coupling: tuple[np.ndarray, np.ndarray] | None = None
+    split: tuple[Layout, SplitState] | None = None
+
+
 def measure(
     container: Container,
     trace: RoutingTrace,
@@ -223,188 +243,260 @@ def measure(
     coupling: tuple[np.ndarray, np.ndarray] | None = None,
     split: tuple[Layout, SplitState] | None = None,
 ) -> MeasureResult:
-    """Run the demand path on ``container`` for the forwards in mask ``forwards``.
+    """Run the demand path on ``container`` for the forwards in mask ``forwards`` (one
+    :class:`Arm` of :func:`measure_interleaved`; the arguments are the arm's fields)."""
+    arm = Arm(container, config, out, run_id, coupling, split)
+    return measure_interleaved([arm], trace, forwards, cold=cold, record=record, progress=progress)[0]
 
-    ``coupling`` is the coupled prefetch source's table (:func:`replay.coupling.coupling_table`),
-    needed when ``config.prefetch == "coupled"``. ``run_id`` defaults to :func:`default_run_id`
-    of the container. ``split``: for a container stored as split segments, the split plan's
-    layout and its :class:`replay.engine.SplitState` (:class:`SplitReads` says what is read).
+
+def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarray, cold: bool = True,
+                        record: bool = True, progress: bool = True,
+                        on_step: Callable[[], None] | None = None) -> list[MeasureResult]:
+    """Measure several runs in lockstep: step ``j`` of every arm before step ``j + 1`` of any.
+
+    Each arm is a run of its own (its reader threads, prefetch thread, LRU and STALL_TRACE, the
+    records :func:`measure` writes), and arms never overlap: a step ends with all of its reads
+    complete. The arms' order rotates by one each step, so over every ``len(arms)`` steps each
+    arm takes each place once. Two runs measured one after the other minutes apart see a disk
+    whose speed may have moved between them (a virtual disk here moved 30-56% within a
+    validation); interleaved, every arm sees the disk of the same seconds, and a saving between
+    two arms is measured at equal disk speed whatever the drift. ``cold`` drops the page cache
+    of every arm's files once, before the first step. Arms that read the same files share the
+    page cache from then on: the buffered scale reads an arm finds cached because another arm
+    read them are counted as page-cache requests in its records (with rotation, no arm is
+    favoured).
+
+    ``on_step`` is called after each arm's step (for a caller's progress bar).
+    Memory: each arm holds ``workers + 1`` read buffers of its largest read (bytes), its own.
+    Returns one :class:`MeasureResult` per arm; its ``wall_seconds`` is the time spent in its
+    own steps (s). When an arm fails, no arm's record is left unfinished.
     """
-    if run_id is None:
-        run_id = default_run_id(container.root)
-    seg = None
-    if any(e.segments for e in container.experts.values()):
-        if split is None:
-            raise InputError(container.root, "this container stores experts as split segments; measure it with --layout "
-                                             "PLAN.json, the split plan it was rewritten from")
-        if config.coalesce or config.prefetch != "none":
-            raise InputError(container.root, "measuring a split container with --coalesce or a prefetch source is not "
-                                             "implemented (demand reads only)")
-        layout, state = split
-        seg = SplitReads(container, layout, state)
-    elif split is not None:
-        raise InputError(container.root, "the plan splits experts but this container stores them whole")
-    else:
-        layout = layout_from_container(container)
-    L, E = len(layout.layers), layout.n_experts
-    layer_index = {layer: i for i, layer in enumerate(layout.layers)}
-    missing = sorted(set(trace.layers.tolist()) - set(layer_index))
-    if missing or trace.n_experts > E:
-        raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
-    if config.prefetch == "coupled" and coupling is None:
-        raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
-    replay_only = [what for what, on in (
-        (f"prefetch source {config.prefetch!r}", config.prefetch not in PREFETCH_SOURCES),
-        (f"admission policy {config.admission!r}", config.admission != "top-k"),
-        ("a speculative-byte budget", config.prefetch_bytes > 0), ("stale cancellation", config.cancel_stale),
-        ("the adaptive budget", config.adaptive_budget), ("backoff", config.backoff)) if on]
-    if replay_only:
-        raise InputError(None, f"the harness performs the runtime's own prefetch (sources {', '.join(PREFETCH_SOURCES)}, "
-                               f"top-K); {replay_only[0]} exists in the replay model only")
-    lay = layout_arrays(layout, config, None)
-    ebytes = layout.expert_bytes() if seg is None else seg.need_bytes
-    capacity = lru_capacities(config.ram_bytes, ebytes[:, 0])
-    comp = lay.seconds
-    how = drop_cache(container.files) if cold else "warm (page cache left as found)"
-    reader = _Reader(container.files, config.direct)
-    pool = ThreadPoolExecutor(max_workers=config.in_flight, thread_name_prefix="relayout-io")
-    prefetcher = _Prefetcher(config, coupling, E, reader.read) if config.prefetch != "none" else None
-    largest = int(ebytes.max()) + 2 * ALIGN if ebytes.size else ALIGN
-    _start_threads(pool, config.in_flight, reader, largest)
-    if prefetcher:
-        _start_threads(prefetcher.thread, 1, reader, largest)
-    _warm_compiled(lay, config, prefetcher)
-    sink = _Sink(out, record)
-    fw = np.flatnonzero(forwards)
-    row_start = np.searchsorted(trace.row_forward, np.arange(trace.n_forwards + 1))
-    lrus = [OrderedDict() for _ in range(L)]
-    session = -1
-    total_stall = 0
-    assumed = assumed_committed_mask(trace)
-    configuration = (f"{Path(container.root).name} workers={config.in_flight} ram={config.ram_bytes} "
-                     f"coalesce={int(config.coalesce)} direct={int(config.direct)} prefetch={config.prefetch}")
-    _sleep = _ComputeClock()
-    t_start = time.perf_counter_ns()
+    runs: list[_Run] = []
+    try:
+        for arm in arms:
+            runs.append(_Run(arm, trace, record))
+        how = drop_cache(sorted({p for arm in arms for p in arm.container.files})) if cold \
+            else "warm (page cache left as found)"
+        for run in runs:
+            run.start(how)
+        fw = np.flatnonzero(forwards)
+        for j, f in enumerate(tqdm(fw, desc="measure", disable=None if progress else True)):
+            for i in range(len(runs)):
+                runs[(j + i) % len(runs)].step(int(f))
+                if on_step is not None:
+                    on_step()
+        return [run.finish() for run in runs]
+    except BaseException as exc:
+        for run in runs:
+            run.abort(exc)
+        raise
+    finally:
+        for run in runs:
+            run.close()
 
-    def job(reads, after=()):
+
+class _Run:
+    """One arm's state through a measurement: ``start``, then ``step`` per forward, then
+    ``finish`` (or ``abort``), and always ``close``."""
+
+    def __init__(self, arm: Arm, trace: RoutingTrace, record: bool):
+        container, config = arm.container, arm.config
+        self.run_id = arm.run_id if arm.run_id is not None else default_run_id(container.root)
+        self.seg = None
+        if any(e.segments for e in container.experts.values()):
+            if arm.split is None:
+                raise InputError(container.root, "this container stores experts as split segments; measure it with --layout "
+                                                 "PLAN.json, the split plan it was rewritten from")
+            if config.coalesce or config.prefetch != "none":
+                raise InputError(container.root, "measuring a split container with --coalesce or a prefetch source is not "
+                                                 "implemented (demand reads only)")
+            layout, state = arm.split
+            self.seg = SplitReads(container, layout, state)
+        elif arm.split is not None:
+            raise InputError(container.root, "the plan splits experts but this container stores them whole")
+        else:
+            layout = layout_from_container(container)
+        L, E = len(layout.layers), layout.n_experts
+        self.layer_index = {layer: i for i, layer in enumerate(layout.layers)}
+        missing = sorted(set(trace.layers.tolist()) - set(self.layer_index))
+        if missing or trace.n_experts > E:
+            raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
+        if config.prefetch == "coupled" and arm.coupling is None:
+            raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
+        replay_only = [what for what, on in (
+            (f"prefetch source {config.prefetch!r}", config.prefetch not in PREFETCH_SOURCES),
+            (f"admission policy {config.admission!r}", config.admission != "top-k"),
+            ("a speculative-byte budget", config.prefetch_bytes > 0), ("stale cancellation", config.cancel_stale),
+            ("the adaptive budget", config.adaptive_budget), ("backoff", config.backoff)) if on]
+        if replay_only:
+            raise InputError(None, f"the harness performs the runtime's own prefetch (sources {', '.join(PREFETCH_SOURCES)}, "
+                                   f"top-K); {replay_only[0]} exists in the replay model only")
+        self.container, self.config, self.trace = container, config, trace
+        self.lay = layout_arrays(layout, config, None)
+        self.ebytes = layout.expert_bytes() if self.seg is None else self.seg.need_bytes
+        self.capacity = lru_capacities(config.ram_bytes, self.ebytes[:, 0])
+        self.comp = self.lay.seconds
+        self.sink = _Sink(arm.out, record)
+        try:
+            self.reader = _Reader(container.files, config.direct)
+        except BaseException as exc:
+            self.sink.abort(exc)
+            raise
+        self.pool = ThreadPoolExecutor(max_workers=config.in_flight, thread_name_prefix="relayout-io")
+        self.prefetcher = _Prefetcher(config, arm.coupling, E, self.reader.read) if config.prefetch != "none" else None
+        self.row_start = np.searchsorted(trace.row_forward, np.arange(trace.n_forwards + 1))
+        self.lrus = [OrderedDict() for _ in range(L)]
+        self.load_reads: dict[tuple, list] = {}
+        self.session = -1
+        self.total_stall = self.wall_ns = self.steps = self.committed = 0
+        self.assumed = assumed_committed_mask(trace)
+        self.configuration = (f"{Path(container.root).name} workers={config.in_flight} ram={config.ram_bytes} "
+                              f"coalesce={int(config.coalesce)} direct={int(config.direct)} prefetch={config.prefetch}")
+        self.sleep = _ComputeClock()
+        self.how = ""
+
+    def start(self, how: str) -> None:
+        """Start the threads and load the compiled code, before anything is timed; ``how``: how
+        the page cache was controlled (:func:`drop_cache`)."""
+        self.how = how
+        largest = int(self.ebytes.max()) + 2 * ALIGN if self.ebytes.size else ALIGN
+        _start_threads(self.pool, self.config.in_flight, self.reader, largest)
+        if self.prefetcher:
+            _start_threads(self.prefetcher.thread, 1, self.reader, largest)
+        _warm_compiled(self.lay, self.config, self.prefetcher)
+
+    def _job(self, reads, after=()):
         for fut in after:                      # a prefetch load in flight at routing completes first
             fut.result()
         t0 = time.perf_counter_ns()
         io = IO_ZERO
         for f, off, n, direct in reads:
-            io = _add_io(io, reader.read(f, off, n, direct))
+            io = _add_io(io, self.reader.read(f, off, n, direct))
         return t0, time.perf_counter_ns(), io
 
-    load_reads: dict[tuple, list] = {}
-
-    def reads_of(li: int, e: int) -> list:
+    def _reads_of(self, li: int, e: int) -> list:
         """One prefetch load's reads (alone, never coalesced), planned once per expert: the
         prefetch is queued between routing and the demand jobs, where planning would delay them."""
-        if (li, e) not in load_reads:
-            planned = layer_reads(lay, li, [e], [False], config, coalesce=False)
-            load_reads[li, e] = [(f, off, n, config.direct and kind == WEIGHT) for f, off, n, _, _, kind, _ in planned]
-        return load_reads[li, e]
+        if (li, e) not in self.load_reads:
+            planned = layer_reads(self.lay, li, [e], [False], self.config, coalesce=False)
+            self.load_reads[li, e] = [(f, off, n, self.config.direct and kind == WEIGHT)
+                                      for f, off, n, _, _, kind, _ in planned]
+        return self.load_reads[li, e]
 
-    try:
-        for f in tqdm(fw, desc="measure", disable=None if progress else True):
-            if trace.fwd_session[f] != session:
-                session = int(trace.fwd_session[f])
-                for lru in lrus:
-                    lru.clear()
-            request = trace.sessions[session]
-            counts = (max(int(trace.fwd_committed[f]), 1), int(trace.fwd_evaluated[f]))
-            step_t0 = time.perf_counter_ns()
-            compute_ns = stall_ns = 0
-            rows = slice(row_start[f], row_start[f + 1])
-            r_layer = trace.row_layer[rows]
-            r_ex = trace.experts[rows]
-            layers = np.unique(r_layer).tolist()
-            unions = {}
-            for layer in layers:
-                sel = r_ex[r_layer == layer]
-                unions[layer] = np.unique(sel[sel >= 0], return_counts=True)
-            for n_layer, layer in enumerate(layers):
-                li = layer_index[layer]
-                union, mult = unions[layer]
-                c0 = time.perf_counter_ns()
-                _sleep(config.dense_seconds)
-                lru = lrus[li]
-                t_route = time.perf_counter_ns()
-                loaded = prefetcher.route(li) if prefetcher else {}     # what the prefetcher started for this layer
-                ready_now = {e for e, fut in loaded.items() if fut.done()}
-                for e in ready_now:                                     # completed loads enter the LRU first
-                    if capacity[li] > 0:
+    def step(self, f: int) -> None:
+        """Perform forward ``f``: every MoE layer's routing, loads, waits and emulated compute,
+        then its records."""
+        trace, config, lay, comp, seg = self.trace, self.config, self.lay, self.comp, self.seg
+        capacity, ebytes, lrus, layer_index = self.capacity, self.ebytes, self.lrus, self.layer_index
+        prefetcher, sink, run_id, _sleep = self.prefetcher, self.sink, self.run_id, self.sleep
+        if trace.fwd_session[f] != self.session:
+            self.session = int(trace.fwd_session[f])
+            for lru in lrus:
+                lru.clear()
+        request = trace.sessions[self.session]
+        counts = (max(int(trace.fwd_committed[f]), 1), int(trace.fwd_evaluated[f]))
+        step_t0 = time.perf_counter_ns()
+        compute_ns = stall_ns = 0
+        rows = slice(self.row_start[f], self.row_start[f + 1])
+        r_layer = trace.row_layer[rows]
+        r_ex = trace.experts[rows]
+        layers = np.unique(r_layer).tolist()
+        unions = {}
+        for layer in layers:
+            sel = r_ex[r_layer == layer]
+            unions[layer] = np.unique(sel[sel >= 0], return_counts=True)
+        for n_layer, layer in enumerate(layers):
+            li = layer_index[layer]
+            union, mult = unions[layer]
+            c0 = time.perf_counter_ns()
+            _sleep(config.dense_seconds)
+            lru = lrus[li]
+            t_route = time.perf_counter_ns()
+            loaded = prefetcher.route(li) if prefetcher else {}     # what the prefetcher started for this layer
+            ready_now = {e for e, fut in loaded.items() if fut.done()}
+            for e in ready_now:                                     # completed loads enter the LRU first
+                if capacity[li] > 0:
+                    _lru_insert(lru, e, capacity[li])
+            hits, misses, inflight = [], [], {}
+            for e, m in zip(union.tolist(), mult.tolist()):
+                if capacity[li] > 0 and e in lru:
+                    lru.move_to_end(e)
+                    hits.append((e, m))
+                elif capacity[li] <= 0 and e in ready_now:         # no cache: held for this layer
+                    hits.append((e, m))
+                else:
+                    misses.append((e, m))
+                    if e in loaded and e not in ready_now:
+                        inflight[e] = loaded[e]
+            misses.sort(key=lambda em: lay.rank[li, em[0]])                # issue order: physical order
+            planned = (layer_reads(lay, li, [e for e, _ in misses], [e in inflight for e, _ in misses], config)
+                       if seg is None else seg.layer_reads(li, [e for e, _ in misses]))
+            in_flight = [fut for e, fut in loaded.items() if e not in ready_now]
+            nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
+            if prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1:
+                prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], self._reads_of)   # queued at routing
+            futures = _submit(self.pool, self._job, planned, len(misses), config, in_flight)
+            futures = [((inflight[e], True),) if e in inflight else fut for (e, _), fut in zip(misses, futures)]
+            _sleep(sum(comp[li, e] * m for e, m in hits)
+                   + (0.0 if seg is None else sum(seg.top_seconds(li, e, comp[li, e]) * m for e, m in misses)))
+            layer_stall = 0
+            for (e, m), fut in zip(misses, futures):
+                need = time.perf_counter_ns()
+                issue, ready, io = _wait(fut)
+                waited = max(0, ready - need)
+                layer_stall += waited
+                kind = "speculative" if e in inflight else "demand"
+                sink.expert(run_id, request, f, layer, e, True, int(ebytes[li, e]), issue, ready, need, _tier(io), kind,
+                            counts=counts, stall=waited, io=io)
+                _sleep((comp[li, e] if seg is None else seg.rest_seconds(li, e, comp[li, e])) * m)
+            for e, m in hits:
+                if e in ready_now:
+                    issue, ready, io = loaded[e].result()
+                    sink.expert(run_id, request, f, layer, e, True, int(ebytes[li, e]), issue, ready, t_route, _tier(io),
+                                "speculative", counts=counts, io=io)
+                else:
+                    sink.expert(run_id, request, f, layer, e, True, int(ebytes[li, e]), t_route, t_route, t_route, "ram",
+                                counts=counts, io=IO_ZERO)
+            for e, _ in misses:
+                if capacity[li] > 0:
+                    _lru_insert(lru, e, capacity[li])
+            selected = set(union.tolist())
+            for e, fut in loaded.items():                           # loaded for this layer, not selected
+                if e not in selected:
+                    prefetcher.unused(run_id, request, f, layer, e, int(ebytes[li, e]), fut, counts)
+                    if capacity[li] > 0 and e not in ready_now:
                         _lru_insert(lru, e, capacity[li])
-                hits, misses, inflight = [], [], {}
-                for e, m in zip(union.tolist(), mult.tolist()):
-                    if capacity[li] > 0 and e in lru:
-                        lru.move_to_end(e)
-                        hits.append((e, m))
-                    elif capacity[li] <= 0 and e in ready_now:         # no cache: held for this layer
-                        hits.append((e, m))
-                    else:
-                        misses.append((e, m))
-                        if e in loaded and e not in ready_now:
-                            inflight[e] = loaded[e]
-                misses.sort(key=lambda em: lay.rank[li, em[0]])                # issue order: physical order
-                planned = (layer_reads(lay, li, [e for e, _ in misses], [e in inflight for e, _ in misses], config)
-                           if seg is None else seg.layer_reads(li, [e for e, _ in misses]))
-                in_flight = [fut for e, fut in loaded.items() if e not in ready_now]
-                nxt = layers[n_layer + 1] if n_layer + 1 < len(layers) else None
-                if prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1:
-                    prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], reads_of)   # queued at routing
-                futures = _submit(pool, job, planned, len(misses), config, in_flight)
-                futures = [((inflight[e], True),) if e in inflight else fut for (e, _), fut in zip(misses, futures)]
-                _sleep(sum(comp[li, e] * m for e, m in hits)
-                       + (0.0 if seg is None else sum(seg.top_seconds(li, e, comp[li, e]) * m for e, m in misses)))
-                layer_stall = 0
-                for (e, m), fut in zip(misses, futures):
-                    need = time.perf_counter_ns()
-                    issue, ready, io = _wait(fut)
-                    waited = max(0, ready - need)
-                    layer_stall += waited
-                    kind = "speculative" if e in inflight else "demand"
-                    sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, need, _tier(io), kind,
-                                counts=counts, stall=waited, io=io)
-                    _sleep((comp[li, e] if seg is None else seg.rest_seconds(li, e, comp[li, e])) * m)
-                for e, m in hits:
-                    if e in ready_now:
-                        issue, ready, io = loaded[e].result()
-                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), issue, ready, t_route, _tier(io),
-                                    "speculative", counts=counts, io=io)
-                    else:
-                        sink.expert(run_id, request, int(f), layer, e, True, int(ebytes[li, e]), t_route, t_route, t_route, "ram",
-                                    counts=counts, io=IO_ZERO)
-                for e, _ in misses:
-                    if capacity[li] > 0:
-                        _lru_insert(lru, e, capacity[li])
-                selected = set(union.tolist())
-                for e, fut in loaded.items():                           # loaded for this layer, not selected
-                    if e not in selected:
-                        prefetcher.unused(run_id, request, int(f), layer, e, int(ebytes[li, e]), fut, counts)
-                        if capacity[li] > 0 and e not in ready_now:
-                            _lru_insert(lru, e, capacity[li])
-                stall_ns += layer_stall
-                compute_ns += time.perf_counter_ns() - c0 - layer_stall
-            if prefetcher:
-                prefetcher.flush(sink, wait=False)
-            wall = time.perf_counter_ns() - step_t0
-            total_stall += stall_ns
-            sink.step(run_id, request, int(f), *counts, compute_ns, wall, stall_ns, bool(assumed[f]), configuration)
+            stall_ns += layer_stall
+            compute_ns += time.perf_counter_ns() - c0 - layer_stall
         if prefetcher:
-            prefetcher.flush(sink, wait=True)
-    except BaseException as exc:
-        sink.abort(exc)
-        raise
-    finally:
-        pool.shutdown(wait=True)
-        if prefetcher:
-            prefetcher.close()
-        reader.close()
-    wall_s = (time.perf_counter_ns() - t_start) / 1e9
-    path = sink.close()
-    committed = int(np.maximum(trace.fwd_committed[fw], 1).sum())
-    return MeasureResult(path, how, reader.direct is not None, wall_s, len(fw), committed, total_stall)
+            prefetcher.flush(sink, wait=False)
+        wall = time.perf_counter_ns() - step_t0
+        self.total_stall += stall_ns
+        self.wall_ns += wall
+        self.steps += 1
+        self.committed += counts[0]
+        sink.step(run_id, request, f, *counts, compute_ns, wall, stall_ns, bool(self.assumed[f]), self.configuration)
+
+    def finish(self) -> MeasureResult:
+        """Wait for the prefetch loads still recorded as pending, close the record; the result."""
+        t0 = time.perf_counter_ns()
+        if self.prefetcher:
+            self.prefetcher.flush(self.sink, wait=True)
+        self.wall_ns += time.perf_counter_ns() - t0
+        path = self.sink.close()
+        return MeasureResult(path, self.how, self.reader.direct is not None, self.wall_ns / 1e9, self.steps,
+                             self.committed, self.total_stall)
+
+    def abort(self, exc: BaseException) -> None:
+        """Discard the record: nothing half-written is left looking complete."""
+        self.sink.abort(exc)
+
+    def close(self) -> None:
+        """Stop the threads, close the files."""
+        self.pool.shutdown(wait=True)
+        if self.prefetcher:
+            self.prefetcher.close()
+        self.reader.close()
 
 
 def _start_threads(pool: ThreadPoolExecutor, n: int, reader: _Reader, largest: int) -> None:

@@ -9,11 +9,12 @@ import pytest
 from conftest import run_cli, small_geometry
 
 from containers.container import Container
+from containers.errors import InputError
 from relayout.trace_synth import synth_trace
 from replay.calibrate import calibrate
 from replay.config import RuntimeConfig
 from replay.device import load_device
-from replay.measure import measure
+from replay.measure import Arm, measure, measure_interleaved
 from replay.stalltrace import read_stall_trace, report, run_metrics
 from replay.trace import save_trace
 
@@ -375,3 +376,56 @@ def test_reader_threads_exist_with_their_buffers_before_anything_is_timed(small_
     finally:
         pool.shutdown(wait=True)
         reader.close()
+
+
+def _expert_records(path) -> list[dict]:
+    return [r for r in (json.loads(x) for x in path.read_text().splitlines()) if r.get("record") != "step"]
+
+
+def test_interleaved_arms_read_what_each_reads_alone_in_lockstep_rotating(small_container, trace_for, tmp_path):
+    """Interleaving changes when an arm's steps run, never what they read: each arm's records name
+    the same experts, requirements and bytes read as the arm measured alone (the page cache the
+    arms share may serve an arm's scale reads); step j of every arm
+    ends before step j + 1 of any begins, and the arm that goes first rotates."""
+    c = Container.open(small_container)
+    mask = np.zeros(trace_for.n_forwards, bool)
+    mask[:9] = True
+    configs = [RuntimeConfig(workers=2, dense_seconds=0.0),
+               RuntimeConfig(workers=1, dense_seconds=0.0, ram_bytes=10**9),
+               RuntimeConfig(workers=2, dense_seconds=0.0, coalesce=True)]
+    arms = [Arm(c, cfg, tmp_path / f"i{k}.jsonl", run_id=f"arm{k}") for k, cfg in enumerate(configs)]
+    results = measure_interleaved(arms, trace_for, mask, progress=False)
+    assert [r.steps for r in results] == [9, 9, 9]
+
+    def what(recs):
+        return sorted((r["step"], r["layer"], r["expert_id"], r["required"], r["tier_served"] == "ram",
+                       r["drive_bytes"] + r["page_cache_bytes"] + r["unclassified_bytes"]) for r in recs)
+
+    spans = {}
+    for k, cfg in enumerate(configs):
+        alone = tmp_path / f"a{k}.jsonl"
+        measure(c, trace_for, mask, cfg, alone, run_id=f"alone{k}", progress=False)
+        together = _expert_records(tmp_path / f"i{k}.jsonl")
+        assert what(together) == what(_expert_records(alone))
+        for r in together:
+            if r["tier_served"] != "ram":
+                lo, hi = spans.get((r["step"], k), (r["issue_ns"], r["ready_ns"]))
+                spans[r["step"], k] = (min(lo, r["issue_ns"]), max(hi, r["ready_ns"]))
+    steps = sorted({s for s, _ in spans})
+    assert len(steps) == 9
+    for j, s in enumerate(steps):
+        arms_here = [k for k in range(3) if (s, k) in spans]
+        assert min(arms_here, key=lambda k: spans[s, k][0]) == j % 3 or (s, j % 3) not in spans
+        if j + 1 < len(steps):
+            nxt = steps[j + 1]
+            assert max(spans[s, k][1] for k in arms_here) < min(spans[nxt, k][0] for k in range(3) if (nxt, k) in spans)
+
+
+def test_an_arm_that_cannot_run_leaves_no_record_of_any_arm(small_container, trace_for, tmp_path):
+    c = Container.open(small_container)
+    mask = np.ones(trace_for.n_forwards, bool)
+    good = Arm(c, RuntimeConfig(workers=1, dense_seconds=0.0), tmp_path / "good.jsonl")
+    bad = Arm(c, RuntimeConfig(workers=1, dense_seconds=0.0, prefetch="coupled"), tmp_path / "bad.jsonl")
+    with pytest.raises(InputError, match="coupling table"):
+        measure_interleaved([good, bad], trace_for, mask, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -408,12 +408,13 @@ def test_speed_normalized_savings_remove_the_disks_speed_not_the_models_error():
     assert max(naive) - min(naive) > 0.3
 
 
-def test_neighbour_scales_come_from_the_runs_around_each_run_never_itself():
+def test_neighbour_scales_come_from_the_runs_interleaved_with_each_run_never_itself():
     from relayout.validate import neighbour_scales
 
-    assert neighbour_scales([1.0, 2.0, 4.0, None, 8.0]) == [2.0, 2.5, 2.0, 6.0, None]
-    assert neighbour_scales([3.0]) == [None]
-    assert neighbour_scales([]) == []
+    groups = ["a", "a", "a", "b", "b", "c"]
+    assert neighbour_scales([1.0, 2.0, 4.0, None, 8.0, 5.0], groups) == [3.0, 2.5, 1.5, 8.0, None, None]
+    assert neighbour_scales([3.0], ["a"]) == [None]
+    assert neighbour_scales([], []) == []
 
 
 def test_calibration_reads_the_stock_containers_largest_file_when_it_can(tmp_path):
