@@ -32,6 +32,8 @@ import numpy as np
 
 from containers.errors import InputError
 
+from .buffers import read_buffer
+
 SIZES = (4096, 65536, 524288, 4 * 1024 * 1024, 32 * 1024 * 1024)
 MAX_FITTED_SLOTS = 256
 """The deepest drive queue the fit considers (requests)."""
@@ -80,13 +82,14 @@ def _cell(path: Path, size: int, depth: int, seconds: float, seed: int) -> Cell:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     file_size = os.fstat(fd).st_size
     slots = max(1, (file_size - size) // ALIGN)
+    bufs = [read_buffer(size) for _ in range(depth)]
     stop = time.perf_counter() + seconds
     lat: list[float] = []
     lock = threading.Lock()
 
     def worker(k: int):
         rng = np.random.default_rng([seed, k])
-        buf = mmap.mmap(-1, size)
+        buf = memoryview(bufs[k])[:size]
         mine = []
         while time.perf_counter() < stop:
             off = int(rng.integers(0, slots)) * ALIGN
@@ -153,7 +156,7 @@ def read_once(paths: list, progress=None) -> tuple[int, float]:
         total, failed = [0], []
 
         def worker():
-            buf = mmap.mmap(-1, READ_ONCE_BYTES)
+            buf = read_buffer(READ_ONCE_BYTES)
             while not failed:
                 with lock:
                     job = next(nxt, None)

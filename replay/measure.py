@@ -70,6 +70,7 @@ from containers.container import Container
 from containers.errors import InputError
 from containers.layout import WEIGHT_SLOTS, Layout, layout_from_container
 
+from .buffers import read_buffer
 from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .engine import SplitState, layout_arrays
 from .prefetch import predict_next
@@ -157,15 +158,14 @@ class _Reader:
     def _buffer(self, n: int) -> mmap.mmap:
         buf = getattr(self.local, "buf", None)
         if buf is None or len(buf) < n:
-            buf = mmap.mmap(-1, max(n, ALIGN))
+            buf = read_buffer(n)
             self.local.buf = buf
         return buf
 
     def prepare(self, n: int) -> None:
-        """Give the calling thread its buffer for reads of up to ``n`` bytes, its pages touched,
-        so its first timed read does not fault them in."""
-        buf = self._buffer(min(n, MAX_READ))
-        buf[:] = bytes(len(buf))
+        """Give the calling thread its buffer for reads of up to ``n`` bytes (:func:`replay.buffers.read_buffer`:
+        huge pages, touched, so its first timed read does not fault them in)."""
+        self._buffer(min(n, MAX_READ))
 
     def read(self, f: int, off: int, n: int, direct: bool) -> tuple:
         """Read the range; returns how (:data:`IO_ZERO`'s fields)."""

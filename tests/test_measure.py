@@ -429,3 +429,26 @@ def test_an_arm_that_cannot_run_leaves_no_record_of_any_arm(small_container, tra
     with pytest.raises(InputError, match="coupling table"):
         measure_interleaved([good, bad], trace_for, mask, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_read_buffers_are_private_page_aligned_memory_that_may_take_huge_pages():
+    """Shared anonymous memory (Python's default mmap) never gets transparent huge pages under
+    the common ``shmem_enabled=never``; the read buffers must be private, aligned and whole."""
+    import ctypes
+    from pathlib import Path
+
+    from replay.buffers import PAGE, read_buffer
+
+    buf = read_buffer(3 * 1024 * 1024 + 5)
+    assert len(buf) == 3 * 1024 * 1024 + PAGE and buf[:8] == bytes(8)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert addr % PAGE == 0
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        for line in maps.read_text().splitlines():
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                assert line.split()[1] == "rw-p"
+                break
+        else:
+            pytest.fail("the buffer is not mapped")
