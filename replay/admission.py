@@ -107,16 +107,27 @@ so its measured stall-conversion can recover."""
 
 MAX_CANDIDATES = 64
 
+VALUE_MARGIN = 1e-9
+"""Relative slack :func:`_never_gains` keeps: it decides only where rounding (about 1e-15
+relative per operation of :func:`_value`) cannot change the sign of V(a)."""
+
+NORMAL_MIN, NORMAL_MAX = 1e-100, 1e100
+"""Range :func:`_never_gains` needs ``lambda rho`` and the queue term's factor ``b / F (s - d) /
+s`` in: far from underflow and overflow, where rounding would no longer be relative."""
+
 RANKED_POOL = 64
 """Up to this many candidates, the C most probable are found by counting, for each, the
 candidates ahead of it (branch-free, vectorised); beyond it, by insertion into a ranked list."""
 
 Control = namedtuple("Control", "late_frac cost_ratio gain probes cand key need svc order q_pending q_for waited "
-                                "pool pool_p")
+                                "pool pool_p svc_min svc_max bytes_min")
 """The controller's state (:func:`new_control`). Per layer [L]: ``late_frac`` (lambda, the running
 share of demand misses that made the compute thread wait), ``cost_ratio`` (rho, running stall per
 late miss over its estimated load time), ``gain`` (running stall-conversion, s per instance, for
-backoff), ``probes`` (instances skipped by backoff). Scratch [64] over the candidates: ``cand``,
+backoff), ``probes`` (instances skipped by backoff); ``svc_min``, ``svc_max`` (s) and
+``bytes_min``: the shortest and longest estimated load time of one of the layer's experts, its
+scales read or not (:func:`load_seconds`), and the fewest bytes of one, NaN until the layer's
+first stall-valued admission (:func:`_load_range`). Scratch [64] over the candidates: ``cand``,
 ``key``, ``need`` (estimated need time, s), ``svc`` (estimated load time, s), ``order``. For scoring q (policy
 ``observe``): ``q_pending`` [E] (q of the layer being predicted), ``q_for`` [1] (its instance, -1
 none), ``waited`` [E] (scratch: the miss made the compute thread wait). Scratch [E] over the
@@ -201,7 +212,7 @@ def new_control(L: int, E: int) -> Control:
                    np.empty(MAX_CANDIDATES, dtype=np.int64), np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES),
                    np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES, dtype=np.int64), np.zeros(E),
                    np.full(1, -1, dtype=np.int64), np.zeros(E, dtype=np.bool_), np.empty(E, dtype=np.int64),
-                   np.empty(E))
+                   np.empty(E), np.full(L, np.nan), np.full(L, np.nan), np.full(L, np.nan))
 
 
 @njit(**HELPER)
@@ -237,7 +248,9 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
     below the probability floor, only the listed ones are scanned); ``start``: when the prefetcher may start (s, instance
     ``i``'s clock); ``routed``: when layer ``nl`` is routed; ``charge``: the credits and the
     per-source caps (:data:`Fusion`), or None when loads are not charged to sources. Fills ``out_list`` with the admitted experts in load order
-    and returns how many; counts the rejected and the capped candidates in ``pf``.
+    and returns how many; counts the rejected and the capped candidates in ``pf``. Under
+    ``stall-value`` it returns before ranking the candidates when no expert of the pool may
+    gain (:func:`_none_may_gain`; most calls on the benchmark's trace).
     """
     p = src.p
     E = len(p)
@@ -265,8 +278,7 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         resident_compute += pe * seconds[e] if above & resident else 0.0    # (+0.0 leaves the sum's bits)
         pool[considered], pool_p[considered] = e, pe                        # kept only when counted
         considered += above & (not resident)
-    nc = _most_probable(pool, pool_p, considered, C, oracle, p, cand)
-    if nc == 0:
+    if considered == 0:
         return 0
     # budgets: Q slots, B bytes (adaptive: what the drives can deliver before the next routing)
     t0, window = _window(start, routed, pol.adaptive_budget, drives.free,
@@ -276,6 +288,12 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
     p_victim = 0.0
     if lru.capacity[nl] > 0 and lru.size[nl] >= lru.capacity[nl] and lru.oldest[nl] >= 0:
         p_victim = p[lru.oldest[nl]]
+    if policy == STALL_VALUE and _none_may_gain(nl, pool_p, considered, t0, routed, lam, rho, p_victim, lay, pol, dev,
+                                                ctl):
+        _start_unranked(pool, pool_p, considered, C, p, cand, charge)
+        _count(i, considered, 0, 0, pf.rejected, pf.capped)
+        return 0
+    nc = _most_probable(pool, pool_p, considered, C, oracle, p, cand)
     _start_layer(cand, nc, charge)
     if policy == STALL_VALUE and not _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay,
                                                pol, dev):
@@ -363,6 +381,70 @@ def _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram
                       dev.full_bandwidth) <= 0.0:
             return True
     return False
+
+
+@njit(**HELPER)
+def _none_may_gain(nl, pool_p, n, t0, routed, lam, rho, p_victim, lay, pol, dev, ctl):
+    """No expert of layer ``nl``'s pool (probabilities ``pool_p[:n]``) may have a positive V(a)
+    loaded from ``t0`` (s), shown before ranking them (:func:`_never_gains` over the layer's
+    range of load times and bytes, :func:`_load_range`): then :func:`_may_gain` is False for the
+    candidates (a subset of the pool), so ``stall-value`` admits none. False: undecided."""
+    if t0 >= routed:
+        return True                              # every V is 0 (_value): nothing can start in time
+    if np.isnan(ctl.svc_min[nl]):
+        _load_range(nl, lay, pol, dev, ctl)
+    return _never_gains(pool_p, n, t0, routed, lam * rho, p_victim, ctl.svc_min[nl], ctl.svc_max[nl],
+                        ctl.bytes_min[nl], dev.full_bandwidth)
+
+
+@njit(**HELPER)
+def _never_gains(pool_p, n, t0, routed, k, p_victim, s_lo, s_hi, b_lo, full_bandwidth):
+    """Whether every load of probability in ``pool_p[:n]``, load time (s) in [``s_lo``, ``s_hi``]
+    and at least ``b_lo`` bytes, started at ``t0 < routed`` (s) with ``k`` = lambda rho, has V(a)
+    <= 0 at need time inf as :func:`_value` computes it. True only where that holds in exact
+    arithmetic with a relative slack of :data:`VALUE_MARGIN`, so rounding cannot flip it; False
+    (undecided) otherwise.
+
+    At need time inf, ``V b = k s p - (1 - p) (b / F) max(0, s - d) / s - (1 - p) p_victim k s``
+    with ``d = routed - t0`` and ``F`` the full bandwidth (bytes/s). When ``s > d``, ``V <= 0``
+    exactly when ``p / (1 - p) <= p_victim + (b / (F k)) (s - d) / s^2``. The right side grows
+    with ``b``; in ``s`` it rises up to ``s = 2d`` and falls after, so over the range it is least
+    at one end. ``d`` is taken larger by the slack, which covers the rounding of ``t0 + s -
+    routed`` in :func:`_value`."""
+    d = routed - t0 + VALUE_MARGIN * (abs(t0) + abs(routed) + s_hi)
+    if not (s_lo > d and NORMAL_MIN <= k <= NORMAL_MAX
+            and NORMAL_MIN <= b_lo / full_bandwidth * ((s_lo - d) / s_lo) <= NORMAL_MAX):
+        return False
+    odds = p_victim + b_lo / (full_bandwidth * k) * min((s_lo - d) / (s_lo * s_lo), (s_hi - d) / (s_hi * s_hi))
+    odds_max = odds * (1.0 - VALUE_MARGIN)
+    below = 0
+    for x in range(n):                           # branch-free: a NaN probability is never below
+        below += pool_p[x] * (1.0 + VALUE_MARGIN) <= (1.0 - pool_p[x]) * odds_max
+    return below == n
+
+
+@njit(**HELPER)
+def _load_range(nl, lay, pol, dev, ctl):
+    """Fill ``ctl.svc_min``, ``ctl.svc_max`` (s) and ``ctl.bytes_min`` of layer ``nl``: the
+    shortest and longest :func:`load_seconds` of its experts, scales read or not, and the
+    fewest bytes of one (they depend only on the layout, the read policy and the device)."""
+    lo, hi, nbytes = np.inf, -np.inf, np.inf
+    for e in range(lay.ebytes.shape[1]):
+        for first in (False, True):
+            s = load_seconds(nl, e, first, lay, pol, dev)
+            lo, hi = min(lo, s), max(hi, s)
+        nbytes = min(nbytes, float(lay.ebytes[nl, e]))
+    ctl.svc_min[nl], ctl.svc_max[nl], ctl.bytes_min[nl] = lo, hi, nbytes
+
+
+@njit(**HELPER)
+def _start_unranked(pool, pool_p, n, C, p, cand, fusion):
+    """:func:`_start_layer` for the ``C`` most probable experts of ``pool[:n]`` (probabilities
+    ``pool_p``), ranked (:func:`_most_probable`, into ``cand``) only when loads are charged to
+    sources (``fusion`` not None)."""
+    if fusion is None:
+        return
+    _start_layer(cand, _most_probable(pool, pool_p, n, C, False, p, cand), fusion)
 
 
 @njit(**HELPER)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_predictors import layout, routing
 
-from replay.admission import _most_probable, _value, prefetcher_inputs
+from replay.admission import _most_probable, _never_gains, _value, prefetcher_inputs
 from replay.config import RuntimeConfig
 from replay.device import ArrayProfile, DriveProfile
 from replay.engine import simulate
@@ -201,6 +201,39 @@ def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes
     assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= bound
     assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= _value(
         p, need + abs(need) * 1e-9 + 1e-12, svc, t, routed, lam, rho, p_victim, nbytes, 2e9)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.floats(0, 1e-2), st.floats(1e-6, 1e-2), st.floats(1e-3, 10), st.floats(0, 4), st.floats(0, 1),
+       st.floats(0, 1), st.floats(0.05, 1), st.floats(1e-9, 4), st.floats(0, 1), st.integers(10**5, 10**8),
+       st.floats(0, 1), st.sampled_from([0.0, 1e-15, 1e-12, 1e-9, 1e-6, 1e-3]), st.booleans())
+def test_stall_value_skips_ranking_only_when_no_load_of_the_pool_can_gain(t0, d, lo, spread, where, p_victim, lam, rho,
+                                                                         more, nbytes, dp, offset, above):
+    """replay.admission._never_gains (the stall-valued policy's exit before ranking candidates)
+    against _value itself at need time inf, for loads at the very edge of gaining: a probability
+    just above or below where V(a) = 0 for a load time anywhere in the layer's range (the
+    bound is least at its ends, not its middle) and any bytes above the least. An exit that
+    took V for any load time of the range, ignored the bytes or had no slack for rounding
+    fails; one that decides nothing fails the second assertion."""
+    F, routed = 2e9, t0 + d
+    s_lo = d * (1 + lo)
+    s_hi = s_lo * (1 + spread)
+    k = lam * rho
+
+    def threshold(s, b):                         # the p where V(a) = 0 for load time s and b bytes
+        a = b / F * (s - d) / s + p_victim * k * s
+        return a / (k * s + a)
+
+    s = s_lo + where * (s_hi - s_lo)
+    b = nbytes * (1 + more)
+    p_edge = threshold(s, b) * (1 + offset if above else 1 - offset)
+    pool_p = np.array([p_edge, dp * p_edge])
+    if _never_gains(pool_p, 2, t0, routed, k, p_victim, s_lo, s_hi, float(nbytes), F):
+        for p in pool_p:
+            assert _value(p, np.inf, s, t0, routed, lam, rho, p_victim, b, F) <= 0.0
+    least = min(threshold(s_lo, nbytes), threshold(s_hi, nbytes))
+    if p_edge <= least * (1 - 1e-5) and s_lo - d > 1e-3 * (t0 + routed + s_hi):
+        assert _never_gains(pool_p, 2, t0, routed, k, p_victim, s_lo, s_hi, float(nbytes), F)
 
 
 @settings(max_examples=300, deadline=None)
