@@ -6,7 +6,12 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    GLM-5.2 int4-row container with full-size 18.9 MB experts, about ``gb`` GB, in a work
    directory under ``PATH``; synthesises a routing trace for it (:data:`TRACE_SESSIONS`
    sessions, of which the last :data:`HELD_OUT_SESSIONS` are held out), plans each layout
-   (``stock``, ``louvain``, ``random``) and rewrites the non-stock ones next to it;
+   (``stock``, ``louvain``, ``random``) and rewrites the non-stock ones next to it, and with a
+   synthetic source the stock one too (its order unchanged), so every measured container is a
+   file the rewriter wrote: a disk may serve files written one way at another speed (measured
+   from the synthesised source, stock ran 4-7 ms/token slower than the rewritten layouts in
+   7 of 12 comparisons, while at equal disk speed the layouts differed by about 1 ms/token,
+   ``docs/BENCHMARKS.md``); a ``--container`` is measured where it is, as stock;
 2. reads every container once (:func:`_read_each_once`: a virtual disk may serve a block slower
    the first time it is read, which would favour the freshly written copies);
 3. calibrates the disk holding ``PATH`` (:func:`replay.calibrate.calibrate`) unless a device
@@ -316,7 +321,7 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
         save_plan(make_plan(trace, source, method, train_fraction=TRAIN_FRACTION, seed=o.seed, progress=False), path)
         plan = load_plan(path)
         plans[method] = plan
-        if method == "stock":
+        if method == "stock" and not synthetic:
             dirs[method], lays[method] = src, plan.stock
             continue
         dst = work.fresh(f"layout-{method}")
