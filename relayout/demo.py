@@ -24,7 +24,7 @@ from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.evidence import block_evidence
 from replay.gate import compare, evaluation_forwards, run_layout
-from replay.measure import measure
+from replay.measure import Arm, measure_interleaved
 from replay.planfile import load_plan, save_plan
 from replay.stalltrace import compare as compare_runs
 from replay.trace import save_trace
@@ -177,16 +177,17 @@ def _run(work: Path, seed: int, kept: bool) -> int:
           f"{new_manifest['content_fingerprint']} (source {manifest['content_fingerprint']})")
     print(f"   verify --full: {len(problems)} problems  ({time.perf_counter() - t:.1f} s)")
 
-    t = _step("8. measure both containers for real (cold reads, 1 worker, coalescing) and compare")
+    t = _step("8. measure both containers for real (cold reads, 1 worker, coalescing, in lockstep) and compare")
     mask, _ = evaluation_forwards(trace, [plan])
     mask &= np.cumsum(mask) <= DEMO_MEASURE_TOKENS
     cfg = RuntimeConfig(workers=1, coalesce=True)
     runs = {"stock": [], "relaid": []}
-    for rep in range(DEMO_REPETITIONS):
-        for label, path in (("stock", src), ("relaid", dst)):
-            out = work / f"measure-{label}-{rep}.jsonl"
-            measure(Container.open(path), trace, mask, cfg, out, run_id=f"{label}-{rep}", progress=False)
-            runs[label].append(out)
+    for rep in range(DEMO_REPETITIONS):             # both step by step, so both see the disk of the same seconds
+        arms = [Arm(Container.open(path), cfg, work / f"measure-{label}-{rep}.jsonl", run_id=f"{label}-{rep}")
+                for label, path in (("stock", src), ("relaid", dst))]
+        measure_interleaved(arms, trace, mask, progress=False)
+        for label, arm in zip(("stock", "relaid"), arms):
+            runs[label].append(arm.out)
     for label in runs:
         merged = work / f"measure-{label}.jsonl"
         merged.write_bytes(b"".join(p.read_bytes() for p in runs[label]))
