@@ -21,8 +21,9 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    (:func:`replay.measure.measure_interleaved`, cold) ``reps`` times, the layouts and prefetch
    sources of a RAM budget measured together, step by step in lockstep (every run's step j
    before any run's step j + 1, their order rotating each step from a counterbalanced one:
-   :func:`measurement_order`), so every run of a block sees the disk of the same seconds, on
-   the same first ``tokens`` held-out steps, and predicts S by
+   :func:`measurement_order`), so every run of a block sees the disk of the same seconds (each
+   run holds its own read buffers: ``workers + 1`` of an expert's size, about 1.5 GB for the
+   default block of 9 runs of 18.9 MB experts), on the same first ``tokens`` held-out steps, and predicts S by
    replaying exactly those steps on the profile (:func:`replay.engine.simulate`). A probe
    (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
    runtime's workers, for 1 s on the container's largest file) before the first repetition and
