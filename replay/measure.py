@@ -255,8 +255,10 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     """Measure several runs in lockstep: step ``j`` of every arm before step ``j + 1`` of any.
 
     Each arm is a run of its own (its reader threads, prefetch thread, LRU and STALL_TRACE, the
-    records :func:`measure` writes), and arms never overlap: a step ends with all of its reads
-    complete. The arms' order rotates by one each step, so over every ``len(arms)`` steps each
+    records :func:`measure` writes), and arms never overlap: a step's demand reads complete
+    within it, and a prefetch load still in flight at its end (loaded for a layer that then
+    missed nothing) completes, untimed, before the next arm's step begins (alone, it would
+    overlap the start of the arm's next step). The arms' order rotates by one each step, so over every ``len(arms)`` steps each
     arm takes each place once. Two runs measured one after the other minutes apart see a disk
     whose speed may have moved between them (a virtual disk here moved 30-56% within a
     validation); interleaved, every arm sees the disk of the same seconds, and a saving between
@@ -282,7 +284,10 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
         fw = np.flatnonzero(forwards)
         for j, f in enumerate(tqdm(fw, desc="measure", disable=None if progress else True)):
             for i in range(len(runs)):
-                runs[(j + i) % len(runs)].step(int(f))
+                run = runs[(j + i) % len(runs)]
+                run.step(int(f))
+                if len(runs) > 1:
+                    run.settle()
                 if on_step is not None:
                     on_step()
         return [run.finish() for run in runs]
@@ -477,6 +482,11 @@ class _Run:
         self.committed += counts[0]
         sink.step(run_id, request, f, *counts, compute_ns, wall, stall_ns, bool(self.assumed[f]), self.configuration)
 
+    def settle(self) -> None:
+        """Wait, untimed, until no prefetch load of this run is in flight."""
+        if self.prefetcher:
+            self.prefetcher.idle()
+
     def finish(self) -> MeasureResult:
         """Wait for the prefetch loads still recorded as pending, close the record; the result."""
         t0 = time.perf_counter_ns()
@@ -601,6 +611,11 @@ class _Prefetcher:
         for r in reads:
             io = _add_io(io, self.read(*r) or IO_ZERO)
         return t0, time.perf_counter_ns(), io
+
+    def idle(self) -> None:
+        """Return once every load queued so far has completed or been dropped (the thread runs
+        them in order)."""
+        self.thread.submit(lambda: None).result()
 
     def route(self, li: int) -> dict:
         with self.lock:

@@ -393,9 +393,10 @@ def test_interleaved_arms_read_what_each_reads_alone_in_lockstep_rotating(small_
     configs = [RuntimeConfig(workers=2, dense_seconds=0.0),
                RuntimeConfig(workers=1, dense_seconds=0.0, ram_bytes=10**9),
                RuntimeConfig(workers=2, dense_seconds=0.0, coalesce=True)]
-    arms = [Arm(c, cfg, tmp_path / f"i{k}.jsonl", run_id=f"arm{k}") for k, cfg in enumerate(configs)]
+    prefetching = RuntimeConfig(workers=2, dense_seconds=0.0, prefetch="oracle", prefetch_experts=8, ram_bytes=10**6)
+    arms = [Arm(c, cfg, tmp_path / f"i{k}.jsonl", run_id=f"arm{k}") for k, cfg in enumerate(configs + [prefetching])]
     results = measure_interleaved(arms, trace_for, mask, progress=False)
-    assert [r.steps for r in results] == [9, 9, 9]
+    assert [r.steps for r in results] == [9, 9, 9, 9]
 
     def what(recs):
         return sorted((r["step"], r["layer"], r["expert_id"], r["required"], r["tier_served"] == "ram",
@@ -405,20 +406,21 @@ def test_interleaved_arms_read_what_each_reads_alone_in_lockstep_rotating(small_
     for k, cfg in enumerate(configs):
         alone = tmp_path / f"a{k}.jsonl"
         measure(c, trace_for, mask, cfg, alone, run_id=f"alone{k}", progress=False)
-        together = _expert_records(tmp_path / f"i{k}.jsonl")
-        assert what(together) == what(_expert_records(alone))
-        for r in together:
+        assert what(_expert_records(tmp_path / f"i{k}.jsonl")) == what(_expert_records(alone))
+    for k in range(len(arms)):                 # every read, a prefetch load's included, within its step
+        for r in _expert_records(tmp_path / f"i{k}.jsonl"):
             if r["tier_served"] != "ram":
                 lo, hi = spans.get((r["step"], k), (r["issue_ns"], r["ready_ns"]))
                 spans[r["step"], k] = (min(lo, r["issue_ns"]), max(hi, r["ready_ns"]))
+    n = len(arms)
     steps = sorted({s for s, _ in spans})
-    assert len(steps) == 9
+    assert len(steps) == 9 and any(k == 3 for _, k in spans)
     for j, s in enumerate(steps):
-        arms_here = [k for k in range(3) if (s, k) in spans]
-        assert min(arms_here, key=lambda k: spans[s, k][0]) == j % 3 or (s, j % 3) not in spans
+        arms_here = [k for k in range(n) if (s, k) in spans]
+        assert min(arms_here, key=lambda k: spans[s, k][0]) == j % n or (s, j % n) not in spans
         if j + 1 < len(steps):
             nxt = steps[j + 1]
-            assert max(spans[s, k][1] for k in arms_here) < min(spans[nxt, k][0] for k in range(3) if (nxt, k) in spans)
+            assert max(spans[s, k][1] for k in arms_here) < min(spans[nxt, k][0] for k in range(n) if (nxt, k) in spans)
 
 
 def test_an_arm_that_cannot_run_leaves_no_record_of_any_arm(small_container, trace_for, tmp_path):
@@ -452,3 +454,21 @@ def test_read_buffers_are_private_page_aligned_memory_that_may_take_huge_pages()
                 break
         else:
             pytest.fail("the buffer is not mapped")
+
+
+def test_a_settled_prefetcher_has_no_load_in_flight():
+    """Between two arms' steps (measure_interleaved) a run's prefetch loads must have completed:
+    ``idle`` returns only after every load queued before it."""
+    import replay.measure as rm
+
+    def slow_read(f, off, n, direct):
+        time.sleep(0.05)
+        return rm.IO_ZERO
+
+    p = rm._Prefetcher(RuntimeConfig(prefetch="oracle"), None, 16, slow_read)
+    try:
+        futures = [p.thread.submit(p._load, [(0, 0, 4096, False)], [False], p.batch) for _ in range(3)]
+        p.idle()
+        assert all(f.done() for f in futures) and all(f.result() is not None for f in futures)
+    finally:
+        p.close()
