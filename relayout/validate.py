@@ -23,8 +23,8 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    before any run's step j + 1, their order rotating each step from a counterbalanced one:
    :func:`measurement_order`), so every run of a block sees the disk of the same seconds (each
    run holds its own read buffers: ``workers + 1`` of an expert's size, about 1.5 GB for the
-   default block of 9 runs of 18.9 MB experts), on the same first ``tokens`` held-out steps, and predicts S by
-   replaying exactly those steps on the profile (:func:`replay.engine.simulate`). A probe
+   default block of 9 runs of 18.9 MB experts), on the same first ``tokens`` held-out steps,
+   and predicts S by replaying exactly those steps on the profile (:func:`replay.engine.simulate`). A probe
    (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
    runtime's workers, for 1 s on the container's largest file) before the first repetition and
    after each follows the disk's speed at the measured runs' operating point; each repetition
@@ -485,7 +485,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                 steps = step_table(trace, mask, inst)
                 predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0))
 
-        # measurements: cold, the layouts and prefetch sources of a RAM budget interleaved within each repetition
+        # measurements: cold, the layouts and prefetch sources of a RAM budget in lockstep within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
         run_order = []                               # ((layout, prefetch, RAM fraction), repetition, block), as measured
         bar = tqdm(total=reps * n_runs * len(fw), desc="validate: measured steps", unit="step",

@@ -31,8 +31,7 @@ def read_buffer(nbytes: int) -> mmap.mmap:
     memory with transparent huge pages requested, every page touched so that no timed read
     faults one in."""
     n = max(PAGE, -(-nbytes // PAGE) * PAGE)
-    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20),
-                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)

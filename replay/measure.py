@@ -163,8 +163,9 @@ class _Reader:
         return buf
 
     def prepare(self, n: int) -> None:
-        """Give the calling thread its buffer for reads of up to ``n`` bytes (:func:`replay.buffers.read_buffer`:
-        huge pages, touched, so its first timed read does not fault them in)."""
+        """Give the calling thread its buffer for reads of up to ``n`` bytes
+        (:func:`replay.buffers.read_buffer`: huge pages, touched, so its first timed read does
+        not fault them in)."""
         self._buffer(min(n, MAX_READ))
 
     def read(self, f: int, off: int, n: int, direct: bool) -> tuple:
@@ -258,8 +259,8 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     records :func:`measure` writes), and arms never overlap: a step's demand reads complete
     within it, and a prefetch load still in flight at its end (loaded for a layer that then
     missed nothing) completes, untimed, before the next arm's step begins (alone, it would
-    overlap the start of the arm's next step). The arms' order rotates by one each step, so over every ``len(arms)`` steps each
-    arm takes each place once. Two runs measured one after the other minutes apart see a disk
+    overlap the start of the arm's next step). The arms' order rotates by one each step, so
+    over every ``len(arms)`` steps each arm takes each place once. Two runs measured one after the other minutes apart see a disk
     whose speed may have moved between them (a virtual disk here moved 30-56% within a
     validation); interleaved, every arm sees the disk of the same seconds, and a saving between
     two arms is measured at equal disk speed whatever the drift. ``cold`` drops the page cache
@@ -336,7 +337,7 @@ class _Run:
         if replay_only:
             raise InputError(None, f"the harness performs the runtime's own prefetch (sources {', '.join(PREFETCH_SOURCES)}, "
                                    f"top-K); {replay_only[0]} exists in the replay model only")
-        self.container, self.config, self.trace = container, config, trace
+        self.config, self.trace = config, trace
         self.lay = layout_arrays(layout, config, None)
         self.ebytes = layout.expert_bytes() if self.seg is None else self.seg.need_bytes
         self.capacity = lru_capacities(config.ram_bytes, self.ebytes[:, 0])
