@@ -199,6 +199,15 @@ def format_calibration(profile: dict) -> str:
         w = fit["worst_cell"]
         lines.append(f"fit error |log(fitted/measured)|: RMS {fit['rms_log_error']:.2f}, worst {fit['max_abs_log_error']:.2f} "
                      f"({w['size']} B at QD {w['depth']}: {w['error']:+.0%})")
+    small = cal.get("small_page_request_limit")
+    if small and d.get("max_request_bytes") and small["bytes"] < d["max_request_bytes"]:
+        mode = small["transparent_hugepage"]
+        lines.append(f"read into buffers of scattered {small['page_bytes'] // 1024} KiB pages, a request here is at most "
+                     f"{small['bytes'] // 1024} KiB ({small['max_segments']} segments), not "
+                     f"{d['max_request_bytes'] // 1024} KiB: this calibration read into huge pages, a runtime that "
+                     "does not ask for them (colibri's buffers: posix_memalign, no MADV_HUGEPAGE) gets them only "
+                     f"with transparent_hugepage=always (here: {mode or 'unknown'}), and may then read slower, "
+                     "and unevenly from run to run, than this profile predicts")
     return "\n".join(lines)
 
 

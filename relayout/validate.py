@@ -682,6 +682,14 @@ def cell_agreement(predicted: float, mean: float, low: float, high: float, toler
     return "unresolved"
 
 
+def resolves_tolerance(m: dict, tolerance: float) -> bool:
+    """Whether a measured saving (``m``: estimate and 95% interval, s/token) is precise enough to
+    judge a prediction to within ``tolerance`` of it: the interval's half-width is at most that
+    fraction of the estimate's size. Where it is not, even a perfect prediction lands outside
+    the tolerance of the measured estimate about as often as inside."""
+    return (m["high_s"] - m["low_s"]) / 2 <= tolerance * abs(m["estimate_s"])
+
+
 def _judge(predicted_s: float, m: dict, tolerance: float | None = None) -> dict:
     """How a predicted saving (s/token) stands against a measured one (``m``: estimate and 95%
     interval): ``agreement`` is ``"agrees"`` when the prediction lies inside the measured interval
@@ -921,6 +929,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     outside = [c for c in comparisons if c["agreement"] == "disagrees" and c["sign_agrees"] is not False]
     contradicted = [c for c in comparisons if "CONTRADICTS" in c["words"]]
     pf_close = [c for c in prefetch_comparisons if c["within_tolerance"]]
+    pf_precise = [c for c in prefetch_comparisons if resolves_tolerance(c["measured_saving"], PREFETCH_TOLERANCE)]
     pf_out = [c for c in prefetch_comparisons if c["agreement"] == "disagrees"]
     pf_wrong = [c for c in prefetch_comparisons if c["sign_agrees"] is False]
     spreads = [(max(c["measured_stall_per_token_s"]["repetitions"]) - min(c["measured_stall_per_token_s"]["repetitions"]))
@@ -937,7 +946,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
            f"(low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of {M}") if M else ""
     if P:
         sav += (f"; the predicted prefetch saving is within +/-{PREFETCH_TOLERANCE:.0%} of the measured one in "
-                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}")
+                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}; the measurement "
+                f"itself resolves +/-{PREFETCH_TOLERANCE:.0%} (its 95% interval's half-width within that fraction of "
+                f"the measured saving) in {len(pf_precise)} of {P}, and there the prediction is within it in "
+                f"{sum(c['within_tolerance'] for c in pf_precise)}")
     span = f"predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells" if ratios else "no cell measured any stall"
     if verdict == "holds":
         text = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span}){sav}"
@@ -1038,7 +1050,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             "comparisons": M, "inside_measured": len(inside), "outside_measured": len(outside),
             "sign_decided": len(decided), "sign_wrong": len(wrong), "gate_disagreements": len(gate_diff),
             "contradictions": len(contradicted), "prefetch_comparisons": P, "prefetch_within_tolerance": len(pf_close),
-            "prefetch_disagree": len(pf_out), "prefetch_tolerance": PREFETCH_TOLERANCE, "text": text}
+            "prefetch_disagree": len(pf_out), "prefetch_resolved": len(pf_precise),
+            "prefetch_resolved_within_tolerance": sum(c["within_tolerance"] for c in pf_precise),
+            "prefetch_tolerance": PREFETCH_TOLERANCE, "text": text}
 
 
 def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path]:

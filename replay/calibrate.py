@@ -212,6 +212,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     try:
         _, direct = _open(path)
         max_request = system_max_request_bytes(path)        # while the test file exists
+        page_limit = small_page_request_limit(path)
         cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
     finally:
         if made is not None:
@@ -237,6 +238,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
                        "throughput_Bps": c.throughput, "iops": c.iops, "fitted_Bps": f["fitted_Bps"], "error": f["error"]}
                       for c, f in zip(cells, fit["cells"])],
             "fit": {k: v for k, v in fit.items() if k != "cells"},
+            "small_page_request_limit": page_limit,
         },
     }
 
@@ -249,14 +251,42 @@ def system_max_request_bytes(path: str | os.PathLike) -> int | None:
     """The largest request (bytes) the system sends the block device holding ``path``: Linux
     ``queue/max_sectors_kb`` x 1024 (a partition's is its disk's). ``None`` where the system does
     not say (not Linux, no block device behind the file system, unreadable)."""
+    kb = _queue_attribute(path, "max_sectors_kb")
+    return kb * 1024 if kb else None
+
+
+def small_page_request_limit(path: str | os.PathLike) -> dict | None:
+    """The largest request (bytes) reaching the block device holding ``path`` when the reading
+    buffer is made of scattered base pages: one segment per page, so Linux ``queue/max_segments``
+    x the page size. It binds when below :func:`system_max_request_bytes`, as on a virtio disk
+    (254 x 4 KiB, about 1 MiB, against 4 MiB): calibration and the harness read into huge-page
+    buffers (:func:`replay.buffers.read_buffer`), a runtime whose buffers are not (colibrì's,
+    ``posix_memalign`` without ``MADV_HUGEPAGE``) does not reach the larger size. Returns
+    ``max_segments``, ``page_bytes``, ``bytes`` and the transparent huge page mode
+    (``transparent_hugepage``: ``always`` backs such buffers with huge pages, ``madvise`` only
+    when asked), or ``None`` where the system does not say."""
+    segments = _queue_attribute(path, "max_segments")
+    if not segments:
+        return None
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        mode = None
+    return {"max_segments": segments, "page_bytes": mmap.PAGESIZE, "bytes": segments * mmap.PAGESIZE,
+            "transparent_hugepage": mode}
+
+
+def _queue_attribute(path: str | os.PathLike, name: str) -> int | None:
+    """A positive integer from ``queue/NAME`` of the block device holding ``path`` (a partition's is
+    its disk's), or ``None``."""
     try:
         dev = os.stat(path).st_dev
         node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
         for d in (node, node.parent):
-            f = d / "queue" / "max_sectors_kb"
+            f = d / "queue" / name
             if f.is_file():
-                kb = int(f.read_text().strip())
-                return kb * 1024 if kb > 0 else None
+                value = int(f.read_text().strip())
+                return value if value > 0 else None
     except (OSError, ValueError):
         return None
     return None

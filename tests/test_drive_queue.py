@@ -215,3 +215,10 @@ def test_the_calibration_table_shows_each_cells_fit_error():
     text = format_calibration(profile)
     assert "fit error" in text and "fitted MB/s" in text and "one request reads at" in text
     assert len(text.splitlines()) == len(SIZES) * len(DEPTHS) + 3
+    small = {"max_segments": 254, "page_bytes": 4096, "bytes": 254 * 4096, "transparent_hugepage": "madvise"}
+    with_limit = {"drive": {**profile["drive"], "max_request_bytes": 4 << 20},
+                  "calibration": {**profile["calibration"], "small_page_request_limit": small}}
+    text = format_calibration(with_limit)
+    assert "a request here is at most 1016 KiB (254 segments), not 4096 KiB" in text and "here: madvise" in text
+    as_large = {**with_limit, "drive": {**with_limit["drive"], "max_request_bytes": 254 * 4096}}
+    assert "segments" not in format_calibration(as_large)          # pages do not bind: no sentence

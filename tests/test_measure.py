@@ -310,6 +310,12 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
 
     # read while the test file existed: the system's request limit of the disk under tmp_path
     assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(tmp_path)
+    from replay.calibrate import small_page_request_limit
+
+    limit = small_page_request_limit(tmp_path)
+    assert profile["calibration"]["small_page_request_limit"] == limit
+    if limit is not None:                                 # one segment per page of the reading buffer
+        assert limit["bytes"] == limit["max_segments"] * limit["page_bytes"] > 0
 
 
 def test_measure_and_report_cli(small_container, trace_for, tmp_path):

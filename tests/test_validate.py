@@ -430,3 +430,24 @@ def test_calibration_reads_the_stock_containers_largest_file_when_it_can(tmp_pat
     with open(c / "b.safetensors", "wb") as f:                       # sparse, the size is what counts
         f.truncate(MIN_FILE_BYTES)
     assert calibration_target(c, tmp_path) == c / "b.safetensors"
+
+
+def test_the_summary_counts_the_prefetch_savings_measured_precisely_enough_to_judge():
+    from relayout.validate import PREFETCH_TOLERANCE, _judge, resolves_tolerance
+
+    def prefetch(predicted_ms, reps_ms):
+        iv = repetition_interval(np.asarray(reps_ms) / 1e3)
+        m = {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high}
+        return {"measured_saving": m, **_judge(predicted_ms / 1e3, m, PREFETCH_TOLERANCE)}
+
+    tight = prefetch(-9.0, [-10.0, -10.2, -9.8])          # -10 +/- 0.5: resolves +/-30%, prediction 10% off
+    tight_off = prefetch(-6.0, [-10.0, -10.2, -9.8])      # resolves it, prediction 40% off (and outside)
+    loose = prefetch(1.2, [1.0, 3.0, 1.6])                # +1.9 +/- 2.5: cannot resolve +/-30%
+    assert resolves_tolerance(tight["measured_saving"], PREFETCH_TOLERANCE)
+    assert not resolves_tolerance(loose["measured_saving"], PREFETCH_TOLERANCE)
+    assert loose["agreement"] == "agrees" and not loose["within_tolerance"]      # inside its wide interval
+    s = summarize_validation([_cell("stock", 1.0, STEADY)], [_comparison(True)],
+                             prefetch_comparisons=[tight, tight_off, loose])
+    assert s["prefetch_within_tolerance"] == 1 and s["prefetch_resolved"] == 2
+    assert s["prefetch_resolved_within_tolerance"] == 1
+    assert "resolves +/-30%" in s["text"] and "in 2 of 3, and there the prediction is within it in 1" in s["text"]
