@@ -177,6 +177,21 @@ def format_sweep(cells: list[dict]) -> str:
                  "(family-wise 2.5% one-sided)")
     return "\n".join(lines)
 
+def small_page_warning(profile: dict) -> str | None:
+    """The sentence saying that buffers of scattered pages reach the calibrated device in smaller
+    requests than the profile assumes (:func:`replay.calibrate.small_page_request_limit`), or None
+    when they do not, or the system does not say."""
+    d, small = profile["drive"], profile.get("calibration", {}).get("small_page_request_limit")
+    if not small or not d.get("max_request_bytes") or small["bytes"] >= d["max_request_bytes"]:
+        return None
+    return (f"read into buffers of scattered {small['page_bytes'] // 1024} KiB pages, a request here is at most "
+            f"{small['bytes'] // 1024} KiB ({small['max_segments']} segments), not {d['max_request_bytes'] // 1024} KiB: "
+            "this calibration read into huge pages, a runtime that does not ask for them (colibri's buffers: "
+            "posix_memalign, no MADV_HUGEPAGE) gets them only with transparent_hugepage=always (here: "
+            f"{small['transparent_hugepage'] or 'unknown'}), and may then read slower, and unevenly from run to run, "
+            "than this profile predicts")
+
+
 def format_calibration(profile: dict) -> str:
     """A calibration: each (size, queue depth) cell measured and as the fitted queue model gives it."""
     d = profile["drive"]
@@ -199,15 +214,9 @@ def format_calibration(profile: dict) -> str:
         w = fit["worst_cell"]
         lines.append(f"fit error |log(fitted/measured)|: RMS {fit['rms_log_error']:.2f}, worst {fit['max_abs_log_error']:.2f} "
                      f"({w['size']} B at QD {w['depth']}: {w['error']:+.0%})")
-    small = cal.get("small_page_request_limit")
-    if small and d.get("max_request_bytes") and small["bytes"] < d["max_request_bytes"]:
-        mode = small["transparent_hugepage"]
-        lines.append(f"read into buffers of scattered {small['page_bytes'] // 1024} KiB pages, a request here is at most "
-                     f"{small['bytes'] // 1024} KiB ({small['max_segments']} segments), not "
-                     f"{d['max_request_bytes'] // 1024} KiB: this calibration read into huge pages, a runtime that "
-                     "does not ask for them (colibri's buffers: posix_memalign, no MADV_HUGEPAGE) gets them only "
-                     f"with transparent_hugepage=always (here: {mode or 'unknown'}), and may then read slower, "
-                     "and unevenly from run to run, than this profile predicts")
+    warning = small_page_warning(profile)
+    if warning:
+        lines.append(warning)
     return "\n".join(lines)
 
 
