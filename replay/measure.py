@@ -11,7 +11,10 @@ plays the compute thread: it sleeps for each layer's dense time, for the residen
 matmuls, then for each missing expert in issue order waits for its bytes and sleeps for its
 matmul. Every wait is timed with the monotonic clock (ns). Nothing the runtime does not do is
 timed: the reader threads are started, their buffers allocated and the compiled planner loaded
-before the first step, and the records are encoded after each step, not between its waits.
+before the first step, and the records are encoded after each step, not between its waits. What
+the thread still does of its own (routing, planning and submitting reads, waking after a wait,
+about 1 ms per layer in Python) is taken off the emulated compute (:class:`_ComputeClock`):
+between its waits the thread takes the compute model's time, not that plus its own.
 
 With a prefetch source (``config.prefetch``), a prefetch thread does what the runtime and the
 replay model do: when a layer is routed, before its demand loads are submitted, the next layer's
@@ -402,6 +405,7 @@ class _Run:
         request = trace.sessions[self.session]
         counts = (max(int(trace.fwd_committed[f]), 1), int(trace.fwd_evaluated[f]))
         step_t0 = time.perf_counter_ns()
+        _sleep.begin()
         compute_ns = stall_ns = 0
         rows = slice(self.row_start[f], self.row_start[f + 1])
         r_layer = trace.row_layer[rows]
@@ -449,6 +453,7 @@ class _Run:
             for (e, m), fut in zip(misses, futures):
                 need = time.perf_counter_ns()
                 issue, ready, io = _wait(fut)
+                _sleep.resumed(need, ready)
                 waited = max(0, ready - need)
                 layer_stall += waited
                 kind = "speculative" if e in inflight else "demand"
@@ -772,28 +777,48 @@ SPIN_SECONDS = 300e-6
 
 
 class _ComputeClock:
-    """Emulated compute: sleeps that add up to the requested time.
+    """Emulated compute: the compute thread's time between waits adds up to the compute model's.
 
-    A sleep wakes late by tens of microseconds; the lateness is carried as debt and taken off the
-    next sleeps, so the total emulated compute matches the compute model. The last stretch of a
-    sleep yields the GIL in a loop instead of blocking, so reader threads are never starved.
+    The thread does work of its own the runtime does not (routing, planning and submitting reads,
+    building records, waking after a wait: about 1 ms per layer in Python). That work, and a
+    sleep's lateness (tens of microseconds), are carried as a lag (ns) and taken off the next
+    sleeps, so the thread reaches the next wait, and the next layer's routing, when the compute
+    model says, as long as its own work fits in the compute; otherwise it would lengthen every
+    window in which reads run without the thread waiting for them (a prefetch load's before the
+    next layer is routed above all). A wait ends the lag: the thread resumes where the bytes
+    arrived, as the runtime does. Work that delays a layer's reads (planning them) cannot be
+    undone: those reads are issued that much later than the model issues them. The last stretch
+    of a sleep yields the GIL in a loop instead of blocking, so reader threads are never starved.
     """
 
     def __init__(self):
-        self.debt = 0.0
+        self.lag = 0                             # ns the thread is behind the compute model
+        self.mark = time.perf_counter_ns()       # the thread's time since then is not yet in the lag
+
+    def begin(self) -> None:
+        """A step starts: what the thread did before it (other runs' steps between) is not lag."""
+        self.lag, self.mark = 0, time.perf_counter_ns()
 
     def __call__(self, seconds: float) -> None:
-        want = seconds - self.debt
+        """Emulate ``seconds`` of compute, less the lag."""
+        now = time.perf_counter_ns()
+        want = round(seconds * 1e9) - self.lag - (now - self.mark)
         if want <= 0:
-            self.debt = -want
+            self.lag, self.mark = -want, now
             return
-        t0 = time.perf_counter()
-        deadline = t0 + want
-        if want > SPIN_SECONDS:
-            time.sleep(want - SPIN_SECONDS)
-        while time.perf_counter() < deadline:
+        deadline = now + want
+        if want > SPIN_SECONDS * 1e9:
+            time.sleep(want / 1e9 - SPIN_SECONDS)
+        while time.perf_counter_ns() < deadline:
             time.sleep(0)
-        self.debt = time.perf_counter() - t0 - want
+        self.mark = time.perf_counter_ns()
+        self.lag = self.mark - deadline
+
+    def resumed(self, need_ns: int, ready_ns: int) -> None:
+        """The thread needed an expert at ``need_ns`` whose bytes were ready at ``ready_ns``
+        (``time.perf_counter_ns``); when it waited, it goes on from ``ready_ns`` with no lag."""
+        if ready_ns > need_ns:
+            self.lag, self.mark = 0, ready_ns
 
 
 class _Sink:

@@ -162,6 +162,7 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
                     while not loads[0][1][0]:        # the first queued load is the first the thread takes
                         assert time.monotonic() < deadline, "the prefetch thread never took its first load"
                         time.sleep(0)
+            self.mark = time.perf_counter_ns()        # the hold is the test's, not the thread's own work
             super().__call__(seconds)
 
     monkeypatch.setattr(rm, "_Prefetcher", Controlled)
@@ -478,3 +479,30 @@ def test_a_settled_prefetcher_has_no_load_in_flight():
         assert all(f.done() for f in futures) and all(f.result() is not None for f in futures)
     finally:
         p.close()
+
+
+def test_the_compute_threads_own_work_is_taken_off_its_emulated_compute():
+    """Between waits the thread takes the compute model's time, its own work included; a wait ends
+    the lag. The old clock added the work to the compute (80, 70 and 90 ms below)."""
+    from replay.measure import _ComputeClock
+
+    ms = 1_000_000
+    clock = _ComputeClock()
+    clock.begin()
+    t0 = time.perf_counter_ns()
+    time.sleep(0.030)                                     # the thread's own work: 30 ms
+    clock(0.050)                                          # 50 ms of compute, 30 of them done
+    assert 48 * ms <= time.perf_counter_ns() - t0 < 65 * ms
+    time.sleep(0.030)                                     # work, then a wait: bytes ready 10 ms in, woken at 20
+    need = time.perf_counter_ns()
+    time.sleep(0.020)
+    clock.resumed(need, need + 10 * ms)
+    clock(0.050)                                          # from the bytes' arrival: 50 ms, the late wake-up in it
+    assert 58 * ms <= time.perf_counter_ns() - need < 68 * ms
+    clock.begin()
+    t0 = time.perf_counter_ns()
+    time.sleep(0.030)
+    clock(0.010)                                          # 30 ms of work cover this compute and 20 ms of the next
+    assert time.perf_counter_ns() - t0 < 40 * ms
+    clock(0.050)
+    assert 58 * ms <= time.perf_counter_ns() - t0 < 75 * ms
