@@ -158,7 +158,7 @@ class _Reader:
         self.local = threading.local()
         self.nowait = hasattr(os, "RWF_NOWAIT")
 
-    def _buffer(self, n: int) -> mmap.mmap:
+    def _buffer(self, n: int) -> memoryview:
         buf = getattr(self.local, "buf", None)
         if buf is None or len(buf) < n:
             buf = read_buffer(n)
