@@ -31,7 +31,7 @@ from replay.trace import save_trace
 
 from .apply import apply_plan, verify
 from .plan import make_plan, source_from_container
-from .render import human_bytes, plan_summary
+from .render import completion_sentence, human_bytes, plan_summary
 from .trace_stats import trace_stats
 from .trace_synth import SynthParams, synth_trace
 
@@ -210,6 +210,9 @@ def _run(work: Path, seed: int, kept: bool) -> int:
           f"{local.drive.request_seconds * 1e6:.0f} us per request): stock {base.summary.stall_per_token_s * 1e3:.3f}, relaid "
           f"{new.summary.stall_per_token_s * 1e3:.3f} ms/token; saved {est:.3f} ms [{low:.3f}, {high:.3f}] on the same steps")
     print("   " + measured_vs_predicted(s["estimate"] / 1e6, s["low"] / 1e6, s["high"] / 1e6, est))
+    spread = completion_sentence(profile)
+    if spread and spread[1]:
+        print("   this disk: " + spread[0])
     print("   (relayout validate PATH asks the same question properly: more layouts, budgets, repetitions)")
     print(f"   ({time.perf_counter() - t:.1f} s)")
 

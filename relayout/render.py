@@ -192,6 +192,22 @@ def small_page_warning(profile: dict) -> str | None:
             "than this profile predicts")
 
 
+def completion_sentence(profile: dict) -> tuple[str, bool] | None:
+    """How the calibrated device served concurrent reads (:func:`replay.calibrate.completion_spread`)
+    in words, and whether that contradicts the model's in-order drive; None when not measured."""
+    c = profile.get("calibration", {}).get("completion_spread")
+    if not c:
+        return None
+    n, mib, r = c["depth"], c["size"] / 2**20, c["first_over_last"]
+    head = (f"{n} concurrent {mib:g} MiB reads: the first completed after {r:.2f} of the time the last took "
+            f"(a drive serving them in arrival order, as the model's does: about {c['in_order']:.2f})")
+    if r < (1 + c["in_order"]) / 2:
+        return head + ", in order, as the model assumes", False
+    return (head + "; this drive shares itself among concurrent reads, which the model does not do: it lets compute "
+            "overlap a layer's later demand reads, which here arrive together with the first (S under-predicted), "
+            "and misjudges what a prefetch load costs the reads beside it", True)
+
+
 def format_calibration(profile: dict) -> str:
     """A calibration: each (size, queue depth) cell measured and as the fitted queue model gives it."""
     d = profile["drive"]
@@ -217,6 +233,9 @@ def format_calibration(profile: dict) -> str:
     warning = small_page_warning(profile)
     if warning:
         lines.append(warning)
+    spread = completion_sentence(profile)
+    if spread:
+        lines.append(spread[0])
     return "\n".join(lines)
 
 

@@ -92,7 +92,7 @@ from replay.evidence import block_evidence
 from replay.stats import repetition_interval
 
 from .demo import measured_vs_predicted
-from .render import small_page_warning
+from .render import completion_sentence, small_page_warning
 
 VALIDATION_FORMAT = "relayout.validation"
 VALIDATION_VERSION = 5
@@ -432,9 +432,12 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             device = load_device(str(profile_path))
             device_source = f"calibrated on {target}, saved as {profile_path}"
             notify(f"wrote {profile_path}")
-            warning = small_page_warning(profile)
-            if warning:
-                notify(warning[0].upper() + warning[1:])
+            notes = [small_page_warning(profile)]
+            spread = completion_sentence(profile)
+            if spread and spread[1]:                # the disk contradicts the model's in-order drive
+                notes.append(spread[0])
+            for sentence in filter(None, notes):
+                notify(sentence[0].upper() + sentence[1:])
         plans = list(lay.plans.values())
         mask_all, held = evaluation_forwards(trace, plans)
         available = int(mask_all.sum())

@@ -15,6 +15,11 @@ gets the deepest queue measured). The profile carries each cell's measured and f
 throughput and the relative error ``fitted / measured - 1``, and a summary (RMS and largest
 ``|log(fitted / measured)|``), under ``calibration.fit``.
 
+Two properties the fit does not use are measured and reported beside it: how concurrent reads
+complete (:func:`completion_spread`: in arrival order, as the model's drive serves them, or
+together, shared) and the request size a buffer of scattered small pages gets
+(:func:`small_page_request_limit`).
+
 PATH may be a file (read only) or a directory (a temporary test file is written there, fsynced,
 and removed afterwards).
 """
@@ -108,6 +113,62 @@ def _cell(path: Path, size: int, depth: int, seconds: float, seed: int) -> Cell:
     elapsed = time.perf_counter() - t0
     os.close(fd)
     return Cell(size, depth, len(lat), elapsed, float(np.mean(lat)) if lat else float("nan"))
+
+
+SPREAD_READ_BYTES = 16 * 1024 * 1024
+SPREAD_DEPTH = 8
+SPREAD_ROUNDS = 5
+
+
+def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: int = SPREAD_READ_BYTES,
+                      rounds: int = SPREAD_ROUNDS) -> dict:
+    """How the device serves concurrent reads: ``depth`` threads released together each read
+    ``size`` bytes (fewer if the file is small) at their own aligned offset, ``rounds`` times
+    (page cache bypassed as :func:`calibrate` does it). Per round, the time from the first read's
+    start to the first completion over the time to the last one.
+
+    A drive that serves requests in arrival order, as :mod:`replay.device` models it, completes
+    them one after another: ``first_over_last`` about ``1 / depth``. One that shares itself among
+    them completes them together: near 1 (this project's virtio disk: 0.98-0.99). A layer's demand
+    reads are such a batch: in order, the compute thread works on the first experts while the
+    later ones arrive; shared, it cannot.
+
+    Returns ``depth``, ``size`` (bytes), ``rounds``, ``first_over_last`` (median over the rounds)
+    and ``in_order`` (``1 / depth``, what an in-order drive gives, latency aside).
+    """
+    fd, direct = _open(Path(path))
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = min(size, os.fstat(fd).st_size // depth // ALIGN * ALIGN)
+        if size <= 0:
+            raise InputError(Path(path), f"too small for {depth} concurrent reads")
+        bufs = [read_buffer(size) for _ in range(depth)]
+        bases = (os.fstat(fd).st_size - depth * size) // ALIGN + 1      # aligned places for a round's reads
+        ratios = []
+        for r in range(rounds):
+            gate = threading.Barrier(depth)
+            spans = [(0, 0)] * depth
+            base = (r * depth * size // ALIGN % bases) * ALIGN
+
+            def worker(k: int) -> None:
+                gate.wait()
+                t = time.perf_counter_ns()
+                os.preadv(fd, [bufs[k]], base + k * size)
+                spans[k] = (t, time.perf_counter_ns())
+
+            threads = [threading.Thread(target=worker, args=(k,)) for k in range(depth)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            start = min(t for t, _ in spans)
+            ends = [e - start for _, e in spans]
+            ratios.append(min(ends) / max(ends))
+    finally:
+        os.close(fd)
+    return {"depth": depth, "size": size, "rounds": rounds, "first_over_last": float(np.median(ratios)),
+            "in_order": 1.0 / depth}
 
 
 PROBE_SECONDS = 1.0
@@ -214,6 +275,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         max_request = system_max_request_bytes(path)        # while the test file exists
         page_limit = small_page_request_limit(path)
         cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
+        spread = completion_spread(path)
     finally:
         if made is not None:
             made.unlink(missing_ok=True)
@@ -239,6 +301,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
                       for c, f in zip(cells, fit["cells"])],
             "fit": {k: v for k, v in fit.items() if k != "cells"},
             "small_page_request_limit": page_limit,
+            "completion_spread": spread,
         },
     }
 

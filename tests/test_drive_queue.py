@@ -222,3 +222,16 @@ def test_the_calibration_table_shows_each_cells_fit_error():
     assert "a request here is at most 1016 KiB (254 segments), not 4096 KiB" in text and "here: madvise" in text
     as_large = {**with_limit, "drive": {**with_limit["drive"], "max_request_bytes": 254 * 4096}}
     assert "segments" not in format_calibration(as_large)          # pages do not bind: no sentence
+
+
+def test_the_calibration_says_whether_concurrent_reads_completed_in_order():
+    from relayout.render import completion_sentence
+
+    shared = {"calibration": {"completion_spread": {"depth": 8, "size": 16 << 20, "rounds": 5, "first_over_last": 0.99,
+                                                    "in_order": 0.125}}}
+    text, contradicts = completion_sentence(shared)
+    assert contradicts and "8 concurrent 16 MiB reads" in text and "after 0.99 of" in text and "shares itself" in text
+    in_order = {"calibration": {"completion_spread": {**shared["calibration"]["completion_spread"], "first_over_last": 0.2}}}
+    text, contradicts = completion_sentence(in_order)
+    assert not contradicts and "in order, as the model assumes" in text
+    assert completion_sentence({"calibration": {}}) is None          # a profile calibrated before it was measured

@@ -313,6 +313,9 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
     assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(tmp_path)
     from replay.calibrate import small_page_request_limit
 
+    spread = profile["calibration"]["completion_spread"]          # 8 reads of 8 MiB fit the 64 MiB file
+    assert spread["depth"] == 8 and spread["size"] == 8 << 20 and 0 < spread["first_over_last"] <= 1
+    assert spread["in_order"] == 1 / 8
     limit = small_page_request_limit(tmp_path)
     assert profile["calibration"]["small_page_request_limit"] == limit
     if limit is not None:                                 # one segment per page of the reading buffer
