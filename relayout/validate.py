@@ -414,7 +414,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
     t_start = time.perf_counter()
     check_options(o)
-    device_source, profile_path = None, None
+    device_source, profile_path, sharing = None, None, None
     if o.device:
         device = load_device(o.device)
         device_source = f"given: {o.device}"
@@ -432,10 +432,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             device = load_device(str(profile_path))
             device_source = f"calibrated on {target}, saved as {profile_path}"
             notify(f"wrote {profile_path}")
-            notes = [small_page_warning(profile)]
-            spread = completion_sentence(profile)
-            if spread and spread[1]:                # the disk contradicts the model's in-order drive
-                notes.append(spread[0])
+            sharing = completion_sentence(profile)
+            notes = [small_page_warning(profile), sharing[0] if sharing and sharing[1] else None]
             for sentence in filter(None, notes):
                 notify(sentence[0].upper() + sentence[1:])
         plans = list(lay.plans.values())
@@ -549,7 +547,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
                          base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read,
-                         at_run, at_near)
+                         at_run, at_near, sharing)
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -795,7 +793,8 @@ def _predicted_at(entries: list, measured_mean: float) -> dict | None:
 
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
-            reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near) -> dict:
+            reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near,
+            sharing) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
 
     def side(key: tuple) -> tuple:                   # one side of a saving at equal disk speed (_saving_at_run_speed)
@@ -894,7 +893,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         "comparisons": comparisons,
         "prefetch_comparisons": prefetch_comparisons,
         "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"],
-                                        prefetch_comparisons, first_read),
+                                        prefetch_comparisons, first_read, sharing),
     }
 
 
@@ -904,7 +903,8 @@ def _in_band(ratios: list[float]) -> int:
 
 
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
-                         prefetch_comparisons: list[dict] = (), first_read: dict | None = None) -> dict:
+                         prefetch_comparisons: list[dict] = (), first_read: dict | None = None,
+                         sharing: tuple[str, bool] | None = None) -> dict:
     """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so.
 
     ``verdict``: ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
@@ -923,7 +923,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     with it, :func:`neighbour_scales`), which the sentence reports when the records carry I/O
     counts. ``first_read``: each
     layout's read-once rate (:func:`_read_each_once`); one below :data:`FIRST_READ_SLOW` of the
-    fastest is named, with what it means for measuring a rewrite on this disk."""
+    fastest is named, with what it means for measuring a rewrite on this disk. ``sharing``: how
+    the calibration saw concurrent reads complete (:func:`relayout.render.completion_sentence`);
+    a drive that shares itself among them, unlike the model's, is said in words."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None
@@ -1043,7 +1045,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  + " of the fastest: this disk does not serve every file alike on a first read (a host cache or a "
                  "lazily fetched volume below the guest can do this), so every container was read once before any was "
                  "measured; runtime measurements of two containers on this disk are comparable only after the same")
+    if sharing and sharing[1]:
+        text += ". The calibration found that " + sharing[0]
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
+            "drive_shares_concurrent_reads": None if sharing is None else sharing[1],
             "run_speed_within": run_within,
             "run_speed_cells_within_band": _in_band(at_run) if at_run else None,
             "neighbour_speed_within": max(abs(r - 1) for r in at_near) if at_near else None,

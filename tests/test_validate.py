@@ -451,3 +451,14 @@ def test_the_summary_counts_the_prefetch_savings_measured_precisely_enough_to_ju
     assert s["prefetch_within_tolerance"] == 1 and s["prefetch_resolved"] == 2
     assert s["prefetch_resolved_within_tolerance"] == 1
     assert "resolves +/-30%" in s["text"] and "in 2 of 3, and there the prediction is within it in 1" in s["text"]
+
+
+def test_a_drive_that_shares_itself_among_concurrent_reads_is_said_in_the_summary():
+    cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
+    shared = ("8 concurrent 16 MiB reads: the first completed after 0.99 of the time the last took ...", True)
+    s = summarize_validation(cells, [_comparison(True)], sharing=shared)
+    assert s["drive_shares_concurrent_reads"] is True
+    assert s["text"].endswith("The calibration found that " + shared[0])
+    s = summarize_validation(cells, [_comparison(True)], sharing=("... in order, as the model assumes", False))
+    assert s["drive_shares_concurrent_reads"] is False and "calibration found" not in s["text"]
+    assert summarize_validation(cells, [_comparison(True)])["drive_shares_concurrent_reads"] is None   # --device
