@@ -145,8 +145,10 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
             raise InputError(Path(path), f"too small for {depth} concurrent reads")
         bufs = [read_buffer(size) for _ in range(depth)]
         bases = (os.fstat(fd).st_size - depth * size) // ALIGN + 1      # aligned places for a round's reads
-        ratios = []
+        ratios, failed = [], []
         for r in range(rounds):
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             gate = threading.Barrier(depth)
             spans = [(0, 0)] * depth
             base = (r * depth * size // ALIGN % bases) * ALIGN
@@ -154,7 +156,10 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
             def worker(k: int) -> None:
                 gate.wait()
                 t = time.perf_counter_ns()
-                os.preadv(fd, [bufs[k]], base + k * size)
+                try:
+                    os.preadv(fd, [bufs[k]], base + k * size)
+                except OSError as exc:
+                    failed.append(exc)
                 spans[k] = (t, time.perf_counter_ns())
 
             threads = [threading.Thread(target=worker, args=(k,)) for k in range(depth)]
@@ -162,6 +167,8 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
                 th.start()
             for th in threads:
                 th.join()
+            if failed:
+                raise InputError(Path(path), f"read failed: {failed[0].strerror or failed[0]}")
             start = min(t for t, _ in spans)
             ends = [e - start for _, e in spans]
             ratios.append(min(ends) / max(ends))
