@@ -11,7 +11,11 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    file the rewriter wrote: a disk may serve files written one way at another speed (measured
    from the synthesised source, stock ran 4-7 ms/token slower than the rewritten layouts in
    7 of 12 comparisons, while at equal disk speed the layouts differed by about 1 ms/token,
-   ``docs/BENCHMARKS.md``); a ``--container`` is measured where it is, as stock;
+   ``docs/BENCHMARKS.md``); a ``--container`` is measured where it is, as stock; and one more
+   rewrite of the stock plan, the placement control (:data:`PLACEMENT_COPY`), measured beside
+   stock in every block: the same bytes in the same order in another file, so what S differs
+   by between the two is placement alone (a fresh copy of stock ran 11% faster than stock on
+   this project's disk), and a measured layout saving within it is not read as the layout's;
 2. reads every container once (:func:`_read_each_once`: a virtual disk may serve a block slower
    the first time it is read, which would favour the freshly written copies);
 3. calibrates the disk holding ``PATH`` (:func:`replay.calibrate.calibrate`) unless a device
@@ -95,7 +99,7 @@ from .demo import measured_vs_predicted
 from .render import completion_sentence, small_page_warning
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 5
+VALIDATION_VERSION = 6
 LAYOUTS = ("stock", "louvain", "random")
 """Layouts a validation can measure; ``stock`` (the source itself) is the baseline of every saving."""
 GATE_THRESHOLD = 0.05
@@ -113,6 +117,9 @@ WORK_MARKER = ".relayout-validate"
 SYNTH_GEOMETRY = "glm-5.2-int4-row"
 SYNTH_EXPERTS = 32
 TRACE_SESSIONS = 17
+PLACEMENT_COPY = "stock-copy"
+"""A second rewrite of the stock plan, byte for byte the stock container's weights in the same order,
+measured beside stock as a negative control: what the disk's placement of a file alone changes."""
 TRAIN_FRACTION = 0.7
 """12 of 17 sessions train the plans, 5 are held out."""
 HELD_OUT_SESSIONS = TRACE_SESSIONS - round(TRACE_SESSIONS * TRAIN_FRACTION)
@@ -317,6 +324,17 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
     trace = synth_trace(layers, cfg.n_routed_experts, cfg.num_experts_per_tok, per_session * TRACE_SESSIONS, TRACE_SESSIONS,
                         seed=o.seed + 5, params=SynthParams(clique_strength=0.8))
     source = source_from_container(src, manifest_path)
+    need = sum(p.stat().st_size for p in container.files)
+
+    def rewrite(plan, name: str, what: str) -> Path:
+        dst = work.fresh(f"layout-{name}")
+        free = shutil.disk_usage(work.path).free
+        if free < need * 1.05:
+            raise InputError(work.path, f"needs {need / 1e9:.1f} GB free for {what}, has {free / 1e9:.1f} GB")
+        notify(f"rewriting {src} into {what} ({dst})")
+        apply_plan(src, plan, dst, None, force=True, manifest_path=manifest_path)
+        return dst
+
     dirs, lays, plans = {}, {}, {}
     for method in o.layouts:
         path = work.path / f"plan-{method}.json"
@@ -326,15 +344,8 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
         if method == "stock" and not synthetic:
             dirs[method], lays[method] = src, plan.stock
             continue
-        dst = work.fresh(f"layout-{method}")
-        need = sum(p.stat().st_size for p in container.files)
-        free = shutil.disk_usage(work.path).free
-        if free < need * 1.05:
-            raise InputError(work.path, f"needs {need / 1e9:.1f} GB free for the {method} copy of the container, has "
-                                        f"{free / 1e9:.1f} GB")
-        notify(f"rewriting {src} into the {method} layout ({dst})")
-        apply_plan(src, plan, dst, None, force=True, manifest_path=manifest_path)
-        dirs[method], lays[method] = dst, plan.layout
+        dirs[method], lays[method] = rewrite(plan, method, f"the {method} layout"), plan.layout
+    dirs[PLACEMENT_COPY] = rewrite(plans["stock"], PLACEMENT_COPY, "a second copy of the stock layout (the placement control)")
     return src, manifest, trace, Layouts(dirs, lays, plans), synthetic
 
 
@@ -446,7 +457,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         coupling = training_coupling(trace, stock_plan) if "coupled" in o.prefetch else None
         base_cfg = RuntimeConfig(workers=o.workers)
         cells = _cells(o)
-        n_runs = len(cells) * len(o.layouts)
+        control_pf = "none" if "none" in o.prefetch else o.prefetch[0]   # the placement control's prefetch source
+        n_runs = len(cells) * len(o.layouts) + len(o.ram)                # + the placement control in every block
 
         def config_of(pf: str, frac: float) -> RuntimeConfig:
             return replace(base_cfg, ram_bytes=int(routed * frac), prefetch=pf)
@@ -492,6 +504,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         # measurements: cold, the layouts and prefetch sources of a RAM budget in lockstep within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
+        control = {frac: [] for frac in o.ram}       # S of the stock copy per repetition (s/token)
         run_order = []                               # ((layout, prefetch, RAM fraction), repetition, block), as measured
         bar = tqdm(total=reps * n_runs * len(fw), desc="validate: measured steps", unit="step",
                    disable=None if progress else True)
@@ -505,7 +518,14 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                         run_id = f"{m}-ram{frac:g}-{pf}-rep{rep}"
                         arms.append(Arm(Container.open(lay.dirs[m]), config_of(pf, frac), run_dir / f"{run_id}.jsonl",
                                         run_id=run_id, coupling=coupling))
+                    run_id = f"{PLACEMENT_COPY}-ram{frac:g}-{control_pf}-rep{rep}"
+                    arms.append(Arm(Container.open(lay.dirs[PLACEMENT_COPY]), config_of(control_pf, frac),
+                                    run_dir / f"{run_id}.jsonl", run_id=run_id))
                     results = measure_interleaved(arms, trace, mask, progress=False, on_step=lambda: bar.update(1))
+                    copy_arm, copy_res = arms.pop(), results.pop()
+                    control[frac].append(copy_res.stall_ns / 1e9 / max(copy_res.committed, 1))
+                    if not o.keep:
+                        copy_arm.out.unlink()
                     for (m, pf), arm, res in zip(block, arms, results):
                         run_order.append(((m, pf, frac), rep, (rep, bi)))
                         out = arm.out
@@ -547,7 +567,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
                          base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read,
-                         at_run, at_near, sharing)
+                         at_run, at_near, sharing, (control_pf, control))
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -794,7 +814,7 @@ def _predicted_at(entries: list, measured_mean: float) -> dict | None:
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near,
-            sharing) -> dict:
+            sharing, control) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
 
     def side(key: tuple) -> tuple:                   # one side of a saving at equal disk speed (_saving_at_run_speed)
@@ -865,6 +885,10 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                                                          side((m, pf, frac)), tolerance=PREFETCH_TOLERANCE)
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
+    control_pf, copies = control
+    placement = {"prefetch": control_pf, "blocks": [
+        placement_difference(frac, _run_stalls(measured[("stock", control_pf, frac)]), copy_s)
+        for frac, copy_s in copies.items()]}
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
     return {
         "format": VALIDATION_FORMAT,
@@ -881,7 +905,8 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                   "train_fraction": TRAIN_FRACTION, "held_out_sessions": [trace.sessions[i] for i in held.evaluated],
                   "steps": len(fw), "first_forward": int(fw[0]), "last_forward": int(fw[-1]),
                   "committed_tokens": int(trace.fwd_committed[fw].sum())},
-        "layouts": {m: {"plan_digest": p.digest, "method": p.method, "container": "the source" if m == "stock" else "rewritten copy"}
+        "layouts": {m: {"plan_digest": p.digest, "method": p.method,
+                        "container": "the source" if m == "stock" and not synthetic else "rewritten copy"}
                     for m, p in lay.plans.items()},
         "config": {"tokens": len(fw), "reps": reps, "layouts": list(methods), "ram_fractions": list(o.ram),
                    "prefetch": list(o.prefetch), "workers": o.workers, "minutes": o.minutes, "chosen": chosen,
@@ -892,9 +917,21 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         "cells": out_cells,
         "comparisons": comparisons,
         "prefetch_comparisons": prefetch_comparisons,
+        "placement_control": placement,
         "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"],
-                                        prefetch_comparisons, first_read, sharing),
+                                        prefetch_comparisons, first_read, sharing, placement["blocks"]),
     }
+
+
+def placement_difference(ram_fraction: float, stock_s: list[float], copy_s: list[float]) -> dict:
+    """The placement control of one RAM budget: S of stock and of its second copy per repetition
+    (s/token, measured in the same lockstep block), and their difference ``stock - copy`` over the
+    repetitions with its 95% interval. The two hold the same bytes in the same order, so the
+    difference is what where the disk put a file does to S; a layout saving within it is not
+    separable from placement."""
+    diff = [a - b for a, b in zip(stock_s, copy_s)]
+    return {"ram_fraction": ram_fraction, "stock_s": list(stock_s), "copy_s": list(copy_s),
+            "difference": {**_over_repetitions(diff), "repetitions": diff}}
 
 
 def _in_band(ratios: list[float]) -> int:
@@ -904,7 +941,7 @@ def _in_band(ratios: list[float]) -> int:
 
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
                          prefetch_comparisons: list[dict] = (), first_read: dict | None = None,
-                         sharing: tuple[str, bool] | None = None) -> dict:
+                         sharing: tuple[str, bool] | None = None, placement: list[dict] | None = None) -> dict:
     """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so.
 
     ``verdict``: ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
@@ -925,7 +962,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     layout's read-once rate (:func:`_read_each_once`); one below :data:`FIRST_READ_SLOW` of the
     fastest is named, with what it means for measuring a rewrite on this disk. ``sharing``: how
     the calibration saw concurrent reads complete (:func:`relayout.render.completion_sentence`);
-    a drive that shares itself among them, unlike the model's, is said in words."""
+    a drive that shares itself among them, unlike the model's, is said in words. ``placement``: the
+    placement control's blocks (:func:`placement_difference`); the summary names the largest
+    difference between the byte-identical copies the measurement admits, and how many measured
+    layout savings are no larger."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None
@@ -1047,8 +1087,18 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                  "measured; runtime measurements of two containers on this disk are comparable only after the same")
     if sharing and sharing[1]:
         text += ". The calibration found that " + sharing[0]
+    bound, hidden = None, None
+    if placement:
+        bound = max(max(abs(b["difference"]["low_s"]), abs(b["difference"]["high_s"])) for b in placement)
+        hidden = sum(abs(c["measured_saving"]["estimate_s"]) <= bound for c in comparisons)
+        worst = max(placement, key=lambda b: abs(b["difference"]["estimate_s"]))["difference"]
+        text += (f". Two byte-identical copies of stock differed by up to {worst['estimate_s'] * 1e3:+.2f} ms/token "
+                 f"[{worst['low_s'] * 1e3:+.2f}, {worst['high_s'] * 1e3:+.2f}] (the placement control): a measured layout "
+                 f"saving within {bound * 1e3:.2f} ms/token is not separable from where the disk put the files, and "
+                 f"{hidden} of {M} are")
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "drive_shares_concurrent_reads": None if sharing is None else sharing[1],
+            "placement_bound_s": bound, "savings_within_placement": hidden,
             "run_speed_within": run_within,
             "run_speed_cells_within_band": _in_band(at_run) if at_run else None,
             "neighbour_speed_within": max(abs(r - 1) for r in at_near) if at_near else None,

@@ -73,7 +73,15 @@ def _check_record(v: dict) -> None:
     louvain_r0 = next(c for c in v["cells"] if c["layout"] == "louvain")["at_run_speed"]["scales"][0]
     assert first_run["at_neighbour_speed"]["scales"][0] == pytest.approx(louvain_r0)
     first = v["first_read"]                             # every container read once, whole, before measuring
-    assert set(first) == {"stock", "louvain"} and all(r["rate_Bps"] > 0 for r in first.values())
+    assert set(first) == {"stock", "louvain", "stock-copy"} and all(r["rate_Bps"] > 0 for r in first.values())
+    pc = v["placement_control"]                         # a second copy of stock, measured in every block
+    assert pc["prefetch"] == "none" and [b["ram_fraction"] for b in pc["blocks"]] == [0.0]
+    b = pc["blocks"][0]
+    stock_reps = next(c for c in v["cells"] if c["layout"] == "stock")["measured_stall_per_token_s"]["repetitions"]
+    assert b["stock_s"] == stock_reps and len(b["copy_s"]) == 2 and all(x >= 0 for x in b["copy_s"])
+    assert b["difference"]["repetitions"] == pytest.approx([a - c for a, c in zip(stock_reps, b["copy_s"])])
+    assert v["summary"]["placement_bound_s"] == pytest.approx(max(abs(b["difference"]["low_s"]), abs(b["difference"]["high_s"])))
+    assert "placement control" in v["summary"]["text"]
     assert first["stock"]["bytes"] == sum(p.stat().st_size for p in Path(v["container"]["path"]).iterdir() if p.is_file())
     assert len(v["comparisons"]) == 1
     x = v["comparisons"][0]
@@ -129,7 +137,8 @@ def test_validate_keep_and_plots(disk, tmp_path):
         _check_record(v)
         work = disk / WORK_NAME
         assert v["work_dir"] == str(work) and (work / WORK_MARKER).is_file()
-        assert (work / "layout-louvain").is_dir() and len(list((work / "runs").glob("*.jsonl"))) == 4
+        assert (work / "layout-louvain").is_dir() and (work / "layout-stock-copy").is_dir()
+        assert len(list((work / "runs").glob("*.jsonl"))) == 6           # 2 layouts + the placement control, x 2
         png = tmp_path / "plots" / "validation_predicted_vs_measured.png"
         assert v["plots"] == [str(png)] and png.read_bytes()[:4] == b"\x89PNG"
         assert tree_state(disk / "src") == before
@@ -462,3 +471,21 @@ def test_a_drive_that_shares_itself_among_concurrent_reads_is_said_in_the_summar
     s = summarize_validation(cells, [_comparison(True)], sharing=("... in order, as the model assumes", False))
     assert s["drive_shares_concurrent_reads"] is False and "calibration found" not in s["text"]
     assert summarize_validation(cells, [_comparison(True)])["drive_shares_concurrent_reads"] is None   # --device
+
+
+def test_layout_savings_within_the_placement_control_are_counted():
+    from relayout.validate import placement_difference
+
+    cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
+    block = placement_difference(0.0, [0.100, 0.102, 0.101], [0.090, 0.093, 0.091])   # the copy: 10 ms/token faster
+    assert block["difference"]["estimate_s"] == pytest.approx(0.029 / 3)
+
+    def saving(ms):
+        return {**_comparison(True), "measured_saving": {"estimate_s": ms / 1e3, "low_s": ms / 1e3, "high_s": ms / 1e3}}
+
+    s = summarize_validation(cells, [saving(4.0), saving(25.0)], placement=[block])
+    bound = max(abs(block["difference"]["low_s"]), abs(block["difference"]["high_s"]))
+    assert s["placement_bound_s"] == pytest.approx(bound) and bound > 0.029 / 3
+    assert s["savings_within_placement"] == 1                   # 4 ms/token is within it, 25 is not
+    assert "not separable from where the disk put the files, and 1 of 2 are" in s["text"]
+    assert summarize_validation(cells, [saving(4.0)])["savings_within_placement"] is None
