@@ -138,13 +138,12 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
     """
     fd, direct = _open(Path(path))
     try:
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        size = min(size, os.fstat(fd).st_size // depth // ALIGN * ALIGN)
+        file_size = os.fstat(fd).st_size
+        size = min(size, file_size // depth // ALIGN * ALIGN)
         if size <= 0:
             raise InputError(Path(path), f"too small for {depth} concurrent reads")
         bufs = [read_buffer(size) for _ in range(depth)]
-        bases = (os.fstat(fd).st_size - depth * size) // ALIGN + 1      # aligned places for a round's reads
+        bases = (file_size - depth * size) // ALIGN + 1      # aligned places for a round's reads
         ratios, failed = [], []
         for r in range(rounds):
             if not direct:
