@@ -194,18 +194,26 @@ def small_page_warning(profile: dict) -> str | None:
 
 def completion_sentence(profile: dict) -> tuple[str, bool] | None:
     """How the calibrated device served concurrent reads (:func:`replay.calibrate.completion_spread`)
-    in words, and whether that contradicts the model's in-order drive; None when not measured."""
+    in words, with how the profile's drive serves them (its ``service``), and whether the drive
+    shares itself among them; None when not measured."""
     c = profile.get("calibration", {}).get("completion_spread")
     if not c:
         return None
     n, mib, r = c["depth"], c["size"] / 2**20, c["first_over_last"]
+    modelled = profile.get("drive", {}).get("service", "in-order")
     head = (f"{n} concurrent {mib:g} MiB reads: the first completed after {r:.2f} of the time the last took "
-            f"(a drive serving them in arrival order, as the model's does: about {c['in_order']:.2f})")
+            f"(a drive serving them in arrival order: about {c['in_order']:.2f})")
     if r < (1 + c["in_order"]) / 2:
-        return head + ", in order, as the model assumes", False
-    return (head + "; this drive shares itself among concurrent reads, which the model does not do: it lets compute "
-            "overlap a layer's later demand reads, which here arrive together with the first (S under-predicted), "
-            "and misjudges what a prefetch load costs the reads beside it", True)
+        if modelled == "in-order":
+            return head + ", in order, as the profile's drive serves them", False
+        return (head + ", in order, but this profile's drive is shared: it completes a layer's demand reads together, "
+                "so it under-predicts how much compute overlaps them (S over-predicted)"), False
+    shared = "this drive shares itself among concurrent reads (a later read slows those in flight)"
+    if modelled == "shared":
+        return head + f"; {shared}, and the profile's drive does the same (service: shared)", True
+    return (head + f"; {shared}, which this profile's in-order drive does not do: it lets compute overlap a layer's "
+            "later demand reads, which here arrive together with the first (S under-predicted), and misjudges what a "
+            "prefetch load costs the reads beside it", True)
 
 
 def format_calibration(profile: dict) -> str:
@@ -220,7 +228,7 @@ def format_calibration(profile: dict) -> str:
                      f"{c['iops']:>10.0f}{'n/a' if fitted is None else f'{fitted / 1e6:.1f}':>13}"
                      f"{'n/a' if err is None else f'{err:+.0%}':>11}")
     b1 = d.get("stream_bandwidth", d["bandwidth"])
-    lines.append(f"fit: request cost {d['request_seconds'] * 1e6:.1f} us, one request reads at {b1 / 1e9:.2f} GB/s, the drive at "
+    lines.append(f"fit ({d.get('service', 'in-order')} drive): request cost {d['request_seconds'] * 1e6:.1f} us, one request reads at {b1 / 1e9:.2f} GB/s, the drive at "
                  f"most {d['bandwidth'] / 1e9:.2f} GB/s, queue slots {d['queue_slots']}; "
                  + (f"the system splits reads into requests of at most {d['max_request_bytes'] // 1024} KiB; "
                     if d.get("max_request_bytes") else "reads taken as unsplit (the system does not say its request limit); ")

@@ -15,10 +15,12 @@ gets the deepest queue measured). The profile carries each cell's measured and f
 throughput and the relative error ``fitted / measured - 1``, and a summary (RMS and largest
 ``|log(fitted / measured)|``), under ``calibration.fit``.
 
-Two properties the fit does not use are measured and reported beside it: how concurrent reads
-complete (:func:`completion_spread`: in arrival order, as the model's drive serves them, or
-together, shared) and the request size a buffer of scattered small pages gets
-(:func:`small_page_request_limit`).
+How concurrent reads complete is measured first (:func:`completion_spread`): in arrival order,
+or together (:func:`drive_service`). That is the profile's service discipline, and a ``shared``
+drive is fitted with its own steady-state equation (:func:`replay.device.queue_throughput` with
+``shared``: ``min(q s / (a + s / b_1), Q s / a, B)``, a slot held for the command only). The
+request size a buffer of scattered small pages gets (:func:`small_page_request_limit`) is
+measured and reported beside the fit, which does not use it.
 
 PATH may be a file (read only) or a directory (a temporary test file is written there, fsynced,
 and removed afterwards).
@@ -285,8 +287,9 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     finally:
         if made is not None:
             made.unlink(missing_ok=True)
+    service = drive_service(spread)
     fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells],
-                          max_request or 0)
+                          max_request or 0, shared=service == "shared")
     a, b1, bandwidth, slots = fit["request_seconds"], fit["stream_bandwidth"], fit["bandwidth"], fit["queue_slots"]
     control = "O_DIRECT (page cache bypassed)" if direct else "posix_fadvise DONTNEED before each cell (O_DIRECT unavailable)"
     return {
@@ -299,7 +302,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         "direct_alignment": ALIGN,
         "page_cache_fraction": 0.0,
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
-                  "stream_bandwidth": b1, "max_request_bytes": max_request},
+                  "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service},
         "calibration": {
             "cache_control": control,
             "cells": [{"size": c.size, "depth": c.depth, "requests": c.requests, "mean_latency_s": c.mean_latency,
@@ -312,8 +315,19 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     }
 
 
-FIT_MODEL = ("X(s, q) = min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B) bytes/s, k = ceil(s / m); "
-             "least squares on log X over every cell")
+FIT_MODELS = {
+    "in-order": "X(s, q) = min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B) bytes/s, k = ceil(s / m); "
+                "least squares on log X over every cell",
+    "shared": "X(s, q) = min(q k (s / k) / (a + s / (k b_1)), Q (s / k) / a, B) bytes/s, k = ceil(s / m); "
+              "least squares on log X over every cell",
+}
+
+
+def drive_service(spread: dict) -> str:
+    """The service discipline (:data:`replay.device.SERVICES`) a :func:`completion_spread`
+    measurement shows: ``shared`` when the first of the reads released together completed nearer
+    the last (ratio 1) than an in-order drive's ``1 / depth``, else ``in-order``."""
+    return "shared" if spread["first_over_last"] >= (1 + spread["in_order"]) / 2 else "in-order"
 
 
 def system_max_request_bytes(path: str | os.PathLike) -> int | None:
@@ -361,10 +375,10 @@ def _queue_attribute(path: str | os.PathLike, name: str) -> int | None:
     return None
 
 
-def fit_queue_model(sizes, depths, throughput, max_request: int = 0) -> dict:
+def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: bool = False) -> dict:
     """Fit the queue model (module docstring) to measured cells: ``sizes`` (bytes), ``depths``
     (outstanding reads) and ``throughput`` (bytes/s), one entry per cell; ``max_request`` (bytes,
-    0 for none) is the system's request limit, ``m``.
+    0 for none) is the system's request limit, ``m``; ``shared``: fit a shared drive's equation.
 
     Returns ``request_seconds`` a (s), ``stream_bandwidth`` b_1 and ``bandwidth`` B (bytes/s),
     ``queue_slots`` Q, and the fit's error: per cell (``cells``: size, depth, measured and
@@ -392,7 +406,7 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0) -> dict:
 
     def resid(theta, Q):
         a, b1, B = np.exp(theta)
-        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok, max_request)) - logx
+        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok, max_request, shared)) - logx
 
     k = np.ceil(s_ok / max_request) if max_request > 0 else np.ones_like(s_ok)
     best = None
@@ -407,12 +421,12 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0) -> dict:
     r, Q = best
     a, b1, B = (float(v) for v in np.exp(r.x))
     b1 = min(b1, B)
-    fitted = queue_throughput(a, b1, B, Q, s, q, max_request)
+    fitted = queue_throughput(a, b1, B, Q, s, q, max_request, shared)
     err = np.where(ok, fitted / np.where(ok, x, 1.0) - 1, np.nan)
     logerr = np.abs(np.log(fitted[ok] / x[ok]))
     worst = int(np.flatnonzero(ok)[np.argmax(logerr)])
     return {
-        "model": FIT_MODEL,
+        "model": FIT_MODELS["shared" if shared else "in-order"], "service": "shared" if shared else "in-order",
         "request_seconds": a, "stream_bandwidth": b1, "bandwidth": B, "queue_slots": int(Q),
         "max_request_bytes": int(max_request) or None,
         "rms_log_error": float(np.sqrt(np.mean(logerr ** 2))), "max_abs_log_error": float(logerr.max()),

@@ -31,6 +31,29 @@ streams at the drive's full rate, and with ``Q`` large this is the old model (a 
 overlaps, a transfer that does not). ``b_1`` above ``B`` is taken as ``B``. Without
 ``max_request_bytes`` a read is never split by the system (``k = 1``).
 
+**Service discipline** (``service``). The equations above are the ``in-order`` drive: its data
+channel serves requests first come first served, so reads released together complete one after
+another. A ``shared`` drive (``relayout calibrate`` finds one when 8 reads released together
+complete together, :func:`replay.calibrate.completion_spread`) shares its channel among every
+request in it (processor sharing). A request holds its queue slot only for its latency ``a``
+(the command), then its bytes enter the channel; while ``n`` requests are in the channel each
+progresses at
+
+    r = min(C / n, b_1)                                   [bytes/s]
+
+with ``C = min(B, H / members)`` (the drive's rate, or its share of the host link ``H``), so a
+later arrival slows the requests already there and reads released together complete together.
+A read's requests on one drive enter together, when the first of them has a slot and its latency
+has passed (exact while the channel, not the command slots, is what binds). In steady state
+``q`` outstanding reads of ``s`` bytes then get
+
+    X(s, q) = min(q k (s / k) / (a + s / (k b_1)), Q (s / k) / a, B)   [bytes/s]
+
+(the reads' own rate, the slots' command rate, the channel). The model
+(:mod:`replay.instance`) runs the reads a layer's workers and the prefetch thread have in flight
+together as such a shared channel; a read issued on its own (the controlled prefetcher's, one at a
+time) starts once the reads before it have left the channel.
+
 An **array** stripes a logical address space over ``members`` drives in chunks of
 ``chunk_bytes``. Two splitting rules (FACTS section 5):
 
@@ -75,7 +98,8 @@ class DriveProfile:
     at once, default 32), ``stream_bandwidth`` b_1 (one request's own rate; ``None``, the default
     for profiles written before issue 12, means ``B``), ``max_request_bytes`` m (bytes: the
     largest request the operating system sends the drive, Linux ``max_sectors_kb`` x 1024;
-    ``None`` means reads are not split).
+    ``None`` means reads are not split), ``service`` (``in-order`` or ``shared``: the module
+    docstring's service discipline; ``in-order`` for profiles written before it was measured).
     """
 
     name: str
@@ -84,6 +108,7 @@ class DriveProfile:
     queue_slots: int = 32
     stream_bandwidth: float | None = None
     max_request_bytes: int | None = None
+    service: str = "in-order"
 
     @property
     def request_bandwidth(self) -> float:
@@ -96,16 +121,27 @@ class DriveProfile:
         return 0 if self.max_request_bytes is None else int(self.max_request_bytes)
 
 
-def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth, max_request=0):
+SERVICES = ("in-order", "shared")
+"""Service disciplines of a drive's data channel (the module docstring)."""
+
+
+def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth, max_request=0,
+                     shared=False):
     """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding reads of ``size`` bytes on
     one drive, each reaching it as ``k = ceil(s / m)`` requests (``m = max_request`` bytes, 0 for
-    no limit): ``min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B)``. Broadcasts over ``size`` and
-    ``depth``."""
+    no limit). In order: ``min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B)``; ``shared``:
+    ``min(q k (s / k) / (a + s / (k b_1)), Q (s / k) / a, B)`` (a slot is held for the command
+    only). Broadcasts over ``size`` and ``depth``."""
     size = np.asarray(size, dtype=float)
     k = np.ceil(size / max_request) if max_request > 0 else np.ones_like(size)
     b1 = min(stream_bandwidth, bandwidth)
-    q = np.minimum(np.asarray(depth, dtype=float) * k, queue_slots)
     piece = size / k
+    requests = np.asarray(depth, dtype=float) * k
+    if shared:
+        own = requests * piece / (request_seconds + piece / b1)
+        commands = queue_slots * piece / request_seconds if request_seconds > 0 else np.inf
+        return np.minimum(np.minimum(own, commands), bandwidth)
+    q = np.minimum(requests, queue_slots)
     return np.minimum(q * piece / (request_seconds + piece / b1), bandwidth)
 
 
@@ -149,6 +185,8 @@ class ArrayProfile:
         m = self.drive.max_request_bytes
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 512 <= m <= 1 << 34):
             raise InputError(self.name, f"max_request_bytes is {m!r}, not an integer of 512 bytes to 16 GiB (or null: reads are not split)")
+        if self.drive.service not in SERVICES:
+            raise InputError(self.name, f"unknown drive service {self.drive.service!r} (choose {', '.join(SERVICES)})")
 
     @property
     def full_bandwidth(self) -> float:
@@ -161,7 +199,7 @@ class ArrayProfile:
         Exact for a single drive; for an array it ignores how chunk boundaries split a read."""
         d = self.drive
         per_member = queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots,
-                                      size / self.members, depth, d.max_request)
+                                      size / self.members, depth, d.max_request, d.service == "shared")
         return float(min(self.members * per_member, self.host_bandwidth))
 
     def scaled(self, factor: float) -> "ArrayProfile":

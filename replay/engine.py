@@ -357,7 +357,7 @@ def device_numbers(device: ArrayProfile) -> Device:
     d = device.drive
     return Device(int(device.members), int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
                  float(d.request_seconds), float(d.bandwidth), int(d.queue_slots), float(device.host_bandwidth),
-                 float(device.full_bandwidth), float(d.request_bandwidth), int(d.max_request))
+                 float(device.full_bandwidth), float(d.request_bandwidth), int(d.max_request), d.service == "shared")
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

@@ -97,13 +97,14 @@ and ``prefetch_experts`` (its K, or the queue-slot budget Q); ``admission`` (an 
 ``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
-                               "stream_bandwidth max_request")
+                               "stream_bandwidth max_request shared")
 """A :class:`replay.device.ArrayProfile` as plain numbers (:func:`replay.engine.device_numbers`):
 ``members``, ``chunk`` (stripe bytes), ``rule`` (an index into ``SPLIT_RULES``); per drive
 ``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
 b_1 (bytes/s, at most B: :mod:`replay.device`'s queue model), ``max_request`` (bytes, the
-system's largest drive request, 0 for none); ``host_bandwidth`` and ``full_bandwidth`` (the
-array's large-read ceiling), bytes/s."""
+system's largest drive request, 0 for none), ``shared`` (the drives share their channel among
+the requests in them, bool: :mod:`replay.device`'s service discipline); ``host_bandwidth`` and
+``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru scale_seen")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
@@ -159,10 +160,22 @@ it (restored if the load is dropped), its planned preads and bytes."""
 
 PILOT_FIRST, PILOT_NEXT, PILOT_END, PILOT_POS = 0, 1, 2, 3
 
-Work = namedtuple("Work", "miss jobs reads workers drives pending plan single pilot")
+Sharing = namedtuple("Sharing", "enter piece weight tag vtime vclock wsum last parts issued busy")
+"""Shared drives' channels while the reader pool runs (:func:`_shared_pool`). Per member and
+issuer [M, W+1] (the workers, then the prefetch thread), for the read the issuer has in flight:
+``enter`` (when its requests enter the member's channel, s; inf: none waiting), ``piece`` (bytes
+per request), ``weight`` (its requests on the member), ``tag`` (the channel's virtual time at
+which they complete: the virtual time they entered at plus ``piece``; inf: none in the channel).
+Per member [M]: ``vtime`` (bytes per request the channel has served since the pool began) at real
+time ``vclock`` (s; the channel serves nothing before it: it is busy until then with reads issued
+before the pool), ``wsum`` (requests in the channel), ``last`` (when its last request left, s).
+Per issuer [W+1]: ``parts`` (members its read still has requests on), ``issued`` (s). ``busy``
+[2]: drive reads in flight, and when the array last became busy (s)."""
+
+Work = namedtuple("Work", "miss jobs reads workers drives pending plan single pilot share")
 """Every working array of one replay, carried over its :func:`simulate_instances` calls:
 :class:`Misses`, :class:`Jobs`, :class:`Reads`, :class:`Workers`, :class:`Drives`, :class:`Prefetched`, the read plan
-(:data:`replay.readplan.ReadPlan`), :class:`Single` and :class:`Pilot`."""
+(:data:`replay.readplan.ReadPlan`), :class:`Single`, :class:`Pilot` and :class:`Sharing`."""
 
 
 @njit(**LOOP)
@@ -189,7 +202,10 @@ def new_work(K, E, W, M, Q):
     single = Single(np.empty(1, np.int64), np.zeros(1, np.bool_), np.empty(1, np.bool_), np.empty(1, np.int64))
     pilot = Pilot(np.zeros(4, np.int64), np.zeros(1), np.empty(PREFETCH_SLOTS, np.int64),
                   np.empty(PREFETCH_SLOTS, np.int64), np.empty(PREFETCH_SLOTS, np.int64))
-    return Work(miss, jobs, reads, workers, drives, pending, plan, single, pilot)
+    share = Sharing(np.full((M, W + 1), np.inf), np.zeros((M, W + 1)), np.zeros((M, W + 1), np.int64),
+                    np.full((M, W + 1), np.inf), np.zeros(M), np.zeros(M), np.zeros(M, np.int64), np.zeros(M),
+                    np.zeros(W + 1, np.int64), np.zeros(W + 1), np.zeros(2))
+    return Work(miss, jobs, reads, workers, drives, pending, plan, single, pilot, share)
 
 
 # ------------------------------------------------------------------------------------- the loop
@@ -260,7 +276,11 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             _queue_at_routing(i, li + 1, inst_session[i], inst, table, ram, lay, pol, pending, plan, work.single,
                               jobs, reads, n_jobs, pilot, out)
         if k > 0:
-            _reader_pool(n_jobs, pol.workers, pilot_free, jobs, reads, workers, pilot, dev, drives, usage)
+            if dev.shared:
+                _shared_pool(n_jobs, pol.workers, pilot_free, jobs, reads, workers, pilot, dev, drives, usage,
+                             work.share)
+            else:
+                _reader_pool(n_jobs, pol.workers, pilot_free, jobs, reads, workers, pilot, dev, drives, usage)
             end = _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out)
             for j in range(n_jobs):
                 out.prefetch.demand_done[i] = max(out.prefetch.demand_done[i], job_done[j])
@@ -575,6 +595,8 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
     """
     if warm:
         return t + n / MEMORY_BANDWIDTH
+    if dev.shared:
+        return _serve_shared(addr, n, t, dev, drives, usage)
     pieces, nbytes, mfree, sfree, host = drives.pieces, drives.nbytes, drives.free, drives.small_free, drives.host
     slots = drives.slots
     split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
@@ -616,6 +638,214 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
     usage.busy_seconds[0] += max(done - max(t, busy[0]), 0.0)
     busy[0] = max(busy[0], done)
     return done
+
+
+@njit(**HELPER)
+def _serve_shared(addr, n, t, dev, drives, usage):
+    """:func:`_serve_read` on shared drives (:mod:`replay.device`'s service discipline), for a read
+    issued on its own: on each member its ``p`` requests take the slots that free first for their
+    latency ``a``, and from when the first has passed it, and the member's channel is free of the
+    reads before it, its bytes pass at ``min(C, p b_1)`` (``C``: :func:`_channel_rate`). Returns
+    its completion time (s)."""
+    pieces, nbytes, mfree = drives.pieces, drives.nbytes, drives.free
+    split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
+    C = _channel_rate(dev)
+    done = t
+    for m in range(dev.members):
+        drives.member_bytes[m] += nbytes[m]
+        usage.requests[m] += pieces[m]
+        if nbytes[m] > 0:
+            entry = _command_slots(m, pieces[m], t, dev, drives)
+            mdone = max(entry, mfree[m]) + nbytes[m] / min(C, pieces[m] * dev.stream_bandwidth)
+            mfree[m] = mdone
+            usage.residence_seconds[m] += mdone - t
+            done = max(done, mdone)
+    busy = drives.busy
+    usage.busy_seconds[0] += max(done - max(t, busy[0]), 0.0)
+    busy[0] = max(busy[0], done)
+    return done
+
+
+@njit(**HELPER)
+def _channel_rate(dev):
+    """A shared member's channel rate C (bytes/s): the drive's, or its even share of the host link."""
+    return min(dev.bandwidth, dev.host_bandwidth / dev.members)
+
+
+@njit(**HELPER)
+def _command_slots(m, p, t, dev, drives):
+    """``p`` requests issued to shared member ``m`` at ``t`` (s) each hold the slot that frees
+    first for the latency ``a``; returns when the first has passed it (s): the requests' bytes
+    enter the channel then."""
+    first = np.inf
+    for _ in range(p):
+        t0 = max(drives.slots[m, drives.head[m]], t)
+        _take_slot(drives.slots[m], drives.head, m, dev.queue_slots, t0 + dev.request_seconds)
+        first = min(first, t0 + dev.request_seconds)
+    return first
+
+
+@njit(**HELPER)
+def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, drives, usage, share):
+    """The reader pool (:func:`_reader_pool`: the same workers, jobs and prefetch thread) on shared
+    drives (:mod:`replay.device`'s service discipline), as an event simulation: a read's
+    completion depends on the reads issued after it, so it is known only when it happens.
+
+    Events, earliest first (on a tie: a request leaving a channel, then one entering, then an
+    issue): an issuer (a worker, or the prefetch thread when its next load is queued and it is
+    free first) issues its next read, whose requests take command slots (:func:`_command_slots`)
+    and enter each member's channel when the first has passed its latency; in a member's channel
+    of ``n`` requests each progresses at ``min(C / n, b_1)`` bytes/s, so the channel keeps a
+    virtual time (bytes per request served) and a read's requests leave it when that reaches their
+    entry's virtual time plus their size; a read completes when its requests on every member have
+    left, its issuer is then free (after its job's page-cache tail, when it was the job's last
+    read). Runs until every demand job is done and the prefetch thread's read in flight, if any,
+    has completed (the prefetch thread issues no read after the last demand job: its remaining
+    loads are :func:`_pilot_rest`'s). A channel serves nothing before the reads issued before the
+    pool have left it (``drives.free``), which then holds when this pool's last request left.
+    """
+    job_read, wfree, wjob, wpos = jobs.first_read, workers.free, workers.job, workers.pos
+    tag, enter, wsum = share.tag, share.enter, share.wsum
+    W = min(n_workers, n_jobs)
+    P = len(share.parts) - 1                     # the prefetch thread's issuer index
+    M = dev.members
+    for w in range(W):
+        wfree[w], wjob[w], wpos[w] = start, -1, 0
+    for m in range(M):
+        share.vtime[m], share.vclock[m], wsum[m] = 0.0, max(start, drives.free[m]), 0
+        share.last[m] = drives.free[m]
+        for j in range(P + 1):
+            enter[m, j], tag[m, j] = np.inf, np.inf
+    share.busy[0] = 0.0
+    C = _channel_rate(dev)
+    next_job, left, pilot_busy = 0, n_jobs, False
+    while True:
+        tc, mc, jc = np.inf, -1, -1              # the next request to leave a channel
+        for m in range(M):
+            if wsum[m] > 0:
+                u = min(C / wsum[m], dev.stream_bandwidth)
+                for j in range(P + 1):
+                    if tag[m, j] < np.inf:
+                        d = share.vclock[m] + max(tag[m, j] - share.vtime[m], 0.0) / u
+                        if d < tc:
+                            tc, mc, jc = d, m, j
+        te, me, je = np.inf, -1, -1              # the next to enter one
+        for m in range(M):
+            for j in range(P + 1):
+                if enter[m, j] < te:
+                    te, me, je = enter[m, j], m, j
+        ti, w = np.inf, -1                       # the next issue
+        if left > 0:
+            for v in range(W):
+                if wfree[v] < ti and (wjob[v] >= 0 or next_job < n_jobs):
+                    w, ti = v, wfree[v]
+            if not pilot_busy and pilot.state[PILOT_NEXT] < pilot.state[PILOT_END] and pilot.free[0] <= ti:
+                w, ti = P, pilot.free[0]
+        if tc <= te and tc <= ti:
+            if tc == np.inf:
+                break
+            _advance_channel(share, mc, tc, C, dev.stream_bandwidth)
+            tag[mc, jc] = np.inf
+            wsum[mc] -= share.weight[mc, jc]
+            share.last[mc] = max(share.last[mc], tc)
+            usage.residence_seconds[mc] += tc - share.issued[jc]
+            share.parts[jc] -= 1
+            if share.parts[jc] == 0:
+                if jc == P:
+                    pilot_busy = False
+                left -= _shared_read_done(jc, P, tc, True, jobs, workers, pilot, drives, usage, share)
+        elif te <= ti:
+            _advance_channel(share, me, te, C, dev.stream_bandwidth)
+            tag[me, je] = share.vtime[me] + share.piece[me, je]
+            wsum[me] += share.weight[me, je]
+            enter[me, je] = np.inf
+        else:
+            if w == P:
+                r = job_read[pilot.state[PILOT_NEXT]] + pilot.state[PILOT_POS]
+            else:
+                if wjob[w] < 0:
+                    wjob[w], wpos[w] = next_job, 0
+                    next_job += 1
+                r = job_read[wjob[w]] + wpos[w]
+            if reads.warm[r] or not _shared_issue(w, r, ti, reads, dev, drives, usage, share):
+                left -= _shared_read_done(w, P, ti + reads.length[r] / MEMORY_BANDWIDTH, False, jobs, workers, pilot,
+                                          drives, usage, share)
+            else:
+                if w == P:
+                    pilot_busy = True
+                    pilot.free[0] = np.inf
+                else:
+                    wfree[w] = np.inf
+    for m in range(M):
+        drives.free[m] = share.last[m]
+
+
+@njit(**HELPER)
+def _advance_channel(share, m, t, C, b1):
+    """Bring member ``m``'s shared channel to time ``t`` (s): its virtual time grows by what each
+    of its requests was served since ``vclock``, at ``min(C / n, b_1)`` bytes/s."""
+    if t > share.vclock[m]:
+        if share.wsum[m] > 0:
+            share.vtime[m] += (t - share.vclock[m]) * min(C / share.wsum[m], b1)
+        share.vclock[m] = t
+
+
+@njit(**HELPER)
+def _shared_issue(j, r, t, reads, dev, drives, usage, share):
+    """Issuer ``j`` issues drive read ``r`` at ``t`` (s) in :func:`_shared_pool`: split over the
+    members, each member's requests take command slots and wait to enter its channel. Returns
+    whether it reads any byte (an empty read completes at once)."""
+    pieces, nbytes = drives.pieces, drives.nbytes
+    split_read(reads.addr[r], reads.length[r], dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
+    share.issued[j] = t
+    parts = 0
+    for m in range(dev.members):
+        drives.member_bytes[m] += nbytes[m]
+        usage.requests[m] += pieces[m]
+        if nbytes[m] > 0:
+            share.enter[m, j] = _command_slots(m, pieces[m], t, dev, drives)
+            share.piece[m, j] = nbytes[m] / pieces[m]
+            share.weight[m, j] = pieces[m]
+            parts += 1
+    share.parts[j] = parts
+    if parts == 0:
+        return False
+    if share.busy[0] == 0:
+        share.busy[1] = t
+    share.busy[0] += 1
+    return True
+
+
+@njit(**HELPER)
+def _shared_read_done(j, P, d, drive, jobs, workers, pilot, drives, usage, share):
+    """Issuer ``j``'s read completed at ``d`` (s; a ``drive`` read, or a warm one): the array's busy
+    time when it was the last drive read in flight, then the issuer's job as :func:`_reader_pool`
+    and :func:`_pilot_read` keep it. Returns 1 when a demand job completed, else 0."""
+    if drive:
+        share.busy[0] -= 1
+        if share.busy[0] == 0:
+            usage.busy_seconds[0] += max(d - max(share.busy[1], drives.busy[0]), 0.0)
+            drives.busy[0] = max(drives.busy[0], d)
+    if j == P:
+        state = pilot.state
+        job = state[PILOT_NEXT]
+        state[PILOT_POS] += 1
+        if jobs.first_read[job] + state[PILOT_POS] == jobs.first_read[job + 1]:
+            d += jobs.tail[job]
+            jobs.done[job] = d
+            state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
+        pilot.free[0] = d
+        return 0
+    job = workers.job[j]
+    workers.pos[j] += 1
+    workers.free[j] = d
+    if jobs.first_read[job] + workers.pos[j] == jobs.first_read[job + 1]:
+        d += jobs.tail[job]
+        jobs.done[job] = d
+        workers.job[j] = -1
+        workers.free[j] = d
+        return 1
+    return 0
 
 
 @njit(**HELPER)

@@ -227,11 +227,16 @@ def test_the_calibration_table_shows_each_cells_fit_error():
 def test_the_calibration_says_whether_concurrent_reads_completed_in_order():
     from relayout.render import completion_sentence
 
-    shared = {"calibration": {"completion_spread": {"depth": 8, "size": 16 << 20, "rounds": 5, "first_over_last": 0.99,
-                                                    "in_order": 0.125}}}
-    text, contradicts = completion_sentence(shared)
-    assert contradicts and "8 concurrent 16 MiB reads" in text and "after 0.99 of" in text and "shares itself" in text
-    in_order = {"calibration": {"completion_spread": {**shared["calibration"]["completion_spread"], "first_over_last": 0.2}}}
-    text, contradicts = completion_sentence(in_order)
-    assert not contradicts and "in order, as the model assumes" in text
+    spread = {"depth": 8, "size": 16 << 20, "rounds": 5, "first_over_last": 0.99, "in_order": 0.125}
+    shared = {"drive": {"service": "shared"}, "calibration": {"completion_spread": spread}}
+    text, sharing = completion_sentence(shared)
+    assert sharing and "8 concurrent 16 MiB reads" in text and "after 0.99 of" in text and "shares itself" in text
+    assert "the profile's drive does the same" in text
+    text, sharing = completion_sentence({**shared, "drive": {"service": "in-order"}})   # a hand-edited profile
+    assert sharing and "which this profile's in-order drive does not do" in text
+    in_order = {"drive": {}, "calibration": {"completion_spread": {**spread, "first_over_last": 0.2}}}
+    text, sharing = completion_sentence(in_order)
+    assert not sharing and "in order, as the profile's drive serves them" in text
+    text, _ = completion_sentence({**in_order, "drive": {"service": "shared"}})
+    assert "but this profile's drive is shared" in text
     assert completion_sentence({"calibration": {}}) is None          # a profile calibrated before it was measured
