@@ -129,9 +129,10 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
     (page cache bypassed as :func:`calibrate` does it). Per round, the time from the first read's
     start to the first completion over the time to the last one.
 
-    A drive that serves requests in arrival order, as :mod:`replay.device` models it, completes
-    them one after another: ``first_over_last`` about ``1 / depth``. One that shares itself among
-    them completes them together: near 1 (this project's virtio disk: 0.98-0.99). A layer's demand
+    A drive that serves requests in arrival order (:mod:`replay.device`'s ``in-order`` drive)
+    completes them one after another: ``first_over_last`` about ``1 / depth``. One that shares
+    itself among them (``shared``) completes them together: near 1 (this project's virtio disk:
+    0.98-0.99). :func:`drive_service` turns it into the profile's discipline. A layer's demand
     reads are such a batch: in order, the compute thread works on the first experts while the
     later ones arrive; shared, it cannot.
 

@@ -30,7 +30,11 @@ per member), so ``q`` outstanding requests get ``X(s, q) = min(min(q, Q) s / (a 
 bytes/s: extra queue depth (more workers, a prefetch thread beside the demand loads) turns into
 bandwidth up to the drive's limit, as on real NVMe. Small reads (up to ``SMALL_READ_BYTES``) pass
 a channel of their own beside the large ones and delay them by their own transfer time; the host
-link caps the aggregate rate the same way.
+link caps the aggregate rate the same way. That is the ``in-order`` drive. A ``shared`` one (the
+profile's ``service``, which ``relayout calibrate`` measures) shares its channel among the requests
+in it, ``min(C / n, b_1)`` bytes/s each of ``n``: the reader pool is then an event simulation
+(:func:`replay.instance._shared_pool`) in which a read issued later slows those in flight, so a
+layer's demand reads, released together, complete together.
 
 The compute thread first runs the resident experts' matmuls, then, in issue order, waits for
 each missing expert and runs its matmul. Stall is the time it waits, measured on that critical

@@ -316,6 +316,10 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
     spread = profile["calibration"]["completion_spread"]          # 8 reads of 8 MiB fit the 64 MiB file
     assert spread["depth"] == 8 and spread["size"] == 8 << 20 and 0 < spread["first_over_last"] <= 1
     assert spread["in_order"] == 1 / 8
+    from replay.calibrate import drive_service
+
+    # the discipline the spread shows is the profile's, and the fit is of that discipline's equation
+    assert dev.drive.service == drive_service(spread) == profile["calibration"]["fit"]["service"]
     limit = small_page_request_limit(tmp_path)
     assert profile["calibration"]["small_page_request_limit"] == limit
     if limit is not None:                                 # one segment per page of the reading buffer
