@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -62,15 +63,19 @@ def run(args, work: Path) -> None:
     t = time.perf_counter()
     learned = learn_source("coupled", trace, train, src.stock, coupling=coupling)
     print(f"coupled source's calibration learned on the same forwards in {time.perf_counter() - t:.1f} s")
-    configs = (("no cache, 8 workers", RuntimeConfig()),
-               ("64 GB LRU, 8 workers, coalesce", RuntimeConfig(ram_bytes=64 * 10**9, coalesce=True)),
-               ("no cache, oracle prefetch K=6", RuntimeConfig(prefetch="oracle")),
-               ("64 GB LRU, coupled prefetch K=6", RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled")),
+    shared = replace(dev, drive=replace(dev.drive, service="shared"))     # drives sharing their channel: an event pool
+    configs = (("no cache, 8 workers", RuntimeConfig(), dev),
+               ("64 GB LRU, 8 workers, coalesce", RuntimeConfig(ram_bytes=64 * 10**9, coalesce=True), dev),
+               ("no cache, oracle prefetch K=6", RuntimeConfig(prefetch="oracle"), dev),
+               ("64 GB LRU, coupled prefetch K=6", RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled"), dev),
                ("64 GB LRU, coupled source, stall-valued admission Q=6",
-                RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled", admission="stall-value")))
-    for label, cfg in configs:
+                RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled", admission="stall-value"), dev),
+               ("no cache, 8 workers, shared drives", RuntimeConfig(), shared),
+               ("64 GB LRU, coupled prefetch K=6, shared drives",
+                RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled"), shared))
+    for label, cfg, device in configs:
         t, cpu = time.perf_counter(), time.process_time()
-        inst, _ = simulate(trace, mask, src.stock, dev, cfg, coupling=coupling if cfg.admission == "top-k" else learned)
+        inst, _ = simulate(trace, mask, src.stock, device, cfg, coupling=coupling if cfg.admission == "top-k" else learned)
         dt, cpu = time.perf_counter() - t, time.process_time() - cpu
         loads = int(inst.misses.sum()) + (int(inst.prefetch.loads.sum()) if inst.prefetch is not None else 0)
         lookups = int(inst.union_experts.sum())
