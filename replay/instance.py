@@ -160,7 +160,8 @@ it (restored if the load is dropped), its planned preads and bytes."""
 
 PILOT_FIRST, PILOT_NEXT, PILOT_END, PILOT_POS = 0, 1, 2, 3
 
-Sharing = namedtuple("Sharing", "enter piece weight tag vtime vclock wsum last parts issued busy")
+Sharing = namedtuple("Sharing", "enter piece weight tag vtime vclock wsum last next_done done_by next_enter enter_by "
+                                 "parts issued busy")
 """Shared drives' channels while the reader pool runs (:func:`_shared_pool`). Per member and
 issuer [M, W+1] (the workers, then the prefetch thread), for the read the issuer has in flight:
 ``enter`` (when its requests enter the member's channel, s; inf: none waiting), ``piece`` (bytes
@@ -168,7 +169,9 @@ per request), ``weight`` (its requests on the member), ``tag`` (the channel's vi
 which they complete: the virtual time they entered at plus ``piece``; inf: none in the channel).
 Per member [M]: ``vtime`` (bytes per request the channel has served since the pool began) at real
 time ``vclock`` (s; the channel serves nothing before it: it is busy until then with reads issued
-before the pool), ``wsum`` (requests in the channel), ``last`` (when its last request left, s).
+before the pool), ``wsum`` (requests in the channel), ``last`` (when its last request left, s),
+and its next events as they stand (:func:`_member_events`): ``next_done`` (s) when the first
+issuer's requests ``done_by`` leave it, ``next_enter`` (s) when the first ``enter_by`` enter it.
 Per issuer [W+1]: ``parts`` (members its read still has requests on), ``issued`` (s). ``busy``
 [2]: drive reads in flight, and when the array last became busy (s)."""
 
@@ -204,6 +207,7 @@ def new_work(K, E, W, M, Q):
                   np.empty(PREFETCH_SLOTS, np.int64), np.empty(PREFETCH_SLOTS, np.int64))
     share = Sharing(np.full((M, W + 1), np.inf), np.zeros((M, W + 1)), np.zeros((M, W + 1), np.int64),
                     np.full((M, W + 1), np.inf), np.zeros(M), np.zeros(M), np.zeros(M, np.int64), np.zeros(M),
+                    np.full(M, np.inf), np.zeros(M, np.int64), np.full(M, np.inf), np.zeros(M, np.int64),
                     np.zeros(W + 1, np.int64), np.zeros(W + 1), np.zeros(2))
     return Work(miss, jobs, reads, workers, drives, pending, plan, single, pilot, share)
 
@@ -714,26 +718,19 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
     for m in range(M):
         share.vtime[m], share.vclock[m], wsum[m] = 0.0, max(start, drives.free[m]), 0
         share.last[m] = drives.free[m]
+        share.next_done[m], share.next_enter[m] = np.inf, np.inf
         for j in range(P + 1):
             enter[m, j], tag[m, j] = np.inf, np.inf
     share.busy[0] = 0.0
-    C = _channel_rate(dev)
+    C, b1 = _channel_rate(dev), dev.stream_bandwidth
     next_job, left, pilot_busy = 0, n_jobs, False
     while True:
-        tc, mc, jc = np.inf, -1, -1              # the next request to leave a channel
+        tc, mc, te, me = np.inf, -1, np.inf, -1  # the next request to leave a channel, and to enter one
         for m in range(M):
-            if wsum[m] > 0:
-                u = min(C / wsum[m], dev.stream_bandwidth)
-                for j in range(P + 1):
-                    if tag[m, j] < np.inf:
-                        d = share.vclock[m] + max(tag[m, j] - share.vtime[m], 0.0) / u
-                        if d < tc:
-                            tc, mc, jc = d, m, j
-        te, me, je = np.inf, -1, -1              # the next to enter one
-        for m in range(M):
-            for j in range(P + 1):
-                if enter[m, j] < te:
-                    te, me, je = enter[m, j], m, j
+            if share.next_done[m] < tc:
+                tc, mc = share.next_done[m], m
+            if share.next_enter[m] < te:
+                te, me = share.next_enter[m], m
         ti, w = np.inf, -1                       # the next issue
         if left > 0:
             for v in range(W):
@@ -744,21 +741,25 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
         if tc <= te and tc <= ti:
             if tc == np.inf:
                 break
-            _advance_channel(share, mc, tc, C, dev.stream_bandwidth)
+            jc = share.done_by[mc]
+            _advance_channel(share, mc, tc, C, b1)
             tag[mc, jc] = np.inf
             wsum[mc] -= share.weight[mc, jc]
             share.last[mc] = max(share.last[mc], tc)
             usage.residence_seconds[mc] += tc - share.issued[jc]
+            _member_events(share, mc, C, b1)
             share.parts[jc] -= 1
             if share.parts[jc] == 0:
                 if jc == P:
                     pilot_busy = False
                 left -= _shared_read_done(jc, P, tc, True, jobs, workers, pilot, drives, usage, share)
         elif te <= ti:
-            _advance_channel(share, me, te, C, dev.stream_bandwidth)
+            je = share.enter_by[me]
+            _advance_channel(share, me, te, C, b1)
             tag[me, je] = share.vtime[me] + share.piece[me, je]
             wsum[me] += share.weight[me, je]
             enter[me, je] = np.inf
+            _member_events(share, me, C, b1)
         else:
             if w == P:
                 r = job_read[pilot.state[PILOT_NEXT]] + pilot.state[PILOT_POS]
@@ -778,6 +779,23 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
                     wfree[w] = np.inf
     for m in range(M):
         drives.free[m] = share.last[m]
+
+
+@njit(**HELPER)
+def _member_events(share, m, C, b1):
+    """Member ``m``'s next events in its present state (after each change to it): when the first
+    of its requests leaves its channel and which issuer's (the smallest tag; the lowest issuer on a
+    tie), and when the first waiting ones enter it."""
+    td, jd, te, je = np.inf, -1, np.inf, -1
+    u = min(C / share.wsum[m], b1) if share.wsum[m] > 0 else 0.0
+    for j in range(share.tag.shape[1]):
+        if share.tag[m, j] < np.inf:
+            d = share.vclock[m] + max(share.tag[m, j] - share.vtime[m], 0.0) / u
+            if d < td:
+                td, jd = d, j
+        if share.enter[m, j] < te:
+            te, je = share.enter[m, j], j
+    share.next_done[m], share.done_by[m], share.next_enter[m], share.enter_by[m] = td, jd, te, je
 
 
 @njit(**HELPER)
@@ -806,6 +824,8 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
             share.enter[m, j] = _command_slots(m, pieces[m], t, dev, drives)
             share.piece[m, j] = nbytes[m] / pieces[m]
             share.weight[m, j] = pieces[m]
+            if share.enter[m, j] < share.next_enter[m]:
+                share.next_enter[m], share.enter_by[m] = share.enter[m, j], j
             parts += 1
     share.parts[j] = parts
     if parts == 0:
