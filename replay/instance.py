@@ -638,9 +638,7 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
         hdone = max(host[0], t) + xfer
         host[0] = hdone
     done = max(done, hdone)
-    busy = drives.busy
-    usage.busy_seconds[0] += max(done - max(t, busy[0]), 0.0)
-    busy[0] = max(busy[0], done)
+    _count_busy(t, done, drives, usage)
     return done
 
 
@@ -664,10 +662,17 @@ def _serve_shared(addr, n, t, dev, drives, usage):
             mfree[m] = mdone
             usage.residence_seconds[m] += mdone - t
             done = max(done, mdone)
-    busy = drives.busy
-    usage.busy_seconds[0] += max(done - max(t, busy[0]), 0.0)
-    busy[0] = max(busy[0], done)
+    _count_busy(t, done, drives, usage)
     return done
+
+
+@njit(**STAGE)
+def _count_busy(t, done, drives, usage):
+    """The array was busy from ``t`` to ``done`` (s): add to ``usage.busy_seconds`` what the
+    periods counted so far (``drives.busy``: until when) do not already cover; periods arrive in
+    order of their start."""
+    usage.busy_seconds[0] += max(done - max(t, drives.busy[0]), 0.0)
+    drives.busy[0] = max(drives.busy[0], done)
 
 
 @njit(**HELPER)
@@ -844,8 +849,7 @@ def _shared_read_done(j, P, d, drive, jobs, workers, pilot, drives, usage, share
     if drive:
         share.busy[0] -= 1
         if share.busy[0] == 0:
-            usage.busy_seconds[0] += max(d - max(share.busy[1], drives.busy[0]), 0.0)
-            drives.busy[0] = max(drives.busy[0], d)
+            _count_busy(share.busy[1], d, drives, usage)
     if j == P:
         state = pilot.state
         job = state[PILOT_NEXT]
