@@ -34,20 +34,23 @@ overlaps, a transfer that does not). ``b_1`` above ``B`` is taken as ``B``. With
 **Service discipline** (``service``). The equations above are the ``in-order`` drive: its data
 channel serves requests first come first served, so reads released together complete one after
 another. A ``shared`` drive (``relayout calibrate`` finds one when 8 reads released together
-complete together, :func:`replay.calibrate.completion_spread`) shares its channel among every
-request in it (processor sharing). A request holds its queue slot only for its latency ``a``
-(the command), then its bytes enter the channel; while ``n`` requests are in the channel each
-progresses at
+complete together, :func:`replay.calibrate.completion_spread`) shares its channel fairly among
+the *reads* in it, whatever the number of requests the system split each into (processor
+sharing). A request holds its queue slot only for its latency ``a`` (the command); a read's bytes
+enter the channel when the first of its ``p`` requests on the drive has passed it. While ``n``
+reads are in the channel, each passes
 
-    r = min(C / n, b_1)                                   [bytes/s]
+    r = min(p b_1, L)                                     [bytes/s]
 
-with ``C = min(B, H / members)`` (the drive's rate, or its share of the host link ``H``), so a
-later arrival slows the requests already there and reads released together complete together.
-A read's requests on one drive enter together, when the first of them has a slot and its latency
-has passed (exact while the channel, not the command slots, is what binds). In steady state
-``q`` outstanding reads of ``s`` bytes then get
+with the level ``L`` set so that the rates add up to ``C = min(B, H / members)`` (the drive's
+rate, or its share of the host link ``H``): ``C / n`` when no read is held below it by its own
+rate, more when some are (water filling). A later arrival slows the reads already there, and
+reads released together complete together. (Sharing among reads, not among their requests, is
+what this project's disk showed: a prefetch load of three 6.3 MB reads took the same share beside
+eight 18.9 MB demand reads as one 18.9 MB read did; docs/BENCHMARKS.md.) In steady state ``q``
+outstanding reads of ``s`` bytes then get
 
-    X(s, q) = min(q k (s / k) / (a + s / (k b_1)), Q (s / k) / a, B)   [bytes/s]
+    X(s, q) = min(q s / (a + s / (k b_1)), Q (s / k) / a, B)   [bytes/s]
 
 (the reads' own rate, the slots' command rate, the channel). The model
 (:mod:`replay.instance`) runs the reads a layer's workers and the prefetch thread have in flight
@@ -130,8 +133,8 @@ def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, 
     """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding reads of ``size`` bytes on
     one drive, each reaching it as ``k = ceil(s / m)`` requests (``m = max_request`` bytes, 0 for
     no limit). In order: ``min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B)``; ``shared``:
-    ``min(q k (s / k) / (a + s / (k b_1)), Q (s / k) / a, B)`` (a slot is held for the command
-    only). Broadcasts over ``size`` and ``depth``."""
+    ``min(q s / (a + s / (k b_1)), Q (s / k) / a, B)`` (a slot is held for the command only).
+    Broadcasts over ``size`` and ``depth``."""
     size = np.asarray(size, dtype=float)
     k = np.ceil(size / max_request) if max_request > 0 else np.ones_like(size)
     b1 = min(stream_bandwidth, bandwidth)

@@ -31,8 +31,8 @@ bytes/s: extra queue depth (more workers, a prefetch thread beside the demand lo
 bandwidth up to the drive's limit, as on real NVMe. Small reads (up to ``SMALL_READ_BYTES``) pass
 a channel of their own beside the large ones and delay them by their own transfer time; the host
 link caps the aggregate rate the same way. That is the ``in-order`` drive. A ``shared`` one (the
-profile's ``service``, which ``relayout calibrate`` measures) shares its channel among the requests
-in it, ``min(C / n, b_1)`` bytes/s each of ``n``: the reader pool is then an event simulation
+profile's ``service``, which ``relayout calibrate`` measures) shares its channel fairly among the
+reads in it (about ``C / n`` bytes/s each of ``n``): the reader pool is then an event simulation
 (:func:`replay.instance._shared_pool`) in which a read issued later slows those in flight, so a
 layer's demand reads, released together, complete together.
 

@@ -160,20 +160,20 @@ it (restored if the load is dropped), its planned preads and bytes."""
 
 PILOT_FIRST, PILOT_NEXT, PILOT_END, PILOT_POS = 0, 1, 2, 3
 
-Sharing = namedtuple("Sharing", "enter piece weight tag vtime vclock wsum last next_done done_by next_enter enter_by "
+Sharing = namedtuple("Sharing", "enter size cap rem clock level active last next_done done_by next_enter enter_by "
                                  "parts issued busy")
 """Shared drives' channels while the reader pool runs (:func:`_shared_pool`). Per member and
 issuer [M, W+1] (the workers, then the prefetch thread), for the read the issuer has in flight:
-``enter`` (when its requests enter the member's channel, s; inf: none waiting), ``piece`` (bytes
-per request), ``weight`` (its requests on the member), ``tag`` (the channel's virtual time at
-which they complete: the virtual time they entered at plus ``piece``; inf: none in the channel).
-Per member [M]: ``vtime`` (bytes per request the channel has served since the pool began) at real
-time ``vclock`` (s; the channel serves nothing before it: it is busy until then with reads issued
-before the pool), ``wsum`` (requests in the channel), ``last`` (when its last request left, s),
+``enter`` (when its bytes enter the member's channel, s; inf: not waiting), ``size`` (its bytes
+on the member), ``cap`` (its own rate there, ``p b_1`` for its ``p`` requests, bytes/s), ``rem``
+(bytes it still has to pass; inf: not in the channel). Per member [M]: ``clock`` (s: ``rem`` is
+as of then; the channel serves nothing before its first value: it is busy until then with reads
+issued before the pool), ``level`` (the fair share, bytes/s: a read in the channel passes
+``min(cap, level)``), ``active`` (reads in the channel), ``last`` (when its last read left, s),
 and its next events as they stand (:func:`_member_events`): ``next_done`` (s) when the first
-issuer's requests ``done_by`` leave it, ``next_enter`` (s) when the first ``enter_by`` enter it.
-Per issuer [W+1]: ``parts`` (members its read still has requests on), ``issued`` (s). ``busy``
-[2]: drive reads in flight, and when the array last became busy (s)."""
+read, issuer ``done_by``'s, leaves it, ``next_enter`` (s) when the first waiting one,
+``enter_by``'s, enters it. Per issuer [W+1]: ``parts`` (members its read is still on),
+``issued`` (s). ``busy`` [2]: drive reads in flight, and when the array last became busy (s)."""
 
 Work = namedtuple("Work", "miss jobs reads workers drives pending plan single pilot share")
 """Every working array of one replay, carried over its :func:`simulate_instances` calls:
@@ -205,7 +205,7 @@ def new_work(K, E, W, M, Q):
     single = Single(np.empty(1, np.int64), np.zeros(1, np.bool_), np.empty(1, np.bool_), np.empty(1, np.int64))
     pilot = Pilot(np.zeros(4, np.int64), np.zeros(1), np.empty(PREFETCH_SLOTS, np.int64),
                   np.empty(PREFETCH_SLOTS, np.int64), np.empty(PREFETCH_SLOTS, np.int64))
-    share = Sharing(np.full((M, W + 1), np.inf), np.zeros((M, W + 1)), np.zeros((M, W + 1), np.int64),
+    share = Sharing(np.full((M, W + 1), np.inf), np.zeros((M, W + 1)), np.zeros((M, W + 1)),
                     np.full((M, W + 1), np.inf), np.zeros(M), np.zeros(M), np.zeros(M, np.int64), np.zeros(M),
                     np.full(M, np.inf), np.zeros(M, np.int64), np.full(M, np.inf), np.zeros(M, np.int64),
                     np.zeros(W + 1, np.int64), np.zeros(W + 1), np.zeros(2))
@@ -700,37 +700,37 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
     drives (:mod:`replay.device`'s service discipline), as an event simulation: a read's
     completion depends on the reads issued after it, so it is known only when it happens.
 
-    Events, earliest first (on a tie: a request leaving a channel, then one entering, then an
-    issue): an issuer (a worker, or the prefetch thread when its next load is queued and it is
-    free first) issues its next read, whose requests take command slots (:func:`_command_slots`)
-    and enter each member's channel when the first has passed its latency; in a member's channel
-    of ``n`` requests each progresses at ``min(C / n, b_1)`` bytes/s, so the channel keeps a
-    virtual time (bytes per request served) and a read's requests leave it when that reaches their
-    entry's virtual time plus their size; a read completes when its requests on every member have
-    left, its issuer is then free (after its job's page-cache tail, when it was the job's last
-    read). Runs until every demand job is done and the prefetch thread's read in flight, if any,
-    has completed (the prefetch thread issues no read after the last demand job: its remaining
-    loads are :func:`_pilot_rest`'s). A channel serves nothing before the reads issued before the
-    pool have left it (``drives.free``), which then holds when this pool's last request left.
+    Events, earliest first (on a tie: a read leaving a channel, then one entering, then an issue):
+    an issuer (a worker, or the prefetch thread when its next load is queued and it is free first)
+    issues its next read, whose requests take command slots (:func:`_command_slots`); its bytes
+    on each member enter the member's channel when the first has passed its latency; the ``n``
+    reads in a channel share its rate ``C`` fairly, each passing ``min(cap, level)`` bytes/s
+    (``level`` such that the rates add up to ``C``, or unbounded when the caps do not reach it:
+    :func:`_member_events`); a read completes when its bytes have left every member's channel,
+    its issuer is then free (after its job's page-cache tail, when it was the job's last read).
+    Runs until every demand job is done and the prefetch thread's read in flight, if any, has
+    completed (the prefetch thread issues no read after the last demand job: its remaining loads
+    are :func:`_pilot_rest`'s). A channel serves nothing before the reads issued before the pool
+    have left it (``drives.free``), which then holds when this pool's last read left.
     """
     job_read, wfree, wjob, wpos = jobs.first_read, workers.free, workers.job, workers.pos
-    tag, enter, wsum = share.tag, share.enter, share.wsum
+    rem, enter = share.rem, share.enter
     W = min(n_workers, n_jobs)
     P = len(share.parts) - 1                     # the prefetch thread's issuer index
     M = dev.members
     for w in range(W):
         wfree[w], wjob[w], wpos[w] = start, -1, 0
     for m in range(M):
-        share.vtime[m], share.vclock[m], wsum[m] = 0.0, max(start, drives.free[m]), 0
+        share.clock[m], share.active[m] = max(start, drives.free[m]), 0
         share.last[m] = drives.free[m]
         share.next_done[m], share.next_enter[m] = np.inf, np.inf
         for j in range(P + 1):
-            enter[m, j], tag[m, j] = np.inf, np.inf
+            enter[m, j], rem[m, j] = np.inf, np.inf
     share.busy[0] = 0.0
-    C, b1 = _channel_rate(dev), dev.stream_bandwidth
+    C = _channel_rate(dev)
     next_job, left, pilot_busy = 0, n_jobs, False
     while True:
-        tc, mc, te, me = np.inf, -1, np.inf, -1  # the next request to leave a channel, and to enter one
+        tc, mc, te, me = np.inf, -1, np.inf, -1  # the next read to leave a channel, and to enter one
         for m in range(M):
             if share.next_done[m] < tc:
                 tc, mc = share.next_done[m], m
@@ -747,12 +747,12 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
             if tc == np.inf:
                 break
             jc = share.done_by[mc]
-            _advance_channel(share, mc, tc, C, b1)
-            tag[mc, jc] = np.inf
-            wsum[mc] -= share.weight[mc, jc]
+            _advance_channel(share, mc, tc)
+            rem[mc, jc] = np.inf
+            share.active[mc] -= 1
             share.last[mc] = max(share.last[mc], tc)
             usage.residence_seconds[mc] += tc - share.issued[jc]
-            _member_events(share, mc, C, b1)
+            _member_events(share, mc, C)
             share.parts[jc] -= 1
             if share.parts[jc] == 0:
                 if jc == P:
@@ -760,11 +760,11 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
                 left -= _shared_read_done(jc, P, tc, True, jobs, workers, pilot, drives, usage, share)
         elif te <= ti:
             je = share.enter_by[me]
-            _advance_channel(share, me, te, C, b1)
-            tag[me, je] = share.vtime[me] + share.piece[me, je]
-            wsum[me] += share.weight[me, je]
+            _advance_channel(share, me, te)
+            rem[me, je] = share.size[me, je]
+            share.active[me] += 1
             enter[me, je] = np.inf
-            _member_events(share, me, C, b1)
+            _member_events(share, me, C)
         else:
             if w == P:
                 r = job_read[pilot.state[PILOT_NEXT]] + pilot.state[PILOT_POS]
@@ -787,15 +787,31 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
 
 
 @njit(**HELPER)
-def _member_events(share, m, C, b1):
-    """Member ``m``'s next events in its present state (after each change to it): when the first
-    of its requests leaves its channel and which issuer's (the smallest tag; the lowest issuer on a
-    tie), and when the first waiting ones enter it."""
+def _member_events(share, m, C):
+    """Member ``m``'s fair share and next events in its present state (after each change to it).
+
+    The ``level`` is the fair share of ``C`` among the reads in the channel (water filling): a
+    read whose own rate ``cap`` is below it passes at its cap, the others at the level, and the
+    rates add up to ``C``; when every cap is below ``C / n`` together, they all pass at their caps
+    (level inf). Then: when the first read leaves the channel and which issuer's (the lowest on a
+    tie), and when the first waiting read enters it."""
+    n = share.active[m]
+    level = C / n if n > 0 else np.inf
+    for _ in range(n):                           # raise the level while capped reads leave it spare capacity
+        capped, spare = 0, C
+        for j in range(share.rem.shape[1]):
+            if share.rem[m, j] < np.inf and share.cap[m, j] < level:
+                capped += 1
+                spare -= share.cap[m, j]
+        new = spare / (n - capped) if capped < n else np.inf
+        if new <= level:
+            break
+        level = new
+    share.level[m] = level
     td, jd, te, je = np.inf, -1, np.inf, -1
-    u = min(C / share.wsum[m], b1) if share.wsum[m] > 0 else 0.0
-    for j in range(share.tag.shape[1]):
-        if share.tag[m, j] < np.inf:
-            d = share.vclock[m] + max(share.tag[m, j] - share.vtime[m], 0.0) / u
+    for j in range(share.rem.shape[1]):
+        if share.rem[m, j] < np.inf:
+            d = share.clock[m] + max(share.rem[m, j], 0.0) / min(share.cap[m, j], level)
             if d < td:
                 td, jd = d, j
         if share.enter[m, j] < te:
@@ -804,13 +820,15 @@ def _member_events(share, m, C, b1):
 
 
 @njit(**HELPER)
-def _advance_channel(share, m, t, C, b1):
-    """Bring member ``m``'s shared channel to time ``t`` (s): its virtual time grows by what each
-    of its requests was served since ``vclock``, at ``min(C / n, b_1)`` bytes/s."""
-    if t > share.vclock[m]:
-        if share.wsum[m] > 0:
-            share.vtime[m] += (t - share.vclock[m]) * min(C / share.wsum[m], b1)
-        share.vclock[m] = t
+def _advance_channel(share, m, t):
+    """Bring member ``m``'s shared channel to time ``t`` (s): each read in it has passed
+    ``min(cap, level)`` bytes/s since ``clock``."""
+    if t > share.clock[m]:
+        dt = t - share.clock[m]
+        for j in range(share.rem.shape[1]):
+            if share.rem[m, j] < np.inf:
+                share.rem[m, j] -= dt * min(share.cap[m, j], share.level[m])
+        share.clock[m] = t
 
 
 @njit(**HELPER)
@@ -827,8 +845,8 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
             share.enter[m, j] = _command_slots(m, pieces[m], t, dev, drives)
-            share.piece[m, j] = nbytes[m] / pieces[m]
-            share.weight[m, j] = pieces[m]
+            share.size[m, j] = nbytes[m]
+            share.cap[m, j] = pieces[m] * dev.stream_bandwidth
             if share.enter[m, j] < share.next_enter[m]:
                 share.next_enter[m], share.enter_by[m] = share.enter[m, j], j
             parts += 1

@@ -19,8 +19,8 @@ A, B = 1e-4, 1e9          # request cost (s) and channel rate (bytes/s) of the h
 UNIT = MIB / B            # s to move 1 MiB through the channel
 
 
-def drive(service, a=A, b1=B, bw=B, slots=32, members=1, chunk=0, rule="none", host=1e15):
-    return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1, None, service), members, chunk, rule, host)
+def drive(service, a=A, b1=B, bw=B, slots=32, members=1, chunk=0, rule="none", host=1e15, max_request=None):
+    return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1, max_request, service), members, chunk, rule, host)
 
 
 def sized_layout(mib):
@@ -76,6 +76,23 @@ def test_a_later_read_slows_the_reads_already_in_flight():
     assert stall == pytest.approx(A + 6 * UNIT, rel=1e-9)
     w, _ = waits(drive("in-order"), [1, 4, 1], 2)                   # in order: one after another
     assert w == pytest.approx([A + UNIT, 4 * UNIT, UNIT], rel=1e-9)
+
+
+def test_the_channel_is_shared_among_reads_not_their_requests():
+    """1 MiB (one request) and 4 MiB (four requests of at most 1 MiB) released together: each read
+    gets half the channel, whatever its request count, so the small one completes at a + 2 MiB / B
+    (shared among requests it would get a fifth: a + 5 MiB / B), the large one at a + 5 MiB / B."""
+    w, _ = waits(drive("shared", max_request=MIB), [1, 4], 2)
+    assert w == pytest.approx([A + 2 * UNIT, 3 * UNIT], rel=1e-9)
+
+
+def test_a_read_below_its_fair_share_leaves_the_rest_to_the_others():
+    """Water filling: one request streams at b_1 = B / 4. A 1 MiB read (one request) passes at B / 4,
+    below its half of the channel; the 4 MiB read beside it (four requests, own rate B) takes the
+    other 3 B / 4, so the channel stays full: 1 MiB done at a + 4 MiB / B, 4 MiB at a + 5 MiB / B
+    (without the spare share passed on, a + 6)."""
+    w, _ = waits(drive("shared", b1=B / 4, max_request=MIB), [1, 4], 2)
+    assert w == pytest.approx([A + 4 * UNIT, UNIT], rel=1e-9)
 
 
 @pytest.mark.parametrize("profile", [dict(), dict(members=4, chunk=512 * 1024, rule="md"),
