@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.layout import Layout
@@ -153,3 +155,24 @@ def test_a_profile_carries_its_service_and_refuses_an_unknown_one(tmp_path):
     p.write_text(json.dumps({**base, "drive": {**base["drive"], "service": "fair"}}))
     with pytest.raises(InputError, match="unknown drive service 'fair'"):
         load_device(str(p))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 96), min_size=1, max_size=8), st.sampled_from([None, 256 * 1024, MIB]))
+def test_reads_released_together_keep_the_shared_channel_full_and_finish_smallest_first(sixteenths, max_request):
+    """A worker per expert, so every read is issued at once; one request streams at B, so no read is
+    held below its share. The channel is never idle: the last read completes at a + (sum of bytes) / B.
+    Fair sharing finishes reads in order of size: each completes at a + (its own bytes x the reads
+    still in the channel, plus the bytes of those done before it) / B (sizes in 64 KiB steps, so
+    O_DIRECT widens none)."""
+    mib = [n / 16 for n in sixteenths]
+    dev = drive("shared", max_request=max_request, slots=256)     # a slot for every request: all enter at a
+    E = len(mib)
+    inst, _ = simulate(one_forward(list(range(E)), E), np.ones(1, bool), sized_layout(mib), dev,
+                       RuntimeConfig(workers=E, **NO_COMPUTE))
+    sizes = np.array(mib) * MIB
+    assert float(inst.stall[0]) == pytest.approx(A + sizes.sum() / B, rel=1e-9)
+    # fair sharing: a read of s bytes is done once every read has passed min(its size, s) bytes
+    ready = A + np.array([np.minimum(sizes, s).sum() for s in sizes]) / B
+    # the compute thread takes the experts in issue (offset) order: its waits add up to the latest ready so far
+    assert np.cumsum(inst.expert_wait[0]) == pytest.approx(np.maximum.accumulate(ready), rel=1e-9)
