@@ -18,8 +18,8 @@ throughput and the relative error ``fitted / measured - 1``, and a summary (RMS 
 How concurrent reads complete is measured first (:func:`completion_spread`): in arrival order,
 or together (:func:`drive_service`). That is the profile's service discipline, and a ``shared``
 drive is fitted with its own steady-state equation (:func:`replay.device.queue_throughput` with
-``shared``: ``min(q s / (a + s / (k b_1)), Q (s / k) / a, B)``, a slot held for the command
-only). The
+``shared``: ``min(q s / (a + s / (k b_1)), Q s / a, B)``, a read holding one slot, for the
+command only). The
 request size a buffer of scattered small pages gets (:func:`small_page_request_limit`) is
 measured and reported beside the fit, which does not use it.
 
@@ -320,7 +320,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
 FIT_MODELS = {
     "in-order": "X(s, q) = min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B) bytes/s, k = ceil(s / m); "
                 "least squares on log X over every cell",
-    "shared": "X(s, q) = min(q s / (a + s / (k b_1)), Q (s / k) / a, B) bytes/s, k = ceil(s / m); "
+    "shared": "X(s, q) = min(q s / (a + s / (k b_1)), Q s / a, B) bytes/s, k = ceil(s / m); "
               "least squares on log X over every cell",
 }
 

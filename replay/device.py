@@ -36,21 +36,23 @@ channel serves requests first come first served, so reads released together comp
 another. A ``shared`` drive (``relayout calibrate`` finds one when 8 reads released together
 complete together, :func:`replay.calibrate.completion_spread`) shares its channel fairly among
 the *reads* in it, whatever the number of requests the system split each into (processor
-sharing). A request holds its queue slot only for its latency ``a`` (the command); a read's bytes
-enter the channel when the first of its ``p`` requests on the drive has passed it. While ``n``
-reads are in the channel, each passes
+sharing). A read holds one queue slot only for its latency ``a`` (the command), however many
+requests the system split it into; its bytes then enter the channel. While ``n`` reads are in
+the channel, each passes
 
     r = min(p b_1, L)                                     [bytes/s]
 
 with the level ``L`` set so that the rates add up to ``C = min(B, H / members)`` (the drive's
 rate, or its share of the host link ``H``): ``C / n`` when no read is held below it by its own
 rate, more when some are (water filling). A later arrival slows the reads already there, and
-reads released together complete together. (Sharing among reads, not among their requests, is
-what this project's disk showed: a prefetch load of three 6.3 MB reads took the same share beside
-eight 18.9 MB demand reads as one 18.9 MB read did; docs/BENCHMARKS.md.) In steady state ``q``
+reads released together complete together. (A read, not its requests, is the unit, both of the
+sharing and of the command, as this project's disk showed: a prefetch load of three 6.3 MB reads
+took the same share beside eight 18.9 MB demand reads as one 18.9 MB read did, and eight reads of
+five requests each entered the channel within 0.6 ms where a command per request on the fitted
+two slots would have spread them over 1.2 ms; docs/BENCHMARKS.md.) In steady state ``q``
 outstanding reads of ``s`` bytes then get
 
-    X(s, q) = min(q s / (a + s / (k b_1)), Q (s / k) / a, B)   [bytes/s]
+    X(s, q) = min(q s / (a + s / (k b_1)), Q s / a, B)         [bytes/s]
 
 (the reads' own rate, the slots' command rate, the channel). The model
 (:mod:`replay.instance`) runs the reads a layer's workers and the prefetch thread have in flight
@@ -133,7 +135,7 @@ def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, 
     """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding reads of ``size`` bytes on
     one drive, each reaching it as ``k = ceil(s / m)`` requests (``m = max_request`` bytes, 0 for
     no limit). In order: ``min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B)``; ``shared``:
-    ``min(q s / (a + s / (k b_1)), Q (s / k) / a, B)`` (a slot is held for the command only).
+    ``min(q s / (a + s / (k b_1)), Q s / a, B)`` (a read holds one slot, for the command only).
     Broadcasts over ``size`` and ``depth``."""
     size = np.asarray(size, dtype=float)
     k = np.ceil(size / max_request) if max_request > 0 else np.ones_like(size)
@@ -142,7 +144,7 @@ def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, 
     requests = np.asarray(depth, dtype=float) * k
     if shared:
         own = requests * piece / (request_seconds + piece / b1)
-        commands = queue_slots * piece / request_seconds if request_seconds > 0 else np.inf
+        commands = queue_slots * size / request_seconds if request_seconds > 0 else np.inf
         return np.minimum(np.minimum(own, commands), bandwidth)
     q = np.minimum(requests, queue_slots)
     return np.minimum(q * piece / (request_seconds + piece / b1), bandwidth)

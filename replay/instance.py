@@ -645,10 +645,10 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
 @njit(**HELPER)
 def _serve_shared(addr, n, t, dev, drives, usage):
     """:func:`_serve_read` on shared drives (:mod:`replay.device`'s service discipline), for a read
-    issued on its own: on each member its ``p`` requests take the slots that free first for their
-    latency ``a``, and from when the first has passed it, and the member's channel is free of the
-    reads before it, its bytes pass at ``min(C, p b_1)`` (``C``: :func:`_channel_rate`). Returns
-    its completion time (s)."""
+    issued on its own: on each member it holds the slot that frees first for the latency ``a``
+    (:func:`_command`), and from when it has passed it, and the member's channel is free of the
+    reads before it, its ``p`` requests' bytes pass at ``min(C, p b_1)`` (``C``:
+    :func:`_channel_rate`). Returns its completion time (s)."""
     pieces, nbytes, mfree = drives.pieces, drives.nbytes, drives.free
     split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
     C = _channel_rate(dev)
@@ -657,7 +657,7 @@ def _serve_shared(addr, n, t, dev, drives, usage):
         drives.member_bytes[m] += nbytes[m]
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
-            entry = _command_slots(m, pieces[m], t, dev, drives)
+            entry = _command(m, t, dev, drives)
             mdone = max(entry, mfree[m]) + nbytes[m] / min(C, pieces[m] * dev.stream_bandwidth)
             mfree[m] = mdone
             usage.residence_seconds[m] += mdone - t
@@ -682,16 +682,13 @@ def _channel_rate(dev):
 
 
 @njit(**HELPER)
-def _command_slots(m, p, t, dev, drives):
-    """``p`` requests issued to shared member ``m`` at ``t`` (s) each hold the slot that frees
-    first for the latency ``a``; returns when the first has passed it (s): the requests' bytes
-    enter the channel then."""
-    first = np.inf
-    for _ in range(p):
-        t0 = max(drives.slots[m, drives.head[m]], t)
-        _take_slot(drives.slots[m], drives.head, m, dev.queue_slots, t0 + dev.request_seconds)
-        first = min(first, t0 + dev.request_seconds)
-    return first
+def _command(m, t, dev, drives):
+    """A read issued to shared member ``m`` at ``t`` (s) holds the slot that frees first for the
+    latency ``a`` (one command per read, however many requests the system split it into); returns
+    when it has passed it (s): the read's bytes enter the channel then."""
+    t0 = max(drives.slots[m, drives.head[m]], t)
+    _take_slot(drives.slots[m], drives.head, m, dev.queue_slots, t0 + dev.request_seconds)
+    return t0 + dev.request_seconds
 
 
 @njit(**HELPER)
@@ -702,8 +699,8 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
 
     Events, earliest first (on a tie: a read leaving a channel, then one entering, then an issue):
     an issuer (a worker, or the prefetch thread when its next load is queued and it is free first)
-    issues its next read, whose requests take command slots (:func:`_command_slots`); its bytes
-    on each member enter the member's channel when the first has passed its latency; the ``n``
+    issues its next read, which holds a command slot on each member for the latency ``a``
+    (:func:`_command`); its bytes there then enter the member's channel; the ``n``
     reads in a channel share its rate ``C`` fairly, each passing ``min(cap, level)`` bytes/s
     (``level`` such that the rates add up to ``C``, or unbounded when the caps do not reach it:
     :func:`_member_events`); a read completes when its bytes have left every member's channel,
@@ -834,7 +831,7 @@ def _advance_channel(share, m, t):
 @njit(**HELPER)
 def _shared_issue(j, r, t, reads, dev, drives, usage, share):
     """Issuer ``j`` issues drive read ``r`` at ``t`` (s) in :func:`_shared_pool`: split over the
-    members, each member's requests take command slots and wait to enter its channel. Returns
+    members, on each it holds a command slot and waits to enter the channel. Returns
     whether it reads any byte (an empty read completes at once)."""
     pieces, nbytes = drives.pieces, drives.nbytes
     split_read(reads.addr[r], reads.length[r], dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
@@ -844,7 +841,7 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
         drives.member_bytes[m] += nbytes[m]
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
-            share.enter[m, j] = _command_slots(m, pieces[m], t, dev, drives)
+            share.enter[m, j] = _command(m, t, dev, drives)
             share.size[m, j] = nbytes[m]
             share.cap[m, j] = pieces[m] * dev.stream_bandwidth
             if share.enter[m, j] < share.next_enter[m]:
