@@ -88,6 +88,15 @@ def test_the_channel_is_shared_among_reads_not_their_requests():
     assert w == pytest.approx([A + 2 * UNIT, 3 * UNIT], rel=1e-9)
 
 
+def test_a_read_takes_one_command_however_many_requests_it_was_split_into():
+    """Two 4 MiB reads of four requests each, one queue slot: the first read's command ends at a,
+    the second's at 2a (a command per request would hold the second back until 5a). The first is
+    alone in the channel for a, then both share it: it completes at 8 MiB / B, the second at
+    a + 8 MiB / B (with a command per request: 8 MiB / B - 3a and a + 8 MiB / B)."""
+    w, _ = waits(drive("shared", slots=1, max_request=MIB), [4, 4], 2)
+    assert w == pytest.approx([8 * UNIT, A], rel=1e-9)
+
+
 def test_a_read_below_its_fair_share_leaves_the_rest_to_the_others():
     """Water filling: one request streams at b_1 = B / 4. A 1 MiB read (one request) passes at B / 4,
     below its half of the channel; the 4 MiB read beside it (four requests, own rate B) takes the
@@ -122,8 +131,8 @@ def test_the_shared_event_model_matches_its_steady_state_equation():
 
 
 def test_the_shared_equation_differs_from_the_in_order_one_where_slots_bind():
-    """A slot held for the command only: 8 outstanding 1 MiB reads on 2 slots reach the channel's
-    rate shared, 2 / l(s) of it in order."""
+    """A slot held for a read's command only: 8 outstanding 1 MiB reads on 2 slots reach the
+    channel's rate shared, 2 / l(s) of it in order."""
     a, b1, bw, Q, s = 1e-4, 0.25e9, 1e9, 2, MIB
     assert float(queue_throughput(a, b1, bw, Q, s, 8, shared=True)) == pytest.approx(bw)
     assert float(queue_throughput(a, b1, bw, Q, s, 8)) == pytest.approx(Q * s / (a + s / b1))
