@@ -25,8 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from containers.container import Container
-from relayout.trace_synth import SynthParams, synth_trace
-from relayout.validate import DEFAULT_TOKENS, HELD_OUT_SESSIONS, SESSION_TOKENS, TRACE_SESSIONS
+from relayout.validate import validation_trace
 from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.engine import simulate
@@ -67,12 +66,7 @@ def main() -> None:
     record = json.loads(args.record.read_text())
     work = Path(record["work_dir"])
     device = load_device(str(args.record.with_name(args.record.stem + ".device.json")))
-    src = Container.open(record["container"]["path"])
-    cfg = src.config
-    layers = [l for l in src.routed_layers if l < cfg.num_hidden_layers]
-    per_session = max(SESSION_TOKENS, -(-DEFAULT_TOKENS // HELD_OUT_SESSIONS))
-    trace = synth_trace(layers, cfg.n_routed_experts, cfg.num_experts_per_tok, per_session * TRACE_SESSIONS,
-                        TRACE_SESSIONS, seed=5, params=SynthParams(clique_strength=0.8))
+    trace = validation_trace(Container.open(record["container"]["path"]))
     if trace.fingerprint() != record["trace"]["fingerprint"]:
         sys.exit("validate_layers: the run's trace is not the default one (made with --seed or --tokens)")
     plans = {m: load_plan(work / f"plan-{m}.json") for m in record["config"]["layouts"]}

@@ -283,6 +283,19 @@ class Layouts:
     plans: dict
 
 
+def validation_trace(container: Container, seed: int = 0, tokens: int | None = None):
+    """The routing trace ``validate`` synthesises for ``container`` (``--seed``, ``--tokens``):
+    :data:`TRACE_SESSIONS` sessions of planted co-activation cliques over its routed layers, each
+    long enough for ``tokens`` held-out steps (default :data:`DEFAULT_TOKENS`)."""
+    from .trace_synth import SynthParams, synth_trace
+
+    cfg = container.config
+    layers = [l for l in container.routed_layers if l < cfg.num_hidden_layers]
+    per_session = max(SESSION_TOKENS, -(-(tokens or DEFAULT_TOKENS) // HELD_OUT_SESSIONS))
+    return synth_trace(layers, cfg.n_routed_experts, cfg.num_experts_per_tok, per_session * TRACE_SESSIONS,
+                       TRACE_SESSIONS, seed=seed + 5, params=SynthParams(clique_strength=0.8))
+
+
 def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
     """Container, manifest path, trace and the layouts (planned, rewritten). Returns
     ``(container dir, manifest dict, trace, Layouts, synthetic)``."""
@@ -290,7 +303,6 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
 
     from .apply import apply_plan
     from .plan import make_plan, source_from_container
-    from .trace_synth import SynthParams, synth_trace
 
     synthetic = o.container is None
     if synthetic:
@@ -318,11 +330,7 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
     from containers.manifest import load_manifest
 
     manifest = load_manifest(manifest_path)
-    cfg = container.config
-    layers = [l for l in container.routed_layers if l < cfg.num_hidden_layers]
-    per_session = max(SESSION_TOKENS, -(-(o.tokens or DEFAULT_TOKENS) // HELD_OUT_SESSIONS))
-    trace = synth_trace(layers, cfg.n_routed_experts, cfg.num_experts_per_tok, per_session * TRACE_SESSIONS, TRACE_SESSIONS,
-                        seed=o.seed + 5, params=SynthParams(clique_strength=0.8))
+    trace = validation_trace(container, o.seed, o.tokens)
     source = source_from_container(src, manifest_path)
     need = sum(p.stat().st_size for p in container.files)
 
@@ -962,7 +970,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     layout's read-once rate (:func:`_read_each_once`); one below :data:`FIRST_READ_SLOW` of the
     fastest is named, with what it means for measuring a rewrite on this disk. ``sharing``: how
     the calibration saw concurrent reads complete (:func:`relayout.render.completion_sentence`);
-    a drive that shares itself among them, unlike the model's, is said in words. ``placement``: the
+    a drive that shares itself among them is said in words, with whether the profile's does. ``placement``: the
     placement control's blocks (:func:`placement_difference`); the summary names the largest
     difference between the byte-identical copies the measurement admits, and how many measured
     layout savings are no larger."""

@@ -19,9 +19,8 @@ How concurrent reads complete is measured first (:func:`completion_spread`): in 
 or together (:func:`drive_service`). That is the profile's service discipline, and a ``shared``
 drive is fitted with its own steady-state equation (:func:`replay.device.queue_throughput` with
 ``shared``: ``min(q s / (a + s / (k b_1)), Q s / a, B)``, a read holding one slot, for the
-command only). The
-request size a buffer of scattered small pages gets (:func:`small_page_request_limit`) is
-measured and reported beside the fit, which does not use it.
+command only). The request size a buffer of scattered small pages gets
+(:func:`small_page_request_limit`) is measured and reported beside the fit, which does not use it.
 
 PATH may be a file (read only) or a directory (a temporary test file is written there, fsynced,
 and removed afterwards).
@@ -427,8 +426,9 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: boo
     err = np.where(ok, fitted / np.where(ok, x, 1.0) - 1, np.nan)
     logerr = np.abs(np.log(fitted[ok] / x[ok]))
     worst = int(np.flatnonzero(ok)[np.argmax(logerr)])
+    service = "shared" if shared else "in-order"
     return {
-        "model": FIT_MODELS["shared" if shared else "in-order"], "service": "shared" if shared else "in-order",
+        "model": FIT_MODELS[service], "service": service,
         "request_seconds": a, "stream_bandwidth": b1, "bandwidth": B, "queue_slots": int(Q),
         "max_request_bytes": int(max_request) or None,
         "rms_log_error": float(np.sqrt(np.mean(logerr ** 2))), "max_abs_log_error": float(logerr.max()),

@@ -103,7 +103,7 @@ Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queu
 ``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
 b_1 (bytes/s, at most B: :mod:`replay.device`'s queue model), ``max_request`` (bytes, the
 system's largest drive request, 0 for none), ``shared`` (the drives share their channel among
-the requests in them, bool: :mod:`replay.device`'s service discipline); ``host_bandwidth`` and
+the reads in them, bool: :mod:`replay.device`'s service discipline); ``host_bandwidth`` and
 ``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru scale_seen")
@@ -877,14 +877,13 @@ def _shared_read_done(j, P, d, drive, jobs, workers, pilot, drives, usage, share
         return 0
     job = workers.job[j]
     workers.pos[j] += 1
-    workers.free[j] = d
-    if jobs.first_read[job] + workers.pos[j] == jobs.first_read[job + 1]:
+    last = jobs.first_read[job] + workers.pos[j] == jobs.first_read[job + 1]
+    if last:
         d += jobs.tail[job]
         jobs.done[job] = d
         workers.job[j] = -1
-        workers.free[j] = d
-        return 1
-    return 0
+    workers.free[j] = d
+    return 1 if last else 0
 
 
 @njit(**HELPER)
