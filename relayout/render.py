@@ -370,7 +370,7 @@ def _agreement(x: dict) -> str:
     """How a validation comparison's prediction stands against its measurement, in words."""
     sign = "n/a" if x["sign_agrees"] is None else ("agrees" if x["sign_agrees"] else "WRONG")
     return (f"{'inside' if x['predicted_inside_measured'] else 'outside'}, sign {sign}, "
-            f"{'agrees' if x['agreement'] == 'agrees' else 'DISAGREES'}")
+            f"{'DISAGREES' if x['agreement'] == 'disagrees' else x['agreement']}")
 
 
 def _at_run_speed(x: dict) -> list[str]:

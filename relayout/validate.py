@@ -60,8 +60,11 @@ predicted/measured ratio is within :data:`TOLERANCE` of 1, every predicted savin
 the measured one and the gate decides alike on every comparison. It does *not hold* when a
 measurement rules a prediction out: a cell whose predicted S lies outside the measured interval
 widened by the tolerance (:func:`cell_agreement`), a predicted saving outside the measured
-interval or of the other sign. Otherwise it is *inconclusive*: the repetitions scatter too
-widely to confirm or refute it, and the summary says to measure more.
+interval or of the other sign (a layout's, beyond that interval widened by what the placement
+control shows placement alone does to S: the difference between two containers is their layouts'
+and their files' placement on the disk). Otherwise it is *inconclusive*: the repetitions scatter
+too widely to confirm or refute it, and the summary says to measure more, or a layout saving is
+off by no more than placement, which no number of repetitions separates.
 
 Units: S, savings and TPOT in seconds per committed token in the record (``_s``), milliseconds
 in text; sizes in bytes; RAM budgets as fractions of the routed bytes of the traced layers.
@@ -93,13 +96,13 @@ from containers.manifest import build_manifest, write_manifest
 from containers.synth import synth_container
 from replay.config import PREFETCH_SOURCES, RuntimeConfig
 from replay.evidence import block_evidence
-from replay.stats import repetition_interval
+from replay.stats import chance_misses, family_level, repetition_interval
 
 from .demo import measured_vs_predicted
 from .render import completion_sentence, small_page_warning
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 6
+VALIDATION_VERSION = 7
 LAYOUTS = ("stock", "louvain", "random")
 """Layouts a validation can measure; ``stock`` (the source itself) is the baseline of every saving."""
 GATE_THRESHOLD = 0.05
@@ -696,18 +699,25 @@ def _interval(ev) -> dict:
             "units": len(ev.base), "blocks": ev.n_blocks, "seed": ev.seed, "resamples": ev.resamples}
 
 
-def _over_repetitions(values: list[float]) -> dict:
-    """A measured figure's mean and 95% interval with each repetition one unit (s/token)."""
+def _over_repetitions(values: list[float], judgements: int = 1) -> dict:
+    """A measured figure's mean and 95% interval with each repetition one unit (s/token), and its
+    ``family`` interval: at the coverage each of the run's ``judgements`` needs for all of them to
+    hold together 95% of the time (:func:`replay.stats.family_level`), the one a prediction must
+    miss to be ruled out."""
     iv = repetition_interval(values)
+    level = family_level(judgements)
+    fam = repetition_interval(values, level=level)
     return {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high, "method": "repetitions (Student t)",
-            "units": iv.n_units}
+            "units": iv.n_units,
+            "family": {"level": level, "judgements": judgements, "low_s": fam.low, "high_s": fam.high}}
 
 
 def cell_agreement(predicted: float, mean: float, low: float, high: float, tolerance: float = TOLERANCE) -> str:
     """``"agrees"`` when predicted S is within ``tolerance`` of the measured mean; ``"disagrees"``
-    when it lies outside the measured 95% interval widened by ``tolerance`` (no S the measurement
-    admits is within tolerance of the prediction); else ``"unresolved"`` (the repetitions
-    scatter too widely to tell). Any one unit (s/token)."""
+    when it lies outside the measured interval [``low``, ``high``] widened by ``tolerance`` (no S
+    the measurement admits is within tolerance of the prediction; ``validate`` passes the cell's
+    family interval, :func:`_over_repetitions`); else ``"unresolved"`` (the repetitions scatter
+    too widely to tell). Any one unit (s/token)."""
     if mean > 0 and abs(predicted / mean - 1) <= tolerance:
         return "agrees"
     if predicted > high * (1 + tolerance) or predicted < max(low, 0.0) * (1 - tolerance):
@@ -723,32 +733,62 @@ def resolves_tolerance(m: dict, tolerance: float) -> bool:
     return (m["high_s"] - m["low_s"]) / 2 <= tolerance * abs(m["estimate_s"])
 
 
-def _judge(predicted_s: float, m: dict, tolerance: float | None = None) -> dict:
-    """How a predicted saving (s/token) stands against a measured one (``m``: estimate and 95%
-    interval): ``agreement`` is ``"agrees"`` when the prediction lies inside the measured interval
-    (or, with ``tolerance``, within that fraction of the measured estimate), ``"disagrees"`` when
-    the measured interval excludes zero with the other sign or excludes the prediction (and, with
-    ``tolerance``, differs from it by more than that fraction)."""
-    excludes = m["low_s"] > 0 or m["high_s"] < 0
+def _judge(predicted_s: float, m: dict, tolerance: float | None = None, placement_s: float | None = None) -> dict:
+    """How a predicted saving (s/token) stands against a measured one (``m``: estimate, 95%
+    interval and ``family`` interval, :func:`_over_repetitions`). ``agreement``:
+
+    * ``"agrees"``: the prediction lies inside the measured 95% interval (or, with ``tolerance``,
+      within that fraction of the measured estimate);
+    * ``"within placement"`` (with ``placement_s``, for a saving between two containers: how far
+      the placement control admits that where the disk put two byte-identical files moves S,
+      :func:`placement_bound`): outside it, but inside it widened by that much on each side: the
+      measurement cannot tell the difference from placement;
+    * ``"unresolved"``: outside those, but inside the family interval (so widened too): one 95%
+      interval in twenty misses by chance, and a run judges many;
+    * ``"disagrees"``: beyond that, which a prediction of the other sign than a family interval
+      clear of zero by more than the placement bound always is: the measurement rules it out.
+    """
+    low, high = m["low_s"], m["high_s"]
+    fam = m.get("family", {"low_s": low, "high_s": high, "level": 0.95, "judgements": 1})
+    b = placement_s or 0.0
+    excludes = low > 0 or high < 0
     sign = bool(np.sign(predicted_s) == np.sign(m["estimate_s"])) if excludes else None
-    inside = bool(m["low_s"] <= predicted_s <= m["high_s"])
+    inside = bool(low <= predicted_s <= high)
     close = tolerance is not None and abs(predicted_s - m["estimate_s"]) <= tolerance * abs(m["estimate_s"])
+    words = measured_vs_predicted(m["estimate_s"] * 1e3, low * 1e3, high * 1e3, predicted_s * 1e3)
+    said = (f"measured {m['estimate_s'] * 1e3:+.3f} [{low * 1e3:+.3f}, {high * 1e3:+.3f}], predicted "
+            f"{predicted_s * 1e3:+.3f}: ")
+    if inside or close:
+        agreement = "agrees"
+    elif b > 0 and low - b <= predicted_s <= high + b:
+        agreement = "within placement"
+        words = (said + f"they differ by no more than two byte-identical copies of stock may (the placement control: "
+                 f"up to {b * 1e3:.3f}), so this measurement neither confirms nor rules out the prediction")
+    elif fam["low_s"] - b <= predicted_s <= fam["high_s"] + b:
+        agreement = "unresolved"
+        words = (said + f"outside the 95% interval but inside the {fam['level']:.2%} one [{fam['low_s'] * 1e3:+.3f}, "
+                 f"{fam['high_s'] * 1e3:+.3f}] that each of this run's {fam['judgements']} judgements needs for all to hold "
+                 "together 95% of the time" + (" (widened by placement)" if b > 0 else "")
+                 + ": as often as chance misses, so neither confirmed nor ruled out")
+    else:
+        agreement = "disagrees"
     out = {"predicted_inside_measured": inside, "measured_excludes_zero": bool(excludes), "sign_agrees": sign,
-           "agreement": "disagrees" if sign is False or not (inside or close) else "agrees",
-           "words": measured_vs_predicted(m["estimate_s"] * 1e3, m["low_s"] * 1e3, m["high_s"] * 1e3,
-                                          predicted_s * 1e3) + " (ms/token)"}
+           "agreement": agreement, "words": words + " (ms/token)"}
     if tolerance is not None:
         out["within_tolerance"] = bool(close)
+    if placement_s is not None:
+        out["placement_bound_s"] = placement_s
     return out
 
 
-def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict]) -> dict:
+def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict], judgements: int = 1) -> dict:
     """Predicted and measured saving of ``new`` over ``base`` (s/token): the prediction paired by
     step (moving-block bootstrap over the held-out steps), the measurement paired by repetition (each
-    repetition measures both, interleaved step by step: one unit each)."""
+    repetition measures both, interleaved step by step: one unit each; ``judgements``:
+    :func:`_over_repetitions`)."""
     p = _interval(block_evidence(base_pred.stall, new_pred.stall, base_pred.committed, base_pred.session))
     each = [float((b["stall"].sum() - n["stall"].sum()) / b["committed"].sum()) for b, n in zip(base_runs, runs)]
-    return {"predicted_saving": p, "measured_saving": {**_over_repetitions(each), "repetitions": each}}
+    return {"predicted_saving": p, "measured_saving": {**_over_repetitions(each, judgements), "repetitions": each}}
 
 
 def speed_normalized_savings(base_measured, base_predicted: float, base_at_run, new_measured, new_predicted: float,
@@ -775,14 +815,15 @@ def speed_normalized_savings(base_measured, base_predicted: float, base_at_run, 
             for b, ba, n, na in zip(base_measured, base_at_run, new_measured, new_at_run)]
 
 
-def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], runs: list[dict]) -> dict:
+def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], runs: list[dict],
+                     judgements: int = 1) -> dict:
     """A prefetch source's saving against none (same layout and RAM), predicted and measured as
     :func:`_saving` does, judged with :data:`PREFETCH_TOLERANCE` (:func:`_judge`).
 
     The measured saving is the plain one, over repetitions: no layer of a forward is beyond a
     prefetch source's reach to serve as a drift control, since the runtime queues layer L+1's
     loads when L is routed, beside L's demand reads, the first layer's included."""
-    x = _saving(base_pred[0], new_pred[0], base_runs, runs)
+    x = _saving(base_pred[0], new_pred[0], base_runs, runs, judgements)
     return {**x, **_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], PREFETCH_TOLERANCE)}
 
 
@@ -791,18 +832,19 @@ def _run_stalls(runs: list[dict]) -> list[float]:
     return [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
 
 
-def _saving_at_run_speed(predicted_s: float, base: tuple, new: tuple, tolerance: float | None = None) -> dict | None:
+def _saving_at_run_speed(predicted_s: float, base: tuple, new: tuple, tolerance: float | None = None,
+                         judgements: int = 1) -> dict | None:
     """The measured saving at equal disk speed (:func:`speed_normalized_savings`) over the
     repetitions and how the predicted saving stands against it (:func:`_judge`): a diagnosis
     beside the plain comparison, which the verdict rests on. ``base``, ``new``: (measured S per
     repetition, S predicted on the profile, :func:`at_run_speed` per repetition); ``tolerance``
-    as :func:`_judge` takes it."""
+    as :func:`_judge` takes it; ``judgements``: :func:`_over_repetitions`."""
     (bm, bp, ba), (nm, npred, na) = base, new
     if not ba or not na or any(x is None for x in ba + na):
         return None
     each = speed_normalized_savings(bm, bp, [x["predicted_stall_per_token_s"] for x in ba],
                                     nm, npred, [x["predicted_stall_per_token_s"] for x in na])
-    m = {**_over_repetitions(each), "repetitions": each}
+    m = {**_over_repetitions(each, judgements), "repetitions": each}
     return {"measured": m, **_judge(predicted_s, m, tolerance)}
 
 
@@ -824,6 +866,12 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near,
             sharing, control) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
+    judgements = validation_judgements(len(cells), len(methods), sum(pf != "none" for pf, _ in cells) if "none" in o.prefetch
+                                       else 0)
+    control_pf, copies = control
+    placement = {"prefetch": control_pf, "blocks": [
+        placement_difference(frac, _run_stalls(measured[("stock", control_pf, frac)]), copy_s)
+        for frac, copy_s in copies.items()]}
 
     def side(key: tuple) -> tuple:                   # one side of a saving at equal disk speed (_saving_at_run_speed)
         return _run_stalls(measured[key]), predicted[key][1].stall_per_token_s, at_run[key]
@@ -833,7 +881,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             steps, summ = predicted[(m, pf, frac)]
             runs = measured[(m, pf, frac)]
             each = _run_stalls(runs)
-            iv = _over_repetitions(each)
+            iv = _over_repetitions(each, judgements)
             mean = iv["estimate_s"]
             pred = summ.stall_per_token_s
             adjusted = None
@@ -852,11 +900,11 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "predicted_oracle_stall_per_token_s": summ.oracle_stall_per_token_s,
                 "predicted_tpot_s": summ.tpot_s,
                 "measured_stall_per_token_s": {"mean": mean, "repetitions": each, "low": iv["low_s"], "high": iv["high_s"],
-                                               "interval": iv["method"]},
+                                               "interval": iv["method"], "family": iv["family"]},
                 "measured_tpot_s": {"mean": float(np.mean([r["tpot_s"] for r in runs])), "repetitions": [r["tpot_s"] for r in runs]},
                 "measured_wall_seconds": [r["wall_s"] for r in runs],
                 "ratio": pred / mean if mean > 0 else None,
-                "agreement": cell_agreement(pred, mean, iv["low_s"], iv["high_s"]),
+                "agreement": cell_agreement(pred, mean, iv["family"]["low_s"], iv["family"]["high_s"]),
                 "at_probed_speed": adjusted,
                 "at_run_speed": run_speed,
                 "at_neighbour_speed": near_speed,
@@ -864,13 +912,15 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             })
         base_steps, base_sum = predicted[("stock", pf, frac)]
         base_runs = measured[("stock", pf, frac)]
+        bound = placement_bound([b for b in placement["blocks"] if b["ram_fraction"] == frac] or placement["blocks"])
         for m in methods:
             if m == "stock":
                 continue
-            x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)])
+            x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)], judgements)
             p, mm = x["predicted_saving"], x["measured_saving"]
-            x.update(_judge(p["estimate_s"], mm))
-            x["at_run_speed"] = _saving_at_run_speed(p["estimate_s"], side(("stock", pf, frac)), side((m, pf, frac)))
+            x.update(_judge(p["estimate_s"], mm, placement_s=bound))
+            x["at_run_speed"] = _saving_at_run_speed(p["estimate_s"], side(("stock", pf, frac)), side((m, pf, frac)),
+                                                     judgements=judgements)
             tpot_p = base_sum.tpot_s
             tpot_m = float(np.mean([r["tpot_s"] for r in base_runs]))
             gate_p = p["low_s"] >= GATE_THRESHOLD * tpot_p
@@ -888,15 +938,11 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 continue
             for m in methods:
                 x = _prefetch_saving(predicted[(m, "none", frac)], predicted[(m, pf, frac)], measured[(m, "none", frac)],
-                                     measured[(m, pf, frac)])
+                                     measured[(m, pf, frac)], judgements)
                 x["at_run_speed"] = _saving_at_run_speed(x["predicted_saving"]["estimate_s"], side((m, "none", frac)),
-                                                         side((m, pf, frac)), tolerance=PREFETCH_TOLERANCE)
+                                                         side((m, pf, frac)), PREFETCH_TOLERANCE, judgements)
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
-    control_pf, copies = control
-    placement = {"prefetch": control_pf, "blocks": [
-        placement_difference(frac, _run_stalls(measured[("stock", control_pf, frac)]), copy_s)
-        for frac, copy_s in copies.items()]}
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
     return {
         "format": VALIDATION_FORMAT,
@@ -942,6 +988,22 @@ def placement_difference(ram_fraction: float, stock_s: list[float], copy_s: list
             "difference": {**_over_repetitions(diff), "repetitions": diff}}
 
 
+def validation_judgements(blocks: int, layouts: int, prefetch_blocks: int) -> int:
+    """How many judgements a validation's verdict rests on: each cell's S (``blocks`` of RAM
+    budget x prefetch source, times ``layouts``), each non-stock layout's saving in every block,
+    and each layout's prefetch saving in the ``prefetch_blocks`` that have a source to judge."""
+    return blocks * layouts + blocks * (layouts - 1) + prefetch_blocks * layouts
+
+
+def placement_bound(blocks: list[dict]) -> float | None:
+    """How far the placement control admits that placement alone moves S (s/token): the largest
+    end, in size, of the 95% intervals of its blocks' differences (:func:`placement_difference`);
+    None without a block."""
+    if not blocks:
+        return None
+    return max(max(abs(b["difference"]["low_s"]), abs(b["difference"]["high_s"])) for b in blocks)
+
+
 def _in_band(ratios: list[float]) -> int:
     """How many predicted/measured ratios lie within :data:`PLOT_BAND` of 1."""
     return sum(abs(r - 1) <= PLOT_BAND for r in ratios)
@@ -950,22 +1012,25 @@ def _in_band(ratios: list[float]) -> int:
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
                          prefetch_comparisons: list[dict] = (), first_read: dict | None = None,
                          sharing: tuple[str, bool] | None = None, placement: list[dict] | None = None) -> dict:
-    """Whether the model holds (see the module doc), with the counts behind it and the sentence saying so.
+    """Whether the model holds (see the module doc), with the counts behind it and the text saying so.
 
     ``verdict``: ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
     measured mean, every predicted saving agrees with the measured one (layouts:
     inside its interval; prefetch: inside it or within :data:`PREFETCH_TOLERANCE`) and the gate
     decides alike everywhere; ``"does not hold"`` when a measurement rules a prediction out (a
     cell's predicted S outside the measured interval widened by the tolerance, a predicted saving
-    outside the measured interval, or of the other sign where that interval excludes zero);
+    outside the measured interval, or of the other sign where that interval excludes zero; a
+    layout's saving only beyond what placement alone does: :func:`_judge`);
     otherwise ``"inconclusive"``: nothing measured contradicts the model, but the repetitions
-    scatter too widely to confirm it. ``drift``: how far the disk's probed rate moved during the
-    run (largest / smallest probe - 1), when probed; the sentence then adds predicted/measured S
+    scatter too widely to confirm it, or a layout saving is off by no more than placement. ``text``: the verdict's sentence on its first line, then one
+    line per aspect behind it, each under a label (layout savings, prefetch savings, the disk's
+    drift, ...). ``drift``: how far the disk's probed rate moved during the
+    run (largest / smallest probe - 1), when probed; the text then adds predicted/measured S
     with each repetition predicted at its probed speed (the cells' ``at_probed_speed``), a
     diagnosis: the verdict stays on the calibrated profile's predictions. So do the cells'
     ``at_run_speed`` predictions (:func:`at_run_speed`: each run predicted at the rate its own
     disk served it) and ``at_neighbour_speed`` ones (at the rate of the runs measured interleaved
-    with it, :func:`neighbour_scales`), which the sentence reports when the records carry I/O
+    with it, :func:`neighbour_scales`), which the text reports when the records carry I/O
     counts. ``first_read``: each
     layout's read-once rate (:func:`_read_each_once`); one below :data:`FIRST_READ_SLOW` of the
     fastest is named, with what it means for measuring a rewrite on this disk. ``sharing``: how
@@ -980,36 +1045,31 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     states = [c["agreement"] for c in cells]
     cells_out, cells_open = states.count("disagrees"), states.count("unresolved")
     decided = [c for c in comparisons if c["sign_agrees"] is not None]
-    wrong = [c for c in decided if not c["sign_agrees"]]
+    sign_wrong = [c for c in decided if not c["sign_agrees"]]
+    wrong = [c for c in sign_wrong if c["agreement"] == "disagrees"]
+    placed = [c for c in comparisons if c["agreement"] == "within placement"]
     gate_diff = [c for c in comparisons if not c["gate"]["same_decision"]]
     inside = [c for c in comparisons if c["predicted_inside_measured"]]
     outside = [c for c in comparisons if c["agreement"] == "disagrees" and c["sign_agrees"] is not False]
-    contradicted = [c for c in comparisons if "CONTRADICTS" in c["words"]]
+    contradicted = [c for c in comparisons if c["agreement"] == "disagrees" and "CONTRADICTS" in c["words"]]
     pf_close = [c for c in prefetch_comparisons if c["within_tolerance"]]
     pf_precise = [c for c in prefetch_comparisons if resolves_tolerance(c["measured_saving"], PREFETCH_TOLERANCE)]
     pf_out = [c for c in prefetch_comparisons if c["agreement"] == "disagrees"]
-    pf_wrong = [c for c in prefetch_comparisons if c["sign_agrees"] is False]
+    pf_wrong = [c for c in pf_out if c["sign_agrees"] is False]
+    chance = [c for c in [*comparisons, *prefetch_comparisons] if c["agreement"] == "unresolved"]
+    M, P = len(comparisons), len(prefetch_comparisons)
+    allowed = chance_misses(M + P) if M + P else 0
     spreads = [(max(c["measured_stall_per_token_s"]["repetitions"]) - min(c["measured_stall_per_token_s"]["repetitions"]))
                / c["measured_stall_per_token_s"]["mean"] for c in cells
                if c.get("measured_stall_per_token_s") and c["measured_stall_per_token_s"]["mean"] > 0]
     spread = max(spreads) if spreads else None
     ratio_ok = within is not None and within <= TOLERANCE
     ruled_out = bool(cells_out or wrong or outside or pf_out or not ratios)
-    holds = ratio_ok and not cells_open and not ruled_out and not gate_diff
+    holds = ratio_ok and not cells_open and not ruled_out and not gate_diff and not placed and len(chance) <= allowed
     verdict = "holds" if holds else "does not hold" if ruled_out else "inconclusive"
-    M, P = len(comparisons), len(prefetch_comparisons)
-    sav = (f"; the predicted saving lies inside the measured 95% interval in {len(inside)} of {M} comparison(s), the sign "
-           f"is wrong in {len(wrong)} of {len(decided)} where the measured interval excludes zero, and the gate "
-           f"(low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of {M}") if M else ""
-    if P:
-        sav += (f"; the predicted prefetch saving is within +/-{PREFETCH_TOLERANCE:.0%} of the measured one in "
-                f"{len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}; the measurement "
-                f"itself resolves +/-{PREFETCH_TOLERANCE:.0%} (its 95% interval's half-width within that fraction of "
-                f"the measured saving) in {len(pf_precise)} of {P}, and there the prediction is within it in "
-                f"{sum(c['within_tolerance'] for c in pf_precise)}")
     span = f"predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells" if ratios else "no cell measured any stall"
     if verdict == "holds":
-        text = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span}){sav}"
+        head = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span})"
     elif verdict == "does not hold":
         why = []
         if not ratios:
@@ -1025,7 +1085,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             why.append(f"prefetch saving sign wrong in {len(pf_wrong)} of {P}")
         elif pf_out:
             why.append(f"the predicted prefetch saving is ruled out by the measurement in {len(pf_out)} of {P}")
-        text = "the model does NOT hold on this disk: " + "; ".join(why) + (f" ({span})" if ratios else "") + sav
+        head = "the model does NOT hold on this disk: " + "; ".join(why) + (f" ({span})" if ratios else "")
     else:
         why = []
         if cells_open:
@@ -1034,24 +1094,62 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         if gate_diff:
             why.append(f"the gate would decide differently in {len(gate_diff)} of {M} where the measured interval holds "
                        "the predicted saving")
-        text = (f"INCONCLUSIVE on this disk: no measurement rules the model out, but it is not confirmed ({span}): "
-                + "; ".join(why) + sav + ". The measured runs scatter too widely to decide: rerun with more --reps on "
-                "an idle disk")
+        if len(chance) > allowed:
+            why.append(f"{len(chance)} of {M + P} saving(s) lie outside their measured 95% interval, more than the "
+                       f"{allowed} chance gives a correct model in 95% of runs, though none beyond its family interval")
+        if placed:
+            why.append(f"{len(placed)} of {M} layout saving(s) differ from the measurement by no more than placement "
+                       "alone does (two byte-identical copies of stock, the placement control)")
+        advice = []
+        if cells_open or gate_diff or len(chance) > allowed:
+            advice.append("the measured runs scatter too widely to decide: rerun with more --reps on an idle disk")
+        if placed:
+            advice.append("more repetitions do not separate a layout saving from placement: on this disk a layout "
+                          "saving smaller than the placement control's difference cannot be measured")
+        head = (f"INCONCLUSIVE on this disk: no measurement rules the model out, but it is not confirmed ({span}): "
+                + "; ".join(why) + ". " + "; ".join(advice)[0].upper() + "; ".join(advice)[1:])
+    lines = [head]
+
+    def line(label: str, sentence: str) -> None:
+        lines.append(f"  {label}: {sentence}")
+
+    if M:
+        beyond = "" if not sign_wrong else f" ({len(wrong)} beyond what placement alone does)" if placement else ""
+        line("layout savings", f"the predicted saving lies inside the measured 95% interval in {len(inside)} of {M} "
+             f"comparison(s)" + (f", within what placement alone does of it in {len(placed)} more" if placed else "")
+             + f"; the sign is wrong in {len(sign_wrong)} of {len(decided)} where the measured interval excludes zero"
+             f"{beyond}; the gate (low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of "
+             f"{M}")
+    if P:
+        line("prefetch savings", f"the predicted prefetch saving is within +/-{PREFETCH_TOLERANCE:.0%} of the measured "
+             f"one in {len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}; the measurement "
+             f"itself resolves +/-{PREFETCH_TOLERANCE:.0%} (its 95% interval's half-width within that fraction of the "
+             f"measured saving) in {len(pf_precise)} of {P}, and there the prediction is within it in "
+             f"{sum(c['within_tolerance'] for c in pf_precise)}")
+    family = next((c["measured_stall_per_token_s"]["family"] for c in cells
+                   if c.get("measured_stall_per_token_s", {}).get("family")), None)
+    if family:
+        line("judgements", f"this verdict rests on {family['judgements']} (each cell's S, each layout's and each "
+             f"prefetch source's saving); a prediction is ruled out only beyond its {family['level']:.2%} interval, "
+             "so that a correct model is ruled out by chance in at most 5% of runs")
+    if chance:
+        line("chance", f"{len(chance)} of {M + P} saving(s) lie outside their measured 95% interval but inside their "
+             f"family interval; up to {allowed} such are what chance gives a correct model in 95% of runs")
     if contradicted:
-        text += (f". Measurement CONTRADICTS the prediction in {len(contradicted)} comparison(s): "
-                 + "; ".join(f"{c['layout']} at RAM {c['ram_fraction']:g}, prefetch {c['prefetch']}" for c in contradicted))
+        line("contradicted", f"measurement CONTRADICTS the prediction in {len(contradicted)} comparison(s): "
+             + "; ".join(f"{c['layout']} at RAM {c['ram_fraction']:g}, prefetch {c['prefetch']}" for c in contradicted))
     if spread is not None and spread > TOLERANCE:
-        text += (f". The repetitions of one cell differ by up to {spread:.0%} of their mean: the disk was not steady "
-                 "(other I/O?)" + ("" if verdict == "inconclusive" else
-                                   ", so rerun on an idle machine or with more --reps before reading the savings"))
+        line("repetitions", f"those of one cell differ by up to {spread:.0%} of their mean: the disk was not steady "
+             "(other I/O?)" + ("" if verdict == "inconclusive" else
+                               ", so rerun on an idle machine or with more --reps before reading the savings"))
     probed = [c["at_probed_speed"]["ratio"] for c in cells if c.get("at_probed_speed") and c["at_probed_speed"]["ratio"]]
     probed_within = None
     if drift is not None and probed:
         probed_within = max(abs(r - 1) for r in probed)
-        text += (f". The disk's probed rate moved by {drift:.0%} during the run; predicting each repetition at its "
-                 f"probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
-                 f"({_in_band(probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
-                 f"against {_in_band(ratios)} of {len(ratios)} on the profile as calibrated)")
+        line("the disk's drift", f"its probed rate moved by {drift:.0%} during the run; predicting each repetition at "
+             f"its probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
+             f"({_in_band(probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
+             f"against {_in_band(ratios)} of {len(ratios)} on the profile as calibrated)")
     at_run = [c["at_run_speed"]["ratio"] for c in cells if c.get("at_run_speed") and c["at_run_speed"]["ratio"]]
     run_within = max(abs(r - 1) for r in at_run) if at_run else None
     at_near = [c["at_neighbour_speed"]["ratio"] for c in cells
@@ -1060,50 +1158,52 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     run_pf = [c["at_run_speed"] for c in prefetch_comparisons if c.get("at_run_speed")]
     if at_run:
         scales = [f for c in cells if c.get("at_run_speed") for f in c["at_run_speed"]["scales"]]
-        text += (f". At the speed each run's disk served its reads (the run's drive bytes over the time the drive was "
-                 f"busy, {min(scales):.2f}-{max(scales):.2f} times the profile's), predicted/measured S is "
-                 f"{min(at_run):.2f}-{max(at_run):.2f} ({_in_band(at_run)} of {len(at_run)} "
-                 f"cells within +/-{PLOT_BAND:.0%}): this tests the read path, queueing and overlap with compute, "
-                 "not a forecast of the disk's speed")
+        sentence = (f"the speed each run's disk served its reads at (the run's drive bytes over the time the drive was "
+                    f"busy, {min(scales):.2f}-{max(scales):.2f} times the profile's) gives predicted/measured S "
+                    f"{min(at_run):.2f}-{max(at_run):.2f} ({_in_band(at_run)} of {len(at_run)} cells within "
+                    f"+/-{PLOT_BAND:.0%}): this tests the read path, queueing and overlap with compute, not a forecast of "
+                    "the disk's speed")
         compute = max((c["predicted_tpot_s"] - c["predicted_stall_per_token_s"]) / c["predicted_stall_per_token_s"]
                       for c in cells if c["predicted_stall_per_token_s"] > 0)
         if compute < TOLERANCE:
-            text += (f", and with compute at most {compute:.0%} of S here, S is mostly drive time and this check is close "
-                     "to an identity: what it shows is that the gap on the profile is the disk's speed")
+            sentence += (f", and with compute at most {compute:.0%} of S here, S is mostly drive time and this check is "
+                         "close to an identity: what it shows is that the gap on the profile is the disk's speed")
+        line("at each run's speed", sentence)
         if at_near:
-            text += (f". At the speed of the runs interleaved with each run (read off those runs, not "
-                     f"the run itself: a test of the prediction with the disk's drift followed), predicted/measured S "
-                     f"is {min(at_near):.2f}-{max(at_near):.2f} ({_in_band(at_near)} of "
-                     f"{len(at_near)} cells within +/-{PLOT_BAND:.0%})")
+            line("at the neighbours' speed", f"the speed of the runs interleaved with each run (read off those runs, "
+                 f"not the run itself: a test of the prediction with the disk's drift followed) gives predicted/measured S "
+                 f"{min(at_near):.2f}-{max(at_near):.2f} ({_in_band(at_near)} of {len(at_near)} cells within "
+                 f"+/-{PLOT_BAND:.0%})")
         for what, xs in (("layout", run_savings), ("prefetch", run_pf)):
             if xs:
                 width = max((x["measured"]["high_s"] - x["measured"]["low_s"]) / 2 for x in xs) * 1e3
                 close = (f", within +/-{PREFETCH_TOLERANCE:.0%} of it in {sum(x['within_tolerance'] for x in xs)}"
                          if what == "prefetch" else "")
-                text += (f"; at equal disk speed the predicted {what} saving lies inside the measured interval in "
-                         f"{sum(x['predicted_inside_measured'] for x in xs)} of {len(xs)} (half-widths up to "
-                         f"{width:.1f} ms/token){close}, ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
+                line(f"{what} savings at equal disk speed", f"the predicted {what} saving lies inside the measured "
+                     f"interval in {sum(x['predicted_inside_measured'] for x in xs)} of {len(xs)} (half-widths up to "
+                     f"{width:.1f} ms/token){close}, ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
     slow = []
     if first_read:
         fastest = max(r["rate_Bps"] or 0.0 for r in first_read.values())
         slow = [(m, r["rate_Bps"] / fastest) for m, r in first_read.items() if fastest and r["rate_Bps"] is not None
                 and r["rate_Bps"] < FIRST_READ_SLOW * fastest]
     if slow:
-        text += (". Read once before measuring, " + ", ".join(f"the {m} container ran at {f:.0%}" for m, f in slow)
-                 + " of the fastest: this disk does not serve every file alike on a first read (a host cache or a "
-                 "lazily fetched volume below the guest can do this), so every container was read once before any was "
-                 "measured; runtime measurements of two containers on this disk are comparable only after the same")
+        line("first reads", "read once before measuring, " + ", ".join(f"the {m} container ran at {f:.0%}" for m, f in slow)
+             + " of the fastest: this disk does not serve every file alike on a first read (a host cache or a lazily "
+             "fetched volume below the guest can do this), so every container was read once before any was measured; "
+             "runtime measurements of two containers on this disk are comparable only after the same")
     if sharing and sharing[1]:
-        text += ". The calibration found that " + sharing[0]
+        line("the drive", "the calibration found that " + sharing[0])
     bound, hidden = None, None
     if placement:
-        bound = max(max(abs(b["difference"]["low_s"]), abs(b["difference"]["high_s"])) for b in placement)
+        bound = placement_bound(placement)
         hidden = sum(abs(c["measured_saving"]["estimate_s"]) <= bound for c in comparisons)
         worst = max(placement, key=lambda b: abs(b["difference"]["estimate_s"]))["difference"]
-        text += (f". Two byte-identical copies of stock differed by up to {worst['estimate_s'] * 1e3:+.2f} ms/token "
-                 f"[{worst['low_s'] * 1e3:+.2f}, {worst['high_s'] * 1e3:+.2f}] (the placement control): a measured layout "
-                 f"saving within {bound * 1e3:.2f} ms/token is not separable from where the disk put the files, and "
-                 f"{hidden} of {M} are")
+        line("placement control", f"two byte-identical copies of stock differed by up to "
+             f"{worst['estimate_s'] * 1e3:+.2f} ms/token [{worst['low_s'] * 1e3:+.2f}, {worst['high_s'] * 1e3:+.2f}]: a "
+             f"measured layout saving within {bound * 1e3:.2f} ms/token is not separable from where the disk put the "
+             f"files, and {hidden} of {M} are")
+    text = "\n".join(lines)
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "drive_shares_concurrent_reads": None if sharing is None else sharing[1],
             "placement_bound_s": bound, "savings_within_placement": hidden,
@@ -1118,7 +1218,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,
             "comparisons": M, "inside_measured": len(inside), "outside_measured": len(outside),
-            "sign_decided": len(decided), "sign_wrong": len(wrong), "gate_disagreements": len(gate_diff),
+            "sign_decided": len(decided), "sign_wrong": len(sign_wrong), "sign_wrong_beyond_placement": len(wrong),
+            "within_placement": len(placed), "outside_by_chance": len(chance), "chance_allows": allowed,
+            "gate_disagreements": len(gate_diff),
             "contradictions": len(contradicted), "prefetch_comparisons": P, "prefetch_within_tolerance": len(pf_close),
             "prefetch_disagree": len(pf_out), "prefetch_resolved": len(pf_precise),
             "prefetch_resolved_within_tolerance": sum(c["within_tolerance"] for c in pf_precise),

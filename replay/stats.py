@@ -8,6 +8,11 @@ pairing is kept); the 2.5th and 97.5th percentiles give the 95% interval.
 Measured runs repeated on a disk whose speed drifts between runs have a second source of
 variation that no resampling of steps within runs sees: :func:`repetition_interval` takes each
 repetition as one unit (Student's t over the repetitions' values).
+
+One measurement judged by many intervals: each 95% interval misses its true value one time in
+twenty, so of many judgements some miss by chance alone. :func:`family_level` widens each so
+that together they miss with at most the family's error (Bonferroni), and :func:`chance_misses`
+says how many 95% intervals a correct prediction may fall outside of by chance.
 """
 
 from __future__ import annotations
@@ -73,3 +78,40 @@ def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -
         return Interval(mean, mean, mean, unit, n)
     half = float(student_t.ppf(1 - (1 - level) / 2, n - 1) * x.std(ddof=1) / np.sqrt(n))
     return Interval(mean, mean - half, mean + half, unit, n)
+
+
+def family_level(judgements: int, level: float = 0.95) -> float:
+    """The coverage each of ``judgements`` intervals needs for all of them to cover their true
+    values with probability at least ``level`` (Bonferroni): ``1 - (1 - level) / judgements``.
+
+    Parameters
+    ----------
+    judgements : how many intervals one verdict rests on (>= 1).
+    level : the family's two-sided coverage.
+
+    References
+    ----------
+    Dunn, O. J. (1961), "Multiple comparisons among means", JASA 56(293).
+    """
+    if judgements < 1:
+        raise ValueError("a family needs at least one judgement")
+    return 1 - (1 - level) / judgements
+
+
+def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> int:
+    """How many of ``judgements`` intervals, each missing its true value with probability
+    ``miss``, may miss by chance: the smallest ``b`` with ``P(X > b) <= 1 - level`` for ``X``
+    binomial(``judgements``, ``miss``) (intervals taken as independent; those of one measurement
+    sharing a baseline are not quite, so this is a guide, not an exact test). 24 judgements at
+    95% each: 3; 12: 2; 1: 0.
+
+    References
+    ----------
+    Feller, W. (1968), An Introduction to Probability Theory and Its Applications I, ch. VI.
+    """
+    from scipy.stats import binom
+
+    b = 0
+    while binom.sf(b, judgements, miss) > 1 - level:
+        b += 1
+    return b

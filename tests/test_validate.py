@@ -52,7 +52,11 @@ def _check_record(v: dict) -> None:
         assert (m["high"] - m["low"]) / 2 == pytest.approx(half, rel=1e-6)
         assert (m["high"] + m["low"]) / 2 == pytest.approx(m["mean"], rel=1e-9)
         assert c["ratio"] == pytest.approx(c["predicted_stall_per_token_s"] / m["mean"])
-        assert c["agreement"] == cell_agreement(c["predicted_stall_per_token_s"], m["mean"], m["low"], m["high"])
+        f = m["family"]      # 3 judgements (2 cells, 1 saving): each ruled out only beyond its 1 - 0.05 / 3 interval
+        assert f["judgements"] == 3 and f["level"] == pytest.approx(1 - 0.05 / 3)
+        fhalf = 38.188459297 * abs(m["repetitions"][0] - m["repetitions"][1]) / 2            # t(1 - 0.05 / 6, 1)
+        assert (f["high_s"] - f["low_s"]) / 2 == pytest.approx(fhalf, rel=1e-6)
+        assert c["agreement"] == cell_agreement(c["predicted_stall_per_token_s"], m["mean"], f["low_s"], f["high_s"])
     d = v["drift"]                                       # probed before the first repetition and after each
     assert len(d["rates_Bps"]) == 3 and all(r > 0 for r in d["rates_Bps"]) and len(d["scales"]) == 2
     assert d["probe"]["depth"] == v["config"]["workers"] and d["probe"]["size_bytes"] % 4096 == 0   # the runs' reads
@@ -92,7 +96,8 @@ def _check_record(v: dict) -> None:
     stock, louvain = (next(c for c in v["cells"] if c["layout"] == k) for k in ("stock", "louvain"))
     assert m["repetitions"] == pytest.approx([a - b for a, b in zip(stock["measured_stall_per_token_s"]["repetitions"],
                                                                     louvain["measured_stall_per_token_s"]["repetitions"])])
-    assert x["agreement"] in ("agrees", "disagrees") and "within_tolerance" not in x
+    assert x["agreement"] in ("agrees", "within placement", "unresolved", "disagrees") and "within_tolerance" not in x
+    assert x["placement_bound_s"] == pytest.approx(v["summary"]["placement_bound_s"])
     a = x["at_run_speed"]                                # each run brought to the profile's speed, then paired
     assert a["measured"]["repetitions"] == pytest.approx(speed_normalized_savings(
         stock["measured_stall_per_token_s"]["repetitions"], stock["predicted_stall_per_token_s"],
@@ -251,6 +256,9 @@ def test_a_cell_is_ruled_out_only_beyond_its_measured_interval_and_the_tolerance
 def test_summary_sentences():
     s = summarize_validation([_cell("stock", 0.93, STEADY), _cell("louvain", 1.08, STEADY)], [_comparison(True)])
     assert s["verdict"] == "holds" and s["holds"] and s["text"].startswith("the model holds on this disk within 8%")
+    head, *aspects = s["text"].splitlines()     # the verdict alone on the first line, then one labelled line per aspect
+    assert head == "the model holds on this disk within 8% (predicted/measured S 0.93-1.08 over 2 cells)"
+    assert [a.split(":")[0] for a in aspects] == ["  layout savings"]
     s = summarize_validation([_cell("stock", 0.5, STEADY), _cell("louvain", 0.7, STEADY)], [_comparison(None)])
     assert s["verdict"] == "does not hold" and not s["holds"] and s["cells_disagree"] == 2
     assert "does NOT hold" in s["text"] and "0.50-0.70" in s["text"] and "widened by +/-20%" in s["text"]
@@ -467,7 +475,7 @@ def test_a_drive_that_shares_itself_among_concurrent_reads_is_said_in_the_summar
     shared = ("8 concurrent 16 MiB reads: the first completed after 0.99 of the time the last took ...", True)
     s = summarize_validation(cells, [_comparison(True)], sharing=shared)
     assert s["drive_shares_concurrent_reads"] is True
-    assert s["text"].endswith("The calibration found that " + shared[0])
+    assert s["text"].splitlines()[-1] == "  the drive: the calibration found that " + shared[0]
     s = summarize_validation(cells, [_comparison(True)], sharing=("... in order, as the model assumes", False))
     assert s["drive_shares_concurrent_reads"] is False and "calibration found" not in s["text"]
     assert summarize_validation(cells, [_comparison(True)])["drive_shares_concurrent_reads"] is None   # --device
@@ -489,3 +497,66 @@ def test_layout_savings_within_the_placement_control_are_counted():
     assert s["savings_within_placement"] == 1                   # 4 ms/token is within it, 25 is not
     assert "not separable from where the disk put the files, and 1 of 2 are" in s["text"]
     assert summarize_validation(cells, [saving(4.0)])["savings_within_placement"] is None
+
+
+def _measured(reps_ms, judgements=1):
+    from relayout.validate import _over_repetitions
+
+    return _over_repetitions([x / 1e3 for x in reps_ms], judgements)
+
+
+def test_a_layout_saving_is_ruled_out_only_beyond_placement_and_the_family_interval():
+    from relayout.validate import _judge
+
+    m = _measured([-2.0, -2.4, -2.2, -2.6], judgements=42)           # -2.3 [-2.71, -1.89] ms/token; 99.88%: [-3.87, -0.73]
+    assert m["family"]["level"] == pytest.approx(1 - 0.05 / 42)
+    assert m["family"]["low_s"] < m["low_s"] and m["family"]["high_s"] > m["high_s"]
+    assert _judge(-0.0022, m, placement_s=0.001)["agreement"] == "agrees"                 # inside the 95% interval
+    x = _judge(0.0, m, placement_s=0.003)                            # outside, but placement alone moves S by 3 ms
+    assert x["agreement"] == "within placement" and "placement control" in x["words"] and x["sign_agrees"] is False
+    assert "CONTRADICTS" not in x["words"] and x["placement_bound_s"] == 0.003
+    x = _judge(-0.0008, m, placement_s=0.0001)                       # outside 95% + placement, inside the family one
+    assert x["agreement"] == "unresolved" and "42 judgements" in x["words"]
+    x = _judge(+0.001, m, placement_s=0.0001)                        # beyond both: the measurement rules it out
+    assert x["agreement"] == "disagrees" and "CONTRADICTS" in x["words"]
+    assert _judge(-0.001, m)["agreement"] == "unresolved"            # no control: the family interval alone
+    assert _judge(+0.001, _measured([-2.0, -2.4, -2.2, -2.6]))["agreement"] == "disagrees"   # one judgement: 95%
+
+
+def test_the_verdict_allows_as_many_misses_of_95_percent_intervals_as_chance_gives():
+    from replay.stats import chance_misses
+
+    cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
+
+    def saving(agreement):
+        return {**_comparison(True, inside=agreement == "agrees"), "agreement": agreement}
+
+    k = 24
+    allowed = chance_misses(k)
+    assert allowed == 3
+    s = summarize_validation(cells, [saving("unresolved")] * allowed + [saving("agrees")] * (k - allowed))
+    assert s["verdict"] == "holds" and s["outside_by_chance"] == 3 and s["chance_allows"] == 3
+    assert "  chance: 3 of 24 saving(s) lie outside their measured 95% interval" in s["text"]
+    s = summarize_validation(cells, [saving("unresolved")] * (allowed + 1) + [saving("agrees")] * (k - allowed - 1))
+    assert s["verdict"] == "inconclusive" and "4 of 24 saving(s) lie outside their measured 95% interval, more than" in s["text"]
+    s = summarize_validation(cells, [saving("within placement")] + [saving("agrees")] * (k - 1))
+    assert s["verdict"] == "inconclusive" and s["within_placement"] == 1
+    assert "More repetitions do not separate a layout saving from placement" in s["text"]
+    s = summarize_validation(cells, [{**saving("within placement"), "sign_agrees": False}])   # wrong sign, within placement
+    assert s["verdict"] == "inconclusive" and s["sign_wrong"] == 1 and s["sign_wrong_beyond_placement"] == 0
+    s = summarize_validation(cells, [saving("disagrees")] + [saving("agrees")] * (k - 1))
+    assert s["verdict"] == "does not hold"
+
+
+def test_chance_misses_is_the_binomial_95th_percentile_and_family_level_is_bonferroni():
+    from scipy.stats import binom
+
+    from replay.stats import chance_misses, family_level
+
+    for k in (1, 2, 12, 24, 42, 100):
+        b = chance_misses(k)
+        assert binom.sf(b, k, 0.05) <= 0.05 and (b == 0 or binom.sf(b - 1, k, 0.05) > 0.05)
+    assert [chance_misses(k) for k in (1, 12, 24)] == [0, 2, 3]
+    assert family_level(1) == pytest.approx(0.95) and family_level(42) == pytest.approx(1 - 0.05 / 42)
+    with pytest.raises(ValueError):
+        family_level(0)
