@@ -279,6 +279,11 @@ def test_summary_sentences():
     assert not s["holds"] and s["drift"] == 0.31 and s["probed_within"] == pytest.approx(0.04)
     assert ("probed rate moved by 31%" in s["text"] and "0.97-1.04 (2 of 2 cells within +/-10%, against 0 of 2 on the "
             "profile as calibrated)" in s["text"])
+    assert s["text"].splitlines()[0].endswith("The disk's own speed moved by 31% during the run, and at its probed speed "
+                                              "every cell's S is within 4% of measurement: the gap on the profile is the "
+                                              "disk's speed more than the model")
+    drifting[0]["at_probed_speed"]["ratio"] = 1.15               # one cell off at the probed speed too: not said
+    assert "own speed" not in summarize_validation(drifting, [_comparison(True)], drift=0.31)["text"]
 
 
 def test_a_container_whose_first_read_was_slow_is_named():
@@ -560,3 +565,13 @@ def test_chance_misses_is_the_binomial_95th_percentile_and_family_level_is_bonfe
     assert family_level(1) == pytest.approx(0.95) and family_level(42) == pytest.approx(1 - 0.05 / 42)
     with pytest.raises(ValueError):
         family_level(0)
+
+
+def test_a_gate_decision_measured_on_a_saving_within_placement_is_not_held_against_the_model():
+    cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
+    placed = {**_comparison(True, same=False, inside=False), "agreement": "within placement"}
+    s = summarize_validation(cells, [placed])
+    assert s["gate_disagreements"] == 0 and s["gate_disagreements_within_placement"] == 1
+    assert "decides differently in 0 of 1 and in 1 more whose measured saving is within placement" in s["text"]
+    s = summarize_validation(cells, [_comparison(True, same=False)])
+    assert s["gate_disagreements"] == 1 and s["verdict"] == "inconclusive"
