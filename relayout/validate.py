@@ -83,6 +83,7 @@ what this command made is ever removed).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import shutil
@@ -788,14 +789,13 @@ def _judge(predicted_s: float, m: dict, tolerance: float | None = None, placemen
     return out
 
 
-def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict], judgements: int = 1) -> dict:
+def _saving(base_pred, new_pred, base_runs: list[dict], runs: list[dict]) -> dict:
     """Predicted and measured saving of ``new`` over ``base`` (s/token): the prediction paired by
     step (moving-block bootstrap over the held-out steps), the measurement paired by repetition (each
-    repetition measures both, interleaved step by step: one unit each; ``judgements``:
-    :func:`_over_repetitions`)."""
+    repetition measures both, interleaved step by step: one unit each)."""
     p = _interval(block_evidence(base_pred.stall, new_pred.stall, base_pred.committed, base_pred.session))
     each = [float((b["stall"].sum() - n["stall"].sum()) / b["committed"].sum()) for b, n in zip(base_runs, runs)]
-    return {"predicted_saving": p, "measured_saving": {**_over_repetitions(each, judgements), "repetitions": each}}
+    return {"predicted_saving": p, "measured_saving": {**_over_repetitions(each), "repetitions": each}}
 
 
 def speed_normalized_savings(base_measured, base_predicted: float, base_at_run, new_measured, new_predicted: float,
@@ -822,16 +822,14 @@ def speed_normalized_savings(base_measured, base_predicted: float, base_at_run, 
             for b, ba, n, na in zip(base_measured, base_at_run, new_measured, new_at_run)]
 
 
-def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], runs: list[dict],
-                     judgements: int = 1) -> dict:
+def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], runs: list[dict]) -> dict:
     """A prefetch source's saving against none (same layout and RAM), predicted and measured as
-    :func:`_saving` does, judged with :data:`PREFETCH_TOLERANCE` (:func:`_judge`).
+    :func:`_saving` does (:func:`judge_record` judges it with :data:`PREFETCH_TOLERANCE`).
 
     The measured saving is the plain one, over repetitions: no layer of a forward is beyond a
     prefetch source's reach to serve as a drift control, since the runtime queues layer L+1's
     loads when L is routed, beside L's demand reads, the first layer's included."""
-    x = _saving(base_pred[0], new_pred[0], base_runs, runs, judgements)
-    return {**x, **_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], PREFETCH_TOLERANCE)}
+    return _saving(base_pred[0], new_pred[0], base_runs, runs)
 
 
 def _run_stalls(runs: list[dict]) -> list[float]:
@@ -839,20 +837,17 @@ def _run_stalls(runs: list[dict]) -> list[float]:
     return [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
 
 
-def _saving_at_run_speed(predicted_s: float, base: tuple, new: tuple, tolerance: float | None = None,
-                         judgements: int = 1) -> dict | None:
+def _saving_at_run_speed(base: tuple, new: tuple) -> dict | None:
     """The measured saving at equal disk speed (:func:`speed_normalized_savings`) over the
-    repetitions and how the predicted saving stands against it (:func:`_judge`): a diagnosis
-    beside the plain comparison, which the verdict rests on. ``base``, ``new``: (measured S per
-    repetition, S predicted on the profile, :func:`at_run_speed` per repetition); ``tolerance``
-    as :func:`_judge` takes it; ``judgements``: :func:`_over_repetitions`."""
+    repetitions, which :func:`judge_record` judges the prediction against: a diagnosis beside
+    the plain comparison, which the verdict rests on. ``base``, ``new``: (measured S per
+    repetition, S predicted on the profile, :func:`at_run_speed` per repetition)."""
     (bm, bp, ba), (nm, npred, na) = base, new
     if not ba or not na or any(x is None for x in ba + na):
         return None
     each = speed_normalized_savings(bm, bp, [x["predicted_stall_per_token_s"] for x in ba],
                                     nm, npred, [x["predicted_stall_per_token_s"] for x in na])
-    m = {**_over_repetitions(each, judgements), "repetitions": each}
-    return {"measured": m, **_judge(predicted_s, m, tolerance)}
+    return {"measured": {**_over_repetitions(each), "repetitions": each}}
 
 
 def _predicted_at(entries: list, measured_mean: float) -> dict | None:
@@ -873,8 +868,6 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near,
             sharing, control) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
-    judgements = validation_judgements(len(cells), len(methods), sum(pf != "none" for pf, _ in cells) if "none" in o.prefetch
-                                       else 0)
     control_pf, copies = control
     placement = {"prefetch": control_pf, "blocks": [
         placement_difference(frac, _run_stalls(measured[("stock", control_pf, frac)]), copy_s)
@@ -888,7 +881,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             steps, summ = predicted[(m, pf, frac)]
             runs = measured[(m, pf, frac)]
             each = _run_stalls(runs)
-            iv = _over_repetitions(each, judgements)
+            iv = _over_repetitions(each)
             mean = iv["estimate_s"]
             pred = summ.stall_per_token_s
             adjusted = None
@@ -907,11 +900,10 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "predicted_oracle_stall_per_token_s": summ.oracle_stall_per_token_s,
                 "predicted_tpot_s": summ.tpot_s,
                 "measured_stall_per_token_s": {"mean": mean, "repetitions": each, "low": iv["low_s"], "high": iv["high_s"],
-                                               "interval": iv["method"], "family": iv["family"]},
+                                               "interval": iv["method"]},
                 "measured_tpot_s": {"mean": float(np.mean([r["tpot_s"] for r in runs])), "repetitions": [r["tpot_s"] for r in runs]},
                 "measured_wall_seconds": [r["wall_s"] for r in runs],
                 "ratio": pred / mean if mean > 0 else None,
-                "agreement": cell_agreement(pred, mean, iv["family"]["low_s"], iv["family"]["high_s"]),
                 "at_probed_speed": adjusted,
                 "at_run_speed": run_speed,
                 "at_neighbour_speed": near_speed,
@@ -919,15 +911,12 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             })
         base_steps, base_sum = predicted[("stock", pf, frac)]
         base_runs = measured[("stock", pf, frac)]
-        bound = placement_bound([b for b in placement["blocks"] if b["ram_fraction"] == frac] or placement["blocks"])
         for m in methods:
             if m == "stock":
                 continue
-            x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)], judgements)
+            x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)])
             p, mm = x["predicted_saving"], x["measured_saving"]
-            x.update(_judge(p["estimate_s"], mm, placement_s=bound))
-            x["at_run_speed"] = _saving_at_run_speed(p["estimate_s"], side(("stock", pf, frac)), side((m, pf, frac)),
-                                                     judgements=judgements)
+            x["at_run_speed"] = _saving_at_run_speed(side(("stock", pf, frac)), side((m, pf, frac)))
             tpot_p = base_sum.tpot_s
             tpot_m = float(np.mean([r["tpot_s"] for r in base_runs]))
             gate_p = p["low_s"] >= GATE_THRESHOLD * tpot_p
@@ -945,13 +934,12 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 continue
             for m in methods:
                 x = _prefetch_saving(predicted[(m, "none", frac)], predicted[(m, pf, frac)], measured[(m, "none", frac)],
-                                     measured[(m, pf, frac)], judgements)
-                x["at_run_speed"] = _saving_at_run_speed(x["predicted_saving"]["estimate_s"], side((m, "none", frac)),
-                                                         side((m, pf, frac)), PREFETCH_TOLERANCE, judgements)
+                                     measured[(m, pf, frac)])
+                x["at_run_speed"] = _saving_at_run_speed(side((m, "none", frac)), side((m, pf, frac)))
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
     cold = sorted({r["cold"] for runs in measured.values() for r in runs})
-    return {
+    return judge_record({
         "format": VALIDATION_FORMAT,
         "version": VALIDATION_VERSION,
         "tool_version": __version__,
@@ -979,9 +967,50 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         "comparisons": comparisons,
         "prefetch_comparisons": prefetch_comparisons,
         "placement_control": placement,
-        "summary": summarize_validation(out_cells, comparisons, None if drift is None else drift["change"],
-                                        prefetch_comparisons, first_read, sharing, placement["blocks"]),
-    }
+        "calibration_sharing": None if sharing is None else {"sentence": sharing[0], "shares": sharing[1]},
+    })
+
+
+def judge_record(record: dict) -> dict:
+    """A validation record judged (module doc, "The verdict"): the same record with each cell's
+    and each saving's family interval (:func:`_over_repetitions`) and agreement
+    (:func:`cell_agreement`, :func:`_judge`; a layout's saving against the placement control of
+    its RAM budget, :func:`placement_bound`), each saving at equal disk speed judged the same way,
+    and the ``summary`` (:func:`summarize_validation`). A pure function of the measurements and
+    predictions the record holds, so a kept record of an earlier version is judged again by the
+    present rules; ``version`` becomes :data:`VALIDATION_VERSION`."""
+    v = copy.deepcopy(record)
+    cfg = v["config"]
+    blocks = len(cfg["ram_fractions"]) * len(cfg["prefetch"])
+    pf_blocks = len(cfg["ram_fractions"]) * (len(cfg["prefetch"]) - 1) if "none" in cfg["prefetch"] else 0
+    k = validation_judgements(blocks, len(cfg["layouts"]), pf_blocks)
+    control = v["placement_control"]["blocks"]
+
+    def family(m: dict) -> dict:
+        return {**m, "family": _over_repetitions(m["repetitions"], k)["family"]}
+
+    for c in v["cells"]:
+        m = c["measured_stall_per_token_s"] = family(c["measured_stall_per_token_s"])
+        c["agreement"] = cell_agreement(c["predicted_stall_per_token_s"], m["mean"], m["family"]["low_s"],
+                                        m["family"]["high_s"])
+    for x in v["comparisons"]:
+        bound = placement_bound([b for b in control if b["ram_fraction"] == x["ram_fraction"]] or control)
+        x["measured_saving"] = family(x["measured_saving"])
+        x.update(_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], placement_s=bound))
+    for x in v["prefetch_comparisons"]:
+        x["measured_saving"] = family(x["measured_saving"])
+        x.update(_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], PREFETCH_TOLERANCE))
+    for x, tolerance in [*((x, None) for x in v["comparisons"]),
+                         *((x, PREFETCH_TOLERANCE) for x in v["prefetch_comparisons"])]:
+        if x.get("at_run_speed"):
+            m = family(x["at_run_speed"]["measured"])
+            x["at_run_speed"] = {"measured": m, **_judge(x["predicted_saving"]["estimate_s"], m, tolerance)}
+    sharing = v.get("calibration_sharing")
+    v["version"] = VALIDATION_VERSION
+    v["summary"] = summarize_validation(v["cells"], v["comparisons"], None if v["drift"] is None else v["drift"]["change"],
+                                        v["prefetch_comparisons"], v["first_read"],
+                                        None if sharing is None else (sharing["sentence"], sharing["shares"]), control)
+    return v
 
 
 def placement_difference(ram_fraction: float, stock_s: list[float], copy_s: list[float]) -> dict:

@@ -18,6 +18,7 @@ from relayout.validate import (
     WORK_MARKER,
     WORK_NAME,
     cell_agreement,
+    judge_record,
     speed_normalized_savings,
     summarize_validation,
 )
@@ -39,6 +40,14 @@ def _validate(disk, out, *extra):
 
 def _check_record(v: dict) -> None:
     assert v["format"] == VALIDATION_FORMAT and v["version"] == VALIDATION_VERSION
+    assert judge_record(v) == v                          # the verdict is a pure function of what the record holds
+    bare = json.loads(json.dumps(v))                     # judged again from its measurements alone
+    for c in bare["cells"]:
+        del c["agreement"], c["measured_stall_per_token_s"]["family"]
+    for x in bare["comparisons"] + bare["prefetch_comparisons"]:
+        del x["agreement"], x["words"], x["measured_saving"]["family"]
+    del bare["summary"]
+    assert judge_record(bare) == v
     assert v["device"]["name"] == "single-nvme" and v["device"]["profile"]["drive"]
     assert v["container"]["fingerprint"] and v["trace"]["fingerprint"] and len(v["trace"]["held_out_sessions"]) >= 5
     assert v["config"]["reps"] == 2 and v["config"]["tokens"] == 8 and v["trace"]["steps"] == 8
