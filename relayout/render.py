@@ -421,9 +421,12 @@ def format_validation(v: dict) -> str:
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
                      f"  {measured:>44}{ratio:>11}  {c['agreement'].upper() if c['agreement'] == 'disagrees' else c['agreement']:<10}"
                      f"{at_probe}{at_run}")
+    family = v["cells"][0]["measured_stall_per_token_s"].get("family") if v["cells"] else None
     lines.append("S in ms per committed token; a cell agrees within +/-"
-                 f"{v['config']['tolerance']:.0%}, disagrees when its prediction lies outside the measured interval widened "
-                 "by that much, else is unresolved (the repetitions scatter too widely to tell)")
+                 f"{v['config']['tolerance']:.0%}, disagrees when its prediction lies outside the measured "
+                 + (f"{family['level']:.2%} interval (each of the run's {family['judgements']} judgements at the coverage "
+                    "that makes them hold together 95% of the time)" if family else "interval")
+                 + " widened by that much, else is unresolved (the repetitions scatter too widely to tell)")
     if v["comparisons"]:
         lines += ["", ("saving vs stock, ms/token (95% intervals: predicted over held-out steps, measured over repetitions; "
                        f"gate: low end >= {v['config']['gate_threshold']:.0%} of TPOT, predicted/measured)")]

@@ -55,23 +55,22 @@ What a user runs before trusting a gate on their own storage (issue 12). It
 5. writes ``validation.json`` (format :data:`VALIDATION_FORMAT`, version
    :data:`VALIDATION_VERSION`) and, with ``plots``, a predicted-vs-measured scatter.
 
-The verdict (:func:`summarize_validation`) is one of three, over the run's judgements (each
-cell's S, each layout's and each prefetch source's saving: :func:`validation_judgements`). A
-95% interval misses its true value one time in twenty, so a run of 42 judgements misses about
-two by chance alone: a prediction is ruled out only beyond its *family* interval, at the
-coverage each judgement needs for all of them to hold together 95% of the time (Bonferroni,
-:func:`replay.stats.family_level`), and of the 95% intervals as many may miss as chance gives a
-correct model in 95% of runs (:func:`replay.stats.chance_misses`). The model *holds* when every
-cell's predicted/measured ratio is within :data:`TOLERANCE` of 1, every predicted saving agrees
-with the measured one (but for those chance allows) and the gate decides alike on every
-comparison. It does *not hold* when a measurement rules a prediction out: a cell whose
-predicted S lies outside the measured family interval widened by the tolerance
-(:func:`cell_agreement`), a predicted saving outside the family interval or of the other sign
-(a layout's, beyond that interval widened by what the placement control shows placement alone
-does to S: the difference between two containers is their layouts' and their files'
-placement on the disk). Otherwise it is *inconclusive*: the repetitions scatter too widely to
-confirm or refute it, and the summary says to measure more, or a layout saving is off by no
-more than placement, which no number of repetitions separates.
+The verdict (:func:`judge_record`, :func:`summarize_validation`) is one of three, over the run's
+judgements (each cell's S, each layout's and each prefetch source's saving:
+:func:`validation_judgements`). A 95% interval misses its true value one time in twenty, so a run
+of 42 judgements misses about two by chance alone. So a prediction is ruled out only beyond its
+*family* interval, at the coverage each judgement needs for all of them to hold together 95% of
+the time (Bonferroni, :func:`replay.stats.family_level`; at 4 repetitions 3.8 times as wide as
+the 95% one), widened by the tolerance where there is one (a cell's S: :data:`TOLERANCE`; a
+prefetch saving: :data:`PREFETCH_TOLERANCE`) and, for a layout's saving, by what the placement
+control shows placement alone does to S (the difference between two containers is their layouts'
+and their files' placement on the disk). The model *does not hold* when a measurement rules a
+prediction out. It *holds* when every cell's predicted/measured ratio is within
+:data:`TOLERANCE` of 1, no more savings miss their 95% interval than chance gives a correct
+model in 95% of runs (:func:`replay.stats.chance_misses`: 3 of 24) and the gate decides alike on
+every comparison whose prediction is not off by placement. Otherwise it is *inconclusive*: the
+repetitions scatter too widely to confirm or refute it, and the summary says to measure more,
+or a layout saving is off by no more than placement, which no number of repetitions separates.
 
 Units: S, savings and TPOT in seconds per committed token in the record (``_s``), milliseconds
 in text; sizes in bytes; RAM budgets as fractions of the routed bytes of the traced layers.
@@ -104,13 +103,16 @@ from containers.manifest import build_manifest, write_manifest
 from containers.synth import synth_container
 from replay.config import PREFETCH_SOURCES, RuntimeConfig
 from replay.evidence import block_evidence
-from replay.stats import chance_misses, family_level, repetition_interval
+from replay.stats import chance_misses, family_level, family_widening, repetition_interval
 
 from .demo import measured_vs_predicted
 from .render import completion_sentence, small_page_warning
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 7
+VALIDATION_VERSION = 8
+OLDEST_JUDGED = 6
+"""The oldest record version :func:`judge_record` judges again (it has the placement control,
+the probes and the read-once rates)."""
 LAYOUTS = ("stock", "louvain", "random")
 """Layouts a validation can measure; ``stock`` (the source itself) is the baseline of every saving."""
 GATE_THRESHOLD = 0.05
@@ -707,17 +709,19 @@ def _interval(ev) -> dict:
             "units": len(ev.base), "blocks": ev.n_blocks, "seed": ev.seed, "resamples": ev.resamples}
 
 
-def _over_repetitions(values: list[float], judgements: int = 1) -> dict:
-    """A measured figure's mean and 95% interval with each repetition one unit (s/token), and its
-    ``family`` interval: at the coverage each of the run's ``judgements`` needs for all of them to
-    hold together 95% of the time (:func:`replay.stats.family_level`), the one a prediction must
-    miss to be ruled out."""
+def _over_repetitions(values: list[float], judgements: int | None = None) -> dict:
+    """A measured figure's mean and 95% interval with each repetition one unit (s/token); with
+    ``judgements``, also its ``family`` interval: at the coverage each of the run's judgements
+    needs for all of them to hold together 95% of the time (:func:`replay.stats.family_level`),
+    the one a prediction must miss to be ruled out."""
     iv = repetition_interval(values)
-    level = family_level(judgements)
-    fam = repetition_interval(values, level=level)
-    return {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high, "method": "repetitions (Student t)",
-            "units": iv.n_units,
-            "family": {"level": level, "judgements": judgements, "low_s": fam.low, "high_s": fam.high}}
+    out = {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high, "method": "repetitions (Student t)",
+           "units": iv.n_units}
+    if judgements is not None:
+        level = family_level(judgements)
+        fam = repetition_interval(values, level=level)
+        out["family"] = {"level": level, "judgements": judgements, "low_s": fam.low, "high_s": fam.high}
+    return out
 
 
 def cell_agreement(predicted: float, mean: float, low: float, high: float, tolerance: float = TOLERANCE) -> str:
@@ -743,21 +747,26 @@ def resolves_tolerance(m: dict, tolerance: float) -> bool:
 
 def _judge(predicted_s: float, m: dict, tolerance: float | None = None, placement_s: float | None = None) -> dict:
     """How a predicted saving (s/token) stands against a measured one (``m``: estimate, 95%
-    interval and ``family`` interval, :func:`_over_repetitions`). ``agreement``:
+    interval and, from :func:`judge_record`, the ``family`` interval, :func:`_over_repetitions`).
+    ``agreement``, from nearest to farthest:
 
     * ``"agrees"``: the prediction lies inside the measured 95% interval (or, with ``tolerance``,
       within that fraction of the measured estimate);
+    * ``"unresolved"``: outside it, but inside the family interval (with ``tolerance``, widened
+      so that it holds every prediction within that fraction of a saving the family interval
+      admits): one 95% interval in twenty misses by chance, and a run judges many;
     * ``"within placement"`` (with ``placement_s``, for a saving between two containers: how far
       the placement control admits that where the disk put two byte-identical files moves S,
-      :func:`placement_bound`): outside it, but inside it widened by that much on each side: the
-      measurement cannot tell the difference from placement;
-    * ``"unresolved"``: outside those, but inside the family interval (so widened too): one 95%
-      interval in twenty misses by chance, and a run judges many;
-    * ``"disagrees"``: beyond that, which a prediction of the other sign than a family interval
-      clear of zero by more than the placement bound always is: the measurement rules it out.
+      :func:`placement_bound`): beyond that, but inside it widened by ``placement_s`` on each
+      side: the measurement cannot tell the difference from placement;
+    * ``"disagrees"``: beyond all of these: the measurement rules the prediction out. A
+      prediction of the other sign than the measured interval is ruled out only so: a 95%
+      interval clear of zero is itself one of the judgements chance may miss.
     """
     low, high = m["low_s"], m["high_s"]
     fam = m.get("family", {"low_s": low, "high_s": high, "level": 0.95, "judgements": 1})
+    tol = tolerance or 0.0
+    flo, fhi = fam["low_s"] - tol * abs(fam["low_s"]), fam["high_s"] + tol * abs(fam["high_s"])
     b = placement_s or 0.0
     excludes = low > 0 or high < 0
     sign = bool(np.sign(predicted_s) == np.sign(m["estimate_s"])) if excludes else None
@@ -765,19 +774,19 @@ def _judge(predicted_s: float, m: dict, tolerance: float | None = None, placemen
     close = tolerance is not None and abs(predicted_s - m["estimate_s"]) <= tolerance * abs(m["estimate_s"])
     words = measured_vs_predicted(m["estimate_s"] * 1e3, low * 1e3, high * 1e3, predicted_s * 1e3)
     said = (f"measured {m['estimate_s'] * 1e3:+.3f} [{low * 1e3:+.3f}, {high * 1e3:+.3f}], predicted "
-            f"{predicted_s * 1e3:+.3f}: ")
+            f"{predicted_s * 1e3:+.3f}: outside the 95% interval but ")
+    family = (f"the {fam['level']:.2%} one [{fam['low_s'] * 1e3:+.3f}, {fam['high_s'] * 1e3:+.3f}] that each of this "
+              f"run's {fam['judgements']} judgements needs for all to hold together 95% of the time"
+              + (f" (widened by the +/-{tol:.0%} tolerance)" if tol else ""))
     if inside or close:
         agreement = "agrees"
-    elif b > 0 and low - b <= predicted_s <= high + b:
-        agreement = "within placement"
-        words = (said + f"they differ by no more than two byte-identical copies of stock may (the placement control: "
-                 f"up to {b * 1e3:.3f}), so this measurement neither confirms nor rules out the prediction")
-    elif fam["low_s"] - b <= predicted_s <= fam["high_s"] + b:
+    elif flo <= predicted_s <= fhi:
         agreement = "unresolved"
-        words = (said + f"outside the 95% interval but inside the {fam['level']:.2%} one [{fam['low_s'] * 1e3:+.3f}, "
-                 f"{fam['high_s'] * 1e3:+.3f}] that each of this run's {fam['judgements']} judgements needs for all to hold "
-                 "together 95% of the time" + (" (widened by placement)" if b > 0 else "")
-                 + ": as often as chance misses, so neither confirmed nor ruled out")
+        words = said + "inside " + family + ": as often as chance misses, so neither confirmed nor ruled out"
+    elif b > 0 and flo - b <= predicted_s <= fhi + b:
+        agreement = "within placement"
+        words = (said + "also beyond " + family + f", by no more than two byte-identical copies of stock differ (the "
+                 f"placement control: up to {b * 1e3:.3f}): this measurement neither confirms nor rules out the prediction")
     else:
         agreement = "disagrees"
     out = {"predicted_inside_measured": inside, "measured_excludes_zero": bool(excludes), "sign_agrees": sign,
@@ -979,6 +988,10 @@ def judge_record(record: dict) -> dict:
     and the ``summary`` (:func:`summarize_validation`). A pure function of the measurements and
     predictions the record holds, so a kept record of an earlier version is judged again by the
     present rules; ``version`` becomes :data:`VALIDATION_VERSION`."""
+    if record.get("format") != VALIDATION_FORMAT or not isinstance(record.get("version"), int) or \
+            record["version"] < OLDEST_JUDGED:
+        raise ValueError(f"not a {VALIDATION_FORMAT} record of version {OLDEST_JUDGED} or later: "
+                         f"format {record.get('format')!r}, version {record.get('version')!r}")
     v = copy.deepcopy(record)
     cfg = v["config"]
     blocks = len(cfg["ram_fractions"]) * len(cfg["prefetch"])
@@ -1006,6 +1019,9 @@ def judge_record(record: dict) -> dict:
             m = family(x["at_run_speed"]["measured"])
             x["at_run_speed"] = {"measured": m, **_judge(x["predicted_saving"]["estimate_s"], m, tolerance)}
     sharing = v.get("calibration_sharing")
+    if "calibration_sharing" not in v and v["summary"].get("drive_shares_concurrent_reads"):
+        sharing = {"sentence": "this drive shares itself among concurrent reads (the record, of an earlier version, kept "
+                               "the flag and not the calibration's sentence)", "shares": True}
     v["version"] = VALIDATION_VERSION
     v["summary"] = summarize_validation(v["cells"], v["comparisons"], None if v["drift"] is None else v["drift"]["change"],
                                         v["prefetch_comparisons"], v["first_read"],
@@ -1050,17 +1066,18 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                          sharing: tuple[str, bool] | None = None, placement: list[dict] | None = None) -> dict:
     """Whether the model holds (see the module doc), with the counts behind it and the text saying so.
 
-    ``verdict``: ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
-    measured mean, every predicted saving agrees with the measured one (layouts:
-    inside its interval; prefetch: inside it or within :data:`PREFETCH_TOLERANCE`) and the gate
-    decides alike everywhere; ``"does not hold"`` when a measurement rules a prediction out (a
-    cell's predicted S outside the measured interval widened by the tolerance, a predicted saving
-    outside the measured interval, or of the other sign where that interval excludes zero; a
-    layout's saving only beyond what placement alone does: :func:`_judge`);
-    otherwise ``"inconclusive"``: nothing measured contradicts the model, but the repetitions
-    scatter too widely to confirm it, or a layout saving is off by no more than placement. ``text``: the verdict's sentence on its first line, then one
-    line per aspect behind it, each under a label (layout savings, prefetch savings, the disk's
-    drift, ...). ``drift``: how far the disk's probed rate moved during the
+    Each cell's and each saving's ``agreement`` (:func:`cell_agreement`, :func:`_judge`, from
+    :func:`judge_record`) is ``"agrees"``, ``"unresolved"`` (outside its 95% interval, inside
+    its family one), ``"within placement"`` (a layout saving beyond that by no more than the
+    placement control's bound) or ``"disagrees"`` (ruled out). ``verdict``: ``"does not hold"``
+    when a measurement rules a prediction out (any ``"disagrees"``, or no cell measured any
+    stall); ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
+    measured mean, the savings that miss their 95% interval (unresolved or within placement) are
+    no more than chance gives a correct model in 95% of runs (:func:`replay.stats.chance_misses`)
+    and the gate decides alike wherever the measured saving is not within placement; otherwise
+    ``"inconclusive"``. ``text``: the verdict's sentence on its first line, then one line per
+    aspect behind it, each under a label (layout savings, prefetch savings, judgements, the
+    disk's drift, ...). ``drift``: how far the disk's probed rate moved during the
     run (largest / smallest probe - 1), when probed; the text then adds predicted/measured S
     with each repetition predicted at its probed speed (the cells' ``at_probed_speed``), a
     diagnosis: the verdict stays on the calibrated profile's predictions. So do the cells'
@@ -1094,6 +1111,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     pf_out = [c for c in prefetch_comparisons if c["agreement"] == "disagrees"]
     pf_wrong = [c for c in pf_out if c["sign_agrees"] is False]
     chance = [c for c in [*comparisons, *prefetch_comparisons] if c["agreement"] == "unresolved"]
+    missed = len(chance) + len(placed)           # savings outside their 95% interval, not ruled out
     M, P = len(comparisons), len(prefetch_comparisons)
     allowed = chance_misses(M + P) if M + P else 0
     spreads = [(max(c["measured_stall_per_token_s"]["repetitions"]) - min(c["measured_stall_per_token_s"]["repetitions"]))
@@ -1102,9 +1120,11 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     spread = max(spreads) if spreads else None
     ratio_ok = within is not None and within <= TOLERANCE
     ruled_out = bool(cells_out or wrong or outside or pf_out or not ratios)
-    holds = ratio_ok and not cells_open and not ruled_out and not gate_diff and not placed and len(chance) <= allowed
+    holds = ratio_ok and not cells_open and not ruled_out and not gate_diff and missed <= allowed
     verdict = "holds" if holds else "does not hold" if ruled_out else "inconclusive"
     span = f"predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells" if ratios else "no cell measured any stall"
+    open_cells = (f"{cells_open} of {len(cells)} cell(s) are beyond +/-{TOLERANCE:.0%} but inside their measured family "
+                  "interval widened by it")
     if verdict == "holds":
         head = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span})"
     elif verdict == "does not hold":
@@ -1112,42 +1132,47 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         if not ratios:
             why.append(span)
         if cells_out:
-            why.append(f"in {cells_out} of {len(cells)} cell(s) the predicted S lies outside the measured 95% interval "
-                       f"widened by +/-{TOLERANCE:.0%}")
+            why.append(f"in {cells_out} of {len(cells)} cell(s) the predicted S lies outside the measured family "
+                       f"interval widened by +/-{TOLERANCE:.0%}")
         if wrong:
-            why.append(f"saving sign wrong in {len(wrong)} of {len(decided)} cell(s)")
+            why.append(f"the layout saving's sign is wrong beyond the measured family interval and placement in "
+                       f"{len(wrong)} of {M} comparison(s)")
         if outside:
-            why.append(f"the predicted saving lies outside the measured interval in {len(outside)} of {M}")
+            why.append(f"the predicted layout saving lies beyond the measured family interval and placement in "
+                       f"{len(outside)} of {M}")
         if pf_wrong:
-            why.append(f"prefetch saving sign wrong in {len(pf_wrong)} of {P}")
-        elif pf_out:
-            why.append(f"the predicted prefetch saving is ruled out by the measurement in {len(pf_out)} of {P}")
+            why.append(f"the prefetch saving's sign is wrong beyond the measured family interval in {len(pf_wrong)} of {P}")
+        if len(pf_out) > len(pf_wrong):
+            why.append(f"the predicted prefetch saving lies beyond the measured family interval widened by "
+                       f"+/-{PREFETCH_TOLERANCE:.0%} in {len(pf_out) - len(pf_wrong)} of {P}")
+        if cells_open:
+            why.append(open_cells)
         head = "the model does NOT hold on this disk: " + "; ".join(why) + (f" ({span})" if ratios else "")
     else:
         why = []
+        if not ratio_ok and not cells_open:
+            why.append(f"predicted/measured S is beyond +/-{TOLERANCE:.0%} in some cell")
         if cells_open:
-            why.append(f"{cells_open} of {len(cells)} cell(s) are beyond +/-{TOLERANCE:.0%} but inside the measured "
-                       f"interval widened by it")
+            why.append(open_cells)
         if gate_diff:
-            why.append(f"the gate would decide differently in {len(gate_diff)} of {M} where the measured interval holds "
-                       "the predicted saving")
-        if len(chance) > allowed:
-            why.append(f"{len(chance)} of {M + P} saving(s) lie outside their measured 95% interval, more than the "
-                       f"{allowed} chance gives a correct model in 95% of runs, though none beyond its family interval")
-        if placed:
-            why.append(f"{len(placed)} of {M} layout saving(s) differ from the measurement by no more than placement "
-                       "alone does (two byte-identical copies of stock, the placement control)")
+            why.append(f"the gate would decide differently in {len(gate_diff)} of {M}")
+        if missed > allowed:
+            why.append(f"{missed} of {M + P} saving(s) lie outside their measured 95% interval, more than the {allowed} "
+                       "chance gives a correct model in 95% of runs, though none is ruled out"
+                       + (f" ({len(placed)} of them beyond their family interval by no more than placement alone does)"
+                          if placed else ""))
         advice = []
         if cells_open or gate_diff or len(chance) > allowed:
             advice.append("the measured runs scatter too widely to decide: rerun with more --reps on an idle disk")
-        if placed:
+        if placed and missed > allowed:
             advice.append("more repetitions do not separate a layout saving from placement: on this disk a layout "
                           "saving smaller than the placement control's difference cannot be measured")
         head = (f"INCONCLUSIVE on this disk: no measurement rules the model out, but it is not confirmed ({span}): "
-                + "; ".join(why) + ". " + "; ".join(advice)[0].upper() + "; ".join(advice)[1:])
+                + "; ".join(why) + (". " + "; ".join(advice)[0].upper() + "; ".join(advice)[1:] if advice else ""))
     probed = [c["at_probed_speed"]["ratio"] for c in cells if c.get("at_probed_speed") and c["at_probed_speed"]["ratio"]]
     probed_within = max(abs(r - 1) for r in probed) if drift is not None and probed else None
-    if verdict != "holds" and probed_within is not None and _in_band(probed) == len(probed) > _in_band(ratios):
+    if (verdict != "holds" and (cells_out or cells_open or not ratio_ok) and probed_within is not None
+            and _in_band(probed) == len(probed) > _in_band(ratios)):
         head += (f". The disk's own speed moved by {drift:.0%} during the run, and at its probed speed every cell's S is "
                  f"within {math.ceil(round(probed_within * 100, 6))}% of measurement: the gap on the profile is the disk's "
                  "speed more than the model")
@@ -1157,13 +1182,13 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         lines.append(f"  {label}: {sentence}")
 
     if M:
-        beyond = "" if not sign_wrong else f" ({len(wrong)} beyond what placement alone does)" if placement else ""
         line("layout savings", f"the predicted saving lies inside the measured 95% interval in {len(inside)} of {M} "
-             f"comparison(s)" + (f", within what placement alone does of it in {len(placed)} more" if placed else "")
-             + f"; the sign is wrong in {len(sign_wrong)} of {len(decided)} where the measured interval excludes zero"
-             f"{beyond}; the gate (low end >= {GATE_THRESHOLD:.0%} of TPOT) decides differently in {len(gate_diff)} of "
-             f"{M}" + (f" and in {len(gate_placed)} more whose measured saving is within placement" if gate_placed else
-                       ""))
+             f"comparison(s)" + (f", beyond its family interval by no more than placement alone does in {len(placed)}"
+                                 if placed else "")
+             + f"; the sign is wrong in {len(sign_wrong)} of {len(decided)} where the measured 95% interval excludes "
+             f"zero ({len(wrong)} of them ruled out); the gate (low end >= {GATE_THRESHOLD:.0%} of TPOT) decides "
+             f"differently in {len(gate_diff)} of {M}" + (f" and in {len(gate_placed)} more whose prediction is off by no "
+                                                       "more than placement" if gate_placed else ""))
     if P:
         line("prefetch savings", f"the predicted prefetch saving is within +/-{PREFETCH_TOLERANCE:.0%} of the measured "
              f"one in {len(pf_close)} of {P} and ruled out by the measurement in {len(pf_out)} of {P}; the measurement "
@@ -1173,12 +1198,15 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     family = next((c["measured_stall_per_token_s"]["family"] for c in cells
                    if c.get("measured_stall_per_token_s", {}).get("family")), None)
     if family:
+        reps = len(cells[0]["measured_stall_per_token_s"]["repetitions"])
         line("judgements", f"this verdict rests on {family['judgements']} (each cell's S, each layout's and each "
              f"prefetch source's saving); a prediction is ruled out only beyond its {family['level']:.2%} interval, "
-             "so that a correct model is ruled out by chance in at most 5% of runs")
-    if chance:
-        line("chance", f"{len(chance)} of {M + P} saving(s) lie outside their measured 95% interval but inside their "
-             f"family interval; up to {allowed} such are what chance gives a correct model in 95% of runs")
+             "so that a correct model is ruled out by chance in at most 5% of runs"
+             + (f"; over {reps} repetitions that interval is {family_widening(family['level'], reps):.1f} times as wide "
+                "as the 95% one" if reps > 1 else ""))
+    if missed:
+        line("chance", f"{missed} of {M + P} saving(s) lie outside their measured 95% interval without being ruled "
+             f"out; up to {allowed} such are what chance gives a correct model in 95% of runs")
     if contradicted:
         line("contradicted", f"measurement CONTRADICTS the prediction in {len(contradicted)} comparison(s): "
              + "; ".join(f"{c['layout']} at RAM {c['ram_fraction']:g}, prefetch {c['prefetch']}" for c in contradicted))
@@ -1239,15 +1267,16 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     if placement:
         bound = placement_bound(placement)
         hidden = sum(abs(c["measured_saving"]["estimate_s"]) <= bound for c in comparisons)
-        worst = max(placement, key=lambda b: abs(b["difference"]["estimate_s"]))["difference"]
-        line("placement control", f"two byte-identical copies of stock differed by up to "
-             f"{worst['estimate_s'] * 1e3:+.2f} ms/token [{worst['low_s'] * 1e3:+.2f}, {worst['high_s'] * 1e3:+.2f}]: a "
-             f"measured layout saving within {bound * 1e3:.2f} ms/token is not separable from where the disk put the "
-             f"files, and {hidden} of {M} are")
+        block = max(placement, key=lambda b: placement_bound([b]))
+        worst = block["difference"]
+        line("placement control", f"two byte-identical copies of stock differed by {worst['estimate_s'] * 1e3:+.2f} "
+             f"ms/token [{worst['low_s'] * 1e3:+.2f}, {worst['high_s'] * 1e3:+.2f}] at RAM {block['ram_fraction']:g} "
+             f"(the block whose interval reaches farthest): a measured layout saving within {bound * 1e3:.2f} ms/token "
+             f"is not separable from where the disk put the files, and {hidden} of {M} are no larger")
     text = "\n".join(lines)
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "drive_shares_concurrent_reads": None if sharing is None else sharing[1],
-            "placement_bound_s": bound, "savings_within_placement": hidden,
+            "placement_bound_s": bound, "savings_no_larger_than_placement": hidden,
             "run_speed_within": run_within,
             "run_speed_cells_within_band": _in_band(at_run) if at_run else None,
             "neighbour_speed_within": max(abs(r - 1) for r in at_near) if at_near else None,
@@ -1259,8 +1288,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,
             "comparisons": M, "inside_measured": len(inside), "outside_measured": len(outside),
-            "sign_decided": len(decided), "sign_wrong": len(sign_wrong), "sign_wrong_beyond_placement": len(wrong),
-            "within_placement": len(placed), "outside_by_chance": len(chance), "chance_allows": allowed,
+            "sign_decided": len(decided), "sign_wrong": len(sign_wrong), "sign_wrong_ruled_out": len(wrong),
+            "judged_within_placement": len(placed), "unresolved_savings": len(chance), "chance_allows": allowed,
             "gate_disagreements": len(gate_diff), "gate_disagreements_within_placement": len(gate_placed),
             "contradictions": len(contradicted), "prefetch_comparisons": P, "prefetch_within_tolerance": len(pf_close),
             "prefetch_disagree": len(pf_out), "prefetch_resolved": len(pf_precise),

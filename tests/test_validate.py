@@ -47,7 +47,17 @@ def _check_record(v: dict) -> None:
     for x in bare["comparisons"] + bare["prefetch_comparisons"]:
         del x["agreement"], x["words"], x["measured_saving"]["family"]
     del bare["summary"]
-    assert judge_record(bare) == v
+    snap = json.loads(json.dumps(bare))
+    assert judge_record(bare) == v and bare == snap       # and its input is left as it was
+    k = len(v["cells"]) + len(v["comparisons"]) + len(v["prefetch_comparisons"])
+    assert all(c["measured_stall_per_token_s"]["family"]["judgements"] == k for c in v["cells"])
+    old = {**json.loads(json.dumps(v)), "version": 6}    # a record of version 6 had no calibration sentence
+    del old["calibration_sharing"]
+    assert judge_record(old)["summary"]["verdict"] == v["summary"]["verdict"]
+    with pytest.raises(ValueError, match="version 6 or later"):
+        judge_record({**v, "version": 5})
+    with pytest.raises(ValueError, match="relayout.validation"):
+        judge_record({**v, "format": "something else"})
     assert v["device"]["name"] == "single-nvme" and v["device"]["profile"]["drive"]
     assert v["container"]["fingerprint"] and v["trace"]["fingerprint"] and len(v["trace"]["held_out_sessions"]) >= 5
     assert v["config"]["reps"] == 2 and v["config"]["tokens"] == 8 and v["trace"]["steps"] == 8
@@ -273,15 +283,15 @@ def test_summary_sentences():
     assert "does NOT hold" in s["text"] and "0.50-0.70" in s["text"] and "widened by +/-20%" in s["text"]
     s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)],
                              [_comparison(False, inside=False, words="measurement CONTRADICTS the prediction: ...")])
-    assert s["verdict"] == "does not hold" and "saving sign wrong in 1 of 1" in s["text"] and "CONTRADICTS" in s["text"]
+    assert s["verdict"] == "does not hold" and "sign is wrong beyond the measured family interval and placement in 1 of 1 comparison(s)" in s["text"] and "CONTRADICTS" in s["text"]
     s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)], [_comparison(True, inside=False)])
-    assert s["verdict"] == "does not hold" and "outside the measured interval in 1 of 1" in s["text"]
+    assert s["verdict"] == "does not hold" and "lies beyond the measured family interval and placement in 1 of 1" in s["text"]
     # scattered repetitions: beyond the tolerance, but the measurement does not rule the prediction out
     s = summarize_validation([_cell("stock", 1.3, (0.7, 1.0, 1.3)), _cell("louvain", 1.0, STEADY)], [_comparison(None)])
     assert s["verdict"] == "inconclusive" and not s["holds"] and s["cells_unresolved"] == 1
     assert s["text"].startswith("INCONCLUSIVE") and "1 of 2 cell(s) are beyond +/-20%" in s["text"] and "--reps" in s["text"]
     s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)], [_comparison(None, same=False)])
-    assert s["verdict"] == "inconclusive" and "the gate would decide differently in 1 of 1 where" in s["text"]
+    assert s["verdict"] == "inconclusive" and "the gate would decide differently in 1 of 1" in s["text"]
     drifting = [{**_cell("stock", 1.3, STEADY), "at_probed_speed": {"ratio": 1.04}},
                 {**_cell("louvain", 1.25, STEADY), "at_probed_speed": {"ratio": 0.97}}]
     s = summarize_validation(drifting, [_comparison(True)], drift=0.31)
@@ -508,9 +518,9 @@ def test_layout_savings_within_the_placement_control_are_counted():
     s = summarize_validation(cells, [saving(4.0), saving(25.0)], placement=[block])
     bound = max(abs(block["difference"]["low_s"]), abs(block["difference"]["high_s"]))
     assert s["placement_bound_s"] == pytest.approx(bound) and bound > 0.029 / 3
-    assert s["savings_within_placement"] == 1                   # 4 ms/token is within it, 25 is not
+    assert s["savings_no_larger_than_placement"] == 1                   # 4 ms/token is within it, 25 is not
     assert "not separable from where the disk put the files, and 1 of 2 are" in s["text"]
-    assert summarize_validation(cells, [saving(4.0)])["savings_within_placement"] is None
+    assert summarize_validation(cells, [saving(4.0)])["savings_no_larger_than_placement"] is None
 
 
 def _measured(reps_ms, judgements=1):
@@ -519,22 +529,49 @@ def _measured(reps_ms, judgements=1):
     return _over_repetitions([x / 1e3 for x in reps_ms], judgements)
 
 
-def test_a_layout_saving_is_ruled_out_only_beyond_placement_and_the_family_interval():
+def test_a_layout_saving_is_ruled_out_only_beyond_the_family_interval_and_placement():
     from relayout.validate import _judge
 
     m = _measured([-2.0, -2.4, -2.2, -2.6], judgements=42)           # -2.3 [-2.71, -1.89] ms/token; 99.88%: [-3.87, -0.73]
     assert m["family"]["level"] == pytest.approx(1 - 0.05 / 42)
     assert m["family"]["low_s"] < m["low_s"] and m["family"]["high_s"] > m["high_s"]
     assert _judge(-0.0022, m, placement_s=0.001)["agreement"] == "agrees"                 # inside the 95% interval
-    x = _judge(0.0, m, placement_s=0.003)                            # outside, but placement alone moves S by 3 ms
+    x = _judge(-0.001, m, placement_s=0.003)                         # outside 95%, inside the family one: chance
+    assert x["agreement"] == "unresolved" and "42 judgements" in x["words"]
+    x = _judge(0.0, m, placement_s=0.003)                            # beyond the family one, but placement moves S 3 ms
     assert x["agreement"] == "within placement" and "placement control" in x["words"] and x["sign_agrees"] is False
     assert "CONTRADICTS" not in x["words"] and x["placement_bound_s"] == 0.003
-    x = _judge(-0.0008, m, placement_s=0.0001)                       # outside 95% + placement, inside the family one
-    assert x["agreement"] == "unresolved" and "42 judgements" in x["words"]
     x = _judge(+0.001, m, placement_s=0.0001)                        # beyond both: the measurement rules it out
     assert x["agreement"] == "disagrees" and "CONTRADICTS" in x["words"]
-    assert _judge(-0.001, m)["agreement"] == "unresolved"            # no control: the family interval alone
-    assert _judge(+0.001, _measured([-2.0, -2.4, -2.2, -2.6]))["agreement"] == "disagrees"   # one judgement: 95%
+    assert _judge(0.0, m)["agreement"] == "disagrees"                # no control: the family interval alone
+    assert _judge(-0.001, _measured([-2.0, -2.4, -2.2, -2.6]))["agreement"] == "disagrees"   # one judgement: 95%
+
+
+def test_a_prediction_farther_from_the_measurement_never_stands_better():
+    from relayout.validate import PREFETCH_TOLERANCE, _judge
+
+    rank = {"agrees": 0, "unresolved": 1, "within placement": 2, "disagrees": 3}
+    for reps, k, tolerance, bound in [([1.0, 1.2, 1.1, 1.3], 42, None, 0.0001), ([1.0, 1.2, 1.1, 1.3], 42, None, 0.001),
+                                      ([-5.0, -5.5, -6.0, -6.5], 42, PREFETCH_TOLERANCE, None),
+                                      ([3.0, 3.0, 3.0, 3.0], 24, None, 0.0005)]:          # zero-width interval
+        m = _measured(reps, judgements=k)
+        centre = m["estimate_s"]
+        for direction in (-1, 1):
+            states = [rank[_judge(centre + direction * d * 1e-5, m, tolerance, bound)["agreement"]] for d in range(3000)]
+            assert states == sorted(states), (reps, tolerance, bound, direction)
+            assert states[0] == 0 and states[-1] == 3
+
+
+def test_a_prefetch_saving_is_ruled_out_only_beyond_its_family_interval_widened_by_the_tolerance():
+    from relayout.validate import PREFETCH_TOLERANCE, _judge
+
+    m = _measured([-5.5, -5.8, -6.3, -6.6], judgements=42)           # -6.05 ms/token, 99.88% interval to about -3.9
+    high = m["family"]["high_s"]
+    assert high < 0
+    x = _judge(high * (1 - PREFETCH_TOLERANCE) - 1e-6, m, PREFETCH_TOLERANCE)   # within 30% of the interval's end
+    assert x["agreement"] == "unresolved" and not x["within_tolerance"] and "tolerance" in x["words"]
+    assert _judge(high * (1 - PREFETCH_TOLERANCE) + 1e-6, m, PREFETCH_TOLERANCE)["agreement"] == "disagrees"
+    assert _judge(high + 1e-6, m)["agreement"] == "disagrees"       # a layout saving: no tolerance
 
 
 def test_the_verdict_allows_as_many_misses_of_95_percent_intervals_as_chance_gives():
@@ -542,24 +579,45 @@ def test_the_verdict_allows_as_many_misses_of_95_percent_intervals_as_chance_giv
 
     cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
 
-    def saving(agreement):
-        return {**_comparison(True, inside=agreement == "agrees"), "agreement": agreement}
+    def saving(agreement, sign=True):
+        return {**_comparison(sign, inside=agreement == "agrees"), "agreement": agreement}
+
+    def prefetch(agreement):
+        return {**saving(agreement), "within_tolerance": agreement == "agrees", "measured_saving":
+                {"estimate_s": -0.004, "low_s": -0.005, "high_s": -0.003}}
 
     k = 24
     allowed = chance_misses(k)
     assert allowed == 3
-    s = summarize_validation(cells, [saving("unresolved")] * allowed + [saving("agrees")] * (k - allowed))
-    assert s["verdict"] == "holds" and s["outside_by_chance"] == 3 and s["chance_allows"] == 3
-    assert "  chance: 3 of 24 saving(s) lie outside their measured 95% interval" in s["text"]
-    s = summarize_validation(cells, [saving("unresolved")] * (allowed + 1) + [saving("agrees")] * (k - allowed - 1))
-    assert s["verdict"] == "inconclusive" and "4 of 24 saving(s) lie outside their measured 95% interval, more than" in s["text"]
-    s = summarize_validation(cells, [saving("within placement")] + [saving("agrees")] * (k - 1))
-    assert s["verdict"] == "inconclusive" and s["within_placement"] == 1
-    assert "More repetitions do not separate a layout saving from placement" in s["text"]
-    s = summarize_validation(cells, [{**saving("within placement"), "sign_agrees": False}])   # wrong sign, within placement
-    assert s["verdict"] == "inconclusive" and s["sign_wrong"] == 1 and s["sign_wrong_beyond_placement"] == 0
+    s = summarize_validation(cells, [saving("unresolved")] * 2 + [saving("agrees")] * 10,
+                             prefetch_comparisons=[prefetch("unresolved")] + [prefetch("agrees")] * 11)
+    assert s["verdict"] == "holds" and s["unresolved_savings"] == 3 and s["chance_allows"] == 3
+    assert "  chance: 3 of 24 saving(s) lie outside their measured 95% interval without being ruled out" in s["text"]
+    s = summarize_validation(cells, [saving("unresolved")] * 2 + [saving("within placement")] + [saving("agrees")] * 9,
+                             prefetch_comparisons=[prefetch("unresolved")] + [prefetch("agrees")] * 11)
+    assert s["verdict"] == "inconclusive" and s["judged_within_placement"] == 1
+    assert "4 of 24 saving(s) lie outside their measured 95% interval, more than the 3" in s["text"]
+    assert "1 of them beyond their family interval by no more than placement" in s["text"]
+    assert "More repetitions do not separate a layout saving from placement" in s["text"]   # it holds but for that one
+    assert "--reps" not in s["text"]
+    s = summarize_validation(cells, [saving("unresolved")] * 4 + [saving("agrees")] * 20)
+    assert "--reps" in s["text"] and "placement" not in s["text"].splitlines()[0]
+    s = summarize_validation(cells, [saving("unresolved", sign=False)] + [saving("agrees")] * 23)   # wrong sign, by chance
+    assert s["verdict"] == "holds" and s["sign_wrong"] == 1 and s["sign_wrong_ruled_out"] == 0
+    assert "the sign is wrong in 1 of 24 where the measured 95% interval excludes zero (0 of them ruled out)" in s["text"]
     s = summarize_validation(cells, [saving("disagrees")] + [saving("agrees")] * (k - 1))
     assert s["verdict"] == "does not hold"
+    s = summarize_validation(cells, [saving("agrees")] * 12, prefetch_comparisons=[prefetch("disagrees")] * 2)
+    assert s["verdict"] == "does not hold" and "beyond the measured family interval widened by +/-30% in 2 of 2" in s["text"]
+
+
+def test_validation_judgements_count_every_figure_a_verdict_rests_on():
+    from relayout.validate import validation_judgements
+
+    assert validation_judgements(6, 3, 4) == 18 + 12 + 12          # 3 layouts x 2 RAM x none, oracle, coupled
+    assert validation_judgements(4, 3, 0) == 12 + 8                # no "none": no prefetch saving to judge
+    assert validation_judgements(2, 1, 0) == 2                     # stock alone: its cells only
+    assert validation_judgements(4, 2, 2) == 8 + 4 + 4             # none and oracle
 
 
 def test_chance_misses_is_the_binomial_95th_percentile_and_family_level_is_bonferroni():
@@ -581,6 +639,6 @@ def test_a_gate_decision_measured_on_a_saving_within_placement_is_not_held_again
     placed = {**_comparison(True, same=False, inside=False), "agreement": "within placement"}
     s = summarize_validation(cells, [placed])
     assert s["gate_disagreements"] == 0 and s["gate_disagreements_within_placement"] == 1
-    assert "decides differently in 0 of 1 and in 1 more whose measured saving is within placement" in s["text"]
+    assert "decides differently in 0 of 1 and in 1 more whose prediction is off by no more than placement" in s["text"]
     s = summarize_validation(cells, [_comparison(True, same=False)])
     assert s["gate_disagreements"] == 1 and s["verdict"] == "inconclusive"
