@@ -838,7 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "validate", "measure S for real on the disk holding PATH and compare it with the replay model's "
                                   "prediction, cell by cell: the model holds, does not hold, or the measurement is "
-                                  "inconclusive", cmd_validate)
+                                  "inconclusive (insufficient below 4 repetitions per cell)", cmd_validate)
     s.add_argument("path", help="a directory on the disk to validate (calibration file and work directory go there)")
     s.add_argument("--device", metavar="PROFILE.json",
                    help=f"use this profile ({', '.join(shipped_names('devices'))} or a JSON) instead of calibrating PATH")

@@ -65,7 +65,8 @@ the 95% one), widened by the tolerance where there is one (a cell's S: :data:`TO
 prefetch saving: :data:`PREFETCH_TOLERANCE`) and, for a layout's saving, by what the placement
 control shows placement alone does to S (the difference between two containers is their layouts'
 and their files' placement on the disk). The model *does not hold* when a measurement rules a
-prediction out. It *holds* when every cell's predicted/measured ratio is within
+prediction out; short of that, fewer than :data:`VERDICT_REPS` repetitions per cell are
+*insufficient* for a verdict. It *holds* when every cell's predicted/measured ratio is within
 :data:`TOLERANCE` of 1, no more savings miss their 95% interval than chance gives a correct
 model in 95% of runs (:func:`replay.stats.chance_misses`: 3 of 24) and the gate decides alike on
 every comparison whose prediction is not off by placement. Otherwise it is *inconclusive*: the
@@ -103,7 +104,7 @@ from containers.manifest import build_manifest, write_manifest
 from containers.synth import synth_container
 from replay.config import PREFETCH_SOURCES, RuntimeConfig
 from replay.evidence import block_evidence
-from replay.stats import chance_misses, family_level, family_widening, repetition_interval
+from replay.stats import chance_misses, family_level, family_widening, repetition_interval, student_t_quantile
 
 from .demo import measured_vs_predicted
 from .render import completion_sentence, small_page_warning
@@ -143,6 +144,10 @@ DEFAULT_REPS = 4
 counterbalances the run order over pairs of repetitions (``MIN_REPS`` and ``MAX_REPS`` are even too)."""
 MIN_TOKENS = 4
 MIN_REPS = 2
+VERDICT_REPS = 4
+"""Repetitions per cell a verdict needs: with fewer, unless a measurement rules the model out even
+so, the verdict is ``"insufficient"`` (over 2, a 95% interval is 12.7 standard errors either side,
+and the family interval 42 times that at 42 judgements)."""
 MAX_REPS = 10
 PROBE_TOKENS = 10
 PROBE_MARGIN = 1.3
@@ -414,11 +419,12 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
         tokens = min(o.tokens, available)
         reps = min(MAX_REPS, steps_fit // (tokens * n_runs_per_rep) // 2 * 2)
     else:
-        # DEFAULT_REPS unless a run would get fewer than 2 x MIN_TOKENS steps: the repetitions are
-        # the interval's units, and 2 of them give it one degree of freedom
+        # DEFAULT_REPS (what a verdict needs, VERDICT_REPS) unless a run would get fewer than
+        # MIN_TOKENS steps: the repetitions are the interval's units, and 2 of them give it one
+        # degree of freedom, too few for a verdict
         reps = DEFAULT_REPS
         tokens = min(available, steps_fit // (reps * n_runs_per_rep))
-        if tokens < min(2 * MIN_TOKENS, available):
+        if tokens < min(MIN_TOKENS, available):
             reps = MIN_REPS
             tokens = min(available, steps_fit // (reps * n_runs_per_rep))
         if tokens >= available:                # an even count: the order is counterbalanced in pairs
@@ -430,7 +436,9 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
     est = per_step * tokens * reps * n_runs_per_rep
     why = (f"--minutes {o.minutes:g}: a probe measured {probe_steps} steps in {probe_seconds:.2f} s "
            f"(planned at {per_step * 1e3:.0f} ms/step, x{PROBE_MARGIN:g} for safety); chose {reps} repetitions x {tokens} steps x {n_runs_per_rep} runs, "
-           f"about {est / 60:.1f} min of measurement{over}")
+           f"about {est / 60:.1f} min of measurement{over}"
+           + (f"; fewer repetitions than the {VERDICT_REPS} a verdict needs: its answer will be 'insufficient' unless a "
+              "measurement rules the model out" if reps < VERDICT_REPS else ""))
     return tokens, reps, why
 
 
@@ -1071,7 +1079,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     its family one), ``"within placement"`` (a layout saving beyond that by no more than the
     placement control's bound) or ``"disagrees"`` (ruled out). ``verdict``: ``"does not hold"``
     when a measurement rules a prediction out (any ``"disagrees"``, or no cell measured any
-    stall); ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
+    stall); else ``"insufficient"`` with fewer than :data:`VERDICT_REPS` repetitions per cell;
+    ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
     measured mean, the savings that miss their 95% interval (unresolved or within placement) are
     no more than chance gives a correct model in 95% of runs (:func:`replay.stats.chance_misses`)
     and the gate decides alike wherever the measured saving is not within placement; otherwise
@@ -1120,13 +1129,22 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     spread = max(spreads) if spreads else None
     ratio_ok = within is not None and within <= TOLERANCE
     ruled_out = bool(cells_out or wrong or outside or pf_out or not ratios)
-    holds = ratio_ok and not cells_open and not ruled_out and not gate_diff and missed <= allowed
-    verdict = "holds" if holds else "does not hold" if ruled_out else "inconclusive"
+    reps = min((len(c["measured_stall_per_token_s"]["repetitions"]) for c in cells
+                if c.get("measured_stall_per_token_s")), default=0)
+    few = reps < VERDICT_REPS
+    holds = ratio_ok and not cells_open and not ruled_out and not gate_diff and missed <= allowed and not few
+    verdict = ("holds" if holds else "does not hold" if ruled_out else "insufficient" if few else "inconclusive")
     span = f"predicted/measured S {lo:.2f}-{hi:.2f} over {len(ratios)} cells" if ratios else "no cell measured any stall"
     open_cells = (f"{cells_open} of {len(cells)} cell(s) are beyond +/-{TOLERANCE:.0%} but inside their measured family "
                   "interval widened by it")
     if verdict == "holds":
         head = f"the model holds on this disk within {math.ceil(round(within * 100, 6))}% ({span})"
+    elif verdict == "insufficient":
+        reach = (f"over {reps}, a 95% interval reaches {student_t_quantile(0.975, reps):.1f} standard errors either "
+                 "side, so an agreement confirms little, and " if reps >= 2 else "")
+        head = (f"INSUFFICIENT on this disk: {reps} repetition(s) per cell, where a verdict needs {VERDICT_REPS} "
+                f"({reach}no measurement here rules the model out); rerun with --reps {VERDICT_REPS} or a larger "
+                f"--minutes ({span})")
     elif verdict == "does not hold":
         why = []
         if not ratios:

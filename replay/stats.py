@@ -117,11 +117,16 @@ def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> i
     return b
 
 
+def student_t_quantile(p: float, repetitions: int) -> float:
+    """Student's t quantile ``p`` with ``repetitions - 1`` degrees of freedom (>= 2 repetitions):
+    how many standard errors of the mean a two-sided ``2p - 1`` interval reaches either side."""
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(p, repetitions - 1))
+
+
 def family_widening(level: float, repetitions: int) -> float:
     """How many times as wide a ``level`` Student-t interval over ``repetitions`` values is as the
     95% one (>= 2 repetitions): ``t(1 - (1 - level) / 2, n - 1) / t(0.975, n - 1)``; 3.8 for
     ``level`` 1 - 0.05/42 at 4 repetitions, 42 at 2."""
-    from scipy.stats import t as student_t
-
-    df = repetitions - 1
-    return float(student_t.ppf(1 - (1 - level) / 2, df) / student_t.ppf(0.975, df))
+    return student_t_quantile(1 - (1 - level) / 2, repetitions) / student_t_quantile(0.975, repetitions)

@@ -135,8 +135,9 @@ def _check_record(v: dict) -> None:
     assert x["words"]
     s = v["summary"]
     assert isinstance(s["holds"], bool) and s["comparisons"] == 1 and s["holds"] == (s["verdict"] == "holds")
-    assert s["text"].startswith({"holds": "the model holds on this disk within", "does not hold": "the model does NOT hold",
-                                 "inconclusive": "INCONCLUSIVE"}[s["verdict"]])
+    assert s["verdict"] in ("does not hold", "insufficient")      # 2 repetitions: no verdict unless ruled out
+    assert s["text"].startswith({"does not hold": "the model does NOT hold",
+                                 "insufficient": "INSUFFICIENT on this disk: 2 repetition(s) per cell"}[s["verdict"]])
 
 
 def test_validate_record_source_untouched_work_dir_removed(disk, tmp_path):
@@ -248,7 +249,7 @@ def _cell(layout, predicted, reps):
             "measured_stall_per_token_s": {"mean": m.estimate, "repetitions": list(reps), "low": m.low, "high": m.high}}
 
 
-STEADY = (0.99, 1.0, 1.01)
+STEADY = (0.99, 1.0, 1.01, 1.0)
 
 
 def _comparison(sign, same=True, inside=True, words="measurement agrees with the prediction"):
@@ -290,7 +291,7 @@ def test_summary_sentences():
     s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)], [_comparison(True, inside=False)])
     assert s["verdict"] == "does not hold" and "lies beyond the measured family interval and placement in 1 of 1" in s["text"]
     # scattered repetitions: beyond the tolerance, but the measurement does not rule the prediction out
-    s = summarize_validation([_cell("stock", 1.3, (0.7, 1.0, 1.3)), _cell("louvain", 1.0, STEADY)], [_comparison(None)])
+    s = summarize_validation([_cell("stock", 1.3, (0.7, 1.0, 1.3, 1.0)), _cell("louvain", 1.0, STEADY)], [_comparison(None)])
     assert s["verdict"] == "inconclusive" and not s["holds"] and s["cells_unresolved"] == 1
     assert s["text"].startswith("INCONCLUSIVE") and "1 of 2 cell(s) are beyond +/-20%" in s["text"] and "--reps" in s["text"]
     s = summarize_validation([_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)], [_comparison(None, same=False)])
@@ -403,6 +404,11 @@ def test_a_budget_is_measured_in_pairs_of_repetitions(tmp_path):
                 assert reps % 2 == 0 and reps >= 2 and t >= 1
     o = ValidateOptions(tmp_path, tmp_path / "v.json", minutes=5, reps=3)
     assert _choose_size(o, 400, 18, 1.0, 10, 900.0)[1] == 3
+    o = ValidateOptions(tmp_path, tmp_path / "v.json", minutes=5)
+    t, reps, why = _choose_size(o, 400, 18, 1.0, 10, 400.0)      # 4 repetitions of 4 steps fit: a verdict's 4 first
+    assert reps == 4 and t >= 4 and "insufficient" not in why
+    t, reps, why = _choose_size(o, 400, 18, 1.0, 10, 30.0)       # not even that: 2, and it says what that means
+    assert reps == 2 and "fewer repetitions than the 4 a verdict needs" in why
 
 
 def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
@@ -645,3 +651,16 @@ def test_a_gate_decision_measured_on_a_saving_within_placement_is_not_held_again
     assert "decides differently in 0 of 1 and in 1 more whose prediction is off by no more than placement" in s["text"]
     s = summarize_validation(cells, [_comparison(True, same=False)])
     assert s["gate_disagreements"] == 1 and s["verdict"] == "inconclusive"
+
+
+def test_fewer_repetitions_than_a_verdict_needs_give_insufficient_unless_a_measurement_rules_the_model_out():
+    from relayout.validate import VERDICT_REPS
+
+    two = [_cell("stock", 1.0, (0.99, 1.01)), _cell("louvain", 1.0, (0.99, 1.01))]
+    s = summarize_validation(two, [_comparison(True)])
+    assert s["verdict"] == "insufficient" and not s["holds"] and VERDICT_REPS == 4
+    assert s["text"].startswith("INSUFFICIENT on this disk: 2 repetition(s) per cell, where a verdict needs 4 (over 2, a "
+                                "95% interval reaches 12.7 standard errors")
+    assert summarize_validation(two, [_comparison(True, inside=False)])["verdict"] == "does not hold"
+    four = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
+    assert summarize_validation(four, [_comparison(True)])["verdict"] == "holds"
