@@ -15,7 +15,10 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    rewrite of the stock plan, the placement control (:data:`PLACEMENT_COPY`), measured beside
    stock in every block: the same bytes in the same order in another file, so what S differs
    by between the two is placement alone (a fresh copy of stock ran 11% faster than stock on
-   this project's disk), and a measured layout saving within it is not read as the layout's;
+   this project's disk), and a measured layout saving within it is not read as the layout's.
+   All the rewrites run at once (one thread each): written one after another, the containers
+   written later read faster on this project's disk in every block of four runs, a bias
+   against stock, written first, of 2-10 ms/token (``docs/BENCHMARKS.md``);
 2. reads every container once (:func:`_read_each_once`: a virtual disk may serve a block slower
    the first time it is read, which would favour the freshly written copies);
 3. calibrates the disk holding ``PATH`` (:func:`replay.calibrate.calibrate`) unless a device
@@ -88,6 +91,7 @@ import math
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -352,16 +356,7 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
     source = source_from_container(src, manifest_path)
     need = sum(p.stat().st_size for p in container.files)
 
-    def rewrite(plan, name: str, what: str) -> Path:
-        dst = work.fresh(f"layout-{name}")
-        free = shutil.disk_usage(work.path).free
-        if free < need * 1.05:
-            raise InputError(work.path, f"needs {need / 1e9:.1f} GB free for {what}, has {free / 1e9:.1f} GB")
-        notify(f"rewriting {src} into {what} ({dst})")
-        apply_plan(src, plan, dst, None, force=True, manifest_path=manifest_path)
-        return dst
-
-    dirs, lays, plans = {}, {}, {}
+    dirs, lays, plans, writes = {}, {}, {}, []
     for method in o.layouts:
         path = work.path / f"plan-{method}.json"
         save_plan(make_plan(trace, source, method, train_fraction=TRAIN_FRACTION, seed=o.seed, progress=False), path)
@@ -370,8 +365,24 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
         if method == "stock" and not synthetic:
             dirs[method], lays[method] = src, plan.stock
             continue
-        dirs[method], lays[method] = rewrite(plan, method, f"the {method} layout"), plan.layout
-    dirs[PLACEMENT_COPY] = rewrite(plans["stock"], PLACEMENT_COPY, "a second copy of the stock layout (the placement control)")
+        lays[method] = plan.layout
+        writes.append((method, plan))
+    writes.append((PLACEMENT_COPY, plans["stock"]))
+    free = shutil.disk_usage(work.path).free
+    if free < need * len(writes) * 1.05:
+        raise InputError(work.path, f"needs {need * len(writes) / 1e9:.1f} GB free for {len(writes)} rewritten containers, "
+                                    f"has {free / 1e9:.1f} GB")
+    for name, _ in writes:
+        dirs[name] = work.fresh(f"layout-{name}")
+    notify(f"rewriting {src} into {', '.join(name for name, _ in writes)} ({work.path}/layout-*), all at once: on a disk "
+           "that serves files by the order they were written, no container is then written before the others")
+
+    def rewrite(job: tuple) -> None:
+        name, plan = job
+        apply_plan(src, plan, dirs[name], None, force=True, manifest_path=manifest_path, progress=False)
+
+    with ThreadPoolExecutor(len(writes)) as pool:
+        list(pool.map(rewrite, writes))
     return src, manifest, trace, Layouts(dirs, lays, plans), synthetic
 
 
