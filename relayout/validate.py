@@ -59,8 +59,7 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    :data:`VALIDATION_VERSION`) and, with ``plots``, a predicted-vs-measured scatter.
 
 The verdict (:func:`judge_record`, :func:`summarize_validation`) is one of three, over the run's
-judgements (each cell's S, each layout's and each prefetch source's saving:
-:func:`validation_judgements`). A 95% interval misses its true value one time in twenty, so a run
+judgements (each cell's S, each layout's saving and each prefetch source's saving). A 95% interval misses its true value one time in twenty, so a run
 of 42 judgements misses about two by chance alone. So a prediction is ruled out only beyond its
 *family* interval, at the coverage each judgement needs for all of them to hold together 95% of
 the time (Bonferroni, :func:`replay.stats.family_level`; at 4 repetitions 3.8 times as wide as
@@ -850,16 +849,6 @@ def speed_normalized_savings(base_measured, base_predicted: float, base_at_run, 
             for b, ba, n, na in zip(base_measured, base_at_run, new_measured, new_at_run)]
 
 
-def _prefetch_saving(base_pred: tuple, new_pred: tuple, base_runs: list[dict], runs: list[dict]) -> dict:
-    """A prefetch source's saving against none (same layout and RAM), predicted and measured as
-    :func:`_saving` does (:func:`judge_record` judges it with :data:`PREFETCH_TOLERANCE`).
-
-    The measured saving is the plain one, over repetitions: no layer of a forward is beyond a
-    prefetch source's reach to serve as a drift control, since the runtime queues layer L+1's
-    loads when L is routed, beside L's demand reads, the first layer's included."""
-    return _saving(base_pred[0], new_pred[0], base_runs, runs)
-
-
 def _run_stalls(runs: list[dict]) -> list[float]:
     """Each measured run's S (s/token)."""
     return [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
@@ -961,8 +950,10 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             if pf == "none":
                 continue
             for m in methods:
-                x = _prefetch_saving(predicted[(m, "none", frac)], predicted[(m, pf, frac)], measured[(m, "none", frac)],
-                                     measured[(m, pf, frac)])
+                # the plain saving over repetitions: no layer of a forward is beyond a prefetch source's reach to
+                # serve as a drift control (the runtime queues layer L+1's loads when L is routed, the first's too)
+                x = _saving(predicted[(m, "none", frac)][0], predicted[(m, pf, frac)][0], measured[(m, "none", frac)],
+                            measured[(m, pf, frac)])
                 x["at_run_speed"] = _saving_at_run_speed(side((m, "none", frac)), side((m, pf, frac)))
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
                                              "tolerance": PREFETCH_TOLERANCE, **x})
@@ -1012,10 +1003,7 @@ def judge_record(record: dict) -> dict:
         raise ValueError(f"not a {VALIDATION_FORMAT} record of version {OLDEST_JUDGED} or later: "
                          f"format {record.get('format')!r}, version {record.get('version')!r}")
     v = copy.deepcopy(record)
-    cfg = v["config"]
-    blocks = len(cfg["ram_fractions"]) * len(cfg["prefetch"])
-    pf_blocks = len(cfg["ram_fractions"]) * (len(cfg["prefetch"]) - 1) if "none" in cfg["prefetch"] else 0
-    k = validation_judgements(blocks, len(cfg["layouts"]), pf_blocks)
+    k = len(v["cells"]) + len(v["comparisons"]) + len(v["prefetch_comparisons"])   # the judgements the verdict rests on
     control = v["placement_control"]["blocks"]
 
     def family(m: dict) -> dict:
@@ -1025,18 +1013,16 @@ def judge_record(record: dict) -> dict:
         m = c["measured_stall_per_token_s"] = family(c["measured_stall_per_token_s"])
         c["agreement"] = cell_agreement(c["predicted_stall_per_token_s"], m["mean"], m["family"]["low_s"],
                                         m["family"]["high_s"])
-    for x in v["comparisons"]:
-        bound = placement_bound([b for b in control if b["ram_fraction"] == x["ram_fraction"]] or control)
+    for x, tolerance, bound in [
+            *((x, None, placement_bound([b for b in control if b["ram_fraction"] == x["ram_fraction"]] or control))
+              for x in v["comparisons"]),
+            *((x, PREFETCH_TOLERANCE, None) for x in v["prefetch_comparisons"])]:
+        predicted = x["predicted_saving"]["estimate_s"]
         x["measured_saving"] = family(x["measured_saving"])
-        x.update(_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], placement_s=bound))
-    for x in v["prefetch_comparisons"]:
-        x["measured_saving"] = family(x["measured_saving"])
-        x.update(_judge(x["predicted_saving"]["estimate_s"], x["measured_saving"], PREFETCH_TOLERANCE))
-    for x, tolerance in [*((x, None) for x in v["comparisons"]),
-                         *((x, PREFETCH_TOLERANCE) for x in v["prefetch_comparisons"])]:
-        if x.get("at_run_speed"):
+        x.update(_judge(predicted, x["measured_saving"], tolerance, bound))
+        if x.get("at_run_speed"):                    # equal disk speed: no placement left in it
             m = family(x["at_run_speed"]["measured"])
-            x["at_run_speed"] = {"measured": m, **_judge(x["predicted_saving"]["estimate_s"], m, tolerance)}
+            x["at_run_speed"] = {"measured": m, **_judge(predicted, m, tolerance)}
     sharing = v.get("calibration_sharing")
     if "calibration_sharing" not in v and v["summary"].get("drive_shares_concurrent_reads"):
         sharing = {"sentence": "this drive shares itself among concurrent reads (the record, of an earlier version, kept "
@@ -1057,13 +1043,6 @@ def placement_difference(ram_fraction: float, stock_s: list[float], copy_s: list
     diff = [a - b for a, b in zip(stock_s, copy_s)]
     return {"ram_fraction": ram_fraction, "stock_s": list(stock_s), "copy_s": list(copy_s),
             "difference": {**_over_repetitions(diff), "repetitions": diff}}
-
-
-def validation_judgements(blocks: int, layouts: int, prefetch_blocks: int) -> int:
-    """How many judgements a validation's verdict rests on: each cell's S (``blocks`` of RAM
-    budget x prefetch source, times ``layouts``), each non-stock layout's saving in every block,
-    and each layout's prefetch saving in the ``prefetch_blocks`` that have a source to judge."""
-    return blocks * layouts + blocks * (layouts - 1) + prefetch_blocks * layouts
 
 
 def placement_bound(blocks: list[dict]) -> float | None:
@@ -1227,7 +1206,6 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     family = next((c["measured_stall_per_token_s"]["family"] for c in cells
                    if c.get("measured_stall_per_token_s", {}).get("family")), None)
     if family:
-        reps = len(cells[0]["measured_stall_per_token_s"]["repetitions"])
         line("judgements", f"this verdict rests on {family['judgements']} (each cell's S, each layout's and each "
              f"prefetch source's saving); a prediction is ruled out only beyond its {family['level']:.2%} interval, "
              "so that a correct model is ruled out by chance in at most 5% of runs"

@@ -67,8 +67,6 @@ def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -
     ----------
     Student (1908), "The probable error of a mean", Biometrika 6(1).
     """
-    from scipy.stats import t as student_t     # scipy.stats takes a while to import: only when asked
-
     x = np.asarray(values, dtype=np.float64)
     n = len(x)
     if n == 0:
@@ -76,7 +74,7 @@ def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -
     mean = float(x.mean())
     if n < 2:
         return Interval(mean, mean, mean, unit, n)
-    half = float(student_t.ppf(1 - (1 - level) / 2, n - 1) * x.std(ddof=1) / np.sqrt(n))
+    half = float(student_t_quantile(1 - (1 - level) / 2, n) * x.std(ddof=1) / np.sqrt(n))
     return Interval(mean, mean - half, mean + half, unit, n)
 
 
@@ -120,7 +118,7 @@ def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> i
 def student_t_quantile(p: float, repetitions: int) -> float:
     """Student's t quantile ``p`` with ``repetitions - 1`` degrees of freedom (>= 2 repetitions):
     how many standard errors of the mean a two-sided ``2p - 1`` interval reaches either side."""
-    from scipy.stats import t as student_t
+    from scipy.stats import t as student_t     # scipy.stats takes a while to import: only when asked
 
     return float(student_t.ppf(p, repetitions - 1))
 

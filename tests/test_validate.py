@@ -620,15 +620,6 @@ def test_the_verdict_allows_as_many_misses_of_95_percent_intervals_as_chance_giv
     assert s["verdict"] == "does not hold" and "beyond the measured family interval widened by +/-30% in 2 of 2" in s["text"]
 
 
-def test_validation_judgements_count_every_figure_a_verdict_rests_on():
-    from relayout.validate import validation_judgements
-
-    assert validation_judgements(6, 3, 4) == 18 + 12 + 12          # 3 layouts x 2 RAM x none, oracle, coupled
-    assert validation_judgements(4, 3, 0) == 12 + 8                # no "none": no prefetch saving to judge
-    assert validation_judgements(2, 1, 0) == 2                     # stock alone: its cells only
-    assert validation_judgements(4, 2, 2) == 8 + 4 + 4             # none and oracle
-
-
 def test_chance_misses_is_the_binomial_95th_percentile_and_family_level_is_bonferroni():
     from scipy.stats import binom
 
