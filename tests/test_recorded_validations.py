@@ -1,0 +1,66 @@
+"""The `relayout validate` runs kept in ``benchmarks/records`` (docs/BENCHMARKS.md) judged again.
+
+A record holds the measurements and predictions of one run on a real disk; the verdict is a pure
+function of them (:func:`relayout.validate.judge_record`). Judging the kept records again must give
+the verdicts and counts that docs/BENCHMARKS.md quotes: a change to the rules that moves one of
+them is a change to the published evidence and has to be made (and written down) on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from replay.device import load_device
+from relayout.validate import judge_record
+
+RECORDS = Path(__file__).resolve().parent.parent / "benchmarks" / "records"
+VALIDATIONS = sorted(RECORDS.glob("*.validation.json"))
+PROFILES = sorted(RECORDS.glob("*.device.json"))
+
+# What docs/BENCHMARKS.md ("One fitted profile across days") quotes for each run.
+QUOTED = {
+    "v26-2026-12-03": dict(verdict="holds", inside_measured=12, unresolved_savings=1, gate_disagreements=0,
+                           ratio=(0.93, 0.96)),
+    "v27-2026-12-03": dict(verdict="holds", inside_measured=11, unresolved_savings=1, gate_disagreements=0,
+                           ratio=(0.95, 1.00)),
+    "v28-2026-12-03": dict(verdict="holds", inside_measured=10, unresolved_savings=3, gate_disagreements=0,
+                           ratio=(1.02, 1.08)),
+}
+
+
+def _load(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_every_quoted_run_is_kept():
+    assert {p.name.removesuffix(".validation.json") for p in VALIDATIONS} >= set(QUOTED)
+
+
+@pytest.mark.parametrize("path", VALIDATIONS, ids=lambda p: p.name)
+def test_kept_record_judged_again_gives_its_verdict(path):
+    record = _load(path)
+    judged = judge_record(record)["summary"]
+    kept = record["summary"]
+    for key in ("verdict", "cells_disagree", "cells_unresolved", "inside_measured", "unresolved_savings",
+                "sign_wrong", "prefetch_within_tolerance", "prefetch_disagree", "gate_disagreements"):
+        assert judged[key] == kept[key], key
+    quoted = dict(QUOTED.get(path.name.removesuffix(".validation.json"), {}))
+    if quoted:
+        low, high = quoted.pop("ratio")
+        assert low <= judged["ratio_min"] <= judged["ratio_max"] <= high
+        assert {k: judged[k] for k in quoted} == quoted
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
+def test_kept_profile_loads_as_the_run_used_it(path):
+    profile = load_device(str(path))
+    assert profile.drive.bandwidth > 0 and profile.drive.request_seconds > 0
+    users = [r for r in map(_load, VALIDATIONS) if r["device"]["name"] == _load(path)["name"]]
+    for record in users:
+        used = record["device"]["profile"]
+        assert used["drive"] == _load(path)["drive"]
+        assert used["host_bandwidth"] == profile.host_bandwidth
