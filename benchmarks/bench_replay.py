@@ -3,8 +3,9 @@
 Usage: python benchmarks/bench_replay.py [--tokens 10000]
 
 Prints the wall time of replaying --tokens decode tokens of the
-GLM-5.2 geometry (75 layers, top-8) through the stock layout on the Mac Pro profile, without and
-with a prefetch source (the coupled table learned from the first two of four sessions), and
+GLM-5.2 geometry (75 layers, top-8) through the stock layout on the Mac Pro profile (its drives in
+order, then shared among concurrent reads), and on one shared drive as calibrated on this project's
+VM (``records/v26-2026-12-03.device.json``), without and with a prefetch source (the coupled table learned from the first two of four sessions), and
 the rate of modelled expert requests (expert loads simulated) per second on one core, after a
 first tiny replay that loads (or, on a new machine, compiles) the model, and the peak RSS of a
 replay as the gate runs it (in a fresh process). The temporary trace is removed at the end.
@@ -31,6 +32,7 @@ from replay.engine import simulate
 from replay.predictors import learn_source
 from replay.trace import save_trace
 
+RECORDS = Path(__file__).resolve().parent / "records"
 TARGET_LOADS_PER_S = 2e6
 STALL_VALUED_TARGET = 1.5e6
 """Issue 14's target for the stall-valued policy with a 64 GB cache: modelled requests (expert loads) per second."""
@@ -64,6 +66,7 @@ def run(args, work: Path) -> None:
     learned = learn_source("coupled", trace, train, src.stock, coupling=coupling)
     print(f"coupled source's calibration learned on the same forwards in {time.perf_counter() - t:.1f} s")
     shared = replace(dev, drive=replace(dev.drive, service="shared"))     # drives sharing their channel: an event pool
+    this_vm = load_device(str(RECORDS / "v26-2026-12-03.device.json"))     # one shared drive, as calibrated here
     configs = (("no cache, 8 workers", RuntimeConfig(), dev),
                ("64 GB LRU, 8 workers, coalesce", RuntimeConfig(ram_bytes=64 * 10**9, coalesce=True), dev),
                ("no cache, oracle prefetch K=6", RuntimeConfig(prefetch="oracle"), dev),
@@ -72,7 +75,8 @@ def run(args, work: Path) -> None:
                 RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled", admission="stall-value"), dev),
                ("no cache, 8 workers, shared drives", RuntimeConfig(), shared),
                ("64 GB LRU, coupled prefetch K=6, shared drives",
-                RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled"), shared))
+                RuntimeConfig(ram_bytes=64 * 10**9, prefetch="coupled"), shared),
+               ("no cache, 8 workers, one shared drive (v26's calibrated profile)", RuntimeConfig(), this_vm))
     for label, cfg, device in configs:
         t, cpu = time.perf_counter(), time.process_time()
         inst, _ = simulate(trace, mask, src.stock, device, cfg, coupling=coupling if cfg.admission == "top-k" else learned)
