@@ -487,7 +487,7 @@ def cmd_validate(args) -> int:
         container=Path(args.container) if args.container else None, gb=args.gb, minutes=args.minutes,
         tokens=args.tokens, reps=args.reps, layouts=parse_list(args.layouts, "--layouts"),
         ram=parse_list(args.ram, "--ram", float), prefetch=parse_list(args.prefetch, "--prefetch"),
-        workers=args.workers, plots=Path(args.plots) if args.plots else None, keep=args.keep, seed=args.seed,
+        workers=args.workers, coalesce=args.coalesce, plots=Path(args.plots) if args.plots else None, keep=args.keep, seed=args.seed,
     )
     record = validate(opts, notify=_say)
     print(format_validation(record))
@@ -855,6 +855,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefetch", default="none", help=f"prefetch sources ({', '.join(PREFETCH_SOURCES)}); with none among "
                                                       "them each source's saving against none is judged too")
     s.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
+    s.add_argument("--coalesce", action="store_true", help="coalesce adjacent experts' reads (colibrì's COALESCE), "
+                                                         "measured and modelled alike: where the order of experts matters")
     s.add_argument("--seed", type=int, default=0, help="seed of the synthetic container, trace and plans")
     s.add_argument("-o", "--output", default="validation.json", help="the record to write (a calibrated profile is saved "
                                                                      "next to it as NAME.device.json)")

@@ -373,17 +373,21 @@ def _agreement(x: dict) -> str:
             f"{'DISAGREES' if x['agreement'] == 'disagrees' else x['agreement']}")
 
 
-def _at_run_speed(x: dict) -> list[str]:
-    """A validation comparison's measured saving at equal disk speed (each run brought to the
-    profile's speed by the model's sensitivity to it), when the runs carried I/O counts."""
-    a = x.get("at_run_speed")
-    if not a:
-        return []
-    m, ms = a["measured"], 1e3
-    close = ("" if "within_tolerance" not in a else
-             f"{'within' if a['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}, ")
-    return [f"    at equal disk speed (diagnosis): measured {m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, "
-            f"{m['high_s'] * ms:+.2f}], {close}{_agreement(a)}"]
+def _diagnoses(x: dict) -> list[str]:
+    """A validation comparison's measured saving with each run brought to the model's conditions
+    by the model's own sensitivity to them: at equal disk speed (when the runs carried I/O
+    counts) and at each run's speed with the compute its harness ran (records of version 9 on)."""
+    out, ms = [], 1e3
+    for key, label in (("at_run_speed", "at equal disk speed"), ("at_harness_compute", "at the run's speed and compute")):
+        a = x.get(key)
+        if not a:
+            continue
+        m = a["measured"]
+        close = ("" if "within_tolerance" not in a else
+                 f"{'within' if a['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}, ")
+        out.append(f"    {label} (diagnosis): measured {m['estimate_s'] * ms:+.2f} [{m['low_s'] * ms:+.2f}, "
+                   f"{m['high_s'] * ms:+.2f}], {close}{_agreement(a)}")
+    return out
 
 
 def format_validation(v: dict) -> str:
@@ -392,7 +396,8 @@ def format_validation(v: dict) -> str:
     lines = [(f"device {v['device']['name']} ({v['device']['source']}); container {v['container']['path']}"
               f"{' (synthetic)' if v['container']['synthetic'] else ''}, {human_bytes(v['container']['routed_bytes'])} routed"),
              (f"{v['config']['tokens']} held-out steps x {v['config']['reps']} repetitions per cell, layouts and prefetch "
-              f"sources interleaved; {v['config']['workers']} workers; {', '.join(v['config']['cache'])}")]
+              f"sources interleaved; {v['config']['workers']} workers"
+              f"{', reads coalesced' if v['config'].get('runtime', {}).get('coalesce') else ''}; {', '.join(v['config']['cache'])}")]
     if v["config"].get("chosen"):
         lines.append(v["config"]["chosen"])
     drift = v.get("drift")
@@ -404,9 +409,11 @@ def format_validation(v: dict) -> str:
         lines.append("each container read once before measuring (a virtual disk may serve a block slower the first time): "
                      + ", ".join(f"{m} {r['rate_Bps'] / 1e9:.2f} GB/s" for m, r in v["first_read"].items() if r["rate_Bps"]))
     run_speeds = any(c.get("at_run_speed") for c in v["cells"])
+    harness = any(c.get("at_harness_compute") for c in v["cells"])
     lines += ["", f"{'layout':<9}{'RAM':>6}{'prefetch':>9}{'predicted S':>13}{'measured S [95% over reps] (each rep)':>46}"
                   f"{'pred/meas':>11}{'':<12}" + (f"{'at probed speed':>17}" if drift else "")
-                  + (f"{'at run speed':>14}{'at neighbours':>15}" if run_speeds else "")]
+                  + (f"{'at run speed':>14}{'at neighbours':>15}" if run_speeds else "")
+                  + (f"{'speed+compute':>15}" if harness else "")]
     for c in v["cells"]:
         m = c["measured_stall_per_token_s"]
         each = " ".join(f"{x * ms:.2f}" for x in m["repetitions"])
@@ -417,10 +424,12 @@ def format_validation(v: dict) -> str:
         at_run = "" if not run_speeds else (
             f"{format(run_speed['ratio'], '.2f') if run_speed and run_speed['ratio'] is not None else 'n/a':>14}"
             f"{format(near['ratio'], '.2f') if near and near['ratio'] is not None else 'n/a':>15}")
+        h = c.get("at_harness_compute")
+        at_harness = "" if not harness else f"{format(h['ratio'], '.2f') if h and h['ratio'] is not None else 'n/a':>15}"
         measured = f"{m['mean'] * ms:.2f} [{m['low'] * ms:.2f}, {m['high'] * ms:.2f}] ({each})"
         lines.append(f"{c['layout']:<9}{c['ram_fraction']:>6g}{c['prefetch']:>9}{c['predicted_stall_per_token_s'] * ms:>13.2f}"
                      f"  {measured:>44}{ratio:>11}  {c['agreement'].upper() if c['agreement'] == 'disagrees' else c['agreement']:<10}"
-                     f"{at_probe}{at_run}")
+                     f"{at_probe}{at_run}{at_harness}")
     family = v["cells"][0]["measured_stall_per_token_s"].get("family") if v["cells"] else None
     lines.append("S in ms per committed token; a cell agrees within +/-"
                  f"{v['config']['tolerance']:.0%}, disagrees when its prediction lies outside the measured "
@@ -437,7 +446,7 @@ def format_validation(v: dict) -> str:
                          f"{'pass' if g['predicted']['passes'] else 'fail'}/{'pass' if g['measured']['passes'] else 'fail'}"
                          f"{'' if g['same_decision'] else ' DIFFERS'}")
             lines.append(f"    {x['words']}")
-            lines += _at_run_speed(x)
+            lines += _diagnoses(x)
     if v.get("prefetch_comparisons"):
         lines += ["", "prefetch saving vs no prefetch, same layout and RAM, ms/token (95% intervals as above; agrees "
                       f"inside the measured interval or within +/-{v['prefetch_comparisons'][0]['tolerance']:.0%} of it)"]
@@ -445,7 +454,7 @@ def format_validation(v: dict) -> str:
             lines.append(f"  {x['prefetch']:<8} {x['layout']:<8} RAM {x['ram_fraction']:g}  {_predicted_measured(x)}")
             lines.append(f"    {'within' if x['within_tolerance'] else 'not within'} +/-{x['tolerance']:.0%}, "
                          f"{_agreement(x)}; {x['words']}")
-            lines += _at_run_speed(x)
+            lines += _diagnoses(x)
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)
 

@@ -17,7 +17,9 @@ from relayout.validate import (
     VALIDATION_VERSION,
     WORK_MARKER,
     WORK_NAME,
+    at_harness_compute,
     cell_agreement,
+    harness_compute,
     judge_record,
     speed_normalized_savings,
     summarize_validation,
@@ -54,6 +56,13 @@ def _check_record(v: dict) -> None:
     assert same(judge_record(bare), v) and same(bare, snap)   # and its input is left as it was
     k = len(v["cells"]) + len(v["comparisons"]) + len(v["prefetch_comparisons"])
     assert all(c["measured_stall_per_token_s"]["family"]["judgements"] == k for c in v["cells"])
+    for c in v["cells"]:                                 # each run predicted with the compute its harness ran
+        h, mc = c["at_harness_compute"], c["measured_compute_per_token_s"]
+        assert mc["mean"] > 0 and c["predicted_compute_per_token_s"] > 0
+        assert h["excess_compute_per_token_s"] == pytest.approx([x - c["predicted_compute_per_token_s"]
+                                                                 for x in mc["repetitions"]])
+    assert v["summary"]["harness_compute"]["cells"] == len(v["cells"])
+    assert "the harness's compute" in v["summary"]["text"]
     old = {**json.loads(json.dumps(v)), "version": 6}    # a record of version 6 had no calibration sentence
     del old["calibration_sharing"]
     assert judge_record(old)["summary"]["verdict"] == v["summary"]["verdict"]
@@ -203,6 +212,48 @@ def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
     assert "prefetch saving vs no prefetch" in r.stdout and "of the measured one in" in v["summary"]["text"]
 
 
+def test_validate_coalesces_in_the_model_and_the_measured_runs_alike(disk, tmp_path):
+    from containers.container import Container
+    from relayout.validate import validation_trace
+    from replay.config import RuntimeConfig
+    from replay.device import load_device
+    from replay.engine import simulate
+    from replay.gate import evaluation_forwards
+    from replay.metrics import step_table, summarize
+    from replay.planfile import load_plan
+
+    out = tmp_path / "validation.json"
+    try:
+        r = _validate(disk, out, "--coalesce", "--workers", 1, "--keep")
+        assert r.returncode == 0, r.stderr
+        v = json.loads(out.read_text())
+        assert v["config"]["runtime"]["coalesce"] is True and v["config"]["workers"] == 1
+        assert "1 workers, reads coalesced" in r.stdout
+        work = disk / WORK_NAME
+        for run in (work / "runs").glob("*.jsonl"):          # every measured run read with coalescing on
+            steps = [json.loads(x) for x in run.read_text().splitlines() if '"record":"step"' in x]
+            assert steps and all("workers=1" in x["configuration"] and "coalesce=1" in x["configuration"] for x in steps)
+        trace = validation_trace(Container.open(disk / "src"), 0, 8)
+        plans = {m: load_plan(work / f"plan-{m}.json") for m in ("stock", "louvain")}
+        mask, _ = evaluation_forwards(trace, list(plans.values()))
+        mask &= np.cumsum(mask) <= v["config"]["tokens"]
+        for m, plan in plans.items():                        # the prediction is the coalescing model's, not the default's
+            layout = plan.stock if m == "stock" else plan.layout  # --container: stock is measured where it is
+            predicted = {}
+            for coalesce in (True, False):
+                inst, usage = simulate(trace, mask, layout, load_device("single-nvme"),
+                                       RuntimeConfig(workers=1, coalesce=coalesce))
+                predicted[coalesce] = summarize(step_table(trace, mask, inst), usage, 0.0).stall_per_token_s
+            cell = next(c for c in v["cells"] if c["layout"] == m)
+            assert cell["predicted_stall_per_token_s"] == pytest.approx(predicted[True], rel=1e-9)
+            if m == "louvain":
+                assert predicted[True] != pytest.approx(predicted[False], rel=1e-3)
+    finally:
+        import shutil
+
+        shutil.rmtree(disk / WORK_NAME, ignore_errors=True)
+
+
 def test_validate_refuses_a_foreign_work_dir(disk, tmp_path):
     work = disk / WORK_NAME
     work.mkdir()
@@ -256,6 +307,45 @@ def _comparison(sign, same=True, inside=True, words="measurement agrees with the
     return {"layout": "louvain", "ram_fraction": 0.0, "prefetch": "none", "sign_agrees": sign,
             "predicted_inside_measured": inside, "agreement": "agrees" if inside and sign is not False else "disagrees",
             "gate": {"same_decision": same}, "words": words}
+
+
+def test_a_run_is_predicted_with_its_harness_compute_as_slower_matmuls():
+    rates = []
+
+    def stall_at(rate):
+        rates.append(rate)
+        return 0.03
+
+    # the model computes 11 ms/token, 3 of them matmuls at 50 GB/s; the harness ran 15: 4 ms more matmul time
+    x = at_harness_compute(stall_at, 50e9, 0.011, 0.003, 0.015)
+    assert x == {"excess_compute_per_token_s": pytest.approx(0.004), "predicted_stall_per_token_s": 0.03}
+    assert rates == [pytest.approx(50e9 * 3 / 7)]             # 3 ms of matmuls stretched to 7
+    assert at_harness_compute(stall_at, 50e9, 0.011, 0.003, 0.0) is None     # the run carried no compute
+    assert at_harness_compute(stall_at, 50e9, 0.011, 0.0, 0.015) is None     # no matmul to stretch
+    assert at_harness_compute(stall_at, 50e9, 0.011, 0.003, 0.007) is None   # faster than the model's dense part
+    assert len(rates) == 1
+
+
+def test_the_harness_compute_is_summarized_per_layout_and_explains_a_gap_only_when_it_does():
+    def cell(layout, ram, measured_compute, ratio):
+        c = _cell(layout, 0.03, STEADY)
+        c.update(ram_fraction=ram, prefetch="none", predicted_compute_per_token_s=0.011,
+                 measured_compute_per_token_s={"mean": measured_compute, "repetitions": [measured_compute] * 4},
+                 at_harness_compute={"ratio": ratio})
+        return c
+
+    cells = [cell("stock", 0.0, 0.015, 1.02), cell("louvain", 0.0, 0.013, 0.97), cell("stock", 0.25, 0.012, 1.0)]
+    h = harness_compute(cells, [])
+    assert h["excess_max"] == pytest.approx(4 / 11) and h["excess_min_s"] == pytest.approx(0.001)
+    assert h["layout_spread_s"] == pytest.approx(0.002)       # stock against louvain at RAM 0, not across budgets
+    assert (h["ratio_min"], h["ratio_max"], h["cells_within_band"], h["savings"]) == (0.97, 1.02, 3, 0)
+    assert harness_compute([_cell("stock", 0.03, STEADY)], []) is None   # a record without compute (version 8)
+    far = [{**c, "ratio": 1.3, "agreement": "disagrees"} for c in cells]   # the model 30% off the measured S
+    text = summarize_validation(far, [])["text"]
+    assert text.startswith("the model does NOT hold") and "the harness's compute: the measuring harness computed" in text
+    assert "the gap is the harness's more than the model's" in text     # with the harness's compute, all within 10%
+    off = [{**c, "at_harness_compute": {"ratio": 1.25}} for c in far]
+    assert "the gap is the harness's" not in summarize_validation(off, [])["text"]
 
 
 def test_repetition_interval_is_students_t_over_repetitions():
