@@ -27,6 +27,7 @@ from replay.gate import compare, evaluation_forwards, run_layout
 from replay.measure import Arm, measure_interleaved
 from replay.planfile import load_plan, save_plan
 from replay.stalltrace import compare as compare_runs
+from replay.stalltrace import report as run_report
 from replay.trace import save_trace
 
 from .apply import apply_plan, verify
@@ -93,6 +94,22 @@ def measured_vs_predicted(estimate: float, low: float, high: float, predicted: f
         return "measurement agrees with the prediction: the predicted saving lies inside the measured interval"
     return (f"measurement and prediction agree in sign but not in size: predicted {predicted:+.3f}, measured "
             f"[{low:+.3f}, {high:+.3f}]")
+
+
+def harness_sentence(runs: dict, model_compute: float) -> str:
+    """In words: the compute the measuring harness ran per committed token (``runs``: label ->
+    STALL_TRACE path) against the model's (s/token), and what an excess does to measured stall."""
+    from .validate import HARNESS_EXCESS
+
+    ran = {label: float(np.mean([m.published["compute_per_committed_token_ns"] for m in run_report([path]).runs])) / 1e9
+           for label, path in runs.items()}
+    said = ", ".join(f"{label} {c * 1e3:.3f}" for label, c in ran.items())
+    if max(ran.values()) <= (1 + HARNESS_EXCESS) * model_compute:
+        return f"   compute, ms/token: the harness ran {said}, the model {model_compute * 1e3:.3f}"
+    return (f"   compute, ms/token: the harness ran {said}, the model {model_compute * 1e3:.3f}: the harness's own Python "
+            "work between waits does not fit in experts' compute this short, runs on and overlaps reads, so it measures "
+            "less stall than the runtime would, the more so for the layout that issues more reads (relayout validate "
+            "--coalesce replays each run with the compute it ran)")
 
 
 def _step(title: str) -> float:
@@ -210,6 +227,7 @@ def _run(work: Path, seed: int, kept: bool) -> int:
           f"{local.drive.request_seconds * 1e6:.0f} us per request): stock {base.summary.stall_per_token_s * 1e3:.3f}, relaid "
           f"{new.summary.stall_per_token_s * 1e3:.3f} ms/token; saved {est:.3f} ms [{low:.3f}, {high:.3f}] on the same steps")
     print("   " + measured_vs_predicted(s["estimate"] / 1e6, s["low"] / 1e6, s["high"] / 1e6, est))
+    print(harness_sentence(runs, base.summary.compute_per_token_s))
     spread = completion_sentence(profile)
     if spread and spread[1]:
         print("   this disk: " + spread[0])

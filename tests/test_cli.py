@@ -1,7 +1,12 @@
 """The command line: demo runs end to end; bad input is one line and exit 2."""
 
+import re
+
+import numpy as np
 import pytest
 from conftest import run_cli
+
+from replay.stalltrace import report
 
 
 @pytest.mark.slow
@@ -12,6 +17,13 @@ def test_demo_runs(tmp_path):
     assert "1 worker, coalescing reads" in res.stdout and "-> PASS" in res.stdout
     assert (tmp_path / "demo" / "gate.json").exists() and (tmp_path / "demo" / "plan.json").exists()
     assert "verify --full: 0 problems" in res.stdout and "measured S: stock" in res.stdout and (tmp_path / "demo" / "relaid" / "relayout.manifest.json").exists()
+    line = next(x for x in res.stdout.splitlines() if "compute, ms/token: the harness ran" in x)
+    said = re.search(r"stock ([\d.]+), relaid ([\d.]+), the model ([\d.]+)", line)
+    for label, value in (("stock", said[1]), ("relaid", said[2])):    # the compute its STALL_TRACEs hold
+        runs = report([tmp_path / "demo" / f"measure-{label}.jsonl"]).runs
+        assert len(runs) == 2 and float(value) == pytest.approx(
+            np.mean([m.published["compute_per_committed_token_ns"] for m in runs]) / 1e6, abs=6e-4)
+    assert float(said[3]) > 0 and ("overlaps reads" in line) == (max(float(said[1]), float(said[2])) > 1.1 * float(said[3]))
 
 
 def test_unknown_geometry_is_one_line(tmp_path):
