@@ -376,9 +376,10 @@ def _agreement(x: dict) -> str:
 def _diagnoses(x: dict) -> list[str]:
     """A validation comparison's measured saving with each run brought to the model's conditions
     by the model's own sensitivity to them: at equal disk speed (when the runs carried I/O
-    counts) and at each run's speed with the compute its harness ran (records of version 9 on)."""
+    counts), and at equal disk speed and compute (each run replayed at its speed with the
+    compute its harness ran; records of version 9 on)."""
     out, ms = [], 1e3
-    for key, label in (("at_run_speed", "at equal disk speed"), ("at_harness_compute", "at the run's speed and compute")):
+    for key, label in (("at_run_speed", "at equal disk speed"), ("at_harness_compute", "at equal disk speed and compute")):
         a = x.get(key)
         if not a:
             continue

@@ -20,7 +20,7 @@ RECORDS = Path(__file__).resolve().parent.parent / "benchmarks" / "records"
 VALIDATIONS = sorted(RECORDS.glob("*.validation.json"))
 PROFILES = sorted(RECORDS.glob("*.device.json"))
 
-# What docs/BENCHMARKS.md ("One fitted profile across days") quotes for each run.
+# What docs/BENCHMARKS.md quotes for each run ("One fitted profile across days").
 QUOTED = {
     "v26-2026-12-03": dict(verdict="holds", inside_measured=12, unresolved_savings=1, gate_disagreements=0,
                            ratio=(0.93, 0.96)),
@@ -29,6 +29,15 @@ QUOTED = {
     "v28-2026-12-03": dict(verdict="holds", inside_measured=10, unresolved_savings=3, gate_disagreements=0,
                            ratio=(1.02, 1.08)),
 }
+# "Where expert order matters": 2.4 MB experts, coalescing; v32 and v33 with the harness's compute.
+QUOTED.update({
+    "v29-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(1.01, 1.13)),
+    "v30-2026-12-03": dict(verdict="inconclusive", inside_measured=0, ratio=(0.82, 0.90)),
+    "v32-2026-12-03": dict(verdict="holds", inside_measured=4, ratio=(0.95, 1.05)),
+    "v33-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.87, 1.04)),
+})
+HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43)}
+"""Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 
 def _load(path: Path) -> dict:
@@ -53,6 +62,11 @@ def test_kept_record_judged_again_gives_its_verdict(path):
         low, high = quoted.pop("ratio")
         assert low <= judged["ratio_min"] <= judged["ratio_max"] <= high
         assert {k: judged[k] for k in quoted} == quoted
+    harness = HARNESS.get(path.name.removesuffix(".validation.json"))
+    if harness:
+        low, high, least, most = harness
+        h = judged["harness_compute"]
+        assert low <= h["ratio_min"] <= h["ratio_max"] <= high and least <= h["excess_min"] <= h["excess_max"] <= most
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)

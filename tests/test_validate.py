@@ -17,6 +17,7 @@ from relayout.validate import (
     VALIDATION_VERSION,
     WORK_MARKER,
     WORK_NAME,
+    _normalized_saving,
     at_harness_compute,
     cell_agreement,
     harness_compute,
@@ -346,6 +347,21 @@ def test_the_harness_compute_is_summarized_per_layout_and_explains_a_gap_only_wh
     assert "the gap is the harness's more than the model's" in text     # with the harness's compute, all within 10%
     off = [{**c, "at_harness_compute": {"ratio": 1.25}} for c in far]
     assert "the gap is the harness's" not in summarize_validation(off, [])["text"]
+    zero = [{**c, "at_harness_compute": {"ratio": 0.0}} for c in far]    # no stall predicted: a miss, still counted
+    assert harness_compute(zero, [])["cells"] == 3 and "the gap is the harness's" not in summarize_validation(zero, [])["text"]
+    none = [{**c, "at_harness_compute": None} for c in far]              # no run could be replayed so
+    assert harness_compute(none, [])["cells"] == 0
+    assert "the harness's compute: the measuring harness computed" in summarize_validation(none, [])["text"]
+    bad_pf = [{"layout": "stock", "ram_fraction": 0.0, "prefetch": "oracle", "sign_agrees": False, "agreement": "disagrees",
+               "within_tolerance": False, "measured_saving": {"estimate_s": 1.0, "low_s": 0.9, "high_s": 1.1}}]
+    assert "the gap is the harness's" not in summarize_validation(far, [], prefetch_comparisons=bad_pf)["text"]
+
+
+def test_a_normalized_saving_needs_a_positive_prediction_for_every_run():
+    runs = ([0.03, 0.031], 0.03, [{"predicted_stall_per_token_s": 0.029}, {"predicted_stall_per_token_s": 0.03}])
+    zero = ([0.02, 0.021], 0.02, [{"predicted_stall_per_token_s": 0.0}, {"predicted_stall_per_token_s": 0.02}])
+    assert _normalized_saving(runs, runs)["measured"]["repetitions"] == pytest.approx([0.0, 0.0])
+    assert _normalized_saving(runs, zero) is None and _normalized_saving(runs, (*zero[:2], [None, None])) is None
 
 
 def test_repetition_interval_is_students_t_over_repetitions():
