@@ -405,7 +405,6 @@ class _Run:
         request = trace.sessions[self.session]
         counts = (max(int(trace.fwd_committed[f]), 1), int(trace.fwd_evaluated[f]))
         step_t0 = time.perf_counter_ns()
-        _sleep.begin()
         compute_ns = stall_ns = 0
         rows = slice(self.row_start[f], self.row_start[f + 1])
         r_layer = trace.row_layer[rows]
@@ -415,6 +414,7 @@ class _Run:
         for layer in layers:
             sel = r_ex[r_layer == layer]
             unions[layer] = np.unique(sel[sel >= 0], return_counts=True)
+        _sleep.begin()                             # the runtime's step starts here: the routing above is ours
         for n_layer, layer in enumerate(layers):
             li = layer_index[layer]
             union, mult = unions[layer]
@@ -446,15 +446,16 @@ class _Run:
             if prefetcher is not None and nxt is not None and layer_index[nxt] == li + 1:
                 prefetcher.start(li, union, mult, *unions[nxt], lrus[li + 1], self._reads_of)   # queued at routing
             futures = _submit(self.pool, self._job, planned, len(misses), config, in_flight)
+            t_issued = time.perf_counter_ns()
+            _sleep.begin()        # the layer's reads are issued: its compute and waits are timed from here
             futures = [((inflight[e], True),) if e in inflight else fut for (e, _), fut in zip(misses, futures)]
             _sleep(sum(comp[li, e] * m for e, m in hits)
                    + (0.0 if seg is None else sum(seg.top_seconds(li, e, comp[li, e]) * m for e, m in misses)))
             layer_stall = 0
             for (e, m), fut in zip(misses, futures):
-                need = time.perf_counter_ns()
+                reached = time.perf_counter_ns()
                 issue, ready, io = _wait(fut)
-                _sleep.resumed(need, ready)
-                waited = max(0, ready - need)
+                need, waited = _sleep.waited(reached, ready)
                 layer_stall += waited
                 kind = "speculative" if e in inflight else "demand"
                 sink.expert(run_id, request, f, layer, e, True, int(ebytes[li, e]), issue, ready, need, _tier(io), kind,
@@ -478,7 +479,7 @@ class _Run:
                     if capacity[li] > 0 and e not in ready_now:
                         _lru_insert(lru, e, capacity[li])
             stall_ns += layer_stall
-            compute_ns += time.perf_counter_ns() - c0 - layer_stall
+            compute_ns += time.perf_counter_ns() - c0 - layer_stall - (t_issued - t_route)   # routing is other time
         if prefetcher:
             prefetcher.flush(sink, wait=False)
         wall = time.perf_counter_ns() - step_t0
@@ -785,10 +786,14 @@ class _ComputeClock:
     sleeps, so the thread reaches the next wait, and the next layer's routing, when the compute
     model says, as long as its own work fits in the compute; otherwise it would lengthen every
     window in which reads run without the thread waiting for them (a prefetch load's before the
-    next layer is routed above all). A wait ends the lag: the thread resumes where the bytes
-    arrived, as the runtime does. Work that delays a layer's reads (planning them) cannot be
-    undone: those reads are issued that much later than the model issues them. The last stretch
-    of a sleep yields the GIL in a loop instead of blocking, so reader threads are never starved.
+    next layer is routed above all). Where it does not fit (experts of tens of microseconds of
+    compute), a wait is timed from where the compute model would have reached it
+    (:meth:`waited`), so the lag is counted as the stall it is, not as compute. A wait ends the
+    lag: the thread resumes where the bytes arrived, as the runtime does. Work that delays a
+    layer's reads (routing, planning them) cannot be undone: those reads are issued that much
+    later than the model issues them, so the layer's clock starts when they are issued
+    (:meth:`begin`), and that work lengthens the step's wall time instead. The last stretch of a
+    sleep yields the GIL in a loop instead of blocking, so reader threads are never starved.
     """
 
     def __init__(self):
@@ -796,7 +801,10 @@ class _ComputeClock:
         self.mark = time.perf_counter_ns()       # the thread's time since then is not yet in the lag
 
     def begin(self) -> None:
-        """A step starts: what the thread did before it (other runs' steps between) is not lag."""
+        """The compute model's time starts over: what the thread did before is not lag. At a
+        step's start (other runs' steps between), and when a layer's reads are issued: the work
+        before (routing, planning the reads) delayed the reads and the compute alike, so the
+        waits after it are timed from there, as the runtime's are from its routing."""
         self.lag, self.mark = 0, time.perf_counter_ns()
 
     def __call__(self, seconds: float) -> None:
@@ -814,11 +822,21 @@ class _ComputeClock:
         self.mark = time.perf_counter_ns()
         self.lag = self.mark - deadline
 
-    def resumed(self, need_ns: int, ready_ns: int) -> None:
-        """The thread needed an expert at ``need_ns`` whose bytes were ready at ``ready_ns``
-        (``time.perf_counter_ns``); when it waited, it goes on from ``ready_ns`` with no lag."""
-        if ready_ns > need_ns:
+    def waited(self, reached_ns: int, ready_ns: int) -> tuple[int, int]:
+        """The thread reached its wait for an expert at ``reached_ns`` whose bytes were ready at
+        ``ready_ns`` (``time.perf_counter_ns``). Returns when the compute model needed them
+        (``mark - lag``: the thread's own work since ``mark`` takes no time there) and how long
+        it waited for them (ns), in the compute model's time: the runtime's stall, which the
+        thread's own work, where it overran the emulated compute, would otherwise hide as
+        compute. Then the model is at ``max(ready, need)``: when the thread really waited it
+        goes on from ``ready_ns`` with no lag; when the bytes came while it was behind, it is
+        behind by what is left."""
+        need = self.mark - self.lag
+        if ready_ns > reached_ns:
             self.lag, self.mark = 0, ready_ns
+        elif ready_ns > need:
+            self.lag, self.mark = reached_ns - ready_ns, reached_ns
+        return need, max(0, ready_ns - need)
 
 
 class _Sink:

@@ -162,7 +162,7 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
                     while not loads[0][1][0]:        # the first queued load is the first the thread takes
                         assert time.monotonic() < deadline, "the prefetch thread never took its first load"
                         time.sleep(0)
-            self.mark = time.perf_counter_ns()        # the hold is the test's, not the thread's own work
+            self.mark, self.lag = time.perf_counter_ns(), 0   # the hold is the test's: the thread is not behind after it
             super().__call__(seconds)
 
     monkeypatch.setattr(rm, "_Prefetcher", Controlled)
@@ -488,6 +488,21 @@ def test_a_settled_prefetcher_has_no_load_in_flight():
         p.close()
 
 
+def test_a_wait_is_timed_from_where_the_compute_model_reached_it():
+    from replay.measure import _ComputeClock
+
+    ms = 1_000_000
+    clock = _ComputeClock()
+    clock.begin()
+    clock.lag, clock.mark = 8 * ms, 100 * ms              # 8 ms behind the model at t = 100 ms: the model is at 92
+    assert clock.waited(105 * ms, 95 * ms) == (92 * ms, 3 * ms)   # bytes at 95: the model waits 3, the thread not
+    assert (clock.lag, clock.mark) == (10 * ms, 105 * ms)         # the model at 95 when the thread is at 105
+    assert clock.waited(106 * ms, 90 * ms) == (95 * ms, 0)        # bytes before the model needed them: no stall
+    assert (clock.lag, clock.mark) == (10 * ms, 105 * ms)
+    assert clock.waited(107 * ms, 120 * ms) == (95 * ms, 25 * ms)  # the thread waits too: both go on from 120
+    assert (clock.lag, clock.mark) == (0, 120 * ms)
+
+
 def test_the_compute_threads_own_work_is_taken_off_its_emulated_compute():
     """Between waits the thread takes the compute model's time, its own work included; a wait ends
     the lag. The old clock added the work to the compute (80, 70 and 90 ms below)."""
@@ -500,10 +515,13 @@ def test_the_compute_threads_own_work_is_taken_off_its_emulated_compute():
     time.sleep(0.030)                                     # the thread's own work: 30 ms
     clock(0.050)                                          # 50 ms of compute, 30 of them done
     assert 48 * ms <= time.perf_counter_ns() - t0 < 65 * ms
+    done = clock.mark - clock.lag                         # where the compute model finished those 50 ms
     time.sleep(0.030)                                     # work, then a wait: bytes ready 10 ms in, woken at 20
     need = time.perf_counter_ns()
     time.sleep(0.020)
-    clock.resumed(need, need + 10 * ms)
+    model_need, stall = clock.waited(need, need + 10 * ms)
+    assert model_need == done                             # the 30 ms of the thread's own work take no model time:
+    assert stall == need + 10 * ms - done                 # the runtime would have waited 40 ms, not 10
     clock(0.050)                                          # from the bytes' arrival: 50 ms, the late wake-up in it
     assert 58 * ms <= time.perf_counter_ns() - need < 68 * ms
     clock.begin()
