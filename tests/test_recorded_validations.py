@@ -35,8 +35,11 @@ QUOTED.update({
     "v30-2026-12-03": dict(verdict="inconclusive", inside_measured=0, ratio=(0.82, 0.90)),
     "v32-2026-12-03": dict(verdict="holds", inside_measured=4, ratio=(0.95, 1.05)),
     "v33-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.87, 1.04)),
+    "v36-2026-12-03": dict(verdict="holds", inside_measured=10, unresolved_savings=2, gate_disagreements=0,
+                           ratio=(0.87, 0.96)),
 })
-HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43)}
+HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43),
+           "v36-2026-12-03": (0.99, 1.01, 0.01, 0.04)}
 """Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 
@@ -73,7 +76,8 @@ def test_kept_record_judged_again_gives_its_verdict(path):
 def test_kept_profile_loads_as_the_run_used_it(path):
     profile = load_device(str(path))
     assert profile.drive.bandwidth > 0 and profile.drive.request_seconds > 0
-    users = [r for r in map(_load, VALIDATIONS) if r["device"]["name"] == _load(path)["name"]]
+    users = [r for r in map(_load, VALIDATIONS) if r["device"]["digest"] == profile.digest()]
+    assert users                                      # every kept profile is one a kept run used
     for record in users:
         used = record["device"]["profile"]
         assert used["drive"] == _load(path)["drive"]
