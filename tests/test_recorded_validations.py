@@ -37,9 +37,10 @@ QUOTED.update({
     "v33-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.87, 1.04)),
     "v36-2026-12-03": dict(verdict="holds", inside_measured=10, unresolved_savings=2, gate_disagreements=0,
                            ratio=(0.87, 0.96)),
+    "v37-2026-12-03": dict(verdict="inconclusive", inside_measured=2, ratio=(0.84, 0.98)),
 })
 HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43),
-           "v36-2026-12-03": (0.99, 1.01, 0.01, 0.04)}
+           "v36-2026-12-03": (0.99, 1.01, 0.01, 0.04), "v37-2026-12-03": (0.96, 0.99, 0.03, 0.05)}
 """Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 
