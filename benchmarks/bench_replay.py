@@ -4,9 +4,9 @@ Usage: python benchmarks/bench_replay.py [--tokens 10000]
 
 Prints the wall time of replaying --tokens decode tokens of the
 GLM-5.2 geometry (75 layers, top-8) through the stock layout on the Mac Pro profile (its drives in
-order, then shared among concurrent reads), and on one shared drive as calibrated on this project's
-VM (``records/v26-2026-12-03.device.json``), without and with a prefetch source (the coupled table learned from the first two of four sessions), and
-the rate of modelled expert requests (expert loads simulated) per second on one core, after a
+order, then shared among concurrent reads), and on one shared drive as calibrated on this
+project's VM (``records/v26-2026-12-03.device.json``), without and with a prefetch source (the
+coupled table learned from the first two of four sessions), and the rate of modelled expert requests (expert loads simulated) per second on one core, after a
 first tiny replay that loads (or, on a new machine, compiles) the model, and the peak RSS of a
 replay as the gate runs it (in a fresh process). The temporary trace is removed at the end.
 """

@@ -487,7 +487,8 @@ def cmd_validate(args) -> int:
         container=Path(args.container) if args.container else None, gb=args.gb, minutes=args.minutes,
         tokens=args.tokens, reps=args.reps, layouts=parse_list(args.layouts, "--layouts"),
         ram=parse_list(args.ram, "--ram", float), prefetch=parse_list(args.prefetch, "--prefetch"),
-        workers=args.workers, coalesce=args.coalesce, plots=Path(args.plots) if args.plots else None, keep=args.keep, seed=args.seed,
+        workers=args.workers, coalesce=args.coalesce, plots=Path(args.plots) if args.plots else None, keep=args.keep,
+        seed=args.seed,
     )
     record = validate(opts, notify=_say)
     print(format_validation(record))

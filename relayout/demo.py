@@ -98,7 +98,7 @@ def measured_vs_predicted(estimate: float, low: float, high: float, predicted: f
 
 def harness_sentence(runs: dict, model_compute: float) -> str:
     """In words: the compute the measuring harness ran per committed token (``runs``: label ->
-    STALL_TRACE path) against the model's (s/token), and what an excess does to measured stall."""
+    STALL_TRACE path) against the model's (s/token), and what an excess means for measured stall."""
     from .validate import HARNESS_EXCESS
 
     ran = {label: float(np.mean([m.published["compute_per_committed_token_ns"] for m in run_report([path]).runs])) / 1e9
@@ -107,9 +107,9 @@ def harness_sentence(runs: dict, model_compute: float) -> str:
     if max(ran.values()) <= (1 + HARNESS_EXCESS) * model_compute:
         return f"   compute, ms/token: the harness ran {said}, the model {model_compute * 1e3:.3f}"
     return (f"   compute, ms/token: the harness ran {said}, the model {model_compute * 1e3:.3f}: the harness's own Python "
-            "work between waits does not fit in experts' compute this short, runs on and overlaps reads, so it measures "
-            "less stall than the runtime would, the more so for the layout that issues more reads (relayout validate "
-            "--coalesce replays each run with the compute it ran)")
+            "work ran beyond the emulated compute; its waits are timed in the compute model's time, so that work "
+            "lengthens its steps rather than hiding stall (relayout validate --coalesce replays each run with the "
+            "compute it ran)")
 
 
 def _step(title: str) -> float:

@@ -44,9 +44,8 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    from the forecast of a drifting disk's speed; and at the speed of the runs interleaved with
    it (:func:`neighbour_scales`), which tests the prediction on a measurement its speed was not
    read off; and at its drive's speed with the compute its harness ran (:func:`at_harness_compute`:
-   the harness's own Python work between waits lengthens its compute beyond the model's, most
-   where each expert's compute is short and reads are many, and compute that runs longer hides
-   reads the runtime would wait for); diagnoses too;
+   a check of the harness, whose own Python work can run beyond the emulated compute where each
+   expert's compute is short and reads are many); diagnoses too;
 4. compares: predicted/measured S per cell, with the measured S's 95% interval over the
    repetitions (each repetition one unit: the disk's drift between runs is the larger part of
    the uncertainty, and no resampling of steps within runs sees it); per non-stock layout the
@@ -626,12 +625,11 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             rate = base_cfg.compute_bytes_per_second
             compute = predicted[k][1].compute_per_token_s
             matmul = stall_at_compute(k, 1.0, rate / 2)[1] - compute   # compute is dense + matmul bytes / rate
-            at_harness[k] = [None if a is None else at_harness_compute(
-                partial(lambda k, f, r: stall_at_compute(k, f, r)[0], k, a["scale"]), rate, compute, matmul,
-                run["compute_s"]) for run, a in zip(measured[k], at_run[k])]
-            for x, a in zip(at_harness[k], at_run[k]):
-                if x is not None:
-                    x["scale"] = a["scale"]
+            at_harness[k] = []
+            for run, a in zip(measured[k], at_run[k]):
+                x = None if a is None else at_harness_compute(
+                    lambda r, k=k, f=a["scale"]: stall_at_compute(k, f, r)[0], rate, compute, matmul, run["compute_s"])
+                at_harness[k].append(None if x is None else {**x, "scale": a["scale"]})
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
                          base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read,
@@ -728,13 +726,16 @@ def at_harness_compute(stall_at, rate: float, compute: float, matmul: float, mea
     """The prediction of one measured run with the compute its harness ran (``validate`` replays
     it at its drive's speed too, :func:`at_run_speed`: the run under its own conditions).
 
-    The harness emulates the runtime's compute (:class:`replay.measure._ComputeClock`), but its
-    own Python work between waits (routing, submitting reads, records, waking) is taken off the
-    emulated compute only while it fits in it; beyond, the harness computes longer than the
-    model, and compute that runs longer overlaps reads the runtime would wait for, so the
-    harness measures less stall. Here the run's excess, ``measured_compute - compute``, is
-    given to the model as slower matmuls (the harness's work falls mostly between an expert's
-    wait and the next: per expert and per read), at ``rate * matmul / (matmul + excess)``.
+    The harness emulates the runtime's compute (:class:`replay.measure._ComputeClock`); its own
+    Python work (routing, submitting reads, records, waking) is taken off the emulated compute
+    while it fits in it. A harness that counted the work beyond as compute between a layer's
+    reads overlapped them with it and measured less stall, the more so for layouts issuing more
+    reads (``docs/BENCHMARKS.md``, v29-v33); the present one times its waits in the compute
+    model's time (:meth:`replay.measure._ComputeClock.waited`), and what excess is left falls
+    outside a layer's reads. Here the run's excess, ``measured_compute - compute``, is given to
+    the model as slower matmuls, at ``rate * matmul / (matmul + excess)``: the prediction the
+    first kind of harness should be held to, and for the present one a check that the excess is
+    small and alike across layouts.
 
     Parameters
     ----------
@@ -1388,9 +1389,11 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         line("the harness's compute", f"the measuring harness computed {harness['excess_min']:+.0%} to "
              f"{harness['excess_max']:+.0%} more than the model's compute ({harness['excess_min_s'] * 1e3:+.2f} to "
              f"{harness['excess_max_s'] * 1e3:+.2f} ms/token; in that excess, layouts of one RAM budget and prefetch "
-             f"source differ by up to {harness['layout_spread_s'] * 1e3:.2f} ms/token): its own Python work between "
-             "waits, where it does not fit in the emulated compute, runs on, and overlaps reads the runtime would wait "
-             "for, so it measures less stall the more reads a layout issues"
+             f"source differ by up to {harness['layout_spread_s'] * 1e3:.2f} ms/token): its own Python work beyond the "
+             "emulated compute. Counted as compute between a layer's reads, that work overlaps them and hides stall the "
+             "runtime would show, the more so for layouts issuing more reads; relayout's harness times its waits in the "
+             "compute model's time, so an excess that is large or differs between layouts marks a record measured before "
+             "it did"
              + (f"; at each run's speed with the compute it ran, the model gives predicted/measured S "
                 f"{harness['ratio_min']:.2f}-{harness['ratio_max']:.2f} ({harness['cells_within_band']} of "
                 f"{harness['cells']} cells within +/-{PLOT_BAND:.0%})" if harness["cells"] else "")

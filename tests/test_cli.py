@@ -23,7 +23,8 @@ def test_demo_runs(tmp_path):
         runs = report([tmp_path / "demo" / f"measure-{label}.jsonl"]).runs
         assert len(runs) == 2 and float(value) == pytest.approx(
             np.mean([m.published["compute_per_committed_token_ns"] for m in runs]) / 1e6, abs=6e-4)
-    assert float(said[3]) > 0 and ("overlaps reads" in line) == (max(float(said[1]), float(said[2])) > 1.1 * float(said[3]))
+    assert float(said[3]) > 0 and ("ran beyond the emulated compute" in line) == (
+        max(float(said[1]), float(said[2])) > 1.1 * float(said[3]))
 
 
 def test_unknown_geometry_is_one_line(tmp_path):
