@@ -32,7 +32,7 @@ from replay.trace import save_trace
 
 from .apply import apply_plan, verify
 from .plan import make_plan, source_from_container
-from .render import completion_sentence, human_bytes, plan_summary
+from .render import completion_sentence, human_bytes, merge_sentence, plan_summary
 from .trace_stats import trace_stats
 from .trace_synth import SynthParams, synth_trace
 
@@ -224,13 +224,17 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     ev = block_evidence(base.steps.stall, new.steps.stall, base.steps.committed, base.steps.session)
     est, low, high = (x * 1e3 for x in ev.interval())
     print(f"   predicted on this disk, calibrated briefly ({local.drive.bandwidth / 1e9:.2f} GB/s, "
-          f"{local.drive.request_seconds * 1e6:.0f} us per request): stock {base.summary.stall_per_token_s * 1e3:.3f}, relaid "
+          f"{local.drive.request_seconds * 1e6:.0f} us per read, {local.drive.request_channel_seconds * 1e6:.0f} us of "
+          f"channel per request): stock {base.summary.stall_per_token_s * 1e3:.3f}, relaid "
           f"{new.summary.stall_per_token_s * 1e3:.3f} ms/token; saved {est:.3f} ms [{low:.3f}, {high:.3f}] on the same steps")
     print("   " + measured_vs_predicted(s["estimate"] / 1e6, s["low"] / 1e6, s["high"] / 1e6, est))
     print(harness_sentence(runs, base.summary.compute_per_token_s))
     spread = completion_sentence(profile)
     if spread and spread[1]:
         print("   this disk: " + spread[0])
+    merge = merge_sentence(profile)
+    if merge:
+        print("   this disk: " + merge[0])
     print("   (relayout validate PATH asks the same question properly: more layouts, budgets, repetitions)")
     print(f"   ({time.perf_counter() - t:.1f} s)")
 

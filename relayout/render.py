@@ -192,6 +192,28 @@ def small_page_warning(profile: dict) -> str | None:
             "than this profile predicts")
 
 
+MERGE_AGREES = 0.25
+"""A measured merge saving within this fraction of the predicted one agrees with the profile."""
+
+
+def merge_sentence(profile: dict) -> tuple[str, float] | None:
+    """What merging two reads saved in the calibration (:func:`replay.calibrate.merge_saving`)
+    against what the profile predicts, in words, and predicted / measured; None when not
+    measured (or nothing was saved, so no ratio)."""
+    m = profile.get("calibration", {}).get("merge")
+    if not m or m["saving_seconds"] <= 0:
+        return None
+    us = 1e6
+    ratio = m["predicted_saving_seconds"] / m["saving_seconds"]
+    head = (f"merging two back-to-back {m['size'] / 2**20:g} MiB reads into one saved {m['saving_seconds'] * us:.0f} us "
+            f"[{m['saving_low_seconds'] * us:.0f}, {m['saving_high_seconds'] * us:.0f}] (median of {m['pairs']} pairs), "
+            f"the profile predicts {m['predicted_saving_seconds'] * us:.0f} us")
+    if abs(ratio - 1) <= MERGE_AGREES:
+        return head + ": what coalescing saves per merged read is modelled within 25% on this disk", ratio
+    return (head + f": the model puts what coalescing saves per merged read at {ratio:.2f} times what this disk saves "
+            "(its per-read cost is fitted mostly to small reads), and a layout's coalescing saving with it"), ratio
+
+
 def completion_sentence(profile: dict) -> tuple[str, bool] | None:
     """How the calibrated device served concurrent reads (:func:`replay.calibrate.completion_spread`)
     in words, with how the profile's drive serves them (its ``service``), and whether the drive
@@ -229,7 +251,8 @@ def format_calibration(profile: dict) -> str:
                      f"{'n/a' if err is None else f'{err:+.0%}':>11}")
     b1 = d.get("stream_bandwidth", d["bandwidth"])
     lines.append(f"fit ({d.get('service', 'in-order')} drive): request cost {d['request_seconds'] * 1e6:.1f} us, one request reads at {b1 / 1e9:.2f} GB/s, the drive at "
-                 f"most {d['bandwidth'] / 1e9:.2f} GB/s, queue slots {d['queue_slots']}; "
+                 f"most {d['bandwidth'] / 1e9:.2f} GB/s, queue slots {d['queue_slots']}, each request holds its channel "
+                 f"{d.get('request_channel_seconds', 0.0) * 1e6:.1f} us beyond its bytes; "
                  + (f"the system splits reads into requests of at most {d['max_request_bytes'] // 1024} KiB; "
                     if d.get("max_request_bytes") else "reads taken as unsplit (the system does not say its request limit); ")
                  + cal['cache_control'])
@@ -244,6 +267,9 @@ def format_calibration(profile: dict) -> str:
     spread = completion_sentence(profile)
     if spread:
         lines.append(spread[0])
+    merge = merge_sentence(profile)
+    if merge:
+        lines.append(merge[0])
     return "\n".join(lines)
 
 

@@ -112,10 +112,10 @@ from replay.evidence import block_evidence
 from replay.stats import chance_misses, family_level, family_widening, repetition_interval, student_t_quantile
 
 from .demo import measured_vs_predicted
-from .render import completion_sentence, small_page_warning
+from .render import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 9
+VALIDATION_VERSION = 10
 OLDEST_JUDGED = 6
 """The oldest record version :func:`judge_record` judges again (it has the placement control,
 the probes and the read-once rates)."""
@@ -470,7 +470,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
     t_start = time.perf_counter()
     check_options(o)
-    device_source, profile_path, sharing = None, None, None
+    device_source, profile_path, sharing, merge = None, None, None, None
     if o.device:
         device = load_device(o.device)
         device_source = f"given: {o.device}"
@@ -488,8 +488,9 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             device = load_device(str(profile_path))
             device_source = f"calibrated on {target}, saved as {profile_path}"
             notify(f"wrote {profile_path}")
-            sharing = completion_sentence(profile)
-            notes = [small_page_warning(profile), sharing[0] if sharing and sharing[1] else None]
+            sharing, merge = completion_sentence(profile), merge_sentence(profile)
+            notes = [small_page_warning(profile), sharing[0] if sharing and sharing[1] else None,
+                     merge[0] if merge and abs(merge[1] - 1) > MERGE_AGREES else None]
             for sentence in filter(None, notes):
                 notify(sentence[0].upper() + sentence[1:])
         plans = list(lay.plans.values())
@@ -633,7 +634,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
                          base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read,
-                         at_run, at_near, at_harness, sharing, (control_pf, control))
+                         at_run, at_near, at_harness, sharing, merge, (control_pf, control))
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -959,7 +960,7 @@ def _predicted_at(entries: list, measured_mean: float) -> dict | None:
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near,
-            at_harness, sharing, control) -> dict:
+            at_harness, sharing, merge, control) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
     control_pf, copies = control
     placement = {"prefetch": control_pf, "blocks": [
@@ -1071,6 +1072,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         "prefetch_comparisons": prefetch_comparisons,
         "placement_control": placement,
         "calibration_sharing": None if sharing is None else {"sentence": sharing[0], "shares": sharing[1]},
+        "calibration_merge": None if merge is None else {"sentence": merge[0], "predicted_over_measured": merge[1]},
     })
 
 
@@ -1113,10 +1115,12 @@ def judge_record(record: dict) -> dict:
     if "calibration_sharing" not in v and v["summary"].get("drive_shares_concurrent_reads"):
         sharing = {"sentence": "this drive shares itself among concurrent reads (the record, of an earlier version, kept "
                                "the flag and not the calibration's sentence)", "shares": True}
+    merge = v.get("calibration_merge")
     v["version"] = VALIDATION_VERSION
     v["summary"] = summarize_validation(v["cells"], v["comparisons"], None if v["drift"] is None else v["drift"]["change"],
                                         v["prefetch_comparisons"], v["first_read"],
-                                        None if sharing is None else (sharing["sentence"], sharing["shares"]), control)
+                                        None if sharing is None else (sharing["sentence"], sharing["shares"]), control,
+                                        None if merge is None else (merge["sentence"], merge["predicted_over_measured"]))
     return v
 
 
@@ -1179,7 +1183,8 @@ def harness_compute(cells: list[dict], comparisons: list[dict]) -> dict | None:
 
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
                          prefetch_comparisons: list[dict] = (), first_read: dict | None = None,
-                         sharing: tuple[str, bool] | None = None, placement: list[dict] | None = None) -> dict:
+                         sharing: tuple[str, bool] | None = None, placement: list[dict] | None = None,
+                         merge: tuple[str, float] | None = None) -> dict:
     """Whether the model holds (see the module doc), with the counts behind it and the text saying so.
 
     Each cell's and each saving's ``agreement`` (:func:`cell_agreement`, :func:`_judge`, from
@@ -1208,7 +1213,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     a drive that shares itself among them is said in words, with whether the profile's does. ``placement``: the
     placement control's blocks (:func:`placement_difference`); the summary names the largest
     difference between the byte-identical copies the measurement admits, and how many measured
-    layout savings are no larger."""
+    layout savings are no larger. ``merge``: what merging two reads saved in the calibration
+    against the profile's prediction (:func:`relayout.render.merge_sentence`: its sentence and
+    predicted / measured), said under "per-read cost": a layout's coalescing saving is
+    predicted off by about that ratio."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None
@@ -1412,6 +1420,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
              "runtime measurements of two containers on this disk are comparable only after the same")
     if sharing and sharing[1]:
         line("the drive", "the calibration found that " + sharing[0])
+    if merge:
+        line("per-read cost", "in the calibration, " + merge[0])
     bound, hidden = None, None
     if placement:
         bound = placement_bound(placement)
@@ -1425,6 +1435,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     text = "\n".join(lines)
     return {"verdict": verdict, "holds": bool(holds), "drift": drift, "probed_within": probed_within,
             "drive_shares_concurrent_reads": None if sharing is None else sharing[1],
+            "merge_saving_predicted_over_measured": None if merge is None else merge[1],
             "placement_bound_s": bound, "savings_no_larger_than_placement": hidden,
             "run_speed_within": run_within,
             "run_speed_cells_within_band": _in_band(at_run) if at_run else None,

@@ -4,12 +4,13 @@ Reads of 4 KiB to 32 MiB at random aligned offsets, at queue depths 1 to 32 (one
 outstanding request), each cell for a fixed time. The page cache is bypassed with O_DIRECT where
 the file system allows it, else the test file is evicted with ``posix_fadvise`` before each cell;
 the profile says which. The fit, for the queue model of :mod:`replay.device` (a drive of ``Q``
-slots, per-request latency ``l(s) = a + s / b_1`` s, data channel ``B`` bytes/s):
+slots, per-request latency ``l(s) = a + s / b_1`` s, data channel ``B`` bytes/s that each request
+also holds ``c`` s beyond its bytes), for reads of ``s`` bytes that the system does not split:
 
-    X(s, q) = min(min(q, Q) * s / (a + s / b_1), B)                          [bytes/s]
+    X(s, q) = min(min(q, Q) * s / (a + max(s / b_1, c + s / B)), s / (c + s / B))   [bytes/s]
 
 is fitted to every cell of the grid at once (:func:`fit_queue_model`): least squares on
-``log X`` over ``(a, b_1, B)`` for each integer ``Q`` from 1 to the deepest queue measured, the
+``log X`` over ``(a, b_1, B, c)`` for each integer ``Q`` from 1 to the deepest queue measured, the
 best ``Q`` kept (the largest among equals: a drive that never saturates its slots within the grid
 gets the deepest queue measured). The profile carries each cell's measured and fitted
 throughput and the relative error ``fitted / measured - 1``, and a summary (RMS and largest
@@ -18,8 +19,11 @@ throughput and the relative error ``fitted / measured - 1``, and a summary (RMS 
 How concurrent reads complete is measured first (:func:`completion_spread`): in arrival order,
 or together (:func:`drive_service`). That is the profile's service discipline, and a ``shared``
 drive is fitted with its own steady-state equation (:func:`replay.device.queue_throughput` with
-``shared``: ``min(q s / (a + s / (k b_1)), Q s / a, B)``, a read holding one slot, for the
-command only). The request size a buffer of scattered small pages gets
+``shared``: ``min(q s / (a + max(s / (k b_1), k c + s / B)), Q s / a, s / (k c + s / B))``, a
+read holding one slot, for the command only). What merging two reads into one saves is then measured directly
+(:func:`merge_saving`: two back-to-back reads against one of their joint size) and reported beside
+what the fitted model predicts for it, which is what coalescing's gain rests on; the fit does not
+use it. The request size a buffer of scattered small pages gets
 (:func:`small_page_request_limit`) is measured and reported beside the fit, which does not use it.
 
 PATH may be a file (read only) or a directory (a temporary test file is written there, fsynced,
@@ -40,8 +44,12 @@ import numpy as np
 from containers.errors import InputError
 
 from .buffers import read_buffer
+from .device import DriveProfile, queue_throughput, read_alone_seconds
 
 SIZES = (4096, 65536, 524288, 4 * 1024 * 1024, 32 * 1024 * 1024)
+LOG_RANGE = (np.log(1e-12), np.log(1e15))
+"""The range the fit searches each parameter in (s or bytes/s, as natural logs): wide enough for
+any drive, narrow enough that no rate or time under- or overflows."""
 MAX_FITTED_SLOTS = 256
 """The deepest drive queue the fit considers (requests)."""
 DEPTHS = (1, 4, 16, 32)
@@ -180,6 +188,63 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
             "in_order": 1.0 / depth}
 
 
+MERGE_PAIRS = 300
+"""Repetitions of :func:`merge_saving` (each: two back-to-back reads and one merged read)."""
+MERGE_BYTES = 4 * 1024 * 1024
+"""The merged read of :func:`merge_saving` in :func:`calibrate` (bytes): two reads of half of it,
+or of half the system's request limit when that is smaller, so that the merged read is one
+request (an expert-sized read: GLM-5.2's are 19 MB, Qwen3-30B-A3B's 2.4 MB)."""
+
+
+def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, seed: int = 0) -> dict:
+    """What merging two reads into one saves on the device holding ``path`` (read only, page cache
+    bypassed as :func:`calibrate` does it), measured the way a loader thread reads: ``pairs``
+    times, in random order at random aligned offsets, two reads of ``size`` bytes issued one
+    straight after the other, and one read of ``2 size`` bytes (the two merged).
+
+    The queue model (:mod:`replay.device`) predicts the saving from the fitted parameters:
+    ``2 l(s) - l(2 s)`` for lone reads (:func:`replay.device.read_alone_seconds`), the command ``a``
+    plus ``c`` per request the merge removes. What coalescing saves per merged read rests on it,
+    and the grid infers ``a`` mostly from small reads; this measures it where the runtime reads.
+
+    Returns ``size`` (bytes), ``pairs``, the medians ``pair_seconds`` and ``merged_seconds``, and
+    ``saving_seconds`` (the median of the paired differences) with its 95% bootstrap interval
+    ``saving_low_seconds``, ``saving_high_seconds``.
+    """
+    path = Path(path)
+    size = max(ALIGN, size // ALIGN * ALIGN)
+    fd, direct = _open(path)
+    try:
+        file_size = os.fstat(fd).st_size
+        if file_size < 2 * size + ALIGN:
+            raise InputError(path, f"too small for a {2 * size}-byte merged read")
+        first, second = read_buffer(2 * size), read_buffer(size)
+        rng = np.random.default_rng(seed)
+        pair, merged = [], []
+        for _ in range(pairs):
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            o1, o2, o3 = (int(v) * ALIGN for v in rng.integers(0, (file_size - 2 * size) // ALIGN, 3))
+            for merge in rng.permutation(2):
+                t = time.perf_counter_ns()
+                if merge:
+                    os.preadv(fd, [first[:2 * size]], o3)
+                else:
+                    os.preadv(fd, [first[:size]], o1)
+                    os.preadv(fd, [second[:size]], o2)
+                (merged if merge else pair).append((time.perf_counter_ns() - t) * 1e-9)
+    except OSError as exc:
+        raise InputError(path, f"read failed: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    pair_s, merged_s = np.array(pair), np.array(merged)
+    diff = pair_s - merged_s
+    boot = np.median(rng.choice(diff, (1000, len(diff))), axis=1)
+    return {"size": size, "pairs": pairs, "pair_seconds": float(np.median(pair_s)),
+            "merged_seconds": float(np.median(merged_s)), "saving_seconds": float(np.median(diff)),
+            "saving_low_seconds": float(np.percentile(boot, 2.5)), "saving_high_seconds": float(np.percentile(boot, 97.5))}
+
+
 PROBE_SECONDS = 1.0
 
 
@@ -285,6 +350,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         page_limit = small_page_request_limit(path)
         cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
         spread = completion_spread(path)
+        merge = merge_saving(path, min(max_request or MERGE_BYTES, MERGE_BYTES) // 2)   # merged: one request
     finally:
         if made is not None:
             made.unlink(missing_ok=True)
@@ -292,6 +358,9 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells],
                           max_request or 0, shared=service == "shared")
     a, b1, bandwidth, slots = fit["request_seconds"], fit["stream_bandwidth"], fit["bandwidth"], fit["queue_slots"]
+    c = fit["request_channel_seconds"]
+    fitted = DriveProfile("fitted", a, bandwidth, slots, b1, max_request, service, c)
+    merge["predicted_saving_seconds"] = 2 * read_alone_seconds(fitted, merge["size"]) - read_alone_seconds(fitted, 2 * merge["size"])
     control = "O_DIRECT (page cache bypassed)" if direct else "posix_fadvise DONTNEED before each cell (O_DIRECT unavailable)"
     return {
         "name": name or f"calibrated-{target.name or 'device'}",
@@ -303,7 +372,8 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
         "direct_alignment": ALIGN,
         "page_cache_fraction": 0.0,
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
-                  "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service},
+                  "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service,
+                  "request_channel_seconds": c},
         "calibration": {
             "cache_control": control,
             "cells": [{"size": c.size, "depth": c.depth, "requests": c.requests, "mean_latency_s": c.mean_latency,
@@ -312,15 +382,16 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
             "fit": {k: v for k, v in fit.items() if k != "cells"},
             "small_page_request_limit": page_limit,
             "completion_spread": spread,
+            "merge": merge,
         },
     }
 
 
 FIT_MODELS = {
-    "in-order": "X(s, q) = min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B) bytes/s, k = ceil(s / m); "
-                "least squares on log X over every cell",
-    "shared": "X(s, q) = min(q s / (a + s / (k b_1)), Q s / a, B) bytes/s, k = ceil(s / m); "
-              "least squares on log X over every cell",
+    "in-order": "X(s, q) = min(min(q k, Q) * p / (a + max(p / b_1, c + p / B)), p / (c + p / B)) bytes/s, "
+                "k = ceil(s / m), p = s / k; least squares on log X over every cell",
+    "shared": "X(s, q) = min(q s / (a + max(s / (k b_1), k c + s / B)), Q s / a, s / (k c + s / B)) bytes/s, "
+              "k = ceil(s / m); least squares on log X over every cell",
 }
 
 
@@ -382,13 +453,11 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: boo
     0 for none) is the system's request limit, ``m``; ``shared``: fit a shared drive's equation.
 
     Returns ``request_seconds`` a (s), ``stream_bandwidth`` b_1 and ``bandwidth`` B (bytes/s),
-    ``queue_slots`` Q, and the fit's error: per cell (``cells``: size, depth, measured and
+    ``queue_slots`` Q, ``request_channel_seconds`` c (s), and the fit's error: per cell (``cells``: size, depth, measured and
     fitted bytes/s, ``error`` = fitted / measured - 1) and its summary (``rms_log_error``,
     ``max_abs_log_error``: of ``log(fitted / measured)``; ``worst_cell``).
     """
     from scipy.optimize import least_squares
-
-    from .device import queue_throughput
 
     s = np.asarray(sizes, dtype=float)
     q = np.asarray(depths, dtype=float)
@@ -404,32 +473,34 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: boo
     B0 = float(x[ok].max())
     big1 = qd1 & (s_ok == s_ok.max())
     b0 = float(x[ok][big1].max()) if big1.any() else B0
+    c0 = float(0.5 * s_ok[small].min() / x[ok][small].max()) if small.any() else 1e-6   # half the best small-read IOPS' period
 
     def resid(theta, Q):
-        a, b1, B = np.exp(theta)
-        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok, max_request, shared)) - logx
+        a, b1, B, c = np.exp(np.clip(theta, *LOG_RANGE))
+        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok, max_request, shared, c)) - logx
 
     k = np.ceil(s_ok / max_request) if max_request > 0 else np.ones_like(s_ok)
     best = None
     for Q in range(1, int(min((q_ok * k).max(), MAX_FITTED_SLOTS)) + 1):
         runs = []
-        for start in ((a0, b0, B0), (a0 * 0.5, b0 * 0.5, B0), (a0, B0, B0), (a0 * 0.2, b0, B0 * 1.2)):
+        for start in ((a0, b0, B0, c0), (a0 * 0.5, b0 * 0.5, B0, c0), (a0, B0, B0, c0 * 1e-3),
+                      (a0 * 0.2, b0, B0 * 1.2, c0), (a0 - min(c0, a0 / 2), B0, B0, c0)):
             r = least_squares(resid, np.log(np.maximum(start, 1e-12)), args=(Q,), method="lm", xtol=1e-12, ftol=1e-12)
             runs.append(r)
         r = min(runs, key=lambda r: r.cost)
         if best is None or r.cost <= best[0].cost * (1 + 1e-9) + 1e-15:
             best = (r, Q)
     r, Q = best
-    a, b1, B = (float(v) for v in np.exp(r.x))
+    a, b1, B, c = (float(v) for v in np.exp(np.clip(r.x, *LOG_RANGE)))
     b1 = min(b1, B)
-    fitted = queue_throughput(a, b1, B, Q, s, q, max_request, shared)
+    fitted = queue_throughput(a, b1, B, Q, s, q, max_request, shared, c)
     err = np.where(ok, fitted / np.where(ok, x, 1.0) - 1, np.nan)
     logerr = np.abs(np.log(fitted[ok] / x[ok]))
     worst = int(np.flatnonzero(ok)[np.argmax(logerr)])
     service = "shared" if shared else "in-order"
     return {
         "model": FIT_MODELS[service], "service": service,
-        "request_seconds": a, "stream_bandwidth": b1, "bandwidth": B, "queue_slots": int(Q),
+        "request_seconds": a, "stream_bandwidth": b1, "bandwidth": B, "queue_slots": int(Q), "request_channel_seconds": c,
         "max_request_bytes": int(max_request) or None,
         "rms_log_error": float(np.sqrt(np.mean(logerr ** 2))), "max_abs_log_error": float(logerr.max()),
         "worst_cell": {"size": int(s[worst]), "depth": int(q[worst]), "error": float(err[worst])},

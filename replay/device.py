@@ -6,11 +6,13 @@ request of ``s`` bytes that finds a free slot at time ``t0`` (s) is served in
     l(s) = a + s / b_1                                   [s]
 
 with ``a = request_seconds`` (s: command, flash and completion latency) and
-``b_1 = stream_bandwidth`` (bytes/s: the rate one request streams at on its own), and its bytes
-also pass the drive's data channel of rate ``B = bandwidth`` (bytes/s), shared first come first
-served by the requests in the drive, each entering it once its latency ``a`` has passed:
+``b_1 = stream_bandwidth`` (bytes/s: the rate one request streams at on its own), and it also
+passes the drive's data channel of rate ``B = bandwidth`` (bytes/s), shared first come first
+served by the requests in the drive, each entering it once its latency ``a`` has passed and
+holding it for its bytes plus ``c = request_channel_seconds`` (s: the drive's own work per
+request, which no other request's transfer overlaps):
 
-    channel_done = max(t0 + a, channel_free) + s / B
+    channel_done = max(t0 + a, channel_free) + c + s / B
     done         = max(t0 + l(s), channel_done)           [s]
 
 A request that finds all ``Q`` slots busy waits for the first to free. The operating system
@@ -19,17 +21,22 @@ never sends the drive a request larger than ``m = max_request_bytes`` (Linux's
 requests of ``s / k`` bytes, issued together. In steady state, ``q`` outstanding reads of ``s``
 bytes get the aggregate rate
 
-    X(s, q) = min(min(q k, Q) * (s / k) / l(s / k), B)   [bytes/s]
+    X(s, q) = min(min(q k, Q) * p / (a + max(p / b_1, c + p / B)), p / (c + p / B))   [bytes/s]
 
-(:func:`queue_throughput`; ``relayout calibrate`` reads ``m`` from the system and fits
-``a, b_1, B, Q`` to it), so throughput
-rises with queue depth and request size up to the drive's limit: one 4 KiB request costs about
-``a``, ``Q / a`` bounds the IOPS at depth, and ``B / b_1`` outstanding large requests saturate
-the drive; one large read, split by the system, already reaches ``B`` when ``k`` requests do.
-Without ``stream_bandwidth`` (a profile from before issue 12) ``b_1 = B``: one request
-streams at the drive's full rate, and with ``Q`` large this is the old model (a request cost that
-overlaps, a transfer that does not). ``b_1`` above ``B`` is taken as ``B``. Without
-``max_request_bytes`` a read is never split by the system (``k = 1``).
+with ``p = s / k`` (:func:`queue_throughput`; ``relayout calibrate`` reads ``m`` from the system
+and fits ``a, b_1, B, Q, c`` to it), so throughput rises with queue depth and request size up to
+the drive's limit: one 4 KiB request costs about ``a + c``, ``Q / a`` and ``1 / c`` bound the
+IOPS at depth, and ``B / b_1`` outstanding large requests saturate the drive; one large read,
+split by the system, already reaches ``B`` when ``k`` requests do. ``c`` is why merging two
+reads into one saves less than a whole ``a + c`` when the merged read is split into as many
+requests as the two were: it saves the command ``a``, not the requests' channel time (measured
+on this project's disk: merging two 2.37 MB reads into one the system splits in two saved
+13-31 us where one read's ``a + c`` is 57-95 us, docs/BENCHMARKS.md). Without ``stream_bandwidth``
+(a profile from before issue 12) ``b_1 = B``: one request streams at the drive's full rate, and
+with ``Q`` large and ``c = 0`` this is the old model (a request cost that overlaps, a transfer
+that does not). ``b_1`` above ``B`` is taken as ``B``. Without ``max_request_bytes`` a read is
+never split by the system (``k = 1``); without ``request_channel_seconds`` (a profile from
+before it was measured) ``c = 0``.
 
 **Service discipline** (``service``). The equations above are the ``in-order`` drive: its data
 channel serves requests first come first served, so reads released together complete one after
@@ -37,22 +44,25 @@ another. A ``shared`` drive (``relayout calibrate`` finds one when 8 reads relea
 complete together, :func:`replay.calibrate.completion_spread`) shares its channel fairly among
 the *reads* in it, whatever the number of requests the system split each into (processor
 sharing). A read holds one queue slot only for its latency ``a`` (the command), however many
-requests the system split it into; its bytes then enter the channel. While ``n`` reads are in
-the channel, each passes
+requests the system split it into; its bytes then enter the channel, as work of ``s + k c C``
+bytes (its bytes, and ``c`` of channel time for each of its ``k`` requests). While ``n`` reads
+are in the channel, each passes
 
-    r = min(p b_1, L)                                     [bytes/s]
+    r = min(p b_1 w / s, L)                               [bytes of work/s]
 
-with the level ``L`` set so that the rates add up to ``C = min(B, H / members)`` (the drive's
-rate, or its share of the host link ``H``): ``C / n`` when no read is held below it by its own
-rate, more when some are (water filling). A later arrival slows the reads already there, and
-reads released together complete together. (A read, not its requests, is the unit, both of the
+(``w = s + k c C`` its work: its own rate ``p b_1`` bounds its bytes, not its requests' channel
+time) with the level ``L`` set so that the rates add up to ``C = min(B, H / members)`` (the
+drive's rate, or its share of the host link ``H``): ``C / n`` when no read is held below it by
+its own rate, more when some are (water filling). A later arrival slows the reads already there,
+and reads released together complete together. (A read, not its requests, is the unit of the
 sharing and of the command, as this project's disk showed: a prefetch load of three 6.3 MB reads
 took the same share beside eight 18.9 MB demand reads as one 18.9 MB read did, and eight reads of
 five requests each entered the channel within 0.6 ms where a command per request on the fitted
-two slots would have spread them over 1.2 ms; docs/BENCHMARKS.md.) In steady state ``q``
-outstanding reads of ``s`` bytes then get
+two slots would have spread them over 1.2 ms; docs/BENCHMARKS.md.) A read alone therefore takes
+``a + max(s / (k b_1), k c + s / C)``, and in steady state ``q`` outstanding reads of ``s`` bytes
+get
 
-    X(s, q) = min(q s / (a + s / (k b_1)), Q s / a, B)         [bytes/s]
+    X(s, q) = min(q s / (a + max(s / (k b_1), k c + s / B)), Q s / a, s / (k c + s / B))   [bytes/s]
 
 (the reads' own rate, the slots' command rate, the channel). The model
 (:mod:`replay.instance`) runs the reads a layer's workers and the prefetch thread have in flight
@@ -104,7 +114,9 @@ class DriveProfile:
     for profiles written before issue 12, means ``B``), ``max_request_bytes`` m (bytes: the
     largest request the operating system sends the drive, Linux ``max_sectors_kb`` x 1024;
     ``None`` means reads are not split), ``service`` (``in-order`` or ``shared``: the module
-    docstring's service discipline; ``in-order`` for profiles written before it was measured).
+    docstring's service discipline; ``in-order`` for profiles written before it was measured),
+    ``request_channel_seconds`` c (s each request holds the data channel beyond its bytes; 0, the
+    default, for profiles written before it was measured).
     """
 
     name: str
@@ -114,6 +126,7 @@ class DriveProfile:
     stream_bandwidth: float | None = None
     max_request_bytes: int | None = None
     service: str = "in-order"
+    request_channel_seconds: float = 0.0
 
     @property
     def request_bandwidth(self) -> float:
@@ -131,23 +144,51 @@ SERVICES = ("in-order", "shared")
 
 
 def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth, max_request=0,
-                     shared=False):
+                     shared=False, request_channel_seconds=0.0):
     """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding reads of ``size`` bytes on
-    one drive, each reaching it as ``k = ceil(s / m)`` requests (``m = max_request`` bytes, 0 for
-    no limit). In order: ``min(min(q k, Q) * (s / k) / (a + s / (k b_1)), B)``; ``shared``:
-    ``min(q s / (a + s / (k b_1)), Q s / a, B)`` (a read holds one slot, for the command only).
-    Broadcasts over ``size`` and ``depth``."""
+    one drive, each reaching it as ``k = ceil(s / m)`` requests of ``p = s / k`` bytes
+    (``m = max_request`` bytes, 0 for no limit), each request holding the channel ``c =
+    request_channel_seconds`` (s) beyond its bytes. In order:
+    ``min(min(q k, Q) * p / (a + max(p / b_1, c + p / B)), p / (c + p / B))``; ``shared``:
+    ``min(q s / (a + max(s / (k b_1), k c + s / B)), Q s / a, s / (k c + s / B))`` (a read holds
+    one slot, for the command only). ``b_1`` above ``B`` counts as ``B``. Broadcasts over
+    ``size`` and ``depth``."""
     size = np.asarray(size, dtype=float)
     k = np.ceil(size / max_request) if max_request > 0 else np.ones_like(size)
     b1 = min(stream_bandwidth, bandwidth)
+    c = request_channel_seconds
     piece = size / k
     requests = np.asarray(depth, dtype=float) * k
     if shared:
-        own = requests * piece / (request_seconds + piece / b1)
+        channel = k * c + size / bandwidth
+        own = np.asarray(depth, dtype=float) * size / (request_seconds + np.maximum(piece / b1, channel))
         commands = queue_slots * size / request_seconds if request_seconds > 0 else np.inf
-        return np.minimum(np.minimum(own, commands), bandwidth)
+        return np.minimum(np.minimum(own, commands), size / channel)
     q = np.minimum(requests, queue_slots)
-    return np.minimum(q * piece / (request_seconds + piece / b1), bandwidth)
+    channel = c + piece / bandwidth
+    return np.minimum(q * piece / (request_seconds + np.maximum(piece / b1, channel)), piece / channel)
+
+
+def read_alone_seconds(drive: DriveProfile, size: int) -> float:
+    """Seconds one read of ``size`` bytes takes on ``drive`` with nothing else in it (the module
+    docstring's equations, no host link): on a shared drive ``a + max(s / (k b_1), k c + s / B)``
+    for its ``k = ceil(s / m)`` requests; in order, each request as the queue equations serve it
+    (``a + max(s / (k b_1), k c + s / B)`` too when the drive has ``k`` slots or more)."""
+    a, B, b1, c = drive.request_seconds, drive.bandwidth, drive.request_bandwidth, drive.request_channel_seconds
+    m = drive.max_request
+    k = -(-int(size) // m) if m > 0 else 1
+    piece = size / k
+    if drive.service == "shared":
+        return a + max(piece / b1, k * c + size / B)
+    slots = [0.0] * min(k, drive.queue_slots)          # when each slot frees (s), earliest first
+    channel = done = 0.0
+    for _ in range(k):
+        t0 = slots.pop(0)
+        channel = max(t0 + a, channel) + c + piece / B
+        end = max(t0 + a + piece / b1, channel)
+        slots = sorted(slots + [end])
+        done = max(done, end)
+    return done
 
 
 @dataclass(frozen=True)
@@ -190,6 +231,9 @@ class ArrayProfile:
         m = self.drive.max_request_bytes
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 512 <= m <= 1 << 34):
             raise InputError(self.name, f"max_request_bytes is {m!r}, not an integer of 512 bytes to 16 GiB (or null: reads are not split)")
+        c = self.drive.request_channel_seconds
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise InputError(self.name, f"request_channel_seconds is {c!r}, not a finite number >= 0")
         if self.drive.service not in SERVICES:
             raise InputError(self.name, f"unknown drive service {self.drive.service!r} (choose {', '.join(SERVICES)})")
 
@@ -204,22 +248,29 @@ class ArrayProfile:
         Exact for a single drive; for an array it ignores how chunk boundaries split a read."""
         d = self.drive
         per_member = queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots,
-                                      size / self.members, depth, d.max_request, d.service == "shared")
+                                      size / self.members, depth, d.max_request, d.service == "shared",
+                                      d.request_channel_seconds)
         return float(min(self.members * per_member, self.host_bandwidth))
 
     def scaled(self, factor: float) -> "ArrayProfile":
         """This array with every drive and host rate ``factor`` times as fast (bandwidths x
-        ``factor``, request cost / ``factor``): the same drives at another speed, e.g. a disk
+        ``factor``, request cost and request channel time / ``factor``): the same drives at another speed, e.g. a disk
         measured ``factor`` times as fast as when it was calibrated."""
         if not (math.isfinite(factor) and factor > 0):
             raise InputError(self.name, f"a speed factor must be positive and finite, got {factor!r}")
         d = self.drive
         b1 = None if d.stream_bandwidth is None else d.stream_bandwidth * factor
-        drive = replace(d, request_seconds=d.request_seconds / factor, bandwidth=d.bandwidth * factor, stream_bandwidth=b1)
+        drive = replace(d, request_seconds=d.request_seconds / factor, bandwidth=d.bandwidth * factor, stream_bandwidth=b1,
+                        request_channel_seconds=d.request_channel_seconds / factor)
         return replace(self, drive=drive, host_bandwidth=self.host_bandwidth * factor)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The profile as JSON; a drive without request channel time (``c = 0``) is written without
+        the field, as profiles were before it existed, so that their digests stay what they were."""
+        obj = asdict(self)
+        if not self.drive.request_channel_seconds:
+            del obj["drive"]["request_channel_seconds"]
+        return obj
 
     def digest(self) -> str:
         return digest_of(json.dumps(self.to_json(), sort_keys=True).encode())

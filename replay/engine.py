@@ -361,7 +361,8 @@ def device_numbers(device: ArrayProfile) -> Device:
     d = device.drive
     return Device(int(device.members), int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
                  float(d.request_seconds), float(d.bandwidth), int(d.queue_slots), float(device.host_bandwidth),
-                 float(device.full_bandwidth), float(d.request_bandwidth), int(d.max_request), d.service == "shared")
+                 float(device.full_bandwidth), float(d.request_bandwidth), int(d.max_request), d.service == "shared",
+                 float(d.request_channel_seconds))
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

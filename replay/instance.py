@@ -97,13 +97,14 @@ and ``prefetch_experts`` (its K, or the queue-slot budget Q); ``admission`` (an 
 ``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
-                               "stream_bandwidth max_request shared")
+                               "stream_bandwidth max_request shared request_channel")
 """A :class:`replay.device.ArrayProfile` as plain numbers (:func:`replay.engine.device_numbers`):
 ``members``, ``chunk`` (stripe bytes), ``rule`` (an index into ``SPLIT_RULES``); per drive
 ``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
 b_1 (bytes/s, at most B: :mod:`replay.device`'s queue model), ``max_request`` (bytes, the
 system's largest drive request, 0 for none), ``shared`` (the drives share their channel among
-the reads in them, bool: :mod:`replay.device`'s service discipline); ``host_bandwidth`` and
+the reads in them, bool: :mod:`replay.device`'s service discipline), ``request_channel`` c (s
+each request holds the channel beyond its bytes); ``host_bandwidth`` and
 ``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru scale_seen")
@@ -164,9 +165,10 @@ Sharing = namedtuple("Sharing", "enter size cap rem clock level active last next
                                  "parts issued busy")
 """Shared drives' channels while the reader pool runs (:func:`_shared_pool`). Per member and
 issuer [M, W+1] (the workers, then the prefetch thread), for the read the issuer has in flight:
-``enter`` (when its bytes enter the member's channel, s; inf: not waiting), ``size`` (its bytes
-on the member), ``cap`` (its own rate there, ``p b_1`` for its ``p`` requests, bytes/s), ``rem``
-(bytes it still has to pass; inf: not in the channel). Per member [M]: ``clock`` (s: ``rem`` is
+``enter`` (when its bytes enter the member's channel, s; inf: not waiting), ``size`` (its work
+on the member: its bytes and ``c C`` for each of its ``p`` requests, bytes), ``cap`` (its own rate
+there: ``p b_1`` for its bytes, in work per s), ``rem`` (work it still has to pass; inf: not in
+the channel). Per member [M]: ``clock`` (s: ``rem`` is
 as of then; the channel serves nothing before its first value: it is busy until then with reads
 issued before the pool), ``level`` (the fair share, bytes/s: a read in the channel passes
 ``min(cap, level)``), ``active`` (reads in the channel), ``last`` (when its last read left, s),
@@ -589,9 +591,9 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
     The read is split over the members; a member's share is ``pieces`` requests of equal size
     ``s``, each served as :mod:`replay.device` states: it takes the queue slot that frees first
     (at ``t`` or later: ``t0``), its bytes pass the member's data channel at ``bandwidth`` after
-    its latency ``request_seconds`` (``channel = max(t0 + a, channel) + s / B``), and it completes
+    its latency ``request_seconds``, holding it ``c`` more (``channel = max(t0 + a, channel) + c + s / B``), and it completes
     at ``max(t0 + a + s / b_1, channel)``. Small reads (up to ``SMALL_READ_BYTES``) use a channel
-    of their own beside the large transfers and delay them by their own transfer time. The host
+    of their own beside the large transfers and delay them by their own channel time. The host
     link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
     A warm read costs memory time only. Bytes go into ``drives.member_bytes``, requests and
     residence (s) into ``usage``, and the time the read keeps the array busy beyond the reads
@@ -612,7 +614,7 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
             size = nbytes[m] / pieces[m]
-            xfer = size / dev.bandwidth
+            xfer = dev.request_channel + size / dev.bandwidth
             serve = a + size / dev.stream_bandwidth
             chan = sfree[m] if small else mfree[m]
             mdone = t
@@ -624,7 +626,7 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
                 mdone = max(mdone, d)
             usage.residence_seconds[m] += mdone - t
             if small:
-                mfree[m] += nbytes[m] / dev.bandwidth
+                mfree[m] += pieces[m] * dev.request_channel + nbytes[m] / dev.bandwidth
                 sfree[m] = chan
             else:
                 mfree[m] = chan
@@ -647,8 +649,8 @@ def _serve_shared(addr, n, t, dev, drives, usage):
     """:func:`_serve_read` on shared drives (:mod:`replay.device`'s service discipline), for a read
     issued on its own: on each member it holds the slot that frees first for the latency ``a``
     (:func:`_command`), and from when it has passed it, and the member's channel is free of the
-    reads before it, its ``p`` requests' bytes pass at ``min(C, p b_1)`` (``C``:
-    :func:`_channel_rate`). Returns its completion time (s)."""
+    reads before it, it takes ``max(s / (p b_1), p c + s / C)`` for its ``p`` requests of ``s``
+    bytes in all (``C``: :func:`_channel_rate`). Returns its completion time (s)."""
     pieces, nbytes, mfree = drives.pieces, drives.nbytes, drives.free
     split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
     C = _channel_rate(dev)
@@ -658,7 +660,8 @@ def _serve_shared(addr, n, t, dev, drives, usage):
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
             entry = _command(m, t, dev, drives)
-            mdone = max(entry, mfree[m]) + nbytes[m] / min(C, pieces[m] * dev.stream_bandwidth)
+            mdone = max(entry, mfree[m]) + max(nbytes[m] / (pieces[m] * dev.stream_bandwidth),
+                                               pieces[m] * dev.request_channel + nbytes[m] / C)
             mfree[m] = mdone
             usage.residence_seconds[m] += mdone - t
             done = max(done, mdone)
@@ -835,6 +838,7 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
     whether it reads any byte (an empty read completes at once)."""
     pieces, nbytes = drives.pieces, drives.nbytes
     split_read(reads.addr[r], reads.length[r], dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
+    C = _channel_rate(dev)
     share.issued[j] = t
     parts = 0
     for m in range(dev.members):
@@ -842,8 +846,9 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
             share.enter[m, j] = _command(m, t, dev, drives)
-            share.size[m, j] = nbytes[m]
-            share.cap[m, j] = pieces[m] * dev.stream_bandwidth
+            work = nbytes[m] + pieces[m] * dev.request_channel * C    # its bytes and its requests' channel time
+            share.size[m, j] = work
+            share.cap[m, j] = pieces[m] * dev.stream_bandwidth * work / nbytes[m]
             if share.enter[m, j] < share.next_enter[m]:
                 share.next_enter[m], share.enter_by[m] = share.enter[m, j], j
             parts += 1

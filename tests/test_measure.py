@@ -324,6 +324,19 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
     assert profile["calibration"]["small_page_request_limit"] == limit
     if limit is not None:                                 # one segment per page of the reading buffer
         assert limit["bytes"] == limit["max_segments"] * limit["page_bytes"] > 0
+    from replay.calibrate import MERGE_BYTES
+    from replay.device import read_alone_seconds
+
+    # merging two reads was measured at half the request limit (at most 2 MiB: one merged request),
+    # and the predicted saving is the fitted model's, 2 l(s) - l(2 s)
+    merge = profile["calibration"]["merge"]
+    m = profile["drive"]["max_request_bytes"]
+    assert merge["size"] == min(m or MERGE_BYTES, MERGE_BYTES) // 2 // 4096 * 4096
+    assert merge["predicted_saving_seconds"] == pytest.approx(
+        2 * read_alone_seconds(dev.drive, merge["size"]) - read_alone_seconds(dev.drive, 2 * merge["size"]))
+    assert merge["saving_low_seconds"] <= merge["saving_seconds"] <= merge["saving_high_seconds"]
+    assert merge["pair_seconds"] > 0 and merge["merged_seconds"] > 0 and merge["pairs"] > 0
+    assert dev.drive.request_channel_seconds == profile["calibration"]["fit"]["request_channel_seconds"] >= 0
 
 
 def test_measure_and_report_cli(small_container, trace_for, tmp_path):

@@ -1,0 +1,103 @@
+"""What merging two reads into one saves on this disk, measured beside what the profile predicts.
+
+Usage: python benchmarks/merge_cost.py FILE DEVICE_JSON [--sizes BYTES,...] [--reps N]
+
+FILE is a file of at least 64 MiB on the disk under test (read only, O_DIRECT); DEVICE_JSON is a
+profile ``relayout calibrate`` wrote for that disk. For each size ``s`` (default 2 MiB, whose
+merged read of 4 MiB is one request where the system's limit ``m`` is 4 MiB, and a Qwen3-30B-A3B
+expert's 2,371,584 bytes, whose merged read the same system splits in two), each repetition takes,
+in random order at random 4 KiB-aligned offsets: one read of ``s`` bytes; two reads of ``s``
+bytes one straight after the other, as one loader thread issues a layer's experts; one read of
+``2 s`` bytes (the two merged). Reads land in huge-page buffers (:func:`replay.buffers.read_buffer`),
+as the harness's and the calibration's do.
+
+Printed per size: the medians (us), the saving of the merged read against the pair (median of the
+paired differences, with a 95% bootstrap interval) and against two lone reads, and what the profile
+predicts it saves (:func:`replay.device.read_alone_seconds`: ``a`` plus ``c`` for each request the
+merge removes), beside one lone read's ``a + c`` (what a model that charged every read a whole
+small read's latency would predict). docs/BENCHMARKS.md ("Request channel time") records runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from replay.buffers import read_buffer
+from replay.device import load_device, read_alone_seconds
+
+QWEN3_EXPERT_BYTES = 2_371_584
+ALIGN = 4096
+
+
+def measure(fd: int, file_size: int, size: int, reps: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per repetition, the seconds of one read, of a back-to-back pair, and of the merged read."""
+    buf, buf2 = read_buffer(2 * size), read_buffer(size)
+
+    def offset(n: int) -> int:
+        return int(rng.integers(0, (file_size - n) // ALIGN)) * ALIGN
+
+    times = {"one": [], "pair": [], "merged": []}
+    for _ in range(reps):
+        for mode in rng.permutation(list(times)):
+            if mode == "merged":
+                o = offset(2 * size)
+                t = time.perf_counter_ns()
+                os.preadv(fd, [buf[:2 * size]], o)
+            elif mode == "pair":
+                o1, o2 = offset(size), offset(size)
+                t = time.perf_counter_ns()
+                os.preadv(fd, [buf[:size]], o1)
+                os.preadv(fd, [buf2[:size]], o2)
+            else:
+                o = offset(size)
+                t = time.perf_counter_ns()
+                os.preadv(fd, [buf[:size]], o)
+            times[mode].append((time.perf_counter_ns() - t) * 1e-9)
+    return {k: np.array(v) for k, v in times.items()}
+
+
+def median_interval(x: np.ndarray, rng: np.random.Generator, draws: int = 1000) -> tuple[float, float, float]:
+    """The median of ``x`` and its 95% bootstrap interval."""
+    boot = np.median(rng.choice(x, (draws, len(x))), axis=1)
+    return float(np.median(x)), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file")
+    ap.add_argument("device")
+    ap.add_argument("--sizes", default=f"{2 << 20},{QWEN3_EXPERT_BYTES}")
+    ap.add_argument("--reps", type=int, default=1500)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    drive = load_device(args.device).drive
+    fd = os.open(args.file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    file_size = os.fstat(fd).st_size
+    rng = np.random.default_rng(args.seed)
+    us = 1e6
+    print(f"profile {args.device}: a {drive.request_seconds * us:.1f} us, c {drive.request_channel_seconds * us:.1f} us, "
+          f"B {drive.bandwidth / 1e9:.2f} GB/s, m {drive.max_request // 1024} KiB, {drive.service}")
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            t = measure(fd, file_size, size, args.reps, rng)
+            vs_pair = median_interval(t["pair"] - t["merged"], rng)
+            vs_two = median_interval(2 * t["one"] - t["merged"], rng)
+            predicted = 2 * read_alone_seconds(drive, size) - read_alone_seconds(drive, 2 * size)
+            without_c = drive.request_seconds + drive.request_channel_seconds
+            print(f"{size:>10} B x2: one {np.median(t['one']) * us:7.1f} us, pair {np.median(t['pair']) * us:7.1f}, "
+                  f"merged {np.median(t['merged']) * us:7.1f}; merging saves {vs_pair[0] * us:5.1f} us "
+                  f"[{vs_pair[1] * us:.1f}, {vs_pair[2] * us:.1f}] against the pair, {vs_two[0] * us:5.1f} "
+                  f"[{vs_two[1] * us:.1f}, {vs_two[2] * us:.1f}] against two lone reads; the profile predicts "
+                  f"{predicted * us:5.1f} us (one lone read's a + c: {without_c * us:5.1f} us)")
+    finally:
+        os.close(fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
