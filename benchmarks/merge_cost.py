@@ -1,6 +1,6 @@
 """What merging two reads into one saves on this disk, measured beside what the profile predicts.
 
-Usage: python benchmarks/merge_cost.py FILE DEVICE_JSON [--sizes BYTES,...] [--reps N]
+Usage: python benchmarks/merge_cost.py FILE DEVICE_JSON [--sizes BYTES,...] [--gaps US,...] [--reps N]
 
 FILE is a file of at least 64 MiB on the disk under test (read only, O_DIRECT); DEVICE_JSON is a
 profile ``relayout calibrate`` wrote for that disk. For each size ``s`` (default 2 MiB, whose
@@ -8,7 +8,9 @@ merged read of 4 MiB is one request where the system's limit ``m`` is 4 MiB, and
 expert's 2,371,584 bytes, whose merged read the same system splits in two), each repetition takes,
 in random order at random 4 KiB-aligned offsets: one read of ``s`` bytes; two reads of ``s``
 bytes one straight after the other, as one loader thread issues a layer's experts; one read of
-``2 s`` bytes (the two merged). Reads land in huge-page buffers (:func:`replay.buffers.read_buffer`),
+``2 s`` bytes (the two merged); and, for each ``--gaps`` value ``g`` (us), two reads of ``s``
+bytes with the second issued ``g`` after the first completed (the thread busy meanwhile, as a
+loader doing other work; the gap is not counted in the pair's time). Reads land in huge-page buffers (:func:`replay.buffers.read_buffer`),
 as the harness's and the calibration's do.
 
 Printed per size: the medians (us), the saving of the merged read against the pair (median of the
@@ -34,17 +36,30 @@ QWEN3_EXPERT_BYTES = 2_371_584
 ALIGN = 4096
 
 
-def measure(fd: int, file_size: int, size: int, reps: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Per repetition, the seconds of one read, of a back-to-back pair, and of the merged read."""
+def measure(fd: int, file_size: int, size: int, reps: int, rng: np.random.Generator, gaps=()) -> dict:
+    """Per repetition, the seconds of one read, of a back-to-back pair, of the merged read, and of a
+    pair with the second read ``g`` us after the first (key ``("gap", g)``, the gap not counted)."""
     buf, buf2 = read_buffer(2 * size), read_buffer(size)
 
     def offset(n: int) -> int:
         return int(rng.integers(0, (file_size - n) // ALIGN)) * ALIGN
 
-    times = {"one": [], "pair": [], "merged": []}
+    times = {"one": [], "pair": [], "merged": [], **{("gap", g): [] for g in gaps}}
+    modes = list(times)
     for _ in range(reps):
-        for mode in rng.permutation(list(times)):
-            if mode == "merged":
+        for i in rng.permutation(len(modes)):
+            mode = modes[i]
+            if isinstance(mode, tuple):
+                gap_ns = int(mode[1] * 1000)
+                o1, o2 = offset(size), offset(size)
+                t = time.perf_counter_ns()
+                os.preadv(fd, [buf[:size]], o1)
+                until = time.perf_counter_ns() + gap_ns
+                while time.perf_counter_ns() < until:
+                    pass
+                os.preadv(fd, [buf2[:size]], o2)
+                t += gap_ns
+            elif mode == "merged":
                 o = offset(2 * size)
                 t = time.perf_counter_ns()
                 os.preadv(fd, [buf[:2 * size]], o)
@@ -72,9 +87,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("file")
     ap.add_argument("device")
     ap.add_argument("--sizes", default=f"{2 << 20},{QWEN3_EXPERT_BYTES}")
+    ap.add_argument("--gaps", default="", help="us between the two reads of a pair, comma-separated (e.g. 10,20,40,80)")
     ap.add_argument("--reps", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    gaps = [float(g) for g in args.gaps.split(",") if g]
     drive = load_device(args.device).drive
     fd = os.open(args.file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     file_size = os.fstat(fd).st_size
@@ -84,7 +101,7 @@ def main(argv: list[str]) -> int:
           f"B {drive.bandwidth / 1e9:.2f} GB/s, m {drive.max_request // 1024} KiB, {drive.service}")
     try:
         for size in (int(s) for s in args.sizes.split(",")):
-            t = measure(fd, file_size, size, args.reps, rng)
+            t = measure(fd, file_size, size, args.reps, rng, gaps)
             vs_pair = median_interval(t["pair"] - t["merged"], rng)
             vs_two = median_interval(2 * t["one"] - t["merged"], rng)
             predicted = 2 * read_alone_seconds(drive, size) - read_alone_seconds(drive, 2 * size)
@@ -94,6 +111,10 @@ def main(argv: list[str]) -> int:
                   f"[{vs_pair[1] * us:.1f}, {vs_pair[2] * us:.1f}] against the pair, {vs_two[0] * us:5.1f} "
                   f"[{vs_two[1] * us:.1f}, {vs_two[2] * us:.1f}] against two lone reads; the profile predicts "
                   f"{predicted * us:5.1f} us (one lone read's a + c: {without_c * us:5.1f} us)")
+            for g in gaps:
+                d = median_interval(t[("gap", g)] - t["merged"], rng)
+                print(f"{'':>13}second read {g:g} us after the first: merging saves {d[0] * us:5.1f} us "
+                      f"[{d[1] * us:.1f}, {d[2] * us:.1f}]")
     finally:
         os.close(fd)
     return 0

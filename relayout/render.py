@@ -196,18 +196,22 @@ MERGE_AGREES = 0.25
 """A measured merge saving within this fraction of the predicted one agrees with the profile."""
 
 
-def merge_sentence(profile: dict) -> tuple[str, float] | None:
+def merge_sentence(profile: dict) -> tuple[str, float | None] | None:
     """What merging two reads saved in the calibration (:func:`replay.calibrate.merge_saving`)
-    against what the profile predicts, in words, and predicted / measured; None when not
-    measured (or nothing was saved, so no ratio)."""
+    against what the profile predicts, in words, and predicted / measured (None when merging
+    saved nothing); None when not measured."""
     m = profile.get("calibration", {}).get("merge")
-    if not m or m["saving_seconds"] <= 0:
+    if not m:
         return None
     us = 1e6
-    ratio = m["predicted_saving_seconds"] / m["saving_seconds"]
-    head = (f"merging two back-to-back {m['size'] / 2**20:g} MiB reads into one saved {m['saving_seconds'] * us:.0f} us "
+    saved = m["saving_seconds"]
+    head = (f"merging two back-to-back {m['size'] / 2**20:g} MiB reads into one saved {saved * us:.0f} us "
             f"[{m['saving_low_seconds'] * us:.0f}, {m['saving_high_seconds'] * us:.0f}] (median of {m['pairs']} pairs), "
             f"the profile predicts {m['predicted_saving_seconds'] * us:.0f} us")
+    if saved <= 0:
+        return (head + ": on this disk a merged read was then no cheaper than the two it replaces, so a layout's "
+                "coalescing saving is not there to be had while it stays so"), None
+    ratio = m["predicted_saving_seconds"] / saved
     if abs(ratio - 1) <= MERGE_AGREES:
         return head + ": what coalescing saves per merged read is modelled within 25% on this disk", ratio
     return (head + f": the model puts what coalescing saves per merged read at {ratio:.2f} times what this disk saves "

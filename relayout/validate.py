@@ -460,7 +460,7 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
 
 def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     """Run the validation (see the module doc) and return the ``validation.json`` record, written to ``o.output``."""
-    from replay.calibrate import calibrate, probe_rate
+    from replay.calibrate import calibrate, merge_saving, probe_rate
     from replay.device import load_device
     from replay.engine import simulate
     from replay.gate import evaluation_forwards, training_coupling
@@ -490,7 +490,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             notify(f"wrote {profile_path}")
             sharing, merge = completion_sentence(profile), merge_sentence(profile)
             notes = [small_page_warning(profile), sharing[0] if sharing and sharing[1] else None,
-                     merge[0] if merge and abs(merge[1] - 1) > MERGE_AGREES else None]
+                     merge[0] if merge and (merge[1] is None or abs(merge[1] - 1) > MERGE_AGREES) else None]
             for sentence in filter(None, notes):
                 notify(sentence[0].upper() + sentence[1:])
         plans = list(lay.plans.values())
@@ -591,6 +591,10 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                     rates.append(probe_rate(probe_file, probe_size, o.workers, seed=rep + 1))
         finally:
             bar.close()
+        merge_after = None
+        if merge and probe_file:                     # what merging saves now, beside what it saved at calibration
+            merge_after = merge_saving(probe_file, profile["calibration"]["merge"]["size"])
+            merge = merge_after_sentence(merge, merge_after)
 
         def stall_and_rate(key: tuple, device_at) -> tuple[float, float | None]:
             """S (s/token) predicted for cell ``key`` on ``device_at``, and the rate its drives ran at."""
@@ -634,7 +638,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
 
         record = _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed,
                          base_cfg, tokens, reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read,
-                         at_run, at_near, at_harness, sharing, merge, (control_pf, control))
+                         at_run, at_near, at_harness, sharing, merge, merge_after, (control_pf, control))
         record["work_dir"] = str(work.path) if o.keep else None
         record["plots"] = [str(p) for p in write_validation_plot(record, o.plots)] if o.plots is not None else []
         record["elapsed_seconds"] = round(time.perf_counter() - t_start, 3)
@@ -960,7 +964,7 @@ def _predicted_at(entries: list, measured_mean: float) -> dict | None:
 
 def _record(o, device, device_source, profile_path, src, manifest, trace, held, lay, synthetic, routed, base_cfg, tokens,
             reps, chosen, cells, methods, predicted, measured, fw, drift, probed, first_read, at_run, at_near,
-            at_harness, sharing, merge, control) -> dict:
+            at_harness, sharing, merge, merge_after, control) -> dict:
     out_cells, comparisons, prefetch_comparisons = [], [], []
     control_pf, copies = control
     placement = {"prefetch": control_pf, "blocks": [
@@ -1072,8 +1076,18 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         "prefetch_comparisons": prefetch_comparisons,
         "placement_control": placement,
         "calibration_sharing": None if sharing is None else {"sentence": sharing[0], "shares": sharing[1]},
-        "calibration_merge": None if merge is None else {"sentence": merge[0], "predicted_over_measured": merge[1]},
+        "calibration_merge": None if merge is None else {"sentence": merge[0], "predicted_over_measured": merge[1],
+                                                         "after_measurement": merge_after},
     })
+
+
+def merge_after_sentence(merge: tuple[str, float | None], after: dict) -> tuple[str, float | None]:
+    """The calibration's merge sentence (:func:`relayout.render.merge_sentence`) with what merging
+    saved again after the measurement (:func:`replay.calibrate.merge_saving`): how far the per-read
+    cost a coalescing saving rests on moved while the runs were measured."""
+    us = 1e6
+    return (merge[0] + f"; after the measurement it saved {after['saving_seconds'] * us:.0f} us "
+            f"[{after['saving_low_seconds'] * us:.0f}, {after['saving_high_seconds'] * us:.0f}]"), merge[1]
 
 
 def judge_record(record: dict) -> dict:

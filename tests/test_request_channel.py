@@ -155,7 +155,8 @@ def test_the_merge_check_says_how_far_the_model_is_from_what_merging_saved():
     assert ratio == pytest.approx(1.5) and "1.50 times what this disk saves" in text and "saved 40 us [35, 45]" in text
     text, ratio = merge_sentence(_merge_profile(44, 40))
     assert ratio == pytest.approx(1.1) and "within 25%" in text
-    assert merge_sentence(_merge_profile(44, 0)) is None           # nothing saved: no ratio to state
+    text, ratio = merge_sentence(_merge_profile(44, -20))           # nothing saved: no ratio, said in words
+    assert ratio is None and "no cheaper than the two it replaces" in text
     assert merge_sentence({"calibration": {}}) is None
 
 
@@ -174,3 +175,13 @@ def test_a_validation_record_says_what_merging_saved_under_per_read_cost():
     assert "per-read cost: in the calibration, " + sentence in judged["summary"]["text"]
     assert judged["summary"]["merge_saving_predicted_over_measured"] == pytest.approx(1.5)
     assert judged["summary"]["verdict"] == plain["summary"]["verdict"]      # a diagnosis: the verdict stands
+
+
+def test_validate_adds_what_merging_saved_after_the_measurement():
+    from relayout.render import merge_sentence
+    from relayout.validate import merge_after_sentence
+
+    merge = merge_sentence(_merge_profile(60, 40))
+    after = {"saving_seconds": -12e-6, "saving_low_seconds": -20e-6, "saving_high_seconds": -3e-6}
+    text, ratio = merge_after_sentence(merge, after)
+    assert text == merge[0] + "; after the measurement it saved -12 us [-20, -3]" and ratio == merge[1]
