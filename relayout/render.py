@@ -215,7 +215,7 @@ def merge_sentence(profile: dict) -> tuple[str, float | None] | None:
     if abs(ratio - 1) <= MERGE_AGREES:
         return head + ": what coalescing saves per merged read is modelled within 25% on this disk", ratio
     return (head + f": the model puts what coalescing saves per merged read at {ratio:.2f} times what this disk saves "
-            "(its per-read cost is fitted mostly to small reads), and a layout's coalescing saving with it"), ratio
+            "(the fit infers a read's cost mostly from small reads), and a layout's coalescing saving with it"), ratio
 
 
 def completion_sentence(profile: dict) -> tuple[str, bool] | None:

@@ -39,8 +39,20 @@ QUOTED.update({
                            ratio=(0.87, 0.96)),
     "v37-2026-12-03": dict(verdict="inconclusive", inside_measured=2, ratio=(0.84, 0.98)),
 })
+# "Request channel time, and what merging two reads saves": the model with c (v38-v41), v39-v41 with the merge check.
+QUOTED.update({
+    "v38-2026-12-03": dict(verdict="inconclusive", inside_measured=1, ratio=(0.99, 1.10)),
+    "v39-2026-12-03": dict(verdict="inconclusive", inside_measured=0, ratio=(0.94, 1.03),
+                           merge_saving_predicted_over_measured=pytest.approx(0.81, abs=0.005)),
+    "v40-2026-12-03": dict(verdict="holds", inside_measured=12, unresolved_savings=0, gate_disagreements=0,
+                           ratio=(0.85, 0.89), merge_saving_predicted_over_measured=pytest.approx(1.37, abs=0.005)),
+    "v41-2026-12-03": dict(verdict="inconclusive", inside_measured=2, ratio=(0.79, 0.84),
+                           merge_saving_predicted_over_measured=pytest.approx(0.56, abs=0.005)),
+})
 HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43),
-           "v36-2026-12-03": (0.99, 1.01, 0.01, 0.04), "v37-2026-12-03": (0.96, 0.99, 0.03, 0.05)}
+           "v36-2026-12-03": (0.99, 1.01, 0.01, 0.04), "v37-2026-12-03": (0.96, 0.99, 0.03, 0.05),
+           "v38-2026-12-03": (0.96, 0.98, 0.03, 0.05), "v39-2026-12-03": (0.97, 0.99, 0.02, 0.04),
+           "v40-2026-12-03": (0.99, 1.01, 0.01, 0.03), "v41-2026-12-03": (0.96, 0.98, 0.04, 0.06)}
 """Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 
