@@ -24,7 +24,9 @@ bytes get the aggregate rate
     X(s, q) = min(min(q k, Q) * p / (a + max(p / b_1, c + p / B)), p / (c + p / B))   [bytes/s]
 
 with ``p = s / k`` (:func:`queue_throughput`; ``relayout calibrate`` reads ``m`` from the system
-and fits ``a, b_1, B, Q, c`` to it), so throughput rises with queue depth and request size up to
+and fits ``a, b_1, B, Q, c`` to it; the system's split is ``k - 1`` requests of ``m`` bytes and one
+of the rest, so a split read's requests stream side by side in the time of its largest, ``m /
+b_1``: :func:`largest_request`), so throughput rises with queue depth and request size up to
 the drive's limit: one 4 KiB request costs about ``a + c``, ``Q / a`` and ``1 / c`` bound the
 IOPS at depth, and ``B / b_1`` outstanding large requests saturate the drive; one large read,
 split by the system, already reaches ``B`` when ``k`` requests do. ``c`` is why merging two
@@ -48,21 +50,23 @@ requests the system split it into; its bytes then enter the channel, as work of 
 bytes (its bytes, and ``c`` of channel time for each of its ``k`` requests). While ``n`` reads
 are in the channel, each passes
 
-    r = min(p b_1 w / s, L)                               [bytes of work/s]
+    r = min(b_1 w / r_max, L)                             [bytes of work/s]
 
-(``w = s + k c C`` its work: its own rate ``p b_1`` bounds its bytes, not its requests' channel
-time) with the level ``L`` set so that the rates add up to ``C = min(B, H / members)`` (the
+(``w = s + k c C`` its work, ``r_max`` its largest request: its own rate bounds its bytes, not its
+requests' channel time) with the level ``L`` set so that the rates add up to ``C = min(B, H / members)`` (the
 drive's rate, or its share of the host link ``H``): ``C / n`` when no read is held below it by
 its own rate, more when some are (water filling). A later arrival slows the reads already there,
 and reads released together complete together. (A read, not its requests, is the unit of the
 sharing and of the command, as this project's disk showed: a prefetch load of three 6.3 MB reads
 took the same share beside eight 18.9 MB demand reads as one 18.9 MB read did, and eight reads of
 five requests each entered the channel within 0.6 ms where a command per request on the fitted
-two slots would have spread them over 1.2 ms; docs/BENCHMARKS.md.) A read alone therefore takes
-``a + max(s / (k b_1), k c + s / C)``, and in steady state ``q`` outstanding reads of ``s`` bytes
+two slots would have spread them over 1.2 ms; docs/BENCHMARKS.md.) Its requests stream side by
+side, so its bytes pass at most at ``s b_1 / r`` for ``r`` its largest request's bytes
+(:func:`largest_request`; ``k b_1`` when the requests are equal). A read alone therefore takes
+``a + max(r / b_1, k c + s / C)``, and in steady state ``q`` outstanding reads of ``s`` bytes
 get
 
-    X(s, q) = min(q s / (a + max(s / (k b_1), k c + s / B)), Q s / a, s / (k c + s / B))   [bytes/s]
+    X(s, q) = min(q s / (a + max(min(s, m) / b_1, k c + s / B)), Q s / a, s / (k c + s / B))   [bytes/s]
 
 (the reads' own rate, the slots' command rate, the channel). The model
 (:mod:`replay.instance`) runs the reads a layer's workers and the prefetch thread have in flight
@@ -152,40 +156,43 @@ def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, 
     ``min(min(q k, Q) * p / (a + max(p / b_1, c + p / B)), p / (c + p / B))``; ``shared``:
     ``min(q s / (a + max(s / (k b_1), k c + s / B)), Q s / a, s / (k c + s / B))`` (a read holds
     one slot, for the command only). ``b_1`` above ``B`` counts as ``B``. Broadcasts over
-    ``size`` and ``depth``."""
+    ``size`` and ``depth``; the requests' stream term takes the largest request, ``min(s, m)``
+    (:func:`largest_request`), which is ``p`` when ``m`` divides ``s``."""
     size = np.asarray(size, dtype=float)
     k = np.ceil(size / max_request) if max_request > 0 else np.ones_like(size)
     b1 = min(stream_bandwidth, bandwidth)
     c = request_channel_seconds
     piece = size / k
     requests = np.asarray(depth, dtype=float) * k
+    largest = np.minimum(size, max_request) if max_request > 0 else size
     if shared:
         channel = k * c + size / bandwidth
-        own = np.asarray(depth, dtype=float) * size / (request_seconds + np.maximum(piece / b1, channel))
+        own = np.asarray(depth, dtype=float) * size / (request_seconds + np.maximum(largest / b1, channel))
         commands = queue_slots * size / request_seconds if request_seconds > 0 else np.inf
         return np.minimum(np.minimum(own, commands), size / channel)
     q = np.minimum(requests, queue_slots)
     channel = c + piece / bandwidth
-    return np.minimum(q * piece / (request_seconds + np.maximum(piece / b1, channel)), piece / channel)
+    return np.minimum(q * piece / (request_seconds + np.maximum(largest / b1, channel)), piece / channel)
 
 
 def read_alone_seconds(drive: DriveProfile, size: int) -> float:
     """Seconds one read of ``size`` bytes takes on ``drive`` with nothing else in it (the module
-    docstring's equations, no host link): on a shared drive ``a + max(s / (k b_1), k c + s / B)``
-    for its ``k = ceil(s / m)`` requests; in order, each request as the queue equations serve it
-    (``a + max(s / (k b_1), k c + s / B)`` too when the drive has ``k`` slots or more)."""
+    docstring's equations, no host link): on a shared drive ``a + max(r / b_1, k c + s / B)``
+    for its ``k = ceil(s / m)`` requests, the largest of ``r = min(s, m)`` bytes; in order, each
+    request as the queue equations serve it (the same when the drive has ``k`` slots or more)."""
     a, B, b1, c = drive.request_seconds, drive.bandwidth, drive.request_bandwidth, drive.request_channel_seconds
     m = drive.max_request
     k = -(-int(size) // m) if m > 0 else 1
     piece = size / k
+    largest = largest_request(int(size), 1, 0, 0, m)
     if drive.service == "shared":
-        return a + max(piece / b1, k * c + size / B)
+        return a + max(largest / b1, k * c + size / B)
     slots = [0.0] * min(k, drive.queue_slots)          # when each slot frees (s), earliest first
     channel = done = 0.0
     for _ in range(k):
         t0 = slots.pop(0)
         channel = max(t0 + a, channel) + c + piece / B
-        end = max(t0 + a + piece / b1, channel)
+        end = max(t0 + a + largest / b1, channel)
         slots = sorted(slots + [end])
         done = max(done, end)
     return done
@@ -342,6 +349,21 @@ def _limit_requests(members, max_request, pieces, nbytes):
     elif max_request > 0:
         for m in range(members):
             pieces[m] = max(pieces[m], -(-nbytes[m] // max_request))
+
+
+@njit(**HELPER)
+def largest_request(nbytes: int, members: int, chunk: int, rule: int, max_request: int) -> int:
+    """The largest request (bytes) a member's ``nbytes`` of one read reach it as: the system splits
+    at ``max_request`` (0: no limit) into requests of that size and one of the rest, md at its
+    ``chunk`` boundaries (``rule`` an index into :data:`SPLIT_RULES`; AppleRAID gives each member
+    one request before the system's split). Its requests stream side by side, each at ``b_1``, so
+    the read streams in this request's time (:mod:`replay.device`'s equations)."""
+    big = nbytes
+    if max_request > 0:
+        big = min(big, max_request)
+    if members > 1 and rule != APPLE:
+        big = min(big, chunk)
+    return big
 
 
 @njit(**HELPER)

@@ -40,7 +40,7 @@ from .admission import (
     record_demand,
     record_outcome,
 )
-from .device import split_read
+from .device import largest_request, split_read
 from .jit import HELPER, LOOP, STAGE, fetch_lines
 from .predictors import (
     FUSED,
@@ -167,7 +167,8 @@ Sharing = namedtuple("Sharing", "enter size cap rem clock level active last next
 issuer [M, W+1] (the workers, then the prefetch thread), for the read the issuer has in flight:
 ``enter`` (when its bytes enter the member's channel, s; inf: not waiting), ``size`` (its work
 on the member: its bytes and ``c C`` for each of its ``p`` requests, bytes), ``cap`` (its own rate
-there: ``p b_1`` for its bytes, in work per s), ``rem`` (work it still has to pass; inf: not in
+there, in work per s: its bytes in the time of its largest request at ``b_1``, ``p b_1`` when its
+requests are equal), ``rem`` (work it still has to pass; inf: not in
 the channel). Per member [M]: ``clock`` (s: ``rem`` is
 as of then; the channel serves nothing before its first value: it is busy until then with reads
 issued before the pool), ``level`` (the fair share, bytes/s: a read in the channel passes
@@ -588,11 +589,13 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
     """Serve one read of ``n`` bytes at logical address ``addr`` issued at ``t`` (s); returns its
     completion time (s).
 
-    The read is split over the members; a member's share is ``pieces`` requests of equal size
-    ``s``, each served as :mod:`replay.device` states: it takes the queue slot that frees first
-    (at ``t`` or later: ``t0``), its bytes pass the member's data channel at ``bandwidth`` after
-    its latency ``request_seconds``, holding it ``c`` more (``channel = max(t0 + a, channel) + c + s / B``), and it completes
-    at ``max(t0 + a + s / b_1, channel)``. Small reads (up to ``SMALL_READ_BYTES``) use a channel
+    The read is split over the members; a member's share is ``pieces`` requests, each served as
+    :mod:`replay.device` states: it takes the queue slot that frees first (at ``t`` or later:
+    ``t0``), its ``s`` bytes (the share over ``pieces``) pass the member's data channel at
+    ``bandwidth`` after its latency ``request_seconds``, holding it ``c`` more (``channel =
+    max(t0 + a, channel) + c + s / B``), and it completes at ``max(t0 + a + r / b_1, channel)``,
+    ``r`` the share's largest request (:func:`replay.device.largest_request`: the system's split
+    is not even, and the requests stream side by side). Small reads (up to ``SMALL_READ_BYTES``) use a channel
     of their own beside the large transfers and delay them by their own channel time. The host
     link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
     A warm read costs memory time only. Bytes go into ``drives.member_bytes``, requests and
@@ -615,7 +618,7 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
         if nbytes[m] > 0:
             size = nbytes[m] / pieces[m]
             xfer = dev.request_channel + size / dev.bandwidth
-            serve = a + size / dev.stream_bandwidth
+            serve = a + largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request) / dev.stream_bandwidth
             chan = sfree[m] if small else mfree[m]
             mdone = t
             for _ in range(pieces[m]):
@@ -649,8 +652,9 @@ def _serve_shared(addr, n, t, dev, drives, usage):
     """:func:`_serve_read` on shared drives (:mod:`replay.device`'s service discipline), for a read
     issued on its own: on each member it holds the slot that frees first for the latency ``a``
     (:func:`_command`), and from when it has passed it, and the member's channel is free of the
-    reads before it, it takes ``max(s / (p b_1), p c + s / C)`` for its ``p`` requests of ``s``
-    bytes in all (``C``: :func:`_channel_rate`). Returns its completion time (s)."""
+    reads before it, it takes ``max(r / b_1, p c + s / C)`` for its ``p`` requests of ``s`` bytes
+    in all, the largest of ``r`` (:func:`replay.device.largest_request`; ``C``:
+    :func:`_channel_rate`). Returns its completion time (s)."""
     pieces, nbytes, mfree = drives.pieces, drives.nbytes, drives.free
     split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
     C = _channel_rate(dev)
@@ -660,8 +664,8 @@ def _serve_shared(addr, n, t, dev, drives, usage):
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
             entry = _command(m, t, dev, drives)
-            mdone = max(entry, mfree[m]) + max(nbytes[m] / (pieces[m] * dev.stream_bandwidth),
-                                               pieces[m] * dev.request_channel + nbytes[m] / C)
+            big = largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request)
+            mdone = max(entry, mfree[m]) + max(big / dev.stream_bandwidth, pieces[m] * dev.request_channel + nbytes[m] / C)
             mfree[m] = mdone
             usage.residence_seconds[m] += mdone - t
             done = max(done, mdone)
@@ -848,7 +852,8 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
             share.enter[m, j] = _command(m, t, dev, drives)
             work = nbytes[m] + pieces[m] * dev.request_channel * C    # its bytes and its requests' channel time
             share.size[m, j] = work
-            share.cap[m, j] = pieces[m] * dev.stream_bandwidth * work / nbytes[m]
+            big = largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request)
+            share.cap[m, j] = dev.stream_bandwidth * work / big   # its bytes in the time of its largest request
             if share.enter[m, j] < share.next_enter[m]:
                 share.next_enter[m], share.enter_by[m] = share.enter[m, j], j
             parts += 1

@@ -240,3 +240,21 @@ def test_the_calibration_says_whether_concurrent_reads_completed_in_order():
     text, _ = completion_sentence({**in_order, "drive": {"service": "shared"}})
     assert "but this profile's drive is shared" in text
     assert completion_sentence({"calibration": {}}) is None          # a profile calibrated before it was measured
+
+
+@pytest.mark.parametrize("service", ["in-order", "shared"])
+def test_a_split_read_streams_in_the_time_of_its_largest_request(service):
+    """One 4.5 MiB read, m = 4 MiB, b_1 = B / 4: the system sends 4 MiB and 0.5 MiB (not two of
+    2.25 MiB), side by side, so the read takes 4 MiB / b_1, what read_alone_seconds says too."""
+    from replay.device import largest_request, read_alone_seconds
+
+    B, b1, m = 1e9, 0.25e9, 4 * MIB
+    dev = ArrayProfile("q", DriveProfile("d", 0.0, B, 32, b1, m, service), 1, 0, "none", 1e15)
+    inst, _ = simulate(one_forward([0], 1), np.ones(1, bool), layout(1, (MIB, MIB, 5 * MIB // 2)), dev,
+                       RuntimeConfig(workers=1, **NO_COMPUTE))
+    assert float(inst.stall[0]) == pytest.approx(4 * MIB / b1, rel=1e-9)
+    assert read_alone_seconds(dev.drive, 9 * MIB // 2) == pytest.approx(4 * MIB / b1, rel=1e-12)
+    # md: a member's share is chunk pieces; AppleRAID gives a member one request before the system's split
+    assert largest_request(2 * MIB, 4, 512 * 1024, 1, m) == 512 * 1024
+    assert largest_request(6 * MIB, 4, 512 * 1024, 2, m) == m
+    assert largest_request(3 * MIB, 1, 0, 0, 0) == 3 * MIB
