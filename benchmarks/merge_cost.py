@@ -15,8 +15,8 @@ as the harness's and the calibration's do.
 
 Printed per size: the medians (us), the saving of the merged read against the pair (median of the
 paired differences, with a 95% bootstrap interval) and against two lone reads, and what the profile
-predicts it saves (:func:`replay.device.read_alone_seconds`: ``a`` plus ``c`` for each request the
-merge removes), beside one lone read's ``a + c`` (what a model that charged every read a whole
+predicts it saves (:func:`replay.device.read_alone_seconds`: ``a``, plus up to ``c`` for each
+request the merge removes), beside one lone read's ``a + c`` (what a model that charged every read a whole
 small read's latency would predict). docs/BENCHMARKS.md ("Request channel time") records runs.
 """
 
@@ -105,12 +105,12 @@ def main(argv: list[str]) -> int:
             vs_pair = median_interval(t["pair"] - t["merged"], rng)
             vs_two = median_interval(2 * t["one"] - t["merged"], rng)
             predicted = 2 * read_alone_seconds(drive, size) - read_alone_seconds(drive, 2 * size)
-            without_c = drive.request_seconds + drive.request_channel_seconds
+            lone_read_cost = drive.request_seconds + drive.request_channel_seconds
             print(f"{size:>10} B x2: one {np.median(t['one']) * us:7.1f} us, pair {np.median(t['pair']) * us:7.1f}, "
                   f"merged {np.median(t['merged']) * us:7.1f}; merging saves {vs_pair[0] * us:5.1f} us "
                   f"[{vs_pair[1] * us:.1f}, {vs_pair[2] * us:.1f}] against the pair, {vs_two[0] * us:5.1f} "
                   f"[{vs_two[1] * us:.1f}, {vs_two[2] * us:.1f}] against two lone reads; the profile predicts "
-                  f"{predicted * us:5.1f} us (one lone read's a + c: {without_c * us:5.1f} us)")
+                  f"{predicted * us:5.1f} us (one lone read's a + c: {lone_read_cost * us:5.1f} us)")
             for g in gaps:
                 d = median_interval(t[("gap", g)] - t["merged"], rng)
                 print(f"{'':>13}second read {g:g} us after the first: merging saves {d[0] * us:5.1f} us "

@@ -224,7 +224,7 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     ev = block_evidence(base.steps.stall, new.steps.stall, base.steps.committed, base.steps.session)
     est, low, high = (x * 1e3 for x in ev.interval())
     print(f"   predicted on this disk, calibrated briefly ({local.drive.bandwidth / 1e9:.2f} GB/s, "
-          f"{local.drive.request_seconds * 1e6:.0f} us per read, {local.drive.request_channel_seconds * 1e6:.0f} us of "
+          f"{local.drive.request_seconds * 1e6:.0f} us per command, {local.drive.request_channel_seconds * 1e6:.0f} us of "
           f"channel per request): stock {base.summary.stall_per_token_s * 1e3:.3f}, relaid "
           f"{new.summary.stall_per_token_s * 1e3:.3f} ms/token; saved {est:.3f} ms [{low:.3f}, {high:.3f}] on the same steps")
     print("   " + measured_vs_predicted(s["estimate"] / 1e6, s["low"] / 1e6, s["high"] / 1e6, est))

@@ -592,8 +592,9 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         finally:
             bar.close()
         merge_after = None
-        if merge and probe_file:                     # what merging saves now, beside what it saved at calibration
-            merge_after = merge_saving(probe_file, profile["calibration"]["merge"]["size"])
+        merge_size = profile["calibration"]["merge"]["size"] if merge else 0
+        if merge and probe_file and probe_file.stat().st_size >= 2 * merge_size + 4096:
+            merge_after = merge_saving(probe_file, merge_size)  # what merging saves now, beside what it saved before
             merge = merge_after_sentence(merge, merge_after)
 
         def stall_and_rate(key: tuple, device_at) -> tuple[float, float | None]:
@@ -1198,7 +1199,7 @@ def harness_compute(cells: list[dict], comparisons: list[dict]) -> dict | None:
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
                          prefetch_comparisons: list[dict] = (), first_read: dict | None = None,
                          sharing: tuple[str, bool] | None = None, placement: list[dict] | None = None,
-                         merge: tuple[str, float] | None = None) -> dict:
+                         merge: tuple[str, float | None] | None = None) -> dict:
     """Whether the model holds (see the module doc), with the counts behind it and the text saying so.
 
     Each cell's and each saving's ``agreement`` (:func:`cell_agreement`, :func:`_judge`, from
@@ -1228,9 +1229,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     placement control's blocks (:func:`placement_difference`); the summary names the largest
     difference between the byte-identical copies the measurement admits, and how many measured
     layout savings are no larger. ``merge``: what merging two reads saved in the calibration
-    against the profile's prediction (:func:`relayout.render.merge_sentence`: its sentence and
-    predicted / measured), said under "per-read cost": a layout's coalescing saving is
-    predicted off by about that ratio."""
+    (and again after the runs) against the profile's prediction
+    (:func:`relayout.render.merge_sentence`: its sentence and predicted / measured, None when
+    nothing was saved), said under "per-read cost": a check of the per-read cost on pairs of
+    reads in isolation, not of a layout's saving."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None

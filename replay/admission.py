@@ -220,11 +220,12 @@ def load_seconds(nl, e, first, lay, pol, dev):
     """Estimated time (s) to load expert ``e`` of layer ``nl`` alone: its weight bytes (the bottom
     segment when its top is resident) from the drives, or from the page cache when its first
     weight page is warm, plus its scales (three requests on the expert's first access in the
-    session, ``first``; page-cache time after)."""
+    session, ``first``; page-cache time after). Each request costs its command and its channel
+    time, ``a + c``, beside its bytes at the array's rate."""
     wb = lay.wbytes[nl, e] * (1.0 - lay.top_fraction[nl] if lay.top_resident[nl, e] else 1.0)
     sb = lay.ebytes[nl, e] - lay.wbytes[nl, e]
     rate = min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
-    a = dev.request_seconds
+    a = dev.request_seconds + dev.request_channel
     warm = False
     if pol.warm_fraction > 0:
         f, off = lay.pos_file[nl, e], lay.pos_off[nl, e]

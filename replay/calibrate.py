@@ -193,7 +193,7 @@ MERGE_PAIRS = 300
 MERGE_BYTES = 4 * 1024 * 1024
 """The merged read of :func:`merge_saving` in :func:`calibrate` (bytes): two reads of half of it,
 or of half the system's request limit when that is smaller, so that the merged read is one
-request (an expert-sized read: GLM-5.2's are 19 MB, Qwen3-30B-A3B's 2.4 MB)."""
+request (large reads, as expert reads are: Qwen3-30B-A3B's are 2.4 MB, GLM-5.2's 19 MB)."""
 
 
 def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, seed: int = 0) -> dict:
@@ -204,8 +204,9 @@ def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, s
 
     The queue model (:mod:`replay.device`) predicts the saving from the fitted parameters:
     ``2 l(s) - l(2 s)`` for lone reads (:func:`replay.device.read_alone_seconds`), the command ``a``
-    plus ``c`` per request the merge removes. What coalescing saves per merged read rests on it,
-    and the grid infers ``a`` mostly from small reads; this measures it where the runtime reads.
+    plus up to ``c`` per request the merge removes (all of it where the channel, not the read's
+    own stream, is the bottleneck). What coalescing saves per merged read rests on it, and the
+    grid infers ``a`` mostly from small reads; this measures it on large reads, back to back.
 
     Returns ``size`` (bytes), ``pairs``, the medians ``pair_seconds`` and ``merged_seconds``, and
     ``saving_seconds`` (the median of the paired differences) with its 95% bootstrap interval

@@ -31,9 +31,10 @@ the drive's limit: one 4 KiB request costs about ``a + c``, ``Q / a`` and ``1 / 
 IOPS at depth, and ``B / b_1`` outstanding large requests saturate the drive; one large read,
 split by the system, already reaches ``B`` when ``k`` requests do. ``c`` is why merging two
 reads into one saves less than a whole ``a + c`` when the merged read is split into as many
-requests as the two were: it saves the command ``a``, not the requests' channel time (measured
-on this project's disk: merging two 2.37 MB reads into one the system splits in two saved
-13-31 us where one read's ``a + c`` is 57-95 us, docs/BENCHMARKS.md). Without ``stream_bandwidth``
+requests as the two were: it saves the command ``a``, and ``c`` only for a request it removes
+while the channel, not the read's own stream, is the bottleneck (on this project's disk merging
+two 2.26 MiB reads, split in two when merged, saved 7-16 us less than merging two 2 MiB reads
+into one request, about one request's ``c``; docs/BENCHMARKS.md). Without ``stream_bandwidth``
 (a profile from before issue 12) ``b_1 = B``: one request streams at the drive's full rate, and
 with ``Q`` large and ``c = 0`` this is the old model (a request cost that overlaps, a transfer
 that does not). ``b_1`` above ``B`` is taken as ``B``. Without ``max_request_bytes`` a read is

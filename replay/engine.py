@@ -23,16 +23,17 @@ read, so reads reach the drives in time order. A read is split over the array's 
 (:func:`replay.device.split_read`), and each member is a queue (:mod:`replay.device`): at most
 ``Q = queue_slots`` requests at once, a request of ``s`` bytes that gets a slot at ``t0`` done at
 
-    done = max(t0 + a + s / b_1,  max(t0 + a, channel_free) + s / B)      [s]
+    done = max(t0 + a + s / b_1,  max(t0 + a, channel_free) + c + s / B)      [s]
 
-(``a`` request_seconds, ``b_1`` the rate one request streams at, ``B`` the drive's bandwidth, all
-per member), so ``q`` outstanding requests get ``X(s, q) = min(min(q, Q) s / (a + s / b_1), B)``
+(``a`` request_seconds, ``b_1`` the rate one request streams at, ``B`` the drive's bandwidth,
+``c`` the time each request holds the channel beyond its bytes, all per member), so ``q``
+outstanding requests get ``X(s, q) = min(min(q, Q) s / (a + max(s / b_1, c + s / B)), s / (c + s / B))``
 bytes/s: extra queue depth (more workers, a prefetch thread beside the demand loads) turns into
 bandwidth up to the drive's limit, as on real NVMe. Small reads (up to ``SMALL_READ_BYTES``) pass
-a channel of their own beside the large ones and delay them by their own transfer time; the host
+a channel of their own beside the large ones and delay them by their own channel time; the host
 link caps the aggregate rate the same way. That is the ``in-order`` drive. A ``shared`` one (the
 profile's ``service``, which ``relayout calibrate`` measures) shares its channel fairly among the
-reads in it (about ``C / n`` bytes/s each of ``n``): the reader pool is then an event simulation
+reads in it (about ``C / n`` each of ``n``, counting ``c`` per request as channel work): the reader pool is then an event simulation
 (:func:`replay.instance._shared_pool`) in which a read issued later slows those in flight, so a
 layer's demand reads, released together, complete together.
 

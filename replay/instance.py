@@ -171,7 +171,7 @@ there, in work per s: its bytes in the time of its largest request at ``b_1``, `
 requests are equal), ``rem`` (work it still has to pass; inf: not in
 the channel). Per member [M]: ``clock`` (s: ``rem`` is
 as of then; the channel serves nothing before its first value: it is busy until then with reads
-issued before the pool), ``level`` (the fair share, bytes/s: a read in the channel passes
+issued before the pool), ``level`` (the fair share, work/s: a read in the channel passes
 ``min(cap, level)``), ``active`` (reads in the channel), ``last`` (when its last read left, s),
 and its next events as they stand (:func:`_member_events`): ``next_done`` (s) when the first
 read, issuer ``done_by``'s, leaves it, ``next_enter`` (s) when the first waiting one,
@@ -708,9 +708,10 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
     an issuer (a worker, or the prefetch thread when its next load is queued and it is free first)
     issues its next read, which holds a command slot on each member for the latency ``a``
     (:func:`_command`); its bytes there then enter the member's channel; the ``n``
-    reads in a channel share its rate ``C`` fairly, each passing ``min(cap, level)`` bytes/s
-    (``level`` such that the rates add up to ``C``, or unbounded when the caps do not reach it:
-    :func:`_member_events`); a read completes when its bytes have left every member's channel,
+    reads in a channel share its rate ``C`` fairly, each passing ``min(cap, level)`` of its work
+    per s (its bytes and its requests' channel time, :func:`_shared_issue`; ``level`` such that
+    the rates add up to ``C``, or unbounded when the caps do not reach it:
+    :func:`_member_events`); a read completes when its work has left every member's channel,
     its issuer is then free (after its job's page-cache tail, when it was the job's last read).
     Runs until every demand job is done and the prefetch thread's read in flight, if any, has
     completed (the prefetch thread issues no read after the last demand job: its remaining loads
@@ -826,7 +827,7 @@ def _member_events(share, m, C):
 @njit(**HELPER)
 def _advance_channel(share, m, t):
     """Bring member ``m``'s shared channel to time ``t`` (s): each read in it has passed
-    ``min(cap, level)`` bytes/s since ``clock``."""
+    ``min(cap, level)`` of its work per s since ``clock``."""
     if t > share.clock[m]:
         dt = t - share.clock[m]
         for j in range(share.rem.shape[1]):
@@ -853,7 +854,7 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
             work = nbytes[m] + pieces[m] * dev.request_channel * C    # its bytes and its requests' channel time
             share.size[m, j] = work
             big = largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request)
-            share.cap[m, j] = dev.stream_bandwidth * work / big   # its bytes in the time of its largest request
+            share.cap[m, j] = dev.stream_bandwidth * (work / big)   # its bytes in the time of its largest request
             if share.enter[m, j] < share.next_enter[m]:
                 share.next_enter[m], share.enter_by[m] = share.enter[m, j], j
             parts += 1
