@@ -10,8 +10,9 @@ in random order at random 4 KiB-aligned offsets: one read of ``s`` bytes; two re
 bytes one straight after the other, as one loader thread issues a layer's experts; one read of
 ``2 s`` bytes (the two merged); and, for each ``--gaps`` value ``g`` (us), two reads of ``s``
 bytes with the second issued ``g`` after the first completed (the thread busy meanwhile, as a
-loader doing other work; the gap is not counted in the pair's time). Reads land in huge-page buffers (:func:`replay.buffers.read_buffer`),
-as the harness's and the calibration's do.
+loader doing other work; the gap is not counted in the pair's time): the calibration's own
+measurement (:func:`replay.calibrate.merge_timings`), reads landing in huge-page buffers as the
+harness's do.
 
 Printed per size: the medians (us), the saving of the merged read against the pair (median of the
 paired differences, with a 95% bootstrap interval) and against two lone reads, and what the profile
@@ -23,63 +24,14 @@ small read's latency would predict). docs/BENCHMARKS.md ("Request channel time")
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 
 import numpy as np
 
-from replay.buffers import read_buffer
+from replay.calibrate import median_interval, merge_timings
 from replay.device import load_device, read_alone_seconds
 
 QWEN3_EXPERT_BYTES = 2_371_584
-ALIGN = 4096
-
-
-def measure(fd: int, file_size: int, size: int, reps: int, rng: np.random.Generator, gaps=()) -> dict:
-    """Per repetition, the seconds of one read, of a back-to-back pair, of the merged read, and of a
-    pair with the second read ``g`` us after the first (key ``("gap", g)``, the gap not counted)."""
-    buf, buf2 = read_buffer(2 * size), read_buffer(size)
-
-    def offset(n: int) -> int:
-        return int(rng.integers(0, (file_size - n) // ALIGN)) * ALIGN
-
-    times = {"one": [], "pair": [], "merged": [], **{("gap", g): [] for g in gaps}}
-    modes = list(times)
-    for _ in range(reps):
-        for i in rng.permutation(len(modes)):
-            mode = modes[i]
-            if isinstance(mode, tuple):
-                gap_ns = int(mode[1] * 1000)
-                o1, o2 = offset(size), offset(size)
-                t = time.perf_counter_ns()
-                os.preadv(fd, [buf[:size]], o1)
-                until = time.perf_counter_ns() + gap_ns
-                while time.perf_counter_ns() < until:
-                    pass
-                os.preadv(fd, [buf2[:size]], o2)
-                t += gap_ns
-            elif mode == "merged":
-                o = offset(2 * size)
-                t = time.perf_counter_ns()
-                os.preadv(fd, [buf[:2 * size]], o)
-            elif mode == "pair":
-                o1, o2 = offset(size), offset(size)
-                t = time.perf_counter_ns()
-                os.preadv(fd, [buf[:size]], o1)
-                os.preadv(fd, [buf2[:size]], o2)
-            else:
-                o = offset(size)
-                t = time.perf_counter_ns()
-                os.preadv(fd, [buf[:size]], o)
-            times[mode].append((time.perf_counter_ns() - t) * 1e-9)
-    return {k: np.array(v) for k, v in times.items()}
-
-
-def median_interval(x: np.ndarray, rng: np.random.Generator, draws: int = 1000) -> tuple[float, float, float]:
-    """The median of ``x`` and its 95% bootstrap interval."""
-    boot = np.median(rng.choice(x, (draws, len(x))), axis=1)
-    return float(np.median(x)), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
 
 
 def main(argv: list[str]) -> int:
@@ -93,30 +45,25 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     gaps = [float(g) for g in args.gaps.split(",") if g]
     drive = load_device(args.device).drive
-    fd = os.open(args.file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    file_size = os.fstat(fd).st_size
-    rng = np.random.default_rng(args.seed)
     us = 1e6
     print(f"profile {args.device}: a {drive.request_seconds * us:.1f} us, c {drive.request_channel_seconds * us:.1f} us, "
           f"B {drive.bandwidth / 1e9:.2f} GB/s, m {drive.max_request // 1024} KiB, {drive.service}")
-    try:
-        for size in (int(s) for s in args.sizes.split(",")):
-            t = measure(fd, file_size, size, args.reps, rng, gaps)
-            vs_pair = median_interval(t["pair"] - t["merged"], rng)
-            vs_two = median_interval(2 * t["one"] - t["merged"], rng)
-            predicted = 2 * read_alone_seconds(drive, size) - read_alone_seconds(drive, 2 * size)
-            lone_read_cost = drive.request_seconds + drive.request_channel_seconds
-            print(f"{size:>10} B x2: one {np.median(t['one']) * us:7.1f} us, pair {np.median(t['pair']) * us:7.1f}, "
-                  f"merged {np.median(t['merged']) * us:7.1f}; merging saves {vs_pair[0] * us:5.1f} us "
-                  f"[{vs_pair[1] * us:.1f}, {vs_pair[2] * us:.1f}] against the pair, {vs_two[0] * us:5.1f} "
-                  f"[{vs_two[1] * us:.1f}, {vs_two[2] * us:.1f}] against two lone reads; the profile predicts "
-                  f"{predicted * us:5.1f} us (one lone read's a + c: {lone_read_cost * us:5.1f} us)")
-            for g in gaps:
-                d = median_interval(t[("gap", g)] - t["merged"], rng)
-                print(f"{'':>13}second read {g:g} us after the first: merging saves {d[0] * us:5.1f} us "
-                      f"[{d[1] * us:.1f}, {d[2] * us:.1f}]")
-    finally:
-        os.close(fd)
+    for size in (int(s) for s in args.sizes.split(",")):
+        t = merge_timings(args.file, size, args.reps, lone=True, gaps_us=gaps, seed=args.seed)
+        size = t["size"]
+        vs_pair = median_interval(t["pair"] - t["merged"], args.seed)
+        vs_two = median_interval(2 * t["one"] - t["merged"], args.seed)
+        predicted = 2 * read_alone_seconds(drive, size) - read_alone_seconds(drive, 2 * size)
+        lone_read_cost = drive.request_seconds + drive.request_channel_seconds
+        print(f"{size:>10} B x2: one {np.median(t['one']) * us:7.1f} us, pair {np.median(t['pair']) * us:7.1f}, "
+              f"merged {np.median(t['merged']) * us:7.1f}; merging saves {vs_pair[0] * us:5.1f} us "
+              f"[{vs_pair[1] * us:.1f}, {vs_pair[2] * us:.1f}] against the pair, {vs_two[0] * us:5.1f} "
+              f"[{vs_two[1] * us:.1f}, {vs_two[2] * us:.1f}] against two lone reads; the profile predicts "
+              f"{predicted * us:5.1f} us (one lone read's a + c: {lone_read_cost * us:5.1f} us)")
+        for g in gaps:
+            d = median_interval(t[("gap", g)] - t["merged"], args.seed)
+            print(f"{'':>13}second read {g:g} us after the first: merging saves {d[0] * us:5.1f} us "
+                  f"[{d[1] * us:.1f}, {d[2] * us:.1f}]")
     return 0
 
 

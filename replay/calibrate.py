@@ -196,11 +196,74 @@ or of half the system's request limit when that is smaller, so that the merged r
 request (large reads, as expert reads are: Qwen3-30B-A3B's are 2.4 MB, GLM-5.2's 19 MB)."""
 
 
+def merge_timings(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, lone: bool = False,
+                  gaps_us=(), seed: int = 0) -> dict:
+    """Seconds of reads on the device holding ``path`` (read only, page cache bypassed as
+    :func:`calibrate` does it), ``pairs`` repetitions, the kinds in random order within each, each
+    read at a random aligned offset: ``"pair"``, two reads of ``size`` bytes (aligned down to 4 KiB)
+    one straight after the other, as a loader thread issues a layer's experts; ``"merged"``, one
+    read of ``2 size`` bytes (the two merged); with ``lone``, ``"one"``, a single read of ``size``;
+    for each ``g`` in ``gaps_us``, ``("gap", g)``: two reads of ``size`` with the second issued
+    ``g`` us after the first completed (the thread busy meanwhile; the gap not counted).
+
+    Returns each kind's seconds per repetition (numpy arrays, paired by index) and ``size``.
+    """
+    path = Path(path)
+    size = max(ALIGN, size // ALIGN * ALIGN)
+    kinds = ["pair", "merged", *(["one"] if lone else []), *(("gap", g) for g in gaps_us)]
+    times = {k: [] for k in kinds}
+    fd, direct = _open(path)
+    try:
+        file_size = os.fstat(fd).st_size
+        if file_size < 2 * size + ALIGN:
+            raise InputError(path, f"too small for a {2 * size}-byte merged read")
+        first, second = read_buffer(2 * size), read_buffer(size)
+        rng = np.random.default_rng(seed)
+
+        def offset(n: int) -> int:
+            return int(rng.integers(0, (file_size - n) // ALIGN)) * ALIGN
+
+        for _ in range(pairs):
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            for i in rng.permutation(len(kinds)):
+                kind = kinds[i]
+                if kind == "merged":
+                    o = offset(2 * size)
+                    t = time.perf_counter_ns()
+                    os.preadv(fd, [first[:2 * size]], o)
+                elif kind == "one":
+                    o = offset(size)
+                    t = time.perf_counter_ns()
+                    os.preadv(fd, [first[:size]], o)
+                else:
+                    gap_ns = 0 if kind == "pair" else int(kind[1] * 1000)
+                    o1, o2 = offset(size), offset(size)
+                    t = time.perf_counter_ns()
+                    os.preadv(fd, [first[:size]], o1)
+                    until = time.perf_counter_ns() + gap_ns
+                    while time.perf_counter_ns() < until:
+                        pass
+                    os.preadv(fd, [second[:size]], o2)
+                    t += gap_ns
+                times[kind].append((time.perf_counter_ns() - t) * 1e-9)
+    except OSError as exc:
+        raise InputError(path, f"read failed: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    return {"size": size, **{k: np.array(v) for k, v in times.items()}}
+
+
+def median_interval(x: np.ndarray, seed: int = 0, draws: int = 1000) -> tuple[float, float, float]:
+    """The median of ``x`` and its 95% bootstrap interval (``draws`` resamples)."""
+    boot = np.median(np.random.default_rng(seed).choice(x, (draws, len(x))), axis=1)
+    return float(np.median(x)), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
 def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, seed: int = 0) -> dict:
-    """What merging two reads into one saves on the device holding ``path`` (read only, page cache
-    bypassed as :func:`calibrate` does it), measured the way a loader thread reads: ``pairs``
-    times, in random order at random aligned offsets, two reads of ``size`` bytes issued one
-    straight after the other, and one read of ``2 size`` bytes (the two merged).
+    """What merging two reads into one saves on the device holding ``path``, measured the way a
+    loader thread reads (:func:`merge_timings`: two back-to-back reads of ``size`` bytes against
+    one of ``2 size``, ``pairs`` times).
 
     The queue model (:mod:`replay.device`) predicts the saving from the fitted parameters:
     ``2 l(s) - l(2 s)`` for lone reads (:func:`replay.device.read_alone_seconds`), the command ``a``
@@ -212,38 +275,11 @@ def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, s
     ``saving_seconds`` (the median of the paired differences) with its 95% bootstrap interval
     ``saving_low_seconds``, ``saving_high_seconds``.
     """
-    path = Path(path)
-    size = max(ALIGN, size // ALIGN * ALIGN)
-    fd, direct = _open(path)
-    try:
-        file_size = os.fstat(fd).st_size
-        if file_size < 2 * size + ALIGN:
-            raise InputError(path, f"too small for a {2 * size}-byte merged read")
-        first, second = read_buffer(2 * size), read_buffer(size)
-        rng = np.random.default_rng(seed)
-        pair, merged = [], []
-        for _ in range(pairs):
-            if not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            o1, o2, o3 = (int(v) * ALIGN for v in rng.integers(0, (file_size - 2 * size) // ALIGN, 3))
-            for merge in rng.permutation(2):
-                t = time.perf_counter_ns()
-                if merge:
-                    os.preadv(fd, [first[:2 * size]], o3)
-                else:
-                    os.preadv(fd, [first[:size]], o1)
-                    os.preadv(fd, [second[:size]], o2)
-                (merged if merge else pair).append((time.perf_counter_ns() - t) * 1e-9)
-    except OSError as exc:
-        raise InputError(path, f"read failed: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    pair_s, merged_s = np.array(pair), np.array(merged)
-    diff = pair_s - merged_s
-    boot = np.median(rng.choice(diff, (1000, len(diff))), axis=1)
-    return {"size": size, "pairs": pairs, "pair_seconds": float(np.median(pair_s)),
-            "merged_seconds": float(np.median(merged_s)), "saving_seconds": float(np.median(diff)),
-            "saving_low_seconds": float(np.percentile(boot, 2.5)), "saving_high_seconds": float(np.percentile(boot, 97.5))}
+    t = merge_timings(path, size, pairs, seed=seed)
+    saving, low, high = median_interval(t["pair"] - t["merged"], seed)
+    return {"size": t["size"], "pairs": pairs, "pair_seconds": float(np.median(t["pair"])),
+            "merged_seconds": float(np.median(t["merged"])), "saving_seconds": saving,
+            "saving_low_seconds": low, "saving_high_seconds": high}
 
 
 PROBE_SECONDS = 1.0

@@ -92,6 +92,7 @@ Profiles are data: ``manifests/devices/*.json``.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -188,13 +189,13 @@ def read_alone_seconds(drive: DriveProfile, size: int) -> float:
     largest = largest_request(int(size), 1, 0, 0, m)
     if drive.service == "shared":
         return a + max(largest / b1, k * c + size / B)
-    slots = [0.0] * min(k, drive.queue_slots)          # when each slot frees (s), earliest first
+    slots = [0.0] * min(k, drive.queue_slots)          # when each slot frees (s), a heap
     channel = done = 0.0
     for _ in range(k):
-        t0 = slots.pop(0)
+        t0 = heapq.heappop(slots)
         channel = max(t0 + a, channel) + c + piece / B
         end = max(t0 + a + largest / b1, channel)
-        slots = sorted(slots + [end])
+        heapq.heappush(slots, end)
         done = max(done, end)
     return done
 

@@ -139,6 +139,12 @@ def test_merging_is_measured_on_a_real_file_and_refused_on_one_too_small(tmp_pat
     assert m["saving_low_seconds"] <= m["saving_seconds"] <= m["saving_high_seconds"]
     with pytest.raises(InputError, match="data.bin.*too small"):
         merge_saving(f, 4 * MIB)
+    from replay.calibrate import merge_timings
+
+    # the benchmark's kinds: lone reads and pairs with a gap (not counted), each once per repetition
+    t = merge_timings(f, MIB, pairs=5, lone=True, gaps_us=(200,))
+    assert set(t) == {"size", "pair", "merged", "one", ("gap", 200)}
+    assert all(len(t[k]) == 5 and (t[k] > 0).all() for k in t if k != "size")
 
 
 def _merge_profile(predicted_us, measured_us):
