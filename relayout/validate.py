@@ -45,7 +45,10 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    it (:func:`neighbour_scales`), which tests the prediction on a measurement its speed was not
    read off; and at its drive's speed with the compute its harness ran (:func:`at_harness_compute`:
    a check of the harness, whose own Python work can run beyond the emulated compute where each
-   expert's compute is short and reads are many); diagnoses too;
+   expert's compute is short and reads are many); and at its drive's speed less its waits for
+   loads the page cache served whole (:func:`replay.stalltrace.page_cache_wait`: a coalesced
+   run's later experts, whose scale reads a Python harness serves in tens of microseconds and
+   the runtime in a few, a wait the model does not predict); diagnoses too;
 4. compares: predicted/measured S per cell, with the measured S's 95% interval over the
    repetitions (each repetition one unit: the disk's drift between runs is the larger part of
    the uncertainty, and no resampling of steps within runs sees it); per non-stock layout the
@@ -115,7 +118,7 @@ from .demo import measured_vs_predicted
 from .render import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 10
+VALIDATION_VERSION = 11
 OLDEST_JUDGED = 6
 """The oldest record version :func:`judge_record` judges again (it has the placement control,
 the probes and the read-once rates)."""
@@ -127,6 +130,9 @@ TOLERANCE = 0.20
 """The model holds when every cell's predicted/measured S is within this fraction of 1."""
 PREFETCH_TOLERANCE = 0.30
 """A predicted prefetch saving agrees when within this fraction of the measured one (or inside its interval)."""
+DIAGNOSES = ("at_run_speed", "at_harness_compute", "less_page_cache_waits")
+"""The diagnoses of a saving (keys of a comparison): the measured saving with each run brought to
+the model's conditions, judged like the saving itself."""
 HARNESS_EXCESS = 0.10
 """The harness's compute beyond the model's (a fraction of it) past which the verdict line says
 whether the harness's own work explains the gap (:func:`harness_compute`)."""
@@ -584,6 +590,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                             "compute_s": (run.published["compute_per_committed_token_ns"] or 0.0) / 1e9,
                             "recall": run.published["timely_required_byte_recall"], "cold": res.cold, "direct": res.direct,
                             "drive_rate_Bps": run.drive_rate_Bps,
+                            "page_cache_wait_s": None if run.page_cache_wait_ns is None else run.page_cache_wait_ns / 1e9,
                         })
                         if not o.keep:
                             out.unlink()
@@ -930,6 +937,14 @@ def _run_stalls(runs: list[dict]) -> list[float]:
     return [float(r["stall"].sum() / r["committed"].sum()) for r in runs]
 
 
+def _page_cache_waits(runs: list[dict]) -> list[float] | None:
+    """Each measured run's stall on loads the page cache served whole (s/token,
+    :func:`replay.stalltrace.page_cache_wait`); None when a run's records carry no I/O counts."""
+    if any(r.get("page_cache_wait_s") is None for r in runs):
+        return None
+    return [float(r["page_cache_wait_s"] / r["committed"].sum()) for r in runs]
+
+
 def _normalized_saving(base: tuple, new: tuple) -> dict | None:
     """The measured saving with each run brought to the model's conditions
     (:func:`speed_normalized_savings`) over the repetitions, which :func:`judge_record` judges
@@ -975,9 +990,17 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
     def side(key: tuple, at: dict) -> tuple:         # one side of a normalized saving (_normalized_saving)
         return _run_stalls(measured[key]), predicted[key][1].stall_per_token_s, at[key]
 
+    def less_cache_waits(key: tuple) -> tuple:       # one side at equal disk speed, less its page-cache waits
+        waits = _page_cache_waits(measured[key])
+        if waits is None:
+            return [], 0.0, []
+        return ([s - w for s, w in zip(_run_stalls(measured[key]), waits)], predicted[key][1].stall_per_token_s,
+                at_run[key])
+
     def normalized(base: tuple, new: tuple) -> dict:
         return {"at_run_speed": _normalized_saving(side(base, at_run), side(new, at_run)),
-                "at_harness_compute": _normalized_saving(side(base, at_harness), side(new, at_harness))}
+                "at_harness_compute": _normalized_saving(side(base, at_harness), side(new, at_harness)),
+                "less_page_cache_waits": _normalized_saving(less_cache_waits(base), less_cache_waits(new))}
 
     for pf, frac in cells:
         for m in methods:
@@ -993,6 +1016,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 adjusted = {"predicted_stall_per_token_s": each_pred,
                             "ratio": float(np.mean(each_pred)) / mean if mean > 0 else None}
             run_speed, near_speed, harness = (_predicted_at(x[(m, pf, frac)], mean) for x in (at_run, at_near, at_harness))
+            waits = _page_cache_waits(runs)
             recall = None
             if pf != "none":
                 recall = {"predicted": summ.prefetch.timely_required_byte_recall if summ.prefetch else None,
@@ -1009,6 +1033,8 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "measured_compute_per_token_s": {"mean": float(np.mean([r["compute_s"] for r in runs])),
                                                  "repetitions": [r["compute_s"] for r in runs]},
                 "measured_wall_seconds": [r["wall_s"] for r in runs],
+                "measured_page_cache_wait_per_token_s": None if waits is None else
+                {"mean": float(np.mean(waits)), "repetitions": waits},
                 "ratio": pred / mean if mean > 0 else None,
                 "at_probed_speed": adjusted,
                 "at_run_speed": run_speed,
@@ -1122,7 +1148,7 @@ def judge_record(record: dict) -> dict:
         predicted = x["predicted_saving"]["estimate_s"]
         x["measured_saving"] = family(x["measured_saving"])
         x.update(_judge(predicted, x["measured_saving"], tolerance, bound))
-        for at in ("at_run_speed", "at_harness_compute"):   # each run under the model's conditions: no placement left
+        for at in DIAGNOSES:                                 # each run under the model's conditions: no placement left
             if x.get(at):
                 m = family(x[at]["measured"])
                 x[at] = {"measured": m, **_judge(predicted, m, tolerance)}
@@ -1194,6 +1220,29 @@ def harness_compute(cells: list[dict], comparisons: list[dict]) -> dict | None:
             "within": max((abs(r - 1) for r in ratios), default=None), "cells_within_band": _in_band(ratios),
             "savings": len(judged), "savings_inside": sum(x["predicted_inside_measured"] for x in judged),
             "savings_ruled_out": sum(x["agreement"] == "disagrees" for x in judged)}
+
+
+def page_cache_waits(cells: list[dict], comparisons: list[dict]) -> dict | None:
+    """What the harness's waits for loads the page cache served whole (the cells'
+    ``measured_page_cache_wait_per_token_s``, :func:`replay.stalltrace.page_cache_wait`) come to,
+    and the layout savings at equal disk speed less them. Returns per layout the smallest and
+    largest mean wait over its cells (``by_layout``, s/token), and over the layout comparisons
+    judged that way (``savings``) how many lie inside their measured interval, how many are ruled
+    out, and measured over predicted saving (``ratio_min``/``ratio_max``, where the predicted
+    saving is not zero). None for a record without I/O counts (version 10 and before)."""
+    rows = [c for c in cells if c.get("measured_page_cache_wait_per_token_s")]
+    if not rows:
+        return None
+    by_layout = {}
+    for c in rows:
+        by_layout.setdefault(c["layout"], []).append(c["measured_page_cache_wait_per_token_s"]["mean"])
+    judged = [x for x in comparisons if x.get("less_page_cache_waits")]
+    ratios = [x["less_page_cache_waits"]["measured"]["estimate_s"] / x["predicted_saving"]["estimate_s"]
+              for x in judged if x["predicted_saving"]["estimate_s"]]
+    return {"by_layout": {m: (min(w), max(w)) for m, w in by_layout.items()}, "savings": len(judged),
+            "savings_inside": sum(x["less_page_cache_waits"]["predicted_inside_measured"] for x in judged),
+            "savings_ruled_out": sum(x["less_page_cache_waits"]["agreement"] == "disagrees" for x in judged),
+            "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)}
 
 
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
@@ -1424,6 +1473,17 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
              + (f", and at equal disk speed and compute the predicted layout saving lies inside the measured interval "
                 f"in {harness['savings_inside']} of {harness['savings']}, ruled out in {harness['savings_ruled_out']}"
                 if harness["savings"] else ""))
+    waits = page_cache_waits(cells, comparisons)
+    if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:
+        line("waits for the page cache", "the harness's compute thread waited "
+             + ", ".join(f"{lo * 1e3:.2f}-{hi * 1e3:.2f} ms/token in {m}" for m, (lo, hi) in waits["by_layout"].items())
+             + " for loads the page cache served whole (a coalesced run's later experts, whose scale reads follow its "
+             "weight read as jobs of their own): bytes the runtime, in C, has in microseconds, and the model charges "
+             "memory time for, where a Python harness's reader thread takes tens of microseconds a job"
+             + (f"; at equal disk speed less these waits, the predicted layout saving lies inside the measured interval "
+                f"in {waits['savings_inside']} of {waits['savings']}, ruled out in {waits['savings_ruled_out']}"
+                + (f", measured/predicted {waits['ratio_min']:.2f}-{waits['ratio_max']:.2f}"
+                   if waits["ratio_min"] is not None else "") if waits["savings"] else ""))
     slow = []
     if first_read:
         fastest = max(r["rate_Bps"] or 0.0 for r in first_read.values())

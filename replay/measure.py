@@ -14,7 +14,8 @@ timed: the reader threads are started, their buffers allocated and the compiled 
 before the first step, and the records are encoded after each step, not between its waits. What
 the thread still does of its own (routing, planning and submitting reads, waking after a wait,
 about 1 ms per layer in Python) is taken off the emulated compute (:class:`_ComputeClock`):
-between its waits the thread takes the compute model's time, not that plus its own.
+between its waits the thread takes the compute model's time, not that plus its own. Python's
+garbage collector is kept to what the measurement allocates (:func:`measure_interleaved`).
 
 With a prefetch source (``config.prefetch``), a prefetch thread does what the runtime and the
 replay model do: when a layer is routed, before its demand loads are submitted, the next layer's
@@ -53,6 +54,7 @@ bounded by ``workers`` x the largest read (reads longer than 64 MiB are issued i
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import mmap
 import os
@@ -78,6 +80,7 @@ from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .engine import SplitState, layout_arrays
 from .prefetch import predict_next
 from .readplan import SCALE, WEIGHT, new_plan, plan_layer
+from .spin import spin_until
 from .stalltrace import IO_FIELDS
 from .trace import RoutingTrace
 
@@ -267,9 +270,13 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     whose speed may have moved between them (a virtual disk here moved 30-56% within a
     validation); interleaved, every arm sees the disk of the same seconds, and a saving between
     two arms is measured at equal disk speed whatever the drift. ``cold`` drops the page cache
-    of every arm's files once, before the first step. Arms that read the same files share the
-    page cache from then on: the buffered scale reads an arm finds cached because another arm
-    read them are counted as page-cache requests in its records (with rotation, no arm is
+    of every arm's files before the first step and again, untimed, before the first step of
+    each later session, once for all arms: each session then starts with its scales unread, as
+    its LRU starts empty, which is how the replay model starts every session (a session is an
+    independent sample of the held-out data; the model's scale pages are cached from a
+    session's first access on, :mod:`replay.instance`). Arms that read the same files share the
+    page cache within a session: the buffered scale reads an arm finds cached because another
+    arm read them are counted as page-cache requests in its records (with rotation, no arm is
     favoured).
 
     ``on_step`` is called after each arm's step (for a caller's progress bar).
@@ -281,20 +288,23 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     try:
         for arm in arms:
             runs.append(_Run(arm, trace, record))
-        how = drop_cache(sorted({p for arm in arms for p in arm.container.files})) if cold \
-            else "warm (page cache left as found)"
+        files = sorted({p for arm in arms for p in arm.container.files})
+        how = drop_cache(files) if cold else "warm (page cache left as found)"
         for run in runs:
             run.start(how)
         fw = np.flatnonzero(forwards)
-        for j, f in enumerate(tqdm(fw, desc="measure", disable=None if progress else True)):
-            for i in range(len(runs)):
-                run = runs[(j + i) % len(runs)]
-                run.step(int(f))
-                if len(runs) > 1:
-                    run.settle()
-                if on_step is not None:
-                    on_step()
-        return [run.finish() for run in runs]
+        with collector_out_of_the_way():
+            for j, f in enumerate(tqdm(fw, desc="measure", disable=None if progress else True)):
+                if cold and j > 0 and trace.fwd_session[f] != trace.fwd_session[fw[j - 1]]:
+                    drop_cache(files)          # a session starts cold, scales unread, as the model's do
+                for i in range(len(runs)):
+                    run = runs[(j + i) % len(runs)]
+                    run.step(int(f))
+                    if len(runs) > 1:
+                        run.settle()
+                    if on_step is not None:
+                        on_step()
+            return [run.finish() for run in runs]
     except BaseException as exc:
         for run in runs:
             run.abort(exc)
@@ -302,6 +312,28 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     finally:
         for run in runs:
             run.close()
+
+
+@contextlib.contextmanager
+def collector_out_of_the_way():
+    """While inside, Python's garbage collector walks only the objects allocated inside.
+
+    A full collection walks every container object the process holds, on whichever thread
+    happens to allocate: in a process holding millions (``relayout validate`` keeps the trace,
+    the layouts and the predictions), tens of milliseconds in which the compute thread or a
+    reader thread stands still, stall the runtime, in C, never has. It falls hardest on what a
+    thread does between two reads (a coalesced run's scale jobs, run while the compute thread
+    works): in kept validation runs (``docs/BENCHMARKS.md``, "The harness's garbage
+    collector") it added up to 0.7 ms/token to a coalescing layout's stall and far less to
+    stock's. So everything alive on entry is collected once and then frozen (``gc.freeze``:
+    moved where no collection looks), and unfrozen on exit.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class _Run:
@@ -535,8 +567,10 @@ def _start_threads(pool: ThreadPoolExecutor, n: int, reader: _Reader, largest: i
 def _warm_compiled(lay, config: RuntimeConfig, prefetcher: "_Prefetcher | None") -> None:
     """Call the compiled read planner (and predictor) once before anything is timed: a compiled
     function loads from numba's cache on its first call in a process, about half a second that
-    the first measured step counted as compute (hiding the stall of the reads under way)."""
+    the first measured step counted as compute (hiding the stall of the reads under way). The
+    compute thread's spin (:func:`replay.spin.spin_until`) compiles on its first call."""
     layer_reads(lay, 0, [0], [False], config)
+    spin_until(0)
     if prefetcher:
         one = np.zeros(1, dtype=np.int64)
         prefetcher.warm(one, one + 1)
@@ -793,7 +827,9 @@ class _ComputeClock:
     layer's reads (routing, planning them) cannot be undone: those reads are issued that much
     later than the model issues them, so the layer's clock starts when they are issued
     (:meth:`begin`), and that work lengthens the step's wall time instead. The last stretch of a
-    sleep yields the GIL in a loop instead of blocking, so reader threads are never starved.
+    sleep (:data:`SPIN_SECONDS`) spins on the clock with the interpreter lock released
+    (:func:`replay.spin.spin_until`), so reader threads run beside it as beside the runtime's
+    compute thread.
     """
 
     def __init__(self):
@@ -817,8 +853,7 @@ class _ComputeClock:
         deadline = now + want
         if want > SPIN_SECONDS * 1e9:
             time.sleep(want / 1e9 - SPIN_SECONDS)
-        while time.perf_counter_ns() < deadline:
-            time.sleep(0)
+        spin_until(deadline)
         self.mark = time.perf_counter_ns()
         self.lag = self.mark - deadline
 

@@ -41,7 +41,8 @@ slack, union bytes per committed token, p50-p99 step stall, TPOT and its partiti
 priority, drive requests apart from page-cache hits (``drive_requests``/``page_cache_requests``
 and their bytes, as ``relayout measure`` records them), and the rate the drive ran at
 (``drive``: its bytes over the time at least one load reading from it was under way,
-:func:`drive_busy`).
+:func:`drive_busy`), and the stall on loads the page cache served whole
+(``page_cache_wait_per_committed_token_ns``, :func:`page_cache_wait`).
 
 What a STALL_TRACE cannot give: calibrated late-need probability and prediction quality per
 source unless the runtime records its predictions (``prediction_score`` of records that were
@@ -238,6 +239,7 @@ class RunMetrics:
     warnings: list
     drive_bytes: int = 0                  # bytes the drive served (records' drive_bytes)
     drive_busy_ns: int = 0                # time at least one load reading from the drive was under way
+    page_cache_wait_ns: int | None = None  # foreground stall on loads served wholly by the page cache (page_cache_wait)
 
     @property
     def drive_rate_Bps(self) -> float | None:
@@ -375,6 +377,7 @@ def run_metrics(run: Run) -> RunMetrics:
                           and isinstance(steps[k].get("configuration"), str)), None)
     spec_bytes = int(nb[spec].sum())
     drive_bytes, busy_ns = drive_busy(run.io, issue, ready)
+    cache_wait = page_cache_wait(run.io, run.fg_stall, run.speculative)
     out = {
         "run_id": run.run_id,
         "source": run.source,
@@ -400,6 +403,7 @@ def run_metrics(run: Run) -> RunMetrics:
         "tiers": dict(sorted(tiers.items())),
         "reads": reads,
         "drive": {"bytes": drive_bytes, "busy_ns": busy_ns, "rate_Bps": drive_bytes / busy_ns * 1e9} if busy_ns else None,
+        "page_cache_wait_per_committed_token_ns": None if cache_wait is None else float(cache_wait / max(A, 1)),
         "queue_depth": _quantiles(qd),
         "worker_occupancy": _quantiles(wo),
         "stall_checks": checks,
@@ -408,7 +412,21 @@ def run_metrics(run: Run) -> RunMetrics:
     }
     hashes = {f"{k[0]}:{k[1]}": steps[k].get("token_hashes", steps[k].get("token_hash")) for k in step_keys if k in steps}
     return RunMetrics(run.run_id, run.source, configuration, out, step_keys, stall, committed,
-                      dict(sorted(stall_by_layer.items())), spec_bytes, hashes, warnings, drive_bytes, busy_ns)
+                      dict(sorted(stall_by_layer.items())), spec_bytes, hashes, warnings, drive_bytes, busy_ns, cache_wait)
+
+
+def page_cache_wait(io: list, fg_stall: list, speculative: list) -> int | None:
+    """Foreground stall (ns) on demand loads whose every read the page cache served (records'
+    ``drive_requests`` and ``unclassified_requests`` 0, ``page_cache_requests`` > 0): a
+    coalesced run's later experts, whose scale reads, as their own jobs, follow the run's one
+    weight read. The runtime, in C, has such bytes in microseconds; a harness in Python makes
+    the compute thread wait for its reader thread's own work on them (``docs/BENCHMARKS.md``,
+    "Waits for the page cache"), which the replay model, charging memory time for them, does
+    not predict. None when the records carry no I/O counts."""
+    if not any(x is not None for x in io):
+        return None
+    return int(sum(w for x, w, spec in zip(io, fg_stall, speculative)
+                   if x is not None and not spec and w > 0 and x[0] == 0 and x[4] == 0 and x[2] > 0))
 
 
 def drive_busy(io: list, issue: np.ndarray, ready: np.ndarray) -> tuple[int, int]:

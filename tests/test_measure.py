@@ -1,6 +1,7 @@
 """The measurement harness and calibration run for real on small files."""
 
 import json
+import os
 import threading
 import time
 
@@ -14,7 +15,7 @@ from relayout.trace_synth import synth_trace
 from replay.calibrate import calibrate
 from replay.config import RuntimeConfig
 from replay.device import load_device
-from replay.measure import Arm, measure, measure_interleaved
+from replay.measure import Arm, drop_cache, measure, measure_interleaved
 from replay.stalltrace import read_stall_trace, report, run_metrics
 from replay.trace import save_trace
 
@@ -544,3 +545,66 @@ def test_the_compute_threads_own_work_is_taken_off_its_emulated_compute():
     assert time.perf_counter_ns() - t0 < 40 * ms
     clock(0.050)
     assert 58 * ms <= time.perf_counter_ns() - t0 < 75 * ms
+
+
+def _page_cache_drops(path) -> bool:
+    """Whether dropping ``path``'s pages (posix_fadvise DONTNEED) really evicts them here (not on tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(4096)
+        os.preadv(fd, [buf], 0)
+        drop_cache([path])
+        try:
+            return os.preadv(fd, [buf], 0, os.RWF_NOWAIT) < len(buf)
+        except BlockingIOError:
+            return True
+        except (AttributeError, OSError):
+            return False
+    finally:
+        os.close(fd)
+
+
+def test_a_cold_measurement_starts_each_session_with_its_scales_unread(small_container, trace_for, tmp_path):
+    """As the model starts each session with its LRU empty and its scales unread, a cold
+    measurement drops the page cache before each session's first step: an expert read in
+    session 0 reads its scales from the drive again on its first access in session 1, and from
+    the page cache on its later ones."""
+    c = Container.open(small_container)
+    if not _page_cache_drops(c.files[0]):
+        pytest.skip("this file system does not evict pages on request")
+    s1 = np.flatnonzero(trace_for.fwd_session == 1)
+    mask = (trace_for.fwd_session == 0) | np.isin(np.arange(trace_for.n_forwards), s1[:3])
+    out = tmp_path / "two-sessions.jsonl"
+    measure(c, trace_for, mask, RuntimeConfig(workers=1, dense_seconds=0.0), out, progress=False)
+    recs = [r for r in _expert_records(out) if r["tier_served"] != "ram"]
+    read_before = {(r["layer"], r["expert_id"]) for r in recs if r["step"] < s1[0]}
+    first, later = {}, []
+    for r in sorted((r for r in recs if r["step"] >= s1[0]), key=lambda r: r["step"]):
+        key = (r["layer"], r["expert_id"])
+        if key not in read_before:
+            continue
+        if key in first and first[key][0]["step"] != r["step"]:
+            later.append(r)
+        else:
+            first.setdefault(key, []).append(r)
+    assert first and later
+    scale_reads = 3
+    # first accesses in session 1 read scale bytes from the drive again (a weight read is one request;
+    # an expert whose scales share a page with one read before it in the step may find them cached)
+    assert any(sum(x["drive_requests"] for x in rs) > 1 for rs in first.values())
+    assert any(x["page_cache_requests"] == scale_reads for x in later)
+
+
+def test_measurement_runs_with_the_processs_objects_out_of_the_collectors_way(small_container, trace_for, tmp_path):
+    """During the measured steps every object alive before them is frozen (a full collection
+    would walk them, tens of ms in a large process, on whichever thread allocates); afterwards
+    they are unfrozen."""
+    import gc
+
+    frozen = []
+    mask = np.zeros(trace_for.n_forwards, bool)
+    mask[:3] = True
+    arm = Arm(Container.open(small_container), RuntimeConfig(workers=1, dense_seconds=0.0), tmp_path / "gc.jsonl")
+    measure_interleaved([arm], trace_for, mask, progress=False, on_step=lambda: frozen.append(gc.get_freeze_count()))
+    assert len(frozen) == 3 and min(frozen) > 1000
+    assert gc.get_freeze_count() == 0

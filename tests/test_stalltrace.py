@@ -132,3 +132,24 @@ def test_drive_busy_is_the_union_of_the_loads_that_read_the_drive():
     ready = np.array([10, 20, 100, 100, 45], dtype=np.int64)
     assert drive_busy(io, issue, ready) == (160, 25)
     assert drive_busy([None, (0, 0, 1, 4, 0, 0)], issue[:2], ready[:2]) == (0, 0)
+
+
+def test_page_cache_wait_counts_demand_loads_the_page_cache_served_whole(tmp_path):
+    """Only demand loads with no drive and no unclassified request, and some page-cache ones,
+    count; their foreground stall is summed, and published per committed token."""
+    from replay.stalltrace import page_cache_wait
+
+    io = [(0, 0, 3, 30, 0, 0), (1, 50, 2, 20, 0, 0), (0, 0, 0, 0, 3, 30), (0, 0, 3, 30, 0, 0), None, (0, 0, 3, 30, 0, 0)]
+    stall = [7, 100, 100, 100, 100, 5]
+    spec = [False, False, False, True, False, False]
+    assert page_cache_wait(io, stall, spec) == 12
+    assert page_cache_wait([None, None], [3, 4], [False, False]) is None
+    io_fields = ("drive_requests", "drive_bytes", "page_cache_requests", "page_cache_bytes", "unclassified_requests",
+                 "unclassified_bytes")
+    recs = [expert(0, 3, 1, 0, 40, 10, foreground_stall_ns=30, committed_tokens=2, evaluated_positions=2,
+                   **dict(zip(io_fields, (1, 1000, 0, 0, 0, 0)))),
+            expert(0, 3, 2, 0, 60, 50, foreground_stall_ns=10, committed_tokens=2, evaluated_positions=2,
+                   **dict(zip(io_fields, (0, 0, 3, 30, 0, 0)))),
+            step(0, committed=2, evaluated=2)]
+    m = report([write(tmp_path / "t.jsonl", recs)])["runs"][0]
+    assert m["page_cache_wait_per_committed_token_ns"] == 5.0

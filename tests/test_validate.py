@@ -22,6 +22,7 @@ from relayout.validate import (
     cell_agreement,
     harness_compute,
     judge_record,
+    page_cache_waits,
     speed_normalized_savings,
     summarize_validation,
 )
@@ -230,6 +231,11 @@ def test_validate_coalesces_in_the_model_and_the_measured_runs_alike(disk, tmp_p
         v = json.loads(out.read_text())
         assert v["config"]["runtime"]["coalesce"] is True and v["config"]["workers"] == 1
         assert "1 workers, reads coalesced" in r.stdout
+        for c in v["cells"]:                                 # the harness's waits for page-cache loads, per repetition
+            w = c["measured_page_cache_wait_per_token_s"]
+            assert len(w["repetitions"]) == v["config"]["reps"] and all(x >= 0 for x in w["repetitions"])
+            assert all(x <= s for x, s in zip(w["repetitions"], c["measured_stall_per_token_s"]["repetitions"]))
+        assert all("less_page_cache_waits" in x for x in v["comparisons"])
         work = disk / WORK_NAME
         for run in (work / "runs").glob("*.jsonl"):          # every measured run read with coalescing on
             steps = [json.loads(x) for x in run.read_text().splitlines() if '"record":"step"' in x]
@@ -355,6 +361,27 @@ def test_the_harness_compute_is_summarized_per_layout_and_explains_a_gap_only_wh
     bad_pf = [{"layout": "stock", "ram_fraction": 0.0, "prefetch": "oracle", "sign_agrees": False, "agreement": "disagrees",
                "within_tolerance": False, "measured_saving": {"estimate_s": 1.0, "low_s": 0.9, "high_s": 1.1}}]
     assert "the gap is the harness's" not in summarize_validation(far, [], prefetch_comparisons=bad_pf)["text"]
+
+
+def test_page_cache_waits_are_summarized_per_layout_with_the_savings_less_them():
+    cells = []
+    for layout, waits in (("stock", (0.0001, 0.0002)), ("louvain", (0.0004, 0.0006))):
+        for ram, w in zip((0.0, 0.25), waits):
+            c = _cell(layout, 0.03, STEADY)
+            c.update(ram_fraction=ram, prefetch="none", measured_page_cache_wait_per_token_s={"mean": w, "repetitions": [w] * 4})
+            cells.append(c)
+    comparisons = [{"layout": "louvain", "ram_fraction": ram, "prefetch": "none",
+                    "predicted_saving": {"estimate_s": 0.001},
+                    "less_page_cache_waits": {"measured": {"estimate_s": est}, "predicted_inside_measured": inside,
+                                              "agreement": agreement}}
+                   for ram, est, inside, agreement in ((0.0, 0.0009, True, "agrees"), (0.25, 0.0005, False, "disagrees"))]
+    w = page_cache_waits(cells, comparisons)
+    assert w["by_layout"] == {"stock": (0.0001, 0.0002), "louvain": (0.0004, 0.0006)}
+    assert (w["savings"], w["savings_inside"], w["savings_ruled_out"]) == (2, 1, 1)
+    assert (w["ratio_min"], w["ratio_max"]) == (pytest.approx(0.5), pytest.approx(0.9))
+    assert page_cache_waits([_cell("stock", 0.03, STEADY)], []) is None      # a record without I/O counts (version 10)
+    text = summarize_validation(cells, [])["text"]
+    assert "waits for the page cache: the harness's compute thread waited 0.10-0.20 ms/token in stock, 0.40-0.60" in text
 
 
 def test_a_normalized_saving_needs_a_positive_prediction_for_every_run():
