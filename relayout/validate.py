@@ -1227,9 +1227,8 @@ def page_cache_waits(cells: list[dict], comparisons: list[dict]) -> dict | None:
     ``measured_page_cache_wait_per_token_s``, :func:`replay.stalltrace.page_cache_wait`) come to,
     and the layout savings at equal disk speed less them. Returns per layout the smallest and
     largest mean wait over its cells (``by_layout``, s/token), and over the layout comparisons
-    judged that way (``savings``) how many lie inside their measured interval, how many are ruled
-    out, and measured over predicted saving (``ratio_min``/``ratio_max``, where the predicted
-    saving is not zero). None for a record without I/O counts (version 10 and before)."""
+    judged that way (``savings``) how many lie inside their measured interval and how many are
+    ruled out. None for a record without I/O counts (version 10 and before)."""
     rows = [c for c in cells if c.get("measured_page_cache_wait_per_token_s")]
     if not rows:
         return None
@@ -1237,12 +1236,9 @@ def page_cache_waits(cells: list[dict], comparisons: list[dict]) -> dict | None:
     for c in rows:
         by_layout.setdefault(c["layout"], []).append(c["measured_page_cache_wait_per_token_s"]["mean"])
     judged = [x for x in comparisons if x.get("less_page_cache_waits")]
-    ratios = [x["less_page_cache_waits"]["measured"]["estimate_s"] / x["predicted_saving"]["estimate_s"]
-              for x in judged if x["predicted_saving"]["estimate_s"]]
     return {"by_layout": {m: (min(w), max(w)) for m, w in by_layout.items()}, "savings": len(judged),
             "savings_inside": sum(x["less_page_cache_waits"]["predicted_inside_measured"] for x in judged),
-            "savings_ruled_out": sum(x["less_page_cache_waits"]["agreement"] == "disagrees" for x in judged),
-            "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)}
+            "savings_ruled_out": sum(x["less_page_cache_waits"]["agreement"] == "disagrees" for x in judged)}
 
 
 def summarize_validation(cells: list[dict], comparisons: list[dict], drift: float | None = None,
@@ -1457,7 +1453,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                          if what == "prefetch" else "")
                 line(f"{what} savings at equal disk speed", f"the predicted {what} saving lies inside the measured "
                      f"interval in {sum(x['predicted_inside_measured'] for x in xs)} of {len(xs)} (half-widths up to "
-                     f"{width:.1f} ms/token){close}, ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
+                     f"{width:.2f} ms/token){close}, ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
     if harness:
         line("the harness's compute", f"the measuring harness computed {harness['excess_min']:+.0%} to "
              f"{harness['excess_max']:+.0%} more than the model's compute ({harness['excess_min_s'] * 1e3:+.2f} to "
@@ -1482,8 +1478,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
              "memory time for, where a Python harness's reader thread takes tens of microseconds a job"
              + (f"; at equal disk speed less these waits, the predicted layout saving lies inside the measured interval "
                 f"in {waits['savings_inside']} of {waits['savings']}, ruled out in {waits['savings_ruled_out']}"
-                + (f", measured/predicted {waits['ratio_min']:.2f}-{waits['ratio_max']:.2f}"
-                   if waits["ratio_min"] is not None else "") if waits["savings"] else ""))
+                if waits["savings"] else ""))
     slow = []
     if first_read:
         fastest = max(r["rate_Bps"] or 0.0 for r in first_read.values())
@@ -1522,6 +1517,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             "run_speed_prefetch_within_tolerance": sum(x["within_tolerance"] for x in run_pf) if run_pf else None,
             "first_read_slow": [m for m, _ in slow],
             "harness_compute": harness,
+            "page_cache_waits": waits,
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,
             "comparisons": M, "inside_measured": len(inside), "outside_measured": len(outside),

@@ -49,10 +49,26 @@ QUOTED.update({
     "v41-2026-12-03": dict(verdict="inconclusive", inside_measured=2, ratio=(0.79, 0.84),
                            merge_saving_predicted_over_measured=pytest.approx(0.56, abs=0.005)),
 })
+# "The harness's own waits": the garbage collector frozen (v42), then cold sessions and the lock-free spin (v43, v44).
+QUOTED.update({
+    "v42-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.78, 0.88),
+                           merge_saving_predicted_over_measured=pytest.approx(1.00, abs=0.005)),
+    "v43-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.75, 0.85),
+                           merge_saving_predicted_over_measured=pytest.approx(0.85, abs=0.005)),
+    "v44-2026-12-03": dict(verdict="inconclusive", inside_measured=9, unresolved_savings=4, gate_disagreements=0,
+                           ratio=(1.03, 1.10), merge_saving_predicted_over_measured=pytest.approx(3.91, abs=0.005)),
+})
+WAITS = {"v43-2026-12-03": dict(louvain=(0.20e-3, 0.41e-3), stock=(0.04e-3, 0.13e-3), savings=4, savings_inside=0,
+                                savings_ruled_out=3),
+         "v44-2026-12-03": dict(louvain=(0.0, 0.0), stock=(0.0, 0.0), savings=12, savings_inside=11, savings_ruled_out=0)}
+"""Quoted with the harness's waits for loads the page cache served whole (s/token, per layout) and the layout
+savings at equal disk speed less them."""
 HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43),
            "v36-2026-12-03": (0.99, 1.01, 0.01, 0.04), "v37-2026-12-03": (0.96, 0.99, 0.03, 0.05),
            "v38-2026-12-03": (0.96, 0.98, 0.03, 0.05), "v39-2026-12-03": (0.97, 0.99, 0.02, 0.04),
-           "v40-2026-12-03": (0.99, 1.01, 0.01, 0.03), "v41-2026-12-03": (0.96, 0.98, 0.04, 0.06)}
+           "v40-2026-12-03": (0.99, 1.01, 0.01, 0.03), "v41-2026-12-03": (0.96, 0.98, 0.04, 0.06),
+           "v42-2026-12-03": (0.96, 0.99, 0.03, 0.04), "v43-2026-12-03": (0.96, 0.99, 0.0, 0.01),
+           "v44-2026-12-03": (0.99, 1.01, 0.0, 0.02)}
 """Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 
@@ -83,6 +99,13 @@ def test_kept_record_judged_again_gives_its_verdict(path):
         low, high, least, most = harness
         h = judged["harness_compute"]
         assert low <= h["ratio_min"] <= h["ratio_max"] <= high and least <= h["excess_min"] <= h["excess_max"] <= most
+    waits = dict(WAITS.get(path.name.removesuffix(".validation.json"), {}))
+    if waits:
+        w = judged["page_cache_waits"]
+        for layout in ("louvain", "stock"):
+            lo, hi = waits.pop(layout)
+            assert lo - 5e-6 <= w["by_layout"][layout][0] <= w["by_layout"][layout][1] <= hi + 5e-6, layout
+        assert {k: w[k] for k in waits} == waits
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)

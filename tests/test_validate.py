@@ -370,18 +370,21 @@ def test_page_cache_waits_are_summarized_per_layout_with_the_savings_less_them()
             c = _cell(layout, 0.03, STEADY)
             c.update(ram_fraction=ram, prefetch="none", measured_page_cache_wait_per_token_s={"mean": w, "repetitions": [w] * 4})
             cells.append(c)
-    comparisons = [{"layout": "louvain", "ram_fraction": ram, "prefetch": "none",
-                    "predicted_saving": {"estimate_s": 0.001},
-                    "less_page_cache_waits": {"measured": {"estimate_s": est}, "predicted_inside_measured": inside,
+    comparisons = [{**_comparison(True), "ram_fraction": ram,
+                    "less_page_cache_waits": {"measured": {"estimate_s": 0.0009}, "predicted_inside_measured": inside,
                                               "agreement": agreement}}
-                   for ram, est, inside, agreement in ((0.0, 0.0009, True, "agrees"), (0.25, 0.0005, False, "disagrees"))]
+                   for ram, inside, agreement in ((0.0, True, "agrees"), (0.25, False, "disagrees"))]
+    comparisons.append({**_comparison(True), "layout": "random", "less_page_cache_waits": None})   # not judged so
     w = page_cache_waits(cells, comparisons)
     assert w["by_layout"] == {"stock": (0.0001, 0.0002), "louvain": (0.0004, 0.0006)}
     assert (w["savings"], w["savings_inside"], w["savings_ruled_out"]) == (2, 1, 1)
-    assert (w["ratio_min"], w["ratio_max"]) == (pytest.approx(0.5), pytest.approx(0.9))
     assert page_cache_waits([_cell("stock", 0.03, STEADY)], []) is None      # a record without I/O counts (version 10)
     text = summarize_validation(cells, [])["text"]
     assert "waits for the page cache: the harness's compute thread waited 0.10-0.20 ms/token in stock, 0.40-0.60" in text
+    assert "less these waits, the predicted layout saving lies inside the measured interval in 1 of 2, ruled out in 1" in \
+        summarize_validation(cells, comparisons)["text"]
+    nothing = [{**c, "measured_page_cache_wait_per_token_s": {"mean": 0.0, "repetitions": [0.0] * 4}} for c in cells]
+    assert "waits for the page cache" not in summarize_validation(nothing, [])["text"]   # the default regime: none
 
 
 def test_a_normalized_saving_needs_a_positive_prediction_for_every_run():
