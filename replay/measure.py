@@ -131,11 +131,14 @@ class MeasureResult:
 
 
 def drop_cache(paths: list[Path]) -> str:
-    """Evict files from the page cache; returns how the cache was controlled."""
+    """Evict files from the page cache; returns how the cache was controlled. A file written
+    moments ago may still have dirty pages, which no drop evicts: each file is written back
+    first (``fsync``, which leaves its bytes as they are)."""
     ok = True
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):
             ok = False
