@@ -138,7 +138,8 @@ def drop_cache(paths: list[Path]) -> str:
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            with contextlib.suppress(OSError):     # a read-only file system has nothing to write back
+                os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):
             ok = False
