@@ -421,7 +421,7 @@ def page_cache_wait(io: list, fg_stall: list, speculative: list) -> int | None:
     coalesced run's later experts, whose scale reads, as their own jobs, follow the run's one
     weight read. The runtime, in C, has such bytes in microseconds; a harness in Python makes
     the compute thread wait for its reader thread's own work on them (``docs/BENCHMARKS.md``,
-    "Waits for the page cache"), which the replay model, charging memory time for them, does
+    "The harness's own waits"), which the replay model, charging memory time for them, does
     not predict. None when the records carry no I/O counts."""
     if not any(x is not None for x in io):
         return None
