@@ -59,7 +59,10 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    where the measured interval excludes zero, and whether the gate's decision (the saving's low
    end at least :data:`GATE_THRESHOLD` of TPOT) is the same; per prefetch source, its saving
    against no prefetch (same layout and RAM) the same way, and whether the prediction is within
-   :data:`PREFETCH_TOLERANCE` of the measurement;
+   :data:`PREFETCH_TOLERANCE` of the measurement; and per cell the demand reads that reach the
+   drive per token, the model's against the harness's records' (:func:`drive_reads_check`): the
+   one read path plans the same preads for both, so a difference there is in what the page
+   cache serves;
 5. writes ``validation.json`` (format :data:`VALIDATION_FORMAT`, version
    :data:`VALIDATION_VERSION`) and, with ``plots``, a predicted-vs-measured scatter.
 
@@ -118,7 +121,7 @@ from .demo import measured_vs_predicted
 from .render import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
 
 VALIDATION_FORMAT = "relayout.validation"
-VALIDATION_VERSION = 11
+VALIDATION_VERSION = 12
 OLDEST_JUDGED = 6
 """The oldest record version :func:`judge_record` judges again (it has the placement control,
 the probes and the read-once rates)."""
@@ -130,6 +133,8 @@ TOLERANCE = 0.20
 """The model holds when every cell's predicted/measured S is within this fraction of 1."""
 PREFETCH_TOLERANCE = 0.30
 """A predicted prefetch saving agrees when within this fraction of the measured one (or inside its interval)."""
+READS_AGREE = 0.10
+"""The model's and the harness's demand drive reads per token agree within this fraction."""
 DIAGNOSES = ("at_run_speed", "at_harness_compute", "less_page_cache_waits")
 """The diagnoses of a saving (keys of a comparison): the measured saving with each run brought to
 the model's conditions, judged like the saving itself."""
@@ -305,6 +310,17 @@ def synthetic_geometry(gigabytes: float):
     per_layer = SYNTH_EXPERTS * g.expert_bytes(g.moe_layers[0])
     layers = max(1, round(gigabytes * 1e9 / per_layer))
     return g.scaled(moe_layers=layers, experts=SYNTH_EXPERTS, vocab=4096, shard_bytes=500_000_000)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One cell predicted on the profile: its steps (:class:`replay.metrics.StepTable`), their
+    summary (:class:`replay.gatefile.LayoutMetrics`), and the demand preads that reach the drives
+    per committed token (the model's page cache serves the rest)."""
+
+    steps: object
+    summary: object
+    drive_reads_per_token: float
 
 
 @dataclass
@@ -552,7 +568,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
             for m in methods:
                 inst, usage = simulate(trace, mask, lay.layouts[m], device, cfg, coupling=coupling)
                 steps = step_table(trace, mask, inst)
-                predicted[(m, pf, frac)] = (steps, summarize(steps, usage, 0.0))
+                predicted[(m, pf, frac)] = Prediction(steps, summarize(steps, usage, 0.0),
+                                                      float(inst.drive_reads.sum() / steps.committed.sum()))
 
         # measurements: cold, the layouts and prefetch sources of a RAM budget in lockstep within each repetition
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
@@ -591,6 +608,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
                             "recall": run.published["timely_required_byte_recall"], "cold": res.cold, "direct": res.direct,
                             "drive_rate_Bps": run.drive_rate_Bps,
                             "page_cache_wait_s": None if run.page_cache_wait_ns is None else run.page_cache_wait_ns / 1e9,
+                            "drive_reads_per_token": (run.published["reads"] or {}).get("demand", {}).get(
+                                "drive_requests_per_committed_token"),
                         })
                         if not o.keep:
                             out.unlink()
@@ -636,7 +655,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         at_harness = {}                              # each run at its own drive's speed and with its own compute
         for k in keys:
             rate = base_cfg.compute_bytes_per_second
-            compute = predicted[k][1].compute_per_token_s
+            compute = predicted[k].summary.compute_per_token_s
             matmul = stall_at_compute(k, 1.0, rate / 2)[1] - compute   # compute is dense + matmul bytes / rate
             at_harness[k] = []
             for run, a in zip(measured[k], at_run[k]):
@@ -988,13 +1007,13 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
         for frac, copy_s in copies.items()]}
 
     def side(key: tuple, at: dict) -> tuple:         # one side of a normalized saving (_normalized_saving)
-        return _run_stalls(measured[key]), predicted[key][1].stall_per_token_s, at[key]
+        return _run_stalls(measured[key]), predicted[key].summary.stall_per_token_s, at[key]
 
     def less_cache_waits(key: tuple) -> tuple:       # one side at equal disk speed, less its page-cache waits
         waits = _page_cache_waits(measured[key])
         if waits is None:
             return [], 0.0, []
-        return ([s - w for s, w in zip(_run_stalls(measured[key]), waits)], predicted[key][1].stall_per_token_s,
+        return ([s - w for s, w in zip(_run_stalls(measured[key]), waits)], predicted[key].summary.stall_per_token_s,
                 at_run[key])
 
     def normalized(base: tuple, new: tuple) -> dict:
@@ -1004,7 +1023,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
 
     for pf, frac in cells:
         for m in methods:
-            steps, summ = predicted[(m, pf, frac)]
+            steps, summ = predicted[(m, pf, frac)].steps, predicted[(m, pf, frac)].summary
             runs = measured[(m, pf, frac)]
             each = _run_stalls(runs)
             iv = _over_repetitions(each)
@@ -1035,6 +1054,10 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "measured_wall_seconds": [r["wall_s"] for r in runs],
                 "measured_page_cache_wait_per_token_s": None if waits is None else
                 {"mean": float(np.mean(waits)), "repetitions": waits},
+                "predicted_drive_reads_per_token": predicted[(m, pf, frac)].drive_reads_per_token,
+                "measured_drive_reads_per_token": None if any(r["drive_reads_per_token"] is None for r in runs) else
+                {"mean": float(np.mean([r["drive_reads_per_token"] for r in runs])),
+                 "repetitions": [r["drive_reads_per_token"] for r in runs]},
                 "ratio": pred / mean if mean > 0 else None,
                 "at_probed_speed": adjusted,
                 "at_run_speed": run_speed,
@@ -1042,12 +1065,12 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "at_harness_compute": harness,
                 "timely_required_byte_recall": recall,
             })
-        base_steps, base_sum = predicted[("stock", pf, frac)]
+        base_steps, base_sum = predicted[("stock", pf, frac)].steps, predicted[("stock", pf, frac)].summary
         base_runs = measured[("stock", pf, frac)]
         for m in methods:
             if m == "stock":
                 continue
-            x = _saving(base_steps, predicted[(m, pf, frac)][0], base_runs, measured[(m, pf, frac)])
+            x = _saving(base_steps, predicted[(m, pf, frac)].steps, base_runs, measured[(m, pf, frac)])
             p, mm = x["predicted_saving"], x["measured_saving"]
             x.update(normalized(("stock", pf, frac), (m, pf, frac)))
             tpot_p = base_sum.tpot_s
@@ -1068,7 +1091,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
             for m in methods:
                 # the plain saving over repetitions: no layer of a forward is beyond a prefetch source's reach to
                 # serve as a drift control (the runtime queues layer L+1's loads when L is routed, the first's too)
-                x = _saving(predicted[(m, "none", frac)][0], predicted[(m, pf, frac)][0], measured[(m, "none", frac)],
+                x = _saving(predicted[(m, "none", frac)].steps, predicted[(m, pf, frac)].steps, measured[(m, "none", frac)],
                             measured[(m, pf, frac)])
                 x.update(normalized((m, "none", frac), (m, pf, frac)))
                 prefetch_comparisons.append({"layout": m, "ram_fraction": frac, "prefetch": pf, "baseline": "none",
@@ -1220,6 +1243,20 @@ def harness_compute(cells: list[dict], comparisons: list[dict]) -> dict | None:
             "within": max((abs(r - 1) for r in ratios), default=None), "cells_within_band": _in_band(ratios),
             "savings": len(judged), "savings_inside": sum(x["predicted_inside_measured"] for x in judged),
             "savings_ruled_out": sum(x["agreement"] == "disagrees" for x in judged)}
+
+
+def drive_reads_check(cells: list[dict]) -> dict | None:
+    """Whether the model and the harness agree on which demand reads reach the drive: per cell
+    the model's demand preads that do (``predicted_drive_reads_per_token``) over the harness's
+    (the records' ``drive_requests``, ``measured_drive_reads_per_token``). Returns
+    ``ratio_min``/``ratio_max`` over ``cells`` cells and how many are within :data:`READS_AGREE`
+    (``within``); None for a record without them (version 11 and before)."""
+    ratios = [c["predicted_drive_reads_per_token"] / c["measured_drive_reads_per_token"]["mean"] for c in cells
+              if c.get("measured_drive_reads_per_token") and c["measured_drive_reads_per_token"]["mean"] > 0]
+    if not ratios:
+        return None
+    return {"cells": len(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "within": sum(abs(r - 1) <= READS_AGREE for r in ratios)}
 
 
 def page_cache_waits(cells: list[dict], comparisons: list[dict]) -> dict | None:
@@ -1469,6 +1506,14 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
              + (f", and at equal disk speed and compute the predicted layout saving lies inside the measured interval "
                 f"in {harness['savings_inside']} of {harness['savings']}, ruled out in {harness['savings_ruled_out']}"
                 if harness["savings"] else ""))
+    reads = drive_reads_check(cells)
+    if reads:
+        line("drive reads", f"the model's demand preads that reach the drive are {reads['ratio_min']:.2f}-"
+             f"{reads['ratio_max']:.2f} times the harness's per token ({reads['within']} of {reads['cells']} cells within "
+             f"+/-{READS_AGREE:.0%})" + ("" if reads["within"] == reads["cells"] else
+             ": the two disagree about what the page cache serves (the model reads an expert's scales from the drive at "
+             "its first access in a session; the kernel reads ahead of a buffered read, and small tensors share pages), "
+             "a difference in what is read, not in the drive's speed"))
     waits = page_cache_waits(cells, comparisons)
     if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:
         line("waits for the page cache", "the harness's compute thread waited "
@@ -1518,6 +1563,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             "first_read_slow": [m for m, _ in slow],
             "harness_compute": harness,
             "page_cache_waits": waits,
+            "drive_reads": reads,
             "repetition_spread_max": spread, "ratio_min": lo, "ratio_max": hi, "within": within, "tolerance": TOLERANCE,
             "cells": len(cells), "cells_disagree": cells_out, "cells_unresolved": cells_open,
             "comparisons": M, "inside_measured": len(inside), "outside_measured": len(outside),

@@ -162,6 +162,7 @@ class InstanceResult:
     hits: np.ndarray = output("I", np.int64)   # union experts served from RAM
     misses: np.ndarray = output("I", np.int64)  # union experts loaded (or waited for in flight)
     reads: np.ndarray = output("I", np.int64)  # preads issued, prefetch included
+    drive_reads: np.ndarray = output("I", np.int64)  # demand preads that reach the drives (not the page cache)
     read_bytes: np.ndarray = output("I")       # bytes read (O_DIRECT-widened), prefetch included
     expert_wait: np.ndarray = output("LE")     # [L, E] s the compute thread waited right before each expert's matmul
     prefetch: "PrefetchResult | None" = None

@@ -455,8 +455,9 @@ def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
     (``miss.wjob``, ``miss.sjob``; -1 for a miss whose prefetch is in flight). Weight reads are
     O_DIRECT-widened here. Scales go to the drives only on the expert's first access in the
     session; otherwise they, like warm weight reads, cost memory time at the end of their job. A
-    job left with no drive read keeps one empty warm read to carry it. Reads and bytes read
-    (O_DIRECT-widened weights, whole scales) go into ``res`` (the instance outputs).
+    job left with no drive read keeps one empty warm read to carry it. Reads, the reads that
+    reach the drives, and bytes read (O_DIRECT-widened weights, whole scales) go into ``res``
+    (the instance outputs).
     """
     miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
     for p in range(k):
@@ -467,7 +468,7 @@ def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
                                 pol.coalesce, pol.gap_bytes, pol.span_bytes, miss.wlen, plan)
     bases = lay.bases
     job_read, job_tail = jobs.first_read, jobs.tail
-    n_reads, read_bytes = 0, 0
+    n_reads, read_bytes, drive_reads = 0, 0, 0
     job, wtail, warm_scales, has_warm_scales = -1, 0.0, 0, False
     for r in range(n_plan):
         if plan.job[r] != job:
@@ -479,7 +480,9 @@ def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
             wtail, warm_scales, has_warm_scales = 0.0, 0, False
         f, n, a = plan.file[r], plan.length[r], plan.first[r]
         if plan.kind[r] == WEIGHT:
+            queued = n_reads
             n_reads, wtail, n = _weight_read(f, plan.offset[r], n, bases, pol, n_reads, wtail, reads)
+            drive_reads += n_reads - queued
             for m in range(a, plan.last[r] + 1):
                 wjob[m] = job
         else:
@@ -488,6 +491,7 @@ def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
             if miss.first[a]:
                 reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], n, False
                 n_reads += 1
+                drive_reads += 1
             else:
                 warm_scales += n
                 has_warm_scales = True
@@ -497,6 +501,7 @@ def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
         n_reads = _close_job(job, job_read, n_reads, reads)
     job_read[n_jobs] = n_reads
     res.reads[i] = n_plan
+    res.drive_reads[i] = drive_reads
     res.read_bytes[i] = read_bytes
     return n_jobs
 

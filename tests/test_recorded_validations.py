@@ -49,7 +49,7 @@ QUOTED.update({
     "v41-2026-12-03": dict(verdict="inconclusive", inside_measured=2, ratio=(0.79, 0.84),
                            merge_saving_predicted_over_measured=pytest.approx(0.56, abs=0.005)),
 })
-# "The harness's own waits": the garbage collector frozen (v42), then cold sessions and the lock-free spin (v43, v44).
+# "The harness's own waits": the garbage collector frozen (v42), then cold sessions and the lock-free spin (v43-v45).
 QUOTED.update({
     "v42-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.78, 0.88),
                            merge_saving_predicted_over_measured=pytest.approx(1.00, abs=0.005)),
@@ -57,10 +57,14 @@ QUOTED.update({
                            merge_saving_predicted_over_measured=pytest.approx(0.85, abs=0.005)),
     "v44-2026-12-03": dict(verdict="inconclusive", inside_measured=9, unresolved_savings=4, gate_disagreements=0,
                            ratio=(1.03, 1.10), merge_saving_predicted_over_measured=pytest.approx(3.91, abs=0.005)),
+    "v45-2026-12-03": dict(verdict="inconclusive", inside_measured=0, ratio=(0.94, 1.12),
+                           merge_saving_predicted_over_measured=None),   # merging cost 29 us before the runs
 })
 WAITS = {"v43-2026-12-03": dict(louvain=(0.20e-3, 0.41e-3), stock=(0.04e-3, 0.13e-3), savings=4, savings_inside=0,
                                 savings_ruled_out=3),
-         "v44-2026-12-03": dict(louvain=(0.0, 0.0), stock=(0.0, 0.0), savings=12, savings_inside=11, savings_ruled_out=0)}
+         "v44-2026-12-03": dict(louvain=(0.0, 0.0), stock=(0.0, 0.0), savings=12, savings_inside=11, savings_ruled_out=0),
+         "v45-2026-12-03": dict(louvain=(0.15e-3, 0.33e-3), stock=(0.03e-3, 0.11e-3), savings=4, savings_inside=0,
+                                savings_ruled_out=3)}
 """Quoted with the harness's waits for loads the page cache served whole (s/token, per layout) and the layout
 savings at equal disk speed less them."""
 HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43),
@@ -68,7 +72,7 @@ HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 
            "v38-2026-12-03": (0.96, 0.98, 0.03, 0.05), "v39-2026-12-03": (0.97, 0.99, 0.02, 0.04),
            "v40-2026-12-03": (0.99, 1.01, 0.01, 0.03), "v41-2026-12-03": (0.96, 0.98, 0.04, 0.06),
            "v42-2026-12-03": (0.96, 0.99, 0.03, 0.04), "v43-2026-12-03": (0.96, 0.99, 0.0, 0.01),
-           "v44-2026-12-03": (0.99, 1.01, 0.0, 0.02)}
+           "v44-2026-12-03": (0.99, 1.01, 0.0, 0.02), "v45-2026-12-03": (0.96, 0.99, 0.0, 0.01)}
 """Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 

@@ -56,6 +56,17 @@ def test_one_drive_no_cache_no_compute_stall_is_the_sum_of_request_costs():
     assert inst.reads.tolist() == [12, 12]
 
 
+def test_drive_reads_count_weight_reads_and_the_scale_reads_of_a_sessions_first_access():
+    """What the model sends to the drive, per instance (compared with a measured run's
+    ``drive_requests`` by ``validate``): weight reads always, scale reads on an expert's first
+    access in its session; the page cache serves the rest, which ``reads`` still counts."""
+    lay = simple_layout()
+    tr = make_trace([[[0, 1, 2]], [[0, 1, 2]], [[0, 1, 2]]], sessions=[0, 0, 1])
+    inst, _ = simulate(tr, np.ones(3, bool), lay, one_drive(), RuntimeConfig(workers=1, **NO_COMPUTE))
+    assert inst.reads.tolist() == [12, 12, 12]
+    assert inst.drive_reads.tolist() == [12, 3, 12]
+
+
 def test_straddling_expert_costs_three_weight_reads():
     lay = simple_layout()
     lay.expert_loc[0, 0, 1, 1] += 4096 * 1000  # move expert 0's up weight away: no longer adjacent

@@ -20,6 +20,7 @@ from relayout.validate import (
     _normalized_saving,
     at_harness_compute,
     cell_agreement,
+    drive_reads_check,
     harness_compute,
     judge_record,
     page_cache_waits,
@@ -236,6 +237,9 @@ def test_validate_coalesces_in_the_model_and_the_measured_runs_alike(disk, tmp_p
             assert len(w["repetitions"]) == v["config"]["reps"] and all(x >= 0 for x in w["repetitions"])
             assert all(x <= s for x, s in zip(w["repetitions"], c["measured_stall_per_token_s"]["repetitions"]))
         assert all("less_page_cache_waits" in x for x in v["comparisons"])
+        for c in v["cells"]:                                 # what reaches the drive, per token, in both
+            assert c["predicted_drive_reads_per_token"] > 0 and c["measured_drive_reads_per_token"]["mean"] > 0
+        assert "drive reads: the model's demand preads that reach the drive are" in r.stdout
         work = disk / WORK_NAME
         for run in (work / "runs").glob("*.jsonl"):          # every measured run read with coalescing on
             steps = [json.loads(x) for x in run.read_text().splitlines() if '"record":"step"' in x]
@@ -385,6 +389,23 @@ def test_page_cache_waits_are_summarized_per_layout_with_the_savings_less_them()
         summarize_validation(cells, comparisons)["text"]
     nothing = [{**c, "measured_page_cache_wait_per_token_s": {"mean": 0.0, "repetitions": [0.0] * 4}} for c in cells]
     assert "waits for the page cache" not in summarize_validation(nothing, [])["text"]   # the default regime: none
+
+
+def test_the_model_and_the_harness_are_compared_on_the_reads_that_reach_the_drive():
+    cells = []
+    for layout, predicted, measured in (("stock", 9.0, 8.5), ("louvain", 6.0, 4.0)):
+        c = _cell(layout, 0.03, STEADY)
+        c.update(ram_fraction=0.0, prefetch="none", predicted_drive_reads_per_token=predicted,
+                 measured_drive_reads_per_token={"mean": measured, "repetitions": [measured] * 4})
+        cells.append(c)
+    r = drive_reads_check(cells)
+    assert r["cells"] == 2 and r["within"] == 1
+    assert (r["ratio_min"], r["ratio_max"]) == (pytest.approx(9 / 8.5), pytest.approx(1.5))
+    text = summarize_validation(cells, [])["text"]
+    assert "drive reads: the model's demand preads that reach the drive are 1.06-1.50 times the harness's" in text
+    assert "disagree about what the page cache serves" in text
+    assert "disagree" not in summarize_validation(cells[:1], [])["text"].split("drive reads:")[1].split("\n")[0]
+    assert drive_reads_check([_cell("stock", 0.03, STEADY)]) is None     # a record of version 11 or before
 
 
 def test_a_normalized_saving_needs_a_positive_prediction_for_every_run():
