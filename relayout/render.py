@@ -415,10 +415,10 @@ def _diagnoses(x: dict) -> list[str]:
     by the model's own sensitivity to them: at equal disk speed (when the runs carried I/O
     counts), and at equal disk speed and compute (each run replayed at its speed with the
     compute its harness ran; records of version 9 on), and at equal disk speed less the
-    harness's waits for loads the page cache served whole (version 11 on)."""
+    harness's waits for experts whose own reads the page cache served (version 11 on)."""
     out, ms = [], 1e3
     for key, label in (("at_run_speed", "at equal disk speed"), ("at_harness_compute", "at equal disk speed and compute"),
-                       ("less_page_cache_waits", "at equal disk speed, less waits for the page cache")):
+                       ("less_page_cache_waits", "at equal disk speed, less waits for experts read from the page cache")):
         a = x.get(key)
         if not a:
             continue

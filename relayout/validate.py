@@ -46,9 +46,9 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    read off; and at its drive's speed with the compute its harness ran (:func:`at_harness_compute`:
    a check of the harness, whose own Python work can run beyond the emulated compute where each
    expert's compute is short and reads are many); and at its drive's speed less its waits for
-   loads the page cache served whole (:func:`replay.stalltrace.page_cache_wait`: a coalesced
-   run's later experts, whose scale reads a Python harness serves in tens of microseconds and
-   the runtime in a few, a wait the model does not predict); diagnoses too;
+   experts whose own reads the page cache served (:func:`replay.stalltrace.page_cache_wait`: a
+   coalesced run's later experts, whose scale reads a Python harness serves in tens of
+   microseconds and the runtime in a few, a wait the model does not predict); diagnoses too;
 4. compares: predicted/measured S per cell, with the measured S's 95% interval over the
    repetitions (each repetition one unit: the disk's drift between runs is the larger part of
    the uncertainty, and no resampling of steps within runs sees it); per non-stock layout the
@@ -60,9 +60,9 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    end at least :data:`GATE_THRESHOLD` of TPOT) is the same; per prefetch source, its saving
    against no prefetch (same layout and RAM) the same way, and whether the prediction is within
    :data:`PREFETCH_TOLERANCE` of the measurement; and per cell the demand reads that reach the
-   drive per token, the model's against the harness's records' (:func:`drive_reads_check`): the
-   one read path plans the same preads for both, so a difference there is in what the page
-   cache serves;
+   drive per token, the model's against the harness's records' (:func:`drive_reads_check`,
+   where the harness read weights with O_DIRECT): the one read path plans the same preads for
+   both, so a difference there is in what the page cache serves;
 5. writes ``validation.json`` (format :data:`VALIDATION_FORMAT`, version
    :data:`VALIDATION_VERSION`) and, with ``plots``, a predicted-vs-measured scatter.
 
@@ -115,6 +115,8 @@ from containers.manifest import build_manifest, write_manifest
 from containers.synth import synth_container
 from replay.config import PREFETCH_SOURCES, RuntimeConfig
 from replay.evidence import block_evidence
+from replay.gatefile import LayoutMetrics
+from replay.metrics import StepTable
 from replay.stats import chance_misses, family_level, family_widening, repetition_interval, student_t_quantile
 
 from .demo import measured_vs_predicted
@@ -318,8 +320,8 @@ class Prediction:
     summary (:class:`replay.gatefile.LayoutMetrics`), and the demand preads that reach the drives
     per committed token (the model's page cache serves the rest)."""
 
-    steps: object
-    summary: object
+    steps: StepTable
+    summary: LayoutMetrics
     drive_reads_per_token: float
 
 
@@ -957,7 +959,7 @@ def _run_stalls(runs: list[dict]) -> list[float]:
 
 
 def _page_cache_waits(runs: list[dict]) -> list[float] | None:
-    """Each measured run's stall on loads the page cache served whole (s/token,
+    """Each measured run's stall on experts whose own reads the page cache served (s/token,
     :func:`replay.stalltrace.page_cache_wait`); None when a run's records carry no I/O counts."""
     if any(r.get("page_cache_wait_s") is None for r in runs):
         return None
@@ -1055,7 +1057,8 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
                 "measured_page_cache_wait_per_token_s": None if waits is None else
                 {"mean": float(np.mean(waits)), "repetitions": waits},
                 "predicted_drive_reads_per_token": predicted[(m, pf, frac)].drive_reads_per_token,
-                "measured_drive_reads_per_token": None if any(r["drive_reads_per_token"] is None for r in runs) else
+                "measured_drive_reads_per_token": None if any(r["drive_reads_per_token"] is None or not r["direct"]
+                                                              for r in runs) else
                 {"mean": float(np.mean([r["drive_reads_per_token"] for r in runs])),
                  "repetitions": [r["drive_reads_per_token"] for r in runs]},
                 "ratio": pred / mean if mean > 0 else None,
@@ -1248,19 +1251,24 @@ def harness_compute(cells: list[dict], comparisons: list[dict]) -> dict | None:
 def drive_reads_check(cells: list[dict]) -> dict | None:
     """Whether the model and the harness agree on which demand reads reach the drive: per cell
     the model's demand preads that do (``predicted_drive_reads_per_token``) over the harness's
-    (the records' ``drive_requests``, ``measured_drive_reads_per_token``). Returns
-    ``ratio_min``/``ratio_max`` over ``cells`` cells and how many are within :data:`READS_AGREE`
-    (``within``); None for a record without them (version 11 and before)."""
-    ratios = [c["predicted_drive_reads_per_token"] / c["measured_drive_reads_per_token"]["mean"] for c in cells
-              if c.get("measured_drive_reads_per_token") and c["measured_drive_reads_per_token"]["mean"] > 0]
-    if not ratios:
+    (the records' ``drive_requests``, one per pread; ``measured_drive_reads_per_token``, absent
+    where a run could not read weights with O_DIRECT and the page cache may have served them).
+    Returns ``ratio_min``/``ratio_max`` over the ``cells`` cells where the harness read from the
+    drive, how many are within :data:`READS_AGREE` (``within``), and ``unmeasured``: cells where
+    the model read from the drive and the harness did not; None for a record without them
+    (version 11 and before)."""
+    rows = [c for c in cells if c.get("measured_drive_reads_per_token")]
+    ratios = [c["predicted_drive_reads_per_token"] / c["measured_drive_reads_per_token"]["mean"] for c in rows
+              if c["measured_drive_reads_per_token"]["mean"] > 0]
+    unmeasured = sum(c["measured_drive_reads_per_token"]["mean"] <= 0 < c["predicted_drive_reads_per_token"] for c in rows)
+    if not ratios and not unmeasured:
         return None
-    return {"cells": len(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "within": sum(abs(r - 1) <= READS_AGREE for r in ratios)}
+    return {"cells": len(ratios), "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None),
+            "within": sum(abs(r - 1) <= READS_AGREE for r in ratios), "unmeasured": unmeasured}
 
 
 def page_cache_waits(cells: list[dict], comparisons: list[dict]) -> dict | None:
-    """What the harness's waits for loads the page cache served whole (the cells'
+    """What the harness's waits for experts whose own reads the page cache served (the cells'
     ``measured_page_cache_wait_per_token_s``, :func:`replay.stalltrace.page_cache_wait`) come to,
     and the layout savings at equal disk speed less them. Returns per layout the smallest and
     largest mean wait over its cells (``by_layout``, s/token), and over the layout comparisons
@@ -1508,19 +1516,27 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                 if harness["savings"] else ""))
     reads = drive_reads_check(cells)
     if reads:
-        line("drive reads", f"the model's demand preads that reach the drive are {reads['ratio_min']:.2f}-"
-             f"{reads['ratio_max']:.2f} times the harness's per token ({reads['within']} of {reads['cells']} cells within "
-             f"+/-{READS_AGREE:.0%})" + ("" if reads["within"] == reads["cells"] else
-             ": the two disagree about what the page cache serves (the model reads an expert's scales from the drive at "
-             "its first access in a session; the kernel reads ahead of a buffered read, and small tensors share pages), "
-             "a difference in what is read, not in the drive's speed"))
+        sentence = (f"the model's demand preads that reach the drive are {reads['ratio_min']:.2f}-"
+                    f"{reads['ratio_max']:.2f} times the harness's per token ({reads['within']} of {reads['cells']} "
+                    f"cells within +/-{READS_AGREE:.0%})" if reads["cells"] else "")
+        if reads["unmeasured"]:
+            sentence += (", and " if sentence else "") + (f"in {reads['unmeasured']} cell(s) the model read from the drive "
+                                                          "and the harness did not")
+        if reads["within"] < reads["cells"] or reads["unmeasured"]:
+            sentence += (": the two read the same preads (one read path) and disagree about which of them reach the drive, "
+                         "a difference in what is read, not in the drive's speed")
+            if reads["cells"] and reads["ratio_min"] > 1 + READS_AGREE:
+                sentence += ("; the model reads an expert's scales from the drive at its first access in a session, where "
+                             "the kernel reads ahead of a buffered read and small tensors share pages")
+        line("drive reads", sentence)
     waits = page_cache_waits(cells, comparisons)
     if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:
         line("waits for the page cache", "the harness's compute thread waited "
              + ", ".join(f"{lo * 1e3:.2f}-{hi * 1e3:.2f} ms/token in {m}" for m, (lo, hi) in waits["by_layout"].items())
-             + " for loads the page cache served whole (a coalesced run's later experts, whose scale reads follow its "
-             "weight read as jobs of their own): bytes the runtime, in C, has in microseconds, and the model charges "
-             "memory time for, where a Python harness's reader thread takes tens of microseconds a job"
+             + " for experts whose own reads the page cache served (a coalesced run's later experts: their weights come "
+             "with the run's first read, their scale reads follow as jobs of their own and find their pages cached): "
+             "bytes the runtime, in C, has in microseconds, and the model charges memory time for, where a Python "
+             "harness's reader thread takes tens of microseconds a job"
              + (f"; at equal disk speed less these waits, the predicted layout saving lies inside the measured interval "
                 f"in {waits['savings_inside']} of {waits['savings']}, ruled out in {waits['savings_ruled_out']}"
                 if waits["savings"] else ""))

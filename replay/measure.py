@@ -179,7 +179,8 @@ class _Reader:
         self._buffer(min(n, MAX_READ))
 
     def read(self, f: int, off: int, n: int, direct: bool) -> tuple:
-        """Read the range; returns how (:data:`IO_ZERO`'s fields)."""
+        """Read the range; returns how (:data:`IO_ZERO`'s fields): one request, counted where its
+        first piece was served, and the bytes of every piece where each was."""
         direct = direct and self.direct is not None
         if direct:
             a = off // ALIGN * ALIGN
@@ -188,6 +189,7 @@ class _Reader:
         else:
             fd = self.buffered[f]
         io = [0] * 6
+        counted = False
         while n > 0:
             step = min(n, MAX_READ)
             view = memoryview(self._buffer(min(step, MAX_READ)))[:step]
@@ -207,11 +209,13 @@ class _Reader:
                 got = os.preadv(fd, [view], off)
                 if got < step:
                     if direct and got >= 0:
-                        io[0] += 1
+                        io[0] += 0 if counted else 1
                         io[1] += got
                         return tuple(io)  # an O_DIRECT window may reach past the end of the file
                     raise InputError(None, f"short read at byte {off}")
-            io[slot] += 1
+            if not counted:               # one request per read, as the runtime issues it, whatever the pieces
+                io[slot] += 1
+                counted = True
             io[slot + 1] += step
             off += step
             n -= step
@@ -300,6 +304,8 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
         with collector_out_of_the_way():
             for j, f in enumerate(tqdm(fw, desc="measure", disable=None if progress else True)):
                 if cold and j > 0 and trace.fwd_session[f] != trace.fwd_session[fw[j - 1]]:
+                    for run in runs:           # no prefetch load may land in the cache after the drop
+                        run.settle()
                     drop_cache(files)          # a session starts cold, scales unread, as the model's do
                 for i in range(len(runs)):
                     run = runs[(j + i) % len(runs)]
@@ -329,7 +335,8 @@ def collector_out_of_the_way():
     allocated before a coalescing run (``docs/BENCHMARKS.md``, "The harness's own waits"): S
     rose by 8 ms/token, and the waits for a coalesced run's later experts from 7 to 40 ms per
     run; with the objects frozen, 8.7 ms. So everything alive on entry is collected once and
-    then frozen (``gc.freeze``: moved where no collection looks), and unfrozen on exit.
+    then frozen (``gc.freeze``: moved where no collection looks), and unfrozen on exit (which
+    also unfreezes what a caller had frozen before: nothing in relayout does).
     """
     gc.collect()
     gc.freeze()

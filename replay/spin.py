@@ -11,8 +11,8 @@ of the rest is waking a thread on another CPU; ``docs/BENCHMARKS.md``, "The harn
 waits"). :func:`spin_until` spins in compiled code with the lock released.
 
 It reads ``CLOCK_MONOTONIC`` through the C library, the clock of ``time.perf_counter_ns`` on
-Linux; where that is not so (or there is no C library to call), :func:`spin_until` spins in
-Python as before.
+Linux; where that is not so (or there is no C library to call, or its ``timespec`` is not two
+64-bit fields), :func:`spin_until` spins in Python as before.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CLOCK_MONOTONIC = 1
 
 def _clock_gettime():
     """The C library's ``clock_gettime``, when it is the clock ``time.perf_counter_ns`` reads; else None."""
-    if not sys.platform.startswith("linux") or \
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_long) != 8 or \
             time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
         return None
     try:

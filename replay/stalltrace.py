@@ -416,14 +416,18 @@ def run_metrics(run: Run) -> RunMetrics:
 
 
 def page_cache_wait(io: list, fg_stall: list, speculative: list) -> int | None:
-    """Foreground stall (ns) on demand loads whose every read the page cache served (records'
+    """Foreground stall (ns) on demand loads whose own reads the page cache served (records'
     ``drive_requests`` and ``unclassified_requests`` 0, ``page_cache_requests`` > 0): a
-    coalesced run's later experts, whose scale reads, as their own jobs, follow the run's one
-    weight read. The runtime, in C, has such bytes in microseconds; a harness in Python makes
-    the compute thread wait for its reader thread's own work on them (``docs/BENCHMARKS.md``,
-    "The harness's own waits"), which the replay model, charging memory time for them, does
-    not predict. None when the records carry no I/O counts."""
+    coalesced run's later experts, whose weights arrive with the run's one read (counted on its
+    first expert) and whose scale reads, jobs of their own, find their pages cached. The
+    runtime, in C, has such scales in microseconds; a harness in Python makes the compute
+    thread wait for its reader thread's own work on them (``docs/BENCHMARKS.md``, "The
+    harness's own waits"), which the replay model, charging memory time for them, does not
+    predict. None when the records carry no I/O counts, or cannot tell the page cache from the
+    drive (``RWF_NOWAIT`` unavailable: only unclassified reads)."""
     if not any(x is not None for x in io):
+        return None
+    if not any(x is not None and x[2] > 0 for x in io) and any(x is not None and x[4] > 0 for x in io):
         return None
     return int(sum(w for x, w, spec in zip(io, fg_stall, speculative)
                    if x is not None and not spec and w > 0 and x[0] == 0 and x[4] == 0 and x[2] > 0))

@@ -65,7 +65,7 @@ WAITS = {"v43-2026-12-03": dict(louvain=(0.20e-3, 0.41e-3), stock=(0.04e-3, 0.13
          "v44-2026-12-03": dict(louvain=(0.0, 0.0), stock=(0.0, 0.0), savings=12, savings_inside=11, savings_ruled_out=0),
          "v45-2026-12-03": dict(louvain=(0.15e-3, 0.33e-3), stock=(0.03e-3, 0.11e-3), savings=4, savings_inside=0,
                                 savings_ruled_out=3)}
-"""Quoted with the harness's waits for loads the page cache served whole (s/token, per layout) and the layout
+"""Quoted with the harness's waits for experts whose own reads the page cache served (s/token, per layout) and the layout
 savings at equal disk speed less them."""
 HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43),
            "v36-2026-12-03": (0.99, 1.01, 0.01, 0.04), "v37-2026-12-03": (0.96, 0.99, 0.03, 0.05),

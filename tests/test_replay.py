@@ -65,6 +65,12 @@ def test_drive_reads_count_weight_reads_and_the_scale_reads_of_a_sessions_first_
     inst, _ = simulate(tr, np.ones(3, bool), lay, one_drive(), RuntimeConfig(workers=1, **NO_COMPUTE))
     assert inst.reads.tolist() == [12, 12, 12]
     assert inst.drive_reads.tolist() == [12, 3, 12]
+    warm = replace(one_drive(), page_cache_fraction=1.0)          # every weight read served by the page cache
+    inst, _ = simulate(tr, np.ones(3, bool), lay, warm, RuntimeConfig(workers=1, **NO_COMPUTE))
+    assert inst.reads.tolist() == [12, 12, 12] and inst.drive_reads.tolist() == [9, 0, 9]
+    # coalesced, the second forward's scale jobs carry no drive read (an empty placeholder each): not counted
+    inst, _ = simulate(tr, np.ones(3, bool), lay, one_drive(), RuntimeConfig(workers=1, coalesce=True, **NO_COMPUTE))
+    assert inst.drive_reads.tolist() == [10, 1, 10]
 
 
 def test_straddling_expert_costs_three_weight_reads():

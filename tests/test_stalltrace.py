@@ -144,6 +144,7 @@ def test_page_cache_wait_counts_demand_loads_the_page_cache_served_whole(tmp_pat
     spec = [False, False, False, True, False, False]
     assert page_cache_wait(io, stall, spec) == 12
     assert page_cache_wait([None, None], [3, 4], [False, False]) is None
+    assert page_cache_wait([(1, 50, 0, 0, 0, 0), (0, 0, 0, 0, 3, 30)], [3, 4], [False, False]) is None  # no RWF_NOWAIT
     io_fields = ("drive_requests", "drive_bytes", "page_cache_requests", "page_cache_bytes", "unclassified_requests",
                  "unclassified_bytes")
     recs = [expert(0, 3, 1, 0, 40, 10, foreground_stall_ns=30, committed_tokens=2, evaluated_positions=2,

@@ -399,12 +399,20 @@ def test_the_model_and_the_harness_are_compared_on_the_reads_that_reach_the_driv
                  measured_drive_reads_per_token={"mean": measured, "repetitions": [measured] * 4})
         cells.append(c)
     r = drive_reads_check(cells)
-    assert r["cells"] == 2 and r["within"] == 1
+    assert (r["cells"], r["within"], r["unmeasured"]) == (2, 1, 0)
     assert (r["ratio_min"], r["ratio_max"]) == (pytest.approx(9 / 8.5), pytest.approx(1.5))
-    text = summarize_validation(cells, [])["text"]
-    assert "drive reads: the model's demand preads that reach the drive are 1.06-1.50 times the harness's" in text
-    assert "disagree about what the page cache serves" in text
-    assert "disagree" not in summarize_validation(cells[:1], [])["text"].split("drive reads:")[1].split("\n")[0]
+
+    def said(cs):
+        return summarize_validation(cs, [])["text"].split("drive reads: ")[1].split("\n")[0]
+
+    assert said(cells).startswith("the model's demand preads that reach the drive are 1.06-1.50 times the harness's")
+    assert "disagree about which of them reach the drive" in said(cells) and "reads ahead" not in said(cells)
+    assert "disagree" not in said(cells[:1])
+    above = [{**c, "measured_drive_reads_per_token": {"mean": 5.0, "repetitions": [5.0] * 4}} for c in cells]
+    assert "the kernel reads ahead of a buffered read" in said(above)        # the model reads more, in every cell
+    none = {**cells[1], "measured_drive_reads_per_token": {"mean": 0.0, "repetitions": [0.0] * 4}}
+    assert drive_reads_check([cells[0], none])["unmeasured"] == 1
+    assert "in 1 cell(s) the model read from the drive and the harness did not" in said([cells[0], none])
     assert drive_reads_check([_cell("stock", 0.03, STEADY)]) is None     # a record of version 11 or before
 
 

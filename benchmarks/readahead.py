@@ -1,0 +1,129 @@
+"""What the kernel caches around an expert's scale reads: its readahead, measured on this disk.
+
+Usage: python benchmarks/readahead.py FILE [--sizes BYTES,...] [--reps N] [--seed S]
+
+The runtime reads an expert's three scale tensors with buffered preads, one after the other
+(``--sizes``: default a Qwen3-30B-A3B expert's down, gate and up scales, 8192, 3072 and 3072
+bytes; GLM-5.2's per-row scales are 24576, 8192, 8192). The replay model reads them from the
+drive at the expert's first access in a session and counts everything else as cached; the
+kernel also reads ahead of a buffered read, so the scales of the experts stored after it may be
+cached before they are read (``docs/BENCHMARKS.md``, "The harness's own waits": the harness
+sent 1.35-2.07 times fewer preads to the drive than the model).
+
+Each repetition drops FILE from the page cache (``fsync``, ``posix_fadvise(DONTNEED)``),
+issues the scale reads at a random 4 KiB-aligned offset, and after each read counts the
+contiguous bytes cached from the page after the one holding the last byte read so far, with
+``mincore`` on a mapping of the file (which looks without reading). Printed: the device's
+``read_ahead_kb`` and, per read, the median and range of the bytes cached ahead of it. FILE
+must be at least 33 MiB, on the disk under test, and writable by you (Linux's ``mincore``
+reports every page of a file you may not write as cached); it is only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+SCAN_BYTES = 32 * 1024 * 1024
+"""How far past the reads the scan looks for cached pages (bytes)."""
+
+
+def read_ahead_kb(path: str) -> int | None:
+    """The ``read_ahead_kb`` of the block device holding ``path`` (or of its whole disk), if readable."""
+    dev = os.stat(path).st_dev
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for q in (base / "queue" / "read_ahead_kb", base / ".." / "queue" / "read_ahead_kb"):   # a disk, a partition
+        try:
+            return int(q.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def drop(fd: int) -> None:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class Residency:
+    """Which pages of a file are in the page cache (``mincore`` on a private mapping, never touched)."""
+
+    def __init__(self, fd: int, size: int):
+        self.map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+    def cached_run(self, start: int, limit: int) -> int:
+        """Bytes cached contiguously from ``start`` (page-aligned), up to ``limit`` bytes."""
+        n = limit // PAGE
+        vec = (ctypes.c_ubyte * n)()
+        if self.libc.mincore(ctypes.c_void_p(self.addr + start), n * PAGE, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        resident = np.frombuffer(vec, dtype=np.uint8) & 1
+        missing = np.flatnonzero(resident == 0)
+        return int((missing[0] if len(missing) else n) * PAGE)
+
+    def close(self) -> None:
+        self.map.close()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file")
+    ap.add_argument("--sizes", default="8192,3072,3072", help="the scale reads' sizes in bytes, in read order")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in a.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= 0 or a.reps < 1:
+        print("--sizes takes positive byte counts, --reps at least 1", file=sys.stderr)
+        return 2
+    size = os.path.getsize(a.file)
+    span = sum(sizes)
+    if size < span + SCAN_BYTES + PAGE:
+        print(f"{a.file}: needs at least {(span + SCAN_BYTES) // 2**20 + 1} MiB", file=sys.stderr)
+        return 2
+    if not os.access(a.file, os.W_OK):
+        print(f"{a.file}: not writable by you, so mincore would report every page cached", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(a.seed)
+    fd = os.open(a.file, os.O_RDONLY)
+    res = Residency(fd, size)
+    ahead = [[] for _ in sizes]
+    try:
+        for _ in range(a.reps):
+            drop(fd)
+            off = int(rng.integers(0, (size - span - SCAN_BYTES) // PAGE)) * PAGE
+            if res.cached_run(off, span + SCAN_BYTES):
+                print(f"{a.file}: its pages stay cached when dropped (tmpfs?): nothing to measure", file=sys.stderr)
+                return 2
+            pos = off
+            for i, n in enumerate(sizes):
+                os.pread(fd, n, pos)
+                pos += n
+                end = -(-pos // PAGE) * PAGE                 # the page after the last byte read
+                ahead[i].append(res.cached_run(end, SCAN_BYTES))
+    finally:
+        res.close()
+        os.close(fd)
+    ra = read_ahead_kb(a.file)
+    print(f"{a.file}: read_ahead_kb {ra if ra is not None else 'unknown'}; scale reads {sizes} bytes, {a.reps} repetitions")
+    for i, (n, xs) in enumerate(zip(sizes, ahead)):
+        x = np.array(xs) / 1024
+        print(f"  after read {i + 1} ({n} B): cached ahead median {np.median(x):.0f} KiB (min {x.min():.0f}, max {x.max():.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
