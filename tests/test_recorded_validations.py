@@ -49,7 +49,7 @@ QUOTED.update({
     "v41-2026-12-03": dict(verdict="inconclusive", inside_measured=2, ratio=(0.79, 0.84),
                            merge_saving_predicted_over_measured=pytest.approx(0.56, abs=0.005)),
 })
-# "The harness's own waits": the garbage collector frozen (v42), then cold sessions and the lock-free spin (v43-v45).
+# "The harness's own waits": the garbage collector frozen (v42), then cold sessions and the lock-free spin (v43-v46).
 QUOTED.update({
     "v42-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.78, 0.88),
                            merge_saving_predicted_over_measured=pytest.approx(1.00, abs=0.005)),
@@ -59,12 +59,18 @@ QUOTED.update({
                            ratio=(1.03, 1.10), merge_saving_predicted_over_measured=pytest.approx(3.91, abs=0.005)),
     "v45-2026-12-03": dict(verdict="inconclusive", inside_measured=0, ratio=(0.94, 1.12),
                            merge_saving_predicted_over_measured=None),   # merging cost 29 us before the runs
+    "v46-2026-12-03": dict(verdict="inconclusive", inside_measured=0, unresolved_savings=1, ratio=(0.74, 0.83),
+                           merge_saving_predicted_over_measured=pytest.approx(0.98, abs=0.005)),
 })
 WAITS = {"v43-2026-12-03": dict(louvain=(0.20e-3, 0.41e-3), stock=(0.04e-3, 0.13e-3), savings=4, savings_inside=0,
                                 savings_ruled_out=3),
          "v44-2026-12-03": dict(louvain=(0.0, 0.0), stock=(0.0, 0.0), savings=12, savings_inside=11, savings_ruled_out=0),
          "v45-2026-12-03": dict(louvain=(0.15e-3, 0.33e-3), stock=(0.03e-3, 0.11e-3), savings=4, savings_inside=0,
-                                savings_ruled_out=3)}
+                                savings_ruled_out=3),
+         "v46-2026-12-03": dict(louvain=(0.23e-3, 0.45e-3), stock=(0.05e-3, 0.14e-3), savings=4, savings_inside=0,
+                                savings_ruled_out=1)}
+READS = {"v46-2026-12-03": dict(cells=6, within=0, unmeasured=0, ratio=(1.37, 2.03))}
+"""Quoted with the model's demand drive reads per token over the harness's (record version 12 on)."""
 """Quoted with the harness's waits for experts whose own reads the page cache served (s/token, per layout) and the layout
 savings at equal disk speed less them."""
 HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 0.97, 0.14, 0.43),
@@ -72,7 +78,8 @@ HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 
            "v38-2026-12-03": (0.96, 0.98, 0.03, 0.05), "v39-2026-12-03": (0.97, 0.99, 0.02, 0.04),
            "v40-2026-12-03": (0.99, 1.01, 0.01, 0.03), "v41-2026-12-03": (0.96, 0.98, 0.04, 0.06),
            "v42-2026-12-03": (0.96, 0.99, 0.03, 0.04), "v43-2026-12-03": (0.96, 0.99, 0.0, 0.01),
-           "v44-2026-12-03": (0.99, 1.01, 0.0, 0.02), "v45-2026-12-03": (0.96, 0.99, 0.0, 0.01)}
+           "v44-2026-12-03": (0.99, 1.01, 0.0, 0.02), "v45-2026-12-03": (0.96, 0.99, 0.0, 0.01),
+           "v46-2026-12-03": (0.96, 0.99, 0.0, 0.01)}
 """Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 
@@ -110,6 +117,11 @@ def test_kept_record_judged_again_gives_its_verdict(path):
             lo, hi = waits.pop(layout)
             assert lo - 5e-6 <= w["by_layout"][layout][0] <= w["by_layout"][layout][1] <= hi + 5e-6, layout
         assert {k: w[k] for k in waits} == waits
+    reads = dict(READS.get(path.name.removesuffix(".validation.json"), {}))
+    if reads:
+        low, high = reads.pop("ratio")
+        r = judged["drive_reads"]
+        assert low <= r["ratio_min"] <= r["ratio_max"] <= high and {k: r[k] for k in reads} == reads
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
