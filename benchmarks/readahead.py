@@ -10,7 +10,7 @@ kernel also reads ahead of a buffered read, so the scales of the experts stored 
 cached before they are read (``docs/BENCHMARKS.md``, "The harness's own waits": the harness
 sent 1.35-2.07 times fewer preads to the drive than the model).
 
-Each repetition drops FILE from the page cache (``fsync``, ``posix_fadvise(DONTNEED)``),
+Each repetition drops FILE from the page cache (:func:`replay.measure.drop_cache`),
 issues the scale reads at a random 4 KiB-aligned offset, and after each read counts the
 contiguous bytes cached from the page after the one holding the last byte read so far, with
 ``mincore`` on a mapping of the file (which looks without reading). Printed: the device's
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from replay.measure import drop_cache
+
 PAGE = mmap.PAGESIZE
 SCAN_BYTES = 32 * 1024 * 1024
 """How far past the reads the scan looks for cached pages (bytes)."""
@@ -45,11 +47,6 @@ def read_ahead_kb(path: str) -> int | None:
         except (OSError, ValueError):
             continue
     return None
-
-
-def drop(fd: int) -> None:
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class Residency:
@@ -103,7 +100,7 @@ def main(argv: list[str]) -> int:
     ahead = [[] for _ in sizes]
     try:
         for _ in range(a.reps):
-            drop(fd)
+            drop_cache([a.file])
             off = int(rng.integers(0, (size - span - SCAN_BYTES) // PAGE)) * PAGE
             if res.cached_run(off, span + SCAN_BYTES):
                 print(f"{a.file}: its pages stay cached when dropped (tmpfs?): nothing to measure", file=sys.stderr)

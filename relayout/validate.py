@@ -1011,17 +1011,16 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
     def side(key: tuple, at: dict) -> tuple:         # one side of a normalized saving (_normalized_saving)
         return _run_stalls(measured[key]), predicted[key].summary.stall_per_token_s, at[key]
 
-    def less_cache_waits(key: tuple) -> tuple:       # one side at equal disk speed, less its page-cache waits
-        waits = _page_cache_waits(measured[key])
-        if waits is None:
-            return [], 0.0, []
+    def less_cache_waits(key: tuple, waits: list[float]) -> tuple:   # one side at equal disk speed, less its waits
         return ([s - w for s, w in zip(_run_stalls(measured[key]), waits)], predicted[key].summary.stall_per_token_s,
                 at_run[key])
 
     def normalized(base: tuple, new: tuple) -> dict:
+        waits = _page_cache_waits(measured[base]), _page_cache_waits(measured[new])
         return {"at_run_speed": _normalized_saving(side(base, at_run), side(new, at_run)),
                 "at_harness_compute": _normalized_saving(side(base, at_harness), side(new, at_harness)),
-                "less_page_cache_waits": _normalized_saving(less_cache_waits(base), less_cache_waits(new))}
+                "less_page_cache_waits": None if None in waits else
+                _normalized_saving(less_cache_waits(base, waits[0]), less_cache_waits(new, waits[1]))}
 
     for pf, frac in cells:
         for m in methods:

@@ -80,7 +80,6 @@ from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .engine import SplitState, layout_arrays
 from .prefetch import predict_next
 from .readplan import SCALE, WEIGHT, new_plan, plan_layer
-from .spin import spin_until
 from .stalltrace import IO_FIELDS
 from .trace import RoutingTrace
 
@@ -331,12 +330,13 @@ def collector_out_of_the_way():
     A full collection walks every container object the process holds, on whichever thread
     happens to allocate: in a process holding millions (``relayout validate`` keeps the trace,
     the layouts and the predictions), tens of milliseconds in which the compute thread or a
-    reader thread stands still, stall the runtime, in C, never has. Measured with 3 M objects
-    allocated before a coalescing run (``docs/BENCHMARKS.md``, "The harness's own waits"): S
-    rose by 8 ms/token, and the waits for a coalesced run's later experts from 7 to 40 ms per
-    run; with the objects frozen, 8.7 ms. So everything alive on entry is collected once and
-    then frozen (``gc.freeze``: moved where no collection looks), and unfrozen on exit (which
-    also unfreezes what a caller had frozen before: nothing in relayout does).
+    reader thread stands still, stall the runtime, in C, never has. So everything alive on
+    entry is collected once and then frozen (``gc.freeze``: moved where no collection looks),
+    and unfrozen on exit (which also unfreezes what a caller had frozen before: nothing in
+    relayout does). A safeguard: Python 3.11 runs a full collection only once the objects
+    surviving since the last one reach a quarter of those it holds, and side by side on this
+    machine (``benchmarks/harness_waits.py``, 3 M objects allocated first) the freeze made no
+    measurable difference (``docs/BENCHMARKS.md``, "The harness's own waits").
     """
     gc.collect()
     gc.freeze()
@@ -577,10 +577,8 @@ def _start_threads(pool: ThreadPoolExecutor, n: int, reader: _Reader, largest: i
 def _warm_compiled(lay, config: RuntimeConfig, prefetcher: "_Prefetcher | None") -> None:
     """Call the compiled read planner (and predictor) once before anything is timed: a compiled
     function loads from numba's cache on its first call in a process, about half a second that
-    the first measured step counted as compute (hiding the stall of the reads under way). The
-    compute thread's spin (:func:`replay.spin.spin_until`) compiles on its first call."""
+    the first measured step counted as compute (hiding the stall of the reads under way)."""
     layer_reads(lay, 0, [0], [False], config)
-    spin_until(0)
     if prefetcher:
         one = np.zeros(1, dtype=np.int64)
         prefetcher.warm(one, one + 1)
@@ -837,9 +835,9 @@ class _ComputeClock:
     layer's reads (routing, planning them) cannot be undone: those reads are issued that much
     later than the model issues them, so the layer's clock starts when they are issued
     (:meth:`begin`), and that work lengthens the step's wall time instead. The last stretch of a
-    sleep (:data:`SPIN_SECONDS`) spins on the clock with the interpreter lock released
-    (:func:`replay.spin.spin_until`), so reader threads run beside it as beside the runtime's
-    compute thread.
+    sleep yields the GIL in a loop instead of blocking, so reader threads are never starved (a
+    spin in compiled code with the lock released handed jobs to a reader thread no sooner:
+    ``benchmarks/harness_waits.py``).
     """
 
     def __init__(self):
@@ -863,7 +861,8 @@ class _ComputeClock:
         deadline = now + want
         if want > SPIN_SECONDS * 1e9:
             time.sleep(want / 1e9 - SPIN_SECONDS)
-        spin_until(deadline)
+        while time.perf_counter_ns() < deadline:
+            time.sleep(0)
         self.mark = time.perf_counter_ns()
         self.lag = self.mark - deadline
 

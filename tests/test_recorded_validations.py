@@ -49,7 +49,7 @@ QUOTED.update({
     "v41-2026-12-03": dict(verdict="inconclusive", inside_measured=2, ratio=(0.79, 0.84),
                            merge_saving_predicted_over_measured=pytest.approx(0.56, abs=0.005)),
 })
-# "The harness's own waits": the garbage collector frozen (v42), then cold sessions and the lock-free spin (v43-v46).
+# "The harness's own waits": the garbage collector frozen (v42), then cold sessions (v43-v46; a lock-free spin, since removed).
 QUOTED.update({
     "v42-2026-12-03": dict(verdict="does not hold", inside_measured=0, ratio=(0.78, 0.88),
                            merge_saving_predicted_over_measured=pytest.approx(1.00, abs=0.005)),
