@@ -1525,8 +1525,11 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             sentence += (": the two read the same preads (one read path) and disagree about which of them reach the drive, "
                          "a difference in what is read, not in the drive's speed")
             if reads["cells"] and reads["ratio_min"] > 1 + READS_AGREE:
-                sentence += ("; the model reads an expert's scales from the drive at its first access in a session, where "
-                             "the kernel reads ahead of a buffered read and small tensors share pages")
+                sentence += ("; the model's page cache (Linux's readahead at the profile's read_ahead_bytes, each arm alone) "
+                             "held fewer scale pages than the kernel's, which arms reading the same container share")
+            elif reads["cells"] and reads["ratio_max"] < 1 - READS_AGREE:
+                sentence += ("; the harness counts a pread that finds its pages still being read by an earlier readahead "
+                             "as a drive request, the model as served from the page cache")
         line("drive reads", sentence)
     waits = page_cache_waits(cells, comparisons)
     if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:

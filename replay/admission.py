@@ -80,6 +80,7 @@ from containers.layout import Layout
 
 from .config import ADMISSION_POLICIES, RuntimeConfig
 from .jit import HELPER, STAGE
+from .pagecache import scales_cached
 from .predictors import (
     CALIBRATION_BINS,
     FusedModel,
@@ -219,8 +220,8 @@ def new_control(L: int, E: int) -> Control:
 def load_seconds(nl, e, first, lay, pol, dev):
     """Estimated time (s) to load expert ``e`` of layer ``nl`` alone: its weight bytes (the bottom
     segment when its top is resident) from the drives, or from the page cache when its first
-    weight page is warm, plus its scales (three requests on the expert's first access in the
-    session, ``first``; page-cache time after). Each request costs its command and its channel
+    weight page is warm, plus its scales (three requests when the page cache does not hold all
+    of them, ``first``: :func:`replay.pagecache.scales_cached`; page-cache time otherwise). Each request costs its command and its channel
     time, ``a + c``, beside its bytes at the array's rate."""
     wb = lay.wbytes[nl, e] * (1.0 - lay.top_fraction[nl] if lay.top_resident[nl, e] else 1.0)
     sb = lay.ebytes[nl, e] - lay.wbytes[nl, e]
@@ -241,7 +242,7 @@ def load_seconds(nl, e, first, lay, pol, dev):
 
 
 @njit(**STAGE)
-def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, charge, out_list, pf):
+def choose(i, nl, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, charge, out_list, pf):
     """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
 
     ``src.p`` [E]: the source's probabilities (``n_touched``: see
@@ -296,7 +297,7 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         return 0
     nc = _most_probable(pool, pool_p, considered, C, oracle, p, cand)
     _start_layer(cand, nc, charge)
-    if policy == STALL_VALUE and not _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay,
+    if policy == STALL_VALUE and not _may_gain(nl, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay,
                                                pol, dev):
         _count(i, considered, 0, 0, pf.rejected, pf.capped)
         return 0
@@ -307,7 +308,7 @@ def choose(i, nl, session, start, routed, inst, src, n_touched, ram, lay, pol, d
         e = cand[c]
         need[c] = t_need
         t_need += p[e] * seconds[e]
-        svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
+        svc[c] = load_seconds(nl, e, not scales_cached(ram.pages, lay.sloc[nl, e]), lay, pol, dev)
     for c in range(nc):                          # the policy's order key (ascending is taken first)
         e = cand[c]
         if policy == PROBABILITY:
@@ -369,7 +370,7 @@ def _most_probable(pool, pool_p, n, C, in_order, p, cand):
 
 
 @njit(**HELPER)
-def _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay, pol, dev):
+def _may_gain(nl, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay, pol, dev):
     """Some candidate of ``cand[:nc]`` may have a positive V(a) when loaded from ``t0`` (s), the
     prefetcher's start: its V were it needed no sooner than its load completes (need time inf) is
     positive. No need time values it higher (V does not decrease with the need time, rounding
@@ -377,7 +378,7 @@ def _may_gain(nl, session, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram
     ``stall-value`` admits none, in whatever order it takes them. ``svc`` is scratch."""
     for c in range(nc):
         e = cand[c]
-        svc[c] = load_seconds(nl, e, ram.scale_seen[nl, e] != session, lay, pol, dev)
+        svc[c] = load_seconds(nl, e, not scales_cached(ram.pages, lay.sloc[nl, e]), lay, pol, dev)
         if not _value(p[e], np.inf, svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e],
                       dev.full_bandwidth) <= 0.0:
             return True

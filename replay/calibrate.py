@@ -44,7 +44,7 @@ import numpy as np
 from containers.errors import InputError
 
 from .buffers import read_buffer
-from .device import DriveProfile, queue_throughput, read_alone_seconds
+from .device import DEFAULT_READ_AHEAD_BYTES, DriveProfile, queue_throughput, read_alone_seconds
 
 SIZES = (4096, 65536, 524288, 4 * 1024 * 1024, 32 * 1024 * 1024)
 LOG_RANGE = (np.log(1e-12), np.log(1e15))
@@ -384,6 +384,7 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     try:
         _, direct = _open(path)
         max_request = system_max_request_bytes(path)        # while the test file exists
+        read_ahead = system_read_ahead_bytes(path)
         page_limit = small_page_request_limit(path)
         cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
         spread = completion_spread(path)
@@ -401,13 +402,16 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     control = "O_DIRECT (page cache bypassed)" if direct else "posix_fadvise DONTNEED before each cell (O_DIRECT unavailable)"
     return {
         "name": name or f"calibrated-{target.name or 'device'}",
-        "description": f"Calibrated on {path} ({os.stat(target).st_dev:#x}); cache control: {control}.",
+        "description": f"Calibrated on {path} ({os.stat(target).st_dev:#x}); cache control: {control}; readahead "
+                       + (f"{read_ahead // 1024} KiB (queue/read_ahead_kb)." if read_ahead is not None
+                          else "unknown, Linux's default 128 KiB assumed."),
         "members": 1,
         "chunk_bytes": 0,
         "split_rule": "none",
         "host_bandwidth": bandwidth,
         "direct_alignment": ALIGN,
         "page_cache_fraction": 0.0,
+        "read_ahead_bytes": read_ahead if read_ahead is not None else DEFAULT_READ_AHEAD_BYTES,
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
                   "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service,
                   "request_channel_seconds": c},
@@ -447,6 +451,14 @@ def system_max_request_bytes(path: str | os.PathLike) -> int | None:
     return kb * 1024 if kb else None
 
 
+def system_read_ahead_bytes(path: str | os.PathLike) -> int | None:
+    """The readahead maximum (bytes) of the block device holding ``path``: Linux
+    ``queue/read_ahead_kb`` x 1024 (0 when readahead is off). ``None`` where the system does not
+    say."""
+    kb = _queue_value(path, "read_ahead_kb")
+    return kb * 1024 if kb is not None else None
+
+
 def small_page_request_limit(path: str | os.PathLike) -> dict | None:
     """The largest request (bytes) reaching the block device holding ``path`` when the reading
     buffer is made of scattered base pages: one segment per page, so Linux ``queue/max_segments``
@@ -471,6 +483,13 @@ def small_page_request_limit(path: str | os.PathLike) -> dict | None:
 def _queue_attribute(path: str | os.PathLike, name: str) -> int | None:
     """A positive integer from ``queue/NAME`` of the block device holding ``path`` (a partition's is
     its disk's), or ``None``."""
+    value = _queue_value(path, name)
+    return value if value else None
+
+
+def _queue_value(path: str | os.PathLike, name: str) -> int | None:
+    """The integer >= 0 in ``queue/NAME`` of the block device holding ``path`` (a partition's is
+    its disk's), or ``None``."""
     try:
         dev = os.stat(path).st_dev
         node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
@@ -478,7 +497,7 @@ def _queue_attribute(path: str | os.PathLike, name: str) -> int | None:
             f = d / "queue" / name
             if f.is_file():
                 value = int(f.read_text().strip())
-                return value if value > 0 else None
+                return value if value >= 0 else None
     except (OSError, ValueError):
         return None
     return None

@@ -86,6 +86,9 @@ A member's share is then split again into requests of at most ``max_request_byte
 A **host ceiling** (``host_bandwidth``, the PCIe slot or switch) caps the array's aggregate
 transfer rate. O_DIRECT reads are widened to ``direct_alignment`` boundaries. A
 ``page_cache_fraction`` of expert reads can be declared warm (served from RAM).
+``read_ahead_bytes`` is the system's readahead maximum for the array (Linux ``read_ahead_kb`` x
+1024; default 128 KiB), which decides what the buffered scale reads bring into the page cache
+(:mod:`replay.pagecache`).
 
 Profiles are data: ``manifests/devices/*.json``.
 """
@@ -105,6 +108,9 @@ from containers.hashing import digest_of
 from containers.jsonfile import load_shipped
 
 from .jit import HELPER, LOOP, trailing_zeros
+
+DEFAULT_READ_AHEAD_BYTES = 128 * 1024
+"""Linux's default readahead maximum, ``read_ahead_kb`` 128 (bytes)."""
 
 SPLIT_RULES = ("none", "md", "apple")
 """Split rules; the compiled timing model takes a rule as its index here."""
@@ -213,6 +219,7 @@ class ArrayProfile:
     direct_alignment: int = 4096
     page_cache_fraction: float = 0.0
     description: str = ""
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
 
     def __post_init__(self):
         for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
@@ -232,6 +239,9 @@ class ArrayProfile:
             raise InputError(self.name, "direct_alignment must be >= 1 byte")
         if not 0 <= self.page_cache_fraction <= 1:
             raise InputError(self.name, "page_cache_fraction must be in [0, 1]")
+        r = self.read_ahead_bytes
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 1 << 30:
+            raise InputError(self.name, f"read_ahead_bytes is {r!r}, not an integer of 0 to 1 GiB")
         if self.drive.request_seconds < 0 or self.drive.bandwidth <= 0 or self.host_bandwidth <= 0 or self.drive.queue_slots < 1:
             raise InputError(self.name, "request cost must be >= 0, bandwidths and queue slots positive")
         b1 = self.drive.stream_bandwidth
@@ -274,11 +284,14 @@ class ArrayProfile:
         return replace(self, drive=drive, host_bandwidth=self.host_bandwidth * factor)
 
     def to_json(self) -> dict:
-        """The profile as JSON; a drive without request channel time (``c = 0``) is written without
-        the field, as profiles were before it existed, so that their digests stay what they were."""
+        """The profile as JSON; a drive without request channel time (``c = 0``) and a profile
+        with Linux's default readahead (128 KiB) are written without the field, as profiles were
+        before it existed, so that their digests stay what they were."""
         obj = asdict(self)
         if not self.drive.request_channel_seconds:
             del obj["drive"]["request_channel_seconds"]
+        if self.read_ahead_bytes == DEFAULT_READ_AHEAD_BYTES:
+            del obj["read_ahead_bytes"]
         return obj
 
     def digest(self) -> str:

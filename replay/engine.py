@@ -4,8 +4,10 @@
 only (colibrì's default) a layer cannot finish before every expert it needs has arrived, so when
 it ends the drives are idle and each instance is a small queueing problem of its own. The
 compiled loop in :mod:`replay.instance` walks the instances in time order and keeps the state
-that does carry over: the RAM tiers (pinned store, per-layer LRU, :mod:`replay.runtime`), which
-scale pages the OS already caches, and, with a prefetch source, the drives.
+that does carry over: the RAM tiers (pinned store, per-layer LRU, :mod:`replay.runtime`), the
+page cache under the buffered scale reads with the kernel's readahead state
+(:mod:`replay.pagecache`; each session starts with it empty), and, with a prefetch source, the
+drives.
 
 **One instance.** Time 0 is when routing is known. Every missing expert becomes a *job* for the
 reader pool (with ``coalesce``, experts contiguous in one file share a job, their one read never
@@ -15,7 +17,8 @@ shard; a pread returns when its whole span has arrived, so every expert of the s
 all of it, and a long span of co-activated experts gives up overlap of compute with reads that
 separate reads would have had): its weight read(s) (one pread when the three weight tensors are
 byte-adjacent, three when not; O_DIRECT widens them to the device's alignment) and its three
-buffered scale preads, executed in order by one worker. These reads are planned by
+buffered scale preads, executed in order by one worker. A scale pread reaches the drive only
+when the page cache cannot serve it, as the readahead the kernel did for earlier ones decides. These reads are planned by
 :func:`replay.readplan.plan_layer`, the one function the harness (:mod:`replay.measure`) also
 plans its real reads with. Workers take jobs
 in issue order (physical order); at each step the worker that is free earliest performs its next
@@ -79,12 +82,14 @@ from .device import SPLIT_RULES, ArrayProfile
 from .instance import (
     Device,
     LayoutArrays,
+    PREFETCH_SLOTS,
     RamTiers,
     ReadPolicy,
     new_work,
     simulate_instances,
 )
 from .jit import compile_notice
+from .pagecache import new_page_cache
 from .predictors import RELIABILITY_BINS
 from .runtime import new_lru
 from .trace import RoutingTrace
@@ -94,6 +99,10 @@ from .unions import (
     chunk_instances,
     whole_forward_blocks,
 )
+
+UNDO_READS = PREFETCH_SLOTS * 6
+"""Scale preads one undo-logged stretch of the page cache may hold: the prefetch thread's loads
+queued at one routing, six scale segments each at most (:func:`replay.pagecache.new_page_cache`)."""
 
 FILE_ALIGNMENT = 1 << 20
 """Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
@@ -246,7 +255,7 @@ class Replay:
     """One replay of ``layout`` on ``device`` under ``config``, fed consecutive chunks of instances.
 
     Holds what the model carries from instance to instance, and so from chunk to chunk: the RAM
-    tiers (pinned store, per-layer LRUs, the scale pages the OS caches), the drives' state and
+    tiers (pinned store, per-layer LRUs, the page cache under the scale reads), the drives' state and
     the pending prefetches (:func:`replay.instance.new_work`), and the totals over the replay
     (outputs without an ``"I"`` axis: ``expert_wait`` [L, E], the device usage [M]). Chunks must
     hold whole forwards, in time order (:func:`replay.unions.chunk_instances`); the replay is
@@ -264,11 +273,11 @@ class Replay:
                  split: SplitState | None = None, coupling: tuple | None = None):
         L, E = len(layout.layers), layout.n_experts
         self.config = config
+        self.lay = layout_arrays(layout, config, split)
         self.ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
                             new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
-                            np.full((L, E), -1, dtype=np.int64))
+                            new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS))
         self.table = prefetcher_inputs(config, layout, coupling)
-        self.lay = layout_arrays(layout, config, split)
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device)
         # a batch union holds at most E experts: working arrays for that serve every chunk

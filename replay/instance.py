@@ -51,6 +51,7 @@ from .predictors import (
     observe_sources,
     observe_union,
 )
+from .pagecache import PAGE_BYTES, buffered_read, checkpoint, start_session, stop_logging, undo
 from .prefetch import COUPLED, ORACLE, predict_next
 from .readplan import WEIGHT, ReadPlan, plan_layer
 from .runtime import lru_add, lru_start, lru_touch
@@ -107,10 +108,10 @@ the reads in them, bool: :mod:`replay.device`'s service discipline), ``request_c
 each request holds the channel beyond its bytes); ``host_bandwidth`` and
 ``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
 
-RamTiers = namedtuple("RamTiers", "pinned lru scale_seen")
+RamTiers = namedtuple("RamTiers", "pinned lru pages")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
-``lru`` (the per-layer LRUs, :class:`replay.runtime.Lru`), ``scale_seen`` [L, E] int64 (the
-session that last read each expert's scales, whose pages the OS then caches; -1 never)."""
+``lru`` (the per-layer LRUs, :class:`replay.runtime.Lru`), ``pages`` (the page cache under the
+buffered scale reads, with the kernel's readahead: :class:`replay.pagecache.PageCache`)."""
 
 # the prefetcher's inputs and state: replay.admission.Prefetcher (a prediction source and the controller)
 
@@ -118,8 +119,8 @@ session that last read each expert's scales, whose pages the OS then caches; -1 
 
 Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait")
 """One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
-resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (its
-first access in the session: its scales are not yet in the page cache); ``ready`` (>= 0: a
+resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (some
+of its scale preads went to the drive: set when its reads are planned); ``ready`` (>= 0: a
 prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` (weight bytes
 it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
 ``sjob`` (the jobs carrying its weights and its scales); ``wait`` (s the compute thread waited for
@@ -152,12 +153,13 @@ clock, s; inf: none), ``nbytes`` (expert bytes). ``experts`` [64]: the list, in 
 Single = namedtuple("Single", "expert skip top wlen")
 """One prefetch load as :func:`replay.readplan.plan_layer` takes it: arrays [1]."""
 
-Pilot = namedtuple("Pilot", "state free was_seen n_plan nbytes")
+Pilot = namedtuple("Pilot", "state free mark n_plan nbytes")
 """The prefetch thread's loads queued at routing (:func:`_queue_at_routing`), as jobs after the
 layer's demand jobs. ``state`` [4]: the first of its jobs, the next to start (or under way), one
 past the last, and the next read's place in the job under way; ``free`` [1]: when it issues its
-next read (s); per queued load [64]: the session that had last read the expert's scales before
-it (restored if the load is dropped), its planned preads and bytes."""
+next read (s); per queued load [64]: the page cache's undo-log position before it was planned
+(:func:`replay.pagecache.checkpoint`: a dropped load's scale reads are undone), its planned
+preads and bytes."""
 
 PILOT_FIRST, PILOT_NEXT, PILOT_END, PILOT_POS = 0, 1, 2, 3
 
@@ -255,6 +257,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         if i + 1 < I:
             _fetch_rows(i + 1, inst, table.source, ram, lay, learning, out)
         lru_start(lru, li, inst_session[i])
+        start_session(ram.pages, inst_session[i])
         if pf_for != i:
             pf_n = 0
         if pol.prefetch == FUSED:
@@ -274,13 +277,13 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         n_jobs, end = 0, resident
         jobs.first_read[0] = 0
         if k > 0:
-            n_jobs = _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res)
+            n_jobs = _plan_reads(i, li, k, miss, lay, pol, ram.pages, plan, jobs, reads, res)
         pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT], pilot.state[PILOT_END] = n_jobs, n_jobs, n_jobs
         pilot.state[PILOT_POS] = 0
         pilot.free[0] = pilot_free
         if at_routing and has_next:              # the runtime queues L+1's predictions when L is routed
             lru_start(lru, li + 1, inst_session[i])
-            _queue_at_routing(i, li + 1, inst_session[i], inst, table, ram, lay, pol, pending, plan, work.single,
+            _queue_at_routing(i, li + 1, inst, table, ram, lay, pol, pending, plan, work.single,
                               jobs, reads, n_jobs, pilot, out)
         if k > 0:
             if dev.shared:
@@ -313,7 +316,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             for j in range(n_jobs):
                 start = max(start, job_done[j])
             lru_start(lru, li + 1, inst_session[i])
-            pf_n = _prefetch(i, li + 1, inst_session[i], start, next_at, inst, table, ram, lay, pol, dev, pending,
+            pf_n = _prefetch(i, li + 1, start, next_at, inst, table, ram, lay, pol, dev, pending,
                              plan, work.single, reads, drives, out)
             pf_for = i + 1
         for m in range(dev.members):           # the drives' state, in the next instance's clock
@@ -338,7 +341,6 @@ def _fetch_rows(i, inst, src, ram, lay, choosing, out):
         fetch_lines(ram.pinned[li + 1])
         fetch_lines(ram.lru.cached[li + 1])
         fetch_lines(lay.seconds[li + 1])
-        fetch_lines(ram.scale_seen[li + 1])
         fetch_lines(lay.wbytes[li + 1])
         fetch_lines(lay.ebytes[li + 1])
         fetch_lines(lay.rank[li + 1])
@@ -355,7 +357,6 @@ def _fetch_rows(i, inst, src, ram, lay, choosing, out):
         fetch_lines(lru.cached[li, e:e + 1])
         fetch_lines(lru.newer[li, e:e + 1])
         fetch_lines(lru.older[li, e:e + 1])
-        fetch_lines(ram.scale_seen[li, e:e + 1])
         fetch_lines(lay.seconds[li, e:e + 1])
         fetch_lines(lay.ebytes[li, e:e + 1])
         fetch_lines(lay.rank[li, e:e + 1])
@@ -380,12 +381,12 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
     matmuls of experts in RAM and the top parts of missing experts whose top segment is resident.
     """
     sel_e, sel_mult, a, b = inst.sel_e, inst.sel_mult, inst.sel_start[i], inst.sel_start[i + 1]
-    session, lru = inst.session[i], ram.lru
+    lru = ram.lru
     rank, seconds, ebytes, top_resident = lay.rank[li], lay.seconds[li], lay.ebytes[li], lay.top_resident[li]
     top_fraction = lay.top_fraction[li]
-    layer_seen, layer_pinned = ram.scale_seen[li], ram.pinned[li]
+    layer_pinned = ram.pinned[li]
     pf_ready, pf_bytes = pending.ready, pending.nbytes
-    miss_e, miss_top, miss_comp, miss_first, miss_ready = miss.expert, miss.top, miss.comp, miss.first, miss.ready
+    miss_e, miss_top, miss_comp, miss_ready = miss.expert, miss.top, miss.comp, miss.ready
     res, pf = out.instance, out.prefetch
     no_cache = lru.capacity[li] <= 0
     k, hits = 0, 0
@@ -395,8 +396,6 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
         comp = seconds[e] * sel_mult[j]
         union_bytes += ebytes[e]
         matmul += comp
-        first = layer_seen[e] != session
-        layer_seen[e] = session
         if layer_pinned[e]:
             hits += 1
             on_hits += comp
@@ -417,9 +416,9 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
         q = k                                    # insert by physical place
         while q > 0 and rank[miss_e[q - 1]] > rank[e]:
             miss_e[q], miss_top[q], miss_comp[q] = miss_e[q - 1], miss_top[q - 1], miss_comp[q - 1]
-            miss_first[q], miss_ready[q] = miss_first[q - 1], miss_ready[q - 1]
+            miss_ready[q] = miss_ready[q - 1]
             q -= 1
-        miss_e[q], miss_top[q], miss_comp[q], miss_first[q] = e, top_resident[e], comp, first
+        miss_e[q], miss_top[q], miss_comp[q] = e, top_resident[e], comp
         miss_ready[q] = pf_ready[e] if prefetched and pf_ready[e] > 0 else -1.0
         k += 1
     for m in range(k):                           # in issue order, as their loads complete and the runtime stamps them
@@ -447,22 +446,23 @@ def _selected(e, sel_e, a, b):
 
 
 @njit(**STAGE)
-def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
+def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
     """The reader pool's jobs and their reads, in issue order, as :func:`replay.readplan.plan_layer`
     plans them (the harness executes the same plan); returns the number of jobs.
 
-    Fills ``miss.wlen``, ``miss.sbytes`` and the jobs carrying each miss's weights and scales
-    (``miss.wjob``, ``miss.sjob``; -1 for a miss whose prefetch is in flight). Weight reads are
-    O_DIRECT-widened here. Scales go to the drives only on the expert's first access in the
-    session; otherwise they, like warm weight reads, cost memory time at the end of their job. A
-    job left with no drive read keeps one empty warm read to carry it. Reads, the reads that
-    reach the drives, and bytes read (O_DIRECT-widened weights, whole scales) go into ``res``
-    (the instance outputs).
+    Fills ``miss.wlen``, ``miss.sbytes``, ``miss.first`` and the jobs carrying each miss's
+    weights and scales (``miss.wjob``, ``miss.sjob``; -1 for a miss whose prefetch is in
+    flight). Weight reads are O_DIRECT-widened here. A scale pread goes to the drive when the page
+    cache ``pages`` cannot serve it (:func:`replay.pagecache.buffered_read`, in issue order), as
+    one read of the pages the kernel's readahead reads for it; otherwise it, like a warm weight
+    read, costs memory time at the end of its job. A job left with no drive read keeps one empty
+    warm read to carry it. Reads, the reads that reach the drives, and bytes read
+    (O_DIRECT-widened weights, whole scales) go into ``res`` (the instance outputs).
     """
     miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
     for p in range(k):
         skip[p] = miss.ready[p] >= 0
-        wjob[p], sjob[p], sbytes[p] = -1, -1, 0
+        wjob[p], sjob[p], sbytes[p], miss.first[p] = -1, -1, 0, False
     n_plan, n_jobs = plan_layer(miss_e, k, skip, miss.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
                                 lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
                                 pol.coalesce, pol.gap_bytes, pol.span_bytes, miss.wlen, plan)
@@ -488,10 +488,13 @@ def _plan_reads(i, li, k, miss, lay, pol, plan, jobs, reads, res):
         else:
             sjob[a] = job
             sbytes[a] += n
-            if miss.first[a]:
-                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], n, False
+            waited, page = buffered_read(pages, f, plan.offset[r], n)
+            if waited > 0:
+                reads.addr[n_reads], reads.length[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES
+                reads.warm[n_reads] = False
                 n_reads += 1
                 drive_reads += 1
+                miss.first[a] = True
             else:
                 warm_scales += n
                 has_warm_scales = True
@@ -988,13 +991,14 @@ def _top_k(i, li, inst, table, pol, pending):
 
 
 @njit(**STAGE)
-def _queue_at_routing(i, li, session, inst, table, ram, lay, pol, pending, plan, single, jobs, reads, n_jobs, pilot,
+def _queue_at_routing(i, li, inst, table, ram, lay, pol, pending, plan, single, jobs, reads, n_jobs, pilot,
                       out):
     """Queue the prefetch thread's loads for layer ``li`` (the next one) when instance ``i`` is
     routed, under :func:`runtime_rule`: the top-K list (:func:`_top_k`) less the experts in RAM
-    (the runtime checks residency when it queues), each planned as one job (its weights and, on
-    its first access in the session, its scales: :func:`replay.readplan.plan_layer`) after the
-    demand jobs ``[0, n_jobs)``. The list stays in ``pending.experts``; ``pilot`` gets the jobs."""
+    (the runtime checks residency when it queues), each planned as one job (its weights and its
+    scales, :func:`replay.readplan.plan_layer`, the scales through the page cache) after the
+    demand jobs ``[0, n_jobs)``. The list stays in ``pending.experts``; ``pilot`` gets the jobs
+    and, per load, where the page cache's undo log stood before it."""
     pf_list = pending.experts
     n = _top_k(i, li, inst, table, pol, pending)
     lru = ram.lru
@@ -1006,10 +1010,9 @@ def _queue_at_routing(i, li, session, inst, table, ram, lay, pol, pending, plan,
             continue
         q = job - n_jobs
         pf_list[q] = e
-        pilot.was_seen[q] = ram.scale_seen[li, e]
+        pilot.mark[q] = checkpoint(ram.pages)
         jobs.first_read[job] = n_reads
-        n_plan, n_reads, jobs.tail[job], total = _plan_load(li, e, session, lay, pol, plan, single, ram.scale_seen, reads,
-                                                            n_reads)
+        n_plan, n_reads, jobs.tail[job], total = _plan_load(li, e, lay, pol, plan, single, ram.pages, reads, n_reads)
         n_reads = _close_job(job, jobs.first_read, n_reads, reads)
         pilot.n_plan[q], pilot.nbytes[q] = n_plan, total
         job += 1
@@ -1018,30 +1021,31 @@ def _queue_at_routing(i, li, session, inst, table, ram, lay, pol, pending, plan,
 
 
 @njit(**STAGE)
-def _plan_load(li, e, session, lay, pol, plan, single, seen, reads, n_reads):
+def _plan_load(li, e, lay, pol, plan, single, pages, reads, n_reads):
     """Plan one prefetch load of expert ``e`` of layer ``li`` (read alone, never coalesced: its
-    weights and, on its first access in ``session``, its scales, :func:`replay.readplan.plan_layer`)
-    into ``reads`` from ``n_reads`` on, and mark its scales read (``seen``). Returns the preads
-    planned, the reads queued so far, the page-cache time after its drive reads (warm weights and
-    scales, s) and its bytes."""
+    weights and its scales, :func:`replay.readplan.plan_layer`) into ``reads`` from ``n_reads``
+    on, its scale preads through the page cache ``pages`` as :func:`_plan_reads` does. Returns
+    the preads planned, the reads queued so far, the page-cache time after its drive reads (warm
+    weights and scales, s) and its bytes."""
     single.expert[0], single.top[0] = e, lay.top_resident[li, e]
     n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
                            lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1,
                            single.wlen, plan)
-    first = seen[li, e] != session
-    seen[li, e] = session
     bases = lay.bases
     tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
     for r in range(n_plan):
         f, nb = plan.file[r], plan.length[r]
         if plan.kind[r] == WEIGHT:
             n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
-        elif first:
-            reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + plan.offset[r], nb, False
-            n_reads += 1
         else:
-            warm_scales += nb
-            has_warm_scales = True
+            waited, page = buffered_read(pages, f, plan.offset[r], nb)
+            if waited > 0:
+                reads.addr[n_reads], reads.length[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES
+                reads.warm[n_reads] = False
+                n_reads += 1
+            else:
+                warm_scales += nb
+                has_warm_scales = True
         total += nb
     return n_plan, n_reads, tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0), total
 
@@ -1062,17 +1066,21 @@ def _pilot_outcome(i, li, deadline, lay, pending, ram, jobs, pilot, out):
     """What the loads queued at routing for layer ``li`` came to, once the next layer is routed at
     ``deadline`` (s): a started load completed (:func:`_pilot_rest`): its ready time goes into
     ``pending`` in the next instance's clock and, when it completed before ``deadline``, it
-    enters the LRU; a dropped one counts as cancelled and its scales as not read. Keeps the
+    enters the LRU; a dropped one counts as cancelled and its scale reads are undone in the page
+    cache (:func:`replay.pagecache.undo`). Keeps the
     loaded experts first in ``pending.experts``, in load order (:func:`_record_load`); returns how
     many."""
     pf = out.prefetch
     pf_list = pending.experts
     first, started = pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT]
     loaded = 0
-    for q in range(pilot.state[PILOT_END] - first):
+    n = pilot.state[PILOT_END] - first
+    if started < first + n:
+        undo(ram.pages, pilot.mark[started - first])
+    stop_logging(ram.pages)
+    for q in range(n):
         e = pf_list[q]
         if first + q >= started:
-            ram.scale_seen[li, e] = pilot.was_seen[q]
             pf.cancelled[i] += 1
             continue
         loaded = _record_load(i, li, e, pilot.n_plan[q], pilot.nbytes[q], jobs.done[first + q], deadline, lay, pending,
@@ -1100,7 +1108,7 @@ def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, ou
 
 
 @njit(**STAGE)
-def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, pending, plan, single, reads, drives,
+def _prefetch(i, li, start, deadline, inst, table, ram, lay, pol, dev, pending, plan, single, reads, drives,
               out):
     """A controlled prefetcher's loads for layer ``li``, the next one, while instance ``i`` runs
     (the runtime's own rule queues its loads at routing instead: :func:`_queue_at_routing`).
@@ -1114,9 +1122,9 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
     ``start`` (this layer's demand loads and the prefetch load in flight at routing done, s)
     until ``deadline`` (the next layer is routed, s): a load not started by then is dropped, one
     in flight completes (with ``cancel_stale``, a load the next layer does not select issues no
-    read after ``deadline``: it is cut, its bytes already read are wasted and its scales count as
-    not cached). A load reads the expert's
-    weights and, on its first access in the session, its scales; it enters the LRU when it
+    read after ``deadline``: it is cut, its bytes already read are wasted and its scale reads are
+    undone in the page cache). A load reads the expert's weights and its scales (through the page
+    cache); it enters the LRU when it
     completes before the deadline. Records each expert's ready time in the next instance's clock
     in ``pending`` and returns how many were loaded; dropped and cut loads count as cancelled.
     """
@@ -1139,9 +1147,9 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
             _late_need(li, src.p, ram, ctl)
             ctl.q_for[0] = i + 1
             return 0
-        n = choose(i, li, session, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, table.charge,
+        n = choose(i, li, start, deadline, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, table.charge,
                    pf_list, pf)
-    lru, seen = ram.lru, ram.scale_seen
+    lru = ram.lru
     a, b = inst.sel_start[i + 1], inst.sel_start[i + 2]
     t = start
     loaded = 0
@@ -1154,8 +1162,8 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
                 if not (ram.pinned[li, pf_list[r]] or lru.cached[li, pf_list[r]]):
                     pf.cancelled[i] += 1
             break
-        was_seen = seen[li, e]
-        n_plan, n_reads, tail, total = _plan_load(li, e, session, lay, pol, plan, single, seen, reads, 0)
+        mark = checkpoint(ram.pages)
+        n_plan, n_reads, tail, total = _plan_load(li, e, lay, pol, plan, single, ram.pages, reads, 0)
         stale = pol.cancel_stale and not _selected(e, inst.sel_e, a, b)
         issued, issued_bytes = n_reads, 0
         for r in range(n_reads):
@@ -1165,12 +1173,14 @@ def _prefetch(i, li, session, start, deadline, inst, table, ram, lay, pol, dev, 
             t = _serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, out.device)
             issued_bytes += reads.length[r]
         if issued < n_reads:                      # cut: routed without it
-            seen[li, e] = was_seen
+            undo(ram.pages, mark)
+            stop_logging(ram.pages)
             res.reads[i] += issued
             res.read_bytes[i] += issued_bytes
             pf.issued[i] += issued_bytes
             pf.cancelled[i] += 1
             continue
+        stop_logging(ram.pages)
         t += tail
         loaded = _record_load(i, li, e, n_plan, total, t, deadline, lay, pending, lru, out, loaded)
     return loaded

@@ -280,8 +280,8 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     of every arm's files before the first step and again, untimed, before the first step of
     each later session, once for all arms: each session then starts with its scales unread, as
     its LRU starts empty, which is how the replay model starts every session (a session is an
-    independent sample of the held-out data; the model's scale pages are cached from a
-    session's first access on, :mod:`replay.instance`). Arms that read the same files share the
+    independent sample of the held-out data; the model's page cache starts each session empty,
+    :mod:`replay.pagecache`). Arms that read the same files share the
     page cache within a session: the buffered scale reads an arm finds cached because another
     arm read them are counted as page-cache requests in its records (with rotation, no arm is
     favoured).

@@ -33,8 +33,9 @@ is in flight, they are in one file, the gap from the end of ``p - 1``'s bytes to
 **What each side adds.** The model widens O_DIRECT weight reads to the device's
 ``direct_alignment`` in the array's logical address space (files start at 1 MiB boundaries,
 :data:`replay.engine.FILE_ALIGNMENT`, so for alignments dividing 1 MiB this is the same window as
-widening the file offset) and treats scale reads after an expert's first access in the session,
-and a declared share of weight reads, as page-cache hits. The harness widens O_DIRECT reads to
+widening the file offset), decides which scale reads the page cache serves with the kernel's
+readahead (:mod:`replay.pagecache`), and treats a declared share of weight reads as page-cache
+hits. The harness widens O_DIRECT reads to
 4 KiB file offsets (its aligned buffers; the window may reach past the end of the file) and
 issues every read, scales always buffered.
 """

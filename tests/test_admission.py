@@ -24,7 +24,7 @@ three 4 KiB scale reads, one after another."""
 
 def drive(page_cache_fraction=0.0):
     return ArrayProfile("test-drive", DriveProfile("d", LAT, BW, 32), 1, 0, "none", 1e12,
-                        page_cache_fraction=page_cache_fraction)
+                        page_cache_fraction=page_cache_fraction, read_ahead_bytes=0)
 
 
 def free_compute(**kw):

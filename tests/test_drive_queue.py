@@ -18,7 +18,7 @@ MIB = 1 << 20
 
 
 def drive(a, b1, bw, slots, host=1e15):
-    return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1), 1, 0, "none", host)
+    return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1), 1, 0, "none", host, read_ahead_bytes=0)
 
 
 def layout(E, wbytes=(MIB // 4, MIB // 4, MIB // 2)):

@@ -29,7 +29,8 @@ DECLARED = ((InstanceResult, InstanceOutputs, "instance"), (PrefetchResult, Pref
 
 
 def one_drive(latency=1e-4, bw=1e9, host=1e12):
-    return ArrayProfile("test-drive", DriveProfile("d", latency, bw, 32), 1, 0, "none", host)
+    return ArrayProfile("test-drive", DriveProfile("d", latency, bw, 32), 1, 0, "none", host,
+                        read_ahead_bytes=0)
 
 
 def layout(E=8, L=2, wbytes=(8192, 8192, 16384), sbytes=(4096, 4096, 4096)):

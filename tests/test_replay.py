@@ -31,7 +31,8 @@ NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
 
 
 def one_drive(latency=1e-4, bw=1e9, host=1e12, slots=32):
-    return ArrayProfile("test-drive", DriveProfile("d", latency, bw, slots), 1, 0, "none", host)
+    return ArrayProfile("test-drive", DriveProfile("d", latency, bw, slots), 1, 0, "none", host,
+                        read_ahead_bytes=0)
 
 
 def simple_layout(E=16, wbytes=(8192, 8192, 16384), sbytes=(4096, 4096, 4096), layers=(3,)):
@@ -108,7 +109,7 @@ def test_compute_longer_than_io_with_enough_workers_hides_all_stall():
 
 
 def test_md_striping_by_hand():
-    md = ArrayProfile("md", DriveProfile("d", 1e-4, 1e9), 4, 512 * 1024, "md", 1e12)
+    md = ArrayProfile("md", DriveProfile("d", 1e-4, 1e9), 4, 512 * 1024, "md", 1e12, read_ahead_bytes=0)
     # 1 MiB starting 100 KiB into chunk 2: pieces on chunks 2, 3, 4 -> members 2, 3, 0
     pieces, nbytes = member_split(md, np.array([2 * 524288 + 102400]), np.array([1048576]))
     assert pieces.tolist() == [[1, 0, 1, 1]]
@@ -125,7 +126,8 @@ def test_striping_matches_a_chunk_by_chunk_walk(members, chunk, rule, start, len
     """Chunk sizes, member counts and request limits that are powers of two (split by shifts) and
     that are not (by division) split alike."""
     rule = rule if members > 1 else "none"
-    dev = ArrayProfile("a", DriveProfile("d", 1e-4, 1e9, max_request_bytes=max_request), members, chunk, rule, 1e12)
+    dev = ArrayProfile("a", DriveProfile("d", 1e-4, 1e9, max_request_bytes=max_request), members, chunk, rule, 1e12,
+                       read_ahead_bytes=0)
     pieces, nbytes = member_split(dev, np.array([start]), np.array([length]))
     want_bytes = [0] * members
     want_pieces = [0] * members
@@ -195,7 +197,7 @@ def test_batch_union_counts_positions_per_expert(forwards):
 
 
 def test_apple_striping_by_hand():
-    apple = ArrayProfile("apple", DriveProfile("d", 1e-4, 1e9), 4, 32768, "apple", 1e12)
+    apple = ArrayProfile("apple", DriveProfile("d", 1e-4, 1e9), 4, 32768, "apple", 1e12, read_ahead_bytes=0)
     pieces, nbytes = member_split(apple, np.array([0]), np.array([18915328]))  # a GLM expert
     assert pieces.tolist() == [[1, 1, 1, 1]]
     assert nbytes.tolist() == [[4751360, 4726784, 4718592, 4718592]]  # 577 chunks: 145, 144, 144, 144

@@ -23,7 +23,8 @@ A, B, C = 50e-6, 2e9, 20e-6      # command latency (s), channel rate (bytes/s), 
 
 
 def drive(service, c=C, a=A, b1=B, slots=32, max_request=None):
-    return ArrayProfile("q", DriveProfile("d", a, B, slots, b1, max_request, service, c), 1, 0, "none", 1e15)
+    return ArrayProfile("q", DriveProfile("d", a, B, slots, b1, max_request, service, c), 1, 0, "none", 1e15,
+                        read_ahead_bytes=0)
 
 
 def stall_of(device, mib, workers=1, experts=None):

@@ -22,7 +22,8 @@ UNIT = MIB / B            # s to move 1 MiB through the channel
 
 
 def drive(service, a=A, b1=B, bw=B, slots=32, members=1, chunk=0, rule="none", host=1e15, max_request=None):
-    return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1, max_request, service), members, chunk, rule, host)
+    return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1, max_request, service), members, chunk, rule, host,
+                        read_ahead_bytes=0)
 
 
 def sized_layout(mib):

@@ -1,0 +1,113 @@
+"""Which buffered scale preads reach the drive: the page-cache model against this machine's kernel.
+
+Usage: python benchmarks/scale_reads.py CONTAINER [--tokens N] [--sessions S] [--top-k K]
+       [--skew A] [--gap-us G] [--read-ahead-kb R] [--seed S]
+
+Issues the scale preads a runtime at RAM 0 issues (each token, every layer: ``--top-k`` experts
+drawn with Zipf weights ``rank^-A``, read in the layer's physical order, each expert's scale
+tensors in file order), ``--tokens`` tokens per session, each session starting with the
+container's page cache dropped (:func:`replay.measure.drop_cache`) and its files opened afresh.
+Every pread is first tried with ``RWF_NOWAIT``, which succeeds only when the page cache holds all
+of it (the harness's classification, :mod:`replay.measure`); ``--gap-us`` is slept after each
+expert (its weight read and matmul in a runtime). The page-cache model
+(:func:`replay.pagecache.buffered_read`, with the device's ``read_ahead_kb`` unless
+``--read-ahead-kb``) decides the same preads. Printed: the preads, those that reached the drive
+in each, and how often the two agreed pread by pread. The container's files must be writable
+by you only for ``drop_cache`` to work everywhere; they are only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from containers.container import Container
+from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
+from replay.calibrate import system_read_ahead_bytes
+from replay.measure import drop_cache
+from replay.pagecache import buffered_read, new_page_cache, start_session
+
+
+def reads_of(layout, rng, tokens: int, k: int, skew: float) -> list:
+    """[(file, offset, bytes, expert tag)] of one session's scale preads."""
+    L, E = len(layout.layers), layout.n_experts
+    loc = layout.expert_loc
+    weights = 1.0 / np.arange(1, E + 1) ** skew
+    weights /= weights.sum()
+    popular = [rng.permutation(E) for _ in range(L)]
+    where = loc[:, :, list(WEIGHT_SLOTS), 0] * (1 << 44) + loc[:, :, list(WEIGHT_SLOTS), 1]
+    first_byte = where.min(axis=2)                               # [L, E]: the issue order
+    out = []
+    for _ in range(tokens):
+        for li in range(L):
+            chosen = popular[li][rng.choice(E, size=min(k, E), replace=False, p=weights)]
+            for e in chosen[np.argsort(first_byte[li, chosen])]:
+                scales = sorted((int(loc[li, e, s, 0]), int(loc[li, e, s, 1]), int(loc[li, e, s, 2])) for s in SCALE_SLOTS)
+                out.extend((f, off, n, li * E + int(e)) for f, off, n in scales if n > 0)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("container")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--skew", type=float, default=1.0)
+    ap.add_argument("--gap-us", type=float, default=300.0)
+    ap.add_argument("--read-ahead-kb", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if not hasattr(os, "RWF_NOWAIT"):
+        print("this system has no RWF_NOWAIT: nothing to classify the preads with", file=sys.stderr)
+        return 2
+    c = Container.open(Path(a.container))
+    layout = layout_from_container(c)
+    files = [Path(p) for p in c.files]
+    ra_bytes = a.read_ahead_kb * 1024 if a.read_ahead_kb is not None else system_read_ahead_bytes(files[0])
+    if ra_bytes is None:
+        print(f"{files[0]}: the device's read_ahead_kb is unknown; give --read-ahead-kb", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(a.seed)
+    pc = new_page_cache(layout.expert_loc[:, :, list(SCALE_SLOTS)], layout.file_sizes, ra_bytes, 0)
+    both = [[0, 0], [0, 0]]                                     # [kernel to drive][model to drive]
+    buf = bytearray(max(int(layout.expert_loc[:, :, list(SCALE_SLOTS), 2].max()), 1) + 8192)
+    for s in range(a.sessions):
+        drop_cache(files)
+        start_session(pc, s)
+        fds = [os.open(p, os.O_RDONLY) for p in files]
+        try:
+            last = None
+            for f, off, n, tag in reads_of(layout, rng, a.tokens, a.top_k, a.skew):
+                if last is not None and tag != last and a.gap_us > 0:
+                    time.sleep(a.gap_us * 1e-6)
+                last = tag
+                view = memoryview(buf)[:n]
+                try:
+                    cached = os.preadv(fds[f], [view], off, os.RWF_NOWAIT) == n
+                except BlockingIOError:
+                    cached = False
+                if not cached:
+                    os.preadv(fds[f], [view], off)
+                waited, _ = buffered_read(pc, f, off, n)
+                both[int(not cached)][int(waited > 0)] += 1
+        finally:
+            for fd in fds:
+                os.close(fd)
+    total = sum(map(sum, both))
+    kernel, model = both[1][0] + both[1][1], both[0][1] + both[1][1]
+    print(f"{a.container}: read_ahead_kb {ra_bytes // 1024}; {a.sessions} sessions x {a.tokens} tokens, top-{a.top_k}, "
+          f"skew {a.skew}, {a.gap_us:.0f} us after each expert")
+    print(f"  scale preads {total}: to the drive, kernel {kernel}, model {model} (model / kernel {model / max(kernel, 1):.3f})")
+    print(f"  pread by pread: both drive {both[1][1]}, both page cache {both[0][0]}, "
+          f"model only {both[0][1]}, kernel only {both[1][0]}: agree {(both[0][0] + both[1][1]) / max(total, 1):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,161 @@
+"""The page cache under buffered scale reads (replay.pagecache): Linux's readahead, by hand.
+
+The sequences here are the ones measured on this project's disk with ``mincore``
+(benchmarks/scale_reads.py, docs/BENCHMARKS.md): a random read is read as it is, the read after
+it starts a window of four times its size, and reaching that window's mark reads the next
+window, its end aligned down to four pages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay.pagecache import (
+    CACHED,
+    MARK,
+    PAGE_BYTES,
+    buffered_read,
+    checkpoint,
+    new_page_cache,
+    pages_cached,
+    scales_cached,
+    start_session,
+    stop_logging,
+    undo,
+)
+
+P = PAGE_BYTES
+FILE_PAGES = 4096
+
+
+def cache(read_ahead_kb=8192, file_pages=FILE_PAGES, undo_reads=0):
+    """A page cache of one file whose scales cover all of it."""
+    sloc = np.array([[[[0, 0, file_pages * P], [0, 0, 0], [0, 0, 0]]]], dtype=np.int64)
+    return new_page_cache(sloc, [file_pages * P], read_ahead_kb * 1024, undo_reads)
+
+
+def cached_pages(pc, lo=0, hi=FILE_PAGES):
+    return [p for p in range(lo, hi) if pc.state[pc.offset[0] + p - pc.first[0]] & CACHED]
+
+
+def marked_pages(pc, lo=0, hi=FILE_PAGES):
+    return [p for p in range(lo, hi) if pc.state[pc.offset[0] + p - pc.first[0]] & MARK]
+
+
+def test_a_random_read_reads_its_pages_and_the_next_read_starts_a_window_four_times_its_size():
+    pc = cache()
+    off = 100 * P + 2000                               # an expert's first scales: 8 KiB from inside page 100
+    waited, first = buffered_read(pc, 0, off, 8192)
+    assert (waited, first) == (3, 100) and cached_pages(pc) == [100, 101, 102]
+    waited, first = buffered_read(pc, 0, off + 8192, 3072)        # continues it: page 103 missing
+    assert (waited, first) == (4, 103)
+    assert cached_pages(pc) == list(range(100, 107)) and marked_pages(pc) == [104]
+    waited, _ = buffered_read(pc, 0, off + 11264, 3072)           # page 103: cached, not the mark
+    assert waited == 0 and cached_pages(pc) == list(range(100, 107))
+
+
+def test_reaching_the_mark_reads_the_next_window_with_its_end_aligned_to_four_pages():
+    pc = cache()
+    buffered_read(pc, 0, 120 * P + 3000, 8192)      # pages 120-122
+    buffered_read(pc, 0, 120 * P + 11192, 3072)     # pages 122-123: window [123, 127), mark 124
+    assert marked_pages(pc) == [124]
+    waited, _ = buffered_read(pc, 0, 120 * P + 14264, 3072)   # pages 123-124: the mark
+    assert waited == 0
+    # the next window starts where the last ended, 127, 16 pages, its end 143 aligned down to 140
+    assert cached_pages(pc) == list(range(120, 140))
+    assert marked_pages(pc) == [127]                # the window's first folio: 127 is not 2-aligned
+    # the next mark reached: order 4, end aligned down to 16 pages
+    buffered_read(pc, 0, 127 * P, 100)
+    start = 140
+    assert cached_pages(pc) == list(range(120, start + 52))   # 140 + 64 = 204, aligned down to 192
+    assert marked_pages(pc) == list(range(140, 144))          # a folio of four pages carries the mark
+
+
+def test_a_miss_after_cached_history_reads_a_context_window():
+    pc = cache()
+    buffered_read(pc, 0, 200 * P, 30 * P)            # read as it is: 30 pages of history
+    buffered_read(pc, 0, 900 * P, P)                 # a read elsewhere: not sequential any more
+    assert cached_pages(pc) == list(range(200, 230)) + [900]
+    waited, first = buffered_read(pc, 0, 230 * P, P)
+    # a window of history + request pages (31), one of them async: the mark on its last page
+    assert (waited, first) == (31, 230)
+    assert cached_pages(pc) == list(range(200, 261)) + [900] and marked_pages(pc) == [260]
+
+
+def test_a_standalone_small_read_leaves_no_window_and_no_mark():
+    pc = cache()
+    buffered_read(pc, 0, 500 * P, 2 * P)
+    state = pc.ra[0].copy()
+    buffered_read(pc, 0, 900 * P, 2 * P)             # not sequential, no history before it
+    assert cached_pages(pc) == [500, 501, 900, 901] and not marked_pages(pc)
+    assert (pc.ra[0, :3] == state[:3]).all()
+
+
+def test_without_readahead_every_missing_page_is_read_alone():
+    pc = cache(read_ahead_kb=0)
+    waited, first = buffered_read(pc, 0, 10 * P, 3 * P)
+    assert (waited, first) == (3, 10) and cached_pages(pc) == [10, 11, 12]
+    assert buffered_read(pc, 0, 13 * P, P)[0] == 1 and cached_pages(pc) == [10, 11, 12, 13]
+
+
+def test_windows_stop_at_the_end_of_the_file():
+    pc = cache(file_pages=64)
+    buffered_read(pc, 0, 60 * P, P)
+    buffered_read(pc, 0, 61 * P, P)                  # a window of 4 from 61 would pass page 63
+    assert cached_pages(pc, 0, 64) == [60, 61, 62, 63]
+
+
+def test_a_new_session_starts_with_nothing_cached_and_keeps_the_window():
+    pc = cache()
+    buffered_read(pc, 0, 0, 8192)
+    buffered_read(pc, 0, 8192, 3072)
+    ra = pc.ra[0].copy()
+    start_session(pc, 7)
+    assert not cached_pages(pc) and (pc.ra[0] == ra).all()
+    start_session(pc, 7)
+    buffered_read(pc, 0, 0, 100)
+    start_session(pc, 7)                             # the same session: nothing dropped
+    assert cached_pages(pc) == [0, 1, 2, 3]
+
+
+def test_scales_cached_needs_every_page_of_every_tensor():
+    sloc = np.array([[[[0, 0, 8192], [0, 8192, 3072], [0, 20 * P, 100]]]], dtype=np.int64)
+    pc = new_page_cache(sloc, [64 * P], 0, 0)
+    buffered_read(pc, 0, 0, 8192 + 3072)
+    assert pages_cached(pc, 0, 0, 11264) and not scales_cached(pc, sloc[0, 0])
+    buffered_read(pc, 0, 20 * P, 100)
+    assert scales_cached(pc, sloc[0, 0])
+
+
+reads = st.lists(st.tuples(st.integers(0, 300 * P), st.integers(1, 40 * P)), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=reads, logged=reads)
+def test_undo_restores_the_page_cache_and_the_windows_exactly(before, logged):
+    pc = cache(read_ahead_kb=128, file_pages=400, undo_reads=len(logged))
+    for off, n in before:
+        buffered_read(pc, 0, off, min(n, 400 * P - off))
+    state, ra = pc.state.copy(), pc.ra.copy()
+    mark = checkpoint(pc)
+    for off, n in logged:
+        buffered_read(pc, 0, off, min(n, 400 * P - off))
+    undo(pc, mark)
+    stop_logging(pc)
+    assert (pc.state == state).all() and (pc.ra == ra).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seq=reads)
+def test_a_read_leaves_its_pages_cached_and_waits_only_when_one_was_missing(seq):
+    pc = cache(read_ahead_kb=256, file_pages=400)
+    for off, n in seq:
+        n = min(n, 400 * P - off)
+        was = pages_cached(pc, 0, off, n)
+        waited, first = buffered_read(pc, 0, off, n)
+        assert (waited == 0) == was
+        assert pages_cached(pc, 0, off, n)
+        if waited:
+            assert off // P <= first < -(-(off + n) // P)
