@@ -5,11 +5,12 @@ Usage: python benchmarks/scale_reads.py CONTAINER [--tokens N] [--sessions S] [-
 
 Issues the scale preads a runtime at RAM 0 issues (each token, every layer: ``--top-k`` experts
 drawn with Zipf weights ``rank^-A``, read in the layer's physical order, each expert's scale
-tensors in file order), ``--tokens`` tokens per session, each session starting with the
+tensors gate, up, down, as :func:`replay.readplan.plan_layer` plans them), ``--tokens`` tokens per session, each session starting with the
 container's page cache dropped (:func:`replay.measure.drop_cache`) and its files opened afresh.
 Every pread is first tried with ``RWF_NOWAIT``, which succeeds only when the page cache holds all
 of it (the harness's classification, :mod:`replay.measure`); ``--gap-us`` is slept after each
-expert (its weight read and matmul in a runtime). The page-cache model
+expert (its weight read and matmul in a runtime; 0: the experts' scale reads back to back, as
+with coalescing). The page-cache model
 (:func:`replay.pagecache.buffered_read`, with the device's ``read_ahead_kb`` unless
 ``--read-ahead-kb``) decides the same preads. Printed: the preads, those that reached the drive
 in each, and how often the two agreed pread by pread. The container's files must be writable
@@ -47,7 +48,7 @@ def reads_of(layout, rng, tokens: int, k: int, skew: float) -> list:
         for li in range(L):
             chosen = popular[li][rng.choice(E, size=min(k, E), replace=False, p=weights)]
             for e in chosen[np.argsort(first_byte[li, chosen])]:
-                scales = sorted((int(loc[li, e, s, 0]), int(loc[li, e, s, 1]), int(loc[li, e, s, 2])) for s in SCALE_SLOTS)
+                scales = [(int(loc[li, e, s, 0]), int(loc[li, e, s, 1]), int(loc[li, e, s, 2])) for s in SCALE_SLOTS]
                 out.extend((f, off, n, li * E + int(e)) for f, off, n in scales if n > 0)
     return out
 

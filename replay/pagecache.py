@@ -12,7 +12,8 @@ This module decides, pread by pread, which of them reach the drive.
 
 **State** (:class:`PageCache`). Per page of each file's tracked extent: cached, and the
 readahead mark. Per open file, Linux's ``file_ra_state``: the window ``start``, ``size`` and
-``async_size`` (pages) and ``prev_pos`` (the byte after the last byte read; -1 before any read).
+``async_size`` (pages), ``prev_pos`` (the byte after the last byte read; -1 before any read)
+and the folio ``order``.
 The extent runs from a file's first page holding scale bytes minus the readahead maximum to its
 last such page plus the maximum, so every page a scale read touches, and every page the kernel
 looks at around one, is tracked. A page outside it counts as not cached.
@@ -35,27 +36,34 @@ needs a page of it. Then ``prev_pos = o + n``.
   window at p of ``min(h + r, M)`` pages, ``async_size = 1``.
 
 A window reads the pages of [start, start + size) not yet cached (clipped at the end of the
-file) and marks the page ``start + size - async_size`` when it read it.
+file), one by one, and marks the page ``start + size - async_size`` when it read it.
 
-**Asynchronous readahead** at a marked page p (the mark is cleared): when p is where the window
-expects it (``start + size - async_size``), the window moves on: ``start += size``, ``size =
-next(size)`` (times 4 below M / 16, times 2 up to M / 2, else M), ``async_size = size``; else,
-with s the first page after p not cached (at most M on), a window at s of ``next(s - p + r)``.
+**Asynchronous readahead** at a marked folio starting at page p (the mark is cleared): when p
+is where the window expects it (``start + size - async_size`` rounded down to the folio's
+size), the window moves on: ``start += size``, ``size = next(size)`` (times 4 below M / 16,
+times 2 up to M / 2, else M); else, with s the first page after p not cached (at most M on), a
+window at s of ``next(s - p + r)``. Its order grows by 2 (a synchronous window's is 0), its end
+is aligned down to ``2 ** min(order, log2 of M's lowest bit)`` pages, ``async_size = size``, and
+it is read in folios of up to ``2 ** order`` pages (:data:`MAX_FOLIO_ORDER`), each aligned to its
+size; the first carries the mark, on all its pages. Its pages count as cached at once.
 
 Units: pages of 4 KiB (:data:`PAGE_BYTES`) and bytes. A session starts with no page cached
 (:func:`start_session`: each replayed session starts cold, as the harness's do); the windows'
 state carries over, as an open file's does. Nothing is evicted: the scales of GLM-5.2 per-row
-are 0.8 GB in all. Not modelled: large folios (the kernel may cache and mark a window in units
-of several pages), pages still being read when a later pread finds them (the harness counts
-such a pread as a drive request), and the drive time of asynchronous windows.
+are 0.8 GB in all. Not modelled: pages still being read when a later pread finds them (with
+scale reads back to back, ``benchmarks/scale_reads.py --gap-us 0``, the kernel sent no more of
+them to the drive than the model counts without such pages), the drive time of asynchronous
+windows, and other systems' readahead (macOS reads ahead by other rules).
 
 **Undo.** Prefetch loads that are planned and then dropped, or cut, must leave no trace:
 :func:`checkpoint` starts a log of every change, :func:`undo` reverts to a checkpoint.
 
 References
 ----------
-Linux ``mm/readahead.c`` (``page_cache_sync_ra``, ``page_cache_async_ra``, ``get_init_ra_size``,
-``get_next_ra_size``) and ``mm/filemap.c`` (``filemap_get_pages``, ``filemap_read``), 6.x.
+Linux ``mm/readahead.c`` (``page_cache_sync_ra``, ``page_cache_async_ra``, ``page_cache_ra_order``,
+``get_init_ra_size``, ``get_next_ra_size``) and ``mm/filemap.c`` (``filemap_get_read_batch``,
+``filemap_get_pages``, ``filemap_read``), 6.16-6.19, checked against this project's disk with
+``benchmarks/scale_reads.py``.
 """
 
 from __future__ import annotations

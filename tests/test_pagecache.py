@@ -159,3 +159,4 @@ def test_a_read_leaves_its_pages_cached_and_waits_only_when_one_was_missing(seq)
         assert pages_cached(pc, 0, off, n)
         if waited:
             assert off // P <= first < -(-(off + n) // P)
+

@@ -22,6 +22,7 @@ from replay.engine import simulate
 from replay.gate import compare
 from replay.jit import fetch_lines
 from replay.metrics import step_table, summarize
+from replay.pagecache import buffered_read, new_page_cache
 from replay.planfile import load_plan, save_plan
 from replay.runtime import lru_hits
 from replay.stats import paired_saving
@@ -59,8 +60,9 @@ def test_one_drive_no_cache_no_compute_stall_is_the_sum_of_request_costs():
 
 def test_drive_reads_count_weight_reads_and_the_scale_reads_of_a_sessions_first_access():
     """What the model sends to the drive, per instance (compared with a measured run's
-    ``drive_requests`` by ``validate``): weight reads always, scale reads on an expert's first
-    access in its session; the page cache serves the rest, which ``reads`` still counts."""
+    ``drive_requests`` by ``validate``): weight reads always; without readahead and with each
+    scale tensor on pages of its own, scale reads on an expert's first access in its session;
+    the page cache serves the rest, which ``reads`` still counts."""
     lay = simple_layout()
     tr = make_trace([[[0, 1, 2]], [[0, 1, 2]], [[0, 1, 2]]], sessions=[0, 0, 1])
     inst, _ = simulate(tr, np.ones(3, bool), lay, one_drive(), RuntimeConfig(workers=1, **NO_COMPUTE))
@@ -72,6 +74,53 @@ def test_drive_reads_count_weight_reads_and_the_scale_reads_of_a_sessions_first_
     # coalesced, the second forward's scale jobs carry no drive read (an empty placeholder each): not counted
     inst, _ = simulate(tr, np.ones(3, bool), lay, one_drive(), RuntimeConfig(workers=1, coalesce=True, **NO_COMPUTE))
     assert inst.drive_reads.tolist() == [10, 1, 10]
+
+
+def scales_together_layout(E=16, wbytes=(8192, 8192, 16384), sbytes=(3072, 3072, 8192)):
+    """One file: every expert's three weights, then all experts' scales together, expert after
+    expert and each expert's down, gate, up (name order, the converter's habit): 14 KB of
+    scales per expert, so neighbours share pages."""
+    loc = np.zeros((1, E, 6, 3), dtype=np.int64)
+    off = 4096
+    for e in range(E):
+        for slot, n in enumerate(wbytes):
+            loc[0, e, slot] = (0, off, n)
+            off += n
+    for e in range(E):
+        for slot in (5, 3, 4):                       # down, gate, up
+            loc[0, e, slot] = (0, off, sbytes[slot - 3])
+            off += sbytes[slot - 3]
+    return Layout(["f.safetensors"], [off], [3], E, loc, 4096)
+
+
+def test_scale_reads_reach_the_drive_as_the_page_cache_with_readahead_decides():
+    """The model's scale preads go through :mod:`replay.pagecache` in issue order (each expert's
+    weights, then its gate, up and down scales): its drive reads are the weight reads and the
+    scale preads a page cache fed the same preads says wait. Neighbours' scales share pages,
+    and readahead serves more of them."""
+    lay = scales_together_layout()
+    tr = make_trace([[[0, 1, 2]], [[0, 1, 2]], [[5, 9, 12]]], sessions=[0, 0, 0])
+
+    def by_hand(read_ahead):
+        pc = new_page_cache(lay.expert_loc[:, :, 3:], lay.file_sizes, read_ahead, 0)
+        counts = []
+        for experts in ([0, 1, 2], [0, 1, 2], [5, 9, 12]):
+            n = 0
+            for e in experts:
+                n += 1                               # its weight read
+                for slot in (3, 4, 5):
+                    f, off, nb = lay.expert_loc[0, e, slot]
+                    n += buffered_read(pc, f, off, nb)[0] > 0
+            counts.append(n)
+        return counts
+
+    for read_ahead in (0, 128 * 1024):
+        dev = replace(one_drive(), read_ahead_bytes=read_ahead)
+        inst, _ = simulate(tr, np.ones(3, bool), lay, dev, RuntimeConfig(workers=1, **NO_COMPUTE))
+        assert inst.drive_reads.tolist() == by_hand(read_ahead)
+    alone, ahead = by_hand(0), by_hand(128 * 1024)
+    assert alone[1] == ahead[1] == 3                 # the second forward finds every scale cached
+    assert ahead[0] < alone[0] < 12 and ahead[2] < alone[2] < 12
 
 
 def test_straddling_expert_costs_three_weight_reads():
