@@ -5,16 +5,20 @@ Usage: python benchmarks/scale_reads.py CONTAINER [--tokens N] [--sessions S] [-
 
 Issues the scale preads a runtime at RAM 0 issues (each token, every layer: ``--top-k`` experts
 drawn with Zipf weights ``rank^-A``, read in the layer's physical order, each expert's scale
-tensors gate, up, down, as :func:`replay.readplan.plan_layer` plans them), ``--tokens`` tokens per session, each session starting with the
-container's page cache dropped (:func:`replay.measure.drop_cache`) and its files opened afresh.
-Every pread is first tried with ``RWF_NOWAIT``, which succeeds only when the page cache holds all
-of it (the harness's classification, :mod:`replay.measure`); ``--gap-us`` is slept after each
-expert (its weight read and matmul in a runtime; 0: the experts' scale reads back to back, as
-with coalescing). The page-cache model
+tensors gate, up, down, as :func:`replay.readplan.plan_layer` plans them), ``--tokens`` tokens
+per session, each session starting with the container's page cache dropped
+(:func:`replay.measure.drop_cache`) and its files opened afresh. Before each pread, ``mincore``
+says whether the page cache holds every page of it, read (up to date); if not, the pread waits
+for the drive. (``RWF_NOWAIT``, the harness's test in :mod:`replay.measure`, races with a fast
+device: it also succeeds when the readahead it started itself completes before it looks, which
+on a virtual disk the host has cached takes microseconds; how often it failed is printed
+beside.) ``--gap-us`` is slept after each expert (its weight read and matmul in a runtime; 0:
+the experts' scale reads back to back, as with coalescing). The page-cache model
 (:func:`replay.pagecache.buffered_read`, with the device's ``read_ahead_kb`` unless
 ``--read-ahead-kb``) decides the same preads. Printed: the preads, those that reached the drive
-in each, and how often the two agreed pread by pread. The container's files must be writable
-by you only for ``drop_cache`` to work everywhere; they are only read.
+in each, and how often the two agreed pread by pread. The container's files must be writable by
+you (Linux's ``mincore`` reports every page of a file you may not write as cached); they are
+only read.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from containers.container import Container
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
 from replay.calibrate import system_read_ahead_bytes
 from replay.measure import drop_cache
-from replay.pagecache import buffered_read, new_page_cache, start_session
+from replay.pagecache import PAGE_BYTES, buffered_read, new_page_cache, start_session
+from readahead import Residency
 
 
 def reads_of(layout, rng, tokens: int, k: int, skew: float) -> list:
@@ -77,11 +82,13 @@ def main(argv: list[str]) -> int:
     rng = np.random.default_rng(a.seed)
     pc = new_page_cache(layout.expert_loc[:, :, list(SCALE_SLOTS)], layout.file_sizes, ra_bytes, 0)
     both = [[0, 0], [0, 0]]                                     # [kernel to drive][model to drive]
+    nowait_drive = 0
     buf = bytearray(max(int(layout.expert_loc[:, :, list(SCALE_SLOTS), 2].max()), 1) + 8192)
     for s in range(a.sessions):
         drop_cache(files)
         start_session(pc, s)
         fds = [os.open(p, os.O_RDONLY) for p in files]
+        maps = [Residency(fd, os.path.getsize(p)) for fd, p in zip(fds, files)]
         try:
             last = None
             for f, off, n, tag in reads_of(layout, rng, a.tokens, a.top_k, a.skew):
@@ -89,22 +96,29 @@ def main(argv: list[str]) -> int:
                     time.sleep(a.gap_us * 1e-6)
                 last = tag
                 view = memoryview(buf)[:n]
+                first = off // PAGE_BYTES * PAGE_BYTES
+                span = -(-(off + n - first) // PAGE_BYTES) * PAGE_BYTES
+                cached = maps[f].cached_run(first, span) == span
                 try:
-                    cached = os.preadv(fds[f], [view], off, os.RWF_NOWAIT) == n
+                    nowait = os.preadv(fds[f], [view], off, os.RWF_NOWAIT) == n
                 except BlockingIOError:
-                    cached = False
-                if not cached:
+                    nowait = False
+                if not nowait:
+                    nowait_drive += 1
                     os.preadv(fds[f], [view], off)
                 waited, _ = buffered_read(pc, f, off, n)
                 both[int(not cached)][int(waited > 0)] += 1
         finally:
+            for m in maps:
+                m.close()
             for fd in fds:
                 os.close(fd)
     total = sum(map(sum, both))
     kernel, model = both[1][0] + both[1][1], both[0][1] + both[1][1]
     print(f"{a.container}: read_ahead_kb {ra_bytes // 1024}; {a.sessions} sessions x {a.tokens} tokens, top-{a.top_k}, "
           f"skew {a.skew}, {a.gap_us:.0f} us after each expert")
-    print(f"  scale preads {total}: to the drive, kernel {kernel}, model {model} (model / kernel {model / max(kernel, 1):.3f})")
+    print(f"  scale preads {total}: to the drive, kernel {kernel}, model {model} (model / kernel {model / max(kernel, 1):.3f}); "
+          f"RWF_NOWAIT failed on {nowait_drive}")
     print(f"  pread by pread: both drive {both[1][1]}, both page cache {both[0][0]}, "
           f"model only {both[0][1]}, kernel only {both[1][0]}: agree {(both[0][0] + both[1][1]) / max(total, 1):.3f}")
     return 0

@@ -80,7 +80,7 @@ from containers.layout import Layout
 
 from .config import ADMISSION_POLICIES, RuntimeConfig
 from .jit import HELPER, STAGE
-from .pagecache import scales_cached
+from .pagecache import scales_cached, scales_settled
 from .predictors import (
     CALIBRATION_BINS,
     FusedModel,
@@ -217,6 +217,11 @@ def new_control(L: int, E: int) -> Control:
 
 
 @njit(**HELPER)
+def _scales_in_cache(pc, nl, e, lay):
+    return scales_settled(pc, nl, e) or scales_cached(pc, lay.sloc[nl, e])
+
+
+@njit(**HELPER)
 def load_seconds(nl, e, first, lay, pol, dev):
     """Estimated time (s) to load expert ``e`` of layer ``nl`` alone: its weight bytes (the bottom
     segment when its top is resident) from the drives, or from the page cache when its first
@@ -308,7 +313,7 @@ def choose(i, nl, start, routed, inst, src, n_touched, ram, lay, pol, dev, drive
         e = cand[c]
         need[c] = t_need
         t_need += p[e] * seconds[e]
-        svc[c] = load_seconds(nl, e, not scales_cached(ram.pages, lay.sloc[nl, e]), lay, pol, dev)
+        svc[c] = load_seconds(nl, e, not _scales_in_cache(ram.pages, nl, e, lay), lay, pol, dev)
     for c in range(nc):                          # the policy's order key (ascending is taken first)
         e = cand[c]
         if policy == PROBABILITY:
@@ -378,7 +383,7 @@ def _may_gain(nl, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay, po
     ``stall-value`` admits none, in whatever order it takes them. ``svc`` is scratch."""
     for c in range(nc):
         e = cand[c]
-        svc[c] = load_seconds(nl, e, not scales_cached(ram.pages, lay.sloc[nl, e]), lay, pol, dev)
+        svc[c] = load_seconds(nl, e, not _scales_in_cache(ram.pages, nl, e, lay), lay, pol, dev)
         if not _value(p[e], np.inf, svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e],
                       dev.full_bandwidth) <= 0.0:
             return True

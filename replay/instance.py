@@ -51,9 +51,19 @@ from .predictors import (
     observe_sources,
     observe_union,
 )
-from .pagecache import PAGE_BYTES, buffered_read, checkpoint, start_session, stop_logging, undo
+from .pagecache import (
+    PAGE_BYTES,
+    buffered_read,
+    cached_read,
+    checkpoint,
+    note_settled,
+    scales_settled,
+    start_session,
+    stop_logging,
+    undo,
+)
 from .prefetch import COUPLED, ORACLE, predict_next
-from .readplan import WEIGHT, ReadPlan, plan_layer
+from .readplan import SCALE, WEIGHT, ReadPlan, plan_layer
 from .runtime import lru_add, lru_start, lru_touch
 
 MEMORY_BANDWIDTH = 10e9
@@ -470,6 +480,7 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
     job_read, job_tail = jobs.first_read, jobs.tail
     n_reads, read_bytes, drive_reads = 0, 0, 0
     job, wtail, warm_scales, has_warm_scales = -1, 0.0, 0, False
+    settled = False
     for r in range(n_plan):
         if plan.job[r] != job:
             if job >= 0:
@@ -487,8 +498,16 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
                 wjob[m] = job
         else:
             sjob[a] = job
+            if sbytes[a] == 0:                   # its first scale read
+                settled = scales_settled(pages, li, miss_e[a])
             sbytes[a] += n
-            waited, page = buffered_read(pages, f, plan.offset[r], n)
+            waited, page = 0, -1
+            if settled:
+                cached_read(pages, f, plan.offset[r], n)
+            else:
+                waited, page = buffered_read(pages, f, plan.offset[r], n)
+                if r + 1 == n_plan or plan.first[r + 1] != a or plan.kind[r + 1] != SCALE:
+                    note_settled(pages, li, miss_e[a], lay.sloc[li, miss_e[a]])
             if waited > 0:
                 reads.addr[n_reads], reads.length[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES
                 reads.warm[n_reads] = False
@@ -1033,12 +1052,17 @@ def _plan_load(li, e, lay, pol, plan, single, pages, reads, n_reads):
                            single.wlen, plan)
     bases = lay.bases
     tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
+    settled = scales_settled(pages, li, e)
     for r in range(n_plan):
         f, nb = plan.file[r], plan.length[r]
         if plan.kind[r] == WEIGHT:
             n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
         else:
-            waited, page = buffered_read(pages, f, plan.offset[r], nb)
+            waited, page = 0, -1
+            if settled:
+                cached_read(pages, f, plan.offset[r], nb)
+            else:
+                waited, page = buffered_read(pages, f, plan.offset[r], nb)
             if waited > 0:
                 reads.addr[n_reads], reads.length[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES
                 reads.warm[n_reads] = False
@@ -1083,6 +1107,7 @@ def _pilot_outcome(i, li, deadline, lay, pending, ram, jobs, pilot, out):
         if first + q >= started:
             pf.cancelled[i] += 1
             continue
+        note_settled(ram.pages, li, e, lay.sloc[li, e])
         loaded = _record_load(i, li, e, pilot.n_plan[q], pilot.nbytes[q], jobs.done[first + q], deadline, lay, pending,
                               ram.lru, out, loaded)
     return loaded
@@ -1181,6 +1206,7 @@ def _prefetch(i, li, start, deadline, inst, table, ram, lay, pol, dev, pending, 
             pf.cancelled[i] += 1
             continue
         stop_logging(ram.pages)
+        note_settled(ram.pages, li, e, lay.sloc[li, e])
         t += tail
         loaded = _record_load(i, li, e, n_plan, total, t, deadline, lay, pending, lru, out, loaded)
     return loaded

@@ -87,7 +87,8 @@ MAX_FOLIO_ORDER = 9
 """The largest folio the page cache builds a readahead window of: 2 MiB of 4 KiB pages (ext4 and
 XFS on x86-64, Linux 6.16 on)."""
 
-PageCache = namedtuple("PageCache", "state first offset count file_pages ra max_pages session log_key log_old log_n")
+PageCache = namedtuple("PageCache", "state first offset count file_pages ra max_pages session log_key log_old log_n "
+                                     "settled epoch")
 """The page cache of a layout's files (see the module docstring). ``state`` [P] uint8 (bits
 :data:`CACHED`, :data:`MARK`) for every tracked page; per file [F]: ``first`` (its first tracked
 page), ``offset`` (where its pages start in ``state``), ``count`` (tracked pages),
@@ -95,7 +96,10 @@ page), ``offset`` (where its pages start in ``state``), ``count`` (tracked pages
 ``prev_pos``, bytes); ``max_pages`` [1] (the readahead maximum, pages); ``session`` [1] (the
 session whose pages are cached; -1 none); the undo log: ``log_key``, ``log_old`` [C] (a page's
 place in ``state``, or ``-1 - (5 f + field)`` for a window field, and the value it had) and
-``log_n`` [1] (entries; -1: not logging)."""
+``log_n`` [1] (entries; -1: not logging); ``settled`` [L, E] and ``epoch`` [1]: the experts whose
+scale pages are all cached and unmarked since the page cache was last emptied (``settled`` holds
+the ``epoch`` it was so in), whose scale reads the cache then serves without looking at a page
+(:func:`scales_settled`)."""
 
 
 def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_reads: int) -> PageCache:
@@ -127,7 +131,8 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     cap = max(1, int(undo_reads) * (min(2 * window, int(count.sum()) + 4) + 12))
     return PageCache(np.zeros(int(count.sum()), dtype=np.uint8), first, offset, count, file_pages, ra,
                      np.array([M], dtype=np.int64), np.array([-1], dtype=np.int64),
-                     np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.array([-1], dtype=np.int64))
+                     np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.array([-1], dtype=np.int64),
+                     np.full(sloc.shape[:2], -1, dtype=np.int64), np.zeros(1, dtype=np.int64))
 
 
 @njit(**HELPER)
@@ -136,6 +141,7 @@ def start_session(pc, session):
     if pc.session[0] != session:
         pc.state[:] = 0
         pc.session[0] = session
+        pc.epoch[0] += 1
 
 
 @njit(**HELPER)
@@ -397,3 +403,32 @@ def scales_cached(pc, sloc):
         if sloc[s, 2] > 0 and not pages_cached(pc, sloc[s, 0], sloc[s, 1], sloc[s, 2]):
             return False
     return True
+
+
+@njit(**HELPER)
+def scales_settled(pc, li, e):
+    """Whether expert ``e`` of layer index ``li`` has every scale page cached and unmarked: then
+    each of its scale preads is served from the cache and changes only ``prev_pos``
+    (:func:`cached_read`), as :func:`buffered_read` would find. (A cached page is never marked
+    again and, outside an undo, never dropped within a session.)"""
+    return pc.settled[li, e] == pc.epoch[0]
+
+
+@njit(**HELPER)
+def cached_read(pc, f, off, n):
+    """:func:`buffered_read` of a pread known to be served from the cache with no mark on its way."""
+    _set_ra(pc, f, RA_PREV, off + n)
+
+
+@njit(**HELPER)
+def note_settled(pc, li, e, sloc):
+    """After expert ``e``'s scale preads: remember when all its scale pages, ``sloc`` [3, (file,
+    offset, bytes)], are cached and unmarked (not while logging, which an undo could revert)."""
+    if pc.log_n[0] >= 0:
+        return
+    for t in range(sloc.shape[0]):
+        f, off, n = sloc[t, 0], sloc[t, 1], sloc[t, 2]
+        for p in range(off // PAGE_BYTES, -(-(off + n) // PAGE_BYTES)):
+            if _bits(pc, f, p) != CACHED:
+                return
+    pc.settled[li, e] = pc.epoch[0]

@@ -312,6 +312,11 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
 
     # read while the test file existed: the system's request limit of the disk under tmp_path
     assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(tmp_path)
+    from replay.calibrate import system_read_ahead_bytes
+
+    # and its readahead maximum, which the page cache model uses (Linux's default where unknown)
+    assert dev.read_ahead_bytes == (system_read_ahead_bytes(tmp_path) if system_read_ahead_bytes(tmp_path) is not None
+                                    else 128 * 1024)
     from replay.calibrate import small_page_request_limit
 
     spread = profile["calibration"]["completion_spread"]          # 8 reads of 8 MiB fit the 64 MiB file

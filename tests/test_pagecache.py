@@ -8,19 +8,29 @@ window, its end aligned down to four pages.
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from containers.errors import InputError
+from replay.device import load_device
 
 from replay.pagecache import (
     CACHED,
     MARK,
     PAGE_BYTES,
     buffered_read,
+    cached_read,
     checkpoint,
     new_page_cache,
+    note_settled,
     pages_cached,
     scales_cached,
+    scales_settled,
     start_session,
     stop_logging,
     undo,
@@ -160,3 +170,80 @@ def test_a_read_leaves_its_pages_cached_and_waits_only_when_one_was_missing(seq)
         if waited:
             assert off // P <= first < -(-(off + n) // P)
 
+
+
+def test_a_profile_keeps_its_digest_at_the_default_readahead_and_round_trips_another(tmp_path):
+    old = load_device("single-nvme")
+    assert old.read_ahead_bytes == 128 * 1024 and "read_ahead_bytes" not in old.to_json()
+    vm = replace(old, read_ahead_bytes=8 << 20)
+    assert vm.digest() != old.digest()
+    p = tmp_path / "ra.json"
+    p.write_text(json.dumps(vm.to_json()))
+    back = load_device(str(p))
+    assert back == vm and back.digest() == vm.digest()
+
+
+@pytest.mark.parametrize("bad", [-4096, 1.5, True, "8M", 1 << 31])
+def test_a_profile_with_a_bad_readahead_is_refused(tmp_path, bad):
+    obj = load_device("single-nvme").to_json()
+    obj["read_ahead_bytes"] = bad
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(obj))
+    with pytest.raises(InputError, match="read_ahead_bytes"):
+        load_device(str(p))
+
+
+
+def scales_together(E=24, sizes=(3072, 3072, 8192)):
+    """[1, E, 3, 3]: one layer's scales stored expert after expert (down, gate, up by name)."""
+    sloc = np.zeros((1, E, 3, 3), dtype=np.int64)
+    off = 5 * P
+    for e in range(E):
+        for t in (2, 0, 1):
+            sloc[0, e, t] = (0, off, sizes[t])
+            off += sizes[t]
+    return sloc, off + 64 * P
+
+
+@settings(max_examples=60, deadline=None)
+@given(experts=st.lists(st.integers(0, 23), min_size=1, max_size=80), sessions=st.lists(st.integers(0, 79), max_size=3))
+def test_settled_experts_read_as_the_page_by_page_path_does(experts, sessions):
+    """The fast path (an expert whose scale pages are all cached and unmarked changes only
+    ``prev_pos``) gives the same drive reads, pages and windows as reading every page."""
+    sloc, size = scales_together()
+    plain, fast = (new_page_cache(sloc, [size], 64 * 1024, 0) for _ in range(2))
+    session = 0
+    for q, e in enumerate(experts):
+        session += q in sessions
+        for pc in (plain, fast):
+            start_session(pc, session)
+        settled = scales_settled(fast, 0, e)
+        for t in range(3):
+            f, off, n = sloc[0, e, t]
+            want = buffered_read(plain, f, off, n)
+            if settled:
+                cached_read(fast, f, off, n)
+                assert want[0] == 0
+            else:
+                assert buffered_read(fast, f, off, n) == want
+        note_settled(fast, 0, e, sloc[0, e])
+        assert (plain.state == fast.state).all() and (plain.ra == fast.ra).all()
+
+
+def test_an_expert_read_once_is_settled_until_the_session_ends_and_not_while_logging():
+    sloc, size = scales_together()
+    pc = new_page_cache(sloc, [size], 64 * 1024, 4)
+    start_session(pc, 0)
+    mark = checkpoint(pc)
+    for t in range(3):
+        buffered_read(pc, 0, *sloc[0, 3, t, 1:])
+    note_settled(pc, 0, 3, sloc[0, 3])
+    assert not scales_settled(pc, 0, 3)              # an undo could still drop its pages
+    undo(pc, mark)
+    stop_logging(pc)
+    for t in range(3):
+        buffered_read(pc, 0, *sloc[0, 3, t, 1:])
+    note_settled(pc, 0, 3, sloc[0, 3])
+    assert scales_settled(pc, 0, 3) and scales_cached(pc, sloc[0, 3])
+    start_session(pc, 1)
+    assert not scales_settled(pc, 0, 3) and not scales_cached(pc, sloc[0, 3])

@@ -62,14 +62,32 @@ QUOTED.update({
     "v46-2026-12-03": dict(verdict="inconclusive", inside_measured=0, unresolved_savings=1, ratio=(0.74, 0.83),
                            merge_saving_predicted_over_measured=pytest.approx(0.98, abs=0.005)),
 })
+# "Scale reads and the kernel's readahead": the model's page cache (replay.pagecache), on this session's slower disk.
+QUOTED.update({
+    "v47-2026-12-03": dict(verdict="inconclusive", inside_measured=2, unresolved_savings=2, ratio=(0.97, 1.09),
+                           merge_saving_predicted_over_measured=pytest.approx(1.50, abs=0.005)),
+    "v48-2026-12-03": dict(verdict="holds", inside_measured=3, unresolved_savings=0, gate_disagreements=0,
+                           ratio=(0.86, 0.94), merge_saving_predicted_over_measured=pytest.approx(0.90, abs=0.005)),
+    "v49-2026-12-03": dict(verdict="holds", inside_measured=10, unresolved_savings=2, gate_disagreements=0,
+                           ratio=(0.95, 1.00), prefetch_within_tolerance=6,
+                           merge_saving_predicted_over_measured=None),   # merging cost 38 us before the runs
+})
 WAITS = {"v43-2026-12-03": dict(louvain=(0.20e-3, 0.41e-3), stock=(0.04e-3, 0.13e-3), savings=4, savings_inside=0,
                                 savings_ruled_out=3),
          "v44-2026-12-03": dict(louvain=(0.0, 0.0), stock=(0.0, 0.0), savings=12, savings_inside=11, savings_ruled_out=0),
          "v45-2026-12-03": dict(louvain=(0.15e-3, 0.33e-3), stock=(0.03e-3, 0.11e-3), savings=4, savings_inside=0,
                                 savings_ruled_out=3),
          "v46-2026-12-03": dict(louvain=(0.23e-3, 0.45e-3), stock=(0.05e-3, 0.14e-3), savings=4, savings_inside=0,
-                                savings_ruled_out=1)}
-READS = {"v46-2026-12-03": dict(cells=6, within=0, unmeasured=0, ratio=(1.37, 2.03))}
+                                savings_ruled_out=1),
+         "v47-2026-12-03": dict(louvain=(0.61e-3, 1.19e-3), stock=(0.18e-3, 0.46e-3), savings=4, savings_inside=4,
+                                savings_ruled_out=0),
+         "v48-2026-12-03": dict(louvain=(0.65e-3, 1.40e-3), stock=(0.19e-3, 0.51e-3), savings=4, savings_inside=4,
+                                savings_ruled_out=0),
+         "v49-2026-12-03": dict(louvain=(0.0, 0.0), stock=(0.0, 0.0), savings=12, savings_inside=11, savings_ruled_out=0)}
+READS = {"v46-2026-12-03": dict(cells=6, within=0, unmeasured=0, ratio=(1.37, 2.03)),
+         "v47-2026-12-03": dict(cells=6, within=6, unmeasured=0, ratio=(1.00, 1.01)),
+         "v48-2026-12-03": dict(cells=6, within=6, unmeasured=0, ratio=(0.99, 1.02)),
+         "v49-2026-12-03": dict(cells=18, within=17, unmeasured=0, ratio=(0.96, 1.11))}
 """Quoted with the model's demand drive reads per token over the harness's (record version 12 on)."""
 """Quoted with the harness's waits for experts whose own reads the page cache served (s/token, per layout) and the layout
 savings at equal disk speed less them."""
@@ -79,7 +97,8 @@ HARNESS = {"v32-2026-12-03": (0.94, 0.97, 0.14, 0.42), "v33-2026-12-03": (0.94, 
            "v40-2026-12-03": (0.99, 1.01, 0.01, 0.03), "v41-2026-12-03": (0.96, 0.98, 0.04, 0.06),
            "v42-2026-12-03": (0.96, 0.99, 0.03, 0.04), "v43-2026-12-03": (0.96, 0.99, 0.0, 0.01),
            "v44-2026-12-03": (0.99, 1.01, 0.0, 0.02), "v45-2026-12-03": (0.96, 0.99, 0.0, 0.01),
-           "v46-2026-12-03": (0.96, 0.99, 0.0, 0.01)}
+           "v46-2026-12-03": (0.96, 0.99, 0.0, 0.01), "v47-2026-12-03": (0.96, 0.98, 0.06, 0.11),
+           "v48-2026-12-03": (0.95, 0.97, 0.07, 0.17), "v49-2026-12-03": (0.99, 1.01, 0.07, 0.17)}
 """Quoted with the harness's compute: S at each run's speed and compute, and the excess over the model's compute."""
 
 
