@@ -1526,7 +1526,9 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                          "a difference in what is read, not in the drive's speed")
             if reads["cells"] and reads["ratio_min"] > 1 + READS_AGREE:
                 sentence += ("; the model's page cache (Linux's readahead at the profile's read_ahead_bytes, each arm alone) "
-                             "held fewer scale pages than the kernel's, which arms reading the same container share")
+                             "held fewer scale pages than the kernel's, which arms reading the same container share, or "
+                             "the harness's RWF_NOWAIT test took a scale read whose own readahead had completed before it "
+                             "looked, on a fast disk, for a page-cache hit")
             elif reads["cells"] and reads["ratio_max"] < 1 - READS_AGREE:
                 sentence += ("; the harness counts a pread that finds its pages still being read by an earlier readahead "
                              "as a drive request, the model as served from the page cache")
