@@ -424,7 +424,7 @@ def cached_read(pc, f, off, n):
 def note_settled(pc, li, e, sloc):
     """After expert ``e``'s scale preads: remember when all its scale pages, ``sloc`` [3, (file,
     offset, bytes)], are cached and unmarked (not while logging, which an undo could revert)."""
-    if pc.log_n[0] >= 0:
+    if pc.log_n[0] >= 0 or pc.settled[li, e] == pc.epoch[0]:
         return
     for t in range(sloc.shape[0]):
         f, off, n = sloc[t, 0], sloc[t, 1], sloc[t, 2]
