@@ -33,7 +33,7 @@ import numpy as np
 
 from containers.container import Container
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
-from replay.calibrate import system_read_ahead_bytes
+from replay.calibrate import system_max_request_bytes, system_read_ahead_bytes
 from replay.measure import drop_cache
 from replay.pagecache import PAGE_BYTES, buffered_read, new_page_cache, start_session
 from readahead import Residency
@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
         print(f"{files[0]}: the device's read_ahead_kb is unknown; give --read-ahead-kb", file=sys.stderr)
         return 2
     rng = np.random.default_rng(a.seed)
-    pc = new_page_cache(layout.expert_loc[:, :, list(SCALE_SLOTS)], layout.file_sizes, ra_bytes, 0)
+    pc = new_page_cache(layout.expert_loc[:, :, list(SCALE_SLOTS)], layout.file_sizes, ra_bytes, 0,
+                        system_max_request_bytes(files[0]))
     both = [[0, 0], [0, 0]]                                     # [kernel to drive][model to drive]
     nowait_drive = 0
     buf = bytearray(max(int(layout.expert_loc[:, :, list(SCALE_SLOTS), 2].max()), 1) + 8192)

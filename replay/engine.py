@@ -100,9 +100,10 @@ from .unions import (
     whole_forward_blocks,
 )
 
-UNDO_READS = PREFETCH_SLOTS * 6
+UNDO_READS = PREFETCH_SLOTS * 3
 """Scale preads one undo-logged stretch of the page cache may hold: the prefetch thread's loads
-queued at one routing, six scale segments each at most (:func:`replay.pagecache.new_page_cache`)."""
+queued at one routing, three scale preads each (:func:`replay.readplan.plan_layer`;
+:func:`replay.pagecache.new_page_cache`)."""
 
 FILE_ALIGNMENT = 1 << 20
 """Files are assumed to start at 1 MiB boundaries of the array's address space, in file order."""
@@ -276,7 +277,8 @@ class Replay:
         self.lay = layout_arrays(layout, config, split)
         self.ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
                             new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
-                            new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS))
+                            new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
+                                           device.drive.max_request_bytes))
         self.table = prefetcher_inputs(config, layout, coupling)
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device)

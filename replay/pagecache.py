@@ -26,7 +26,8 @@ mark, the kernel starts the next window asynchronously; the pread waits for it o
 needs a page of it. Then ``prev_pos = o + n``.
 
 **Synchronous readahead** at page p for r pages, with readahead maximum M pages
-(``read_ahead_kb / 4``) and ``P = prev_pos / 4096``:
+(``read_ahead_kb / 4``, raised to ``min(r, largest request)`` for a read larger than it, as the
+kernel's ``ractl_max_pages`` does) and ``P = prev_pos / 4096``:
 
 * p = 0, r > M, or p - P in {0, 1} (a sequential miss): a new window, start p, size
   ``init(r)`` (r rounded up to a power of two, times 4 when at most M / 32, times 2 when at
@@ -50,7 +51,9 @@ size; the first carries the mark, on all its pages. Its pages count as cached at
 Units: pages of 4 KiB (:data:`PAGE_BYTES`) and bytes. A session starts with no page cached
 (:func:`start_session`: each replayed session starts cold, as the harness's do); the windows'
 state carries over, as an open file's does. Nothing is evicted: the scales of GLM-5.2 per-row
-are 0.8 GB in all. Not modelled: pages still being read when a later pread finds them (with
+are 0.8 GB in all. A marked folio is found as the run of marked pages around a page, so a
+mark left unread right before a new window's marked first folio joins it (two windows' marks
+read as one; the kernel keeps them apart). Not modelled: pages still being read when a later pread finds them (with
 scale reads back to back, ``benchmarks/scale_reads.py --gap-us 0``, the kernel sent no more of
 them to the drive than the model counts without such pages), the drive time of asynchronous
 windows, and other systems' readahead (macOS reads ahead by other rules).
@@ -93,7 +96,8 @@ PageCache = namedtuple("PageCache", "state first offset count file_pages ra max_
 :data:`CACHED`, :data:`MARK`) for every tracked page; per file [F]: ``first`` (its first tracked
 page), ``offset`` (where its pages start in ``state``), ``count`` (tracked pages),
 ``file_pages`` (pages in the file), ``ra`` [F, 4] (window start, size, async size, pages;
-``prev_pos``, bytes); ``max_pages`` [1] (the readahead maximum, pages); ``session`` [1] (the
+``prev_pos``, bytes); ``max_pages`` [2] (the readahead maximum M and the device's largest
+request, pages); ``session`` [1] (the
 session whose pages are cached; -1 none); the undo log: ``log_key``, ``log_old`` [C] (a page's
 place in ``state``, or ``-1 - (5 f + field)`` for a window field, and the value it had) and
 ``log_n`` [1] (entries; -1: not logging); ``settled`` [L, E] and ``epoch`` [1]: the experts whose
@@ -102,17 +106,29 @@ the ``epoch`` it was so in), whose scale reads the cache then serves without loo
 (:func:`scales_settled`)."""
 
 
-def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_reads: int) -> PageCache:
+def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_reads: int,
+                   max_request_bytes: int | None = None) -> PageCache:
     """An empty page cache for a layout whose scale tensors sit at ``sloc`` [L, E, 3, (file,
     offset, bytes)], with files of ``file_sizes`` (bytes) read with a readahead maximum of
-    ``read_ahead_bytes``. ``undo_reads`` sizes the undo log: the scale preads one logged stretch
-    may hold (each changes at most its two windows' pages, four marks and eight window fields).
+    ``read_ahead_bytes`` on a device whose largest request is ``max_request_bytes`` (Linux
+    ``io_pages``: a read larger than the readahead maximum may have a window that large; None:
+    no larger). ``undo_reads`` sizes the undo log: the scale preads one logged stretch may hold.
 
-    Memory: one byte per tracked page (a file's scale extent plus the readahead maximum either
-    side: for the converter's layouts, which keep scales together, the scales' size / 4096) and
-    16 bytes per log entry."""
+    A pread of r pages caches pages only in [i, j + 2W), W = max(M, r) the largest window
+    (synchronous windows start before j and take at most W pages; asynchronous ones start within
+    W of a mark before j and take at most W), each page logged at most twice (cached with its
+    mark, the mark cleared); its loop meets each page once, a synchronous and an asynchronous
+    window each (four window fields apiece), and sets ``prev_pos``: at most 10 r + 4 W + 1 log
+    entries, which bounds the log (the largest scale pread of the layout).
+
+    Memory: one byte per tracked page (a file's scale extent plus the largest window either
+    side: for the converter's layouts, which keep scales together, about the scales' size /
+    4096) and 16 bytes per log entry."""
     F = len(file_sizes)
     M = max(int(read_ahead_bytes) // PAGE_BYTES, 0)
+    io = max(int(max_request_bytes or 0) // PAGE_BYTES, M)
+    r = int(((sloc[..., 1] % PAGE_BYTES + sloc[..., 2] + PAGE_BYTES - 1) // PAGE_BYTES).max(initial=1))
+    W = max(M, min(r, io), 1)
     file_pages = np.array([-(-int(s) // PAGE_BYTES) for s in file_sizes], dtype=np.int64)
     first = np.zeros(F, dtype=np.int64)
     count = np.zeros(F, dtype=np.int64)
@@ -121,16 +137,15 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     for f in range(F):
         mine = loc[loc[:, 0] == f]
         if len(mine):
-            lo = max(int(mine[:, 1].min()) // PAGE_BYTES - M, 0)
-            hi = min(-(-int((mine[:, 1] + mine[:, 2]).max()) // PAGE_BYTES) + M, int(file_pages[f]))
+            lo = max(int(mine[:, 1].min()) // PAGE_BYTES - W, 0)
+            hi = min(-(-int((mine[:, 1] + mine[:, 2]).max()) // PAGE_BYTES) + W, int(file_pages[f]))
             first[f], count[f] = lo, hi - lo
     offset = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
     ra = np.zeros((F, 5), dtype=np.int64)
     ra[:, RA_PREV] = -1
-    window = 2 * M + 4
-    cap = max(1, int(undo_reads) * (min(2 * window, int(count.sum()) + 4) + 12))
+    cap = max(1, int(undo_reads) * (10 * r + 4 * W + 1))
     return PageCache(np.zeros(int(count.sum()), dtype=np.uint8), first, offset, count, file_pages, ra,
-                     np.array([M], dtype=np.int64), np.array([-1], dtype=np.int64),
+                     np.array([M, io], dtype=np.int64), np.array([-1], dtype=np.int64),
                      np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.array([-1], dtype=np.int64),
                      np.full(sloc.shape[:2], -1, dtype=np.int64), np.zeros(1, dtype=np.int64))
 
@@ -175,8 +190,20 @@ def stop_logging(pc):
 def _log(pc, key, old):
     n = pc.log_n[0]
     if n >= 0:
+        if n == len(pc.log_key):
+            raise RuntimeError("the page cache's undo log is full: more scale preads were logged than it was sized for")
         pc.log_key[n], pc.log_old[n] = key, old
         pc.log_n[0] = n + 1
+
+
+@njit(**HELPER)
+def _max_pages(pc, r):
+    """The kernel's ``ractl_max_pages``: the readahead maximum, or up to the device's largest
+    request for a read of ``r`` pages larger than it."""
+    M, io = pc.max_pages[0], pc.max_pages[1]
+    if r > M and io > M:
+        return min(r, io)
+    return M
 
 
 @njit(**HELPER)
@@ -301,9 +328,9 @@ def _window(pc, f, start, size, lookahead, order):
 def _sync_readahead(pc, f, p, r):
     """The kernel's readahead for a miss at page ``p`` of a read of ``r`` pages from there;
     returns the pages it read."""
-    M = pc.max_pages[0]
-    if M <= 0:
+    if pc.max_pages[0] <= 0:
         return _read_pages(pc, f, p, 1, 2)
+    M = _max_pages(pc, r)
     prev = pc.ra[f, RA_PREV]
     if p == 0 or r > M or (prev >= 0 and 0 <= p - prev // PAGE_BYTES <= 1):
         size = _init_size(r, M)
@@ -324,9 +351,9 @@ def _async_readahead(pc, f, p, n, r):
     ``r`` pages of the read from ``p`` on (its mark is cleared). Returns the pages it read."""
     for q in range(n):
         _set(pc, f, p + q, _bits(pc, f, p + q) & ~MARK)
-    M = pc.max_pages[0]
-    if M <= 0:
+    if pc.max_pages[0] <= 0:
         return 0
+    M = _max_pages(pc, r)
     start, size, lookahead = pc.ra[f, RA_START], pc.ra[f, RA_SIZE], pc.ra[f, RA_ASYNC]
     if p == (start + size - lookahead) // n * n:
         start, size = start + size, max(size, _next_size(size, M))

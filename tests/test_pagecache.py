@@ -247,3 +247,42 @@ def test_an_expert_read_once_is_settled_until_the_session_ends_and_not_while_log
     assert scales_settled(pc, 0, 3) and scales_cached(pc, sloc[0, 3])
     start_session(pc, 1)
     assert not scales_settled(pc, 0, 3) and not scales_cached(pc, sloc[0, 3])
+
+
+def test_the_undo_log_holds_a_routing_of_cold_loads_with_the_largest_scale_reads_and_refuses_more():
+    """GLM-5.2 group-64 scales (786,432 B a tensor, 192 pages: more than the default readahead
+    maximum) read cold for 64 loads, all logged: the log is sized for it; one more stretch than
+    it was sized for raises instead of writing past its end."""
+    E, n = 64, 786_432
+    sloc = np.zeros((1, E, 3, 3), dtype=np.int64)
+    for e in range(E):
+        for t in range(3):
+            sloc[0, e, t] = (0, P + (3 * e + t) * (n + 5 * P), n)    # apart: every read cold
+    size = int(sloc[0, -1, 2, 1]) + n + 64 * P
+    for read_ahead, max_request in ((128 * 1024, 1280 * 1024), (0, None), (16 * 1024, 4 << 20)):
+        pc = new_page_cache(sloc, [size], read_ahead, 3 * E, max_request)
+        mark = checkpoint(pc)
+        for e in range(E):
+            for t in range(3):
+                buffered_read(pc, 0, sloc[0, e, t, 1], n)
+        assert pc.log_n[0] <= len(pc.log_key)
+        undo(pc, mark)
+        assert not pc.state.any()
+        stop_logging(pc)
+    pc = new_page_cache(sloc, [size], 128 * 1024, 1, 1280 * 1024)
+    checkpoint(pc)
+    with pytest.raises(RuntimeError, match="undo log is full"):
+        for e in range(E):
+            buffered_read(pc, 0, sloc[0, e, 0, 1], n)
+
+
+def test_a_read_larger_than_the_readahead_maximum_takes_a_window_up_to_the_largest_request():
+    """Linux's ``ractl_max_pages``: a 192-page sequential read with a 32-page maximum and 320-page
+    requests reads one window of its own size, not 32-page windows."""
+    sloc = np.array([[[[0, 0, 4096 * P], [0, 0, 0], [0, 0, 0]]]], dtype=np.int64)
+    pc = new_page_cache(sloc, [4096 * P], 128 * 1024, 0, 1280 * 1024)
+    waited, first = buffered_read(pc, 0, 0, 192 * P)                # at the file's start: a new window
+    assert (waited, first) == (192, 0) and pc.ra[0, 1] == 192
+    small = new_page_cache(sloc, [4096 * P], 128 * 1024, 0)         # no larger request: 32-page windows
+    buffered_read(small, 0, 0, 192 * P)
+    assert small.ra[0, 1] == 32
