@@ -26,27 +26,15 @@ import ctypes
 import mmap
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
+from replay.calibrate import system_read_ahead_bytes
 from replay.measure import drop_cache
 
 PAGE = mmap.PAGESIZE
 SCAN_BYTES = 32 * 1024 * 1024
 """How far past the reads the scan looks for cached pages (bytes)."""
-
-
-def read_ahead_kb(path: str) -> int | None:
-    """The ``read_ahead_kb`` of the block device holding ``path`` (or of its whole disk), if readable."""
-    dev = os.stat(path).st_dev
-    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    for q in (base / "queue" / "read_ahead_kb", base / ".." / "queue" / "read_ahead_kb"):   # a disk, a partition
-        try:
-            return int(q.read_text())
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 class Residency:
@@ -114,7 +102,8 @@ def main(argv: list[str]) -> int:
     finally:
         res.close()
         os.close(fd)
-    ra = read_ahead_kb(a.file)
+    ra = system_read_ahead_bytes(a.file)
+    ra = ra // 1024 if ra is not None else None
     print(f"{a.file}: read_ahead_kb {ra if ra is not None else 'unknown'}; scale reads {sizes} bytes, {a.reps} repetitions")
     for i, (n, xs) in enumerate(zip(sizes, ahead)):
         x = np.array(xs) / 1024

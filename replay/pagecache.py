@@ -76,7 +76,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from .jit import HELPER
+from .jit import HELPER, trailing_zeros
 
 PAGE_BYTES = 4096
 """The page cache's unit (bytes)."""
@@ -258,16 +258,6 @@ def _next_size(cur, M):
 
 
 @njit(**HELPER)
-def _low_bit(x):
-    """Trailing zero bits of ``x`` > 0."""
-    n = 0
-    while not x & 1:
-        x >>= 1
-        n += 1
-    return n
-
-
-@njit(**HELPER)
 def _log2(x):
     n = 0
     while x > 1:
@@ -309,7 +299,7 @@ def _window(pc, f, start, size, lookahead, order):
     while index <= limit:
         o = order
         if index & ((1 << o) - 1):
-            o = _low_bit(index)
+            o = trailing_zeros(index)
         while o > 0 and index + (1 << o) - 1 > limit:
             o -= 1
         n = 1 << o
@@ -365,7 +355,7 @@ def _async_readahead(pc, f, p, n, r):
             return 0
         start, size = s, _next_size(s - p + r, M)
     order = pc.ra[f, RA_ORDER] + 2
-    align = 1 << min(order, _low_bit(M))
+    align = 1 << min(order, trailing_zeros(M))
     end = start + size
     aligned = end // align * align
     if aligned > start:
