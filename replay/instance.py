@@ -501,17 +501,10 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
             if sbytes[a] == 0:                   # its first scale read
                 settled = scales_settled(pages, li, miss_e[a])
             sbytes[a] += n
-            waited, page = 0, -1
-            if settled:
-                cached_read(pages, f, plan.offset[r], n)
-            else:
-                waited, page = buffered_read(pages, f, plan.offset[r], n)
-                if r + 1 == n_plan or plan.first[r + 1] != a or plan.kind[r + 1] != SCALE:
-                    note_settled(pages, li, miss_e[a], lay.sloc[li, miss_e[a]])
-            if waited > 0:
-                reads.addr[n_reads], reads.length[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES
-                reads.warm[n_reads] = False
-                n_reads += 1
+            n_reads, queued = _scale_read(f, plan.offset[r], n, settled, pages, bases, n_reads, reads)
+            if not settled and (r + 1 == n_plan or plan.first[r + 1] != a or plan.kind[r + 1] != SCALE):
+                note_settled(pages, li, miss_e[a], lay.sloc[li, miss_e[a]])
+            if queued:
                 drive_reads += 1
                 miss.first[a] = True
             else:
@@ -541,6 +534,22 @@ def _weight_read(file, off, n, bases, pol, n_reads, wtail, reads):
         return n_reads, wtail + n / MEMORY_BANDWIDTH, n
     reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = addr, n, False
     return n_reads + 1, wtail, n
+
+
+@njit(**HELPER)
+def _scale_read(file, off, n, settled, pages, bases, n_reads, reads):
+    """Queue one buffered scale pread of ``n`` bytes at ``off`` in ``file`` when the page cache
+    ``pages`` cannot serve it (:func:`replay.pagecache.buffered_read`; ``settled``: the expert's
+    scale pages are all cached, :func:`replay.pagecache.cached_read`), as one drive read of the
+    pages the kernel reads for it. Returns the new read count and whether it queued one."""
+    if settled:
+        cached_read(pages, file, off, n)
+        return n_reads, False
+    waited, page = buffered_read(pages, file, off, n)
+    if waited == 0:
+        return n_reads, False
+    reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[file] + page * PAGE_BYTES, waited * PAGE_BYTES, False
+    return n_reads + 1, True
 
 
 @njit(**HELPER)
@@ -1058,16 +1067,8 @@ def _plan_load(li, e, lay, pol, plan, single, pages, reads, n_reads):
         if plan.kind[r] == WEIGHT:
             n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
         else:
-            waited, page = 0, -1
-            if settled:
-                cached_read(pages, f, plan.offset[r], nb)
-            else:
-                waited, page = buffered_read(pages, f, plan.offset[r], nb)
-            if waited > 0:
-                reads.addr[n_reads], reads.length[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES
-                reads.warm[n_reads] = False
-                n_reads += 1
-            else:
+            n_reads, queued = _scale_read(f, plan.offset[r], nb, settled, pages, bases, n_reads, reads)
+            if not queued:
                 warm_scales += nb
                 has_warm_scales = True
         total += nb
