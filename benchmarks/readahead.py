@@ -22,8 +22,6 @@ reports every page of a file you may not write as cached); it is only read.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
 import os
 import sys
 
@@ -31,33 +29,11 @@ import numpy as np
 
 from replay.calibrate import system_read_ahead_bytes
 from replay.measure import drop_cache
+from replay.residency import PAGE_BYTES as PAGE
+from replay.residency import FileResidency, residency_visible
 
-PAGE = mmap.PAGESIZE
 SCAN_BYTES = 32 * 1024 * 1024
 """How far past the reads the scan looks for cached pages (bytes)."""
-
-
-class Residency:
-    """Which pages of a file are in the page cache (``mincore`` on a private mapping, never touched)."""
-
-    def __init__(self, fd: int, size: int):
-        self.map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-    def cached_run(self, start: int, limit: int) -> int:
-        """Bytes cached contiguously from ``start`` (page-aligned), up to ``limit`` bytes."""
-        n = limit // PAGE
-        vec = (ctypes.c_ubyte * n)()
-        if self.libc.mincore(ctypes.c_void_p(self.addr + start), n * PAGE, vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        resident = np.frombuffer(vec, dtype=np.uint8) & 1
-        missing = np.flatnonzero(resident == 0)
-        return int((missing[0] if len(missing) else n) * PAGE)
-
-    def close(self) -> None:
-        self.map.close()
 
 
 def main(argv: list[str]) -> int:
@@ -79,12 +55,12 @@ def main(argv: list[str]) -> int:
     if size < span + SCAN_BYTES + PAGE:
         print(f"{a.file}: needs at least {(span + SCAN_BYTES) // 2**20 + 1} MiB", file=sys.stderr)
         return 2
-    if not os.access(a.file, os.W_OK):
-        print(f"{a.file}: not writable by you, so mincore would report every page cached", file=sys.stderr)
+    if not residency_visible(a.file):
+        print(f"{a.file}: not yours or writable by you, so mincore would report every page cached", file=sys.stderr)
         return 2
     rng = np.random.default_rng(a.seed)
     fd = os.open(a.file, os.O_RDONLY)
-    res = Residency(fd, size)
+    res = FileResidency(fd, size)
     ahead = [[] for _ in sizes]
     try:
         for _ in range(a.reps):

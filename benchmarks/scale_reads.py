@@ -35,8 +35,8 @@ from containers.container import Container
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
 from replay.calibrate import system_max_request_bytes, system_read_ahead_bytes
 from replay.measure import drop_cache
-from replay.pagecache import PAGE_BYTES, buffered_read, new_page_cache, start_session
-from readahead import Residency
+from replay.pagecache import buffered_read, new_page_cache, start_session
+from replay.residency import FileResidency, residency_visible
 
 
 def reads_of(layout, rng, tokens: int, k: int, skew: float) -> list:
@@ -73,6 +73,10 @@ def main(argv: list[str]) -> int:
         print("this system has no RWF_NOWAIT: nothing to classify the preads with", file=sys.stderr)
         return 2
     c = Container.open(Path(a.container))
+    if not all(residency_visible(p) for p in c.files):
+        print(f"{a.container}: its files are not yours or writable by you, so mincore would report every page cached",
+              file=sys.stderr)
+        return 2
     layout = layout_from_container(c)
     files = [Path(p) for p in c.files]
     ra_bytes = a.read_ahead_kb * 1024 if a.read_ahead_kb is not None else system_read_ahead_bytes(files[0])
@@ -89,7 +93,7 @@ def main(argv: list[str]) -> int:
         drop_cache(files)
         start_session(pc, s)
         fds = [os.open(p, os.O_RDONLY) for p in files]
-        maps = [Residency(fd, os.path.getsize(p)) for fd, p in zip(fds, files)]
+        maps = [FileResidency(fd, os.path.getsize(p)) for fd, p in zip(fds, files)]
         try:
             last = None
             for f, off, n, tag in reads_of(layout, rng, a.tokens, a.top_k, a.skew):
@@ -97,9 +101,7 @@ def main(argv: list[str]) -> int:
                     time.sleep(a.gap_us * 1e-6)
                 last = tag
                 view = memoryview(buf)[:n]
-                first = off // PAGE_BYTES * PAGE_BYTES
-                span = -(-(off + n - first) // PAGE_BYTES) * PAGE_BYTES
-                cached = maps[f].cached_run(first, span) == span
+                cached = maps[f].cached(off, n)
                 try:
                     nowait = os.preadv(fds[f], [view], off, os.RWF_NOWAIT) == n
                 except BlockingIOError:

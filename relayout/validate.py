@@ -1526,12 +1526,12 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                          "a difference in what is read, not in the drive's speed")
             if reads["cells"] and reads["ratio_min"] > 1 + READS_AGREE:
                 sentence += ("; the model's page cache (Linux's readahead at the profile's read_ahead_bytes, each arm alone) "
-                             "held fewer scale pages than the kernel's, which arms reading the same container share, or "
-                             "the harness's RWF_NOWAIT test took a scale read whose own readahead had completed before it "
-                             "looked, on a fast disk, for a page-cache hit")
+                             "held fewer scale pages than the kernel's, which arms reading the same container share, or, "
+                             "where the harness tested with RWF_NOWAIT (page_cache_test in its runs' configuration), it took "
+                             "a scale read whose own readahead had completed before it looked for a page-cache hit")
             elif reads["cells"] and reads["ratio_max"] < 1 - READS_AGREE:
-                sentence += ("; the harness counts a pread that finds its pages still being read by an earlier readahead "
-                             "as a drive request, the model as served from the page cache")
+                sentence += ("; the kernel's page cache held fewer scale pages than the model's: its readahead is not the "
+                             "Linux 6.16-6.19 readahead the model follows, or memory pressure evicted pages")
         line("drive reads", sentence)
     waits = page_cache_waits(cells, comparisons)
     if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:

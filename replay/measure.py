@@ -41,8 +41,11 @@ readable by :mod:`replay.stalltrace`. Every expert record carries its step's
 compute thread's wait for it) and how its bytes were read: ``drive_requests``/``drive_bytes``
 (O_DIRECT reads, and buffered reads the page cache could not serve), ``page_cache_requests``/
 ``page_cache_bytes`` (buffered reads, the scales and any weights read without O_DIRECT, served
-from the page cache: each buffered read is first tried with ``RWF_NOWAIT``, which succeeds only
-from the cache) and ``unclassified_*`` where ``RWF_NOWAIT`` is unavailable. ``tier_served`` is
+from the page cache: before each buffered read, ``mincore`` says whether the cache holds all its
+pages, :mod:`replay.residency`; where Linux will not say, for a file this process neither owns
+nor may write, each is first tried with ``RWF_NOWAIT``, which succeeds only from the cache but
+races with a fast drive) and ``unclassified_*`` where neither is available. The run's
+``configuration`` names the test (``page_cache_test``). ``tier_served`` is
 ``nvme`` when any of its bytes came from the drive, ``os_cache`` when all came from the page
 cache, ``ram`` for LRU hits. A coalesced weight read shared by a run of experts is counted on
 the first of them. Step records carry ``committed_assumed`` when the routing trace does not
@@ -80,6 +83,7 @@ from .config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from .engine import SplitState, layout_arrays
 from .prefetch import predict_next
 from .readplan import SCALE, WEIGHT, new_plan, plan_layer
+from .residency import open_residency
 from .stalltrace import IO_FIELDS
 from .trace import RoutingTrace
 
@@ -162,7 +166,15 @@ class _Reader:
             except OSError:
                 self.direct = None
         self.local = threading.local()
-        self.nowait = hasattr(os, "RWF_NOWAIT")
+        self.residency = open_residency(self.buffered, files)
+        self.nowait = self.residency is None and hasattr(os, "RWF_NOWAIT")
+
+    @property
+    def page_cache_test(self) -> str:
+        """How buffered reads are told apart: ``mincore`` (asked before each read),
+        ``RWF_NOWAIT`` (tried first; races with a fast drive, counting too few drive reads) or
+        ``none`` (unclassified)."""
+        return "mincore" if self.residency is not None else "RWF_NOWAIT" if self.nowait else "none"
 
     def _buffer(self, n: int) -> memoryview:
         buf = getattr(self.local, "buf", None)
@@ -195,7 +207,9 @@ class _Reader:
             slot = 0
             if not direct:
                 slot = 4
-                if self.nowait:
+                if self.residency is not None:
+                    slot = 2 if self.residency[f].cached(off, step) else 0
+                elif self.nowait:
                     slot = 0
                     try:
                         if os.preadv(fd, [view], off, os.RWF_NOWAIT) == step:
@@ -221,6 +235,8 @@ class _Reader:
         return tuple(io)
 
     def close(self) -> None:
+        for r in self.residency or []:
+            r.close()
         for fd in self.buffered + (self.direct or []):
             os.close(fd)
 
@@ -402,7 +418,8 @@ class _Run:
         self.total_stall = self.wall_ns = self.steps = self.committed = 0
         self.assumed = assumed_committed_mask(trace)
         self.configuration = (f"{Path(container.root).name} workers={config.in_flight} ram={config.ram_bytes} "
-                              f"coalesce={int(config.coalesce)} direct={int(config.direct)} prefetch={config.prefetch}")
+                              f"coalesce={int(config.coalesce)} direct={int(config.direct)} prefetch={config.prefetch} "
+                              f"page_cache_test={self.reader.page_cache_test}")
         self.sleep = _ComputeClock()
         self.how = ""
 

@@ -424,7 +424,7 @@ def page_cache_wait(io: list, fg_stall: list, speculative: list) -> int | None:
     thread wait for its reader thread's own work on them (``docs/BENCHMARKS.md``, "The
     harness's own waits"), which the replay model, charging memory time for them, does not
     predict. None when the records carry no I/O counts, or cannot tell the page cache from the
-    drive (``RWF_NOWAIT`` unavailable: only unclassified reads)."""
+    drive (neither ``mincore`` nor ``RWF_NOWAIT`` available: only unclassified reads)."""
     if not any(x is not None for x in io):
         return None
     if not any(x is not None and x[2] > 0 for x in io) and any(x is not None and x[4] > 0 for x in io):

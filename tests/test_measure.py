@@ -601,6 +601,9 @@ def test_a_cold_measurement_starts_each_session_with_its_scales_unread(small_con
     # an expert whose scales share a page with one read before it in the step may find them cached)
     assert any(sum(x["drive_requests"] for x in rs) > 1 for rs in first.values())
     assert any(x["page_cache_requests"] == scale_reads for x in later)
+    steps = [json.loads(x) for x in out.read_text().splitlines() if '"step"' in x]
+    steps = [r for r in steps if r.get("record") == "step"]
+    assert steps and all(r["configuration"].endswith("page_cache_test=mincore") for r in steps)   # our own files, Linux
 
 
 def test_measurement_runs_with_the_processs_objects_out_of_the_collectors_way(small_container, trace_for, tmp_path):

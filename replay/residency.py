@@ -1,0 +1,116 @@
+"""Which pages of a file the page cache holds, asked without reading them (Linux ``mincore``).
+
+The harness (:mod:`replay.measure`) classifies each buffered read before issuing it: a read
+whose every page is in the page cache is served from it; any other waits for the drive. A page
+counts as held from the moment the kernel inserts it for a read, before that read completes,
+so a read that finds its pages still being read by an earlier readahead counts as served from
+the cache, which is what :mod:`replay.pagecache` models. (``RWF_NOWAIT``, the test this
+replaces, races: it also succeeds when a read's own readahead completes before it looks, which
+on a fast virtual disk takes microseconds.)
+
+Linux answers ``mincore`` about the page cache only for a file the caller owns or may write
+(otherwise it reports every page held: :func:`residency_visible` says which);
+other systems have no such call for files and get ``None`` from :func:`open_residency`.
+
+References
+----------
+mincore(2), Linux man-pages; ``can_do_mincore`` and ``mincore_page`` in Linux ``mm/mincore.c``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+
+import numpy as np
+
+PAGE_BYTES = mmap.PAGESIZE
+"""The page cache's unit (bytes)."""
+
+
+def residency_visible(path: str | os.PathLike) -> bool:
+    """Whether Linux's ``mincore`` reports the page cache for ``path`` to this process: the
+    caller owns the file, may write it, or is root (``can_do_mincore``); otherwise the kernel
+    reports every page as held and the answer would be worthless."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return os.geteuid() in (0, st.st_uid) or os.access(path, os.W_OK)
+
+
+class FileResidency:
+    """Page-cache residency of one open file, through a private mapping that is never touched.
+
+    Parameters
+    ----------
+    fd : int
+        A descriptor of the file, open for reading.
+    size : int
+        The file's size (bytes); must be > 0.
+    """
+
+    def __init__(self, fd: int, size: int):
+        self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._size = size
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self._libc.mincore.restype = ctypes.c_int
+        self._local = threading.local()
+
+    def _pages(self, start: int, n: int) -> np.ndarray:
+        """``mincore``'s answer for ``n`` pages from page-aligned byte ``start``: 1 where held."""
+        vec = getattr(self._local, "vec", None)
+        if vec is None or len(vec) < n:
+            vec = (ctypes.c_ubyte * max(n, 64))()
+            self._local.vec = vec
+        if self._libc.mincore(ctypes.c_void_p(self._addr + start), n * PAGE_BYTES, vec) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mincore failed: {os.strerror(err)}")
+        return np.frombuffer(vec, dtype=np.uint8, count=n) & 1
+
+    def cached(self, offset: int, length: int) -> bool:
+        """Whether every page holding bytes ``[offset, offset + length)`` is in the page cache."""
+        end = min(offset + length, self._size)
+        if end <= offset:
+            return True
+        first = offset // PAGE_BYTES * PAGE_BYTES
+        n = -(-(end - first) // PAGE_BYTES)
+        return bool(self._pages(first, n).all())
+
+    def cached_run(self, start: int, limit: int) -> int:
+        """Bytes held contiguously from page-aligned byte ``start``, looking at most ``limit`` bytes."""
+        n = min(limit, self._size - start) // PAGE_BYTES
+        if n <= 0:
+            return 0
+        missing = np.flatnonzero(self._pages(start, n) == 0)
+        return int((missing[0] if len(missing) else n) * PAGE_BYTES)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def open_residency(fds: list[int], paths: list[str | os.PathLike]) -> list[FileResidency] | None:
+    """A :class:`FileResidency` per file, or None when this system cannot tell residency for all
+    of them (not Linux, a file this process neither owns nor may write, an empty file, or a file
+    that cannot be mapped)."""
+    if not all(residency_visible(p) for p in paths):
+        return None
+    out: list[FileResidency] = []
+    try:
+        for fd, p in zip(fds, paths):
+            size = os.path.getsize(p)
+            if size == 0:
+                raise OSError("empty file")
+            out.append(FileResidency(fd, size))
+    except (OSError, ValueError):
+        for r in out:
+            r.close()
+        return None
+    return out
