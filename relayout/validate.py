@@ -1530,8 +1530,11 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
                              "where the harness tested with RWF_NOWAIT (page_cache_test in its runs' configuration), it took "
                              "a scale read whose own readahead had completed before it looked for a page-cache hit")
             elif reads["cells"] and reads["ratio_max"] < 1 - READS_AGREE:
-                sentence += ("; the kernel's page cache held fewer scale pages than the model's: its readahead is not the "
-                             "Linux 6.16-6.19 readahead the model follows, or memory pressure evicted pages")
+                sentence += ("; the kernel's page cache held fewer scale pages than the model's: a pread that finds its pages "
+                             "still being read by an earlier readahead waits for the drive (the harness counts it as a drive "
+                             "read, the model as served from the page cache), or the kernel did not read ahead where the "
+                             "Linux 6.16-6.19 readahead the model follows would (docs/BENCHMARKS.md, \"Which scale reads "
+                             "reach the drive, asked with mincore\")")
         line("drive reads", sentence)
     waits = page_cache_waits(cells, comparisons)
     if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:

@@ -42,7 +42,8 @@ compute thread's wait for it) and how its bytes were read: ``drive_requests``/``
 (O_DIRECT reads, and buffered reads the page cache could not serve), ``page_cache_requests``/
 ``page_cache_bytes`` (buffered reads, the scales and any weights read without O_DIRECT, served
 from the page cache: before each buffered read, ``mincore`` says whether the cache holds all its
-pages, :mod:`replay.residency`; where Linux will not say, for a file this process neither owns
+pages, read: one still being read by an earlier readahead is not, as the read then waits for
+the drive, :mod:`replay.residency`; where Linux will not say, for a file this process neither owns
 nor may write, each is first tried with ``RWF_NOWAIT``, which succeeds only from the cache but
 races with a fast drive) and ``unclassified_*`` where neither is available. The run's
 ``configuration`` names the test (``page_cache_test``). ``tier_served`` is

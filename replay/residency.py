@@ -1,12 +1,13 @@
 """Which pages of a file the page cache holds, asked without reading them (Linux ``mincore``).
 
 The harness (:mod:`replay.measure`) classifies each buffered read before issuing it: a read
-whose every page is in the page cache is served from it; any other waits for the drive. A page
-counts as held from the moment the kernel inserts it for a read, before that read completes,
-so a read that finds its pages still being read by an earlier readahead counts as served from
-the cache, which is what :mod:`replay.pagecache` models. (``RWF_NOWAIT``, the test this
-replaces, races: it also succeeds when a read's own readahead completes before it looks, which
-on a fast virtual disk takes microseconds.)
+whose every page the page cache holds, read (up to date), is served from it; any other waits
+for the drive. Linux's ``mincore`` reports a page only once its read has completed
+(``mincore_page``: ``folio_test_uptodate``), so a read that finds its pages still being read by
+an earlier readahead counts as waiting for the drive, which it does, though it issues no
+request of its own; :mod:`replay.pagecache` counts it as served from the cache. (``RWF_NOWAIT``,
+the test this replaces, races: it also succeeds when a read's own readahead completes before
+it looks, which on a fast virtual disk takes microseconds.)
 
 Linux answers ``mincore`` about the page cache only for a file the caller owns or may write
 (otherwise it reports every page held: :func:`residency_visible` says which);
