@@ -205,21 +205,21 @@ class _Reader:
         while n > 0:
             step = min(n, MAX_READ)
             view = memoryview(self._buffer(min(step, MAX_READ)))[:step]
-            slot = 0
+            slot, done = 0, False
             if not direct:
                 slot = 4
-                if self.residency is not None:
-                    slot = 2 if self.residency[f].cached(off, step) else 0
+                if self.residency is not None:     # asked first; the read itself is always issued, as the kernel's
+                    slot = 2 if self.residency[f].cached(off, step) else 0    # readahead follows the reads it sees
                 elif self.nowait:
                     slot = 0
                     try:
                         if os.preadv(fd, [view], off, os.RWF_NOWAIT) == step:
-                            slot = 2                   # served by the page cache
+                            slot, done = 2, True       # served by the page cache
                     except BlockingIOError:
                         pass
                     except OSError:
                         self.nowait, slot = False, 4   # not supported here: unclassified from now on
-            if slot != 2:
+            if not done:
                 got = os.preadv(fd, [view], off)
                 if got < step:
                     if direct and got >= 0:

@@ -619,3 +619,76 @@ def test_measurement_runs_with_the_processs_objects_out_of_the_collectors_way(sm
     measure_interleaved([arm], trace_for, mask, progress=False, on_step=lambda: frozen.append(gc.get_freeze_count()))
     assert len(frozen) == 3 and min(frozen) > 1000
     assert gc.get_freeze_count() == 0
+
+
+def _file_of_pages(path, n_pages: int) -> bytes:
+    data = os.urandom(n_pages * 4096)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return data
+
+
+def test_a_buffered_read_the_page_cache_serves_is_still_issued(tmp_path):
+    """Asking the page cache first (mincore) must not replace the read: the runtime's pread is
+    issued whatever the cache holds, copies the bytes, and moves the kernel's readahead on."""
+    from replay.measure import _Reader
+
+    path = tmp_path / "f.bin"
+    data = _file_of_pages(path, 8)
+    reader = _Reader([path], direct=False)
+    try:
+        reader.prepare(4096)
+        reader.read(0, 0, 4096, False)
+        reader.read(0, 2 * 4096, 4096, False)
+        io = reader.read(0, 100, 3000, False)            # page 0 again: cached
+        if reader.page_cache_test != "none":
+            assert io[2:4] == (1, 3000)                   # counted as served by the page cache
+        assert bytes(reader.local.buf[:3000]) == data[100:3100]   # and its bytes were read
+    finally:
+        reader.close()
+
+
+def test_the_harness_reads_move_the_kernels_readahead_on(tmp_path):
+    """Reading on through cached pages reaches the page the kernel marked for readahead and
+    starts its next window, so a harness that skipped cached reads would see fewer pages read
+    ahead than a runtime (Linux; skipped where the file system keeps pages when dropped, or
+    reads little ahead)."""
+    import sys
+
+    from replay.calibrate import system_read_ahead_bytes
+    from replay.measure import _Reader
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux's readahead")
+    path = tmp_path / "f.bin"
+    _file_of_pages(path, 1024)
+    ra = system_read_ahead_bytes(path)
+    if not ra or ra < 128 * 1024:
+        pytest.skip("readahead smaller than 128 KiB or unknown here")
+    drop_cache([path])
+    reader = _Reader([path], direct=False)
+
+    def settled_run() -> int:
+        """Bytes cached from the start once the readahead under way has completed (s: 2 at most)."""
+        last, deadline = -1, time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            run = reader.residency[0].cached_run(0, 1024 * 4096)
+            if run == last:
+                return run
+            last = run
+            time.sleep(0.05)
+        return last
+
+    try:
+        if reader.residency is None or reader.residency[0].cached(0, 4096):
+            pytest.skip("page cache residency unknown, or pages kept when dropped (tmpfs)")
+        reader.read(0, 0, 4096, False)
+        first = settled_run()
+        assert 0 < first < 1024 * 4096
+        for off in range(4096, first, 4096):           # on through the cached window, page by page
+            assert reader.read(0, off, 4096, False)[2] == 1
+        assert settled_run() > first
+    finally:
+        reader.close()
