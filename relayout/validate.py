@@ -1532,9 +1532,8 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             elif reads["cells"] and reads["ratio_max"] < 1 - READS_AGREE:
                 sentence += ("; the kernel's page cache held fewer scale pages than the model's: a pread that finds its pages "
                              "still being read by an earlier readahead waits for the drive (the harness counts it as a drive "
-                             "read, the model as served from the page cache), or the kernel did not read ahead where the "
-                             "Linux 6.16-6.19 readahead the model follows would (docs/BENCHMARKS.md, \"Which scale reads "
-                             "reach the drive, asked with mincore\")")
+                             "read, the model as served from the page cache), or the kernel read less ahead than the "
+                             "Linux 6.16-6.19 readahead the model follows")
         line("drive reads", sentence)
     waits = page_cache_waits(cells, comparisons)
     if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 import threading
 import time
 
@@ -12,10 +13,11 @@ from conftest import run_cli, small_geometry
 from containers.container import Container
 from containers.errors import InputError
 from relayout.trace_synth import synth_trace
-from replay.calibrate import calibrate
+from replay.calibrate import calibrate, system_read_ahead_bytes
 from replay.config import RuntimeConfig
 from replay.device import load_device
-from replay.measure import Arm, drop_cache, measure, measure_interleaved
+from replay.measure import Arm, _Reader, drop_cache, measure, measure_interleaved
+from replay.residency import open_residency
 from replay.stalltrace import read_stall_trace, report, run_metrics
 from replay.trace import save_trace
 
@@ -559,15 +561,14 @@ def _page_cache_drops(path) -> bool:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        buf = bytearray(4096)
-        os.preadv(fd, [buf], 0)
+        os.preadv(fd, [bytearray(4096)], 0)
         drop_cache([path])
-        try:
-            return os.preadv(fd, [buf], 0, os.RWF_NOWAIT) < len(buf)
-        except BlockingIOError:
-            return True
-        except (AttributeError, OSError):
+        residency = open_residency([fd], [path])
+        if residency is None:
             return False
+        dropped = not residency[0].cached(0, 4096)
+        residency[0].close()
+        return dropped
     finally:
         os.close(fd)
 
@@ -633,8 +634,6 @@ def _file_of_pages(path, n_pages: int) -> bytes:
 def test_a_buffered_read_the_page_cache_serves_is_still_issued(tmp_path):
     """Asking the page cache first (mincore) must not replace the read: the runtime's pread is
     issued whatever the cache holds, copies the bytes, and moves the kernel's readahead on."""
-    from replay.measure import _Reader
-
     path = tmp_path / "f.bin"
     data = _file_of_pages(path, 8)
     reader = _Reader([path], direct=False)
@@ -655,11 +654,6 @@ def test_the_harness_reads_move_the_kernels_readahead_on(tmp_path):
     starts its next window, so a harness that skipped cached reads would see fewer pages read
     ahead than a runtime (Linux; skipped where the file system keeps pages when dropped, or
     reads little ahead)."""
-    import sys
-
-    from replay.calibrate import system_read_ahead_bytes
-    from replay.measure import _Reader
-
     if not sys.platform.startswith("linux"):
         pytest.skip("Linux's readahead")
     path = tmp_path / "f.bin"
