@@ -15,8 +15,8 @@ issues the scale reads at a random 4 KiB-aligned offset, and after each read cou
 contiguous bytes cached from the page after the one holding the last byte read so far, with
 ``mincore`` on a mapping of the file (which looks without reading). Printed: the device's
 ``read_ahead_kb`` and, per read, the median and range of the bytes cached ahead of it. FILE
-must be at least 33 MiB, on the disk under test, and writable by you (Linux's ``mincore``
-reports every page of a file you may not write as cached); it is only read.
+must be at least 33 MiB, on the disk under test, and yours or writable by you (Linux's
+``mincore`` reports every page of any other file as cached); it is only read.
 """
 
 from __future__ import annotations

@@ -9,15 +9,15 @@ tensors gate, up, down, as :func:`replay.readplan.plan_layer` plans them), ``--t
 per session, each session starting with the container's page cache dropped
 (:func:`replay.measure.drop_cache`) and its files opened afresh. Before each pread, ``mincore``
 says whether the page cache holds every page of it, read (up to date); if not, the pread waits
-for the drive. (``RWF_NOWAIT``, the harness's test in :mod:`replay.measure`, races with a fast
-device: it also succeeds when the readahead it started itself completes before it looks, which
+for the drive (:mod:`replay.residency`, as the harness in :mod:`replay.measure` asks). (``RWF_NOWAIT``,
+the harness's test before, races with a fast device: it also succeeds when the readahead it started itself completes before it looks, which
 on a virtual disk the host has cached takes microseconds; how often it failed is printed
 beside.) ``--gap-us`` is slept after each expert (its weight read and matmul in a runtime; 0:
 the experts' scale reads back to back, as with coalescing). The page-cache model
 (:func:`replay.pagecache.buffered_read`, with the device's ``read_ahead_kb`` unless
 ``--read-ahead-kb``) decides the same preads. Printed: the preads, those that reached the drive
-in each, and how often the two agreed pread by pread. The container's files must be writable by
-you (Linux's ``mincore`` reports every page of a file you may not write as cached); they are
+in each, and how often the two agreed pread by pread. The container's files must be yours or
+writable by you (Linux's ``mincore`` reports every page of any other file as cached); they are
 only read.
 """
 

@@ -34,32 +34,40 @@ PAGE_BYTES = mmap.PAGESIZE
 
 def residency_visible(path: str | os.PathLike) -> bool:
     """Whether Linux's ``mincore`` reports the page cache for ``path`` to this process: the
-    caller owns the file, may write it, or is root (``can_do_mincore``); otherwise the kernel
-    reports every page as held and the answer would be worthless."""
+    caller owns the file, may write it, or is root (``can_do_mincore``: the owner, write
+    permission, or ``CAP_FOWNER``); otherwise the kernel reports every page as held and the
+    answer would be worthless. Root without ``CAP_FOWNER`` (a user namespace, a file system that
+    squashes root) is taken at its uid and would get that worthless answer."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         st = os.stat(path)
     except OSError:
         return False
-    return os.geteuid() in (0, st.st_uid) or os.access(path, os.W_OK)
+    effective = os.access in os.supports_effective_ids
+    return os.geteuid() in (0, st.st_uid) or os.access(path, os.W_OK, effective_ids=effective)
 
 
 class FileResidency:
-    """Page-cache residency of one open file, through a private mapping that is never touched.
+    """Page-cache residency of one open file, through a read-only shared mapping that is never
+    touched (it reserves no memory, so a file of any size maps).
 
     Parameters
     ----------
     fd : int
         A descriptor of the file, open for reading.
     size : int
-        The file's size (bytes); must be > 0.
+        The file's size (bytes); an empty file holds nothing to read.
     """
 
     def __init__(self, fd: int, size: int):
-        self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._size = size
+        self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size > 0 else None
+        self._addr = 0
+        if self._map is not None:
+            view = np.frombuffer(self._map, dtype=np.uint8)
+            self._addr = view.ctypes.data
+            del view                             # releases the export, so close() can unmap
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         self._libc.mincore.restype = ctypes.c_int
@@ -79,7 +87,8 @@ class FileResidency:
 
     def cached(self, offset: int, length: int) -> bool:
         """Whether every page holding bytes ``[offset, offset + length)`` is in the page cache
-        (about 2 us a call: the harness asks before every buffered read)."""
+        (about 2 us a call: the harness asks before every buffered read). A range that holds no
+        byte of the file (empty, or at or past its end) has nothing to wait for: True."""
         end = min(offset + length, self._size)
         if end <= offset:
             return True
@@ -89,30 +98,33 @@ class FileResidency:
         return held.count(1) == n or all(b & 1 for b in held)
 
     def cached_run(self, start: int, limit: int) -> int:
-        """Bytes held contiguously from page-aligned byte ``start``, looking at most ``limit`` bytes."""
-        n = min(limit, self._size - start) // PAGE_BYTES
-        if n <= 0:
+        """Bytes held contiguously from page-aligned byte ``start``, looking at most ``limit``
+        bytes (a file's partial last page counts for the bytes it holds)."""
+        span = min(limit, self._size - start)
+        if span <= 0:
             return 0
+        n = -(-span // PAGE_BYTES)
         missing = np.flatnonzero((np.frombuffer(self._pages(start, n), dtype=np.uint8) & 1) == 0)
-        return int((missing[0] if len(missing) else n) * PAGE_BYTES)
+        return int(min(missing[0] * PAGE_BYTES, span) if len(missing) else span)
 
     def close(self) -> None:
-        self._map.close()
+        """Unmap the file (the descriptor stays the caller's)."""
+        if self._map is not None:
+            self._map.close()
 
 
 def open_residency(fds: list[int], paths: list[str | os.PathLike]) -> list[FileResidency] | None:
-    """A :class:`FileResidency` per file, or None when this system cannot tell residency for all
-    of them (not Linux, a file this process neither owns nor may write, an empty file, or a file
-    that cannot be mapped)."""
+    """A :class:`FileResidency` per descriptor (``fds[i]`` open on ``paths[i]``), or None when
+    this system cannot tell residency for all of them (not Linux, a file this process neither
+    owns nor may write, or a file that cannot be mapped)."""
+    if len(fds) != len(paths):
+        raise ValueError("one path per descriptor")
     if not all(residency_visible(p) for p in paths):
         return None
     out: list[FileResidency] = []
     try:
-        for fd, p in zip(fds, paths):
-            size = os.path.getsize(p)
-            if size == 0:
-                raise OSError("empty file")
-            out.append(FileResidency(fd, size))
+        for fd in fds:
+            out.append(FileResidency(fd, os.fstat(fd).st_size))
     except (OSError, ValueError):
         for r in out:
             r.close()

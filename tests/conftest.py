@@ -22,6 +22,31 @@ def fuzz_examples(default: int) -> int:
     return max(1, int(default * FUZZ_SCALE))
 
 
+KEEPS_PAGES = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
+"""File systems whose pages are the file: dropping them evicts nothing."""
+
+
+def page_cache_evicts(path) -> bool:
+    """Whether dropping ``path``'s pages from the page cache can evict them: Linux, and a file
+    system that keeps file data outside memory, as ``/proc/self/mountinfo`` names it (asked
+    independently of the residency test under test)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    real = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                point = fields[4].encode().decode("unicode_escape")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fstype = point, fields[fields.index("-") + 1]
+    except (OSError, ValueError, IndexError):
+        return False
+    return fstype is not None and fstype not in KEEPS_PAGES
+
+
 ROUTE = """\
 0 0 3 5:0.5000 1:0.2500
 0 1 3 2:0.6000 5:0.1000

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_cli, small_geometry
+from conftest import page_cache_evicts, run_cli, small_geometry
 
 from containers.container import Container
 from containers.errors import InputError
@@ -17,7 +17,7 @@ from replay.calibrate import calibrate, system_read_ahead_bytes
 from replay.config import RuntimeConfig
 from replay.device import load_device
 from replay.measure import Arm, _Reader, drop_cache, measure, measure_interleaved
-from replay.residency import open_residency
+from replay.residency import residency_visible
 from replay.stalltrace import read_stall_trace, report, run_metrics
 from replay.trace import save_trace
 
@@ -558,17 +558,12 @@ def _page_cache_drops(path) -> bool:
     """Whether dropping ``path``'s pages (posix_fadvise DONTNEED) really evicts them here (not on
     tmpfs). A file written moments ago has dirty pages, which no drop evicts: they are written
     back first (``fsync``, which leaves the bytes as they are)."""
+    if not page_cache_evicts(path) or not residency_visible(path):
+        return False
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        os.preadv(fd, [bytearray(4096)], 0)
-        drop_cache([path])
-        residency = open_residency([fd], [path])
-        if residency is None:
-            return False
-        dropped = not residency[0].cached(0, 4096)
-        residency[0].close()
-        return dropped
+        return True
     finally:
         os.close(fd)
 
@@ -676,13 +671,35 @@ def test_the_harness_reads_move_the_kernels_readahead_on(tmp_path):
         return last
 
     try:
-        if reader.residency is None or reader.residency[0].cached(0, 4096):
-            pytest.skip("page cache residency unknown, or pages kept when dropped (tmpfs)")
+        if reader.residency is None or not page_cache_evicts(path):
+            pytest.skip("page cache residency unknown here, or pages kept when dropped (tmpfs)")
+        assert not reader.residency[0].cached(0, 4096)
         reader.read(0, 0, 4096, False)
         first = settled_run()
         assert 0 < first < 1024 * 4096
         for off in range(4096, first, 4096):           # on through the cached window, page by page
             assert reader.read(0, off, 4096, False)[2] == 1
         assert settled_run() > first
+    finally:
+        reader.close()
+
+
+def test_a_read_in_pieces_is_one_request_counted_where_its_first_piece_was_served(tmp_path, monkeypatch):
+    """Reads longer than MAX_READ go in pieces: one request (the runtime issues one pread), where
+    the first piece was served; each piece's bytes where they were."""
+    import replay.measure as rm
+
+    path = tmp_path / "f.bin"
+    _file_of_pages(path, 8)
+    if not page_cache_evicts(path) or not residency_visible(path):
+        pytest.skip("page cache residency unknown here, or pages kept when dropped (tmpfs)")
+    monkeypatch.setattr(rm, "MAX_READ", 4096)
+    drop_cache([path])
+    reader = _Reader([path], direct=False)
+    try:
+        os.posix_fadvise(reader.buffered[0], 0, 0, os.POSIX_FADV_RANDOM)   # no readahead: the pages read, only
+        reader.read(0, 4096, 4096, False)                                   # page 1 cached
+        assert reader.read(0, 0, 3 * 4096, False) == (1, 8192, 0, 4096, 0, 0)
+        assert reader.read(0, 4096, 2 * 4096, False) == (0, 0, 1, 8192, 0, 0)
     finally:
         reader.close()

@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+from conftest import page_cache_evicts
 
 from replay.measure import drop_cache
 from replay.residency import PAGE_BYTES, FileResidency, open_residency, residency_visible
@@ -19,11 +20,6 @@ def _written(path, n_pages: int):
     return path
 
 
-def _evicts(res: FileResidency) -> bool:
-    """Whether a drop really evicts here (not on tmpfs, whose pages are the file)."""
-    return not res.cached(0, PAGE_BYTES)
-
-
 @linux_only
 def test_a_read_page_is_held_and_an_unread_one_is_not(tmp_path):
     path = _written(tmp_path / "f.bin", 256)
@@ -31,10 +27,10 @@ def test_a_read_page_is_held_and_an_unread_one_is_not(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)      # no readahead: exactly the pages read
+        if not page_cache_evicts(path):
+            pytest.skip("this file system keeps its pages in memory")
         res = open_residency([fd], [path])[0]
-        if not _evicts(res):
-            pytest.skip("this file system does not evict pages on request")
-        assert res.cached_run(0, 256 * PAGE_BYTES) == 0
+        assert not res.cached(0, PAGE_BYTES) and res.cached_run(0, 256 * PAGE_BYTES) == 0
         os.preadv(fd, [bytearray(100)], 10 * PAGE_BYTES + 7)
         assert res.cached(10 * PAGE_BYTES + 7, 100)
         assert res.cached(10 * PAGE_BYTES, PAGE_BYTES)
@@ -50,7 +46,7 @@ def test_a_read_page_is_held_and_an_unread_one_is_not(tmp_path):
 
 
 @linux_only
-def test_residency_is_offered_only_where_linux_answers_it(tmp_path):
+def test_residency_is_offered_only_where_linux_answers_it(tmp_path, monkeypatch):
     path = _written(tmp_path / "mine.bin", 1)
     assert residency_visible(path)                          # our own file
     assert not residency_visible(tmp_path / "absent.bin")
@@ -58,10 +54,39 @@ def test_residency_is_offered_only_where_linux_answers_it(tmp_path):
     empty.write_bytes(b"")
     fds = [os.open(path, os.O_RDONLY), os.open(empty, os.O_RDONLY)]
     try:
-        assert open_residency(fds, [path, empty]) is None     # an empty file cannot be mapped
-        got = open_residency(fds[:1], [path])
-        assert got is not None and len(got) == 1
-        got[0].close()
+        got = open_residency(fds, [path, empty])
+        assert got is not None and len(got) == 2
+        assert got[1].cached(0, 100) and got[1].cached_run(0, PAGE_BYTES) == 0    # nothing to read
+        for r in got:
+            r.close()
+        with pytest.raises(ValueError):
+            open_residency(fds, [path])
+        # someone else's file, not writable by us: Linux would report every page held
+        monkeypatch.setattr(os, "geteuid", lambda: os.stat(path).st_uid + 1)
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False)
+        assert not residency_visible(path)
+        assert open_residency(fds[:1], [path]) is None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_file_of_any_size_maps_and_a_partial_last_page_counts_its_bytes(tmp_path):
+    big = tmp_path / "sparse.bin"
+    with open(big, "wb") as f:
+        f.truncate(1 << 40)                                 # 1 TiB, sparse: a private mapping would need its size in memory
+    small = tmp_path / "small.bin"
+    small.write_bytes(os.urandom(10_000))
+    fds = [os.open(big, os.O_RDONLY), os.open(small, os.O_RDONLY)]
+    try:
+        os.pread(fds[1], 10_000, 0)
+        got = open_residency(fds, [big, small])
+        assert got is not None
+        assert got[1].cached(0, 10_000) and got[1].cached(9_000, 50_000)
+        assert got[1].cached_run(0, 1 << 20) == 10_000 and got[1].cached_run(2 * PAGE_BYTES, PAGE_BYTES) == 10_000 - 2 * PAGE_BYTES
+        assert got[1].cached(20_000, 1)                     # past the end: nothing to wait for
+        for r in got:
+            r.close()
     finally:
         for fd in fds:
             os.close(fd)
