@@ -76,7 +76,9 @@ def main() -> None:
     layout = stock.stock if args.layout == "stock" else plans[args.layout].layout
     routed = record["container"]["routed_bytes"]
     coupling = training_coupling(trace, stock)
-    base = RuntimeConfig(workers=record["config"]["workers"], ram_bytes=int(routed * args.ram))
+    runtime = dict(record["config"].get("runtime") or {"workers": record["config"]["workers"]})
+    runtime["source_caps"] = tuple(tuple(c) for c in runtime.get("source_caps", ()))
+    base = replace(RuntimeConfig(**runtime), ram_bytes=int(routed * args.ram))   # the run's configuration: coalescing too
     runs = work / "runs"
     _, rate = measured_layers(runs, f"{args.layout}-ram{args.ram:g}-none")
     speed = device.drive.bandwidth / rate

@@ -68,7 +68,7 @@ class FileResidency:
             view = np.frombuffer(self._map, dtype=np.uint8)
             self._addr = view.ctypes.data
             del view                             # releases the export, so close() can unmap
-        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc = ctypes.PyDLL(None, use_errno=True)     # keeps the GIL: the call takes well under a microsecond
         self._libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         self._libc.mincore.restype = ctypes.c_int
         self._local = threading.local()
