@@ -36,7 +36,7 @@ from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
 from replay.calibrate import system_max_request_bytes, system_read_ahead_bytes
 from replay.measure import drop_cache
 from replay.pagecache import buffered_read, new_page_cache, start_session
-from replay.residency import FileResidency, residency_visible
+from replay.residency import open_residency, residency_visible
 
 
 def reads_of(layout, rng, tokens: int, k: int, skew: float) -> list:
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
         drop_cache(files)
         start_session(pc, s)
         fds = [os.open(p, os.O_RDONLY) for p in files]
-        maps = [FileResidency(fd, os.path.getsize(p)) for fd, p in zip(fds, files)]
+        maps = open_residency(fds, files)
         try:
             last = None
             for f, off, n, tag in reads_of(layout, rng, a.tokens, a.top_k, a.skew):

@@ -42,10 +42,11 @@ compute thread's wait for it) and how its bytes were read: ``drive_requests``/``
 (O_DIRECT reads, and buffered reads the page cache could not serve), ``page_cache_requests``/
 ``page_cache_bytes`` (buffered reads, the scales and any weights read without O_DIRECT, served
 from the page cache: before each buffered read, ``mincore`` says whether the cache holds all its
-pages, read: one still being read by an earlier readahead is not, as the read then waits for
-the drive, :mod:`replay.residency`; where Linux will not say, for a file this process neither owns
-nor may write, each is first tried with ``RWF_NOWAIT``, which succeeds only from the cache but
-races with a fast drive) and ``unclassified_*`` where neither is available. The run's
+pages, read (:mod:`replay.residency`; a page an earlier readahead is still reading is not held,
+as the read then waits for the drive), and the read is issued either way; where Linux will not
+say, for a file this process neither owns nor may write, each is first tried with
+``RWF_NOWAIT``, which succeeds only from the cache but races with a fast drive) and
+``unclassified_*`` where neither is available. The run's
 ``configuration`` names the test (``page_cache_test``). ``tier_served`` is
 ``nvme`` when any of its bytes came from the drive, ``os_cache`` when all came from the page
 cache, ``ram`` for LRU hits. A coalesced weight read shared by a run of experts is counted on
