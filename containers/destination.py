@@ -71,11 +71,8 @@ class Destination:
     @classmethod
     @contextlib.contextmanager
     def open(cls, dst: str | os.PathLike, source_root: str | os.PathLike, journal_name: str):
-        dst = Path(os.path.abspath(dst))
+        dst = check_new_destination(dst, source_root)
         partial = dst.with_name(dst.name + ".partial")
-        if _lexists(dst):
-            raise InputError(dst, "already exists; choose a new destination")
-        _check_apart(dst, Path(source_root))
         make_dirs(dst.parent)
         created = False
         try:
@@ -151,6 +148,17 @@ class Destination:
             fsync_fd(parent)
         finally:
             os.close(parent)
+
+
+def check_new_destination(dst: str | os.PathLike, source_root: str | os.PathLike) -> Path:
+    """``dst`` as an absolute path, after checking it does not exist in any form and lies apart
+    from the source; raises :class:`InputError` naming the path otherwise. Writes nothing, so a
+    command can check before long work what the rewrite would refuse after it."""
+    dst = Path(os.path.abspath(dst))
+    if _lexists(dst):
+        raise InputError(dst, "already exists; choose a new destination")
+    _check_apart(dst, Path(source_root))
+    return dst
 
 
 def _check_apart(dst: Path, source_root: Path) -> None:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from containers.container import MANIFEST_NAME, Container
+from containers.destination import check_new_destination
 from containers.errors import InputError
 from containers.hashing import digest_of
 from containers.layout import SLOTS, slot_name
@@ -89,17 +90,37 @@ def check_gate(gate: GateRecord | None, plan: Plan, fingerprint: str, force: boo
     }
 
 
-def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: GateRecord | None = None,
-               force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
-               notify=None) -> dict:
-    """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest."""
+def preflight(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
+              manifest_path: str | os.PathLike | None = None) -> tuple[Container, dict]:
+    """What a rewrite of ``src_dir`` into ``dst`` would refuse, checked before any long work.
+
+    Returns the opened source and its manifest; raises :class:`InputError` naming the file when
+    the plan was made for a geometry or another container (saying which), the source is not
+    clean, or ``dst`` exists or is not apart from the source. Writes nothing.
+    """
     if plan.source_kind != "container":
         raise InputError(plan.path, "this plan was made for a geometry, not a container; plan against the container to rewrite it")
     src = Container.open(src_dir)
     src.require_clean()
     manifest = source_manifest(src, manifest_path)
     if manifest["fingerprint"] != plan.source_fingerprint:
-        raise InputError(src_dir, "this is not the container the plan was made for (fingerprints differ)")
+        made_for = plan.raw["source"].get("name") or "another container"
+        raise InputError(src_dir, f"this is not the container the plan was made for: the plan is for {made_for} "
+                                  f"(fingerprint {str(plan.source_fingerprint)[:12]}...), this one is "
+                                  f"{manifest['fingerprint'][:12]}...")
+    check_new_destination(dst, src.root)
+    return src, manifest
+
+
+def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: GateRecord | None = None,
+               force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
+               notify=None, checked: tuple[Container, dict] | None = None) -> dict:
+    """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest.
+
+    ``checked`` is what :func:`preflight` returned for the same arguments, when the caller ran it
+    before long work (the source is then not hashed twice).
+    """
+    src, manifest = checked if checked is not None else preflight(src_dir, plan, dst, manifest_path)
     provenance = check_gate(gate, plan, manifest["fingerprint"], force)
     return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress, notify, plan.path)
 
@@ -114,4 +135,4 @@ def verify(src_dir, dst_dir, full: bool = False, progress: bool = True) -> tuple
     return problems, summary
 
 
-__all__ = ["apply_plan", "check_gate", "output_files", "source_manifest", "verify"]
+__all__ = ["apply_plan", "check_gate", "output_files", "preflight", "source_manifest", "verify"]

@@ -181,7 +181,9 @@ def cmd_plan(args) -> int:
         source_from_container,
         source_from_geometry,
     )
-    from .training import pooled_training, trace_paths
+    from replay.evidence import MIN_SESSIONS
+
+    from .training import held_out_advice, pooled_training, trace_paths
 
     if bool(args.container) == bool(args.geometry):
         raise InputError(None, "give exactly one of --container DIR or --geometry NAME")
@@ -191,6 +193,7 @@ def cmd_plan(args) -> int:
     source = source_from_container(args.container, args.manifest) if args.container else source_from_geometry(_scaled_geometry(args, "source_shard_mb"), args.synth_seed)
     if len(paths) == 1:
         trace = load_trace(paths[0])
+        _say(held_out_advice(len(trace.sessions), args.train_fraction, MIN_SESSIONS))
     else:
         with open_executor(args.scheduler) as executor:
             trace = pooled_training(paths, source.geometry, args.train_fraction, executor)
@@ -253,9 +256,12 @@ def cmd_replay(args) -> int:
     from containers.atomic import write_json_atomic
     from replay.cluster import open_executor
     from replay.device import load_device
+    from replay.evidence import split_sessions_by_content
     from replay.gate import compare, measured_tpot_parts, sweep
     from replay.planfile import load_plan
     from replay.trace import TraceFile, load_trace
+
+    from .render import bottom_line, held_out_notice
 
     if args.min_sessions < 1:
         raise InputError(None, f"--min-sessions must be at least 1, got {args.min_sessions}")
@@ -279,13 +285,21 @@ def cmd_replay(args) -> int:
         return 0
     if bool(args.container) != bool(args.out):
         raise InputError(None, "--container and --out go together (rewrite after a passing gate)")
+    checked = None
+    if args.container:
+        from .apply import preflight
+
+        checked = preflight(args.container, plan, args.out, args.manifest)
     parts = measured_tpot_parts(args.tpot_from) if args.tpot_from else None
+    _say(held_out_notice(split_sessions_by_content(trace, [plan] + ([baseline] if baseline else [])), args.min_sessions))
     gate = compare(plan, trace, device, config, baseline, args.threshold, min_sessions=args.min_sessions, tpot_parts=parts)
     if args.output:
         write_json_atomic(args.output, gate.to_json())
     print(json.dumps(gate.to_json(), indent=1) if args.json else format_gate(gate))
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
+    if not args.json:
+        print("\n" + bottom_line(gate, args.layout, args.output, args.container, args.out, args.force))
     if not args.container:
         return _verdict_status(gate.verdict) if args.strict else 0
     if gate.verdict != "pass" and not args.force:
@@ -294,7 +308,7 @@ def cmd_replay(args) -> int:
         return _verdict_status(gate.verdict)
     from .apply import apply_plan
 
-    m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=_say)
+    m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=_say, checked=checked)
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
           + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
     return _verify_and_report(args.container, args.out, False, False)

@@ -595,3 +595,50 @@ def format_hypotheses(tables) -> str:
         out += [f"  note: {n}" for n in t.notes]
         out += [f"  {t.reason}", ""]
     return "\n".join(out).rstrip()
+
+
+def held_out_notice(held, min_sessions: int) -> str:
+    """One sentence, before a replay's work, on the held-out sessions its verdict will rest on
+    (``held`` a :class:`replay.evidence.HeldOut`) and how many more a verdict needs."""
+    n = len(held.evaluated)
+    text = (f"the verdict will rest on {n} held-out session{'s' if n != 1 else ''} "
+            f"({len(held.training)} excluded as the plan's training, matched by {held.matched_by})")
+    if n >= min_sessions:
+        return text
+    return (text + f"; a verdict needs {min_sessions} (--min-sessions), so it will be INSUFFICIENT: record "
+                   f"{min_sessions - n} more session{'s' if min_sessions - n != 1 else ''} the plan has not seen "
+                   "(one ROUTE_TRACE file each), import them into the trace and replay again")
+
+
+def bottom_line(g, plan_path: str, gate_path: str | None, container: str | None, out: str | None,
+                forced: bool = False) -> str:
+    """The replay's answer in words: the saving in ms/token and % of TPOT with its 95% interval,
+    the verdict, and the next command to run (``g`` a :class:`replay.gatefile.GateRecord`)."""
+    ms = 1e3
+    s, f, t = g.saving_per_token_s, g.saving_fraction_of_tpot, g.threshold
+    saving = (f"the new layout saves {s.estimate * ms:.2f} ms/token (95% interval {s.low * ms:.2f} to "
+              f"{s.high * ms:.2f}), {f.estimate:.1%} of a {t.tpot_s * ms:.1f} ms time per token "
+              f"(interval {f.low:.1%} to {f.high:.1%}); the gate needs {t.fraction_of_tpot:.0%} at the interval's low end")
+    gate_arg = gate_path or "gate.json"
+    if g.verdict == "pass":
+        if container and out:
+            nxt = f"rewriting {container} into {out} now; then run colibrì with SNAP={out} and the same settings"
+        else:
+            nxt = (f"next: relayout rewrite SRC --layout {plan_path} --gate {gate_arg} --out DST --verify, "
+                   "then run colibrì with SNAP=DST and the same settings and measure both")
+        return f"Bottom line: PASS: {saving}. {nxt[0].upper() + nxt[1:]}."
+    if g.verdict == "insufficient":
+        return (f"Bottom line: NO VERDICT (insufficient evidence): {saving}, but on "
+                f"{s.n_units} {s.unit.split(' ')[0]}(s), fewer than a verdict needs. Record more sessions the plan "
+                "has not seen, import them and replay again" + ("; rewriting anyway (--force)." if forced and out else "."))
+    h = g.headroom
+    if h.max_saving_fraction_of_tpot < t.fraction_of_tpot:
+        why = (f"there is no headroom: even the oracle (every byte at full bandwidth) saves only "
+               f"{h.max_saving_s * ms:.2f} ms/token, {h.max_saving_fraction_of_tpot:.1%} of time per token, on this "
+               "storage and RAM")
+    else:
+        why = (f"the oracle leaves {h.max_saving_s * ms:.2f} ms/token ({h.max_saving_fraction_of_tpot:.1%}) of headroom "
+               "that this layout does not capture")
+    keep = "Rewriting anyway (--force)" if forced and out else "Keep the container as it is"
+    return (f"Bottom line: FAIL: {saving}; {why}. {keep}; `relayout replay ... --sweep` shows at which RAM "
+            "budgets and read settings a layout would matter.")

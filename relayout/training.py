@@ -46,6 +46,33 @@ def split_sessions(n_sessions: int, train_fraction: float) -> tuple[list[int], l
     return list(range(n_train)), list(range(n_train, n_sessions))
 
 
+def sessions_needed(train_fraction: float, min_held_out: int) -> int:
+    """The fewest sessions a trace needs so that :func:`split_sessions` holds out ``min_held_out``.
+
+    >>> sessions_needed(0.7, 5)
+    15
+    >>> sessions_needed(0.5, 5)
+    9
+    """
+    n = max(2, min_held_out + 1)
+    while len(split_sessions(n, train_fraction)[1]) < min_held_out:
+        n += 1
+    return n
+
+
+def held_out_advice(n_sessions: int, train_fraction: float, min_held_out: int) -> str:
+    """One sentence for ``plan``: how many sessions train, how many are held out, and how many more
+    to record when a verdict would be ``insufficient``."""
+    train, held = split_sessions(n_sessions, train_fraction)
+    text = (f"learning from the first {len(train)} of {n_sessions} sessions; {len(held)} held out for the "
+            f"replay's verdict")
+    if len(held) >= min_held_out:
+        return text + f" (a verdict needs {min_held_out})"
+    need = sessions_needed(train_fraction, min_held_out)
+    return (text + f", but a verdict needs {min_held_out} held-out sessions: record {need - n_sessions} more "
+            f"({need} in all at --train-fraction {train_fraction:g}), or replay sessions recorded later against this plan")
+
+
 def training_rows(trace: RoutingTrace, sessions: list[int]) -> np.ndarray:
     """Forward mask [F] of the decode and verify forwards of ``sessions`` (prefill excluded)."""
     return trace.session_forward_mask(sessions) & (trace.fwd_kind != FORWARD_KINDS.index("prefill"))
