@@ -22,7 +22,7 @@ import os
 import re
 from pathlib import Path
 
-from tqdm import tqdm
+from .progress import progress_bar
 
 from .atomic import write_json_atomic
 from .container import MANIFEST_NAME, Container, expert_tensor_name
@@ -55,7 +55,7 @@ def build_manifest(container: Container, progress: bool = True) -> dict:
     paths = list(container.files) + list(container.other_files)
     total = sum(p.stat().st_size for p in paths)
     files, tensors = [], {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="hash", disable=None if progress else True) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="hash", enabled=progress) as bar:
         for i, path in enumerate(paths):
             is_shard = i < len(container.files)
             entries = container.headers[i].tensors.values() if is_shard else ()

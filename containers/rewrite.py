@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 import xxhash
-from tqdm import tqdm
+from .progress import progress_bar
 
 from .atomic import describe_os_error, fsync_fd
 from .container import MANIFEST_NAME, Container
@@ -171,7 +171,7 @@ def rewrite_container(
                 journal.files[w.of.name], journal.tensor_digests[w.of.name] = _finish_file(w, dest, src, src_tensors)
                 journal.save()
 
-            with tqdm(total=logical, unit="B", unit_scale=True, desc="rewrite", disable=None if progress else True) as bar, \
+            with progress_bar(total=logical, unit="B", unit_scale=True, desc="rewrite", enabled=progress) as bar, \
                     ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash") as pool, \
                     ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-fsync") as finisher, \
                     ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hints") as hints:
@@ -205,7 +205,7 @@ def _recheck_done(src: Container, dest: Destination, journal: _Journal, files: l
     known = set(by_name) | {p.name for p in others}
     total = sum(e.get("size", 0) for e in journal.files.values() if isinstance(e.get("size"), int))
     kept = 0
-    with tqdm(total=total, unit="B", unit_scale=True, desc="re-check written files", disable=None if progress else True) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="re-check written files", enabled=progress) as bar:
         for name in list(journal.files):
             entry = journal.files[name]
             st = dest.lstat(name) if name in known else None

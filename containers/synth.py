@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from .progress import progress_bar
 
 from .atomic import fsync_dir, make_dirs, write_json_atomic
 from .container import expert_tensor_name
@@ -188,7 +188,7 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     main = cut_shards([u for u in units if not u.mtp], g.shard_bytes, seed)
     mtp = cut_shards([u for u in units if u.mtp], g.shard_bytes, seed + 1)
     total = sum(u.nbytes for u in units)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=None if progress else True) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="synth", enabled=progress) as bar:
         for prefix, shards in (("out", main), ("out-mtp", mtp)):
             for i, specs in enumerate(shards, 1):
                 write_shard(

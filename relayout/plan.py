@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from containers.progress import progress_bar
 
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
@@ -169,7 +169,7 @@ def make_plan(
     orders: dict[int, np.ndarray] = {}
     per_layer = {}
     layers = source.stock.layers
-    for li, layer in enumerate(tqdm(layers, desc=f"plan ({method})", disable=None if progress else True)):
+    for li, layer in enumerate(progress_bar(layers, desc=f"plan ({method})", enabled=progress)):
         stock_order = source.stock.physical_order(li)
         counts = training.counts.layer(li)
         lo = order_layer(method, counts, stock_order, layer, seed, resolution, weight, min_support)

@@ -104,7 +104,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from containers.progress import progress_bar
 
 from containers import __version__
 from containers.atomic import atomic_output, make_dirs, write_json_atomic
@@ -577,8 +577,8 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         measured = {(m, pf, frac): [] for pf, frac in cells for m in methods}
         control = {frac: [] for frac in o.ram}       # S of the stock copy per repetition (s/token)
         run_order = []                               # ((layout, prefetch, RAM fraction), repetition, block), as measured
-        bar = tqdm(total=reps * n_runs * len(fw), desc="validate: measured steps", unit="step",
-                   disable=None if progress else True)
+        bar = progress_bar(total=reps * n_runs * len(fw), desc="validate: measured steps", unit="step",
+                           enabled=progress)
         try:
             block_runs = [(m, pf) for m in methods for pf in o.prefetch]
             for rep in range(reps):
@@ -704,8 +704,8 @@ def _read_each_once(dirs: dict, progress: bool) -> dict:
     files = {m: sorted(p for p in Path(d).iterdir() if p.is_file()) for m, d in dirs.items()}
     total = sum(p.stat().st_size for fs in files.values() for p in fs)
     out = {}
-    with tqdm(total=total, desc="validate: reading each container once", unit="B", unit_scale=True,
-              disable=None if progress else True) as bar:
+    with progress_bar(total=total, desc="validate: reading each container once", unit="B", unit_scale=True,
+                      enabled=progress) as bar:
         for m, fs in files.items():
             n, seconds = read_once(fs, bar.update)
             out[m] = {"bytes": n, "seconds": seconds, "rate_Bps": n / seconds if seconds > 0 else None}

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from tqdm import tqdm
+from containers.progress import progress_bar
 
 from containers.errors import InputError
 
@@ -99,7 +99,7 @@ class SerialExecutor(Executor):
     name = "serial"
 
     def map(self, function, tasks, desc="tasks"):
-        return [_run(function, *args).unwrap() for args in tqdm(tasks, desc=desc, disable=None, leave=False)]
+        return [_run(function, *args).unwrap() for args in progress_bar(tasks, desc=desc, leave=False)]
 
     def map_reduce(self, function, tasks, combine, desc="tasks"):
         """A left fold as the results come (one result held at a time); equal to the tree the
@@ -107,7 +107,7 @@ class SerialExecutor(Executor):
         if not tasks:
             raise ValueError("map_reduce needs at least one task")
         total = None
-        for i, args in enumerate(tqdm(tasks, desc=desc, disable=None, leave=False)):
+        for i, args in enumerate(progress_bar(tasks, desc=desc, leave=False)):
             value = _run(function, *args).unwrap()
             total = value if i == 0 else _run(combine, total, value).unwrap()
         return total
@@ -130,7 +130,7 @@ class DaskExecutor(Executor):
 
     @staticmethod
     def _progress(done, total: int, desc: str) -> None:
-        for _ in tqdm(done, total=total, desc=desc, disable=None, leave=False):
+        for _ in progress_bar(done, total=total, desc=desc, leave=False):
             pass
 
     def map(self, function, tasks, desc="tasks"):

@@ -33,7 +33,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils, event
 from numba.extending import intrinsic
-from tqdm import tqdm
+
+from containers.progress import LOG_INTERVAL_S, Heartbeat, is_terminal, progress_bar
 
 LOOP = dict(cache=True, error_model="numpy")
 HELPER = dict(LOOP, _nrt=False)
@@ -44,25 +45,31 @@ CACHE_LINE = 64
 
 
 class _CompileProgress(event.Listener):
-    """Counts numba compilations; the first one prints the notice and opens a progress bar."""
+    """Counts numba compilations; the first one prints the notice and opens a progress bar whose
+    elapsed time a heartbeat keeps moving while LLVM optimises (a minute can pass between two
+    compiled functions)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.bar = None
+        self.heartbeat = None
 
     def on_start(self, ev) -> None:
         if not self.enabled:
             return
         if self.bar is None:
-            print("relayout: compiling the replay model (first run on this machine; cached for later runs)",
-                  file=sys.stderr, flush=True)
-            self.bar = tqdm(desc="compile", unit=" functions", file=sys.stderr, disable=None)
+            print("relayout: compiling the replay model with numba, once on this machine (typically 10-75 s; "
+                  "cached for later runs)", file=sys.stderr, flush=True)
+            self.bar = progress_bar(desc="compile", unit=" functions", bar_format="{desc}: {n} functions compiled, {elapsed} elapsed")
+            self.heartbeat = Heartbeat(self.bar, 1.0 if is_terminal() else LOG_INTERVAL_S)
         self.bar.update(1)
 
     def on_end(self, ev) -> None:
         pass
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.bar is not None:
             self.bar.close()
 

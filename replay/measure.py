@@ -73,7 +73,7 @@ from pathlib import Path
 
 import numpy as np
 import zstandard
-from tqdm import tqdm
+from containers.progress import progress_bar
 
 from containers.atomic import atomic_output
 from containers.container import Container
@@ -319,7 +319,7 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
             run.start(how)
         fw = np.flatnonzero(forwards)
         with collector_out_of_the_way():
-            for j, f in enumerate(tqdm(fw, desc="measure", disable=None if progress else True)):
+            for j, f in enumerate(progress_bar(fw, desc="measure", enabled=progress)):
                 if cold and j > 0 and trace.fwd_session[f] != trace.fwd_session[fw[j - 1]]:
                     for run in runs:           # no prefetch load may land in the cache after the drop
                         run.settle()
