@@ -272,12 +272,13 @@ def cmd_replay(args) -> int:
     trace = load_trace(args.trace) if hypotheses else TraceFile(args.trace)
     device = load_device(args.device)
     config = _runtime_config(args)
+    _check_ram(config.ram_bytes, plan)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
     if hypotheses:
         return _replay_hypotheses(args, plan, trace, device, config)
     if args.sweep:
         with open_executor(args.scheduler) as executor:
-            cells = sweep(plan, trace, device, config, _floats(args.sweep_ram), [int(w) for w in _floats(args.sweep_workers)],
+            cells = sweep(plan, trace, device, config, _sweep_ram_gb(args, plan), [int(w) for w in _floats(args.sweep_workers)],
                           args.threshold, baseline, args.min_sessions, executor)
         if args.output:
             write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
@@ -314,6 +315,37 @@ def cmd_replay(args) -> int:
     return _verify_and_report(args.container, args.out, False, False)
 
 
+SWEEP_RAM_SHARES = (0.0, 0.125, 0.25, 0.5)
+"""``--sweep``'s RAM budgets when none are given: these shares of the plan's routed expert bytes."""
+
+
+def _routed_bytes(plan) -> int:
+    return int(plan.layout.expert_bytes().sum())
+
+
+def _check_ram(ram_bytes: int, plan) -> None:
+    """A RAM budget beyond every routed expert's bytes is a mistake of units or of model: refuse it."""
+    routed = _routed_bytes(plan)
+    if ram_bytes > routed:
+        raise InputError(None, f"--ram-gb {ram_bytes / 1e9:g} is more than all {routed / 1e9:.3g} GB of this model's routed "
+                               "experts (every expert would stay in RAM); give the RAM the runtime has for experts")
+
+
+def _sweep_ram_gb(args, plan) -> list[float]:
+    """``--sweep-ram`` as given (each checked against the model), or shares of the model's routed
+    bytes, with ``--ram-gb`` among them when it is set."""
+    if args.sweep_ram:
+        budgets = _floats(args.sweep_ram)
+        for gb in budgets:
+            _check_ram(int(gb * 1e9), plan)
+        return budgets
+    routed = _routed_bytes(plan)
+    budgets = {float(f"{share * routed / 1e9:.3g}") for share in SWEEP_RAM_SHARES}
+    if args.ram_gb:
+        budgets.add(args.ram_gb)
+    return sorted(budgets)
+
+
 def _replay_hypotheses(args, plan, trace, device, config) -> int:
     """``replay --policy``: the seed's hypothesis tables (H2 at one regime; with ``--sweep``, every
     hypothesis over RAM x speculative-byte budgets)."""
@@ -333,7 +365,7 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
     source = config.prefetch if config.prefetch != "none" else "coupled"
     expert = int(plan.layout.expert_bytes().max())
     if args.sweep:
-        ram = [int(x * 1e9) for x in _floats(args.sweep_ram)]
+        ram = [int(x * 1e9) for x in _sweep_ram_gb(args, plan)]
         budgets = ([int(x * 1e6) for x in _floats(args.sweep_budgets_mb)] if args.sweep_budgets_mb else
                    sorted({max(1, config.prefetch_experts // 2) * expert, config.prefetch_experts * expert}))
     else:
@@ -778,7 +810,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print JSON")
     w = s.add_argument_group("sweep")
     w.add_argument("--sweep", action="store_true", help="regime map over RAM budgets x workers x coalesce")
-    w.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
+    w.add_argument("--sweep-ram", help="RAM budgets for --sweep, GB, comma-separated (default: 0, 1/8, 1/4 and 1/2 of "
+                                        "the model's routed expert bytes, and --ram-gb when given)")
     w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
     _scheduler_option(w, "the sweep's cells (one task per cell)")
     h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate)")

@@ -96,3 +96,26 @@ def test_replay_ends_with_a_bottom_line_for_each_verdict(planned):
     no_room = dataclasses.replace(failed, headroom=dataclasses.replace(record.headroom, max_saving_fraction_of_tpot=0.0))
     assert "there is no headroom" in bottom_line(no_room, "plan.json", None, None, None)
     assert json.loads(gate.read_text())["verdict"] == "insufficient"
+
+
+def test_ram_beyond_the_routed_experts_is_refused(planned):
+    root, a, b, trace, plan = planned
+    res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--ram-gb", 100000)
+    assert res.returncode == 2 and "--ram-gb 100000 is more than all" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_sweep_budgets_come_from_the_model(planned):
+    root, a, b, trace, plan = planned
+    out = root / "sweep.json"
+    res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--sweep", "--sweep-workers", 8,
+                  "--scheduler", "none", "--ram-gb", 0.001, "-o", out)
+    assert res.returncode == 0, res.stderr
+    cells = json.loads(out.read_text())["cells"]
+    budgets = sorted({c["ram_gb"] for c in cells})
+    from replay.planfile import load_plan
+
+    routed = float(load_plan(plan).layout.expert_bytes().sum()) / 1e9
+    assert budgets[0] == 0 and 0.001 in budgets
+    assert max(budgets) <= routed and max(budgets) == pytest.approx(routed / 2, rel=1e-2)
+    assert "not significant" not in res.stdout
