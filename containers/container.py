@@ -250,7 +250,7 @@ class Container:
         """Parse and index the container at ``root``; raises :class:`InputError` on bad input."""
         root = Path(root)
         if not root.is_dir():
-            raise InputError(root, "not a directory")
+            raise InputError(root, "is not a directory" if root.exists() else "no such directory")
         files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
         if not files:
             raise InputError(root, "no *.safetensors files")

@@ -379,10 +379,16 @@ def plan_summary(plan: dict) -> list[str]:
     return lines
 
 
+VERIFY_LISTED = 20
+"""Problems ``verify`` prints before it counts the rest."""
+
+
 def format_verify(src, dst, problems: list[str], summary: dict, full: bool) -> str:
-    """Each problem verify found, or the one-line proof of equality (and the split-runtime note)."""
+    """The first :data:`VERIFY_LISTED` problems verify found and how many more, or the one-line
+    proof of equality (and the split-runtime note)."""
     if problems:
-        return "\n".join(problems)
+        more = len(problems) - VERIFY_LISTED
+        return "\n".join(problems[:VERIFY_LISTED] + ([f"... and {more} more problem(s) (--json lists every one)"] if more > 0 else []))
     how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
     split = f", {summary['split_tensors']} split tensors reassembled exactly from their segments" if summary["split_tensors"] else ""
     lines = [f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold"]

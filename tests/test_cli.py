@@ -40,7 +40,7 @@ def test_synth_refuses_existing_output(small_container):
 
 def test_manifest_of_missing_dir(tmp_path):
     res = run_cli("manifest", tmp_path / "nope")
-    assert res.returncode == 2 and "not a directory" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "no such directory" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_demo_never_deletes_what_it_did_not_make(tmp_path):

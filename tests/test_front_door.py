@@ -119,3 +119,18 @@ def test_sweep_budgets_come_from_the_model(planned):
     assert budgets[0] == 0 and 0.001 in budgets
     assert max(budgets) <= routed and max(budgets) == pytest.approx(routed / 2, rel=1e-2)
     assert "not significant" not in res.stdout
+
+
+def test_verify_against_the_wrong_source_is_bounded(planned):
+    root, a, b, trace, plan = planned
+    res = run_cli("verify", a, b)
+    assert res.returncode == 2
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 21 and lines[-1].startswith("... and ") and "more problem(s)" in lines[-1]
+    full = run_cli("verify", a, b, "--json")
+    assert len(json.loads(full.stdout)["problems"]) == int(lines[-1].split()[2]) + 20
+
+
+def test_a_missing_directory_is_named_as_missing(tmp_path):
+    res = run_cli("inspect", tmp_path / "nowhere")
+    assert res.returncode == 2 and "no such directory" in res.stderr
