@@ -427,7 +427,7 @@ def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | 
     gates = _padded(parts.pop("gates"), k, np.nan)
     c_start, c_lines, c_first, c_last = _route_calls(path, lines, calls, layers)
     del calls
-    mtp = _mtp_layers(limits, runtime, c_first, c_last)
+    mtp = _mtp_layers(limits, runtime, c_first, c_last, c_lines)
     forward = _route_forwards(c_first, c_last, c_lines, mtp)
     is_mtp = np.isin(layers, list(mtp)) if mtp else np.zeros(len(layers), dtype=bool)
     call_of_line = np.repeat(np.arange(len(c_start)), c_lines)
@@ -511,17 +511,20 @@ def _route_calls(path: Path, lines: np.ndarray, calls: np.ndarray, layers: np.nd
     return start, n, layers[start].astype(np.int64), layers[start + n - 1].astype(np.int64)
 
 
-def _mtp_layers(limits: Limits, runtime, c_first: np.ndarray, c_last: np.ndarray) -> frozenset:
+def _mtp_layers(limits: Limits, runtime, c_first: np.ndarray, c_last: np.ndarray, c_lines: np.ndarray) -> frozenset:
     """The layers of a session's MTP head: the geometry's, the runtime output's (layer ``n_layers``
-    when it drafted with MTP), and the session's top layer when two calls in a row route only it
-    (a main-model forward never routes a layer twice; the head's absorb and draft calls do)."""
+    when it drafted with MTP), and the session's top layer when two calls in a row route only it,
+    or a call routing only it has another number of rows than the call of a lower layer before it
+    (a main-model forward routes every layer once, all its rows in each; the head's absorb and
+    draft calls do neither)."""
     mtp = set(limits.mtp_layers)
     if runtime is not None and runtime.mtp and runtime.n_layers is not None:
         mtp.add(int(runtime.n_layers))
     top = int(c_last.max())
     if int(c_first.min()) < top:
         only_top = (c_first == top) & (c_last == top)
-        if (only_top[1:] & only_top[:-1]).any():
+        after_lower = only_top[1:] & (c_last[:-1] < top) & (c_first[:-1] == c_last[:-1]) & (c_lines[1:] != c_lines[:-1])
+        if (only_top[1:] & only_top[:-1]).any() or after_lower.any():
             mtp.add(top)
     return frozenset(mtp)
 
@@ -591,11 +594,10 @@ def _route_counts(forward: np.ndarray, rows: np.ndarray, is_mtp: np.ndarray, c_s
     """Per forward of one session: evaluated positions, kind, committed tokens, whether the count
     is assumed; and the drafts per forward the MTP reading used (None without an MTP head).
 
-    Evaluated: the main model's rows (an MTP head's are not positions of the forward). The first
-    forward is the prompt's prefill; so are the multi-row forwards up to the first one-row forward
-    when they are wider than every later multi-row forward (chunks of one prompt); later forwards
-    are decode (one row) or verify. Committed: 1 for a prefill (its first generated token), a
-    decode and, at least, a verify; an MTP verify commits 1 + the rows of the head's absorb call
+    Evaluated: the main model's rows (an MTP head's are not positions of the forward). The prefill
+    is the first forward, or its first forwards when colibrì prefilled in chunks
+    (:func:`_prefill_forwards`); later forwards are decode (one row) or verify. Committed: 1 for
+    the prefill (its first generated token; earlier chunks 0), a decode and, at least, a verify; an MTP verify commits 1 + the rows of the head's absorb call
     that follows it (the accepted drafts; colibrì absorbs them before drafting again, one row a
     draft, ``G`` drafts a forward). An n-gram verify's acceptance is in no line: assumed.
     """
@@ -609,30 +611,30 @@ def _route_counts(forward: np.ndarray, rows: np.ndarray, is_mtp: np.ndarray, c_s
         np.maximum.at(S_all, forward, rows.astype(np.int64) + 1)
         S[only_head] = S_all[only_head]
     kinds = np.where(S == 1, KIND["decode"], KIND["verify"]).astype(np.int8)
-    kinds[0] = KIND["prefill"]
+    n_prefill = _prefill_forwards(S, runtime)
+    kinds[:n_prefill] = KIND["prefill"]
     c_fwd, c_head = forward[c_start], is_mtp[c_start]
     has_head = bool(c_head.any())
-    if not has_head:
-        ones = np.flatnonzero(S[1:] == 1)
-        first_decode = int(ones[0]) + 1 if len(ones) else F
-        later = S[first_decode:]
-        widest = int(later[later > 1].max()) if (later > 1).any() else 0
-        lead = np.arange(1, first_decode)
-        kinds[lead[S[lead] > widest]] = KIND["prefill"]
     committed = np.ones(F, dtype=np.int64)
+    committed[:n_prefill - 1] = 0
     assumed = kinds == KIND["verify"]
     G = None
     if has_head:
-        decode_phase = S[1:]
-        G = int(runtime.draft) if runtime is not None and runtime.draft else max(1, int(decode_phase.max()) - 1 if len(decode_phase) else 1)
         m = np.bincount(c_fwd[c_head], minlength=F)
+        if runtime is not None and runtime.draft:
+            G = int(runtime.draft)
+        else:   # the widest verify step, or the drafts after the prefill's absorb (when drafting is on)
+            G = max(1, int(S[n_prefill:].max()) - 1 if F > n_prefill else 1, int(m[0]) - int(S[0] >= 2))
         head_calls = np.flatnonzero(c_head)
         firsts = head_calls[np.unique(c_fwd[head_calls], return_index=True)[1]]
         r1 = np.zeros(F, dtype=np.int64)
         r1[c_fwd[firsts]] = c_lines[firsts]
         S_next = np.append(S[1:], 0)
         has_next = np.arange(F) < F - 1
-        drafts = np.where(has_next & ((S_next >= 2) | (m > 1)), np.minimum(m, G), 0)
+        # drafts precede a verify; a one-row step after them is the last one of a run that writes its
+        # final token to the KV cache (its drafts are cut to 0 as no token is left to generate)
+        last_step = np.arange(F) == F - 2
+        drafts = np.where(has_next & ((S_next >= 2) | (m > 1) | last_step), np.minimum(m, G), 0)
         extra = m - drafts
         k = np.where(m == 0, 0, np.where(r1 >= 2, r1, (extra == 1).astype(np.int64)))
         understood = ((m == 0) | (r1 >= 2) | (extra <= 1)) & (k <= S - 1)
@@ -641,6 +643,30 @@ def _route_counts(forward: np.ndarray, rows: np.ndarray, is_mtp: np.ndarray, c_s
         assumed = verify & ~understood
         committed[assumed] = 1
     return S, kinds, committed, assumed, G
+
+
+MAX_VERIFY_ROWS = 64
+"""Rows of colibrì's widest verify step (1 + at most 63 drafts)."""
+
+
+def _prefill_forwards(S: np.ndarray, runtime) -> int:
+    """How many leading forwards of a session (rows per forward ``S``) are its prompt's prefill.
+
+    colibrì counts decode forwards only, so with its count the rest are the prefill (when they
+    have a chunked prefill's shape; otherwise the output is not this session's). Without it:
+    the first forward, or, where colibrì cut a long prompt into chunks (``COLI_PREFILL_CHUNK``):
+    two or more leading forwards of the first one's rows, wider than any verify step, then the
+    prompt's remainder when it is wider than one row (a one-row remainder reads as a decode step).
+    """
+    F = len(S)
+    if runtime is not None and runtime.forwards is not None and 1 <= F - runtime.forwards:
+        n = F - runtime.forwards
+        if n == 1 or (S[0] > 1 and (S[:n - 1] == S[0]).all() and S[n - 1] <= S[0]):
+            return n                    # chunks of one width, then the remainder
+    if F < 2 or S[0] <= MAX_VERIFY_ROWS or S[1] != S[0]:
+        return 1
+    run = int(np.argmin(np.append(S, -1) == S[0]))
+    return run + 1 if run < F and S[run] > 1 else run
 
 
 def _reconcile(path: Path, name: str, kinds: np.ndarray, evaluated: np.ndarray, committed: np.ndarray,
