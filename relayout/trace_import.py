@@ -6,14 +6,25 @@ Formats (FACTS sections 3-4, seed Appendix A):
   call counter advances once per ``moe()`` invocation (colibrì's ``rt_trace_end``), so a call is
   one MoE layer of one forward: its lines are its batch rows. Calls never go back, and inside a
   call the layer never decreases (an engine that counts one call per forward keeps its lines
-  layer-major). A new forward starts at a call whose layer is not above the previous call's, so
-  a model with one MoE layer has one forward per call. A forward of one row is a decode step; a
-  multi-row forward before the session's first decode step is prefill (it commits its first
-  generated token: 1); later ones are speculative verify steps. A ROUTE_TRACE does not carry
-  their acceptance: they are recorded as committing 1 (the minimum) and the trace meta says so
-  (``committed_assumed``), as does ``relayout measure`` in every such step record.
-  Numbers are plain ASCII decimals (no signs, underscores or exponents in ids), each selection is
-  exactly ``<id>:<gate>`` with a finite gate, and a (forward, layer, row) appears once.
+  layer-major). A new forward starts where the layer goes down (colibrì's ``route_pairs.py``
+  rule), or repeats on a layer that is not an MTP head's, so a model with one MoE layer has one
+  forward per call. An MTP (multi-token prediction) head is a layer past the main model's
+  (layer ``num_hidden_layers``) that colibrì calls between forwards: after a forward, one
+  *absorb* call whose rows are the drafts it accepted (after the prefill, the prompt's pairs),
+  then one *draft* call of one row per draft of the next step. Those calls stay in the forward
+  they follow, as in ``route_pairs.py``; where they write a row again, the last write keeps its
+  position and the earlier ones are placed after the forward's positions. The head's layer is
+  the geometry's, the runtime output's, or the trace's top layer when its calls show as the
+  head's (see :func:`_mtp_layers`). The first forward is the prompt's prefill (commits its first
+  generated token: 1); later forwards of one row are decode steps, wider ones speculative verify
+  steps; evaluated positions are the main model's rows. An MTP verify step commits 1 + its
+  absorbed drafts; an n-gram verify step's acceptance is in no line: it is recorded as
+  committing 1 (the minimum) and the trace meta says so (``committed_assumed``), as does
+  ``relayout measure`` in every such step record, unless colibrì's output of the run is given
+  (:mod:`relayout.runtime_output`): its decode forwards must be the trace's and its tokens become
+  the session's. Numbers are plain ASCII decimals (no signs, underscores or exponents in ids),
+  each selection is exactly ``<id>:<gate>`` with a finite gate, and a (forward, layer, row)
+  appears once outside an MTP head's layer.
 * ``stall``: the seed's STALL_TRACE JSONL (plain or ``.zst``): expert records keyed by request,
   step and layer; step (and expert) records carry committed tokens, at least 1; a speculative
   step without one is recorded as committing 1 and listed in ``committed_assumed``. Integers must be JSON integers (not
