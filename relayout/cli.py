@@ -113,8 +113,13 @@ def cmd_trace_import(args) -> int:
     if args.geometry:
         g = load_geometry(args.geometry)
         n_experts, geometry, routed, mtp = g.n_routed_experts, g.name, g.routed_layers, g.mtp_layer_ids
+    split = args.split
+    if split not in (None, "prefill"):
+        if not split.isdigit() or int(split) < 1:
+            raise InputError(None, f"--split {split!r}: give 'prefill' or a number of tokens (at least 1)")
+        split = int(split)
     trace, warnings = import_traces([Path(p) for p in args.inputs], args.format, n_experts, geometry, routed, mtp,
-                                    [Path(p) for p in args.runtime_output or ()])
+                                    [Path(p) for p in args.runtime_output or ()], split)
     for w in warnings:
         print(f"relayout: warning: {w}", file=sys.stderr)
     save_trace(trace, args.output)
@@ -699,6 +704,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="colibrì's saved output (stdout, or stdout and stderr) of an input's run, one per input in the same "
                         "order: its decode forwards and tokens are checked against the ROUTE_TRACE and its tokens become "
                         "the session's committed tokens (without it, n-gram verify steps are assumed to commit 1)")
+    c.add_argument("--split", metavar="prefill|N",
+                   help="cut each ROUTE_TRACE into sessions: 'prefill' at each new prompt (a forward wider than a decode "
+                        "step; an n-gram drafting run needs --runtime-output for its draft depth), or N: every N committed "
+                        "tokens (default: one session per file)")
     c = _command(tsub, "stats", "heat entropy, lift, cross-layer lift, reuse distance per layer", cmd_trace_stats)
     c.add_argument("trace", help="a relayout trace (.rt)")
     c.add_argument("--json", action="store_true", help="print JSON")

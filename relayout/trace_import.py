@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -394,7 +394,16 @@ ROUTE_BLOCK_BYTES = 2 << 20
 
 def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | None = None,
                      block_bytes: int = ROUTE_BLOCK_BYTES, runtime=None) -> SessionRows:
-    """Parse one ROUTE_TRACE text file (one session), plain or zstd, in blocks of whole lines.
+    """Parse one ROUTE_TRACE text file as one session (:func:`read_route_sessions`)."""
+    return read_route_sessions(path, n_experts, limits, block_bytes, runtime)[0]
+
+
+def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits | None = None,
+                        block_bytes: int = ROUTE_BLOCK_BYTES, runtime=None, split: str | int | None = None) -> list[SessionRows]:
+    """Parse one ROUTE_TRACE text file, plain or zstd, in blocks of whole lines, into sessions:
+    the file (``split`` None), one per prompt (``"prefill"``: :func:`_prompt_starts`; the
+    runtime output, which counts every prompt together, then gives the draft depth only), or
+    one per ``split`` committed tokens (an int; counted on the whole file first).
 
     Each block is parsed vectorised (:func:`_fast_route_parse`, or line by line when it is not
     regular), range-checked, and kept in the trace's narrow dtypes, so memory is the parsed rows
@@ -441,21 +450,87 @@ def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | 
     mtp = _mtp_layers(limits, runtime, c_first, c_last, c_lines)
     forward = _route_forwards(c_first, c_last, c_lines, mtp)
     is_mtp = np.isin(layers, list(mtp)) if mtp else np.zeros(len(layers), dtype=bool)
-    call_of_line = np.repeat(np.arange(len(c_start)), c_lines)
-    _check_route_duplicates(path, lines, np.where(is_mtp, int(forward[-1]) + 1 + call_of_line, forward), layers, rows)
-    del call_of_line
-    evaluated, kinds, committed, assumed, drafts = _route_counts(forward, rows, is_mtp, c_start, c_lines, runtime)
+    if is_mtp.any():
+        call_of_line = np.repeat(np.arange(len(c_start)), c_lines)
+        _check_route_duplicates(path, lines, np.where(is_mtp, int(forward[-1]) + 1 + call_of_line, forward), layers, rows)
+        del call_of_line
+    else:
+        _check_route_duplicates(path, lines, forward, layers, rows)
+    F = int(forward[-1]) + 1
+    starts = [0]
+    if split == "prefill":
+        starts = _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime)
+    sessions = []
+    for j, (f0, f1) in enumerate(zip(starts, list(starts[1:]) + [F])):
+        l0, l1 = np.searchsorted(forward, [f0, f1])
+        c0, c1 = np.searchsorted(c_start, [l0, l1])
+        name = path.name if len(starts) == 1 else f"{path.name}#{j + 1}"
+        part = slice(l0, l1)
+        sessions.append(_route_session(path, name, forward[part] - f0, layers[part], rows[part], experts[part], gates[part],
+                                       is_mtp[part], c_start[c0:c1] - l0, c_lines[c0:c1],
+                                       runtime if len(starts) == 1 else None, runtime))
+    if isinstance(split, int):
+        sessions = _split_every(sessions[0], split)
+    return sessions
+
+
+def _route_session(path: Path, name: str, forward, layers, rows, experts, gates, is_mtp, c_start, c_lines, runtime,
+                   structure) -> SessionRows:
+    """One session's rows and counts (:func:`_route_counts`), made ``runtime``'s counts when given;
+    ``structure``: a runtime output read for its draft depth only."""
+    if structure is not None and structure is not runtime:
+        structure = replace(structure, forwards=None, tokens=None)
+    evaluated, kinds, committed, assumed, drafts = _route_counts(forward, rows, is_mtp, c_start, c_lines, structure)
     counts = {}
     if is_mtp.any():
         counts["mtp_layers"] = sorted(int(x) for x in np.unique(layers[is_mtp]))
         counts["drafts_per_forward"] = drafts
     if runtime is not None:
-        _reconcile(path, path.name, kinds, evaluated, committed, assumed, runtime)
+        _reconcile(path, name, kinds, evaluated, committed, assumed, runtime)
         counts.update(runtime.to_json())
+    elif structure is not None:
+        counts["draft_depth_from"] = Path(structure.source).name
     position = _mtp_positions(forward, layers, rows, is_mtp, evaluated)
-    session = _session_from_rows(path.name, forward, layers, position, experts, gates, committed, evaluated, kinds, assumed)
+    session = _session_from_rows(name, forward, layers, position, experts, gates, committed, evaluated, kinds, assumed)
     session.counts = counts or None
     return session
+
+
+def _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime) -> list[int]:
+    """The forwards where a ROUTE_TRACE holding several prompts (a serve process's) starts a new
+    one: forward 0 and every forward wider than the widest decode step, ``1 + G`` rows with ``G``
+    drafts per forward (the runtime output's; else the MTP head's drafts after the first prefill;
+    else 0: a run without drafts, as an n-gram drafting run is unless its output is given)."""
+    F = int(forward[-1]) + 1
+    S = np.zeros(F, dtype=np.int64)
+    np.maximum.at(S, forward[~is_mtp], rows[~is_mtp].astype(np.int64) + 1)
+    if runtime is not None and runtime.draft is not None:
+        G = max(int(runtime.draft), 0)
+    elif is_mtp.any():
+        head = is_mtp[c_start]
+        G = int((head & (forward[c_start] == 0)).sum()) - int(S[0] >= 2)
+    else:
+        G = 0
+    return [0] + [int(f) for f in np.flatnonzero(S[1:] > 1 + max(G, 0)) + 1]
+
+
+def _split_every(s: SessionRows, tokens: int) -> list[SessionRows]:
+    """``s`` cut into sessions of about ``tokens`` committed tokens each, at forward boundaries
+    (a piece ends with the forward that reaches its share)."""
+    cum = np.cumsum(s.fwd_committed)
+    ends = np.flatnonzero(np.diff(cum // tokens, prepend=0) > 0) + 1
+    bounds = [0] + [int(e) for e in ends if 0 < e < len(cum)] + [len(cum)]
+    bounds = sorted(set(bounds))
+    out = []
+    for j, (f0, f1) in enumerate(zip(bounds[:-1], bounds[1:])):
+        r0, r1 = np.searchsorted(s.forward, [f0, f1])
+        part = slice(r0, r1)
+        piece = SessionRows(f"{s.name}#{j + 1}", s.forward[part] - f0, s.layer[part], s.position[part], s.experts[part],
+                            s.gates[part], s.fwd_kind[f0:f1], s.fwd_evaluated[f0:f1], s.fwd_committed[f0:f1],
+                            None if s.fwd_assumed is None else s.fwd_assumed[f0:f1],
+                            {**(s.counts or {}), "split_from": s.name, "piece": f"{j + 1} of {len(bounds) - 1}"})
+        out.append(piece)
+    return out
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -1176,7 +1251,8 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
 
 
 def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | None = None, geometry: str = "inferred",
-                  routed_layers=None, mtp_layers=None, runtime_outputs: list[Path] | None = None) -> tuple[RoutingTrace, list[str]]:
+                  routed_layers=None, mtp_layers=None, runtime_outputs: list[Path] | None = None,
+                  split: str | int | None = None) -> tuple[RoutingTrace, list[str]]:
     """Import ``paths`` (one session each, in order). Returns the trace and warnings.
 
     With ``n_experts`` (a geometry's experts per layer) ids must be below it; layers must be
@@ -1186,6 +1262,8 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
 
     ``runtime_outputs``: for ROUTE_TRACE inputs, colibrì's saved output of each input's run, in
     the same order (:mod:`relayout.runtime_output`); each session's counts are made its run's.
+    ``split``: for ROUTE_TRACE inputs, ``"prefill"`` makes each prompt of a file a session, an
+    int N a session of every N committed tokens (:func:`read_route_sessions`).
     """
     warnings: list[str] = []
     formats = [fmt or sniff_format(p) for p in paths]
@@ -1195,6 +1273,10 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
     source = ",".join(p.name for p in paths)
     limits = Limits.make(n_experts, geometry, routed_layers, mtp_layers)
     runtime = [None] * len(paths)
+    if split is not None and kind != "route":
+        raise InputError(None, f"splitting into sessions is for ROUTE_TRACE inputs, not {kind}")
+    if isinstance(split, int) and split < 1:
+        raise InputError(None, f"a session of {split} tokens: give at least 1")
     if runtime_outputs:
         if kind != "route":
             raise InputError(None, f"runtime output is read for ROUTE_TRACE inputs only, not {kind}")
@@ -1222,7 +1304,7 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
     mblt_experts = 0
     for p, run in zip(paths, runtime):
         if kind == "route":
-            sessions.append(read_route_trace(p, limits=limits, runtime=run))
+            sessions.extend(read_route_sessions(p, limits=limits, runtime=run, split=split))
         elif kind == "stall":
             sessions.extend(read_stall_trace(p, limits=limits))
         elif kind == "mblt":

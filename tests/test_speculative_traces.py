@@ -400,3 +400,70 @@ def test_coli_pairs_equal_colibris_route_pairs(tmp_path):
         theirs = tmp_path / "theirs.coli_pairs"
         subprocess.run([sys.executable, str(tool), str(theirs), *map(str, paths)], check=True, capture_output=True)
         assert exported_pairs(tmp_path, paths) == read_pairs(theirs), paths
+
+
+# ------------------------------------------------------------------ several prompts in one file
+
+
+def one_process(tmp_path: Path, runs: list[str]) -> Path:
+    """The runs' ROUTE_TRACE lines as one process writes several prompts: one call counter."""
+    out, offset = [], 0
+    for run in runs:
+        last = offset
+        for line in (DATA / f"{run}.route").read_text().splitlines():
+            call, rest = line.split(" ", 1)
+            last = int(call) + offset
+            out.append(f"{last} {rest}")
+        offset = last + 1
+    p = tmp_path / "process.route"
+    p.write_text("\n".join(out) + "\n")
+    return p
+
+
+def sessions_of(tr) -> list[tuple[int, int, int]]:
+    """(forwards, committed tokens, first forward's evaluated positions) per session."""
+    out = []
+    for i in range(len(tr.sessions)):
+        m = tr.fwd_session == i
+        assert FORWARD_KINDS[tr.fwd_kind[m][0]] == "prefill"
+        out.append((int(m.sum()), int(tr.fwd_committed[m].sum()), int(tr.fwd_evaluated[m][0])))
+    return out
+
+
+def test_split_at_each_prompt(tmp_path):
+    p = one_process(tmp_path, ["plain", "plain"])
+    whole, _ = import_traces([p])
+    assert len(whole.sessions) == 1 and whole.n_forwards == 40
+    tr, _ = import_traces([p], split="prefill")
+    assert tr.sessions == ["process.route#1", "process.route#2"] and sessions_of(tr) == [(20, 20, 12)] * 2
+    # MTP: each prompt's prefill, absorb and drafts start its session; counts as in each run alone
+    tr, _ = import_traces([one_process(tmp_path, ["mtp", "mtp"])], split="prefill")
+    assert sessions_of(tr) == [(16, 20, 12)] * 2 and "committed_assumed" not in tr.meta
+    alone, _ = import_traces([DATA / "mtp.route"])
+    assert tr.fwd_committed[tr.fwd_session == 1].tolist() == alone.fwd_committed.tolist()
+    # n-gram drafts: the run's draft depth (its output) tells a verify step from a prompt
+    p = one_process(tmp_path, ["draft3", "draft3"])
+    tr, _ = import_traces([p], split="prefill", runtime_outputs=[DATA / "draft3.stdout"])
+    assert sessions_of(tr) == [(18, 18, 12)] * 2 and tr.meta["committed_assumed"]["forwards"] == 8
+    assert "committed_from_runtime_output" not in tr.meta      # its counts are one prompt's, not the file's
+    blind, _ = import_traces([p], split="prefill")
+    assert len(blind.sessions) > 2                              # without it, verify steps read as prompts
+
+
+def test_split_every_n_tokens(tmp_path):
+    tr, _ = import_traces([DATA / "mtp.route"], split=6)
+    whole, _ = import_traces([DATA / "mtp.route"])
+    assert tr.fwd_committed.tolist() == whole.fwd_committed.tolist() and tr.n_rows == whole.n_rows
+    per = [int(tr.fwd_committed[tr.fwd_session == i].sum()) for i in range(len(tr.sessions))]
+    assert sum(per) == 20 and len(per) == 4
+    ends = np.cumsum(per)[:-1]
+    cum = np.cumsum(whole.fwd_committed)
+    # each piece ends with the forward whose tokens reach the next multiple of 6
+    for e in ends:
+        f = int(np.flatnonzero(cum == e)[0])
+        assert e // 6 > (cum[f - 1] // 6 if f else 0)
+    assert tr.meta["session_counts"]["mtp.route#2"]["piece"] == "2 of 4"
+    res = run_cli("trace", "import", DATA / "mtp.route", "--split", "0", "-o", tmp_path / "o.rt")
+    assert res.returncode == 2 and "--split" in res.stderr and not (tmp_path / "o.rt").exists()
+    res = run_cli("trace", "import", DATA / "mtp.route", "--split", "prefill", "-o", tmp_path / "o.rt")
+    assert res.returncode == 0 and "1 session(s)" in res.stdout
