@@ -78,7 +78,20 @@ def _prof_tokens(forwards: int, per: str) -> int | None:
 
 
 def read_runtime_output(path: Path) -> RuntimeCounts:
-    """Read the counts of one colibrì run from its saved output (see the module doc)."""
+    """Read the counts of one colibrì run from its saved output (see the module doc).
+
+    Parameters
+    ----------
+    path : Path
+        colibrì's stdout (or stdout and stderr together) of one run, plain or zstd, at most
+        ``MAX_OUTPUT_BYTES``.
+
+    Returns
+    -------
+    RuntimeCounts
+        The counts the output states; an :class:`InputError` naming the file when two lines
+        disagree or none states forwards or tokens.
+    """
     try:
         size = Path(path).stat().st_size
     except OSError as exc:

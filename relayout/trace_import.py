@@ -405,6 +405,24 @@ def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits
     runtime output, which counts every prompt together, then gives the draft depth only), or
     one per ``split`` committed tokens (an int; counted on the whole file first).
 
+    Parameters
+    ----------
+    path : Path
+        The ROUTE_TRACE file.
+    n_experts, limits : int, Limits, optional
+        What ids and layers may be (:class:`Limits`; its ``mtp_layers`` name an MTP head).
+    block_bytes : int
+        Text parsed per step.
+    runtime : RuntimeCounts, optional
+        colibrì's printed counts of the file's run (:mod:`relayout.runtime_output`).
+    split : "prefill" or int, optional
+        How to cut the file into sessions.
+
+    Returns
+    -------
+    list of SessionRows
+        In file order, named after the file (``name#1``, ``name#2``, ... when cut).
+
     Each block is parsed vectorised (:func:`_fast_route_parse`, or line by line when it is not
     regular), range-checked, and kept in the trace's narrow dtypes, so memory is the parsed rows
     plus one block's working arrays (a few times ``block_bytes``), whatever the file's size.

@@ -341,6 +341,13 @@ def test_an_mtp_head_the_trace_cannot_show_is_taken_from_the_geometry(tmp_path):
     out.write_text(engine_stdout("text", fw, emitted, 5, 1, 5))
     tr, _ = import_traces([p], runtime_outputs=[out])
     assert tr.fwd_committed.tolist() == committed and "committed_assumed" not in tr.meta
+    # a shipped geometry names its MTP layer: GLM-5.2's layer 78, after routed layers 3..77
+    text, fw, emitted, committed, evaluated = engine_run(3, 1, 2, 78, 1, 0.0, "limit", layers=range(3, 78), experts=256)
+    p.write_text(text)
+    assert "committed_assumed" in import_traces([p])[0].meta
+    tr, _ = import_traces([p], n_experts=256, geometry="glm-5.2-int4-row")
+    assert tr.fwd_committed.tolist() == committed and "committed_assumed" not in tr.meta
+    assert tr.meta["session_counts"]["run.route"]["mtp_layers"] == [78]
 
 
 # ------------------------------------------------------------------ the runtime output
