@@ -12,7 +12,10 @@ together), from these lines:
   not one of them) and tokens emitted, exactly;
 * ``[PROF] decode forwards: <N> | ... | <x> tok/forward`` (``PROF=1``): the same forwards, and
   the tokens when ``N * x`` rounded to two decimals leaves only one integer;
-* ``Matching tokens: <m>/<T>`` (oracle runs, which never stop early): the tokens generated.
+* ``Matching tokens: <m>/<T>`` (oracle runs, which never stop early): the tokens generated;
+* ``STAT <tokens> <tok/s> <hit%> <RSS GB> <prompt tokens> <length limited>`` (serve mode, after
+  each answer's end marker): one served turn's tokens, with that turn's ``[PROF] decode
+  forwards`` line (stderr, ``PROF=1``) when the output holds one per turn.
 
 Every count found must agree with the others; a file stating none of them is an error.
 """
@@ -30,6 +33,7 @@ _LOADED = re.compile(rb"\| layers=(\d+) experts=(\d+) \| MTP (ACTIVE|absent|[A-Z
 _PER = re.compile(rb"\((\d+) forwards per (\d+) tokens\)")
 _PROF = re.compile(rb"\[PROF\] decode forwards: (\d+) \|.*\| (\d+\.\d+) tok/forward")
 _MATCHING = re.compile(rb"^Matching tokens: (\d+)/(\d+)\s*$", re.M)
+_TURN = re.compile(rb"^STAT (\d+) \S+ \S+ \S+ (\d+) (\d+)", re.M)
 
 MAX_OUTPUT_BYTES = 64 << 20
 """Largest runtime output read (the count lines are printed once per run)."""
@@ -41,7 +45,8 @@ class RuntimeCounts:
 
     ``forwards``: decode forwards, the prefill excluded; ``tokens``: tokens emitted;
     ``n_layers``: the model's layers (its MTP head, when active, is layer ``n_layers``);
-    ``mtp``: the MTP head drafted; ``draft``: drafts proposed per forward.
+    ``mtp``: the MTP head drafted; ``draft``: drafts proposed per forward; ``turns``: a serve
+    process's ``(decode forwards or None, tokens)`` per turn, in order (empty for one-shot runs).
     """
 
     source: str
@@ -50,6 +55,12 @@ class RuntimeCounts:
     n_layers: int | None = None
     mtp: bool | None = None
     draft: int | None = None
+    turns: tuple = ()
+
+    def turn(self, i: int) -> RuntimeCounts:
+        """The counts of served turn ``i`` alone."""
+        forwards, tokens = self.turns[i]
+        return RuntimeCounts(f"{self.source} (turn {i + 1})", forwards, tokens, self.n_layers, self.mtp, self.draft)
 
     def to_json(self) -> dict:
         return {k: v for k, v in (("runtime_output", Path(self.source).name), ("forwards", self.forwards), ("tokens", self.tokens),
@@ -100,6 +111,20 @@ def read_runtime_output(path: Path) -> RuntimeCounts:
         raise InputError(path, f"{size:,} bytes: too large for a colibrì run's output (at most {MAX_OUTPUT_BYTES:,})")
     data = read_bytes(path)
     text = lambda m: m.group(0).decode(errors="replace").strip()[:120]
+    loaded = [m for m in _LOADED.finditer(data)]
+    n_layers = _agree(path, "layers", [(int(m.group(1)), text(m)) for m in loaded])
+    draft = _agree(path, "drafts per forward", [(int(m.group(4)), text(m)) for m in loaded])
+    mtp = None
+    if loaded:
+        mtp = loaded[-1].group(3) == b"ACTIVE" and (draft or 0) > 0
+    draft = draft if draft is None or draft >= 0 else None
+    served = [int(m.group(1)) for m in _TURN.finditer(data)]
+    if served:
+        per_turn = [int(m.group(1)) for m in _PROF.finditer(data)]
+        fw = per_turn if len(per_turn) == len(served) else [None] * len(served)
+        turns = tuple(zip(fw, served))
+        total_fw = sum(per_turn) if len(per_turn) == len(served) else None
+        return RuntimeCounts(str(path), total_fw, sum(served), n_layers, mtp, draft, turns)
     forwards, tokens = [], []
     for m in _PER.finditer(data):
         forwards.append((int(m.group(1)), text(m)))
@@ -112,14 +137,8 @@ def read_runtime_output(path: Path) -> RuntimeCounts:
             tokens.append((t, text(m)))
     for m in _MATCHING.finditer(data):
         tokens.append((int(m.group(2)), text(m)))
-    loaded = [m for m in _LOADED.finditer(data)]
-    n_layers = _agree(path, "layers", [(int(m.group(1)), text(m)) for m in loaded])
-    draft = _agree(path, "drafts per forward", [(int(m.group(4)), text(m)) for m in loaded])
-    mtp = None
-    if loaded:
-        mtp = loaded[-1].group(3) == b"ACTIVE" and (draft or 0) > 0
     counts = RuntimeCounts(str(path), _agree(path, "decode forwards", forwards), _agree(path, "tokens", tokens),
-                           n_layers, mtp, draft if draft is None or draft >= 0 else None)
+                           n_layers, mtp, draft)
     if counts.forwards is None and counts.tokens is None:
         raise InputError(path, "no run counts found: expected colibrì's '(N forwards per T tokens)', "
                                "'[PROF] decode forwards: N' or 'Matching tokens: m/T' line")

@@ -401,8 +401,9 @@ def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | 
 def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits | None = None,
                         block_bytes: int = ROUTE_BLOCK_BYTES, runtime=None, split: str | int | None = None) -> list[SessionRows]:
     """Parse one ROUTE_TRACE text file, plain or zstd, in blocks of whole lines, into sessions:
-    the file (``split`` None), one per prompt (``"prefill"``: :func:`_prompt_starts`; the
-    runtime output, which counts every prompt together, then gives the draft depth only), or
+    the file (``split`` None), one per prompt (``"prefill"``: :func:`_prompt_starts`; a serve
+    process's runtime output gives each its turn's counts, a one-shot run's output, which counts
+    every prompt together, the draft depth only), or
     one per ``split`` committed tokens (an int; counted on the whole file first).
 
     Parameters
@@ -475,9 +476,16 @@ def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits
     else:
         _check_route_duplicates(path, lines, forward, layers, rows)
     F = int(forward[-1]) + 1
-    starts = [0]
-    if split == "prefill":
-        starts = _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime)
+    starts = _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime, split == "prefill")
+    turns = runtime.turns if runtime is not None else ()
+    if turns and len(turns) != len(starts):
+        raise InputError(runtime.source, f"holds {len(turns)} served turns; {path} has {len(starts)} prompts")
+    if runtime is not None and runtime.mtp is not None and runtime.mtp != bool(is_mtp.any()) and F > 1:
+        raise InputError(runtime.source, ("says the MTP head drafted; " if runtime.mtp else "says no MTP head drafted; ")
+                         + f"{path} has {'no' if runtime.mtp else 'an'} MTP head's calls: not this trace's run?")
+    if runtime is not None and not turns and len(starts) > 1 and split != "prefill":
+        raise InputError(runtime.source, f"counts one prompt; {path} has {len(starts)} (forwards wider than a "
+                                         f"decode step of {runtime.draft} drafts): not this trace's run?")
     sessions = []
     for j, (f0, f1) in enumerate(zip(starts, list(starts[1:]) + [F])):
         l0, l1 = np.searchsorted(forward, [f0, f1])
@@ -486,18 +494,41 @@ def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits
         part = slice(l0, l1)
         sessions.append(_route_session(path, name, forward[part] - f0, layers[part], rows[part], experts[part], gates[part],
                                        is_mtp[part], c_start[c0:c1] - l0, c_lines[c0:c1],
-                                       runtime if len(starts) == 1 else None, runtime))
+                                       runtime.turn(j) if turns else runtime if len(starts) == 1 else None, runtime))
+    if split != "prefill" and len(sessions) > 1:
+        sessions = [_joined_session(path, path.name, sessions, None if turns else runtime)]
     if isinstance(split, int):
         sessions = _split_every(sessions[0], split)
     return sessions
+
+
+def _joined_session(path: Path, name: str, parts: list[SessionRows], runtime) -> SessionRows:
+    """The prompts of one file, counted each on its own, as one session (made ``runtime``'s
+    counts when given: a run's output that counts every prompt together)."""
+    offsets = np.cumsum([0] + [len(p.fwd_kind) for p in parts[:-1]])
+    cat = lambda key: np.concatenate([getattr(p, key) for p in parts])
+    kinds, evaluated, committed = cat("fwd_kind"), cat("fwd_evaluated"), cat("fwd_committed")
+    assumed = np.concatenate([p.fwd_assumed if p.fwd_assumed is not None else np.zeros(len(p.fwd_kind), bool) for p in parts])
+    counts = {k: v for k, v in (parts[0].counts or {}).items() if k in ("mtp_layers", "drafts_per_forward")}
+    counts["prompts"] = len(parts)
+    if runtime is not None:
+        _reconcile(path, name, kinds, evaluated, committed, assumed, runtime)
+        counts.update(runtime.to_json())
+    elif any(p.counts and "tokens" in p.counts for p in parts):
+        counts["runtime_output"] = parts[0].counts["runtime_output"].rsplit(" (turn", 1)[0]
+        counts["tokens"] = int(committed.sum())
+    return SessionRows(name, np.concatenate([p.forward + o for p, o in zip(parts, offsets)]), cat("layer"), cat("position"),
+                       cat("experts"), cat("gates"), kinds, evaluated, committed, assumed, counts)
 
 
 def _route_session(path: Path, name: str, forward, layers, rows, experts, gates, is_mtp, c_start, c_lines, runtime,
                    structure) -> SessionRows:
     """One session's rows and counts (:func:`_route_counts`), made ``runtime``'s counts when given;
     ``structure``: a runtime output read for its draft depth only."""
-    if structure is not None and structure is not runtime:
-        structure = replace(structure, forwards=None, tokens=None)
+    if runtime is not None:
+        structure = runtime
+    elif structure is not None:
+        structure = replace(structure, forwards=None, tokens=None, turns=())
     evaluated, kinds, committed, assumed, drafts = _route_counts(forward, rows, is_mtp, c_start, c_lines, structure)
     counts = {}
     if is_mtp.any():
@@ -514,11 +545,13 @@ def _route_session(path: Path, name: str, forward, layers, rows, experts, gates,
     return session
 
 
-def _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime) -> list[int]:
+def _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime, split: bool) -> list[int]:
     """The forwards where a ROUTE_TRACE holding several prompts (a serve process's) starts a new
     one: forward 0 and every forward wider than the widest decode step, ``1 + G`` rows with ``G``
-    drafts per forward (the runtime output's; else the MTP head's drafts after the first prefill;
-    else 0: a run without drafts, as an n-gram drafting run is unless its output is given)."""
+    drafts per forward, after one that is not (the chunks of a long prompt follow each other).
+    ``G``: the runtime output's; else the MTP head's drafts after the first prefill; else, when
+    ``split``, 0 (a run without drafts, as an n-gram drafting run is unless its output is given);
+    else unknown, and the file is one prompt."""
     F = int(forward[-1]) + 1
     S = np.zeros(F, dtype=np.int64)
     np.maximum.at(S, forward[~is_mtp], rows[~is_mtp].astype(np.int64) + 1)
@@ -527,9 +560,12 @@ def _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime) -> list[int
     elif is_mtp.any():
         head = is_mtp[c_start]
         G = int((head & (forward[c_start] == 0)).sum()) - int(S[0] >= 2)
-    else:
+    elif split:
         G = 0
-    return [0] + [int(f) for f in np.flatnonzero(S[1:] > 1 + max(G, 0)) + 1]
+    else:
+        return [0]
+    wide = S > 1 + max(G, 0)
+    return [0] + [int(f) for f in np.flatnonzero(wide[1:] & ~wide[:-1]) + 1]
 
 
 def _split_every(s: SessionRows, tokens: int) -> list[SessionRows]:

@@ -235,7 +235,7 @@ def test_real_draft_run_tokens_come_from_the_runtime_output():
     assert tr.meta["session_counts"]["draft3.route"]["tokens"] == 20
 
 
-@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize("run", sorted(RUNS) + ["serve_plain", "serve_mtp"])
 def test_real_run_coli_pairs_are_route_pairs(tmp_path, run):
     path = DATA / f"{run}.route"
     assert exported_pairs(tmp_path, [path]) == reference_pairs([path.read_text()])
@@ -247,13 +247,18 @@ def test_real_runs_in_one_table_are_route_pairs(tmp_path):
 
 
 def test_a_runtime_output_of_another_run_is_refused(tmp_path):
-    with pytest.raises(InputError, match="reports 15 decode forwards; .*draft3.route has 17"):
+    with pytest.raises(InputError, match="mtp.stdout: says the MTP head drafted; .*draft3.route has no MTP head's calls"):
         import_traces([DATA / "draft3.route"], runtime_outputs=[DATA / "mtp.stdout"])
+    with pytest.raises(InputError, match="mtp_p1.stdout: reports 21 decode forwards; .*mtp.route has 15"):
+        import_traces([DATA / "mtp.route"], runtime_outputs=[DATA / "mtp_p1.stdout"])
+    with pytest.raises(InputError, match="plain.stdout: counts one prompt; .*draft3.route has 3"):
+        import_traces([DATA / "draft3.route"], runtime_outputs=[DATA / "plain.stdout"])
     with pytest.raises(InputError, match="one per input"):
         import_traces([DATA / "mtp.route", DATA / "plain.route"], runtime_outputs=[DATA / "mtp.stdout"])
     # same forwards, more tokens than the steps can commit
     other = tmp_path / "other.stdout"
     other.write_text("N-gram speculation (DRAFT=1): 9.00 tokens/forward (15 forwards per 99 tokens)\n")
+    # (no 'loaded ...' line: the output does not say whether an MTP head drafted)
     with pytest.raises(InputError, match="reports 99 tokens; .*mtp.route's forwards commit 19..20"):
         import_traces([DATA / "mtp.route"], runtime_outputs=[other])
 
@@ -377,7 +382,7 @@ def test_cli_import_with_runtime_output(tmp_path):
     assert res.returncode == 0, res.stderr
     stats = run_cli("trace", "stats", out)
     assert stats.returncode == 0
-    assert "17 decode forwards (colibrì's count: the prefill excluded) per 20 tokens" in stats.stdout
+    assert "17 decode forwards (colibrì's count: the prefill excluded) per 20 tokens" in stats.stdout, stats.stdout
     assert "runtime output in 1 of 1 sessions" in stats.stdout and "6 of 20 committed tokens (4 forwards)" in stats.stdout
     bad = run_cli("trace", "import", DATA / "draft3.route", "--runtime-output", DATA / "mtp.stdout", "-o", tmp_path / "x.rt")
     assert bad.returncode == 2 and "mtp.stdout" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
@@ -402,7 +407,8 @@ def test_coli_pairs_equal_colibris_route_pairs(tmp_path):
     tool = _route_pairs_tool()
     built = tmp_path / "built.route"
     built.write_text(engine_run(11, 5, 24, 5, 2, 0.6, "kv")[0])
-    cases = [[DATA / f"{run}.route"] for run in sorted(RUNS)] + [[built], [DATA / "mtp.route", DATA / "mtp_d2.route"]]
+    cases = ([[DATA / f"{run}.route"] for run in sorted(RUNS) + ["serve_plain", "serve_mtp"]]
+             + [[built], [DATA / "mtp.route", DATA / "mtp_d2.route"]])
     for paths in cases:
         theirs = tmp_path / "theirs.coli_pairs"
         subprocess.run([sys.executable, str(tool), str(theirs), *map(str, paths)], check=True, capture_output=True)
@@ -474,3 +480,43 @@ def test_split_every_n_tokens(tmp_path):
     assert res.returncode == 2 and "--split" in res.stderr and not (tmp_path / "o.rt").exists()
     res = run_cli("trace", "import", DATA / "mtp.route", "--split", "prefill", "-o", tmp_path / "o.rt")
     assert res.returncode == 0 and "1 session(s)" in res.stdout
+
+
+# ------------------------------------------------------------------ a serve process: several prompts, one file
+
+
+def serve_output(tmp_path: Path, run: str, with_stderr: bool = True) -> Path:
+    """The serve run's stdout, and its stderr (where PROF=1 writes each turn's forwards) after it."""
+    p = tmp_path / f"{run}.out"
+    p.write_bytes((DATA / f"{run}.stdout").read_bytes() + ((DATA / f"{run}.stderr").read_bytes() if with_stderr else b""))
+    return p
+
+
+@pytest.mark.parametrize("run, turns, tokens, prompts", [("serve_plain", 3, 8, [72, 61, 51]), ("serve_mtp", 2, 10, [72, 61])])
+def test_real_serve_process_splits_into_its_turns(tmp_path, run, turns, tokens, prompts):
+    out = serve_output(tmp_path, run)
+    printed = read_runtime_output(out)
+    assert printed.turns == ((tokens, tokens),) * turns
+    tr, _ = import_traces([DATA / f"{run}.route"], split="prefill", runtime_outputs=[out])
+    assert sessions_of(tr) == [(tokens + 1, tokens, p) for p in prompts]
+    # a turn's last forward only writes its last token to the KV cache: it commits nothing
+    for i in range(turns):
+        assert tr.fwd_committed[tr.fwd_session == i][-1] == 0
+    assert tr.meta["session_counts"][f"{run}.route#2"]["runtime_output"] == f"{run}.out (turn 2)"
+    # the trace alone: every forward's token counted (the KV-only step's too), no turn merged or cut
+    alone, _ = import_traces([DATA / f"{run}.route"], split="prefill")
+    assert sessions_of(alone) == [(tokens + 1, tokens + 1, p) for p in prompts]
+    # stdout alone holds each turn's tokens, not its forwards
+    only_stdout = read_runtime_output(serve_output(tmp_path, run, with_stderr=False))
+    assert only_stdout.turns == ((None, tokens),) * turns
+    tr, _ = import_traces([DATA / f"{run}.route"], split="prefill", runtime_outputs=[serve_output(tmp_path, run, False)])
+    assert sessions_of(tr) == [(tokens + 1, tokens, p) for p in prompts]
+    # not split: one session holding every turn, each counted as its turn
+    whole, _ = import_traces([DATA / f"{run}.route"], runtime_outputs=[out])
+    assert len(whole.sessions) == 1 and (whole.fwd_kind == PREFILL).sum() == turns
+    assert whole.fwd_committed.tolist() == tr.fwd_committed.tolist() and whole.n_rows == tr.n_rows
+    assert whole.meta["session_counts"][f"{run}.route"]["prompts"] == turns
+    # another process's turns
+    other = "serve_mtp" if run == "serve_plain" else "serve_plain"
+    with pytest.raises(InputError, match=f"holds {5 - turns} served turns; .*{run}.route has {turns} prompts"):
+        import_traces([DATA / f"{run}.route"], split="prefill", runtime_outputs=[serve_output(tmp_path, other)])
