@@ -702,8 +702,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "and record its name")
     c.add_argument("--runtime-output", action="append", metavar="FILE",
                    help="colibrì's saved output (stdout, or stdout and stderr) of an input's run, one per input in the same "
-                        "order: its decode forwards and tokens are checked against the ROUTE_TRACE and its tokens become "
-                        "the session's committed tokens (without it, n-gram verify steps are assumed to commit 1)")
+                        "order: its decode forwards and tokens (a serve process's: each turn's) are checked against the "
+                        "ROUTE_TRACE and its tokens become the committed tokens (without it, n-gram verify steps are "
+                        "assumed to commit 1)")
     c.add_argument("--split", metavar="prefill|N",
                    help="cut each ROUTE_TRACE into sessions: 'prefill' at each new prompt (a forward wider than a decode "
                         "step; an n-gram drafting run needs --runtime-output for its draft depth), or N: every N committed "
