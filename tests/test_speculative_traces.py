@@ -520,3 +520,41 @@ def test_real_serve_process_splits_into_its_turns(tmp_path, run, turns, tokens, 
     other = "serve_mtp" if run == "serve_plain" else "serve_plain"
     with pytest.raises(InputError, match=f"holds {5 - turns} served turns; .*{run}.route has {turns} prompts"):
         import_traces([DATA / f"{run}.route"], split="prefill", runtime_outputs=[serve_output(tmp_path, other)])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**31 - 1), st.integers(2, 4), st.sampled_from(["mtp", "ngram", "plain"]), st.integers(1, 3),
+       st.booleans())
+def test_built_serve_process_splits_into_its_turns(tmp_path, seed, n_turns, mode, depth, prof):
+    """Several turns of a serve process (the caller keeps the KV cache) in one file: split at each
+    prompt, each session has its turn's forwards and tokens."""
+    rng = np.random.default_rng(seed)
+    head = 5 if mode == "mtp" else None
+    depth = depth if mode != "plain" else 0
+    lines, stdout, turns, offset = [], [], [], 0
+    for t in range(n_turns):
+        prompt = int(rng.integers(depth + 2, 13))          # wider than a decode step, as a templated prompt is
+        text, fw, emitted, committed, evaluated = engine_run(seed + t, prompt, int(rng.integers(1, 12)), head, depth,
+                                                             float(rng.choice([0.0, 0.5, 1.0])), "kv")
+        last = offset
+        for line in text.splitlines():
+            call, rest = line.split(" ", 1)
+            last = int(call) + offset
+            lines.append(f"{last} {rest}")
+        offset = last + 1
+        turns.append((fw, emitted, committed, prompt))
+    p = tmp_path / "serve.route"
+    p.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "serve.out"
+    text = f"loaded in 0.01s | resident dense: 1.91 MB | layers=5 experts=8 | MTP {'ACTIVE' if head else 'absent'} (draft={depth})\n"
+    for fw, emitted, _, prompt in turns:
+        text += f"\x01\x01END\x01\x01\nSTAT {emitted} 10.00 50.0 0.01 {prompt} 1\n"
+    if prof:
+        text += "".join(f"[PROF] decode forwards: {fw} | latency p50 0.2 ms | p90 0.2 ms | p99 0.2 ms | max 0.3 ms | "
+                        f"{emitted / fw:.2f} tok/forward\n" for fw, emitted, _, _ in turns)
+    out.write_text(text)
+    tr, _ = import_traces([p], split="prefill", runtime_outputs=[out])
+    assert sessions_of(tr) == [(fw + 1, emitted, prompt) for fw, emitted, _, prompt in turns]
+    if head is not None or mode == "plain":
+        for i, (_, _, committed, _) in enumerate(turns):
+            assert tr.fwd_committed[tr.fwd_session == i].tolist() == committed
