@@ -63,8 +63,9 @@ class RuntimeCounts:
         return RuntimeCounts(f"{self.source} (turn {i + 1})", forwards, tokens, self.n_layers, self.mtp, self.draft)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in (("runtime_output", Path(self.source).name), ("forwards", self.forwards), ("tokens", self.tokens),
-                                  ("n_layers", self.n_layers), ("mtp", self.mtp), ("draft", self.draft)) if v is not None}
+        fields = (("runtime_output", Path(self.source).name), ("forwards", self.forwards), ("tokens", self.tokens),
+                  ("n_layers", self.n_layers), ("mtp", self.mtp), ("draft", self.draft))
+        return {k: v for k, v in fields if v is not None}
 
 
 def _agree(path: Path, what: str, values: list[tuple[int, str]]) -> int | None:

@@ -737,9 +737,10 @@ def _route_counts(forward: np.ndarray, rows: np.ndarray, is_mtp: np.ndarray, c_s
     Evaluated: the main model's rows (an MTP head's are not positions of the forward). The prefill
     is the first forward, or its first forwards when colibrì prefilled in chunks
     (:func:`_prefill_forwards`); later forwards are decode (one row) or verify. Committed: 1 for
-    the prefill (its first generated token; earlier chunks 0), a decode and, at least, a verify; an MTP verify commits 1 + the rows of the head's absorb call
-    that follows it (the accepted drafts; colibrì absorbs them before drafting again, one row a
-    draft, ``G`` drafts a forward). An n-gram verify's acceptance is in no line: assumed.
+    the prefill (its first generated token; earlier chunks 0), a decode and, at least, a verify;
+    an MTP verify commits 1 + the rows of the head's absorb call that follows it (the accepted
+    drafts; colibrì absorbs them before drafting again, one row a draft, ``G`` drafts a forward).
+    An n-gram verify's acceptance is in no line: assumed.
     """
     F = int(forward[-1]) + 1
     main = ~is_mtp
