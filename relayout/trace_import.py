@@ -22,20 +22,24 @@ Formats (FACTS sections 3-4, seed Appendix A):
   committing 1 (the minimum) and the trace meta says so (``committed_assumed``), as does
   ``relayout measure`` in every such step record, unless colibrì's output of the run is given
   (:mod:`relayout.runtime_output`): its decode forwards must be the trace's and its tokens become
-  the session's. Numbers are plain ASCII decimals (no signs, underscores or exponents in ids),
-  each selection is exactly ``<id>:<gate>`` with a finite gate, and a (forward, layer, row)
-  appears once outside an MTP head's layer.
+  the session's. A file written by a serve process holds several prompts: each prompt's prefill
+  is a forward wider than a decode step (``1 + G`` rows, ``G`` drafts a step, when ``G`` is
+  known), its turn's counts come from the output's served turns, and ``split`` makes each prompt
+  a session (:func:`read_route_sessions`). Numbers are plain ASCII decimals (no signs,
+  underscores or exponents in ids), each selection is exactly ``<id>:<gate>`` with a finite gate,
+  and a (forward, layer, row) appears once outside an MTP head's layer.
 * ``stall``: the seed's STALL_TRACE JSONL (plain or ``.zst``): expert records keyed by request,
   step and layer; step (and expert) records carry committed tokens, at least 1; a speculative
   step without one is recorded as committing 1 and listed in ``committed_assumed``. Integers must be JSON integers (not
   booleans or floats), ``required`` a boolean, ``router_probability`` a finite number.
-* ``mblt``: mbolt's ``MBLT`` v1 binary (forwards and kinds as for ``route``, a new forward where
-  the layer decreases; multi-token forwards after decode began are verify steps, acceptance assumed). Only a truncated *last* record is a torn tail (dropped
+* ``mblt``: mbolt's ``MBLT`` v1 binary (a new forward where the layer decreases; multi-token
+  forwards before the first one-token forward are prefill, later ones verify steps, acceptance
+  assumed). Only a truncated *last* record is a torn tail (dropped
   with a warning): a record that claims more bytes than remain while a valid chain of records
   follows it is mid-file damage, an error naming the record and its byte offset.
 * ``coli_usage``: colibrì's learning-cache history: per-(layer, expert) counts only.
 
-Each input file is one session, in the order given. Malformed input raises
+Each input file is one session, in the order given (a ROUTE_TRACE may be cut into several). Malformed input raises
 ``InputError("file:line", problem)`` (``file:record N`` for MBLT).
 
 Ranges are checked on the parsed 64-bit (or Python) integers, before any narrowing to the
