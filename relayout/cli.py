@@ -109,11 +109,17 @@ def cmd_trace_import(args) -> int:
 
     from .trace_import import import_traces
 
-    n_experts, geometry, routed = None, "inferred", None
+    n_experts, geometry, routed, mtp = None, "inferred", None, None
     if args.geometry:
         g = load_geometry(args.geometry)
-        n_experts, geometry, routed = g.n_routed_experts, g.name, g.routed_layers
-    trace, warnings = import_traces([Path(p) for p in args.inputs], args.format, n_experts, geometry, routed)
+        n_experts, geometry, routed, mtp = g.n_routed_experts, g.name, g.routed_layers, g.mtp_layer_ids
+    split = args.split
+    if split not in (None, "prefill"):
+        if not split.isdigit() or int(split) < 1:
+            raise InputError(None, f"--split {split!r}: give 'prefill' or a number of tokens (at least 1)")
+        split = int(split)
+    trace, warnings = import_traces([Path(p) for p in args.inputs], args.format, n_experts, geometry, routed, mtp,
+                                    [Path(p) for p in args.runtime_output or ()], split)
     for w in warnings:
         print(f"relayout: warning: {w}", file=sys.stderr)
     save_trace(trace, args.output)
@@ -740,6 +746,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--format", choices=TRACE_FORMATS, help="input format (default: sniffed from the first bytes)")
     c.add_argument("--geometry", help=f"check expert ids and layers against this geometry ({geometries} or a JSON file) "
                                       "and record its name")
+    c.add_argument("--runtime-output", action="append", metavar="FILE",
+                   help="colibrì's saved output (stdout, or stdout and stderr) of an input's run, one per input in the same "
+                        "order: its decode forwards and tokens (a serve process's: each turn's) are checked against the "
+                        "ROUTE_TRACE and its tokens become the committed tokens (without it, n-gram verify steps are "
+                        "assumed to commit 1)")
+    c.add_argument("--split", metavar="prefill|N",
+                   help="cut each ROUTE_TRACE into sessions: 'prefill' at each new prompt (a forward wider than a decode "
+                        "step; an n-gram drafting run needs --runtime-output for its draft depth), or N: every N committed "
+                        "tokens (default: one session per file)")
     c = _command(tsub, "stats", "heat entropy, lift, cross-layer lift, reuse distance per layer", cmd_trace_stats)
     c.add_argument("trace", help="a relayout trace (.rt)")
     c.add_argument("--json", action="store_true", help="print JSON")

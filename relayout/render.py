@@ -69,6 +69,12 @@ def format_stats(s: dict) -> str:
         + ", ".join(f"{n} {kind}" for kind, n in s["forwards_by_kind"].items()) + f"), committed tokens {s['committed_tokens']}",
         f"selections {s['selections']:,} in {s['rows']:,} rows, {s['n_experts']} experts, top-{s['top_k']}",
     ]
+    if "decode_forwards" in s and not s["heat_only"]:
+        known = s.get("committed_from_runtime_output", 0)
+        lines.append(f"engine     {s['decode_forwards']} decode forwards (colibrì's count: the prefill excluded) per "
+                     f"{s['committed_tokens']} tokens; tokens " + (f"from runtime output in {known} of {s['sessions']} sessions"
+                                                                    if known else "from the trace alone (no runtime output)")
+                     + (f"; MTP head at layer {', '.join(map(str, s['mtp_layers']))}" if s.get("mtp_layers") else ""))
     assumed = s.get("committed_assumed")
     if assumed:
         lines.append(f"assumed    {assumed['tokens']} of {s['committed_tokens']} committed tokens ({assumed['forwards']} forwards): "

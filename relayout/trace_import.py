@@ -6,25 +6,40 @@ Formats (FACTS sections 3-4, seed Appendix A):
   call counter advances once per ``moe()`` invocation (colibrì's ``rt_trace_end``), so a call is
   one MoE layer of one forward: its lines are its batch rows. Calls never go back, and inside a
   call the layer never decreases (an engine that counts one call per forward keeps its lines
-  layer-major). A new forward starts at a call whose layer is not above the previous call's, so
-  a model with one MoE layer has one forward per call. A forward of one row is a decode step; a
-  multi-row forward before the session's first decode step is prefill (it commits its first
-  generated token: 1); later ones are speculative verify steps. A ROUTE_TRACE does not carry
-  their acceptance: they are recorded as committing 1 (the minimum) and the trace meta says so
-  (``committed_assumed``), as does ``relayout measure`` in every such step record.
-  Numbers are plain ASCII decimals (no signs, underscores or exponents in ids), each selection is
-  exactly ``<id>:<gate>`` with a finite gate, and a (forward, layer, row) appears once.
+  layer-major). A new forward starts where the layer goes down (colibrì's ``route_pairs.py``
+  rule), or repeats on a layer that is not an MTP head's, so a model with one MoE layer has one
+  forward per call. An MTP (multi-token prediction) head is a layer past the main model's
+  (layer ``num_hidden_layers``) that colibrì calls between forwards: after a forward, one
+  *absorb* call whose rows are the drafts it accepted (after the prefill, the prompt's pairs),
+  then one *draft* call of one row per draft of the next step. Those calls stay in the forward
+  they follow, as in ``route_pairs.py``; where they write a row again, the last write keeps its
+  position and the earlier ones are placed after the forward's positions. The head's layer is
+  the geometry's, the runtime output's, or the trace's top layer when its calls show as the
+  head's (see :func:`_mtp_layers`). The first forward is the prompt's prefill (commits its first
+  generated token: 1); later forwards of one row are decode steps, wider ones speculative verify
+  steps; evaluated positions are the main model's rows. An MTP verify step commits 1 + its
+  absorbed drafts; an n-gram verify step's acceptance is in no line: it is recorded as
+  committing 1 (the minimum) and the trace meta says so (``committed_assumed``), as does
+  ``relayout measure`` in every such step record, unless colibrì's output of the run is given
+  (:mod:`relayout.runtime_output`): its decode forwards must be the trace's and its tokens become
+  the session's. A file written by a serve process holds several prompts: each prompt's prefill
+  is a forward wider than a decode step (``1 + G`` rows, ``G`` drafts a step, when ``G`` is
+  known), its turn's counts come from the output's served turns, and ``split`` makes each prompt
+  a session (:func:`read_route_sessions`). Numbers are plain ASCII decimals (no signs,
+  underscores or exponents in ids), each selection is exactly ``<id>:<gate>`` with a finite gate,
+  and a (forward, layer, row) appears once outside an MTP head's layer.
 * ``stall``: the seed's STALL_TRACE JSONL (plain or ``.zst``): expert records keyed by request,
   step and layer; step (and expert) records carry committed tokens, at least 1; a speculative
   step without one is recorded as committing 1 and listed in ``committed_assumed``. Integers must be JSON integers (not
   booleans or floats), ``required`` a boolean, ``router_probability`` a finite number.
-* ``mblt``: mbolt's ``MBLT`` v1 binary (forwards and kinds as for ``route``, a new forward where
-  the layer decreases; multi-token forwards after decode began are verify steps, acceptance assumed). Only a truncated *last* record is a torn tail (dropped
+* ``mblt``: mbolt's ``MBLT`` v1 binary (a new forward where the layer decreases; multi-token
+  forwards before the first one-token forward are prefill, later ones verify steps, acceptance
+  assumed). Only a truncated *last* record is a torn tail (dropped
   with a warning): a record that claims more bytes than remain while a valid chain of records
   follows it is mid-file damage, an error naming the record and its byte offset.
 * ``coli_usage``: colibrì's learning-cache history: per-(layer, expert) counts only.
 
-Each input file is one session, in the order given. Malformed input raises
+Each input file is one session, in the order given (a ROUTE_TRACE may be cut into several). Malformed input raises
 ``InputError("file:line", problem)`` (``file:record N`` for MBLT).
 
 Ranges are checked on the parsed 64-bit (or Python) integers, before any narrowing to the
@@ -38,7 +53,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +99,7 @@ class SessionRows:
     fwd_evaluated: np.ndarray
     fwd_committed: np.ndarray
     fwd_assumed: np.ndarray | None = None   # bool [F]: committed count assumed (acceptance unknown)
+    counts: dict | None = None              # how the counts were found (ROUTE_TRACE: MTP layer, runtime output)
 
 
 @dataclass(frozen=True)
@@ -94,11 +110,15 @@ class Limits:
     layers: frozenset | None = None     # a geometry's routed layers (None: any up to max_layer)
     max_layer: int = DEFAULT_MAX_LAYER
     geometry: str | None = None
+    mtp_layers: frozenset = frozenset()  # the geometry's MTP (multi-token prediction) head layers
 
     @classmethod
-    def make(cls, n_experts: int | None, geometry: str = "inferred", routed_layers=None) -> Limits:
+    def make(cls, n_experts: int | None, geometry: str = "inferred", routed_layers=None, mtp_layers=None) -> Limits:
         if n_experts is None:
             return cls(DEFAULT_MAX_EXPERTS)
+        if mtp_layers is None and routed_layers is None:
+            mtp_layers = _shipped_mtp_layers(geometry, n_experts)
+        mtp = frozenset(int(x) for x in (mtp_layers or ()))
         if isinstance(n_experts, bool) or not isinstance(n_experts, (int, np.integer)) or not 1 <= n_experts <= MAX_EXPERTS:
             raise InputError(None, f"geometry {geometry} has {n_experts!r} experts per layer; a trace holds 1..{MAX_EXPERTS}")
         if routed_layers is None:
@@ -107,8 +127,8 @@ class Limits:
             routed_layers = frozenset(int(x) for x in routed_layers)
             if not routed_layers or min(routed_layers) < 0 or max(routed_layers) > MAX_LAYER:
                 raise InputError(None, f"geometry {geometry}'s routed layers do not fit a trace (0..{MAX_LAYER})")
-            return cls(int(n_experts), routed_layers, max(routed_layers), geometry)
-        return cls(int(n_experts), None, MAX_LAYER, geometry)
+            return cls(int(n_experts), routed_layers, max(routed_layers), geometry, mtp & routed_layers)
+        return cls(int(n_experts), None, MAX_LAYER, geometry, mtp)
 
     def expert_problem(self, e: int) -> str:
         if e < 0:
@@ -139,8 +159,8 @@ class Limits:
         return 0 <= layer <= self.max_layer and (self.layers is None or layer in self.layers)
 
 
-def _shipped_routed_layers(geometry: str, n_experts: int):
-    """The routed layers of a shipped geometry of that name and expert count, else None."""
+def _shipped_geometry(geometry: str, n_experts):
+    """The shipped geometry of that name and expert count, else None."""
     if not geometry or geometry == "inferred":
         return None
     try:
@@ -151,7 +171,19 @@ def _shipped_routed_layers(geometry: str, n_experts: int):
         g = load_geometry(geometry)
     except InputError:
         return None
-    return g.routed_layers if g.n_routed_experts == n_experts else None
+    return g if g.n_routed_experts == n_experts else None
+
+
+def _shipped_routed_layers(geometry: str, n_experts: int):
+    """The routed layers of a shipped geometry of that name and expert count, else None."""
+    g = _shipped_geometry(geometry, n_experts)
+    return g.routed_layers if g is not None else None
+
+
+def _shipped_mtp_layers(geometry: str, n_experts):
+    """The MTP head layers of a shipped geometry of that name and expert count, else None."""
+    g = _shipped_geometry(geometry, n_experts)
+    return g.mtp_layer_ids if g is not None else None
 
 
 def _check_rows(where, limits: Limits, layers: np.ndarray, positions: np.ndarray, experts: np.ndarray) -> None:
@@ -365,8 +397,36 @@ ROUTE_BLOCK_BYTES = 2 << 20
 
 
 def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | None = None,
-                     block_bytes: int = ROUTE_BLOCK_BYTES) -> SessionRows:
-    """Parse one ROUTE_TRACE text file (one session), plain or zstd, in blocks of whole lines.
+                     block_bytes: int = ROUTE_BLOCK_BYTES, runtime=None) -> SessionRows:
+    """Parse one ROUTE_TRACE text file as one session (:func:`read_route_sessions`)."""
+    return read_route_sessions(path, n_experts, limits, block_bytes, runtime)[0]
+
+
+def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits | None = None,
+                        block_bytes: int = ROUTE_BLOCK_BYTES, runtime=None, split: str | int | None = None) -> list[SessionRows]:
+    """Parse one ROUTE_TRACE text file, plain or zstd, in blocks of whole lines, into sessions:
+    the file (``split`` None), one per prompt (``"prefill"``: :func:`_prompt_starts`; a serve
+    process's runtime output gives each its turn's counts, a one-shot run's output, which counts
+    every prompt together, the draft depth only), or
+    one per ``split`` committed tokens (an int; counted on the whole file first).
+
+    Parameters
+    ----------
+    path : Path
+        The ROUTE_TRACE file.
+    n_experts, limits : int, Limits, optional
+        What ids and layers may be (:class:`Limits`; its ``mtp_layers`` name an MTP head).
+    block_bytes : int
+        Text parsed per step.
+    runtime : RuntimeCounts, optional
+        colibrì's printed counts of the file's run (:mod:`relayout.runtime_output`).
+    split : "prefill" or int, optional
+        How to cut the file into sessions.
+
+    Returns
+    -------
+    list of SessionRows
+        In file order, named after the file (``name#1``, ``name#2``, ... when cut).
 
     Each block is parsed vectorised (:func:`_fast_route_parse`, or line by line when it is not
     regular), range-checked, and kept in the trace's narrow dtypes, so memory is the parsed rows
@@ -408,10 +468,127 @@ def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | 
     calls, rows, layers, lines = (_joined(parts.pop(key)) for key in ("calls", "rows", "layers", "lines"))
     experts = _padded(parts.pop("experts"), k, -1)
     gates = _padded(parts.pop("gates"), k, np.nan)
-    forward = _route_forwards(path, lines, calls, layers)
+    c_start, c_lines, c_first, c_last = _route_calls(path, lines, calls, layers)
     del calls
-    _check_route_duplicates(path, lines, forward, layers, rows)
-    return _session_from_rows(path.name, forward, layers, rows, experts, gates)
+    mtp = _mtp_layers(limits, runtime, c_first, c_last, c_lines)
+    forward = _route_forwards(c_first, c_last, c_lines, mtp)
+    is_mtp = np.isin(layers, list(mtp)) if mtp else np.zeros(len(layers), dtype=bool)
+    if is_mtp.any():
+        call_of_line = np.repeat(np.arange(len(c_start)), c_lines)
+        _check_route_duplicates(path, lines, np.where(is_mtp, int(forward[-1]) + 1 + call_of_line, forward), layers, rows)
+        del call_of_line
+    else:
+        _check_route_duplicates(path, lines, forward, layers, rows)
+    F = int(forward[-1]) + 1
+    starts = _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime, split == "prefill")
+    turns = runtime.turns if runtime is not None else ()
+    if turns and len(turns) != len(starts):
+        raise InputError(runtime.source, f"holds {len(turns)} served turns; {path} has {len(starts)} prompts")
+    if runtime is not None and runtime.mtp is not None and runtime.mtp != bool(is_mtp.any()) and F > 1:
+        raise InputError(runtime.source, ("says the MTP head drafted; " if runtime.mtp else "says no MTP head drafted; ")
+                         + f"{path} has {'no' if runtime.mtp else 'an'} MTP head's calls: not this trace's run?")
+    if runtime is not None and not turns and len(starts) > 1 and split != "prefill":
+        raise InputError(runtime.source, f"counts one prompt; {path} has {len(starts)} (forwards wider than a "
+                                         f"decode step of {runtime.draft} drafts): not this trace's run?")
+    sessions = []
+    for j, (f0, f1) in enumerate(zip(starts, list(starts[1:]) + [F])):
+        l0, l1 = np.searchsorted(forward, [f0, f1])
+        c0, c1 = np.searchsorted(c_start, [l0, l1])
+        name = path.name if len(starts) == 1 else f"{path.name}#{j + 1}"
+        part = slice(l0, l1)
+        sessions.append(_route_session(path, name, forward[part] - f0, layers[part], rows[part], experts[part], gates[part],
+                                       is_mtp[part], c_start[c0:c1] - l0, c_lines[c0:c1],
+                                       runtime.turn(j) if turns else runtime if len(starts) == 1 else None, runtime))
+    if split != "prefill" and len(sessions) > 1:
+        sessions = [_joined_session(path, path.name, sessions, None if turns else runtime)]
+    if isinstance(split, int):
+        sessions = _split_every(sessions[0], split)
+    return sessions
+
+
+def _joined_session(path: Path, name: str, parts: list[SessionRows], runtime) -> SessionRows:
+    """The prompts of one file, counted each on its own, as one session (made ``runtime``'s
+    counts when given: a run's output that counts every prompt together)."""
+    offsets = np.cumsum([0] + [len(p.fwd_kind) for p in parts[:-1]])
+    cat = lambda key: np.concatenate([getattr(p, key) for p in parts])
+    kinds, evaluated, committed = cat("fwd_kind"), cat("fwd_evaluated"), cat("fwd_committed")
+    assumed = np.concatenate([p.fwd_assumed if p.fwd_assumed is not None else np.zeros(len(p.fwd_kind), bool) for p in parts])
+    counts = {k: v for k, v in (parts[0].counts or {}).items() if k in ("mtp_layers", "drafts_per_forward")}
+    counts["prompts"] = len(parts)
+    if runtime is not None:
+        _reconcile(path, name, kinds, evaluated, committed, assumed, runtime)
+        counts.update(runtime.to_json())
+    elif any(p.counts and "tokens" in p.counts for p in parts):
+        counts["runtime_output"] = parts[0].counts["runtime_output"].rsplit(" (turn", 1)[0]
+        counts["tokens"] = int(committed.sum())
+    return SessionRows(name, np.concatenate([p.forward + o for p, o in zip(parts, offsets)]), cat("layer"), cat("position"),
+                       cat("experts"), cat("gates"), kinds, evaluated, committed, assumed, counts)
+
+
+def _route_session(path: Path, name: str, forward, layers, rows, experts, gates, is_mtp, c_start, c_lines, runtime,
+                   structure) -> SessionRows:
+    """One session's rows and counts (:func:`_route_counts`), made ``runtime``'s counts when given;
+    ``structure``: a runtime output read for its draft depth only."""
+    if runtime is not None:
+        structure = runtime
+    elif structure is not None:
+        structure = replace(structure, forwards=None, tokens=None, turns=())
+    evaluated, kinds, committed, assumed, drafts = _route_counts(forward, rows, is_mtp, c_start, c_lines, structure)
+    counts = {}
+    if is_mtp.any():
+        counts["mtp_layers"] = sorted(int(x) for x in np.unique(layers[is_mtp]))
+        counts["drafts_per_forward"] = drafts
+    if runtime is not None:
+        _reconcile(path, name, kinds, evaluated, committed, assumed, runtime)
+        counts.update(runtime.to_json())
+    elif structure is not None:
+        counts["draft_depth_from"] = Path(structure.source).name
+    position = _mtp_positions(forward, layers, rows, is_mtp, evaluated)
+    session = _session_from_rows(name, forward, layers, position, experts, gates, committed, evaluated, kinds, assumed)
+    session.counts = counts or None
+    return session
+
+
+def _prompt_starts(forward, rows, is_mtp, c_start, c_lines, runtime, split: bool) -> list[int]:
+    """The forwards where a ROUTE_TRACE holding several prompts (a serve process's) starts a new
+    one: forward 0 and every forward wider than the widest decode step, ``1 + G`` rows with ``G``
+    drafts per forward, after one that is not (the chunks of a long prompt follow each other).
+    ``G``: the runtime output's; else the MTP head's drafts after the first prefill; else, when
+    ``split``, 0 (a run without drafts, as an n-gram drafting run is unless its output is given);
+    else unknown, and the file is one prompt."""
+    F = int(forward[-1]) + 1
+    S = np.zeros(F, dtype=np.int64)
+    np.maximum.at(S, forward[~is_mtp], rows[~is_mtp].astype(np.int64) + 1)
+    if runtime is not None and runtime.draft is not None:
+        G = max(int(runtime.draft), 0)
+    elif is_mtp.any():
+        head = is_mtp[c_start]
+        G = int((head & (forward[c_start] == 0)).sum()) - int(S[0] >= 2)
+    elif split:
+        G = 0
+    else:
+        return [0]
+    wide = S > 1 + max(G, 0)
+    return [0] + [int(f) for f in np.flatnonzero(wide[1:] & ~wide[:-1]) + 1]
+
+
+def _split_every(s: SessionRows, tokens: int) -> list[SessionRows]:
+    """``s`` cut into sessions of about ``tokens`` committed tokens each, at forward boundaries
+    (a piece ends with the forward that reaches its share)."""
+    cum = np.cumsum(s.fwd_committed)
+    ends = np.flatnonzero(np.diff(cum // tokens, prepend=0) > 0) + 1
+    bounds = [0] + [int(e) for e in ends if 0 < e < len(cum)] + [len(cum)]
+    bounds = sorted(set(bounds))
+    out = []
+    for j, (f0, f1) in enumerate(zip(bounds[:-1], bounds[1:])):
+        r0, r1 = np.searchsorted(s.forward, [f0, f1])
+        part = slice(r0, r1)
+        piece = SessionRows(f"{s.name}#{j + 1}", s.forward[part] - f0, s.layer[part], s.position[part], s.experts[part],
+                            s.gates[part], s.fwd_kind[f0:f1], s.fwd_evaluated[f0:f1], s.fwd_committed[f0:f1],
+                            None if s.fwd_assumed is None else s.fwd_assumed[f0:f1],
+                            {**(s.counts or {}), "split_from": s.name, "piece": f"{j + 1} of {len(bounds) - 1}"})
+        out.append(piece)
+    return out
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -459,29 +636,57 @@ def _text_blocks(path: Path, block_bytes: int):
         raise InputError(path, f"corrupt zstd data ({exc})") from None
 
 
-def _route_forwards(path: Path, lines: np.ndarray, calls: np.ndarray, layers: np.ndarray) -> np.ndarray:
-    """Forward index per line, from the call column (see the module doc); vectorised."""
-    if len(calls) < 2:
-        return np.zeros(len(calls), dtype=np.int64)
+def _route_calls(path: Path, lines: np.ndarray, calls: np.ndarray, layers: np.ndarray):
+    """The calls of a ROUTE_TRACE: ``(start line index, line count, first layer, last layer)`` per
+    call, in file order; errors where the call counter goes back or a call's layer decreases."""
     dc = np.diff(calls)
-    dl = np.diff(layers)
     back = np.flatnonzero(dc < 0)
     if len(back):
         i = int(back[0]) + 1
         raise InputError(f"{path}:{int(lines[i])}", f"call {int(calls[i])} follows call {int(calls[i - 1])}: "
                                                      "the call counter never goes back")
-    down = np.flatnonzero((dc == 0) & (dl < 0))
+    down = np.flatnonzero((dc == 0) & (np.diff(layers) < 0))
     if len(down):
         i = int(down[0]) + 1
         raise InputError(f"{path}:{int(lines[i])}", f"layer {int(layers[i])} follows layer {int(layers[i - 1])} inside call "
                                                      f"{int(calls[i])}: a call's layers never decrease")
-    return np.concatenate([[0], np.cumsum((dc > 0) & (dl <= 0))])
+    start = np.concatenate([[0], np.flatnonzero(dc) + 1])
+    n = np.diff(np.append(start, len(calls)))
+    return start, n, layers[start].astype(np.int64), layers[start + n - 1].astype(np.int64)
 
 
-def _check_route_duplicates(path: Path, lines: np.ndarray, forward: np.ndarray, layers: np.ndarray, rows: np.ndarray) -> None:
-    """A (forward, layer, row) twice is an inconsistent trace: name the line that repeats it.
+def _mtp_layers(limits: Limits, runtime, c_first: np.ndarray, c_last: np.ndarray, c_lines: np.ndarray) -> frozenset:
+    """The layers of a session's MTP head: the geometry's, the runtime output's (layer ``n_layers``
+    when it drafted with MTP), and the session's top layer when two calls in a row route only it,
+    or a call routing only it has another number of rows than the call of a lower layer before it
+    (a main-model forward routes every layer once, all its rows in each; the head's absorb and
+    draft calls do neither)."""
+    mtp = set(limits.mtp_layers)
+    if runtime is not None and runtime.mtp and runtime.n_layers is not None:
+        mtp.add(int(runtime.n_layers))
+    top = int(c_last.max())
+    if int(c_first.min()) < top:
+        only_top = (c_first == top) & (c_last == top)
+        after_lower = only_top[1:] & (c_last[:-1] < top) & (c_first[:-1] == c_last[:-1]) & (c_lines[1:] != c_lines[:-1])
+        if (only_top[1:] & only_top[:-1]).any() or after_lower.any():
+            mtp.add(top)
+    return frozenset(mtp)
 
-    A forward's rows of one layer are consecutive lines (layers never decrease inside a forward),
+
+def _route_forwards(c_first: np.ndarray, c_last: np.ndarray, n_lines: np.ndarray, mtp: frozenset) -> np.ndarray:
+    """Forward index per line. A call starts a forward where the layer goes down, or repeats on a
+    layer that is not an MTP head's (a model routing one layer): colibrì's ``route_pairs.py`` rule,
+    which keeps an MTP head's absorb and draft calls in the forward they follow."""
+    new = np.zeros(len(c_first), dtype=bool)
+    new[1:] = (c_first[1:] < c_last[:-1]) | ((c_first[1:] == c_last[:-1]) & ~np.isin(c_first[1:], list(mtp)))
+    return np.repeat(np.cumsum(new), n_lines)
+
+
+def _check_route_duplicates(path: Path, lines: np.ndarray, group: np.ndarray, layers: np.ndarray, rows: np.ndarray) -> None:
+    """A (group, layer, row) twice is an inconsistent trace: name the line that repeats it. The group
+    is the forward, or the call for an MTP head's rows (its calls rewrite rows of one forward).
+
+    A group's rows of one layer are consecutive lines (layers never decrease inside a forward),
     so the common case, rows rising inside each such run, is one linear pass.
     """
     if len(rows) < 2:
@@ -489,15 +694,163 @@ def _check_route_duplicates(path: Path, lines: np.ndarray, forward: np.ndarray, 
     same_run = np.diff(layers) == 0
     if not (same_run & (np.diff(rows) <= 0)).any():
         return
-    order = np.lexsort((lines, rows, layers, forward))
-    dup = (np.diff(forward[order]) == 0) & (np.diff(layers[order]) == 0) & (np.diff(rows[order]) == 0)
+    order = np.lexsort((lines, rows, layers, group))
+    dup = (np.diff(group[order]) == 0) & (np.diff(layers[order]) == 0) & (np.diff(rows[order]) == 0)
     if not dup.any():
         return
     first, second = lines[order[:-1]][dup], lines[order[1:]][dup]
     j = int(np.argmin(second))
     raise InputError(f"{path}:{int(second[j])}",
                      f"repeats row {int(rows[order[1:]][dup][j])} of layer {int(layers[order[1:]][dup][j])} in the same forward "
-                     f"(first at line {int(first[j])}); a new forward starts only at a call whose layer is not above the previous call's")
+                     f"(first at line {int(first[j])}); a new forward starts only where the layer goes down, or repeats "
+                     "outside an MTP head's layer")
+
+
+def _mtp_positions(forward: np.ndarray, layers: np.ndarray, rows: np.ndarray, is_mtp: np.ndarray,
+                   evaluated: np.ndarray) -> np.ndarray:
+    """Positions of every line: its row, except an MTP head's row that a later call of the same
+    forward writes again (colibrì's ``route_pairs.py`` keeps the last write of a (forward, row,
+    layer)): those follow the forward's positions (from ``max(evaluated, rows)`` on, in file
+    order), so they are kept but pair with no main-model row."""
+    position = rows.astype(np.int64)
+    sel = np.flatnonzero(is_mtp)
+    if not len(sel):
+        return position
+    f, la, r = forward[sel], layers[sel].astype(np.int64), position[sel]
+    order = np.lexsort((sel, r, la, f))
+    so = sel[order]
+    rewritten = np.zeros(len(so), dtype=bool)
+    rewritten[:-1] = (f[order][1:] == f[order][:-1]) & (la[order][1:] == la[order][:-1]) & (r[order][1:] == r[order][:-1])
+    if not rewritten.any():
+        return position
+    top = evaluated.astype(np.int64).copy()
+    np.maximum.at(top, f, r + 1)
+    moved = np.sort(so[rewritten])
+    mf, ml = forward[moved], layers[moved].astype(np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], (mf[1:] != mf[:-1]) | (ml[1:] != ml[:-1])]))
+    ordinal = np.arange(len(moved)) - np.repeat(starts, np.diff(np.append(starts, len(moved))))
+    position[moved] = top[mf] + ordinal
+    return position
+
+
+def _route_counts(forward: np.ndarray, rows: np.ndarray, is_mtp: np.ndarray, c_start: np.ndarray, c_lines: np.ndarray,
+                  runtime):
+    """Per forward of one session: evaluated positions, kind, committed tokens, whether the count
+    is assumed; and the drafts per forward the MTP reading used (None without an MTP head).
+
+    Evaluated: the main model's rows (an MTP head's are not positions of the forward). The prefill
+    is the first forward, or its first forwards when colibrì prefilled in chunks
+    (:func:`_prefill_forwards`); later forwards are decode (one row) or verify. Committed: 1 for
+    the prefill (its first generated token; earlier chunks 0), a decode and, at least, a verify;
+    an MTP verify commits 1 + the rows of the head's absorb call that follows it (the accepted
+    drafts; colibrì absorbs them before drafting again, one row a draft, ``G`` drafts a forward).
+    An n-gram verify's acceptance is in no line: assumed.
+    """
+    F = int(forward[-1]) + 1
+    main = ~is_mtp
+    S = np.zeros(F, dtype=np.int64)
+    np.maximum.at(S, forward[main], rows[main].astype(np.int64) + 1)
+    only_head = np.bincount(forward[main], minlength=F) == 0
+    if only_head.any():
+        S_all = np.zeros(F, dtype=np.int64)
+        np.maximum.at(S_all, forward, rows.astype(np.int64) + 1)
+        S[only_head] = S_all[only_head]
+    kinds = np.where(S == 1, KIND["decode"], KIND["verify"]).astype(np.int8)
+    n_prefill = _prefill_forwards(S, runtime)
+    kinds[:n_prefill] = KIND["prefill"]
+    c_fwd, c_head = forward[c_start], is_mtp[c_start]
+    has_head = bool(c_head.any())
+    committed = np.ones(F, dtype=np.int64)
+    committed[:n_prefill - 1] = 0
+    assumed = kinds == KIND["verify"]
+    G = None
+    if has_head:
+        m = np.bincount(c_fwd[c_head], minlength=F)
+        if runtime is not None and runtime.draft:
+            G = int(runtime.draft)
+        else:   # the widest verify step, or the drafts after the prefill's absorb (when drafting is on)
+            G = max(1, int(S[n_prefill:].max()) - 1 if F > n_prefill else 1, int(m[0]) - int(S[0] >= 2))
+        head_calls = np.flatnonzero(c_head)
+        firsts = head_calls[np.unique(c_fwd[head_calls], return_index=True)[1]]
+        r1 = np.zeros(F, dtype=np.int64)
+        r1[c_fwd[firsts]] = c_lines[firsts]
+        S_next = np.append(S[1:], 0)
+        has_next = np.arange(F) < F - 1
+        # drafts precede a verify; a one-row step after them is the last one of a run that writes its
+        # final token to the KV cache (its drafts are cut to 0 as no token is left to generate)
+        last_step = np.arange(F) == F - 2
+        drafts = np.where(has_next & ((S_next >= 2) | (m > 1) | last_step), np.minimum(m, G), 0)
+        extra = m - drafts
+        k = np.where(m == 0, 0, np.where(r1 >= 2, r1, (extra == 1).astype(np.int64)))
+        understood = ((m == 0) | (r1 >= 2) | (extra <= 1)) & (k <= S - 1)
+        verify = kinds == KIND["verify"]
+        committed[verify] = 1 + k[verify]
+        assumed = verify & ~understood
+        committed[assumed] = 1
+    return S, kinds, committed, assumed, G
+
+
+MAX_VERIFY_ROWS = 64
+"""Rows of colibrì's widest verify step (1 + at most 63 drafts)."""
+
+
+def _prefill_forwards(S: np.ndarray, runtime) -> int:
+    """How many leading forwards of a session (rows per forward ``S``) are its prompt's prefill.
+
+    colibrì counts decode forwards only, so with its count the rest are the prefill (when they
+    have a chunked prefill's shape; otherwise the output is not this session's). Without it:
+    the first forward, or, where colibrì cut a long prompt into chunks (``COLI_PREFILL_CHUNK``):
+    two or more leading forwards of the first one's rows, wider than any verify step, then the
+    prompt's remainder when it is wider than one row (a one-row remainder reads as a decode step).
+    """
+    F = len(S)
+    if runtime is not None and runtime.forwards is not None and 1 <= F - runtime.forwards:
+        n = F - runtime.forwards
+        if n == 1 or (S[0] > 1 and (S[:n - 1] == S[0]).all() and S[n - 1] <= S[0]):
+            return n                    # chunks of one width, then the remainder
+    if F < 2 or S[0] <= MAX_VERIFY_ROWS or S[1] != S[0]:
+        return 1
+    run = int(np.argmin(np.append(S, -1) == S[0]))
+    return run + 1 if run < F and S[run] > 1 else run
+
+
+def _reconcile(path: Path, name: str, kinds: np.ndarray, evaluated: np.ndarray, committed: np.ndarray,
+               assumed: np.ndarray, runtime) -> None:
+    """Make a session's counts the runtime output's (in place), or refuse an output that does not
+    belong to the trace.
+
+    colibrì counts decode forwards (the prefill excluded) and tokens emitted. Tokens the trace
+    cannot place (n-gram verify steps' accepted drafts) go to the verify forwards in proportion to
+    their drafts (largest remainder; each at most its drafts), which stay marked assumed unless
+    the share is forced (none accepted, or all). One token fewer than the trace's count is the
+    last forward's next token, not emitted (the session stopped at its token limit or at EOS, or
+    the forward only wrote the KV cache).
+    """
+    where = runtime.source
+    decode_phase = int((kinds != KIND["prefill"]).sum())
+    if runtime.forwards is not None and runtime.forwards != decode_phase:
+        raise InputError(where, f"reports {runtime.forwards} decode forwards; {path} has {decode_phase} after its "
+                                f"prefill: not this trace's run?")
+    if runtime.tokens is None:
+        return
+    free = np.flatnonzero(assumed)
+    room = evaluated[free] - committed[free]
+    need = runtime.tokens - int(committed.sum())
+    if need == -1 and committed[-1] >= 1:
+        committed[-1] -= 1
+        return
+    if not 0 <= need <= int(room.sum()):
+        lo, hi = int(committed.sum()) - 1, int(committed.sum() + room.sum())
+        raise InputError(where, f"reports {runtime.tokens} tokens; {path}'s forwards commit {lo}..{hi}: not this trace's run?")
+    if need and len(free):
+        share = need * room / room.sum()
+        add = np.floor(share).astype(np.int64)
+        rest = need - int(add.sum())
+        if rest:
+            add[np.argsort(-(share - add), kind="stable")[:rest]] += 1
+        committed[free] += add
+    if need == 0 or need == int(room.sum()):
+        assumed[free] = False
 
 
 def _session_from_rows(name, forward, layers, position, experts, gates, committed=None, evaluated=None, kinds=None,
@@ -898,12 +1251,24 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
         if s.fwd_assumed is not None and s.fwd_assumed.any():
             assumed[name] = s
     meta.pop("committed_assumed", None)
+    counted = {name: s.counts for name, s in zip(names, sessions) if s.counts}
+    if counted:
+        meta["session_counts"] = counted
+    from_runtime = [name for name, c in counted.items() if "tokens" in c]
+    if from_runtime:
+        meta["committed_from_runtime_output"] = from_runtime
     if assumed:
         by_kind = all(np.array_equal(s.fwd_assumed, s.fwd_kind == KIND["verify"]) for s in sessions if s.fwd_assumed is not None)
+        reason = ("speculative (verify) forwards whose acceptance the trace does not carry: committed = 1, "
+                  "the minimum, is assumed; S and every per-token figure over them depend on it")
+        if any(name in from_runtime for name in assumed):
+            reason = ("speculative (verify) forwards whose acceptance the trace does not carry: their session's tokens are "
+                      "the runtime output's, shared among them in proportion to their drafts"
+                      + ("" if all(name in from_runtime for name in assumed) else
+                         "; in sessions without runtime output committed = 1, the minimum, is assumed"))
         info = {"forwards": int(sum(int(s.fwd_assumed.sum()) for s in assumed.values())),
                 "tokens": int(sum(int(s.fwd_committed[s.fwd_assumed].sum()) for s in assumed.values())),
-                "reason": "speculative (verify) forwards whose acceptance the trace does not carry: committed = 1, "
-                          "the minimum, is assumed; S and every per-token figure over them depend on it"}
+                "reason": reason}
         if by_kind:
             info["kinds"] = ["verify"]
         else:
@@ -945,13 +1310,19 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
 
 
 def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | None = None, geometry: str = "inferred",
-                  routed_layers=None) -> tuple[RoutingTrace, list[str]]:
+                  routed_layers=None, mtp_layers=None, runtime_outputs: list[Path] | None = None,
+                  split: str | int | None = None) -> tuple[RoutingTrace, list[str]]:
     """Import ``paths`` (one session each, in order). Returns the trace and warnings.
 
     With ``n_experts`` (a geometry's experts per layer) ids must be below it; layers must be
     among ``routed_layers``, or, when that is not given, among the routed layers of the shipped
     geometry named ``geometry`` (if there is one with that expert count). Without a geometry the
-    default caps apply (:class:`Limits`).
+    default caps apply (:class:`Limits`). ``mtp_layers``: the geometry's MTP head layers.
+
+    ``runtime_outputs``: for ROUTE_TRACE inputs, colibrì's saved output of each input's run, in
+    the same order (:mod:`relayout.runtime_output`); each session's counts are made its run's.
+    ``split``: for ROUTE_TRACE inputs, ``"prefill"`` makes each prompt of a file a session, an
+    int N a session of every N committed tokens (:func:`read_route_sessions`).
     """
     warnings: list[str] = []
     formats = [fmt or sniff_format(p) for p in paths]
@@ -959,7 +1330,20 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
         raise InputError(None, f"inputs mix formats ({', '.join(sorted(set(formats)))}); import them separately")
     kind = formats[0]
     source = ",".join(p.name for p in paths)
-    limits = Limits.make(n_experts, geometry, routed_layers)
+    limits = Limits.make(n_experts, geometry, routed_layers, mtp_layers)
+    runtime = [None] * len(paths)
+    if split is not None and kind != "route":
+        raise InputError(None, f"splitting into sessions is for ROUTE_TRACE inputs, not {kind}")
+    if isinstance(split, int) and split < 1:
+        raise InputError(None, f"a session of {split} tokens: give at least 1")
+    if runtime_outputs:
+        if kind != "route":
+            raise InputError(None, f"runtime output is read for ROUTE_TRACE inputs only, not {kind}")
+        if len(runtime_outputs) != len(paths):
+            raise InputError(None, f"{len(runtime_outputs)} runtime outputs for {len(paths)} inputs: give one per input, in order")
+        from .runtime_output import read_runtime_output
+
+        runtime = [read_runtime_output(Path(r)) for r in runtime_outputs]
     if kind == "coli_usage":
         if len(paths) != 1:
             raise InputError(None, ".coli_usage holds totals, not sessions: import one file")
@@ -977,9 +1361,9 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
         return trace, warnings
     sessions: list[SessionRows] = []
     mblt_experts = 0
-    for p in paths:
+    for p, run in zip(paths, runtime):
         if kind == "route":
-            sessions.append(read_route_trace(p, limits=limits))
+            sessions.extend(read_route_sessions(p, limits=limits, runtime=run, split=split))
         elif kind == "stall":
             sessions.extend(read_stall_trace(p, limits=limits))
         elif kind == "mblt":
