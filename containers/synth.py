@@ -141,6 +141,11 @@ def converter_order(specs: list[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: (-DTYPE_SIZES[s.dtype], s.name))
 
 
+def shard_name(series: str, number: int) -> str:
+    """The converter's name of shard ``number`` (counted from 0) of a series (``out``, ``out-mtp``)."""
+    return f"{series}-{number:05d}.safetensors"
+
+
 def config_json(g: Geometry, sparse: bool = False) -> dict:
     """A ``config.json`` matching the geometry, in the model family's key spelling."""
     cfg = dict(g.extra_config)
@@ -190,9 +195,9 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     total = sum(u.nbytes for u in units)
     with tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=None if progress else True) as bar:
         for prefix, shards in (("out", main), ("out-mtp", mtp)):
-            for i, specs in enumerate(shards, 1):
+            for i, specs in enumerate(shards):
                 write_shard(
-                    partial / f"{prefix}-{i:05d}.safetensors",
+                    partial / shard_name(prefix, i),
                     converter_order(specs),
                     alignment=1,
                     metadata={"format": "pt"},
@@ -211,4 +216,4 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     return out
 
 
-__all__ = ["synth_container", "source_units", "stamped", "cut_shards", "converter_order", "config_json"]
+__all__ = ["synth_container", "source_units", "stamped", "cut_shards", "converter_order", "config_json", "shard_name"]

@@ -24,7 +24,7 @@ from containers.container import MAX_FILES
 from containers.errors import InputError
 from containers.geometry import PROJECTIONS
 from containers.hashing import digest_of
-from containers.layout import SCALE_SLOTS, Layout, TensorInfo, slot_name
+from containers.layout import SCALE_SLOTS, Layout, TensorInfo, shard_name, slot_name
 from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
 
 
@@ -140,14 +140,13 @@ def pack_layout(
         for block in blocks:
             bsize = sum(t.nbytes for t, _ in block) + al
             if cur and size + bsize > options.shard_bytes:
+                files.append((shard_name(prefix, n), cur))
                 n += 1
-                files.append((f"{prefix}-{n:05d}.safetensors", cur))
                 cur, size = [], 0
             cur += [_spec(t, a) for t, a in block]
             size += bsize
         if cur:
-            n += 1
-            files.append((f"{prefix}-{n:05d}.safetensors", cur))
+            files.append((shard_name(prefix, n), cur))
     if len(files) > MAX_FILES:
         raise InputError(None, f"the layout needs {len(files)} files, more than the runtime's {MAX_FILES}; raise the shard size")
 
