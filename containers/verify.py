@@ -12,6 +12,9 @@ Checks, each reported as one line naming what is wrong:
 * the same tensor names in SRC and DST, none missing, none extra;
 * every tensor's xxh3-128 in DST equals SRC's (``full=True`` also compares the bytes); a tensor
   stored as split segments (the manifest's segment map) is reassembled from them and compared;
+* colibrì's format stamps (``__metadata__["colibri.fmt"]``): every stamp of SRC is in DST for the
+  same tensor with the same format, in the shard that holds the tensor (a split tensor's: the
+  shard of its first segment), and DST stamps nothing SRC does not;
 * the runtime's constraints: each expert's three weight tensors byte-adjacent in one file, and
   the probe experts (expert 0 of the first MoE layer and of each MTP layer) present.
 
@@ -29,6 +32,7 @@ from .container import MANIFEST_NAME, MAX_FILES, Container
 from .errors import InputError
 from .manifest import build_manifest, compare_manifests, load_manifest
 from .segments import SegmentSpec, reassembled_digest
+from .shard_metadata import shard_stamps, stamp_problems
 from .sparse import data_map, is_zero
 
 COMPARE_CHUNK = 16 * 1024 * 1024
@@ -67,6 +71,7 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     problems += _compare_other_files(src_m, dst_m)
     st = dict(src_m["tensors"])
     dt = dict(dst_m["tensors"])
+    problems += _check_stamps(src, dst, segments)
     problems += _check_segments(src, dst, st, dt, segments)
     problems += [f"tensor {n}: missing from DST" for n in sorted(st.keys() - dt.keys())]
     problems += [f"tensor {n}: in DST but not in SRC" for n in sorted(dt.keys() - st.keys())]
@@ -87,7 +92,7 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     split_experts = sum(1 for e in dst.experts.values() if e.split)
     summary = {
         "src": str(src.root), "dst": str(dst.root), "tensors": len(dt), "split_tensors": len(segments), "files": len(dst.files),
-        "split_experts": split_experts, "needs_split_runtime": split_experts > 0,
+        "split_experts": split_experts, "needs_split_runtime": split_experts > 0, "format_stamps": len(src.stamps),
         "full_byte_compare": full, "src_content_fingerprint": src_m["content_fingerprint"],
         "dst_content_fingerprint": dst_m["content_fingerprint"], "problems": problems,
     }
@@ -103,6 +108,18 @@ def _compare_other_files(src_m: dict, dst_m: dict) -> list[str]:
     out += [f"file {n}: content differs from SRC's (xxh3-128)" for n in sorted(a.keys() & b.keys())
             if (a[n]["size"], a[n]["xxh3_128"]) != (b[n]["size"], b[n]["xxh3_128"])]
     return out
+
+
+def _check_stamps(src: Container, dst: Container, segments: dict) -> list[str]:
+    """SRC's format stamps against DST's, shard by shard (:func:`~containers.shard_metadata.stamp_problems`)."""
+    holder = {name: dst.files[ref.file].name for name, ref in dst.tensors.items()}
+    files = {name: i for i, name in enumerate(p.name for p in dst.files)}
+    for orig, spec in segments.items():
+        parts = [holder[n] for n in (spec.get("top"), spec.get("bottom")) if n in holder]
+        if parts:
+            holder[orig] = min(parts, key=files.__getitem__)
+    per_file = [(p.name, shard_stamps(p, h.metadata)) for p, h in zip(dst.files, dst.headers)]
+    return stamp_problems(src.stamps, per_file, holder)
 
 
 def _check_segments(src: Container, dst: Container, st: dict, dt: dict, segments: dict) -> list[str]:

@@ -63,7 +63,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_synth_container(args) -> int:
     geometry = _scaled_geometry(args)
-    out = synth_container(args.out, geometry, seed=args.seed, sparse=args.sparse)
+    out = synth_container(args.out, geometry, seed=args.seed, sparse=args.sparse, stamp=args.stamp)
     container = Container.open(out)
     r = container.report()
     print(f"wrote {out}: {r['files']} files, {r['routed_experts']} experts, {human_bytes(r['total_bytes'])}, "
@@ -675,6 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="seed of the tensor bytes and the shard cuts")
     c.add_argument("--sparse", action="store_true", help="sparse files: real headers, each tensor a 4 KiB seeded stamp "
                                                          "then holes (zeros); a full-size container in a few GB of disk")
+    c.add_argument("--stamp", action="store_true", help="stamp the format of every quantised tensor that is not a routed "
+                                                        "expert in its shard's __metadata__[\"colibri.fmt\"], as colibrì's "
+                                                        "repack tool does")
 
     c = _command(synth, "trace", "write a synthetic routing trace with real structure", cmd_synth_trace)
     c.add_argument("out", help="the trace file to write (.rt)")
