@@ -23,6 +23,11 @@ is byte-identical to the source's, plus its checksum manifest.
   A full disk or failed write raises one clear error; the partial directory stays resumable and
   nothing at ``DST`` looks complete. Only after every file is done, the directory is fsynced and
   renamed to ``DST`` (never replacing anything there).
+* The files around the tensors: ``model.safetensors.index.json``, when SRC has one, is
+  regenerated for the new shards (:mod:`containers.model_index`); every other non-tensor file is
+  copied unchanged. Each new shard's ``__metadata__`` (colibrì's format stamps included) is the
+  plan's, which the file-list check requires to carry the source's
+  (:func:`~containers.output_files.metadata_problems`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from .manifest import (
     content_fingerprint,
     layout_fingerprint,
 )
+from .model_index import INDEX_NAME, index_bytes, read_index, regenerated_index
 from .output_files import OutputFile, require_valid_output_files, tensor_specs
 from .safetensors_io import DTYPE_SIZES, plan_shard
 from .sources import FileRange
@@ -143,6 +149,7 @@ def rewrite_container(
     ``plan_path`` names the plan in the error that lists the file list's problems.
     """
     require_valid_output_files(src, files, plan_path)
+    new_index = _regenerated_index(src, files)
     names = [f.name for f in files]
     with Destination.open(dst, src.root, JOURNAL_NAME) as dest:
         for stray in dest.names():
@@ -185,7 +192,10 @@ def rewrite_container(
                 if pending is not None:
                     pending.result()
                 for p in todo_others:
-                    journal.files[p.name] = _copy_other(p, dest, bar.update)
+                    if p.name == INDEX_NAME:
+                        journal.files[p.name] = _write_generated(dest, p.name, new_index, bar.update)
+                    else:
+                        journal.files[p.name] = _copy_other(p, dest, bar.update)
                     journal.save()
 
         manifest = _manifest(files, others, journal, source_manifest, src_tensors, provenance)
@@ -531,6 +541,46 @@ def _copy_other(path: Path, dest: Destination, on_bytes) -> dict:
     on_bytes(size)
     digest, _ = hash_file(dest.partial / path.name)
     return {"size": size, "xxh3_128": digest}
+
+
+def _regenerated_index(src: Container, files: list[OutputFile]) -> bytes | None:
+    """DST's ``model.safetensors.index.json`` (:mod:`containers.model_index`), or None when SRC has none.
+
+    Raises :class:`InputError` naming SRC's index when it is malformed (before anything is written).
+    """
+    path = next((p for p in src.other_files if p.name == INDEX_NAME), None)
+    if path is None:
+        return None
+    doc = read_index(path)
+    holder, total = {}, 0
+    for of in files:
+        for name, _ in of.tensors:
+            holder[name] = of.name
+            d = of.derived.get(name)
+            total += d.spec.nbytes(d.part) if d else src.tensors[name].nbytes
+    return index_bytes(regenerated_index(doc, holder, total))
+
+
+def _write_generated(dest: Destination, name: str, data: bytes, on_bytes) -> dict:
+    """Write a file relayout makes for DST (not a copy of SRC's) crash-safely; its journal entry."""
+    tmp = f".{name}.tmp-{os.getpid()}"
+    try:
+        fd = dest.create(tmp)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            fsync_fd(fd)
+        finally:
+            os.close(fd)
+        dest.replace(tmp, name)
+        dest.sync()
+    except OSError as exc:
+        dest.unlink(tmp)
+        raise InputError(dest.partial / name, describe_os_error(exc) + RESUME_HINT) from None
+    on_bytes(len(data))
+    digest, _ = hash_file(dest.partial / name)
+    return {"size": len(data), "xxh3_128": digest}
 
 
 def _manifest(files: list[OutputFile], others: list[Path], journal: _Journal, source_manifest: dict,

@@ -8,7 +8,8 @@ Checks, each reported as one line naming what is wrong:
   every tensor's file, offset, dtype, shape, size and hash, every file's kind, size and hash, the
   geometry, and its fingerprints; when it records a rewrite, its source content fingerprint is SRC's;
 * every non-tensor file of SRC (``config.json``, ``tokenizer.json``, ...) is in DST with the same
-  xxh3-128, and DST has no other;
+  xxh3-128, and DST has no other; but ``model.safetensors.index.json``, in DST exactly when in
+  SRC, is checked as the regenerated index of DST's tensors (:func:`~containers.model_index.index_problems`);
 * the same tensor names in SRC and DST, none missing, none extra;
 * every tensor's xxh3-128 in DST equals SRC's (``full=True`` also compares the bytes); a tensor
   stored as split segments (the manifest's segment map) is reassembled from them and compared;
@@ -31,6 +32,7 @@ from pathlib import Path
 from .container import MANIFEST_NAME, MAX_FILES, Container
 from .errors import InputError
 from .manifest import build_manifest, compare_manifests, load_manifest
+from .model_index import INDEX_NAME, index_problems, read_index
 from .segments import SegmentSpec, reassembled_digest
 from .shard_metadata import shard_stamps, stamp_problems
 from .sparse import data_map, is_zero
@@ -69,6 +71,7 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     else:
         problems.append(f"DST has no {MANIFEST_NAME}")
     problems += _compare_other_files(src_m, dst_m)
+    problems += _check_index(src, dst)
     st = dict(src_m["tensors"])
     dt = dict(dst_m["tensors"])
     problems += _check_stamps(src, dst, segments)
@@ -106,8 +109,22 @@ def _compare_other_files(src_m: dict, dst_m: dict) -> list[str]:
     out = [f"file {n}: in SRC but missing from DST" for n in sorted(a.keys() - b.keys())]
     out += [f"file {n}: in DST but not in SRC" for n in sorted(b.keys() - a.keys())]
     out += [f"file {n}: content differs from SRC's (xxh3-128)" for n in sorted(a.keys() & b.keys())
-            if (a[n]["size"], a[n]["xxh3_128"]) != (b[n]["size"], b[n]["xxh3_128"])]
+            if n != INDEX_NAME and (a[n]["size"], a[n]["xxh3_128"]) != (b[n]["size"], b[n]["xxh3_128"])]
     return out
+
+
+def _check_index(src: Container, dst: Container) -> list[str]:
+    """DST's index (when both have one) is SRC's regenerated for DST's tensors."""
+    if not ((src.root / INDEX_NAME).is_file() and (dst.root / INDEX_NAME).is_file()):
+        return []
+    try:
+        src_doc = read_index(src.root / INDEX_NAME)
+        dst_doc = read_index(dst.root / INDEX_NAME)
+    except InputError as exc:
+        return [f"{exc.where}: {exc.problem}"]
+    holder = {name: dst.files[ref.file].name for name, ref in dst.tensors.items()}
+    total = sum(ref.nbytes for ref in dst.tensors.values())
+    return index_problems(dst_doc, src_doc, holder, total)
 
 
 def _check_stamps(src: Container, dst: Container, segments: dict) -> list[str]:
