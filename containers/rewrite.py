@@ -25,9 +25,11 @@ is byte-identical to the source's, plus its checksum manifest.
   renamed to ``DST`` (never replacing anything there).
 * The files around the tensors: ``model.safetensors.index.json``, when SRC has one, is
   regenerated for the new shards (:mod:`containers.model_index`); every other non-tensor file is
-  copied unchanged. Each new shard's ``__metadata__`` (colibrì's format stamps included) is the
-  plan's, which the file-list check requires to carry the source's
-  (:func:`~containers.output_files.metadata_problems`).
+  copied unchanged. The files colibrì's runtime keeps in the model directory are carried (copied
+  and journaled like the others) or dropped as :mod:`containers.runtime_files` decides; the
+  manifest records each decision (``runtime_files``). Each new shard's ``__metadata__``
+  (colibrì's format stamps included) is the plan's, which the file-list check requires to carry
+  the source's (:func:`~containers.output_files.metadata_problems`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from .manifest import (
 )
 from .model_index import INDEX_NAME, index_bytes, read_index, regenerated_index
 from .output_files import OutputFile, require_valid_output_files, tensor_specs
+from .runtime_files import CARRIED, RuntimeFile, runtime_files, runtime_record
 from .safetensors_io import DTYPE_SIZES, plan_shard
 from .sources import FileRange
 from .sparse import DataMap, data_map, is_zero
@@ -157,12 +160,14 @@ def rewrite_container(
                 dest.unlink(stray)
         identity = {"source_fingerprint": source_manifest["fingerprint"], "files": names,
                     "plan_digest": provenance.get("plan_digest")}
+        runtime = _runtime_files(src, dest)
+        carried = [src.root / r.name for r in runtime if r.action == CARRIED and (src.root / r.name) not in src.other_files]
         journal = _Journal.open(dest, identity)
         if journal.files:
-            _recheck_done(src, dest, journal, files, src.other_files, notify, progress)
+            _recheck_done(src, dest, journal, files, src.other_files + carried, notify, progress)
         journal.save()
 
-        others = list(src.other_files)
+        others = list(src.other_files) + carried
         todo = [f for f in files if f.name not in journal.files]
         todo_others = [p for p in others if p.name not in journal.files]
         with _Sources() as sources:
@@ -198,7 +203,8 @@ def rewrite_container(
                         journal.files[p.name] = _copy_other(p, dest, bar.update)
                     journal.save()
 
-        manifest = _manifest(files, others, journal, source_manifest, src_tensors, provenance)
+        manifest = _manifest(files, list(src.other_files), journal, source_manifest, src_tensors, provenance)
+        manifest["runtime_files"] = runtime_record(runtime, journal.files)
         _write_json(dest, MANIFEST_NAME, manifest)
         dest.unlink(JOURNAL_NAME)
         dest.publish()
@@ -541,6 +547,11 @@ def _copy_other(path: Path, dest: Destination, on_bytes) -> dict:
     on_bytes(size)
     digest, _ = hash_file(dest.partial / path.name)
     return {"size": size, "xxh3_128": digest}
+
+
+def _runtime_files(src: Container, dest: Destination) -> list[RuntimeFile]:
+    """What happens to each file colibrì's runtime keeps in SRC (:mod:`containers.runtime_files`)."""
+    return runtime_files(src.root, os.stat(dest.partial).st_dev, {p.name for p in src.other_files})
 
 
 def _regenerated_index(src: Container, files: list[OutputFile]) -> bytes | None:

@@ -16,6 +16,9 @@ Checks, each reported as one line naming what is wrong:
 * colibrì's format stamps (``__metadata__["colibri.fmt"]``): every stamp of SRC is in DST for the
   same tensor with the same format, in the shard that holds the tensor (a split tensor's: the
   shard of its first segment), and DST stamps nothing SRC does not;
+* the files colibrì's runtime keeps that the rewrite carried (DST manifest's ``runtime_files``):
+  each in DST with the bytes recorded; that SRC's copy changed since (the runtime updates them as
+  it runs) is a note in the summary, not a problem;
 * the runtime's constraints: each expert's three weight tensors byte-adjacent in one file, and
   the probe experts (expert 0 of the first MoE layer and of each MTP layer) present.
 
@@ -31,8 +34,10 @@ from pathlib import Path
 
 from .container import MANIFEST_NAME, MAX_FILES, Container
 from .errors import InputError
+from .hashing import hash_file
 from .manifest import build_manifest, compare_manifests, load_manifest
 from .model_index import INDEX_NAME, index_problems, read_index
+from .runtime_files import runtime_file_problems
 from .segments import SegmentSpec, reassembled_digest
 from .shard_metadata import shard_stamps, stamp_problems
 from .sparse import data_map, is_zero
@@ -60,9 +65,13 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     dst_m = build_manifest(dst, progress=progress)
     recorded_path = Path(dst_dir) / MANIFEST_NAME
     segments: dict = {}
+    runtime, notes = [], []
     if recorded_path.exists():
         recorded = load_manifest(recorded_path)
         problems += [f"DST manifest: {p}" for p in compare_manifests(recorded, dst_m)]
+        runtime = recorded.get("runtime_files", [])
+        found, notes = runtime_file_problems(runtime, src.root, dst.root, lambda p: hash_file(p)[0])
+        problems += found
         segments = recorded.get("segments", dst_m.get("segments", {}))
         claimed = recorded.get("rewrite", {}).get("source_content_fingerprint")
         if claimed is not None and claimed != src_m["content_fingerprint"]:
@@ -96,6 +105,7 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     summary = {
         "src": str(src.root), "dst": str(dst.root), "tensors": len(dt), "split_tensors": len(segments), "files": len(dst.files),
         "split_experts": split_experts, "needs_split_runtime": split_experts > 0, "format_stamps": len(src.stamps),
+        "runtime_files": runtime, "runtime_file_notes": notes,
         "full_byte_compare": full, "src_content_fingerprint": src_m["content_fingerprint"],
         "dst_content_fingerprint": dst_m["content_fingerprint"], "problems": problems,
     }

@@ -35,6 +35,7 @@ from .render import (
     format_measure,
     format_placement,
     format_reliability,
+    format_rewrite_files,
     format_report,
     format_split_curve,
     format_stats,
@@ -297,6 +298,7 @@ def cmd_replay(args) -> int:
     m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=_say)
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
           + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
+    _print_rewrite_files(args.out, m)
     return _verify_and_report(args.container, args.out, False, False)
 
 
@@ -441,9 +443,19 @@ def cmd_rewrite(args) -> int:
     forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
           f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
+    _print_rewrite_files(args.out, m)
     if args.verify:
         return _verify_and_report(args.src, args.out, False, False)
     return 0
+
+
+def _print_rewrite_files(dst, manifest: dict) -> None:
+    """The rewrite's summary of the files around the tensors, one indented line each."""
+    from containers.model_index import INDEX_NAME
+
+    c = Container.open(dst)
+    for line in format_rewrite_files(manifest, len(c.stamps), (Path(dst) / INDEX_NAME).is_file()):
+        print(f"  {line}")
 
 
 def _verify_and_report(src, dst, full: bool, as_json: bool) -> int:
