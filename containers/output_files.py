@@ -207,7 +207,7 @@ def check_output_files(src: Container, files: list[OutputFile]) -> list[str]:
     for of in files:
         for name, d in of.derived.items():
             derived_of.setdefault(d.original, set()).add(d.part)
-    if not problems:
+    if all(_well_formed(of) for of in files):
         problems += metadata_problems(src, files)
     for name in src.tensors:
         if name in placed:
@@ -220,6 +220,12 @@ def check_output_files(src: Container, files: list[OutputFile]) -> list[str]:
         elif parts != set(PARTS):
             problems.append(f"tensor {name!r} is split but not every segment is placed")
     return problems
+
+
+def _well_formed(of: OutputFile) -> bool:
+    """A name, a metadata object and a list of ``[name, offset]``: enough to check its metadata."""
+    return (isinstance(of.name, str) and isinstance(of.metadata, dict) and isinstance(of.tensors, list)
+            and all(isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], str) for t in of.tensors))
 
 
 def metadata_problems(src: Container, files: list[OutputFile]) -> list[str]:
