@@ -44,7 +44,7 @@ CARRIED = "carried"
 DROPPED = "dropped"
 LEFT = "left behind"
 
-_VALID_IDS = "it names layers and experts only, which a rewrite does not change (no shard, no offset)"
+_VALID_IDS = "it names layers and experts only, which a rewrite does not change; no shard, no offset"
 _RULES: list[tuple[re.Pattern, str]] = [
     (re.compile(r"\.coli_usage"), _VALID_IDS),
     (re.compile(r"stats\.txt"), _VALID_IDS),
@@ -144,7 +144,7 @@ def runtime_files(src_root: Path, dst_device: int, ordinary: set[str]) -> list[R
         if name == SSD_NAME:
             out.append(_ssd(Path(entry.path), dst_device))
         elif known:
-            note = " (copied as one of SRC's non-tensor files)" if name in ordinary else ""
+            note = "; copied as one of SRC's non-tensor files" if name in ordinary else ""
             out.append(RuntimeFile(name, CARRIED, rule_for(name) + note))
         elif name in ordinary:
             continue
