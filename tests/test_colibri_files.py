@@ -334,6 +334,28 @@ def test_verify_checks_carried_copies_and_notes_changes_in_src(stamped, tmp_path
     assert "file .coli_kv: carried by the rewrite but missing from DST" in problems
 
 
+def test_a_failed_write_of_a_side_file_resumes_with_the_index_and_stamps_intact(stamped, tmp_path):
+    """RLIMIT_FSIZE refuses the 2 MB conversation file after every shard and the index are written."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shutil.copytree(stamped["src"], src)
+    (src / ".coli_kv").write_bytes(b"COLIKV1\0" + os.urandom(2_000_000))
+    cmd = ["rewrite", str(src), "--layout", str(stamped["plan"].path), "--out", str(dst), "--force"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    code = ("import resource, signal, sys, runpy; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1_200_000, 1_200_000)); "
+            f"sys.argv = {['relayout'] + cmd!r}; runpy.run_module('relayout', run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and ".coli_kv" in res.stderr, res.stderr
+    partial = tmp_path / "dst.partial"
+    assert not dst.exists() and (partial / INDEX_NAME).is_file() and not (partial / ".coli_kv").exists()
+    res = subprocess.run([sys.executable, "-m", "relayout", *cmd], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "already written and re-hashed intact" in res.stderr + res.stdout
+    assert (dst / ".coli_kv").read_bytes() == (src / ".coli_kv").read_bytes()
+    assert verify(src, dst, progress=False)[0] == []
+    assert Container.open(dst).stamps == stamped["stamps"]
+
+
 def test_ssd_measurement_is_carried_only_onto_its_volume(tmp_path):
     here = os.stat(tmp_path).st_dev
     (tmp_path / ".coli_ssd").write_text(f"v2 3.1 {here}\n")
