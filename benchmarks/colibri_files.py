@@ -123,7 +123,8 @@ def engine(colibri: Path, model: Path, ngen: int, trace: Path | None, extra: dic
     env = dict(os.environ, SNAP=str(model), PROMPT=PROMPT, NGEN=str(ngen), **RUN_ENV, **(extra or {}))
     if trace:
         env["ROUTE_TRACE"] = str(trace)
-    res = subprocess.run([str(colibri / "c" / "colibri"), "4"], env=env, capture_output=True, text=True, timeout=3600)
+    res = subprocess.run([str(colibri / "c" / "colibri"), "4"], env=env, capture_output=True, text=True, errors="replace",
+                         timeout=3600)
     tokens = re.search(r"\[TOKENS\] \d+ generated: ([0-9 ]+)", res.stderr)
     pin = re.search(r"\[PIN\] auto: seeding from (\S+)", res.stderr)
     return {"returncode": res.returncode, "tokens": tokens.group(1).split() if tokens else None,

@@ -64,6 +64,8 @@ def shard_stamps(path: Path | str, metadata: Mapping[str, str]) -> dict[str, str
         return {}
     what = f'__metadata__["{STAMP_KEY}"]'
     refused = "; the runtime refuses to load it"
+    if not isinstance(text, str):
+        raise InputError(path, f"{what} is not a string{refused}")
     try:
         obj = json.loads(text, object_pairs_hook=_pairs)
     except _Conflict as exc:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import fuzz_examples, run_cli, small_geometry
 from hypothesis import given, settings
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.geometry import ExpertFormat
-from containers.manifest import build_manifest, write_manifest
+from containers.manifest import build_manifest, manifest_problem, write_manifest
 from containers.model_index import INDEX_NAME, read_index
 from containers.output_files import OutputFile, check_output_files, tensor_specs
 from containers.rewrite import rewrite_container
@@ -88,14 +89,15 @@ def test_stamp_maps_the_runtime_refuses_are_refused_naming_the_shard():
     assert ok == {"w": "int8-row", "v": "int4-grouped"}
     assert shard_stamps("a.safetensors", {"format": "pt"}) == {}
     assert shard_stamps("a.safetensors", {STAMP_KEY: '{"w": "int8-row", "w": "int8-row"}'}) == {"w": "int8-row"}
-    bad = {
-        "not JSON": "{w: 1}",
-        "not a JSON object": '["w"]',
-        "is not a string": '{"w": 8}',
-        "twice": '{"w": "int8-row", "w": "int4-row"}',
-        "nested too deeply": "[" * 100000,
-    }
-    for why, text in bad.items():
+    bad = [
+        ("not JSON", "{w: 1}"),
+        ("not a JSON object", '["w"]'),
+        ("entry 'w' is not a string", '{"w": 8}'),
+        ('"] is not a string', 7),                     # a plan's metadata is untrusted
+        ("twice", '{"w": "int8-row", "w": "int4-row"}'),
+        ("nested too deeply", "[" * 100000),
+    ]
+    for why, text in bad:
         with pytest.raises(InputError, match=re.escape(why)) as e:
             shard_stamps("out-00003.safetensors", {STAMP_KEY: text})
         assert e.value.where == "out-00003.safetensors" and "runtime refuses" in str(e.value)
@@ -317,6 +319,20 @@ def test_runtime_files_are_carried_or_dropped_and_recorded(stamped):
     assert "DST is on device" in record[".coli_ssd"]["reason"]
     # DST's own manifest does not list them: the runtime rewrites them as it runs
     assert ".coli_usage" not in {f["name"] for f in stamped["manifest"]["files"]}
+
+
+def test_the_runtime_files_record_follows_the_manifest_schema(stamped):
+    schema = json.loads((Path(__file__).resolve().parent.parent / "manifests/schemas/manifest.schema.json").read_text())
+    m = json.loads((stamped["dst"] / MANIFEST_NAME).read_text())
+    jsonschema.validate(m, schema)
+    assert manifest_problem(m) is None
+    for bad in ({"name": ".coli_kv", "action": "kept", "reason": "x"}, {"name": ".coli_kv", "reason": "x"},
+                {"name": ".coli_kv", "action": "carried", "reason": "x", "xxh3_128": "nothex"},
+                {"name": ".coli_kv", "action": "carried", "reason": "x", "extra": 1}):
+        broken = {**m, "runtime_files": [bad]}
+        assert manifest_problem(broken) is not None
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema)
 
 
 def test_verify_checks_carried_copies_and_notes_changes_in_src(stamped, tmp_path):
