@@ -42,7 +42,7 @@ from containers.sources import FileRange
 from containers.synth import colibri_format_name, synth_container
 from relayout.apply import apply_plan, output_files, verify
 from relayout.packing import PackOptions
-from relayout.plan import make_plan, source_from_container
+from relayout.plan import SplitOptions, make_plan, source_from_container
 from relayout.trace_synth import synth_trace
 from replay.planfile import load_plan, save_plan
 
@@ -249,6 +249,29 @@ def test_a_plan_that_would_drop_the_stamps_is_refused_before_anything_is_written
         rewrite_container(src, stripped, tmp_path / "dst", json.loads((stamped["src"] / MANIFEST_NAME).read_text()), {},
                           progress=False)
     assert not (tmp_path / "dst").exists() and not (tmp_path / "dst.partial").exists()
+
+
+def test_a_split_tensor_keeps_its_stamp_under_its_own_name_beside_its_first_segment(tmp_path):
+    src = tmp_path / "src"
+    g = small_geometry(moe_layers=2, experts=16, ffn=256)
+    synth_container(src, g, seed=3, progress=False, stamp=True)
+    c = Container.open(src)
+    stamps = {**c.stamps, **{ref.entry.name: colibri_format_name(ExpertFormat.parse(e.format))
+                             for e in c.experts.values() for ref in e.weights.values()}}
+    restamp(c.files[-1], {"format": "pt", STAMP_KEY: stamp_text(stamps)})    # all in the last shard (an MTP one)
+    tr = synth_trace(g.moe_layers, 16, 8, 300, 4, seed=1, geometry=g.name)
+    plan_path = tmp_path / "plan.json"
+    save_plan(make_plan(tr, source_from_container(src), split=SplitOptions(0.25, 900_000), progress=False), plan_path)
+    m = apply_plan(src, load_plan(plan_path), tmp_path / "dst", None, force=True, progress=False)
+    assert m["segments"]
+    dst = Container.open(tmp_path / "dst")
+    assert dst.stamps == stamps and not any(n.endswith((".top", ".bottom")) for n in dst.stamps)
+    holder = shard_of(dst)
+    for orig, seg in m["segments"].items():
+        if orig in stamps:
+            [file] = [p.name for p, h in zip(dst.files, dst.headers) if orig in shard_stamps(p, h.metadata)]
+            assert file == holder[seg["top"]]
+    assert verify(src, tmp_path / "dst", progress=False)[0] == []
 
 
 # ---------------------------------------------------------------- the model index
