@@ -128,6 +128,15 @@ def test_a_source_with_a_malformed_stamp_map_is_refused(tmp_path):
     assert r.stderr.count("\n") == 1 and shard.name in r.stderr and "is not a string" in r.stderr
 
 
+@settings(max_examples=fuzz_examples(100), deadline=None)
+@given(st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",)), max_size=40),
+                       st.sampled_from(["int8-row", "int4-row", "int4-grouped", "fp8-e4m3-b128", "f32"]), max_size=20))
+def test_a_written_stamp_map_reads_back_from_the_shard_header(tmp_path_factory, stamps):
+    path = tmp_path_factory.mktemp("stamp") / "out-00000.safetensors"
+    write_shard(path, [TensorSpec("w", "U8", (3,), FileRange(Path(__file__), 0, 3))], metadata={STAMP_KEY: stamp_text(stamps)})
+    assert shard_stamps(path, read_header(path).metadata) == stamps
+
+
 @settings(max_examples=fuzz_examples(60), deadline=None)
 @given(st.data())
 def test_each_stamp_goes_to_the_shard_storing_its_tensor(data):
