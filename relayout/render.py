@@ -37,6 +37,8 @@ def format_inspect(r: dict) -> str:
     if r.get("needs_split_runtime"):
         lines.append(f"runtime        NEEDS A SPLIT-AWARE RUNTIME: {r['split_experts']} experts are stored as split segments "
                      "(docs/SPLIT_SEGMENTS.md); stock colibrì cannot load this container")
+    if r.get("format_stamps"):
+        lines.append(f"format stamps  {r['format_stamps']} tensors (colibri.fmt)")
     lines.append(f"problems       {len(r['problems']) or 'none'}")
     lines += [f"  - {p}" for p in r["problems"]]
     return "\n".join(lines)
