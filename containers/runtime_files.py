@@ -2,26 +2,14 @@
 
 The runtime writes state next to the shards (``<SNAP>/...``). A rewrite makes the same tensors,
 byte for byte and under the same names, in new shards at new offsets; whether a file is still
-true of DST depends on what it records (the table is also ``docs/RUNTIME_FILES.md``):
+true of DST depends on what it records (``docs/RUNTIME_FILES.md`` has the table):
 
-=====================  =====================================================  =====================
-file                   what it holds                                          rewrite
-=====================  =====================================================  =====================
-``.coli_usage``        learned expert-use history, ``<layer> <expert>         carried: layer and
-                       <count>`` lines and two header records (PIN=auto,      expert ids only
-                       AUTOPIN)
-``stats.txt``          one run's expert-use profile, same format (STATS=,     carried (an ordinary
-                       PIN=auto's fallback)                                   non-tensor file)
-``.coli_pairs``        cross-layer coupling table, ``COLIPAIRS 1`` then       carried: layer and
-                       layer, distance, expert id and follower ids (COUPLE=)  expert ids only
-``.coli_kv``,          a saved conversation per serve slot: its tokens and    carried: computed
-``.coli_kv.<slot>``    each layer's attention cache; the header records the   from tensor values
-                       model's dimensions                                     and config.json,
-                                                                              both unchanged
-``.coli_ssd``          the read rate measured on the drive holding the        carried when DST is
-                       model, ``v2 <GB/s> <device number>``                   on that device, else
-                                                                              dropped
-=====================  =====================================================  =====================
+* ``.coli_usage`` (learned expert-use history), ``stats.txt`` (one run's expert-use profile) and
+  ``.coli_pairs`` (cross-layer coupling table): layer and expert ids only, carried;
+* ``.coli_kv`` and ``.coli_kv.<slot>`` (a saved conversation: tokens and each layer's attention
+  cache, computed from tensor values and ``config.json``, both unchanged byte for byte): carried;
+* ``.coli_ssd`` (``v2 <GB/s> <device number>``, the measured read rate of the drive holding the
+  model): carried when DST is on that device, dropped otherwise.
 
 None of these files names a shard or an offset. A dropped ``.coli_ssd`` costs one measurement:
 the runtime discards a measurement tagged with another device and measures again. Any other
