@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/kill_resume.py [--kills 100] [--mb 40] [--seed 0] [--work DIR] [--json]
 
-Builds a small multi-file container (about ``--mb`` MB, many output files), rewrites it once
+Builds a small multi-file container (about ``--mb`` MB, many output files; format stamps, a model
+index and a ``.coli_usage`` history beside the shards), rewrites it once
 uninterrupted as the reference, then repeatedly starts ``relayout rewrite`` and SIGKILLs it at a
 random moment of its writing phase (after ``DST.partial`` appears). After every kill it checks
 that ``DST`` either does not exist or is complete (verified against the source); each next run
@@ -33,6 +34,7 @@ import xxhash  # noqa: E402
 from containers.container import MANIFEST_NAME, Container  # noqa: E402
 from containers.geometry import load_geometry  # noqa: E402
 from containers.manifest import build_manifest, write_manifest  # noqa: E402
+from containers.model_index import INDEX_NAME, index_bytes  # noqa: E402
 from containers.synth import synth_container  # noqa: E402
 from relayout.apply import verify  # noqa: E402
 from relayout.packing import PackOptions  # noqa: E402
@@ -52,7 +54,11 @@ def prepare(work: Path, mb: float, seed: int) -> tuple[Path, Path]:
     layers = max(1, round(mb * 1e6 / (experts * g.expert_bytes(g.moe_layers[0]))))
     g = g.scaled(moe_layers=layers, experts=experts, hidden=1024, ffn=256, vocab=512, shard_bytes=2_000_000)
     src = work / "src"
-    synth_container(src, g, seed=seed, progress=False)
+    synth_container(src, g, seed=seed, progress=False, stamp=True)
+    c = Container.open(src)     # colibrì's files around the tensors too: an index and the usage history
+    (src / INDEX_NAME).write_bytes(index_bytes({"metadata": {"total_size": 0},
+                                                "weight_map": {n: c.files[r.file].name for n, r in c.tensors.items()}}))
+    (src / ".coli_usage").write_text("".join(f"{layer} {e} {layer + e + 1}\n" for layer, e in sorted(c.experts)))
     write_manifest(build_manifest(Container.open(src), progress=False), src / MANIFEST_NAME)
     trace = synth_trace(g.moe_layers, experts, g.num_experts_per_tok, 400, 4, seed=seed, geometry=g.name)
     plan = work / "plan.json"

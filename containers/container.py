@@ -3,7 +3,9 @@
 Opening a container parses every shard header (strictly), indexes every tensor by name, groups
 routed experts by ``(layer, expert)`` with their six tensors, infers each expert's quantisation
 format from its byte counts, and records whether its three weight tensors are byte-adjacent in
-one file (the runtime's one-read fast path). Nothing is ever written to the container.
+one file (the runtime's one-read fast path), and collects colibrì's format stamps of every shard
+(refusing, as the runtime does, a malformed or conflicting stamp map; :mod:`containers.shard_metadata`).
+Nothing is ever written to the container.
 
 ``config.json`` is read strictly (integers that are integers, within :data:`CONFIG_BOUNDS`), and
 the work done is linear in the tensors present, whatever the numbers in it say. An expert stored
@@ -17,12 +19,13 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
 from .geometry import PROJECTIONS, ExpertFormat, LayerNumbering, projection_shape
 from .safetensors_io import ShardHeader, TensorEntry, read_header
+from .shard_metadata import container_stamps
 
 MAX_FILES = 512
 """The runtime globs at most this many ``*.safetensors`` files."""
@@ -244,6 +247,8 @@ class Container:
     config: ModelConfig
     experts: dict[tuple[int, int], Expert]
     problems: list[str]
+    stamps: dict[str, str] = field(default_factory=dict)
+    """colibrì's format stamps of all shards, ``{tensor name: format name}`` (:mod:`containers.shard_metadata`)."""
 
     @classmethod
     def open(cls, root: str | Path) -> "Container":
@@ -263,6 +268,7 @@ class Container:
             and not p.name.startswith(".")
         )
         headers = [read_header(p) for p in files]
+        stamps = container_stamps(files, [h.metadata for h in headers])
         tensors: dict[str, TensorRef] = {}
         for i, h in enumerate(headers):
             for name, entry in h.tensors.items():
@@ -273,7 +279,7 @@ class Container:
                     )
                 tensors[name] = TensorRef(i, entry)
         experts, problems = _group_experts(tensors, config)
-        return cls(root, files, others, headers, tensors, config, experts, problems)
+        return cls(root, files, others, headers, tensors, config, experts, problems, stamps)
 
     def require_clean(self) -> None:
         """Raise the first problem found, for commands that need a sound container."""
@@ -316,6 +322,7 @@ class Container:
             # experts stored as .top/.bottom segments: the stock colibri loader cannot load them
             # (it looks up the whole tensor names), only a runtime that reads split segments can
             "split_experts": split,
+            "format_stamps": len(self.stamps),
             "needs_split_runtime": split > 0,
             "config": {
                 "hidden_size": self.config.hidden_size,

@@ -22,7 +22,7 @@ from .container import MAX_FILES, Container, expert_tensor_name
 from .errors import InputError
 from .geometry import PROJECTIONS, Geometry
 from .safetensors_io import plan_shard
-from .synth import converter_order, cut_shards, source_units
+from .synth import converter_order, cut_shards, shard_name, source_units
 
 SLOTS = tuple(f"{p}.weight" for p in PROJECTIONS) + tuple(f"{p}.scales" for p in PROJECTIONS)
 """The six tensors of an expert, in ``expert_loc`` slot order."""
@@ -236,10 +236,10 @@ def layout_from_geometry(g: Geometry, seed: int = 0) -> tuple[Layout, list[Tenso
     main = cut_shards([u for u in units if not u.mtp], g.shard_bytes, seed)
     mtp = cut_shards([u for u in units if u.mtp], g.shard_bytes, seed + 1)
     for prefix, shards in (("out", main), ("out-mtp", mtp)):
-        for i, specs in enumerate(shards, 1):
+        for i, specs in enumerate(shards):
             lay = plan_shard(converter_order(specs), alignment=1, metadata={"format": "pt"})
             fi = len(files)
-            files.append(f"{prefix}-{i:05d}.safetensors")
+            files.append(shard_name(prefix, i))
             sizes.append(lay.file_size)
             metas.append({"format": "pt"})
             for spec, begin in lay.placements:

@@ -153,6 +153,8 @@ _TENSOR_KEYS = {"file": "string", "dtype": "string", "shape": "shape", "offset":
 _SEGMENT_KEYS = {"kind": "segment kind", "rows": "count", "row_bytes": "count", "split": "count or null",
                  "top": "string", "bottom": "string"}
 _REWRITE_KEYS = {"source_fingerprint": "hash", "source_content_fingerprint": "hash", "forced": "boolean"}
+_RUNTIME_KEYS = {"name": "string", "action": "runtime action", "reason": "string"}
+_RUNTIME_COPY_KEYS = {"size": "count", "xxh3_128": "hash"}
 
 
 def _is_count(v) -> bool:
@@ -168,6 +170,7 @@ _TYPES = {
     "segment kind": (lambda v: v in ("rows", "columns", "shared"), '"rows", "columns" or "shared"'),
     "count or null": (lambda v: v is None or _is_count(v), "a non-negative integer or null"),
     "boolean": (lambda v: isinstance(v, bool), "true or false"),
+    "runtime action": (lambda v: v in ("carried", "dropped", "left behind"), '"carried", "dropped" or "left behind"'),
 }
 
 
@@ -253,6 +256,21 @@ def manifest_problem(m: dict) -> str | None:
         problem = _entry_problem("rewrite", m["rewrite"], _REWRITE_KEYS, exact=False)
         if problem:
             return problem
+    if "runtime_files" in m:
+        if not isinstance(m["runtime_files"], list):
+            return "runtime_files must be a list"
+        for i, entry in enumerate(m["runtime_files"]):
+            where = f"runtime_files[{i}]"
+            problem = _entry_problem(where, entry, _RUNTIME_KEYS, exact=False) \
+                or _entry_problem(where, {k: v for k, v in entry.items() if k not in _RUNTIME_KEYS}, _RUNTIME_COPY_KEYS, exact=False)
+            if problem:
+                return problem
+            for k in _RUNTIME_KEYS:
+                if k not in entry:
+                    return f"{where} lacks {k!r}"
+            extra = sorted(set(entry) - set(_RUNTIME_KEYS) - set(_RUNTIME_COPY_KEYS))
+            if extra:
+                return f"{where} has unknown key {_key(extra[0])}"
     return None
 
 

@@ -13,6 +13,10 @@ problem at once:
 * every tensor of the source is placed exactly once (split tensors: each of their segments once),
   and nothing else is placed;
 * metadata maps ``str`` to ``str``; alignment is an integer in ``[1, 2^30]``;
+* each file's ``__metadata__`` carries colibrì's format stamps of exactly the source tensors it
+  holds (:func:`~containers.shard_metadata.place_stamps`) and keeps every key the source's shards
+  all share (:func:`~containers.shard_metadata.carried_metadata`): a plan made without them
+  would drop them, so it is refused;
 * the header each file will get puts every tensor at the offset the plan says and makes the file
   exactly the size the plan says (computed with the same :func:`plan_shard` the writer uses).
 """
@@ -27,6 +31,7 @@ from .errors import InputError
 from .records import is_int, is_text
 from .safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
 from .segments import PARTS, SegmentSpec
+from .shard_metadata import STAMP_KEY, carried_metadata, place_stamps, shard_stamps
 from .sources import FileRange
 
 SUFFIX = ".safetensors"
@@ -202,6 +207,8 @@ def check_output_files(src: Container, files: list[OutputFile]) -> list[str]:
     for of in files:
         for name, d in of.derived.items():
             derived_of.setdefault(d.original, set()).add(d.part)
+    if all(_well_formed(of) for of in files):
+        problems += metadata_problems(src, files)
     for name in src.tensors:
         if name in placed:
             if name in derived_of:
@@ -215,6 +222,38 @@ def check_output_files(src: Container, files: list[OutputFile]) -> list[str]:
     return problems
 
 
+def _well_formed(of: OutputFile) -> bool:
+    """A name, a metadata object and a list of ``[name, offset]``: enough to check its metadata."""
+    return (isinstance(of.name, str) and isinstance(of.metadata, dict) and isinstance(of.tensors, list)
+            and all(isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], str) for t in of.tensors))
+
+
+def metadata_problems(src: Container, files: list[OutputFile]) -> list[str]:
+    """Where the files' ``__metadata__`` would lose the source's format stamps or shared keys."""
+    problems = []
+    expected = place_stamps(src.stamps, [[n for n, _ in of.tensors] for of in files],
+                            {n: d.original for of in files for n, d in of.derived.items()})
+    kept = carried_metadata([h.metadata for h in src.headers])
+    for of, want in zip(files, expected):
+        try:
+            have = shard_stamps(of.name, of.metadata)
+        except InputError as exc:
+            problems.append(f"{of.name}: {exc.problem}")
+            continue
+        if have != want:
+            lost = sorted(n for n in want if have.get(n) != want[n])
+            extra = sorted(n for n in have if n not in want)
+            shown = (f"lacks the stamp of {lost[0]!r}" + (f" and {len(lost) - 1} more" if len(lost) > 1 else "")) if lost \
+                else f"stamps {extra[0]!r}, which it does not hold"
+            problems.append(f"{of.name}: __metadata__[{STAMP_KEY!r}] {shown} (plan made by another tool version? plan again)")
+        for k, v in kept.items():
+            if of.metadata.get(k) != v:
+                problems.append(f"{of.name}: __metadata__ does not keep the source's {k!r}: {v!r} (plan made by another "
+                                "tool version? plan again)")
+                break
+    return problems
+
+
 def require_valid_output_files(src: Container, files: list[OutputFile], where: str | None) -> None:
     """Raise one :class:`InputError` listing every problem of :func:`check_output_files`."""
     problems = check_output_files(src, files)
@@ -223,5 +262,5 @@ def require_valid_output_files(src: Container, files: list[OutputFile], where: s
         raise InputError(where, f"the plan cannot be written ({len(problems)} problem(s), nothing was written): {shown}")
 
 
-__all__ = ["Derived", "OutputFile", "check_output_files", "output_name_problem", "require_valid_output_files",
+__all__ = ["Derived", "OutputFile", "check_output_files", "metadata_problems", "output_name_problem", "require_valid_output_files",
            "string_problem", "tensor_specs"]

@@ -23,6 +23,13 @@ is byte-identical to the source's, plus its checksum manifest.
   A full disk or failed write raises one clear error; the partial directory stays resumable and
   nothing at ``DST`` looks complete. Only after every file is done, the directory is fsynced and
   renamed to ``DST`` (never replacing anything there).
+* The files around the tensors: ``model.safetensors.index.json``, when SRC has one, is
+  regenerated for the new shards (:mod:`containers.model_index`); every other non-tensor file is
+  copied unchanged. The files colibrì's runtime keeps in the model directory are carried (copied
+  and journaled like the others) or dropped as :mod:`containers.runtime_files` decides; the
+  manifest records each decision (``runtime_files``). Each new shard's ``__metadata__``
+  (colibrì's format stamps included) is the plan's, which the file-list check requires to carry
+  the source's (:func:`~containers.output_files.metadata_problems`).
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ from .manifest import (
     content_fingerprint,
     layout_fingerprint,
 )
+from .model_index import INDEX_NAME, index_bytes, read_index, regenerated_index
 from .output_files import OutputFile, require_valid_output_files, tensor_specs
+from .runtime_files import CARRIED, RuntimeFile, runtime_files, runtime_record
 from .safetensors_io import DTYPE_SIZES, plan_shard
 from .sources import FileRange
 from .sparse import DataMap, data_map, is_zero
@@ -143,6 +152,7 @@ def rewrite_container(
     ``plan_path`` names the plan in the error that lists the file list's problems.
     """
     require_valid_output_files(src, files, plan_path)
+    new_index = _regenerated_index(src, files)
     names = [f.name for f in files]
     with Destination.open(dst, src.root, JOURNAL_NAME) as dest:
         for stray in dest.names():
@@ -150,12 +160,14 @@ def rewrite_container(
                 dest.unlink(stray)
         identity = {"source_fingerprint": source_manifest["fingerprint"], "files": names,
                     "plan_digest": provenance.get("plan_digest")}
+        runtime = _runtime_files(src, dest)
+        carried = [src.root / r.name for r in runtime if r.action == CARRIED and (src.root / r.name) not in src.other_files]
         journal = _Journal.open(dest, identity)
         if journal.files:
-            _recheck_done(src, dest, journal, files, src.other_files, notify, progress)
+            _recheck_done(src, dest, journal, files, src.other_files + carried, notify, progress)
         journal.save()
 
-        others = list(src.other_files)
+        others = list(src.other_files) + carried
         todo = [f for f in files if f.name not in journal.files]
         todo_others = [p for p in others if p.name not in journal.files]
         with _Sources() as sources:
@@ -185,10 +197,14 @@ def rewrite_container(
                 if pending is not None:
                     pending.result()
                 for p in todo_others:
-                    journal.files[p.name] = _copy_other(p, dest, bar.update)
+                    if p.name == INDEX_NAME:
+                        journal.files[p.name] = _write_generated(dest, p.name, new_index, bar.update)
+                    else:
+                        journal.files[p.name] = _copy_other(p, dest, bar.update)
                     journal.save()
 
-        manifest = _manifest(files, others, journal, source_manifest, src_tensors, provenance)
+        manifest = _manifest(files, list(src.other_files), journal, source_manifest, src_tensors, provenance)
+        manifest["runtime_files"] = runtime_record(runtime, journal.files)
         _write_json(dest, MANIFEST_NAME, manifest)
         dest.unlink(JOURNAL_NAME)
         dest.publish()
@@ -531,6 +547,51 @@ def _copy_other(path: Path, dest: Destination, on_bytes) -> dict:
     on_bytes(size)
     digest, _ = hash_file(dest.partial / path.name)
     return {"size": size, "xxh3_128": digest}
+
+
+def _runtime_files(src: Container, dest: Destination) -> list[RuntimeFile]:
+    """What happens to each file colibrì's runtime keeps in SRC (:mod:`containers.runtime_files`)."""
+    return runtime_files(src.root, os.stat(dest.partial).st_dev, {p.name for p in src.other_files})
+
+
+def _regenerated_index(src: Container, files: list[OutputFile]) -> bytes | None:
+    """DST's ``model.safetensors.index.json`` (:mod:`containers.model_index`), or None when SRC has none.
+
+    Raises :class:`InputError` naming SRC's index when it is malformed (before anything is written).
+    """
+    path = next((p for p in src.other_files if p.name == INDEX_NAME), None)
+    if path is None:
+        return None
+    doc = read_index(path)
+    holder, total = {}, 0
+    for of in files:
+        for name, _ in of.tensors:
+            holder[name] = of.name
+            d = of.derived.get(name)
+            total += d.spec.nbytes(d.part) if d else src.tensors[name].nbytes
+    return index_bytes(regenerated_index(doc, holder, total))
+
+
+def _write_generated(dest: Destination, name: str, data: bytes, on_bytes) -> dict:
+    """Write a file relayout makes for DST (not a copy of SRC's) crash-safely; its journal entry."""
+    tmp = f".{name}.tmp-{os.getpid()}"
+    try:
+        fd = dest.create(tmp)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            fsync_fd(fd)
+        finally:
+            os.close(fd)
+        dest.replace(tmp, name)
+        dest.sync()
+    except OSError as exc:
+        dest.unlink(tmp)
+        raise InputError(dest.partial / name, describe_os_error(exc) + RESUME_HINT) from None
+    on_bytes(len(data))
+    digest, _ = hash_file(dest.partial / name)
+    return {"size": len(data), "xxh3_128": digest}
 
 
 def _manifest(files: list[OutputFile], others: list[Path], journal: _Journal, source_manifest: dict,

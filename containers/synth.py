@@ -28,6 +28,7 @@ from .container import expert_tensor_name
 from .errors import InputError
 from .geometry import PROJECTIONS, ExpertFormat, Geometry, projection_shape
 from .safetensors_io import DTYPE_SIZES, TensorSpec, write_shard
+from .shard_metadata import with_stamps
 from .sources import SeededBytes, SeededScales, Stamped
 
 STAMP_BYTES = 4096
@@ -37,19 +38,36 @@ SYNTH_MARKER = ".relayout-synth"
 """Marks an unfinished synthetic container's directory as ours (so a rerun may remove it)."""
 
 
+COLIBRI_FORMAT_NAMES = {(8, None): "int8-row", (4, None): "int4-row"}
+"""colibrì's format names (``colibri.fmt`` stamps) of the quantised formats; int4 with group scales
+is ``int4-grouped`` whatever the group size."""
+
+
+def colibri_format_name(fmt: ExpertFormat) -> str | None:
+    """The name colibrì stamps a tensor of format ``fmt`` with (None when it has no name for it)."""
+    if fmt.bits == 4 and fmt.group is not None:
+        return "int4-grouped"
+    return COLIBRI_FORMAT_NAMES.get((fmt.bits, fmt.group))
+
+
 @dataclass(frozen=True)
 class SourceUnit:
-    """One tensor of the source checkpoint: after conversion, one or two output tensors."""
+    """One tensor of the source checkpoint: after conversion, one or two output tensors.
+
+    ``stamp``: the colibrì format name of a quantised tensor that is not a routed expert (what
+    colibrì's repack tool stamps), else None.
+    """
 
     specs: tuple[TensorSpec, ...]
     mtp: bool
+    stamp: str | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
 
-def _quantised(name: str, rows: int, cols: int, fmt: ExpertFormat, seed: int, mtp: bool) -> SourceUnit:
+def _quantised(name: str, rows: int, cols: int, fmt: ExpertFormat, seed: int, mtp: bool, resident: bool = True) -> SourceUnit:
     wbytes = fmt.weight_bytes(rows, cols)
     sbytes = 4 * fmt.scale_count(rows, cols)
     return SourceUnit(
@@ -58,6 +76,7 @@ def _quantised(name: str, rows: int, cols: int, fmt: ExpertFormat, seed: int, mt
             TensorSpec(name + ".qs", "F32", (sbytes // 4,), SeededScales(seed, name + ".qs", sbytes)),
         ),
         mtp,
+        colibri_format_name(fmt) if resident else None,
     )
 
 
@@ -96,7 +115,7 @@ def source_units(g: Geometry, seed: int) -> list[SourceUnit]:
         for e in range(E):
             for proj in PROJECTIONS:
                 rows, cols = projection_shape(proj, H, F)
-                units.append(_quantised(expert_tensor_name(layer, e, proj), rows, cols, fmt, seed, mtp))
+                units.append(_quantised(expert_tensor_name(layer, e, proj), rows, cols, fmt, seed, mtp, resident=False))
     units.append(_plain("model.norm.weight", "F32", (H,), seed))
     units.append(_plain("lm_head.weight", "BF16", (g.vocab_size, H), seed))
     return units
@@ -109,7 +128,7 @@ def stamped(units: list[SourceUnit]) -> list[SourceUnit]:
         specs = tuple(
             replace(s, source=Stamped(replace(s.source, nbytes=min(s.nbytes, STAMP_BYTES)), s.nbytes)) for s in u.specs
         )
-        out.append(SourceUnit(specs, u.mtp))
+        out.append(SourceUnit(specs, u.mtp, u.stamp))
     return out
 
 
@@ -141,6 +160,11 @@ def converter_order(specs: list[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: (-DTYPE_SIZES[s.dtype], s.name))
 
 
+def shard_name(series: str, number: int) -> str:
+    """The converter's name of shard ``number`` (counted from 0) of a series (``out``, ``out-mtp``)."""
+    return f"{series}-{number:05d}.safetensors"
+
+
 def config_json(g: Geometry, sparse: bool = False) -> dict:
     """A ``config.json`` matching the geometry, in the model family's key spelling."""
     cfg = dict(g.extra_config)
@@ -166,10 +190,13 @@ def config_json(g: Geometry, sparse: bool = False) -> dict:
 
 
 def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress: bool = True,
-                    sparse: bool = False) -> Path:
+                    sparse: bool = False, stamp: bool = False) -> Path:
     """Write a synthetic container for geometry ``g`` at ``out`` (built in ``out.partial``).
 
-    ``sparse``: tensors are stamps followed by holes (see the module doc).
+    ``sparse``: tensors are stamps followed by holes (see the module doc). ``stamp``: each shard's
+    ``__metadata__["colibri.fmt"]`` names the format of the quantised tensors it holds that are not
+    routed experts, as colibrì's repack tool stamps them (the headers grow, so offsets differ from
+    :func:`~containers.layout.layout_from_geometry`'s, which is the unstamped container's layout).
     """
     out = Path(out)
     if out.exists() or out.is_symlink():
@@ -187,15 +214,16 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
         units = stamped(units)
     main = cut_shards([u for u in units if not u.mtp], g.shard_bytes, seed)
     mtp = cut_shards([u for u in units if u.mtp], g.shard_bytes, seed + 1)
+    stamps = {u.specs[0].name: u.stamp for u in units if stamp and u.stamp}
     total = sum(u.nbytes for u in units)
     with progress_bar(total=total, unit="B", unit_scale=True, desc="synth", enabled=progress) as bar:
         for prefix, shards in (("out", main), ("out-mtp", mtp)):
-            for i, specs in enumerate(shards, 1):
+            for i, specs in enumerate(shards):
                 write_shard(
-                    partial / f"{prefix}-{i:05d}.safetensors",
+                    partial / shard_name(prefix, i),
                     converter_order(specs),
                     alignment=1,
-                    metadata={"format": "pt"},
+                    metadata=with_stamps({"format": "pt"}, {s.name: stamps[s.name] for s in specs if s.name in stamps}),
                     on_bytes=bar.update,
                     sparse=sparse,
                 )
@@ -211,4 +239,4 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     return out
 
 
-__all__ = ["synth_container", "source_units", "stamped", "cut_shards", "converter_order", "config_json"]
+__all__ = ["colibri_format_name", "synth_container", "source_units", "stamped", "cut_shards", "converter_order", "config_json", "shard_name"]

@@ -8,10 +8,17 @@ Checks, each reported as one line naming what is wrong:
   every tensor's file, offset, dtype, shape, size and hash, every file's kind, size and hash, the
   geometry, and its fingerprints; when it records a rewrite, its source content fingerprint is SRC's;
 * every non-tensor file of SRC (``config.json``, ``tokenizer.json``, ...) is in DST with the same
-  xxh3-128, and DST has no other;
+  xxh3-128, and DST has no other; but ``model.safetensors.index.json``, in DST exactly when in
+  SRC, is checked as the regenerated index of DST's tensors (:func:`~containers.model_index.index_problems`);
 * the same tensor names in SRC and DST, none missing, none extra;
 * every tensor's xxh3-128 in DST equals SRC's (``full=True`` also compares the bytes); a tensor
   stored as split segments (the manifest's segment map) is reassembled from them and compared;
+* colibrì's format stamps (``__metadata__["colibri.fmt"]``): every stamp of SRC is in DST for the
+  same tensor with the same format, in the shard that holds the tensor (a split tensor's: the
+  shard of its first segment), and DST stamps nothing SRC does not;
+* the files colibrì's runtime keeps that the rewrite carried (DST manifest's ``runtime_files``):
+  each in DST with the bytes recorded; that SRC's copy changed since (the runtime updates them as
+  it runs) is a note in the summary, not a problem;
 * the runtime's constraints: each expert's three weight tensors byte-adjacent in one file, and
   the probe experts (expert 0 of the first MoE layer and of each MTP layer) present.
 
@@ -27,8 +34,12 @@ from pathlib import Path
 
 from .container import MANIFEST_NAME, MAX_FILES, Container
 from .errors import InputError
+from .hashing import hash_file
 from .manifest import build_manifest, compare_manifests, load_manifest
+from .model_index import INDEX_NAME, index_problems, read_index
+from .runtime_files import runtime_file_problems
 from .segments import SegmentSpec, reassembled_digest
+from .shard_metadata import shard_stamps, stamp_problems
 from .sparse import data_map, is_zero
 
 COMPARE_CHUNK = 16 * 1024 * 1024
@@ -54,9 +65,13 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     dst_m = build_manifest(dst, progress=progress)
     recorded_path = Path(dst_dir) / MANIFEST_NAME
     segments: dict = {}
+    runtime, notes = [], []
     if recorded_path.exists():
         recorded = load_manifest(recorded_path)
         problems += [f"DST manifest: {p}" for p in compare_manifests(recorded, dst_m)]
+        runtime = recorded.get("runtime_files", [])
+        found, notes = runtime_file_problems(runtime, src.root, dst.root, lambda p: hash_file(p)[0])
+        problems += found
         segments = recorded.get("segments", dst_m.get("segments", {}))
         claimed = recorded.get("rewrite", {}).get("source_content_fingerprint")
         if claimed is not None and claimed != src_m["content_fingerprint"]:
@@ -65,8 +80,10 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     else:
         problems.append(f"DST has no {MANIFEST_NAME}")
     problems += _compare_other_files(src_m, dst_m)
+    problems += _check_index(src, dst)
     st = dict(src_m["tensors"])
     dt = dict(dst_m["tensors"])
+    problems += _check_stamps(src, dst, segments)
     problems += _check_segments(src, dst, st, dt, segments)
     problems += [f"tensor {n}: missing from DST" for n in sorted(st.keys() - dt.keys())]
     problems += [f"tensor {n}: in DST but not in SRC" for n in sorted(dt.keys() - st.keys())]
@@ -87,7 +104,8 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
     split_experts = sum(1 for e in dst.experts.values() if e.split)
     summary = {
         "src": str(src.root), "dst": str(dst.root), "tensors": len(dt), "split_tensors": len(segments), "files": len(dst.files),
-        "split_experts": split_experts, "needs_split_runtime": split_experts > 0,
+        "split_experts": split_experts, "needs_split_runtime": split_experts > 0, "format_stamps": len(src.stamps),
+        "runtime_files": runtime, "runtime_file_notes": notes,
         "full_byte_compare": full, "src_content_fingerprint": src_m["content_fingerprint"],
         "dst_content_fingerprint": dst_m["content_fingerprint"], "problems": problems,
     }
@@ -101,8 +119,34 @@ def _compare_other_files(src_m: dict, dst_m: dict) -> list[str]:
     out = [f"file {n}: in SRC but missing from DST" for n in sorted(a.keys() - b.keys())]
     out += [f"file {n}: in DST but not in SRC" for n in sorted(b.keys() - a.keys())]
     out += [f"file {n}: content differs from SRC's (xxh3-128)" for n in sorted(a.keys() & b.keys())
-            if (a[n]["size"], a[n]["xxh3_128"]) != (b[n]["size"], b[n]["xxh3_128"])]
+            if n != INDEX_NAME and (a[n]["size"], a[n]["xxh3_128"]) != (b[n]["size"], b[n]["xxh3_128"])]
     return out
+
+
+def _check_index(src: Container, dst: Container) -> list[str]:
+    """DST's index (when both have one) is SRC's regenerated for DST's tensors."""
+    if not ((src.root / INDEX_NAME).is_file() and (dst.root / INDEX_NAME).is_file()):
+        return []
+    try:
+        src_doc = read_index(src.root / INDEX_NAME)
+        dst_doc = read_index(dst.root / INDEX_NAME)
+    except InputError as exc:
+        return [f"{exc.where}: {exc.problem}"]
+    holder = {name: dst.files[ref.file].name for name, ref in dst.tensors.items()}
+    total = sum(ref.nbytes for ref in dst.tensors.values())
+    return index_problems(dst_doc, src_doc, holder, total)
+
+
+def _check_stamps(src: Container, dst: Container, segments: dict) -> list[str]:
+    """SRC's format stamps against DST's, shard by shard (:func:`~containers.shard_metadata.stamp_problems`)."""
+    holder = {name: dst.files[ref.file].name for name, ref in dst.tensors.items()}
+    files = {name: i for i, name in enumerate(p.name for p in dst.files)}
+    for orig, spec in segments.items():
+        parts = [holder[n] for n in (spec.get("top"), spec.get("bottom")) if n in holder]
+        if parts:
+            holder[orig] = min(parts, key=files.__getitem__)
+    per_file = [(p.name, shard_stamps(p, h.metadata)) for p, h in zip(dst.files, dst.headers)]
+    return stamp_problems(src.stamps, per_file, holder)
 
 
 def _check_segments(src: Container, dst: Container, st: dict, dt: dict, segments: dict) -> list[str]:

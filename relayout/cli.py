@@ -35,6 +35,7 @@ from .render import (
     format_measure,
     format_placement,
     format_reliability,
+    format_rewrite_files,
     format_report,
     format_split_curve,
     format_stats,
@@ -63,7 +64,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_synth_container(args) -> int:
     geometry = _scaled_geometry(args)
-    out = synth_container(args.out, geometry, seed=args.seed, sparse=args.sparse)
+    out = synth_container(args.out, geometry, seed=args.seed, sparse=args.sparse, stamp=args.stamp)
     container = Container.open(out)
     r = container.report()
     print(f"wrote {out}: {r['files']} files, {r['routed_experts']} experts, {human_bytes(r['total_bytes'])}, "
@@ -318,6 +319,7 @@ def cmd_replay(args) -> int:
     m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=_say, checked=checked)
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"
           + (" (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""))
+    _print_rewrite_files(args.out, m)
     return _verify_and_report(args.container, args.out, False, False)
 
 
@@ -493,9 +495,19 @@ def cmd_rewrite(args) -> int:
     forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
           f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
+    _print_rewrite_files(args.out, m)
     if args.verify:
         return _verify_and_report(args.src, args.out, False, False)
     return 0
+
+
+def _print_rewrite_files(dst, manifest: dict) -> None:
+    """The rewrite's summary of the files around the tensors, one indented line each."""
+    from containers.model_index import INDEX_NAME
+
+    c = Container.open(dst)
+    for line in format_rewrite_files(manifest, len(c.stamps), (Path(dst) / INDEX_NAME).is_file()):
+        print(f"  {line}")
 
 
 def _verify_and_report(src, dst, full: bool, as_json: bool) -> int:
@@ -727,6 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="seed of the tensor bytes and the shard cuts")
     c.add_argument("--sparse", action="store_true", help="sparse files: real headers, each tensor a 4 KiB seeded stamp "
                                                          "then holes (zeros); a full-size container in a few GB of disk")
+    c.add_argument("--stamp", action="store_true", help="stamp the format of every quantised tensor that is not a routed "
+                                                        "expert in its shard's __metadata__[\"colibri.fmt\"], as colibrì's "
+                                                        "repack tool does")
 
     c = _command(synth, "trace", "write a synthetic routing trace with real structure", cmd_synth_trace)
     c.add_argument("out", help="the trace file to write (.rt)")

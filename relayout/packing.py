@@ -8,7 +8,10 @@
 * scales either together per layer (the converter's habit) or right after their expert's
   weights (``scales_with_weights``);
 * non-expert tensors kept, in their source order, in the first files; MTP layers in
-  ``out-mtp-NNNNN`` files; at most 512 files, unique names.
+  ``out-mtp-NNNNN`` files, each series numbered from 0 as colibrì's converter numbers it; at most
+  512 files, unique names;
+* each file's ``__metadata__``: the given keys plus colibrì's format stamps of the tensors it holds
+  (:func:`containers.shard_metadata.place_stamps`).
 
 Offsets are computed with the same :func:`containers.safetensors_io.plan_shard` the rewriter uses,
 so the plan's offsets are the offsets the new container will have.
@@ -24,8 +27,9 @@ from containers.container import MAX_FILES
 from containers.errors import InputError
 from containers.geometry import PROJECTIONS
 from containers.hashing import digest_of
-from containers.layout import SCALE_SLOTS, Layout, TensorInfo, slot_name
+from containers.layout import SCALE_SLOTS, Layout, TensorInfo, shard_name, slot_name
 from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
+from containers.shard_metadata import place_stamps, with_stamps
 
 
 class _Sized:
@@ -64,12 +68,15 @@ def pack_layout(
     options: PackOptions = PackOptions(),
     metadata: dict[str, str] | None = None,
     segments: dict[int, dict] | None = None,
+    stamps: dict[str, str] | None = None,
 ) -> Layout:
     """Place every tensor in new files following ``orders`` (see module doc for the rules).
 
     With ``segments`` (layer -> ``{(proj, is_scale): SegmentSpec}``, a vertical split plan), each
     expert tensor is stored as its ``.top`` and ``.bottom`` segments: the six weight segments form
     one block (tops first), the six scale segments another (``docs/SPLIT_SEGMENTS.md``).
+    ``stamps`` (``{tensor name: format name}``, the source's ``colibri.fmt`` stamps) are written
+    into the ``__metadata__`` of the file holding each tensor.
     """
     segments = segments or {}
     by_name = {t.name: t for t in tensors}
@@ -140,22 +147,23 @@ def pack_layout(
         for block in blocks:
             bsize = sum(t.nbytes for t, _ in block) + al
             if cur and size + bsize > options.shard_bytes:
+                files.append((shard_name(prefix, n), cur))
                 n += 1
-                files.append((f"{prefix}-{n:05d}.safetensors", cur))
                 cur, size = [], 0
             cur += [_spec(t, a) for t, a in block]
             size += bsize
         if cur:
-            n += 1
-            files.append((f"{prefix}-{n:05d}.safetensors", cur))
+            files.append((shard_name(prefix, n), cur))
     if len(files) > MAX_FILES:
         raise InputError(None, f"the layout needs {len(files)} files, more than the runtime's {MAX_FILES}; raise the shard size")
 
     placeholder = {**(metadata or {}), "relayout.layout": "0" * 32}
-    layouts = [plan_shard(specs, al, placeholder) for _, specs in files]
+    per_file = place_stamps(stamps or {}, [[s.name for s in specs] for _, specs in files],
+                            {n: n.rsplit(".", 1)[0] for n in seg_infos})
+    layouts = [plan_shard(specs, al, with_stamps(placeholder, st)) for (_, specs), st in zip(files, per_file)]
     digest = digest_of(repr([(name, [(s.name, b) for s, b in lay.placements]) for (name, _), lay in zip(files, layouts)]).encode())
-    meta = {**placeholder, "relayout.layout": digest}
-    final = [plan_shard(specs, al, meta) for _, specs in files]
+    metas = [with_stamps({**placeholder, "relayout.layout": digest}, st) for st in per_file]
+    final = [plan_shard(specs, al, m) for (_, specs), m in zip(files, metas)]
     assert [l.placements[-1][1] for l in final] == [l.placements[-1][1] for l in layouts], "metadata changed offsets"
 
     placed = {}
@@ -181,4 +189,4 @@ def pack_layout(
     others = sorted(([n, *placed[n]] for n in placed if n not in expert_names and n not in names_stored), key=lambda t: (t[1], t[2]))
     segs = sorted(([n, *placed[n]] for n in names_stored), key=lambda t: (t[1], t[2]))
     return Layout([n for n, _ in files], [l.file_size for l in final], list(layers), n_experts, loc, al, others,
-                  [dict(meta) for _ in files], dict(sorted(seg_map.items())), segs)
+                  metas, dict(sorted(seg_map.items())), segs)

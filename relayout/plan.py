@@ -27,6 +27,7 @@ from containers.layout import (
 )
 from containers.manifest import build_manifest, load_manifest
 from containers.segments import expert_segment_specs
+from containers.shard_metadata import carried_metadata, container_stamps
 from replay.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, plan_digest
 from replay.trace import RoutingTrace
 
@@ -191,12 +192,17 @@ def make_plan(
         segments = {layer: expert_segment_specs(ExpertFormat.parse(g["expert_formats"][str(layer)]), g["hidden_size"],
                                                 g["moe_intermediate_size"], split_json["segments"][str(layer)]["top_rows"])
                     for layer in layers}
+    # the source's container-wide metadata keys and its format stamps go into the new files
+    kept = carried_metadata(source.stock.file_metadata)
+    stamps = container_stamps(source.stock.files, source.stock.file_metadata)
     layout = pack_layout(source.tensors, layers, E, orders, source.mtp_layers, pack,
-                         metadata={"relayout.version": __version__, "relayout.method": method}, segments=segments)
+                         metadata={**kept, "relayout.version": __version__, "relayout.method": method}, segments=segments,
+                         stamps=stamps)
     # the source's order in the same packing: what repacking alone changes (the gate separates it)
     stock_orders = {layer: source.stock.physical_order(li) for li, layer in enumerate(layers)}
     repack = pack_layout(source.tensors, layers, E, stock_orders, source.mtp_layers, pack,
-                         metadata={"relayout.version": __version__, "relayout.method": "stock"}, segments=segments)
+                         metadata={**kept, "relayout.version": __version__, "relayout.method": "stock"}, segments=segments,
+                         stamps=stamps)
     plan = {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,

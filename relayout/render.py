@@ -37,6 +37,8 @@ def format_inspect(r: dict) -> str:
     if r.get("needs_split_runtime"):
         lines.append(f"runtime        NEEDS A SPLIT-AWARE RUNTIME: {r['split_experts']} experts are stored as split segments "
                      "(docs/SPLIT_SEGMENTS.md); stock colibrì cannot load this container")
+    if r.get("format_stamps"):
+        lines.append(f"format stamps  {r['format_stamps']} tensors (colibri.fmt)")
     lines.append(f"problems       {len(r['problems']) or 'none'}")
     lines += [f"  - {p}" for p in r["problems"]]
     return "\n".join(lines)
@@ -398,10 +400,25 @@ def format_verify(src, dst, problems: list[str], summary: dict, full: bool) -> s
     how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
     split = f", {summary['split_tensors']} split tensors reassembled exactly from their segments" if summary["split_tensors"] else ""
     lines = [f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold"]
+    if summary.get("format_stamps"):
+        lines.append(f"format stamps: all {summary['format_stamps']} of {src} in {dst}, each in the shard holding its tensor")
+    lines += [f"note: {n}" for n in summary.get("runtime_file_notes", [])]
     if summary.get("needs_split_runtime"):
         lines.append(f"note: {summary['split_experts']} experts of {dst} are stored as split segments; only a split-aware "
                      "runtime can load it (docs/SPLIT_SEGMENTS.md), stock colibrì exits at its first expert load")
     return "\n".join(lines)
+
+
+def format_rewrite_files(manifest: dict, stamps: int, index: bool) -> list[str]:
+    """What a rewrite did with the files around the tensors: stamps, the index, each runtime file."""
+    lines = []
+    if stamps:
+        lines.append(f"format stamps (colibri.fmt): {stamps} carried, each to the shard now holding its tensor")
+    if index:
+        lines.append("model.safetensors.index.json: regenerated for the new shards")
+    for r in manifest.get("runtime_files", []):
+        lines.append(f"{r['name']}: {r['action']} ({r['reason']})")
+    return lines
 
 
 def format_measure(result) -> str:
