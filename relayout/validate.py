@@ -145,8 +145,8 @@ HARNESS_EXCESS = 0.10
 whether the harness's own work explains the gap (:func:`harness_compute`)."""
 FIRST_READ_SLOW = 0.75
 """A container whose first read runs below this fraction of the fastest one's rate is named in the summary."""
-PLOT_BAND = 0.10
-"""The band drawn around y = x in the scatter (+/- this fraction)."""
+CLOSE_BAND = 0.10
+"""The summary also counts the cells whose predicted/measured S is within this fraction of 1 (closer than the verdict's :data:`TOLERANCE`)."""
 WORK_NAME = "relayout-validate"
 WORK_MARKER = ".relayout-validate"
 SYNTH_GEOMETRY = "glm-5.2-int4-row"
@@ -1211,8 +1211,8 @@ def placement_bound(blocks: list[dict]) -> float | None:
 
 
 def _in_band(ratios: list[float]) -> int:
-    """How many predicted/measured ratios lie within :data:`PLOT_BAND` of 1."""
-    return sum(abs(r - 1) <= PLOT_BAND for r in ratios)
+    """How many predicted/measured ratios lie within :data:`CLOSE_BAND` of 1."""
+    return sum(abs(r - 1) <= CLOSE_BAND for r in ratios)
 
 
 def harness_compute(cells: list[dict], comparisons: list[dict]) -> dict | None:
@@ -1464,7 +1464,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     if probed_within is not None:
         line("the disk's drift", f"its probed rate moved by {drift:.0%} during the run; predicting each repetition at "
              f"its probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
-             f"({_in_band(probed)} of {len(probed)} cells within +/-{PLOT_BAND:.0%}, "
+             f"({_in_band(probed)} of {len(probed)} cells within +/-{CLOSE_BAND:.0%}, "
              f"against {_in_band(ratios)} of {len(ratios)} on the profile as calibrated)")
     at_run = [c["at_run_speed"]["ratio"] for c in cells if c.get("at_run_speed") and c["at_run_speed"]["ratio"]]
     run_within = max(abs(r - 1) for r in at_run) if at_run else None
@@ -1477,7 +1477,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
         sentence = (f"the speed each run's disk served its reads at (the run's drive bytes over the time the drive was "
                     f"busy, {min(scales):.2f}-{max(scales):.2f} times the profile's) gives predicted/measured S "
                     f"{min(at_run):.2f}-{max(at_run):.2f} ({_in_band(at_run)} of {len(at_run)} cells within "
-                    f"+/-{PLOT_BAND:.0%}): this tests the read path, queueing and overlap with compute, not a forecast of "
+                    f"+/-{CLOSE_BAND:.0%}): this tests the read path, queueing and overlap with compute, not a forecast of "
                     "the disk's speed")
         compute = max((c["predicted_tpot_s"] - c["predicted_stall_per_token_s"]) / c["predicted_stall_per_token_s"]
                       for c in cells if c["predicted_stall_per_token_s"] > 0)
@@ -1489,7 +1489,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
             line("at the neighbours' speed", f"the speed of the runs interleaved with each run (read off those runs, "
                  f"not the run itself: a test of the prediction with the disk's drift followed) gives predicted/measured S "
                  f"{min(at_near):.2f}-{max(at_near):.2f} ({_in_band(at_near)} of {len(at_near)} cells within "
-                 f"+/-{PLOT_BAND:.0%})")
+                 f"+/-{CLOSE_BAND:.0%})")
         for what, xs in (("layout", run_savings), ("prefetch", run_pf)):
             if xs:
                 width = max((x["measured"]["high_s"] - x["measured"]["low_s"]) / 2 for x in xs) * 1e3
@@ -1509,7 +1509,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
              "it did"
              + (f"; at each run's speed with the compute it ran, the model gives predicted/measured S "
                 f"{harness['ratio_min']:.2f}-{harness['ratio_max']:.2f} ({harness['cells_within_band']} of "
-                f"{harness['cells']} cells within +/-{PLOT_BAND:.0%})" if harness["cells"] else "")
+                f"{harness['cells']} cells within +/-{CLOSE_BAND:.0%})" if harness["cells"] else "")
              + (f", and at equal disk speed and compute the predicted layout saving lies inside the measured interval "
                 f"in {harness['savings_inside']} of {harness['savings']}, ruled out in {harness['savings_ruled_out']}"
                 if harness["savings"] else ""))
@@ -1600,7 +1600,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
 
 def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path]:
     """Predicted vs measured S, one point per cell (ms/token; bars span the repetitions), with
-    y = x and a +/-:data:`PLOT_BAND` band. PNG written crash-safely; needs the ``plots`` extra."""
+    y = x and the verdict's +/-:data:`TOLERANCE` band. PNG written crash-safely; needs the ``plots`` extra."""
     plt = plotting()
     out = make_dirs(out_dir)
     cells = record["cells"]
@@ -1621,19 +1621,19 @@ def write_validation_plot(record: dict, out_dir: str | os.PathLike) -> list[Path
     top = top * 1.1 or 1.0
     line = np.array([0.0, top])
     ax.plot(line, line, color="black", linewidth=1, label="predicted = measured")
-    ax.fill_between(line, line * (1 - PLOT_BAND), line * (1 + PLOT_BAND), color="tab:green", alpha=0.15,
-                    label=f"+/-{PLOT_BAND:.0%}")
+    ax.fill_between(line, line * (1 - TOLERANCE), line * (1 + TOLERANCE), color="tab:green", alpha=0.15,
+                    label=f"+/-{TOLERANCE:.0%} (the model holds inside)")
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_xlabel("measured S (ms per committed token)")
     ax.set_ylabel("predicted S (ms per committed token)")
     ax.set_title(f"Replay model vs measurement on {record['device']['name']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     path = out / "validation_predicted_vs_measured.png"
     try:
         with atomic_output(path) as fh:
-            fig.savefig(fh, dpi=110, format="png")
+            fig.savefig(fh, dpi=110, format="png", bbox_inches="tight")
     finally:
         plt.close(fig)
     return [path]

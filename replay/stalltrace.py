@@ -490,10 +490,30 @@ def public_report(r: Report) -> dict:
     return r.to_json()
 
 
+LABEL_CHARS = 20
+"""Longest run label in a figure; longer ones keep their start and end around an ellipsis."""
+
+
+def _short(text: str) -> str:
+    if len(text) <= LABEL_CHARS:
+        return text
+    keep = (LABEL_CHARS - 1) // 2
+    return text[:keep] + "\u2026" + text[-keep:]
+
+
 def _labels(runs: list[RunMetrics]) -> list[str]:
-    """Legend labels: run ids, qualified by file name where two runs share one."""
+    """Figure labels: run ids, qualified by file name where two runs share one, each at most
+    :data:`LABEL_CHARS` characters (distinct runs keep distinct labels: a number is added where
+    shortening made two equal)."""
     ids = [m.run_id for m in runs]
-    return [f"{Path(m.source).name}:{m.run_id}" if ids.count(m.run_id) > 1 else m.run_id for m in runs]
+    full = [f"{Path(m.source).name}:{m.run_id}" if ids.count(m.run_id) > 1 else m.run_id for m in runs]
+    short = [_short(x) for x in full]
+    return [f"{i + 1}. {x}" if short.count(x) > 1 else x for i, x in enumerate(short)]
+
+
+def _legend_outside(ax) -> None:
+    """The legend to the right of the axes, never over the data."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 MAX_LAYER_TICKS = 16
@@ -524,7 +544,7 @@ def write_plots(r: Report, out_dir: str | Path, predicted: dict | None = None) -
     ax.set_xlabel("stall per committed token in a step (ms)")
     ax.set_ylabel("fraction of steps")
     ax.set_title("Step stall CDF")
-    ax.legend(fontsize=7)
+    _legend_outside(ax)
     written.append(_save(fig, out / "stall_cdf.png"))
     fig, ax = plt.subplots(figsize=(7, 4))
     layers = sorted({l for m in r.runs for l in m.layer_stall})
@@ -538,7 +558,7 @@ def write_plots(r: Report, out_dir: str | Path, predicted: dict | None = None) -
     ax.set_xlabel("layer")
     ax.set_ylabel("stall per committed token (ms)")
     ax.set_title("Stall per layer")
-    ax.legend(fontsize=7)
+    _legend_outside(ax)
     written.append(_save(fig, out / "stall_per_layer.png"))
     if predicted is not None:
         fig, ax = plt.subplots(figsize=(max(5, 1.2 * (2 + len(r.runs))), 4))
@@ -551,7 +571,9 @@ def write_plots(r: Report, out_dir: str | Path, predicted: dict | None = None) -
         ax.set_ylabel("S (ms per committed token)")
         ax.set_title("Predicted vs measured stall")
         ax.tick_params(axis="x", labelrotation=30, labelsize=7)
-        ax.legend(fontsize=7)
+        for tick in ax.get_xticklabels():
+            tick.set_horizontalalignment("right")
+        _legend_outside(ax)
         written.append(_save(fig, out / "predicted_vs_measured.png"))
     return written
 
@@ -563,7 +585,7 @@ def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     try:
         with atomic_output(path) as fh:
-            fig.savefig(fh, dpi=110, format="png")
+            fig.savefig(fh, dpi=110, format="png", bbox_inches="tight")
     finally:
         plt.close(fig)
     return path

@@ -154,3 +154,36 @@ def test_page_cache_wait_counts_demand_loads_the_page_cache_served_whole(tmp_pat
             step(0, committed=2, evaluated=2)]
     m = report([write(tmp_path / "t.jsonl", recs)])["runs"][0]
     assert m["page_cache_wait_per_committed_token_ns"] == 5.0
+
+
+def test_figure_labels_are_short_and_distinct():
+    from types import SimpleNamespace
+
+    from replay.stalltrace import LABEL_CHARS, _labels
+
+    long_a = "stock-" + "x" * 30 + "-20261204T101010-a"
+    long_b = "stock-" + "x" * 30 + "-20261204T101010-b"
+    runs = [SimpleNamespace(run_id=i, source=f"/r/{n}.jsonl") for n, i in enumerate([long_a, long_b, "short", "short"])]
+    labels = _labels(runs)
+    assert len(set(labels)) == 4
+    assert all(len(x) <= LABEL_CHARS + 4 for x in labels)
+    assert labels[0] != labels[1] and labels[0].endswith("-a")
+
+
+def test_legends_sit_outside_the_data():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from replay.stalltrace import _legend_outside
+
+    fig, ax = plt.subplots()
+    ax.bar([0, 1], [1, 2], label="a run with a long label")
+    _legend_outside(ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.x0 >= ax.get_window_extent(renderer).x1
+    plt.close(fig)
