@@ -5,8 +5,8 @@ This module makes sure that nothing else can be hit on the way:
 
 * ``DST`` must not exist in any form (a dangling symlink counts as existing).
 * ``DST.partial`` is created by us (``mkdir``), or, on a resume, must be a real directory (never
-  a symlink) holding our journal; one holding nothing but our temp files (a crash right after
-  ``mkdir``) is adopted. Anything else is refused.
+  a symlink) holding our journal or, when every file was done, our manifest; one holding nothing
+  but our temp files (a crash right after ``mkdir``) is adopted. Anything else is refused.
 * It is opened once with ``O_DIRECTORY | O_NOFOLLOW``; every file inside is created, opened,
   renamed and removed relative to that descriptor (``openat``-style ``dir_fd``) with
   ``O_NOFOLLOW``, so a symlink planted inside it is never followed.
@@ -26,18 +26,13 @@ import ctypes.util
 import errno
 import fcntl
 import os
-import re
 import stat
 from pathlib import Path
 
-from .atomic import describe_os_error, fsync_fd, make_dirs
+from .atomic import DIRECTORY, NOFOLLOW, TEMP_NAME, create_exclusive, create_temp, describe_os_error, fsync_fd, make_dirs
 from .errors import InputError
 
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 RENAME_NOREPLACE = 1
-TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9]+$")
-"""A temp file of ours (``.NAME.tmp-PID``): an interrupted run may leave one before its journal."""
 
 
 def _lexists(path: Path) -> bool:
@@ -58,8 +53,9 @@ def _nested(a: Path, b: Path) -> bool:
 class Destination:
     """``DST.partial`` opened for a rewrite, locked, with file operations relative to its descriptor.
 
-    Use :meth:`open` (a context manager); ``journal_name`` is the file whose presence proves a
-    partial directory is a previous rewrite's.
+    Use :meth:`open` (a context manager); ``own_names`` are the files whose presence proves a
+    partial directory is a previous rewrite's (its journal, or its manifest once every file is
+    done); the caller checks that they are for this rewrite.
     """
 
     def __init__(self, dst: Path, partial: Path, fd: int, resumed: bool):
@@ -70,7 +66,7 @@ class Destination:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, dst: str | os.PathLike, source_root: str | os.PathLike, journal_name: str):
+    def open(cls, dst: str | os.PathLike, source_root: str | os.PathLike, own_names: tuple[str, ...]):
         dst = Path(os.path.abspath(dst))
         partial = dst.with_name(dst.name + ".partial")
         if _lexists(dst):
@@ -104,9 +100,9 @@ class Destination:
                 raise InputError(partial, "is the source container itself; choose another destination")
             if not created:
                 names = [n for n in os.listdir(fd) if not TEMP_NAME.match(n)]
-                if names and journal_name not in names:
-                    raise InputError(partial, f"exists and holds files but no {journal_name}: it is not a partial "
-                                              "rewrite of relayout's; remove it or choose another destination")
+                if names and not any(n in names for n in own_names):
+                    raise InputError(partial, f"exists and holds files but no {' or '.join(own_names)}: it is not a "
+                                              "partial rewrite of relayout's; remove it or choose another destination")
             yield cls(dst, partial, fd, resumed=not created)
         finally:
             os.close(fd)
@@ -127,7 +123,11 @@ class Destination:
 
     def create(self, name: str) -> int:
         """A new file (exclusive: never an existing file or a symlink), open for writing."""
-        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644, dir_fd=self.fd)
+        return create_exclusive(self.fd, name)
+
+    def create_temp(self, name: str) -> tuple[int, str]:
+        """A new temp file for ``name`` under an unpredictable name: ``(descriptor, temp name)``."""
+        return create_temp(self.fd, name)
 
     def open_read(self, name: str) -> int:
         return os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=self.fd)
