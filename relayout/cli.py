@@ -437,7 +437,7 @@ def cmd_rewrite(args) -> int:
 
     plan = load_plan(args.layout)
     gate = load_gate(args.gate) if args.gate else None
-    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=_say)
+    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=_say, gate_path=args.gate)
     forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
           f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
