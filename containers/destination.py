@@ -145,7 +145,7 @@ class Destination:
     def publish(self) -> None:
         """Rename ``DST.partial`` to ``DST``, never replacing anything at ``DST``; fsync the parent."""
         self.sync()
-        _rename_noreplace(self.partial, self.dst)
+        rename_noreplace(self.partial, self.dst)
         parent = os.open(self.dst.parent, os.O_RDONLY | DIRECTORY)
         try:
             fsync_fd(parent)
@@ -178,19 +178,20 @@ _RENAMEAT2 = _libc_renameat2()
 AT_FDCWD = -100
 
 
-def _rename_noreplace(old: Path, new: Path) -> None:
+def rename_noreplace(old: Path, new: Path) -> None:
+    """Rename ``old`` to ``new``, never replacing anything at ``new`` (one :class:`InputError` when something is there)."""
     if _RENAMEAT2 is not None:
         if _RENAMEAT2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
         if err == errno.EEXIST:
-            raise InputError(new, "appeared while the rewrite ran; the finished rewrite is kept at "
+            raise InputError(new, "appeared while relayout wrote it; the finished result is kept at "
                                   f"{old}: move it yourself once you have checked {new}")
         if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
             raise InputError(new, describe_os_error(OSError(err, os.strerror(err))))
     if _lexists(new):
-        raise InputError(new, f"appeared while the rewrite ran; the finished rewrite is kept at {old}")
+        raise InputError(new, f"appeared while relayout wrote it; the finished result is kept at {old}")
     os.rename(old, new)
 
 
-__all__ = ["Destination"]
+__all__ = ["Destination", "rename_noreplace"]

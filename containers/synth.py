@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .atomic import fsync_dir, make_dirs, write_json_atomic
+from .atomic import fsync_dir, make_dirs, write_bytes_atomic, write_json_atomic
+from .destination import rename_noreplace
 from .container import expert_tensor_name
 from .errors import InputError
 from .geometry import PROJECTIONS, ExpertFormat, Geometry, projection_shape
@@ -181,7 +182,7 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
         shutil.rmtree(partial)      # an interrupted synth's, proved by its marker
     make_dirs(out.parent)
     make_dirs(partial)
-    (partial / SYNTH_MARKER).touch()
+    write_bytes_atomic(partial / SYNTH_MARKER, b"")
     units = source_units(g, seed)
     if sparse:
         units = stamped(units)
@@ -206,7 +207,7 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     write_json_atomic(partial / "tokenizer.json", {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab}}, indent=None)
     (partial / SYNTH_MARKER).unlink()
     fsync_dir(partial)
-    os.replace(partial, out)
+    rename_noreplace(partial, out)
     fsync_dir(out.parent)
     return out
 
