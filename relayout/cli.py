@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -919,8 +920,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit status: 0 done, 2 a problem with the input (one line on stderr),
     1 an internal error (one line asking for a bug report; the traceback with ``RELAYOUT_DEBUG=1``),
     130 interrupted."""
+    import signal
+
+    from . import quiet_interrupts
+
     command = "relayout"
     try:
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C from here on: KeyboardInterrupt, cleaned up
         args = build_parser().parse_args(argv)
         command = f"relayout {args.command}" + (f" {args.what}" if getattr(args, "what", None) else "")
         return args.func(args)
@@ -944,3 +951,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command}: internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug, please report it "
               f"with the output of {DEBUG_VARIABLE}=1 {command} ...", file=sys.stderr)
         return 1
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            quiet_interrupts()          # a Ctrl-C while the interpreter exits: one line, no traceback

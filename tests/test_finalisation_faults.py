@@ -32,6 +32,7 @@ from relayout.apply import apply_plan
 from replay.planfile import load_plan
 
 kill_at, src, plan, dst, log = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+sig = getattr(signal, sys.argv[7])
 calls = []
 counting = True
 
@@ -40,7 +41,7 @@ def counted(name, fn):
         if counting:
             calls.append([name, str(a[0]) if a else ""])
             if len(calls) == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
         return fn(*a, **k)
     return call
 
@@ -48,10 +49,16 @@ for name in ("open", "write", "fsync", "replace", "rename", "unlink", "mkdir", "
     setattr(os, name, counted(name, getattr(os, name)))
 if destination._RENAMEAT2 is not None:
     destination._RENAMEAT2 = counted("renameat2", destination._RENAMEAT2)
-apply_plan(src, load_plan(plan), dst, None, force=True, progress=False)
+if sig == signal.SIGKILL:
+    apply_plan(src, load_plan(plan), dst, None, force=True, progress=False)
+    status = 0
+else:
+    from relayout.cli import main
+    status = main(["rewrite", src, "--layout", plan, "--out", dst, "--force"])
 counting = False
 with open(log, "w") as fh:
     json.dump(calls, fh)
+sys.exit(status)
 """
 
 
@@ -70,11 +77,11 @@ def planned(tmp_path_factory):
     return root, src, plan
 
 
-def _drive(root, src, plan, dst, kill_at):
-    log = root / f"calls-{kill_at}.json"
+def _drive(root, src, plan, dst, kill_at, sig="SIGKILL"):
+    log = root / f"calls-{sig}-{kill_at}.json"
     driver = root / "driver.py"
     driver.write_text(DRIVER)
-    res = subprocess.run([sys.executable, str(driver), str(REPO), str(kill_at), str(src), str(plan), str(dst), str(log)],
+    res = subprocess.run([sys.executable, str(driver), str(REPO), str(kill_at), str(src), str(plan), str(dst), str(log), sig],
                          capture_output=True, text=True)
     return res, log
 
@@ -108,3 +115,26 @@ def test_a_kill_before_every_step_of_finalisation_resumes_to_identical_bytes(pla
         assert digests(dst) == want, (k, calls[k - 1])
     # the kills landed in every state finalisation passes through, the journal-less one included
     assert {"journal", "journal+manifest", "+manifest", "published"} <= states, states
+
+
+def test_ctrl_c_at_any_call_of_a_rewrite_is_one_line_and_status_130(planned, tmp_path):
+    """SIGINT at 12 calls spread over the whole rewrite and at each call of its finalisation: one
+    line, status 130, no DST unless it is complete; the next run finishes to identical bytes."""
+    root, src, plan = planned
+    ref = tmp_path / "ref"
+    res, log = _drive(root, src, plan, ref, 0, "SIGINT")
+    assert res.returncode == 0, res.stderr
+    calls = json.loads(log.read_text())
+    want = digests(ref)
+    start = max(i for i, (name, arg) in enumerate(calls) if name == "open" and ".relayout.journal.json.tmp-" in arg)
+    points = sorted(set(range(1, len(calls), max(1, len(calls) // 12))) | set(range(start + 1, len(calls) + 1)))
+    for k in points:
+        dst = tmp_path / f"dst-{k}"
+        res, _ = _drive(root, src, plan, dst, k, "SIGINT")
+        if res.returncode == 0:          # the signal came after the last step that could be interrupted
+            assert digests(dst) == want
+            continue
+        assert res.returncode == 130 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, (k, calls[k - 1], res.stderr)
+        if not dst.exists():
+            apply_plan(src, load_plan(plan), dst, None, force=True, progress=False)
+        assert digests(dst) == want, (k, calls[k - 1])
