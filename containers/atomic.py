@@ -70,14 +70,8 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def make_dirs(path: str | os.PathLike) -> Path:
-    """Create directory ``path`` and its parents (existing is fine); one :class:`InputError` when it cannot be.
-
-    An existing ``path`` that is a symlink is refused (a directory relayout writes into is one it
-    can name without following a link).
-    """
+    """Create directory ``path`` and its parents (existing is fine); one :class:`InputError` when it cannot be."""
     path = Path(path)
-    if path.is_symlink():
-        raise InputError(path, "is a symbolic link; relayout does not write through links: remove it or choose another path")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:

@@ -1,14 +1,16 @@
-"""A rewrite killed before every file-system call of its finalisation resumes to byte-identical output.
+"""Faults injected into a running rewrite at fixed points: kills, Ctrl-C, a source that shrinks.
 
 The rewrite runs in a subprocess whose ``os`` calls that create, write, sync, rename or remove
-(and the ``renameat2`` of the final rename) are counted; the run is SIGKILLed just before call
-number K, for every K from the last journal save to the end. Each stopped state is then resumed
-by an ordinary rewrite and must give exactly the uninterrupted rewrite's bytes. No timing is
-involved: where each kill lands is fixed by the count.
+(and the ``renameat2`` of the final rename) are counted; just before call number K the run is
+SIGKILLed (every K from the last journal save to the end: every step of finalisation), gets a
+SIGINT, or has its source files truncated. A stopped state is then resumed by an ordinary
+rewrite and must give exactly the uninterrupted rewrite's bytes. No timing is involved: where
+each fault lands is fixed by the count.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,16 +34,26 @@ from relayout.apply import apply_plan
 from replay.planfile import load_plan
 
 kill_at, src, plan, dst, log = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
-sig = getattr(signal, sys.argv[7])
+action = sys.argv[7]
+sig = getattr(signal, action, None)
 calls = []
 counting = True
+
+def shrink_sources():
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            path = os.path.join(src, name)
+            os.truncate(path, os.stat(path).st_size // 2)
 
 def counted(name, fn):
     def call(*a, **k):
         if counting:
             calls.append([name, str(a[0]) if a else ""])
             if len(calls) == kill_at:
-                os.kill(os.getpid(), sig)
+                if sig is None:
+                    shrink_sources()
+                else:
+                    os.kill(os.getpid(), sig)
         return fn(*a, **k)
     return call
 
@@ -78,6 +90,7 @@ def planned(tmp_path_factory):
 
 
 def _drive(root, src, plan, dst, kill_at, sig="SIGKILL"):
+    """Run the driver; ``sig``: SIGKILL, SIGINT or TRUNCATE (halve every source shard) at call ``kill_at``."""
     log = root / f"calls-{sig}-{kill_at}.json"
     driver = root / "driver.py"
     driver.write_text(DRIVER)
@@ -138,3 +151,16 @@ def test_ctrl_c_at_any_call_of_a_rewrite_is_one_line_and_status_130(planned, tmp
         if not dst.exists():
             apply_plan(src, load_plan(plan), dst, None, force=True, progress=False)
         assert digests(dst) == want, (k, calls[k - 1])
+
+
+def test_a_source_truncated_under_a_running_rewrite_is_one_line_naming_it(planned, tmp_path):
+    root, src, plan = planned
+    res, log = _drive(root, src, plan, tmp_path / "ref", 0, "SIGINT")
+    assert res.returncode == 0, res.stderr
+    calls = json.loads(log.read_text())
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    res, _ = _drive(root, copy, plan, tmp_path / "dst", len(calls) // 3, "TRUNCATE")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+    assert ".safetensors" in res.stderr and str(copy) in res.stderr, res.stderr
+    assert not (tmp_path / "dst").exists()
