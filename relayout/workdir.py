@@ -96,8 +96,8 @@ class WorkDir:
                 raise InputError(path / marker, "is not a regular file (a symlink?); relayout does not write through "
                                                 "links: remove it")
             if st is None and any(path.iterdir()):
-                raise InputError(path, f"is not empty and is not a previous {command}'s work directory (no {marker} "
-                                       "in it); give a new or empty directory")
+                raise InputError(path, f"is not empty and is not a previous {command}'s directory (no {marker} in "
+                                       "it); give a new or empty directory")
             if st is not None:
                 record = cls._read(path, marker)
                 made_dir = made_dir or bool(record.get("made_dir"))
