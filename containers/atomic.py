@@ -4,7 +4,7 @@ A file is written to a temp name in its target's directory, fsynced, renamed ove
 the directory fsynced: a reader never sees a half-written file under its final name, only the
 old state or the complete new file.
 
-* The temp name is unpredictable (``.NAME.tmp-`` and 16 random hex digits, :func:`temp_name`) and
+* The temp name is unpredictable (``.NAME.tmp-`` and 16 hex digits from ``os.urandom``, :func:`temp_name`) and
   created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to a descriptor of the directory, so
   nothing planted at any name is opened, followed or overwritten.
 * The target is looked at without following it (``lstat``): absent or a regular file, it is
@@ -26,7 +26,6 @@ import io
 import json
 import os
 import re
-import secrets
 import stat
 from pathlib import Path
 from typing import Iterator
@@ -83,7 +82,7 @@ def make_dirs(path: str | os.PathLike) -> Path:
 
 def temp_name(name: str) -> str:
     """An unpredictable temp name for ``name`` in the same directory: ``.NAME.tmp-`` + 16 random hex digits."""
-    return f".{name}.tmp-{secrets.token_hex(TEMP_RANDOM_HEX // 2)}"
+    return f".{name}.tmp-{os.urandom(TEMP_RANDOM_HEX // 2).hex()}"
 
 
 def create_exclusive(dir_fd: int, name: str, mode: int = 0o644) -> int:

@@ -32,9 +32,11 @@ def _started_as_command() -> bool:
     return any(a == "-m" and b == "relayout" for a, b in zip(argv, argv[1:]))
 
 
-if _started_as_command():
+AS_COMMAND = _started_as_command()
+"""This process runs the command line (then it, not a host program, owns Ctrl-C)."""
+if AS_COMMAND:
     quiet_interrupts()
 
 from containers import __version__  # noqa: E402  (after the handler: this import is interruptible)
 
-__all__ = ["__version__", "quiet_interrupts"]
+__all__ = ["AS_COMMAND", "__version__", "quiet_interrupts"]

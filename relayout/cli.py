@@ -922,11 +922,11 @@ def main(argv: list[str] | None = None) -> int:
     130 interrupted."""
     import signal
 
-    from . import quiet_interrupts
+    from . import AS_COMMAND, quiet_interrupts
 
     command = "relayout"
     try:
-        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        if AS_COMMAND and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C from here on: KeyboardInterrupt, cleaned up
         args = build_parser().parse_args(argv)
         command = f"relayout {args.command}" + (f" {args.what}" if getattr(args, "what", None) else "")
@@ -952,5 +952,5 @@ def main(argv: list[str] | None = None) -> int:
               f"with the output of {DEBUG_VARIABLE}=1 {command} ...", file=sys.stderr)
         return 1
     finally:
-        if threading.current_thread() is threading.main_thread():
+        if AS_COMMAND and threading.current_thread() is threading.main_thread():
             quiet_interrupts()          # a Ctrl-C while the interpreter exits: one line, no traceback

@@ -26,7 +26,6 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 import stat
 from pathlib import Path
 
@@ -72,7 +71,7 @@ class WorkDir:
         self.command = command
         self.made_dir = made_dir
         self.paths = paths
-        self.run = secrets.token_hex(8)
+        self.run = os.urandom(8).hex()
 
     @classmethod
     def open(cls, path: str | os.PathLike, marker: str, command: str, made_dir: bool = False) -> "WorkDir":
