@@ -4,9 +4,9 @@ A file is written to a temp name in its target's directory, fsynced, renamed ove
 the directory fsynced: a reader never sees a half-written file under its final name, only the
 old state or the complete new file.
 
-* The temp name is unpredictable (``.NAME.tmp-`` and 16 hex digits from ``os.urandom``, :func:`temp_name`) and
-  created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to a descriptor of the directory, so
-  nothing planted at any name is opened, followed or overwritten.
+* The temp name is unpredictable (``.NAME.tmp-`` and 16 hex digits from ``os.urandom``,
+  :func:`temp_name`) and created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to a descriptor
+  of the directory, so nothing planted at any name is opened, followed or overwritten.
 * The target is looked at without following it (``lstat``): absent or a regular file, it is
   replaced by the rename; a directory, symlink, FIFO, socket, block device or other character
   device is refused with one :class:`InputError` naming it. A *sink* (the null device, or the

@@ -20,6 +20,7 @@ import xxhash
 from conftest import REPO, small_geometry, source_with_manifest
 
 from containers.container import MANIFEST_NAME
+from containers.errors import InputError
 from relayout.apply import apply_plan
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
@@ -164,3 +165,24 @@ def test_a_source_truncated_under_a_running_rewrite_is_one_line_naming_it(planne
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert ".safetensors" in res.stderr and str(copy) in res.stderr, res.stderr
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_journal_less_partial_is_finished_only_with_this_rewrites_manifest(planned, tmp_path):
+    root, src, plan = planned
+    ref = tmp_path / "ref"
+    apply_plan(src, load_plan(plan), ref, None, force=True, progress=False)
+    manifest = json.loads((ref / MANIFEST_NAME).read_text())
+    for i, (edit, says) in enumerate([(lambda m: m["rewrite"].update(plan_digest="0" * 32), "another plan or source"),
+                                      (lambda m: m.update(format="something else"), "not a manifest of a relayout rewrite"),
+                                      (None, "unreadable")]):
+        partial = tmp_path / f"d{i}.partial"
+        shutil.copytree(ref, partial)
+        if edit is None:
+            (partial / MANIFEST_NAME).write_text("{")
+        else:
+            m = json.loads(json.dumps(manifest))
+            edit(m)
+            (partial / MANIFEST_NAME).write_text(json.dumps(m))
+        with pytest.raises(InputError, match=says):
+            apply_plan(src, load_plan(plan), tmp_path / f"d{i}", None, force=True, progress=False)
+        assert not (tmp_path / f"d{i}").exists() and sorted(os.listdir(partial)) == sorted(os.listdir(ref))
