@@ -141,10 +141,11 @@ def _finished_files(dest: Destination, identity: dict) -> dict[str, dict]:
     """
     where = dest.partial / MANIFEST_NAME
     m = _read_json(dest, MANIFEST_NAME, "holds an unreadable manifest and no journal; remove the partial directory to start over")
-    rw = m.get("rewrite") if isinstance(m, dict) else None
-    files = m.get("files") if isinstance(m, dict) else None
-    if (m.get("format") != MANIFEST_FORMAT if isinstance(m, dict) else True) or not isinstance(rw, dict) \
-            or not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in files):
+    if not isinstance(m, dict):
+        m = {}
+    rw, files = m.get("rewrite"), m.get("files")
+    if m.get("format") != MANIFEST_FORMAT or not isinstance(rw, dict) or not isinstance(files, list) \
+            or not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in files):
         raise InputError(where, "is not a manifest of a relayout rewrite and there is no journal; remove the partial "
                                 "directory to start over")
     names = [f["name"] for f in files if f.get("kind") == "safetensors"]
