@@ -206,3 +206,21 @@ def test_ctrl_c_in_calibrate_removes_its_test_file(tmp_path):
             proc.kill()
     assert proc.returncode == 130 and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_synth_clears_only_an_interrupted_synths_own_files(tmp_path):
+    from conftest import small_geometry
+
+    from containers.synth import SYNTH_MARKER, synth_container
+
+    partial = tmp_path / "c.partial"
+    partial.mkdir()
+    (partial / SYNTH_MARKER).write_bytes(b"")
+    (partial / "out-00001.safetensors").write_bytes(b"half")
+    (partial / "my_notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="my_notes.txt"):
+        synth_container(tmp_path / "c", small_geometry(moe_layers=1, experts=8), progress=False)
+    assert (partial / "my_notes.txt").read_text() == "mine" and (partial / "out-00001.safetensors").exists()
+    (partial / "my_notes.txt").unlink()
+    synth_container(tmp_path / "c", small_geometry(moe_layers=1, experts=8), progress=False)
+    assert not partial.exists() and (tmp_path / "c" / "config.json").is_file()
