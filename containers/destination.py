@@ -143,8 +143,15 @@ class Destination:
         fsync_fd(self.fd)
 
     def publish(self) -> None:
-        """Rename ``DST.partial`` to ``DST``, never replacing anything at ``DST``; fsync the parent."""
+        """Rename ``DST.partial`` to ``DST``, never replacing anything at ``DST``; fsync the parent.
+
+        The entry renamed must still be the directory written (a link or another directory put in
+        its place is refused, not published).
+        """
         self.sync()
+        st, ours = os.lstat(self.partial), os.fstat(self.fd)
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (ours.st_dev, ours.st_ino):
+            raise InputError(self.partial, "was replaced while the rewrite ran; nothing was published")
         rename_noreplace(self.partial, self.dst)
         parent = os.open(self.dst.parent, os.O_RDONLY | DIRECTORY)
         try:
