@@ -5,12 +5,13 @@ Every segment gets its own xxh3-128; the file digest is the xxh3-128 of the file
 segment digests in physical order, so every byte of the file is covered exactly once and each
 byte is hashed once. (It is therefore not the digest ``xxhsum`` prints for the file.)
 
-Files are read (``pread``) and hashed one window at a time (64 MiB, one reused buffer), so
+Files are read (``pread``) and hashed one window at a time (8 MiB, one reused buffer), so
 memory stays bounded whatever the file size, and a file truncated while it is read is an error
-naming it (a mapped page past the end would kill the process with SIGBUS). The holes of a sparse file are not read:
-they are hashed as zeros (:mod:`containers.sparse`), which gives the digest a dense copy has. The segments of a window are shared
-between two threads (xxhash releases the GIL), and the kernel is asked to read the next window
-ahead while the current one is hashed.
+naming it (a mapped page past the end would kill the process with SIGBUS). The holes of a
+sparse file are not read: they are hashed as zeros (:mod:`containers.sparse`), which gives the
+digest a dense copy has. The segments of a window are shared between two threads (xxhash
+releases the GIL), and the kernel is asked to read the next window ahead while the current one
+is hashed.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import xxhash
 from .errors import InputError
 from .sparse import DataMap, data_map, feed_zeros
 
-WINDOW_BYTES = 64 * 1024 * 1024
-"""Bytes read and hashed at a time."""
+WINDOW_BYTES = 8 * 1024 * 1024
+"""Bytes read and hashed at a time: small enough that the copy out of the page cache is hashed
+from the CPU's cache (hot 512 MB file on this 2-core VM: 1.1-2.1 GB/s, as fast as a 64 MiB
+mapping; a 64 MiB read buffer ran at 0.8-0.9 GB/s)."""
 
 _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash")
 
