@@ -15,10 +15,10 @@ is byte-identical to the source's, plus its checksum manifest.
   is updated crash-safely. A restarted rewrite re-hashes every journaled file and counts it done
   only when its digest matches the journal, then writes the rest; it says what it resumes.
 * Bytes move with ``copy_file_range`` where the kernel offers it (no copy through Python), else
-  with ``pread``/``pwrite``; meanwhile a second thread hashes each source tensor in place (mapped
-  window by window) and checks it against the source manifest. File digests are assembled from
+  with ``pread``/``pwrite``; meanwhile a second thread hashes each source tensor from the page cache
+  (read window by window) and checks it against the source manifest. File digests are assembled from
   the segment digests (header, padding, tensors), as :mod:`containers.hashing` defines them, so
-  nothing is read twice. Memory stays bounded by one mapped window plus one copy buffer.
+  nothing is read twice. Memory stays bounded by one read window plus one copy buffer.
 * Before any byte is written: the free space is checked (all remaining bytes plus a margin).
   A full disk or failed write raises one clear error; the partial directory stays resumable and
   nothing at ``DST`` looks complete. Only after every file is done, the directory is fsynced and
