@@ -90,15 +90,29 @@ def create_exclusive(dir_fd: int, name: str, mode: int = 0o644) -> int:
     return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, mode, dir_fd=dir_fd)
 
 
-def create_temp(dir_fd: int, name: str, mode: int = 0o644) -> tuple[int, str]:
-    """A new temp file for ``name`` in ``dir_fd`` under an unpredictable name: ``(descriptor, temp name)``."""
+def create_temp(dir_fd: int, name: str, mode: int = 0o644, made: list[str] | None = None) -> tuple[int, str]:
+    """A new temp file for ``name`` in ``dir_fd`` under an unpredictable name: ``(descriptor, temp name)``.
+
+    ``made``, when given, receives the temp name *before* the file is created, so a caller
+    interrupted (Ctrl-C) between the creation and the return still knows what to remove.
+    """
     for _ in range(16):
         tmp = temp_name(name)
+        if made is not None:
+            made.append(tmp)
         try:
             return create_exclusive(dir_fd, tmp, mode), tmp
         except FileExistsError:
-            continue
+            if made is not None:
+                made.remove(tmp)
     raise FileExistsError(errno.EEXIST, "no free temp name", name)
+
+
+def remove_temps(dir_fd: int, names: list[str]) -> None:
+    """Remove the temp files ``names`` from ``dir_fd`` (those that exist)."""
+    for tmp in names:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
 
 
 def _sink_devices() -> set[int]:
@@ -215,13 +229,14 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
         raise InputError(path, "is not a file name")
     dir_fd = open_dir(path.parent if str(path.parent) else ".", path)
     tmp = None
+    made: list[str] = []
     try:
         state = target_state(dir_fd, name, path)
         try:
             if state == "sink":
                 fd = _open_sink(dir_fd, name)
             else:
-                fd, tmp = create_temp(dir_fd, name)
+                fd, tmp = create_temp(dir_fd, name, made=made)
             raw = os.fdopen(fd, "wb")
         except OSError as exc:
             raise InputError(path, describe_os_error(exc)) from None
@@ -234,13 +249,11 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
                     fsync_fd(raw.fileno())
             if tmp is not None:
                 rename_into_place(dir_fd, tmp, name, path)
-                tmp = None
+                made.clear()
         except OSError as exc:
             raise InputError(path, describe_os_error(exc)) from exc
     finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
+        remove_temps(dir_fd, made)
         os.close(dir_fd)
 
 
@@ -262,8 +275,9 @@ def write_at(dir_fd: int, name: str, data: bytes, where: Path) -> None:
 
     ``where`` names the file in errors (:class:`OSError` is raised as is, for the caller to word).
     """
-    fd, tmp = create_temp(dir_fd, name)
+    made: list[str] = []
     try:
+        fd, tmp = create_temp(dir_fd, name, made=made)
         try:
             view = memoryview(data)
             while view:
@@ -272,13 +286,11 @@ def write_at(dir_fd: int, name: str, data: bytes, where: Path) -> None:
         finally:
             os.close(fd)
         rename_into_place(dir_fd, tmp, name, where)
-        tmp = None
+        made.clear()
     finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
+        remove_temps(dir_fd, made)
 
 
 __all__ = ["TEMP_NAME", "atomic_output", "create_exclusive", "create_temp", "describe_os_error", "fsync_dir", "fsync_fd",
-           "is_sink", "make_dirs", "open_dir", "rename_into_place", "target_state", "temp_name", "write_at",
+           "is_sink", "make_dirs", "open_dir", "remove_temps", "rename_into_place", "target_state", "temp_name", "write_at",
            "write_bytes_atomic", "write_json_atomic"]

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from containers.atomic import create_temp, describe_os_error, fsync_fd, open_dir
+from containers.atomic import create_temp, describe_os_error, fsync_fd, open_dir, remove_temps
 from containers.errors import InputError
 
 from .buffers import read_buffer
@@ -383,18 +383,16 @@ def _test_file(target: Path, size: int):
     and removed however the calibration ends (an error, Ctrl-C)."""
     if target.is_dir():
         dir_fd = open_dir(target, target / ".relayout-calibrate")
-        name = None
+        made: list[str] = []
         try:
             try:
-                fd, name = create_temp(dir_fd, "relayout-calibrate")
+                fd, name = create_temp(dir_fd, "relayout-calibrate", made=made)
                 _write_test_file(fd, target / name, size)
             except OSError as exc:
-                raise InputError(target / (name or ".relayout-calibrate"), describe_os_error(exc)) from None
+                raise InputError(target / (made[-1] if made else ".relayout-calibrate"), describe_os_error(exc)) from None
             yield target / name
         finally:
-            if name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=dir_fd)
+            remove_temps(dir_fd, made)
             os.close(dir_fd)
     elif target.is_file():
         if target.stat().st_size < MIN_FILE_BYTES:
