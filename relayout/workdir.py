@@ -62,7 +62,8 @@ class WorkDir:
     """A work directory ``path`` whose marker file ``marker`` records what ``command`` made in it.
 
     Use :meth:`open`. ``paths`` maps a path relative to the directory to its identity
-    (``{"dev", "ino", "dir"}``, and ``"mtime_ns"`` for a file: listed) or ``{"claimed": run}`` (claimed by run ``run``, not yet listed).
+    (``{"dev", "ino", "dir"}``, and ``"mtime_ns"`` for a file: listed) or to ``{"claimed": run}``
+    (claimed by run ``run``, not yet listed).
     """
 
     def __init__(self, path: Path, marker: str, command: str, made_dir: bool, paths: dict):
