@@ -5,8 +5,8 @@ This module makes sure that nothing else can be hit on the way:
 
 * ``DST`` must not exist in any form (a dangling symlink counts as existing).
 * ``DST.partial`` is created by us (``mkdir``), or, on a resume, must be a real directory (never
-  a symlink) holding our journal; one holding nothing but our temp files (a crash right after
-  ``mkdir``) is adopted. Anything else is refused.
+  a symlink) holding our journal or, when every file was done, our manifest; one holding nothing
+  but our temp files (a crash right after ``mkdir``) is adopted. Anything else is refused.
 * It is opened once with ``O_DIRECTORY | O_NOFOLLOW``; every file inside is created, opened,
   renamed and removed relative to that descriptor (``openat``-style ``dir_fd``) with
   ``O_NOFOLLOW``, so a symlink planted inside it is never followed.
@@ -26,18 +26,13 @@ import ctypes.util
 import errno
 import fcntl
 import os
-import re
 import stat
 from pathlib import Path
 
-from .atomic import describe_os_error, fsync_fd, make_dirs
+from .atomic import DIRECTORY, NOFOLLOW, TEMP_NAME, create_exclusive, create_temp, describe_os_error, fsync_fd, make_dirs
 from .errors import InputError
 
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 RENAME_NOREPLACE = 1
-TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9]+$")
-"""A temp file of ours (``.NAME.tmp-PID``): an interrupted run may leave one before its journal."""
 
 
 def _lexists(path: Path) -> bool:
@@ -58,8 +53,9 @@ def _nested(a: Path, b: Path) -> bool:
 class Destination:
     """``DST.partial`` opened for a rewrite, locked, with file operations relative to its descriptor.
 
-    Use :meth:`open` (a context manager); ``journal_name`` is the file whose presence proves a
-    partial directory is a previous rewrite's.
+    Use :meth:`open` (a context manager); ``own_names`` are the files whose presence proves a
+    partial directory is a previous rewrite's (its journal, or its manifest once every file is
+    done); the caller checks that they are for this rewrite.
     """
 
     def __init__(self, dst: Path, partial: Path, fd: int, resumed: bool):
@@ -70,7 +66,7 @@ class Destination:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, dst: str | os.PathLike, source_root: str | os.PathLike, journal_name: str):
+    def open(cls, dst: str | os.PathLike, source_root: str | os.PathLike, own_names: tuple[str, ...]):
         dst = check_new_destination(dst, source_root)
         partial = dst.with_name(dst.name + ".partial")
         make_dirs(dst.parent)
@@ -101,9 +97,9 @@ class Destination:
                 raise InputError(partial, "is the source container itself; choose another destination")
             if not created:
                 names = [n for n in os.listdir(fd) if not TEMP_NAME.match(n)]
-                if names and journal_name not in names:
-                    raise InputError(partial, f"exists and holds files but no {journal_name}: it is not a partial "
-                                              "rewrite of relayout's; remove it or choose another destination")
+                if names and not any(n in names for n in own_names):
+                    raise InputError(partial, f"exists and holds files but no {' or '.join(own_names)}: it is not a "
+                                              "partial rewrite of relayout's; remove it or choose another destination")
             yield cls(dst, partial, fd, resumed=not created)
         finally:
             os.close(fd)
@@ -124,7 +120,11 @@ class Destination:
 
     def create(self, name: str) -> int:
         """A new file (exclusive: never an existing file or a symlink), open for writing."""
-        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644, dir_fd=self.fd)
+        return create_exclusive(self.fd, name)
+
+    def create_temp(self, name: str) -> tuple[int, str]:
+        """A new temp file for ``name`` under an unpredictable name: ``(descriptor, temp name)``."""
+        return create_temp(self.fd, name)
 
     def open_read(self, name: str) -> int:
         return os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=self.fd)
@@ -140,9 +140,16 @@ class Destination:
         fsync_fd(self.fd)
 
     def publish(self) -> None:
-        """Rename ``DST.partial`` to ``DST``, never replacing anything at ``DST``; fsync the parent."""
+        """Rename ``DST.partial`` to ``DST``, never replacing anything at ``DST``; fsync the parent.
+
+        The entry renamed must still be the directory written (a link or another directory put in
+        its place is refused, not published).
+        """
         self.sync()
-        _rename_noreplace(self.partial, self.dst)
+        st, ours = os.lstat(self.partial), os.fstat(self.fd)
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (ours.st_dev, ours.st_ino):
+            raise InputError(self.partial, "was replaced while the rewrite ran; nothing was published")
+        rename_noreplace(self.partial, self.dst)
         parent = os.open(self.dst.parent, os.O_RDONLY | DIRECTORY)
         try:
             fsync_fd(parent)
@@ -186,19 +193,20 @@ _RENAMEAT2 = _libc_renameat2()
 AT_FDCWD = -100
 
 
-def _rename_noreplace(old: Path, new: Path) -> None:
+def rename_noreplace(old: Path, new: Path) -> None:
+    """Rename ``old`` to ``new``, never replacing anything at ``new`` (one :class:`InputError` when something is there)."""
     if _RENAMEAT2 is not None:
         if _RENAMEAT2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
         if err == errno.EEXIST:
-            raise InputError(new, "appeared while the rewrite ran; the finished rewrite is kept at "
+            raise InputError(new, "appeared while relayout wrote it; the finished result is kept at "
                                   f"{old}: move it yourself once you have checked {new}")
         if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
             raise InputError(new, describe_os_error(OSError(err, os.strerror(err))))
     if _lexists(new):
-        raise InputError(new, f"appeared while the rewrite ran; the finished rewrite is kept at {old}")
+        raise InputError(new, f"appeared while relayout wrote it; the finished result is kept at {old}")
     os.rename(old, new)
 
 
-__all__ = ["Destination"]
+__all__ = ["Destination", "rename_noreplace"]

@@ -5,16 +5,17 @@ Every segment gets its own xxh3-128; the file digest is the xxh3-128 of the file
 segment digests in physical order, so every byte of the file is covered exactly once and each
 byte is hashed once. (It is therefore not the digest ``xxhsum`` prints for the file.)
 
-Files are mapped and hashed one window at a time (64 MiB), so memory stays bounded whatever the
-file size and no bytes are copied out of the page cache. The holes of a sparse file are not read:
-they are hashed as zeros (:mod:`containers.sparse`), which gives the digest a dense copy has. The segments of a window are shared
-between two threads (xxhash releases the GIL), and the kernel is asked to read the next window
-ahead while the current one is hashed.
+Files are read (``pread``) and hashed one window at a time (8 MiB, one reused buffer), so
+memory stays bounded whatever the file size, and a file truncated while it is read is an error
+naming it (a mapped page past the end would kill the process with SIGBUS). The holes of a
+sparse file are not read: they are hashed as zeros (:mod:`containers.sparse`), which gives the
+digest a dense copy has. The segments of a window are shared between two threads (xxhash
+releases the GIL), and the kernel is asked to read the next window ahead while the current one
+is hashed.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ import xxhash
 from .errors import InputError
 from .sparse import DataMap, data_map, feed_zeros
 
-WINDOW_BYTES = 64 * 1024 * 1024
-"""Bytes mapped and hashed at a time (a multiple of the page size)."""
+WINDOW_BYTES = 8 * 1024 * 1024
+"""Bytes read and hashed at a time: small enough that the copy out of the page cache is hashed
+from the CPU's cache (hot 512 MB file on this 2-core VM: 1.1-2.1 GB/s, as fast as a 64 MiB
+mapping; a 64 MiB read buffer ran at 0.8-0.9 GB/s)."""
 
 _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relayout-hash")
 
@@ -87,7 +90,7 @@ def hash_file(
         segs = segments(ranges, size)
         hashers = [xxhash.xxh3_128() for _ in segs]
         first = 0
-        for pos, end, view, base in _windows(fd, data_map(fd, st), 0, size, window_bytes):
+        for pos, end, view, base in _windows(fd, data_map(fd, st), 0, size, window_bytes, path):
             while segs[first].end <= pos:
                 first += 1
             pieces = []
@@ -111,34 +114,40 @@ def hash_file(
     return file_digest(size, digests), per_range
 
 
-def _windows(fd: int, dmap: DataMap, begin: int, end: int, window_bytes: int):
+def _windows(fd: int, dmap: DataMap, begin: int, end: int, window_bytes: int, path: Path):
     """``(pos, stop, view, base)`` for consecutive windows ``[pos, stop)`` of ``[begin, end)``.
 
-    In a data run ``view`` maps the file from ``base`` (a multiple of the allocation
-    granularity, ``base <= pos``) to ``stop``, and the next window is advised to the kernel; in a
-    hole ``view`` is None and ``base == pos`` (the window reads as zeros). The view is released
-    when the caller asks for the next window.
+    In a data run ``view`` holds the file's bytes from ``base == pos`` to ``stop``, read with
+    ``pread`` into one reused buffer, and the next window is advised to the kernel; in a hole
+    ``view`` is None (the window reads as zeros). A file that ends early (truncated while it is
+    read) is one :class:`InputError` naming it, never a fault of a mapped page.
     """
-    gran = mmap.ALLOCATIONGRANULARITY
-    window_bytes = max(gran, window_bytes // gran * gran)
+    window_bytes = max(4096, window_bytes)
+    buf = None
     for a, b, is_data in dmap.runs(begin, end):
         pos = a
         while pos < b:
+            stop = min(b, pos + window_bytes)
             if not is_data:
-                stop = min(b, pos + window_bytes)
                 yield pos, stop, None, pos
                 pos = stop
                 continue
-            base = pos // gran * gran
-            stop = min(b, base + window_bytes)
             if stop < b:
                 _advise(fd, stop, min(window_bytes, b - stop))
-            with mmap.mmap(fd, stop - base, access=mmap.ACCESS_READ, offset=base) as window:
-                view = memoryview(window)
-                try:
-                    yield pos, stop, view, base
-                finally:
-                    view.release()
+            n = stop - pos
+            if buf is None:
+                buf = bytearray(min(window_bytes, end - begin))
+            view = memoryview(buf)[:n]
+            try:
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [view[got:]], pos + got)
+                    if k <= 0:
+                        raise InputError(path, f"ends at byte {pos + got}, before byte {stop} (truncated while it was read?)")
+                    got += k
+                yield pos, stop, view, pos
+            finally:
+                view.release()
             pos = stop
 
 
@@ -167,7 +176,7 @@ def _hash_pieces(view: memoryview | None, pieces: list[tuple[int, int, int]], ha
 
 
 def hash_range(path: Path, begin: int, end: int, window_bytes: int = WINDOW_BYTES) -> str:
-    """xxh3-128 hex digest of bytes ``[begin, end)`` of ``path``, mapped window by window (holes not read)."""
+    """xxh3-128 hex digest of bytes ``[begin, end)`` of ``path``, read window by window (holes not read)."""
     h = xxhash.xxh3_128()
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -177,7 +186,7 @@ def hash_range(path: Path, begin: int, end: int, window_bytes: int = WINDOW_BYTE
         st = os.fstat(fd)
         if end > st.st_size:
             raise InputError(path, f"range ends at byte {end}, beyond the end of the file (truncated?)")
-        for pos, stop, view, base in _windows(fd, data_map(fd, st, begin, end), begin, end, window_bytes):
+        for pos, stop, view, base in _windows(fd, data_map(fd, st, begin, end), begin, end, window_bytes, path):
             if view is None:
                 feed_zeros(h, stop - pos)
             else:

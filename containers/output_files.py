@@ -36,7 +36,7 @@ from .sources import FileRange
 
 SUFFIX = ".safetensors"
 MAX_NAME_BYTES = 200
-"""Room is left below the usual 255-byte limit for the ``.NAME.tmp-PID`` temp names."""
+"""Room is left below the usual 255-byte limit for the ``.NAME.tmp-`` + 16 hex digit temp names."""
 MAX_ALIGNMENT = 1 << 30
 RESERVED = {MANIFEST_NAME.casefold(), "relayout.journal.json"}
 MAX_LISTED = 12

@@ -15,10 +15,10 @@ is byte-identical to the source's, plus its checksum manifest.
   is updated crash-safely. A restarted rewrite re-hashes every journaled file and counts it done
   only when its digest matches the journal, then writes the rest; it says what it resumes.
 * Bytes move with ``copy_file_range`` where the kernel offers it (no copy through Python), else
-  with ``pread``/``pwrite``; meanwhile a second thread hashes each source tensor in place (mapped
-  window by window) and checks it against the source manifest. File digests are assembled from
+  with ``pread``/``pwrite``; meanwhile a second thread hashes each source tensor from the page cache
+  (read window by window) and checks it against the source manifest. File digests are assembled from
   the segment digests (header, padding, tensors), as :mod:`containers.hashing` defines them, so
-  nothing is read twice. Memory stays bounded by one mapped window plus one copy buffer.
+  nothing is read twice. Memory stays bounded by one read window plus one copy buffer.
 * Before any byte is written: the free space is checked (all remaining bytes plus a margin).
   A full disk or failed write raises one clear error; the partial directory stays resumable and
   nothing at ``DST`` looks complete. Only after every file is done, the directory is fsynced and
@@ -30,6 +30,15 @@ is byte-identical to the source's, plus its checksum manifest.
   manifest records each decision (``runtime_files``). Each new shard's ``__metadata__``
   (colibrì's format stamps included) is the plan's, which the file-list check requires to carry
   the source's (:func:`~containers.output_files.metadata_problems`).
+
+* Finishing is recoverable at every instant: the manifest is written into ``DST.partial``, then
+  the journal removed, then the directory renamed. A run that finds ``DST.partial`` holding this
+  rewrite's manifest and no journal (stopped between the last two steps) takes the manifest's
+  file digests as its journal, re-hashes every file, writes again any that does not match, and
+  finishes.
+* Temp files have unpredictable names and are created exclusively
+  (:func:`~containers.atomic.create_temp`); every source file is read with ``pread`` or
+  ``copy_file_range``, so a source truncated under a running rewrite is an error naming it.
 """
 
 from __future__ import annotations
@@ -47,9 +56,9 @@ from typing import Callable
 import xxhash
 from .progress import progress_bar
 
-from .atomic import describe_os_error, fsync_fd
+from .atomic import TEMP_NAME, describe_os_error, fsync_fd, write_at
 from .container import MANIFEST_NAME, Container
-from .destination import TEMP_NAME, Destination
+from .destination import Destination
 from .errors import InputError
 from .hashing import Range, file_digest, gap_digest, hash_file, hash_range, segments
 from .manifest import (
@@ -78,22 +87,10 @@ RESUME_HINT = " (the partial rewrite is kept; run the same command again to resu
 
 def _write_json(dest: Destination, name: str, obj) -> None:
     """Write ``obj`` to ``name`` inside the destination crash-safely (temp, fsync, rename)."""
-    tmp = f".{name}.tmp-{os.getpid()}"
-    dest.unlink(tmp)
     data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
     try:
-        fd = dest.create(tmp)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            fsync_fd(fd)
-        finally:
-            os.close(fd)
-        dest.replace(tmp, name)
-        dest.sync()
+        write_at(dest.fd, name, data, dest.partial / name)
     except OSError as exc:
-        dest.unlink(tmp)
         raise InputError(dest.partial / name, describe_os_error(exc) + RESUME_HINT) from None
 
 
@@ -111,19 +108,18 @@ class _Journal:
         self.identity = identity
         self.files: dict[str, dict] = {}
         self.tensor_digests: dict[str, dict[str, str]] = {}
+        self.finished = False       # taken from the manifest of a rewrite stopped before its final rename
 
     @classmethod
     def open(cls, dest: Destination, identity: dict) -> "_Journal":
         j = cls(dest, identity)
         if dest.lstat(JOURNAL_NAME) is None:
+            if dest.lstat(MANIFEST_NAME) is not None:
+                j.files = _finished_files(dest, identity)
+                j.finished = True
             return j
         where = dest.partial / JOURNAL_NAME
-        try:
-            fd = dest.open_read(JOURNAL_NAME)
-            with os.fdopen(fd, "rb") as fh:
-                obj = json.loads(fh.read())
-        except (OSError, ValueError, RecursionError):
-            raise InputError(where, "journal is unreadable; remove the partial directory to start over") from None
+        obj = _read_json(dest, JOURNAL_NAME, "journal is unreadable; remove the partial directory to start over")
         if not isinstance(obj, dict) or obj.get("identity") != identity:
             raise InputError(dest.partial, "this partial rewrite is for another plan or source; remove it to start over")
         files = obj.get("files")
@@ -134,6 +130,39 @@ class _Journal:
 
     def save(self) -> None:
         _write_json(self.dest, JOURNAL_NAME, {"identity": self.identity, "files": self.files})
+
+
+def _read_json(dest: Destination, name: str, problem: str):
+    """The JSON object in ``name`` inside the destination (never through a link); ``problem`` on failure."""
+    try:
+        fd = dest.open_read(name)
+        with os.fdopen(fd, "rb") as fh:
+            return json.loads(fh.read())
+    except (OSError, ValueError, RecursionError):
+        raise InputError(dest.partial / name, problem) from None
+
+
+def _finished_files(dest: Destination, identity: dict) -> dict[str, dict]:
+    """The journal entries of a rewrite that wrote its manifest and was stopped before its final rename.
+
+    The manifest proves the directory is relayout's and for this source and plan; its files'
+    sizes and digests become the journal, so every file is re-hashed before the rewrite is
+    finished (and a file that does not match is written again).
+    """
+    where = dest.partial / MANIFEST_NAME
+    m = _read_json(dest, MANIFEST_NAME, "holds an unreadable manifest and no journal; remove the partial directory to start over")
+    if not isinstance(m, dict):
+        m = {}
+    rw, files = m.get("rewrite"), m.get("files")
+    if m.get("format") != MANIFEST_FORMAT or not isinstance(rw, dict) or not isinstance(files, list) \
+            or not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in files):
+        raise InputError(where, "is not a manifest of a relayout rewrite and there is no journal; remove the partial "
+                                "directory to start over")
+    names = [f["name"] for f in files if f.get("kind") == "safetensors"]
+    if (rw.get("source_fingerprint") != identity["source_fingerprint"] or rw.get("plan_digest") != identity["plan_digest"]
+            or names != identity["files"]):
+        raise InputError(dest.partial, "holds a finished rewrite of another plan or source; remove it to start over")
+    return {f["name"]: {"size": f.get("size"), "xxh3_128": f.get("xxh3_128")} for f in files}
 
 
 def rewrite_container(
@@ -154,7 +183,7 @@ def rewrite_container(
     require_valid_output_files(src, files, plan_path)
     new_index = _regenerated_index(src, files)
     names = [f.name for f in files]
-    with Destination.open(dst, src.root, JOURNAL_NAME) as dest:
+    with Destination.open(dst, src.root, (JOURNAL_NAME, MANIFEST_NAME)) as dest:
         for stray in dest.names():
             if TEMP_NAME.match(stray):      # a dead run's (we hold the lock)
                 dest.unlink(stray)
@@ -244,7 +273,8 @@ def _recheck_done(src: Container, dest: Destination, journal: _Journal, files: l
                     dest.unlink(name)
     if notify is not None:
         left = len(files) + len(others) - kept
-        notify(f"resuming {dest.partial}: {kept} file(s) already written and re-hashed intact, {left} to write")
+        what = "a finished rewrite stopped before its final rename: " if journal.finished else ""
+        notify(f"resuming {dest.partial}: {what}{kept} file(s) already written and re-hashed intact, {left} to write")
 
 
 def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int, buf: bytearray, where: Path) -> None:
@@ -295,13 +325,12 @@ def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources:
     since either call can block while the disk is busy.
     """
     layout = plan_shard(tensor_specs(src, of), of.alignment, of.metadata)   # checked before the rewrite began
-    tmp = f".{of.name}.tmp-{os.getpid()}"
     buf = bytearray(8 * 1024 * 1024)
     hashes = {}
-    fd = None
+    fd = tmp = None
     writeback = None
     try:
-        fd = dest.create(tmp)
+        fd, tmp = dest.create_temp(of.name)
         os.pwrite(fd, layout.header, 0)
         os.ftruncate(fd, layout.file_size)           # padding and holes read back as zeros
         # copy in source order (sequential reads; the scattered writes land in the page cache and
@@ -332,7 +361,7 @@ def _copy_file(src: Container, of: OutputFile, dest: Destination, pool, sources:
             writeback.exception()       # wait: the call must not meet a closed (or reused) descriptor
         if fd is not None:
             os.close(fd)
-        dest.unlink(tmp)
+            dest.unlink(tmp)
         if isinstance(exc, OSError):
             raise InputError(dest.partial / of.name, describe_os_error(exc) + RESUME_HINT) from None
         raise
@@ -525,13 +554,13 @@ class _ReadAhead:
 
 def _copy_other(path: Path, dest: Destination, on_bytes) -> dict:
     """Copy a non-tensor file of the source (config, tokenizer, ...) unchanged."""
-    tmp = f".{path.name}.tmp-{os.getpid()}"
     buf = bytearray(8 * 1024 * 1024)
+    tmp = None
     try:
         sfd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(sfd).st_size
-            fd = dest.create(tmp)
+            fd, tmp = dest.create_temp(path.name)
             try:
                 _copy_range(sfd, fd, 0, 0, size, buf, path)
                 fsync_fd(fd)
@@ -541,9 +570,12 @@ def _copy_other(path: Path, dest: Destination, on_bytes) -> dict:
             os.close(sfd)
         dest.replace(tmp, path.name)
         dest.sync()
-    except OSError as exc:
-        dest.unlink(tmp)
-        raise InputError(dest.partial / path.name, describe_os_error(exc) + RESUME_HINT) from None
+    except BaseException as exc:
+        if tmp is not None:
+            dest.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise InputError(dest.partial / path.name, describe_os_error(exc) + RESUME_HINT) from None
+        raise
     on_bytes(size)
     digest, _ = hash_file(dest.partial / path.name)
     return {"size": size, "xxh3_128": digest}

@@ -16,14 +16,15 @@ logical for GLM-5.2 int4-g64) takes well under 1% of that on disk.
 from __future__ import annotations
 
 import os
-import shutil
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from .progress import progress_bar
 
-from .atomic import fsync_dir, make_dirs, write_json_atomic
+from .atomic import TEMP_NAME, fsync_dir, make_dirs, write_bytes_atomic, write_json_atomic
+from .destination import rename_noreplace
 from .container import expert_tensor_name
 from .errors import InputError
 from .geometry import PROJECTIONS, ExpertFormat, Geometry, projection_shape
@@ -189,6 +190,25 @@ def config_json(g: Geometry, sparse: bool = False) -> dict:
     return cfg
 
 
+SYNTH_NAMES = re.compile(r"^(out|out-mtp)-[0-9]{5,}\.safetensors$|^(config|generation_config|tokenizer_config|tokenizer)\.json$")
+"""The files synth writes in ``OUT.partial`` (besides its marker and temp files)."""
+
+
+def _clear_partial(partial: Path) -> None:
+    """Remove an interrupted synth's files from ``partial``, then the directory; anything synth does
+    not write is refused, and nothing is removed then."""
+    names = os.listdir(partial)
+    foreign = sorted(n for n in names if n != SYNTH_MARKER and not SYNTH_NAMES.match(n) and not TEMP_NAME.match(n))
+    if foreign or any(not (partial / n).is_file() or (partial / n).is_symlink() for n in names):
+        raise InputError(partial, f"holds {', '.join(foreign[:5]) or 'a directory or link'}, which relayout synth does not "
+                                  "write; remove it or choose another output")
+    for n in names:
+        if n != SYNTH_MARKER:
+            os.unlink(partial / n)
+    os.unlink(partial / SYNTH_MARKER)
+    os.rmdir(partial)
+
+
 def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress: bool = True,
                     sparse: bool = False, stamp: bool = False) -> Path:
     """Write a synthetic container for geometry ``g`` at ``out`` (built in ``out.partial``).
@@ -205,10 +225,10 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     if partial.is_symlink() or (partial.exists() and not (partial / SYNTH_MARKER).is_file()):
         raise InputError(partial, "exists and was not made by relayout synth; remove it or choose another output")
     if partial.exists():
-        shutil.rmtree(partial)      # an interrupted synth's, proved by its marker
+        _clear_partial(partial)     # an interrupted synth's, proved by its marker
     make_dirs(out.parent)
     make_dirs(partial)
-    (partial / SYNTH_MARKER).touch()
+    write_bytes_atomic(partial / SYNTH_MARKER, b"")
     units = source_units(g, seed)
     if sparse:
         units = stamped(units)
@@ -234,7 +254,7 @@ def synth_container(out: str | os.PathLike, g: Geometry, seed: int = 0, progress
     write_json_atomic(partial / "tokenizer.json", {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab}}, indent=None)
     (partial / SYNTH_MARKER).unlink()
     fsync_dir(partial)
-    os.replace(partial, out)
+    rename_noreplace(partial, out)
     fsync_dir(out.parent)
     return out
 

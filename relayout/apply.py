@@ -1,7 +1,8 @@
 """Apply a plan: check it against the container and the gate, rewrite, verify.
 
 The rewrite refuses unless a passing ``gate.json`` for this plan and this container exists;
-``force`` overrides that, and the override is recorded in the new container's manifest.
+``force`` overrides that, and the override is recorded in the new container's manifest. A gate
+whose interval or verdict does not recompute from its own evidence is refused even with ``force``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from containers.output_files import Derived, OutputFile
 from containers.rewrite import rewrite_container
 from containers.segments import PARTS, SegmentSpec
 from containers.verify import verify_containers
-from replay.gatefile import GateRecord
+from replay.gatefile import GateRecord, recheck_fields
 from replay.planfile import Plan
 
 from . import __version__
@@ -64,8 +65,20 @@ def source_manifest(src: Container, manifest_path: str | os.PathLike | None) -> 
     return build_manifest(src)
 
 
-def check_gate(gate: GateRecord | None, plan: Plan, fingerprint: str, force: bool) -> dict:
-    """Provenance for the new manifest; raises unless a passing gate for this plan exists or ``force``."""
+def check_gate(gate: GateRecord | None, plan: Plan, fingerprint: str, force: bool, where: str | None = None) -> dict:
+    """Provenance for the new manifest; raises unless a passing gate for this plan exists or ``force``.
+
+    A given gate is first recomputed from the evidence it stores (:func:`replay.gatefile.recheck_fields`,
+    what ``relayout gate --recheck`` does); a record that does not recompute is refused, with or
+    without ``force``, naming the field. ``where`` names the gate file in that error.
+    """
+    if gate is not None:
+        differ = recheck_fields(gate, where or "gate record")
+        if differ:
+            fields = ", ".join(dict.fromkeys(f for f, _ in differ))
+            raise InputError(where, f"rewrite refused: the gate record's {fields} does not recompute from the evidence it "
+                                    f"stores ({'; '.join(p for _, p in differ)}); it was edited or damaged: run relayout "
+                                    "replay again")
     problem = None
     if gate is None:
         problem = "no gate.json given (run relayout replay ... -o gate.json first)"
@@ -114,14 +127,16 @@ def preflight(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
 
 def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: GateRecord | None = None,
                force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
-               notify=None, checked: tuple[Container, dict] | None = None) -> dict:
+               notify=None, gate_path: str | os.PathLike | None = None,
+               checked: tuple[Container, dict] | None = None) -> dict:
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest.
 
-    ``checked`` is what :func:`preflight` returned for the same arguments, when the caller ran it
-    before long work (the source is then not hashed twice).
+    ``gate_path`` names the gate's file in errors (the gate is rechecked before any byte is
+    written). ``checked`` is what :func:`preflight` returned for the same arguments, when the
+    caller ran it before long work (the source is then not hashed twice).
     """
     src, manifest = checked if checked is not None else preflight(src_dir, plan, dst, manifest_path)
-    provenance = check_gate(gate, plan, manifest["fingerprint"], force)
+    provenance = check_gate(gate, plan, manifest["fingerprint"], force, None if gate_path is None else str(gate_path))
     return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress, notify, plan.path)
 
 

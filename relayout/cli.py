@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -491,7 +492,7 @@ def cmd_rewrite(args) -> int:
 
     plan = load_plan(args.layout)
     gate = load_gate(args.gate) if args.gate else None
-    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=_say)
+    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=_say, gate_path=args.gate)
     forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
           f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
@@ -996,8 +997,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit status: 0 done, 2 a problem with the input (one line on stderr),
     1 an internal error (one line asking for a bug report; the traceback with ``RELAYOUT_DEBUG=1``),
     130 interrupted."""
+    import signal
+
+    from . import AS_COMMAND, quiet_interrupts
+
     command = "relayout"
     try:
+        if AS_COMMAND and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C from here on: KeyboardInterrupt, cleaned up
         args = build_parser().parse_args(argv)
         command = f"relayout {args.command}" + (f" {args.what}" if getattr(args, "what", None) else "")
         return args.func(args)
@@ -1021,3 +1028,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command}: internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug, please report it "
               f"with the output of {DEBUG_VARIABLE}=1 {command} ...", file=sys.stderr)
         return 1
+    finally:
+        if AS_COMMAND and threading.current_thread() is threading.main_thread():
+            quiet_interrupts()          # a Ctrl-C while the interpreter exits: one line, no traceback

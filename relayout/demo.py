@@ -6,14 +6,12 @@ The default model is the GLM-5.2 group-64 geometry (int8 MTP layer included) sca
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-from containers.atomic import make_dirs, write_json_atomic
+from containers.atomic import write_bytes_atomic, write_json_atomic
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.geometry import load_geometry
@@ -35,6 +33,7 @@ from .plan import make_plan, source_from_container
 from .render import completion_sentence, human_bytes, merge_sentence, plan_summary
 from .trace_stats import trace_stats
 from .trace_synth import SynthParams, synth_trace
+from .workdir import WorkDir
 
 DEMO_GEOMETRY = "glm-5.2-int4-g64"
 DEMO_SCALE = dict(moe_layers=6, experts=32, hidden=1024, ffn=256, shard_bytes=8_000_000, vocab=2048)
@@ -52,36 +51,21 @@ DEMO_CALIBRATION_SECONDS = 0.15
 
 
 def run_demo(work_dir: str | None = None, seed: int = 0) -> int:
-    tmp = None
+    """Run the demo in ``work_dir`` (new, empty or a previous demo's; kept), or in a temporary
+    directory removed afterwards. Only paths the demo recorded making (:class:`~relayout.workdir.WorkDir`)
+    are ever removed."""
     if work_dir is None:
-        tmp = tempfile.mkdtemp(prefix="relayout-demo-")
-        work = Path(tmp)
+        work = WorkDir.open(tempfile.mkdtemp(prefix="relayout-demo-"), DEMO_MARKER, "demo", made_dir=True)
     else:
-        work = _demo_dir(Path(work_dir))
+        work = WorkDir.open(work_dir, DEMO_MARKER, "demo")
     try:
-        return _run(work, seed, kept=tmp is None)
+        return _run(work, seed, kept=work_dir is not None)
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _demo_dir(work: Path) -> Path:
-    """``work`` made ready for a demo: new, empty, or a previous demo's (its marker file says so).
-
-    Only a previous demo's directory has its outputs removed and remade; anything else that is not
-    empty is refused, so the demo never deletes a file it did not write.
-    """
-    if work.is_symlink() or (work.exists() and not work.is_dir()):
-        raise InputError(work, "is not a directory; give a new or empty directory for the demo")
-    if work.is_dir() and any(work.iterdir()) and not (work / DEMO_MARKER).is_file():
-        raise InputError(work, f"is not empty and is not a previous demo's directory (no {DEMO_MARKER} in it); "
-                               "give a new or empty directory")
-    make_dirs(work)
-    (work / DEMO_MARKER).write_text("made by relayout demo: its outputs here are removed and rewritten by the next demo\n")
-    for made in ("source", "source.partial", "relaid", "relaid.partial"):
-        if (work / made).is_dir() and not (work / made).is_symlink():
-            shutil.rmtree(work / made)
-    return work
+        if work_dir is None:
+            for line in work.remove():
+                print(line)
+        else:
+            work.seal()
 
 
 def measured_vs_predicted(estimate: float, low: float, high: float, predicted: float) -> str:
@@ -117,11 +101,10 @@ def _step(title: str) -> float:
     return time.perf_counter()
 
 
-def _run(work: Path, seed: int, kept: bool) -> int:
+def _run(work: WorkDir, seed: int, kept: bool) -> int:
     t0 = time.perf_counter()
     geometry = load_geometry(DEMO_GEOMETRY).scaled(**DEMO_SCALE)
-    src = work / "source"
-
+    src = work.claim("source", "source.partial")
     t = _step(f"1. synthetic container ({DEMO_GEOMETRY}, scaled: {DEMO_SCALE['moe_layers']} MoE layers x {DEMO_SCALE['experts']} experts)")
     synth_container(src, geometry, seed=seed, progress=False)
     container = Container.open(src)
@@ -147,7 +130,7 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     t = _step("4. synthetic routing trace (planted co-activation cliques, topics per session)")
     trace = synth_trace(geometry.moe_layers, geometry.n_routed_experts, geometry.num_experts_per_tok,
                         DEMO_TOKENS, DEMO_SESSIONS, seed, SynthParams(clique_strength=0.85), geometry=geometry.name)
-    trace_path = work / "trace.rt"
+    trace_path = work.claim("trace.rt")
     save_trace(trace, trace_path)
     stats = trace_stats(trace)["summary"]
     print(f"   {trace_path}: {DEMO_TOKENS} decode tokens in {DEMO_SESSIONS} sessions; heat entropy "
@@ -157,7 +140,7 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     n_train = round(DEMO_SESSIONS * DEMO_TRAIN_FRACTION)
     t = _step(f"5. plan: Louvain communities, spectral order, local search, packing (first {n_train} sessions train)")
     source = source_from_container(src)
-    plan_path = work / "plan.json"
+    plan_path = work.claim("plan.json")
     save_plan(make_plan(trace, source, "louvain", train_fraction=DEMO_TRAIN_FRACTION, seed=seed, progress=False), plan_path)
     plan = load_plan(plan_path)
     for line in plan_summary(plan.raw):
@@ -180,11 +163,11 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     d = gate.decomposition
     print(f"   of which repacking (source order, new files): {d.repacking.estimate * 1e3:.3f} ms/token, ordering: "
           f"{d.ordering.estimate * 1e3:.3f} [{d.ordering.low * 1e3:.3f}, {d.ordering.high * 1e3:.3f}]")
-    write_json_atomic(work / "gate.json", gate.to_json())
+    write_json_atomic(work.claim("gate.json"), gate.to_json())
     print(f"   gate.json: {gate.reason}  ({time.perf_counter() - t:.1f} s)")
 
     t = _step("7. rewrite (the gate passed) into DST and verify byte for byte")
-    dst = work / "relaid"
+    dst = work.claim("relaid", "relaid.partial")
     forced = gate.verdict != "pass"
     if forced:
         print("   the gate failed on this run; rewriting anyway with the demo's explicit override (recorded as forced)")
@@ -200,14 +183,14 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     cfg = RuntimeConfig(workers=1, coalesce=True)
     runs = {"stock": [], "relaid": []}
     for rep in range(DEMO_REPETITIONS):             # both step by step, so both see the disk of the same seconds
-        arms = [Arm(Container.open(path), cfg, work / f"measure-{label}-{rep}.jsonl", run_id=f"{label}-{rep}")
+        arms = [Arm(Container.open(path), cfg, work.claim(f"measure-{label}-{rep}.jsonl"), run_id=f"{label}-{rep}")
                 for label, path in (("stock", src), ("relaid", dst))]
         measure_interleaved(arms, trace, mask, progress=False)
         for label, arm in zip(("stock", "relaid"), arms):
             runs[label].append(arm.out)
     for label in runs:
-        merged = work / f"measure-{label}.jsonl"
-        merged.write_bytes(b"".join(p.read_bytes() for p in runs[label]))
+        merged = work.claim(f"measure-{label}.jsonl")
+        write_bytes_atomic(merged, b"".join(p.read_bytes() for p in runs[label]))
         runs[label] = merged
     cmp = compare_runs([runs["stock"], runs["relaid"]])
     x = cmp["comparisons"][0]
@@ -216,9 +199,9 @@ def _run(work: Path, seed: int, kept: bool) -> int:
           f"{x['treatment_stall_per_committed_token_ns'] / 1e6:.3f}; saved {s['estimate'] / 1e6:.3f} ms "
           f"[{s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}] over {x['pairs']} paired repetitions of {DEMO_MEASURE_TOKENS} steps")
     print(f"   predicted on the '{DEMO_DEVICE}' profile (not this machine): saved {gate.saving_per_token_s.estimate * 1e3:.3f} ms")
-    profile = calibrate(work, size_mb=DEMO_CALIBRATION_MB, seconds=DEMO_CALIBRATION_SECONDS, name="this-disk (demo, brief)")
-    write_json_atomic(work / "this-disk.json", profile)
-    local = load_device(str(work / "this-disk.json"))
+    profile = calibrate(work.path, size_mb=DEMO_CALIBRATION_MB, seconds=DEMO_CALIBRATION_SECONDS, name="this-disk (demo, brief)")
+    write_json_atomic(work.claim("this-disk.json"), profile)
+    local = load_device(str(work.path / "this-disk.json"))
     base = run_layout("stock", trace, mask, plan.stock, local, cfg, np.zeros((len(plan.layout.layers), plan.layout.n_experts), bool))
     new = run_layout("relaid", trace, mask, plan.layout, local, cfg, np.zeros((len(plan.layout.layers), plan.layout.n_experts), bool))
     ev = block_evidence(base.steps.stall, new.steps.stall, base.steps.committed, base.steps.session)
@@ -238,6 +221,6 @@ def _run(work: Path, seed: int, kept: bool) -> int:
     print("   (relayout validate PATH asks the same question properly: more layouts, budgets, repetitions)")
     print(f"   ({time.perf_counter() - t:.1f} s)")
 
-    where = f"files kept in {work}" if kept else f"work directory {work} removed; keep the files with --dir DIR"
+    where = f"files kept in {work.path}" if kept else f"work directory {work.path} removed; keep the files with --dir DIR"
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s ({where})")
     return 0 if not mismatches and not r["problems"] and not problems else 1

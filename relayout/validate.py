@@ -86,9 +86,10 @@ or a layout saving is off by no more than placement, which no number of repetiti
 Units: S, savings and TPOT in seconds per committed token in the record (``_s``), milliseconds
 in text; sizes in bytes; RAM budgets as fractions of the routed bytes of the traced layers.
 
-The work directory (``PATH/relayout-validate``) carries :data:`WORK_MARKER`: an existing
-non-empty directory without it is refused, and it is removed at the end unless ``keep`` (only
-what this command made is ever removed).
+The work directory (``PATH/relayout-validate``) carries :data:`WORK_MARKER`, the record of every
+path this command made there (:class:`~relayout.workdir.WorkDir`): an existing non-empty
+directory without it is refused, and at the end, unless ``keep``, exactly the recorded paths are
+removed; anything else found there is kept and named.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ from replay.stats import chance_misses, family_level, family_widening, repetitio
 
 from .demo import measured_vs_predicted
 from .render import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
+from .workdir import WorkDir
 
 VALIDATION_FORMAT = "relayout.validation"
 VALIDATION_VERSION = 12
@@ -261,50 +263,6 @@ def plotting():
     return plt
 
 
-class WorkDir:
-    """``PATH/relayout-validate``: new, empty, or a previous validation's (it holds :data:`WORK_MARKER`).
-
-    :meth:`remove` deletes only what this command made: the whole directory when it created it
-    or a previous validation did (marker), else only the entries it added.
-    """
-
-    def __init__(self, parent: Path):
-        self.path = parent / WORK_NAME
-        p = self.path
-        if p.is_symlink() or (p.exists() and not p.is_dir()):
-            raise InputError(p, "exists and is not a directory; move it away to validate here")
-        ours = (p / WORK_MARKER).is_file()
-        if p.is_dir() and any(p.iterdir()) and not ours:
-            raise InputError(p, f"is not empty and is not a previous validation's work directory (no {WORK_MARKER} "
-                                "in it); move it away")
-        self.created = not p.exists() or ours
-        self.before = set() if not p.exists() else {x.name for x in p.iterdir()}
-        make_dirs(p)
-        (p / WORK_MARKER).write_text("made by relayout validate: removed by it unless --keep; safe to delete\n")
-
-    def fresh(self, name: str) -> Path:
-        """A path in the work directory with nothing under it (a previous run's copy removed)."""
-        out = self.path / name
-        for x in (out, out.with_name(out.name + ".partial")):
-            if x.is_symlink() or x.is_file():
-                x.unlink()
-            elif x.is_dir():
-                shutil.rmtree(x)
-        return out
-
-    def remove(self) -> None:
-        if self.created:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        for x in self.path.iterdir():
-            if x.name in self.before:
-                continue
-            if x.is_dir() and not x.is_symlink():
-                shutil.rmtree(x, ignore_errors=True)
-            else:
-                x.unlink(missing_ok=True)
-
-
 def synthetic_geometry(gigabytes: float):
     """GLM-5.2 int4-row with :data:`SYNTH_EXPERTS` full-size (18.9 MB) experts per layer and as
     many MoE layers as make about ``gigabytes`` GB (10^9 bytes) of routed experts (at least one)."""
@@ -360,7 +318,7 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
         geometry = synthetic_geometry(o.gb)
         src = work.path / f"source-{o.gb:g}gb-s{o.seed}"
         if not (src / MANIFEST_NAME).is_file():     # a kept previous source is complete once its manifest is written
-            work.fresh(src.name)
+            work.claim(src.name, src.name + ".partial")
             notify(f"building a synthetic {geometry.name} container of {len(geometry.moe_layers)} MoE layer(s) x "
                    f"{SYNTH_EXPERTS} experts in {src}")
             synth_container(src, geometry, seed=o.seed)
@@ -375,7 +333,7 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
         manifest_path = src / MANIFEST_NAME
         if not manifest_path.is_file():             # never written into the source: ours, in the work directory
             notify(f"{src} has no {MANIFEST_NAME}: hashing it once (kept in the work directory, the source is not modified)")
-            manifest_path = work.path / "source-manifest.json"
+            manifest_path = work.claim("source-manifest.json")
             write_manifest(build_manifest(Container.open(src)), manifest_path)
     container = Container.open(src)
     from containers.manifest import load_manifest
@@ -387,7 +345,7 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
 
     dirs, lays, plans, writes = {}, {}, {}, []
     for method in o.layouts:
-        path = work.path / f"plan-{method}.json"
+        path = work.claim(f"plan-{method}.json")
         save_plan(make_plan(trace, source, method, train_fraction=TRAIN_FRACTION, seed=o.seed, progress=False), path)
         plan = load_plan(path)
         plans[method] = plan
@@ -402,7 +360,7 @@ def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
         raise InputError(work.path, f"needs {need * len(writes) / 1e9:.1f} GB free for {len(writes)} rewritten containers, "
                                     f"has {free / 1e9:.1f} GB")
     for name, _ in writes:
-        dirs[name] = work.fresh(f"layout-{name}")
+        dirs[name] = work.claim(f"layout-{name}", f"layout-{name}.partial")
     notify(f"rewriting {src} into {', '.join(name for name, _ in writes)} ({work.path}/layout-*), all at once: on a disk "
            "that serves files by the order they were written, no container is then written before the others")
 
@@ -498,7 +456,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     if o.device:
         device = load_device(o.device)
         device_source = f"given: {o.device}"
-    work = WorkDir(o.path)
+    work = WorkDir.open(o.path / WORK_NAME, WORK_MARKER, "validate")
     try:
         src, manifest, trace, lay, synthetic = _prepare(o, work, notify)
         first_read = _read_each_once(lay.dirs, progress)
@@ -536,7 +494,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         def first(n: int) -> np.ndarray:
             return mask_all & (np.cumsum(mask_all) <= n)
 
-        run_dir = make_dirs(work.fresh("runs"))
+        run_dir = make_dirs(work.claim("runs"))
         chosen = None
         tokens = min(o.tokens or DEFAULT_TOKENS, available)
         reps = o.reps or DEFAULT_REPS
@@ -674,8 +632,11 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         write_json_atomic(o.output, record)
         return record
     finally:
-        if not o.keep:
-            work.remove()
+        if o.keep:
+            work.seal()
+        else:
+            for line in work.remove():
+                notify(line)
 
 
 def calibration_target(container_dir: Path, path: Path) -> Path:

@@ -26,12 +26,13 @@ what the fitted model predicts for it, which is what coalescing's gain rests on;
 use it. The request size a buffer of scattered small pages gets
 (:func:`small_page_request_limit`) is measured and reported beside the fit, which does not use it.
 
-PATH may be a file (read only) or a directory (a temporary test file is written there, fsynced,
-and removed afterwards).
+PATH may be a file (read only) or a directory (a test file is written there under an
+unpredictable name, created exclusively, fsynced, and removed however the calibration ends).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from containers.atomic import create_temp, describe_os_error, fsync_fd, open_dir, remove_temps
 from containers.errors import InputError
 
 from .buffers import read_buffer
@@ -370,28 +372,45 @@ def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0
     if size_mb < 64:
         raise InputError(None, f"--size-mb must be at least 64 (the largest test read is 32 MiB), got {size_mb}")
     target = Path(target)
-    made = None
+    with _test_file(target, size_mb * 1024 * 1024) as path:
+        return _calibrate(path, target, seconds, name)
+
+
+@contextlib.contextmanager
+def _test_file(target: Path, size: int):
+    """The file calibration reads: ``target`` itself when it is a file, else a test file written in
+    directory ``target`` under an unpredictable name, created exclusively (never through a link)
+    and removed however the calibration ends (an error, Ctrl-C)."""
     if target.is_dir():
-        made = target / f".relayout-calibrate-{os.getpid()}"
-        _write_test_file(made, size_mb * 1024 * 1024)
-        path = made
+        dir_fd = open_dir(target, target / ".relayout-calibrate")
+        made: list[str] = []
+        try:
+            try:
+                fd, name = create_temp(dir_fd, "relayout-calibrate", made=made)
+                _write_test_file(fd, target / name, size)
+            except OSError as exc:
+                raise InputError(target / (made[-1] if made else ".relayout-calibrate"), describe_os_error(exc)) from None
+            yield target / name
+        finally:
+            remove_temps(dir_fd, made)
+            os.close(dir_fd)
     elif target.is_file():
-        path = target
-        if path.stat().st_size < MIN_FILE_BYTES:
-            raise InputError(path, "too small to calibrate on (needs >= 64 MB); give its directory instead")
+        if target.stat().st_size < MIN_FILE_BYTES:
+            raise InputError(target, "too small to calibrate on (needs >= 64 MB); give its directory instead")
+        yield target
     else:
         raise InputError(target, "no such file or directory")
-    try:
-        _, direct = _open(path)
-        max_request = system_max_request_bytes(path)        # while the test file exists
-        read_ahead = system_read_ahead_bytes(path)
-        page_limit = small_page_request_limit(path)
-        cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
-        spread = completion_spread(path)
-        merge = merge_saving(path, min(max_request or MERGE_BYTES, MERGE_BYTES) // 2)   # merged: one request
-    finally:
-        if made is not None:
-            made.unlink(missing_ok=True)
+
+
+def _calibrate(path: Path, target: Path, seconds: float, name: str | None) -> dict:
+    """:func:`calibrate` on the file ``path`` (``target``: what the user named)."""
+    _, direct = _open(path)
+    max_request = system_max_request_bytes(path)        # while the test file exists
+    read_ahead = system_read_ahead_bytes(path)
+    page_limit = small_page_request_limit(path)
+    cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
+    spread = completion_spread(path)
+    merge = merge_saving(path, min(max_request or MERGE_BYTES, MERGE_BYTES) // 2)   # merged: one request
     service = drive_service(spread)
     fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells],
                           max_request or 0, shared=service == "shared")
@@ -566,19 +585,14 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: boo
     }
 
 
-def _write_test_file(path: Path, size: int) -> None:
+def _write_test_file(fd: int, path: Path, size: int) -> None:
+    """Fill the new file ``fd`` (at ``path``) with ``size`` random bytes and fsync it; the descriptor is closed."""
     rng = np.random.default_rng(0)
     block = rng.integers(0, 2**63, size=(8 * 1024 * 1024) // 8, dtype=np.uint64).tobytes()
-    try:
-        with open(path, "wb") as fh:
-            left = size
-            while left > 0:
-                fh.write(block[: min(left, len(block))])
-                left -= len(block)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise InputError(path, exc.strerror or str(exc)) from None
-
-
+    with os.fdopen(fd, "wb") as fh:
+        left = size
+        while left > 0:
+            fh.write(block[: min(left, len(block))])
+            left -= len(block)
+        fh.flush()
+        fsync_fd(fh.fileno())

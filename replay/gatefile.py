@@ -252,11 +252,12 @@ def load_gate(path) -> GateRecord:
     return GateRecord.from_json(obj, str(path))
 
 
-def recheck(gate: GateRecord, where: str) -> list[str]:
-    """Recompute a gate record's interval and verdict from its stored evidence; the differences.
+def recheck_fields(gate: GateRecord, where: str) -> list[tuple[str, str]]:
+    """Recompute a gate record's interval and verdict from its stored evidence: ``(field, difference)`` pairs.
 
     Empty when the record is consistent: same interval (the bootstrap is deterministic given the
-    stored seed and resample count) and same verdict for the stored threshold.
+    stored seed and resample count) and same verdict for the stored threshold. ``field`` is the
+    record's field that does not recompute (``saving_per_token_s`` or ``verdict``).
     """
     ev = Evidence.from_json(records.to_json(gate.evidence), where)
     got = ev.interval()
@@ -265,8 +266,14 @@ def recheck(gate: GateRecord, where: str) -> list[str]:
     stored = (s.estimate, s.low, s.high)
     problems = []
     if not np.allclose(got, stored, rtol=1e-9, atol=1e-15):
-        problems.append(f"interval recomputed from the units is {got[0]:.6g} [{got[1]:.6g}, {got[2]:.6g}] s/token, the record says "
-                        f"{stored[0]:.6g} [{stored[1]:.6g}, {stored[2]:.6g}]")
+        problems.append(("saving_per_token_s",
+                         f"interval recomputed from the units is {got[0]:.6g} [{got[1]:.6g}, {got[2]:.6g}] s/token, the "
+                         f"record says {stored[0]:.6g} [{stored[1]:.6g}, {stored[2]:.6g}]"))
     if verdict != gate.verdict:
-        problems.append(f"verdict recomputed is {verdict!r}, the record says {gate.verdict!r}")
+        problems.append(("verdict", f"verdict recomputed is {verdict!r}, the record says {gate.verdict!r}"))
     return problems
+
+
+def recheck(gate: GateRecord, where: str) -> list[str]:
+    """The differences of :func:`recheck_fields`, as sentences (empty when the record is consistent)."""
+    return [problem for _, problem in recheck_fields(gate, where)]

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from containers.atomic import atomic_output
 from containers.errors import InputError
 from containers.layout import Layout
 
@@ -406,7 +407,8 @@ def plot_reliability(scores: list[Reliability], path) -> None:
     ax.set_title("Reliability on held-out sessions")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_output(path) as fh:
+        fig.savefig(fh, dpi=120, format="png")
     plt.close(fig)
 
 

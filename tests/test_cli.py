@@ -1,5 +1,6 @@
 """The command line: demo runs end to end; bad input is one line and exit 2."""
 
+import json
 import re
 
 import numpy as np
@@ -16,6 +17,8 @@ def test_demo_runs(tmp_path):
     assert "re-check: 0 mismatches" in res.stdout
     assert "1 worker, coalescing reads" in res.stdout and "-> PASS" in res.stdout
     assert (tmp_path / "demo" / "gate.json").exists() and (tmp_path / "demo" / "plan.json").exists()
+    record = json.loads((tmp_path / "demo" / ".relayout-demo").read_text())     # every path it made, recorded
+    assert {"source", "relaid", "relaid/relayout.manifest.json", "trace.rt", "plan.json", "gate.json"} <= set(record["paths"])
     assert "verify --full: 0 problems" in res.stdout and "measured S: stock" in res.stdout and (tmp_path / "demo" / "relaid" / "relayout.manifest.json").exists()
     line = next(x for x in res.stdout.splitlines() if "compute, ms/token: the harness ran" in x)
     said = re.search(r"stock ([\d.]+), relaid ([\d.]+), the model ([\d.]+)", line)

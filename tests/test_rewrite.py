@@ -190,3 +190,22 @@ def test_rewrite_verify_and_manifest_import_no_heavy_libraries(setup, tmp_path):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[-1] == "[]", (argv[0], out.stdout.splitlines()[-1])
+
+
+def test_a_forged_gate_is_refused_before_a_byte_is_written(setup, tmp_path):
+    """The failing gate with its verdict edited to "pass": the recheck catches it, with or without --force."""
+    forged = setup["failing"].to_json()
+    forged["verdict"] = "pass"
+    path = tmp_path / "forged.json"
+    path.write_text(json.dumps(forged))
+    dst = tmp_path / "dst"
+    for extra in ([], ["--force"]):
+        res = run_cli("rewrite", setup["src"], "--layout", setup["plan_path"], "--out", dst, "--gate", path, *extra)
+        assert res.returncode == 2, res.stderr
+        assert "verdict" in res.stderr and str(path) in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert not dst.exists() and not (tmp_path / "dst.partial").exists()
+    honest = tmp_path / "failing.json"
+    honest.write_text(json.dumps(setup["failing"].to_json()))
+    res = run_cli("rewrite", setup["src"], "--layout", setup["plan_path"], "--out", dst, "--gate", honest, "--force")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((dst / MANIFEST_NAME).read_text())["rewrite"]["forced"] is True

@@ -6,6 +6,7 @@ that the source is untouched and the work directory goes (or stays with --keep).
 """
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -182,9 +183,15 @@ def test_validate_keep_and_plots(disk, tmp_path):
         png = tmp_path / "plots" / "validation_predicted_vs_measured.png"
         assert v["plots"] == [str(png)] and png.read_bytes()[:4] == b"\x89PNG"
         assert tree_state(disk / "src") == before
-        r = _validate(disk, out)                       # a kept work directory is ours: reused, then removed
+        (work / "notes.txt").write_text("mine")       # the user's, added to the kept directory
+        (work / "layout-louvain" / "my_weights.safetensors").write_text("mine too")
+        r = _validate(disk, out)                       # refused: its layout directory holds a file it did not make
+        assert r.returncode == 2 and "my_weights.safetensors" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        (work / "layout-louvain" / "my_weights.safetensors").unlink()
+        r = _validate(disk, out)                       # a kept work directory is ours: reused, then removed ...
         assert r.returncode == 0, r.stderr
-        assert not work.exists()
+        assert sorted(os.listdir(work)) == [WORK_MARKER, "notes.txt"] and (work / "notes.txt").read_text() == "mine"
+        assert f"kept {work}" in r.stderr and "notes.txt" in r.stderr     # ... all but what it did not make, named
     finally:
         import shutil
 
