@@ -14,7 +14,7 @@ def _ms(x) -> str:
 
 def format_engine_report(r: dict) -> str:
     """One block per arm: S with its interval, TPOT and the other per-token terms, hits, loads, configuration."""
-    lines = [f"measured by the colibrì engine ({r['source']}); ms per committed token unless named"]
+    lines = [f"measured by the colibrì engine: {r['source']}; ms per committed token unless named"]
     for a in r["arms"]:
         iv = a["stall_per_committed_token_ms_interval"]
         hit = "n/a" if a["hit_rate"] is None else f"{a['hit_rate']:.3f}"
@@ -40,8 +40,10 @@ def format_engine_compare(c: dict) -> str:
     for x in c["comparisons"]:
         s = x["saving_ms_per_token"]
         rel = "n/a" if x["relative_saving"] is None else f"{100 * x['relative_saving']:.1f}%"
+        same = x["treatment_arm"] == c["control_arm"]
+        t_name, c_name = (x["treatment"], c["control"]) if same else (x["treatment_arm"], c["control_arm"])
         lines.append(
-            f"{x['treatment_arm']} vs {c['control_arm']} ({x['pairs']} run pairs by prompt and repetition, "
+            f"{t_name} vs {c_name} ({x['pairs']} run pairs by prompt and repetition, "
             f"{x['pairs_with_output_tokens']} with output tokens compared): S (expert wait per committed token) "
             f"{x['control_stall_per_committed_token_ms']:.3f} -> {x['treatment_stall_per_committed_token_ms']:.3f} ms; "
             f"saved {s['estimate']:.3f} ms ({rel}) [95% CI over pairs {s['low']:.3f}, {s['high']:.3f}]; "

@@ -182,7 +182,7 @@ def engine_report(paths: list[str | Path]) -> dict:
     for p in paths:
         arm, _, metrics = arm_runs(p)
         arms.append(arm_summary(p, arm, metrics))
-    return {"source": "colibrì engine output (its own PROFILE measurements)", "arms": arms}
+    return {"source": "its own PROFILE measurements, read from its output", "arms": arms}
 
 
 def engine_compare(paths: list[str | Path]) -> dict:
@@ -192,7 +192,7 @@ def engine_compare(paths: list[str | Path]) -> dict:
     loaded = [arm_runs(p) for p in paths]
     c_arm, c_runs, c_metrics = loaded[0]
     c_by_key = {m.key: (r, m) for r, m in zip(c_runs, c_metrics)}
-    out = {"source": "colibrì engine output (its own PROFILE measurements)", "control": str(paths[0]),
+    out = {"source": "its own PROFILE measurements, read from its output", "control": str(paths[0]),
            "control_arm": c_arm, "correctness_failures": [], "warnings": [], "comparisons": []}
     for path, (arm, runs, metrics) in zip(paths[1:], loaded[1:]):
         pairs = [(c_by_key[m.key], (r, m)) for r, m in zip(runs, metrics) if m.key in c_by_key]

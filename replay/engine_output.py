@@ -22,8 +22,12 @@ Lines read (each the engine's own words; times in seconds as printed, at millise
 - ``[PROF] decode forwards: <n> | latency p50 <ms> ms | p90 ... | p99 ... | max ... | <x> tok/forward``.
 - ``[PROF] expert I/O: <GB> GB fetched ... | hit <pct>% (<pin> pin + <lru> lru / <loads> load) |
   <x> loads/token | <s>s read service / <s>s felt wait``.
-- Serve mode, one per turn: ``PROF <wall_s> <prompt> <completion> <edisk> <ewait> <emm> <attn>
-  <head> <n_fw>``.
+- Serve mode with ``SERVE_BATCH=1``, one per turn at the start of a line: ``PROF <wall_s> <prompt>
+  <completion> <edisk> <ewait> <emm> <attn> <head> <n_fw>``. (Serve mode without it prints no
+  ``PROFILE:`` line and no ``PROF`` line, only ``[PROF]`` lines at 0.1 s precision: not read.)
+
+stdout and stderr captured into one file interleave mid-line (the generated text has no final
+newline), so every line but serve's ``PROF`` is found anywhere in a line.
 - ``TOKENS=1`` (stderr): ``[PROMPT_TOKENS] <n>: <ids>`` and ``[TOKENS] <n> generated: <ids>``.
 
 S, the foreground stall per committed token, is the decode window's ``wait`` over its committed
@@ -50,24 +54,24 @@ _MAX_OUTPUT_BYTES = 256 << 20
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
 _PROFILE = re.compile(
-    rf"^PROFILE: expert-disk {_NUM}s service / {_NUM}s wait \| expert-matmul {_NUM}s \| attention {_NUM}s "
+    rf"PROFILE: expert-disk {_NUM}s service / {_NUM}s wait \| expert-matmul {_NUM}s \| attention {_NUM}s "
     rf"\(including kvb {_NUM}s\) \| lm_head {_NUM}s \| other {_NUM}s\s*$")
 _PREFILL_MARK = re.compile(r"PROFILO PREFILL \(")
 _DECODE = re.compile(rf"prefill (\d+) tokens in {_NUM}s \| decode (\d+) tokens in {_NUM}s")
-_CONFIG = re.compile(r"^\[PROF\] config: (.*\S)\s*$")
+_CONFIG = re.compile(r"\[PROF\] config: (.*\S)\s*$")
 _CONFIG_RAM = re.compile(rf"RAM_GB=(auto )?{_NUM}")
 _CONFIG_CAP = re.compile(r"expert cache cap (\d+)/layer")
 _CONFIG_PAIR = re.compile(r"\b([A-Z][A-Z_]*)=(\S+)")
-_RAM = re.compile(rf"^\[RAM_GB={_NUM}( auto)?\] (?:.*?cap (?:raised|lowered) (\d+)->(\d+)|cap=(\d+) ok)")
+_RAM = re.compile(rf"\[RAM_GB={_NUM}( auto)?\] (?:.*?cap (?:raised|lowered) (\d+)->(\d+)|cap=(\d+) ok)")
 _FORWARDS = re.compile(
-    rf"^\[PROF\] decode forwards: (\d+) \| latency p50 {_NUM} ms \| p90 {_NUM} ms \| p99 {_NUM} ms \| "
+    rf"\[PROF\] decode forwards: (\d+) \| latency p50 {_NUM} ms \| p90 {_NUM} ms \| p99 {_NUM} ms \| "
     rf"max {_NUM} ms \| {_NUM} tok/forward")
 _IO = re.compile(
-    rf"^\[PROF\] expert I/O: {_NUM} GB fetched .*\| hit {_NUM}% \((\d+) pin \+ (\d+) lru / (\d+) load\) \| "
+    rf"\[PROF\] expert I/O: {_NUM} GB fetched .*\| hit {_NUM}% \((\d+) pin \+ (\d+) lru / (\d+) load\) \| "
     rf"{_NUM} loads/token \| {_NUM}s read service / {_NUM}s felt wait")
 _SERVE = re.compile(rf"^PROF {_NUM} (\d+) (\d+) {_NUM} {_NUM} {_NUM} {_NUM} {_NUM} (\d+)\s*$")
-_PROMPT_TOKENS = re.compile(r"^\[PROMPT_TOKENS\] (\d+):((?: -?\d+)*)\s*$")
-_TOKENS = re.compile(r"^\[TOKENS\] (\d+) generated:((?: -?\d+)*)\s*$")
+_PROMPT_TOKENS = re.compile(r"\[PROMPT_TOKENS\] (\d+):((?: -?\d+)*)\s*$")
+_TOKENS = re.compile(r"\[TOKENS\] (\d+) generated:((?: -?\d+)*)\s*$")
 
 
 def _strict(cls, d, where: str, nested: dict | None = None):
@@ -249,7 +253,7 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
         line = raw.strip("\r")
         if _PREFILL_MARK.search(line):
             after_prefill_mark = True
-        m = _PROFILE.match(line)
+        m = _PROFILE.search(line)
         if m:
             profiles.append((after_prefill_mark, Profile(*map(float, m.groups()))))
             after_prefill_mark = False
@@ -259,7 +263,7 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
             out["prefill_tokens"], out["decode_tokens"] = int(m[1]), int(m[3])
             out["decode_s"] = float(m[4])
             continue
-        m = _CONFIG.match(line)
+        m = _CONFIG.search(line)
         if m:
             body = m[1]
             out["config_line"] = body
@@ -272,7 +276,7 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
             if cap:
                 out["cap"] = int(cap[1])
             continue
-        m = _RAM.match(line)
+        m = _RAM.search(line)
         if m:
             out["ram_gb"], out["ram_auto"] = float(m[1]), bool(m[2])
             if m[5] is not None:
@@ -280,11 +284,11 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
             else:
                 out["requested_cap"], out["cap"] = int(m[3]), int(m[4])
             continue
-        m = _FORWARDS.match(line)
+        m = _FORWARDS.search(line)
         if m:
             out["forwards"] = Forwards(int(m[1]), *map(float, m.groups()[1:]))
             continue
-        m = _IO.match(line)
+        m = _IO.search(line)
         if m:
             g = m.groups()
             out["expert_io"] = ExpertIO(float(g[0]), float(g[1]), int(g[2]), int(g[3]), int(g[4]), float(g[5]),
@@ -296,7 +300,7 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
             out["serve_turns"].append(ServeTurn(float(g[0]), int(g[1]), int(g[2]), *map(float, g[3:8]), int(g[8])))
             continue
         for pattern, key in ((_PROMPT_TOKENS, "prompt_tokens"), (_TOKENS, "output_tokens")):
-            m = pattern.match(line)
+            m = pattern.search(line)
             if m:
                 ids = [int(x) for x in m[2].split()]
                 if len(ids) != int(m[1]):
