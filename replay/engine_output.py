@@ -401,7 +401,7 @@ def looks_like_engine_output(path: str | Path) -> bool:
     """Whether ``path`` is a run directory, a directory of them, or a text file with a colibrì ``PROFILE:`` line."""
     p = Path(path)
     if p.is_dir():
-        return is_run_dir(p) or any(is_run_dir(c) for c in p.iterdir())
+        return is_run_dir(p) or any(is_run_dir(c) or (c.is_file() and looks_like_engine_output(c)) for c in p.iterdir())
     if p.suffix in (".jsonl", ".zst", ".json"):
         return False
     try:
@@ -414,11 +414,14 @@ def looks_like_engine_output(path: str | Path) -> bool:
 
 def read_runs(path: str | Path) -> list[EngineRun]:
     """The runs of one argument: a run directory, a directory of run directories (sorted by
-    name; directories without ``RUN_FILE`` are runs that did not complete and are skipped), or a
-    text file."""
+    name; directories without ``RUN_FILE`` are runs that did not complete and are skipped), a
+    directory of run output files (when it holds no run directories), or one output file."""
     p = Path(path)
     if p.is_dir() and not is_run_dir(p):
-        runs = [read_run(c) for c in sorted(p.iterdir()) if c.is_dir() and is_run_dir(c)]
+        children = sorted(p.iterdir())
+        runs = [read_run(c) for c in children if c.is_dir() and is_run_dir(c)]
+        if not runs:
+            runs = [read_run(c) for c in children if c.is_file() and not c.name.startswith(".") and looks_like_engine_output(c)]
         if not runs:
             raise InputError(p, "no completed engine runs in this directory")
         return runs

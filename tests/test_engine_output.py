@@ -192,3 +192,13 @@ def test_an_unpaired_arm_is_an_error_and_a_lone_run_directory_reads(tmp_path):
 def test_engine_output_record_defaults_hold_nothing_invented():
     o = EngineOutput(decode=None, prefill=None, prefill_tokens=None, decode_tokens=None, decode_s=None)
     assert o.committed_tokens is None and o.wait_s is None
+
+
+def test_directories_of_captured_output_files_pair_by_prompt_tokens(tmp_path):
+    for arm in ("stock", "relaid"):
+        (tmp_path / arm).mkdir()
+        shutil.copy(MERGED, tmp_path / arm / "run1.log")
+    c = engine_compare([tmp_path / "stock", tmp_path / "relaid"])
+    x = c["comparisons"][0]
+    assert x["pairs"] == 1 and c["correctness_failures"] == [] and x["saving_ms_per_token"]["estimate"] == 0
+    assert x["treatment_arm"] == str(tmp_path / "relaid")
