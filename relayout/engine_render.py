@@ -26,7 +26,7 @@ def format_engine_report(r: dict) -> str:
             f"  TPOT {_ms(a['tpot_ms'])} | read service {_ms(a['service_ms_per_token'])} (loader threads, overlaps compute) | "
             f"expert matmul {_ms(a['matmul_ms_per_token'])} | attention {_ms(a['attention_ms_per_token'])} | "
             f"other {_ms(a['other_ms_per_token'])}",
-            f"  expert cache hit rate {hit} (pins + LRU over requests) | expert loads per committed token "
+            f"  expert cache hit rate {hit} (pins + LRU over requests, mean over runs) | expert loads per committed token "
             f"{_ms(a['loads_per_token'])}",
         ]
         lines += [f"  configuration: {c}" for c in a["configurations"]]
