@@ -39,6 +39,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 from containers.atomic import write_json_atomic
 from containers.errors import InputError
@@ -74,6 +75,18 @@ _PROMPT_TOKENS = re.compile(r"\[PROMPT_TOKENS\] (\d+):((?: -?\d+)*)\s*$")
 _TOKENS = re.compile(r"\[TOKENS\] (\d+) generated:((?: -?\d+)*)\s*$")
 
 
+def _fits(value, hint) -> bool:
+    """Whether a JSON value has the type a record field is annotated with (bool is not a number)."""
+    args = get_args(hint)
+    if args and type(None) in args:
+        return value is None or any(_fits(value, a) for a in args if a is not type(None))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
 def _strict(cls, d, where: str, nested: dict | None = None):
     """Build dataclass ``cls`` from dict ``d``: exactly its fields, nested records by ``nested``."""
     if not isinstance(d, dict):
@@ -84,6 +97,10 @@ def _strict(cls, d, where: str, nested: dict | None = None):
         raise InputError(where, f"{cls.__name__}: " + "; ".join(
             x for x in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if x))
     kw = dict(d)
+    hints = get_type_hints(cls)
+    for name, value in kw.items():
+        if name not in (nested or {}) and not _fits(value, hints[name]):
+            raise InputError(where, f"{cls.__name__}.{name}: {type(value).__name__} where {hints[name]} belongs")
     for name, sub in (nested or {}).items():
         v = kw[name]
         if isinstance(v, list):

@@ -93,6 +93,14 @@ def test_records_round_trip_and_reject_unknown_or_missing_fields():
     del bad["output"]["cap"]
     with pytest.raises(InputError, match="missing"):
         EngineRun.from_json(bad)
+    bad = json.loads(json.dumps(d))
+    bad["output"]["decode"]["wait_s"] = "0.5"
+    with pytest.raises(InputError, match="wait_s: str"):
+        EngineRun.from_json(bad)
+    bad = json.loads(json.dumps(d))
+    bad["identity"]["repetition"] = True
+    with pytest.raises(InputError, match="repetition: bool"):
+        EngineRun.from_json(bad)
     with pytest.raises(InputError, match="relayout-colibri-run"):
         RunIdentity.from_json({**run.identity.to_json(), "version": 99})
 
