@@ -27,7 +27,8 @@ def format_engine_report(r: dict) -> str:
             f"expert matmul {_ms(a['matmul_ms_per_token'])} | attention {_ms(a['attention_ms_per_token'])} | "
             f"other {_ms(a['other_ms_per_token'])}",
             f"  expert cache hit rate {hit} (pins + LRU over requests, mean over runs) | expert loads per committed token "
-            f"{_ms(a['loads_per_token'])}",
+            f"{_ms(a['loads_per_token'])} | decode forward latency p50 {_ms(a['forward_latency_p50_ms_mean_over_runs'])} "
+            f"p99 {_ms(a['forward_latency_p99_ms_mean_over_runs'])} ms (means over runs)",
         ]
         lines += [f"  configuration: {c}" for c in a["configurations"]]
         lines += [f"  FAILED RUN (engine exit status non-zero): {f}" for f in a["failed_runs"]]

@@ -10,10 +10,11 @@ otherwise:
   where the engine does not time it);
 - ``matmul_ms``, ``attention_ms``, ``other_ms``: the engine's other ``PROFILE:`` terms per token;
 - ``hit_rate``: expert requests served from RAM (pins and LRU) over all requests, a fraction;
-- ``loads_per_token``: experts loaded (cache misses) per committed token.
+- ``loads_per_token``: experts loaded (cache misses) per committed token;
+- ``forward_p50_ms``, ``forward_p99_ms``: the engine's decode-forward latency quantiles (``PROF=1``).
 
-An arm's S is its summed wait over its summed tokens; its interval is Student's t over its runs'
-own S (each run one unit). Arms compare pair by pair: runs pair by (prompt, repetition) when
+An arm's S is its summed wait over its summed tokens; its interval's half-width is Student's t
+over its runs' own S (each run one unit), set about that S. Arms compare pair by pair: runs pair by (prompt, repetition) when
 relayout measured them, else by their prompt's token ids and order; the saving's interval is
 Student's t over the pairs' savings (:func:`replay.stats.paired_ratio_saving`). Two runs of one
 prompt whose greedy output tokens differ are a correctness failure, not noise.
@@ -56,6 +57,8 @@ class EngineRunMetrics:
     hit_rate: float | None
     loads_per_token: float | None
     forwards: int | None
+    forward_p50_ms: float | None
+    forward_p99_ms: float | None
     configuration: str
     returncode: int | None
     load_average: float | None
@@ -125,6 +128,8 @@ def run_metrics(run: EngineRun, arm: str, key: str) -> EngineRunMetrics:
         other_ms=d.other_s * per if d else None,
         hit_rate=hit, loads_per_token=io.loads / tokens if io is not None else None,
         forwards=out.forwards.forwards if out.forwards else (sum(t.forwards for t in turns) if turns else None),
+        forward_p50_ms=out.forwards.p50_ms if out.forwards else None,
+        forward_p99_ms=out.forwards.p99_ms if out.forwards else None,
         configuration=configuration_label(run),
         returncode=run.identity.returncode if run.identity else None,
         load_average=run.identity.load_average if run.identity else None)
@@ -163,12 +168,15 @@ def arm_summary(path: str | Path, arm: str, metrics: list[EngineRunMetrics]) -> 
     return {
         "path": str(path), "arm": arm, "runs": len(metrics), "committed_tokens": tokens,
         "stall_per_committed_token_ms": s,
-        "stall_per_committed_token_ms_interval": {**iv.to_json(), "estimate": s,
-                                                 "spread_of": "runs' own S, Student t 95%"},
+        "stall_per_committed_token_ms_interval": {**iv.to_json(), "estimate": s, "low": s - (iv.high - iv.low) / 2,
+                                                 "high": s + (iv.high - iv.low) / 2,
+                                                 "spread_of": "runs' own S, Student t 95%, about the pooled S"},
         "tpot_ms": _weighted(metrics, "tpot_ms"), "service_ms_per_token": _weighted(metrics, "service_ms"),
         "matmul_ms_per_token": _weighted(metrics, "matmul_ms"), "attention_ms_per_token": _weighted(metrics, "attention_ms"),
         "other_ms_per_token": _weighted(metrics, "other_ms"),
         "hit_rate": _mean(hits), "loads_per_token": _weighted(metrics, "loads_per_token"),
+        "forward_latency_p50_ms_mean_over_runs": _mean(m.forward_p50_ms for m in metrics),
+        "forward_latency_p99_ms_mean_over_runs": _mean(m.forward_p99_ms for m in metrics),
         "configurations": sorted({m.configuration for m in metrics}),
         "failed_runs": [m.source for m in metrics if m.returncode not in (None, 0)],
         "load_average": _mean(m.load_average for m in metrics),
