@@ -19,10 +19,12 @@ def format_engine_report(r: dict) -> str:
         iv = a["stall_per_committed_token_ms_interval"]
         hit = "n/a" if a["hit_rate"] is None else f"{a['hit_rate']:.3f}"
         load = "n/a" if a["load_average"] is None else f"{a['load_average']:.2f}"
+        name = a["path"] if a["arm"] == a["path"] else f"{a['arm']} ({a['path']})"
+        spread = (f"[95% CI over runs {iv['low']:.3f}, {iv['high']:.3f}]" if iv["n_units"] >= 2
+                  else "[interval: insufficient, one run]")
         lines += [
-            f"{a['arm']} ({a['path']}): {a['runs']} runs, {a['committed_tokens']} committed tokens, mean 1-min load {load}",
-            f"  S (expert wait per committed token) {a['stall_per_committed_token_ms']:.3f} ms "
-            f"[95% CI over runs {iv['low']:.3f}, {iv['high']:.3f}]",
+            f"{name}: {a['runs']} runs, {a['committed_tokens']} committed tokens, mean 1-min load {load}",
+            f"  S (expert wait per committed token) {a['stall_per_committed_token_ms']:.3f} ms {spread}",
             f"  TPOT {_ms(a['tpot_ms'])} | read service {_ms(a['service_ms_per_token'])} (loader threads, overlaps compute) | "
             f"expert matmul {_ms(a['matmul_ms_per_token'])} | attention {_ms(a['attention_ms_per_token'])} | "
             f"other {_ms(a['other_ms_per_token'])}",
@@ -44,11 +46,12 @@ def format_engine_compare(c: dict) -> str:
         same = x["treatment_arm"] == c["control_arm"]
         t_name, c_name = (x["treatment"], c["control"]) if same else (x["treatment_arm"], c["control_arm"])
         lines.append(
-            f"{t_name} vs {c_name} ({x['pairs']} run pairs by prompt and repetition, "
+            f"{t_name} vs {c_name} ({x['pairs']} run pairs by prompt and repetition or order, "
             f"{x['pairs_with_output_tokens']} with output tokens compared): S (expert wait per committed token) "
             f"{x['control_stall_per_committed_token_ms']:.3f} -> {x['treatment_stall_per_committed_token_ms']:.3f} ms; "
-            f"saved {s['estimate']:.3f} ms ({rel}) [95% CI over pairs {s['low']:.3f}, {s['high']:.3f}]; "
-            f"TPOT {_ms(x['control_tpot_ms'])} -> {_ms(x['treatment_tpot_ms'])} ms")
+            f"saved {s['estimate']:.3f} ms ({rel}) "
+            + (f"[95% CI over pairs {s['low']:.3f}, {s['high']:.3f}]; " if s["n_units"] >= 2 else "[interval: insufficient, one pair]; ")
+            + f"TPOT {_ms(x['control_tpot_ms'])} -> {_ms(x['treatment_tpot_ms'])} ms")
         for side in ("control", "treatment"):
             lines += [f"  {side} configuration: {k}" for k in x[f"{side}_configurations"]]
     lines += [f"warning: {w}" for w in c["warnings"]]
