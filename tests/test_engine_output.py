@@ -177,6 +177,9 @@ def test_report_and_compare_cli_accept_engine_runs_and_say_what_they_count():
     res = _cli("report", STOCK, LOUVAIN)
     assert res.returncode == 0, res.stderr
     assert "S (expert wait per committed token)" in res.stdout and "measured by the colibrì engine" in res.stdout
+    assert "[95% CI over runs" in res.stdout
+    res = _cli("report", MERGED)
+    assert res.returncode == 0 and "insufficient, one run" in res.stdout and "CI" not in res.stdout
     res = _cli("report", "--json", MERGED)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["arms"][0]["runs"] == 1
