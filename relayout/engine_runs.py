@@ -14,7 +14,8 @@ A run is written into ``OUT/<arm>/.pPP-rRR.partial/`` (stdout, stderr, the routi
 record (:class:`replay.engine_output.RunIdentity`) last, then the directory is renamed to
 ``OUT/<arm>/pPP-rRR``: a directory under its final name is a complete run. Run again, the
 command keeps complete runs and redoes the rest. The engine itself writes its expert-usage
-history (``.coli_usage``) into the container directory it runs; that is the engine's doing.
+history (``.coli_usage``) and a ``.coli_kv`` file into the container directory it runs; that is
+the engine's doing.
 """
 
 from __future__ import annotations
