@@ -899,7 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
     s.add_argument("--run-id", help="run id written in every record (default: unique, from the container and "
                                     "layout names and the start time)")
-    s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses)")
+    s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses); with --engine, the directory "
+                                          "the runs are kept in")
 
     s = _command(sub, "report", "S and the seed 4.3 metrics from STALL_TRACE files or colibrì runs' output", cmd_report)
     s.add_argument("runs", nargs="+", help="STALL_TRACE files (.jsonl or .jsonl.zst), or colibrì runs: output files, "
