@@ -564,6 +564,12 @@ def cmd_validate(args) -> int:
 
 
 def cmd_measure(args) -> int:
+    if args.engine:
+        from .engine_runs import cmd_measure_engine
+
+        return cmd_measure_engine(args)
+    if not args.trace:
+        raise InputError(None, "measure needs --trace (the Python emulation) or --engine (the real engine)")
     from containers.container import Container
     from replay.gate import evaluation_forwards, training_coupling
     from replay.measure import default_run_id, measure
@@ -593,6 +599,8 @@ def cmd_measure(args) -> int:
     run_id = args.run_id or default_run_id(args.container, args.layout)
     result = measure(container, trace, mask, config, args.output, run_id=run_id, cold=not args.warm,
                      record=not args.no_trace, coupling=coupling, split=split)
+    print("emulation: relayout's Python harness performing the modelled read path (not the colibrì engine; "
+          "measure --engine runs the engine)")
     print(format_measure(result))
     if result.path:
         print(f"wrote {result.path}")
@@ -600,6 +608,12 @@ def cmd_measure(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from replay.engine_output import looks_like_engine_output
+
+    if any(looks_like_engine_output(p) for p in args.runs):
+        from .engine_render import cmd_engine_report
+
+        return cmd_engine_report(args)
     from replay.stalltrace import report, write_plots
 
     r = report(args.runs)
@@ -628,6 +642,12 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from replay.engine_output import looks_like_engine_output
+
+    if any(looks_like_engine_output(p) for p in args.runs):
+        from .engine_render import cmd_engine_compare
+
+        return cmd_engine_compare(args)
     from replay.stalltrace import compare
 
     c = compare(args.runs)
@@ -943,9 +963,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep", action="store_true", help="keep the work directory (PATH/relayout-validate: containers, "
                                                       "plans, STALL_TRACEs)")
 
-    s = _command(sub, "measure", "perform the runtime's read path for real; write a STALL_TRACE", cmd_measure)
+    s = _command(sub, "measure", "run the colibrì engine cold and keep its output (--engine), or emulate the runtime's "
+                                 "read path in Python and write a STALL_TRACE (--trace)", cmd_measure)
     s.add_argument("--container", required=True, help="the container to read")
-    s.add_argument("--trace", required=True, help="a relayout trace whose routing is replayed for real")
+    s.add_argument("--trace", help="emulation: a relayout trace whose routing is replayed for real")
+    from .engine_runs import engine_options
+
+    engine_options(s)
     s.add_argument("--layout", metavar="PLAN.json", help="evaluate only sessions this plan did not train on")
     s.add_argument("--tokens", type=int, help="stop after this many held-out steps (default: all)")
     _runtime_options(s, modelled=False)
@@ -953,10 +977,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
     s.add_argument("--run-id", help="run id written in every record (default: unique, from the container and "
                                     "layout names and the start time)")
-    s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses)")
+    s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses); with --engine, the directory "
+                                          "the runs are kept in")
 
-    s = _command(sub, "report", "S and the seed 4.3 metrics from STALL_TRACE files", cmd_report)
-    s.add_argument("runs", nargs="+", help="STALL_TRACE files (.jsonl or .jsonl.zst)")
+    s = _command(sub, "report", "S and the seed 4.3 metrics from STALL_TRACE files or colibrì runs' output", cmd_report)
+    s.add_argument("runs", nargs="+", help="STALL_TRACE files (.jsonl or .jsonl.zst), or colibrì runs: output files, "
+                                           "measured run directories, or directories of them (one arm each)")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--plots", metavar="DIR", help="write PNG figures (needs the 'plots' extra: matplotlib)")
     s.add_argument("--predicted", metavar="gate.json", help="with --plots: add predicted vs measured S")
@@ -969,8 +995,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name the arm a configuration label stands for (repeatable)")
     h.add_argument("--min-sessions", type=int, default=5, help="units (repetition x request) a verdict needs")
 
-    s = _command(sub, "compare", "paired comparison of STALL_TRACE files (first = control)", cmd_compare)
-    s.add_argument("runs", nargs="+", help="STALL_TRACE files; the first is the control")
+    s = _command(sub, "compare", "paired comparison of STALL_TRACE files or of colibrì runs (first = control)", cmd_compare)
+    s.add_argument("runs", nargs="+", help="STALL_TRACE files, or colibrì arms (a directory of one container's runs, "
+                                           "or output files); the first is the control")
     s.add_argument("--json", action="store_true", help="print JSON")
 
     s = _command(sub, "verify", "prove DST equals SRC tensor by tensor and meets the runtime's constraints", cmd_verify)

@@ -354,6 +354,7 @@ def test_measure_and_report_cli(small_container, trace_for, tmp_path):
                   "--dense-ms", 0, "-o", tmp_path / "m.jsonl")
     assert res.returncode == 0, res.stderr
     assert "S = " in res.stdout and "cold" in res.stdout
+    assert res.stdout.startswith("emulation: ") and "not the colibrì engine" in res.stdout
     res = run_cli("report", tmp_path / "m.jsonl")
     assert res.returncode == 0 and "pooled S" in res.stdout
     (tmp_path / "bad.jsonl").write_text('{"record": "step", "run_id": "r"}\n')

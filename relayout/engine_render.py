@@ -1,0 +1,78 @@
+"""``relayout report`` and ``relayout compare`` of colibrì runs: the engine's own measurements as text or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from replay.engine_metrics import engine_compare, engine_report
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def format_engine_report(r: dict) -> str:
+    """One block per arm: S with its interval, TPOT and the other per-token terms, hits, loads, configuration."""
+    lines = [f"measured by the colibrì engine: {r['source']}; ms per committed token unless named"]
+    for a in r["arms"]:
+        iv = a["stall_per_committed_token_ms_interval"]
+        hit = "n/a" if a["hit_rate"] is None else f"{a['hit_rate']:.3f}"
+        load = "n/a" if a["load_average"] is None else f"{a['load_average']:.2f}"
+        name = a["path"] if a["arm"] == a["path"] else f"{a['arm']} ({a['path']})"
+        spread = (f"[95% CI over runs {iv['low']:.3f}, {iv['high']:.3f}]" if iv["n_units"] >= 2
+                  else "[interval: insufficient, one run]")
+        lines += [
+            f"{name}: {a['runs']} runs, {a['committed_tokens']} committed tokens, mean 1-min load {load}",
+            f"  S (expert wait per committed token) {a['stall_per_committed_token_ms']:.3f} ms {spread}",
+            f"  TPOT {_ms(a['tpot_ms'])} | read service {_ms(a['service_ms_per_token'])} (loader threads, overlaps compute) | "
+            f"expert matmul {_ms(a['matmul_ms_per_token'])} | attention {_ms(a['attention_ms_per_token'])} | "
+            f"other {_ms(a['other_ms_per_token'])}",
+            f"  expert cache hit rate {hit} (pins + LRU over requests, mean over runs) | expert loads per committed token "
+            f"{_ms(a['loads_per_token'])} | decode forward latency p50 {_ms(a['forward_latency_p50_ms_mean_over_runs'])} "
+            f"p99 {_ms(a['forward_latency_p99_ms_mean_over_runs'])} ms (means over runs)",
+        ]
+        lines += [f"  configuration: {c}" for c in a["configurations"]]
+        lines += [f"  FAILED RUN (engine exit status non-zero): {f}" for f in a["failed_runs"]]
+    return "\n".join(lines)
+
+
+def format_engine_compare(c: dict) -> str:
+    """Control against each treatment: S both sides, the paired saving with its interval, TPOT."""
+    lines = [f"CORRECTNESS FAILURE: {f}" for f in c["correctness_failures"]]
+    for x in c["comparisons"]:
+        s = x["saving_ms_per_token"]
+        rel = "n/a" if x["relative_saving"] is None else f"{100 * x['relative_saving']:.1f}%"
+        same = x["treatment_arm"] == c["control_arm"]
+        t_name, c_name = (x["treatment"], c["control"]) if same else (x["treatment_arm"], c["control_arm"])
+        lines.append(
+            f"{t_name} vs {c_name} ({x['pairs']} run pairs by prompt and repetition or order, "
+            f"{x['pairs_with_output_tokens']} with output tokens compared): S (expert wait per committed token) "
+            f"{x['control_stall_per_committed_token_ms']:.3f} -> {x['treatment_stall_per_committed_token_ms']:.3f} ms; "
+            f"saved {s['estimate']:.3f} ms ({rel}) "
+            + (f"[95% CI over pairs {s['low']:.3f}, {s['high']:.3f}]; " if s["n_units"] >= 2 else "[interval: insufficient, one pair]; ")
+            + f"TPOT {_ms(x['control_tpot_ms'])} -> {_ms(x['treatment_tpot_ms'])} ms")
+        for side in ("control", "treatment"):
+            lines += [f"  {side} configuration: {k}" for k in x[f"{side}_configurations"]]
+    lines += [f"warning: {w}" for w in c["warnings"]]
+    return "\n".join(lines)
+
+
+def cmd_engine_report(args) -> int:
+    if getattr(args, "hypothesis", None) or getattr(args, "plots", None):
+        from containers.errors import InputError
+
+        raise InputError(None, "--hypothesis and --plots read STALL_TRACE files, not colibrì runs")
+    r = engine_report(args.runs)
+    print(json.dumps(r, indent=1) if args.json else format_engine_report(r))
+    return 0
+
+
+def cmd_engine_compare(args) -> int:
+    c = engine_compare(args.runs)
+    print(json.dumps(c, indent=1) if args.json else format_engine_compare(c))
+    if c["correctness_failures"]:
+        print(f"relayout: error: {len(c['correctness_failures'])} run(s) emitted different tokens (a correctness failure, "
+              "not noise)", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,234 @@
+"""``relayout measure --engine``: run the real colibrì engine, cold, and keep what it printed.
+
+Each run is one engine process in text mode (``PROMPT=<one line of the prompts file>``): the
+container's safetensors files are evicted from the page cache just before it starts
+(:func:`replay.measure.drop_cache`), the engine runs with the runtime configuration given in its
+own terms (``--runtime-env "PIPE=1 DIRECT=1 CAP=4"``) plus ``PROF=1`` (its profile lines),
+``TOKENS=1`` (its output token ids), ``TEMP=0`` (greedy, so two containers' outputs must agree
+token for token; a ``TEMP`` in ``--runtime-env`` wins), ``NGEN`` and ``ROUTE_TRACE`` (its routing,
+for the replay model). Repetitions interleave the arms: per repetition and prompt the baseline and
+the measured container run back to back, the order alternating between repetitions, so a drift
+of the shared disk or machine load falls on both.
+
+A run is written into ``OUT/<arm>/.pPP-rRR.partial/`` (stdout, stderr, the routing trace), its
+record (:class:`replay.engine_output.RunIdentity`) last, then the directory is renamed to
+``OUT/<arm>/pPP-rRR``: a directory under its final name is a complete run. Run again, the
+command keeps complete runs and redoes the rest. The engine itself writes its expert-usage
+history (``.coli_usage``) and a ``.coli_kv`` file into the container directory it runs; that is
+the engine's doing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from containers.atomic import fsync_dir, make_dirs
+from containers.errors import InputError
+from replay.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
+from replay.measure import drop_cache
+
+FIXED_ENV = {"PROF": "1", "TOKENS": "1", "TEMP": "0"}
+_OURS = (STDOUT_FILE, STDERR_FILE, ROUTE_FILE, RUN_FILE)
+
+
+@dataclass(frozen=True)
+class EngineArm:
+    """A container measured: ``name`` is the arm's directory under the output (``baseline`` or ``container``)."""
+
+    name: str
+    container: Path
+
+
+def parse_runtime_env(text: str | None) -> dict:
+    """``"PIPE=1 DIRECT=1"`` -> ``{"PIPE": "1", "DIRECT": "1"}`` (shell quoting allowed)."""
+    out = {}
+    for word in shlex.split(text or ""):
+        name, sep, value = word.partition("=")
+        if not sep or not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "").isalnum():
+            raise InputError(None, f"--runtime-env takes NAME=value words, got {word!r}")
+        out[name] = value
+    return out
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Non-empty lines of a UTF-8 text file, one prompt each."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(path, "not UTF-8 text") from None
+    except OSError as exc:
+        raise InputError(path, exc.strerror or str(exc)) from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise InputError(path, "no prompts (one per non-empty line)")
+    return prompts
+
+
+def container_files(container: Path) -> list[Path]:
+    files = sorted(p for p in container.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise InputError(container, "no .safetensors files: not a colibrì container directory")
+    return files
+
+
+def run_name(prompt: int, repetition: int) -> str:
+    return f"p{prompt:02d}-r{repetition:02d}"
+
+
+def schedule(arms: list[EngineArm], n_prompts: int, reps: int) -> list[tuple[EngineArm, int, int]]:
+    """(arm, prompt, repetition) in the order run: repetition, then prompt, then the arms, their
+    order reversed on odd repetitions."""
+    out = []
+    for rep in range(reps):
+        order = arms if rep % 2 == 0 else arms[::-1]
+        for prompt in range(n_prompts):
+            out += [(arm, prompt, rep) for arm in order]
+    return out
+
+
+def _clear_partial(partial: Path) -> None:
+    """Remove a partial run directory this command made: only the files it writes there, then the directory."""
+    for name in _OURS:
+        with contextlib.suppress(FileNotFoundError):
+            (partial / name).unlink()
+    try:
+        partial.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        raise InputError(partial, "holds files relayout did not write there; move them away and run again") from None
+
+
+def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str, repetition: int,
+                    runtime_env: dict, ngen: int, out_dir: Path, timeout_s: float | None) -> tuple[Path, RunIdentity]:
+    """One cold run into ``out_dir/<arm>/pPP-rRR``; returns the directory and its record."""
+    arm_dir = make_dirs(out_dir / arm.name)
+    final = arm_dir / run_name(prompt_index, repetition)
+    partial = arm_dir / f".{final.name}.partial"
+    if partial.exists():
+        _clear_partial(partial)
+    partial.mkdir()
+    set_env = {**FIXED_ENV, **runtime_env, "SNAP": str(arm.container), "PROMPT": prompt, "NGEN": str(ngen),
+               "ROUTE_TRACE": str(partial / ROUTE_FILE)}
+    env = {**os.environ, **set_env}
+    argv = [str(engine)]
+    cold = drop_cache(container_files(arm.container))
+    load = os.getloadavg()[0]
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    t0 = time.monotonic()
+    with open(partial / STDOUT_FILE, "wb") as out, open(partial / STDERR_FILE, "wb") as err:
+        try:
+            proc = subprocess.run(argv, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                  cwd=str(partial), timeout=timeout_s)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = -9
+        except OSError as exc:
+            raise InputError(engine, f"cannot run the engine ({exc.strerror or exc})") from None
+        for f in (out, err):
+            f.flush()
+            os.fsync(f.fileno())
+    wall = time.monotonic() - t0
+    recorded_env = {k: v for k, v in set_env.items() if k != "ROUTE_TRACE"}
+    recorded_env["ROUTE_TRACE"] = ROUTE_FILE
+    identity = RunIdentity(arm=arm.name, container=str(arm.container), prompt=prompt_index, repetition=repetition,
+                           env=recorded_env, argv=argv, cold=cold, returncode=code, wall_s=wall, load_average=load,
+                           started_utc=started)
+    write_run_identity(partial, identity)
+    os.replace(partial, final)
+    fsync_dir(arm_dir)
+    return final, identity
+
+
+def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str], reps: int, runtime_env: dict,
+                   ngen: int, out_dir: str | Path, timeout_s: float | None = None, progress=print) -> list[Path]:
+    """Run every (arm, prompt, repetition) of :func:`schedule` not yet complete under ``out_dir``.
+
+    Parameters
+    ----------
+    engine : the colibrì binary.
+    arms : containers measured, the control first.
+    prompts : one prompt per run.
+    reps : repetitions of every prompt on every arm.
+    runtime_env : the engine's environment variables for the run configuration.
+    ngen : tokens to generate per run (``NGEN``).
+    out_dir : where the runs go (created).
+    timeout_s : a run still going after this many seconds is killed and recorded with return code -9.
+
+    Returns
+    -------
+    The run directories, in schedule order.
+    """
+    engine = Path(engine)
+    if not (engine.is_file() and os.access(engine, os.X_OK)):
+        raise InputError(engine, "not an executable file (the colibrì engine binary)")
+    if reps < 1 or ngen < 1:
+        raise InputError(None, "--reps and --ngen must be at least 1")
+    for arm in arms:
+        if not arm.container.is_dir():
+            raise InputError(arm.container, "not a directory (a colibrì container)")
+        container_files(arm.container)
+    out_dir = make_dirs(out_dir)
+    done = []
+    plan = schedule(arms, len(prompts), reps)
+    for i, (arm, p, rep) in enumerate(plan, 1):
+        final = out_dir / arm.name / run_name(p, rep)
+        if (final / RUN_FILE).is_file():
+            progress(f"[{i}/{len(plan)}] {arm.name} {final.name}: kept (complete)")
+            done.append(final)
+            continue
+        path, ident = run_engine_once(engine, arm, p, prompts[p], rep, runtime_env, ngen, out_dir, timeout_s)
+        status = "ok" if ident.returncode == 0 else f"engine exit status {ident.returncode}"
+        progress(f"[{i}/{len(plan)}] {arm.name} {path.name}: {status}, {ident.wall_s:.1f} s, load {ident.load_average:.2f}")
+        done.append(path)
+    return done
+
+
+def engine_options(c) -> None:
+    """``measure``'s options for running the real engine."""
+    g = c.add_argument_group("the real engine (measure --engine)")
+    g.add_argument("--engine", metavar="PATH", help="the colibrì binary: run it cold per prompt and repetition, keep its "
+                                                    "output, routing trace and record per run under -o DIR")
+    g.add_argument("--baseline", metavar="DIR", help="a second container (the stock one), run interleaved with "
+                                                     "--container as the control arm")
+    g.add_argument("--prompts", metavar="FILE", help="prompts, one per non-empty line (UTF-8)")
+    g.add_argument("--reps", type=int, default=3, help="repetitions of every prompt on every container")
+    g.add_argument("--runtime-env", metavar="'NAME=value ...'", default="",
+                   help="the run configuration in the engine's own variables, e.g. 'PIPE=1 DIRECT=1 CAP=4 CAP_RAISE=0'")
+    g.add_argument("--ngen", type=int, default=32, help="tokens generated per run (NGEN)")
+    g.add_argument("--timeout", type=float, help="kill a run after this many seconds (recorded as exit status -9)")
+
+
+def cmd_measure_engine(args) -> int:
+    """Run the engine per :func:`measure_engine`, then print the runs' report (and the comparison
+    when there is a baseline)."""
+    from replay.engine_metrics import engine_compare, engine_report
+
+    from .engine_render import format_engine_compare, format_engine_report
+
+    if not args.prompts:
+        raise InputError(None, "measure --engine needs --prompts FILE")
+    if not args.output:
+        raise InputError(None, "measure --engine needs -o DIR (where the runs are kept)")
+    arms = ([EngineArm("baseline", Path(args.baseline))] if args.baseline else []) + [
+        EngineArm("container", Path(args.container))]
+    measure_engine(args.engine, arms, read_prompts(args.prompts), args.reps, parse_runtime_env(args.runtime_env),
+                   args.ngen, args.output, args.timeout)
+    dirs = [Path(args.output) / a.name for a in arms]
+    print(format_engine_report(engine_report(dirs)))
+    if args.baseline:
+        c = engine_compare(dirs)
+        print(format_engine_compare(c))
+        if c["correctness_failures"]:
+            print(f"relayout: error: {len(c['correctness_failures'])} run(s) emitted different tokens (a correctness "
+                  "failure, not noise)", file=sys.stderr)
+            return 2
+    return 0

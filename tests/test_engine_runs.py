@@ -1,0 +1,140 @@
+"""``relayout measure --engine``: the run schedule, crash safety and resumption, and (by hand, with
+``RELAYOUT_COLIBRI_ENGINE`` naming a colibrì binary and ``RELAYOUT_COLIBRI_FIXTURE`` a model it
+runs, e.g. the storage-bound fixture of docs/ENGINE.md) the real engine."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from containers.errors import InputError
+from relayout.engine_runs import EngineArm, measure_engine, parse_runtime_env, schedule
+from replay.engine_metrics import engine_compare, engine_report
+from replay.engine_output import RUN_FILE, read_runs
+
+RECORDED = sorted(p for p in (REPO / "tests" / "data" / "engine" / "stock-louvain" / "baseline").iterdir() if p.is_dir())[0]
+
+
+def _stand_in_engine(tmp_path: Path, exit_code: int = 0) -> Path:
+    """An executable that prints a recorded real run's stdout and stderr, writes ROUTE_TRACE and
+    logs the environment it was given (a stand-in for the external binary, not for relayout's I/O)."""
+    script = tmp_path / "engine.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"cat '{RECORDED / 'stdout.txt'}'\n"
+        f"cat '{RECORDED / 'stderr.txt'}' >&2\n"
+        f"cp '{RECORDED / 'route-trace.txt'}' \"$ROUTE_TRACE\"\n"
+        f"echo \"$SNAP|$PROMPT|$PIPE|$TEMP|$PROF|$TOKENS|$NGEN\" >> '{tmp_path / 'calls.txt'}'\n"
+        f"exit {exit_code}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def _container(path: Path) -> Path:
+    path.mkdir()
+    (path / "out-00000.safetensors").write_bytes(b"\0" * 4096)
+    return path
+
+
+def test_repetitions_interleave_the_arms_and_alternate_their_order():
+    a, b = EngineArm("baseline", Path("a")), EngineArm("container", Path("b"))
+    s = schedule([a, b], 2, 2)
+    assert [(x.name, p, r) for x, p, r in s] == [
+        ("baseline", 0, 0), ("container", 0, 0), ("baseline", 1, 0), ("container", 1, 0),
+        ("container", 0, 1), ("baseline", 0, 1), ("container", 1, 1), ("baseline", 1, 1)]
+
+
+def test_runtime_env_is_the_engines_own_words():
+    assert parse_runtime_env("PIPE=1 DIRECT=1 RAM_GB=128") == {"PIPE": "1", "DIRECT": "1", "RAM_GB": "128"}
+    assert parse_runtime_env("") == {}
+    with pytest.raises(InputError, match="NAME=value"):
+        parse_runtime_env("PIPE")
+    with pytest.raises(InputError, match="NAME=value"):
+        parse_runtime_env("1X=2")
+
+
+def test_runs_are_kept_per_arm_prompt_and_repetition_and_resumed(tmp_path):
+    engine = _stand_in_engine(tmp_path)
+    stock, relaid = _container(tmp_path / "stock"), _container(tmp_path / "relaid")
+    arms = [EngineArm("baseline", stock), EngineArm("container", relaid)]
+    out = tmp_path / "runs"
+    lines = []
+    dirs = measure_engine(engine, arms, ["first prompt", "second"], 2, {"PIPE": "1"}, 5, out, progress=lines.append)
+    assert len(dirs) == 8 and all((d / RUN_FILE).is_file() for d in dirs)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert calls[0] == f"{stock}|first prompt|1|0|1|1|5" and calls[1].startswith(f"{relaid}|first prompt|1|")
+    ident = json.loads((out / "container" / "p01-r01" / RUN_FILE).read_text())
+    assert ident["env"]["PIPE"] == "1" and ident["prompt"] == 1 and ident["repetition"] == 1
+    assert ident["cold"].startswith(("cold", "warm")) and ident["returncode"] == 0
+    assert (out / "container" / "p01-r01" / "route-trace.txt").stat().st_size > 0
+    assert not list(out.glob("*/.*partial"))
+    # a run cut short leaves a partial directory, never a complete-looking one; the next call redoes it
+    (out / "baseline" / "p00-r01").rename(out / "baseline" / ".p00-r01.partial")
+    (out / "baseline" / ".p00-r01.partial" / RUN_FILE).unlink()
+    lines.clear()
+    measure_engine(engine, arms, ["first prompt", "second"], 2, {"PIPE": "1"}, 5, out, progress=lines.append)
+    assert sum("kept" in x for x in lines) == 7 and len((tmp_path / "calls.txt").read_text().splitlines()) == 9
+    assert (out / "baseline" / "p00-r01" / RUN_FILE).is_file()
+    c = engine_compare([out / "baseline", out / "container"])
+    assert c["comparisons"][0]["pairs"] == 4 and c["correctness_failures"] == []
+
+
+def test_a_partial_directory_holding_foreign_files_is_left_alone(tmp_path):
+    engine = _stand_in_engine(tmp_path)
+    arms = [EngineArm("container", _container(tmp_path / "c"))]
+    partial = tmp_path / "runs" / "container" / ".p00-r00.partial"
+    partial.mkdir(parents=True)
+    (partial / "mine.txt").write_text("not relayout's")
+    with pytest.raises(InputError, match="did not write"):
+        measure_engine(engine, arms, ["p"], 1, {}, 4, tmp_path / "runs", progress=lambda s: None)
+    assert (partial / "mine.txt").read_text() == "not relayout's"
+
+
+def test_a_failing_engine_is_recorded_and_reported(tmp_path):
+    engine = _stand_in_engine(tmp_path, exit_code=3)
+    arms = [EngineArm("container", _container(tmp_path / "c"))]
+    measure_engine(engine, arms, ["p"], 1, {}, 4, tmp_path / "runs", progress=lambda s: None)
+    r = engine_report([tmp_path / "runs" / "container"])["arms"][0]
+    assert r["failed_runs"] and r["failed_runs"][0].endswith("p00-r00")
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    c = _container(tmp_path / "c")
+    res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--engine", str(tmp_path / "nope"), "--container",
+                          str(c), "--prompts", str(tmp_path / "p.txt"), "-o", str(tmp_path / "o")],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--container", str(c)],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "--trace" in res.stderr and "--engine" in res.stderr
+
+
+ENGINE = os.environ.get("RELAYOUT_COLIBRI_ENGINE")
+FIXTURE = os.environ.get("RELAYOUT_COLIBRI_FIXTURE")
+
+
+@pytest.mark.skipif(not (ENGINE and FIXTURE), reason="set RELAYOUT_COLIBRI_ENGINE (a colibrì binary) and "
+                                                      "RELAYOUT_COLIBRI_FIXTURE (a model it runs, docs/ENGINE.md)")
+def test_the_real_engine_measured_cold_twice_agrees_with_itself(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox.\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--engine", ENGINE, "--container", FIXTURE,
+                          "--baseline", FIXTURE, "--prompts", str(prompts), "--reps", "1", "--ngen", "4",
+                          "--runtime-env", "CAP=2 CAP_RAISE=0 AUTOPIN=0 COLI_NO_OMP_TUNE=1", "-o", str(tmp_path / "runs")],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    base, new = read_runs(tmp_path / "runs" / "baseline"), read_runs(tmp_path / "runs" / "container")
+    assert base[0].output.output_tokens == new[0].output.output_tokens and len(new[0].output.output_tokens) == 4
+    for run in base + new:
+        o = run.output
+        assert o.cap == 2 and o.config["PIPE"] == "0" and o.decode.wait_s >= 0
+        assert o.expert_io.loads > 0 and Path(run.route_trace).stat().st_size > 0
+        assert run.identity.cold.startswith("cold")
+    assert "S (expert wait per committed token)" in res.stdout
