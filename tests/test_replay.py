@@ -537,7 +537,7 @@ def test_a_first_compile_says_so_and_a_cached_run_says_nothing(capsys):
 
     with compile_notice():
         assert twice(21) == 42
-    assert "compiling the replay model (first run on this machine" in capsys.readouterr().err
+    assert "compiling the replay model with numba, once on this machine" in capsys.readouterr().err
     with compile_notice():
         assert twice(4) == 8          # already compiled: silent
     assert capsys.readouterr().err == ""
