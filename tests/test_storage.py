@@ -1,0 +1,184 @@
+"""Storage over several drives: the engine's routing and striping against hand-computed cases, and
+the storage description's strictness."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from containers.errors import InputError
+from containers.layout import Layout
+from replay.storage import (
+    DirectorySpec,
+    DriveSpec,
+    Storage,
+    StorageRecord,
+    load_storage,
+    replica_cuts,
+    route_hash,
+    route_replica,
+    stripe_chunks,
+    widen_direct,
+)
+
+MiB = 1 << 20
+
+
+# Hash values and replicas computed outside Python with the engine's 32-bit expression
+# (a throwaway C program), for weights 3:1 (cuts 192, 256) and 2:1:1 (cuts 128, 192, 256).
+@pytest.mark.parametrize("layer, expert, h, r31, r211", [
+    (3, 0, 241, 1, 2), (3, 5, 243, 1, 2), (10, 200, 212, 1, 2), (77, 255, 88, 0, 0), (78, 17, 64, 0, 0),
+    (3, 3, 146, 0, 1),
+])
+def test_routing_matches_hand_computed_replicas(layer, expert, h, r31, r211):
+    assert route_hash(layer, expert) == h
+    assert route_replica(layer, expert, replica_cuts([3, 1])) == r31
+    assert route_replica(layer, expert, replica_cuts([2, 1, 1])) == r211
+
+
+def test_cuts_round_half_up_and_keep_the_engine_quirk():
+    assert replica_cuts([3, 1]) == [192, 256]
+    assert replica_cuts([1, 1, 1]) == [85, 171, 256]          # 85.33 -> 85, 170.67 -> 171
+    assert replica_cuts([9, 3, 0.01]) == [192, 256, 256]      # the tiny replica gets no slice, as in the engine
+    assert replica_cuts([0.001, 1]) == [1, 256]               # a first replica rounding to 0 keeps one value
+    assert route_replica(3, 0, [256]) == 0                    # no mirror: the primary
+
+
+def test_routing_share_follows_weights():
+    cuts = replica_cuts([3, 1])
+    share = np.mean([route_replica(l, e, cuts) for l in range(3, 78) for e in range(256)])
+    assert share == pytest.approx(4878 / 19200)               # counted by the same C program
+    assert 0.2 < share < 0.3
+
+
+def test_ten_mib_read_stripes_in_equal_aligned_chunks():
+    # over 2 replicas, routed to replica 1: 5 MiB each, chunk 0 on replica 1
+    assert stripe_chunks(10 * MiB, [0, 1], 1) == [(1, 0, 5 * MiB), (0, 5 * MiB, 5 * MiB)]
+    # over 3: ceil(10 MiB / 3) = 3495254 rounded up to 4 KiB = 3497984; the last chunk is the rest
+    assert stripe_chunks(10 * MiB, [0, 1, 2], 1) == [(1, 0, 3497984), (2, 3497984, 3497984), (0, 6995968, 3489792)]
+    # partial mirror: replica 2 routed, the list [0, 2] is indexed by the replica number 2 -> entry 0
+    assert stripe_chunks(10 * MiB, [0, 2], 2) == [(0, 0, 5 * MiB), (2, 5 * MiB, 5 * MiB)]
+    assert stripe_chunks(4 * MiB - 4096, [0, 1], 0) == []      # under 4 MiB: one read
+    assert stripe_chunks(10 * MiB, [0], 0) == []              # one holder: one read
+
+
+def test_last_chunk_takes_the_rest():
+    # 4 MiB + 4 KiB over 4 replicas: chunks of 257 pages, the last 256
+    ch = stripe_chunks(4 * MiB + 4096, [0, 1, 2, 3], 0)
+    assert [n // 4096 for _, _, n in ch] == [257, 257, 257, 254]
+    ch = stripe_chunks(4 * MiB + 3 * 4096, [0, 1, 2, 3, 4], 0)     # 1027 pages over 5: chunks of 206 pages, the last 203
+    assert [n // 4096 for _, _, n in ch] == [206, 206, 206, 206, 203]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(4 * MiB, 64 * MiB).map(lambda n: n // 4096 * 4096), st.integers(2, 5), st.integers(0, 4))
+def test_stripes_cover_the_read_once(length, n, routed):
+    holders = list(range(n))
+    ch = stripe_chunks(length, holders, routed % n)
+    assert ch and ch[0][0] == routed % n
+    assert [o for _, o, _ in ch] == [sum(c[2] for c in ch[:i]) for i in range(len(ch))]
+    assert sum(c[2] for c in ch) == length
+    assert len({c[2] for c in ch[:-1]}) <= 1 and all(c[2] % 4096 == 0 for c in ch)
+
+
+def test_widen_direct():
+    assert widen_direct(4096 + 100, 10) == (4096, 4096)
+    assert widen_direct(8191, 2) == (4096, 8192)
+
+
+def _layout(n_files=3, adjacent=True):
+    """Two experts of layer 3 in file 0 and 1, scales in file 2; each weight tensor 2 MiB."""
+    loc = np.zeros((1, 2, 6, 3), dtype=np.int64)
+    for e in range(2):
+        for s in range(3):
+            off = 4196 + s * 2 * MiB if adjacent else 4196 + s * 3 * MiB
+            loc[0, e, s] = (e, off, 2 * MiB)
+            loc[0, e, 3 + s] = (2, 4096 + (e * 3 + s) * 65536, 65536)
+    names = [f"out-{i + 1:05d}.safetensors" for i in range(n_files)]
+    return Layout(names, [64 * MiB] * n_files, [3], 2, loc)
+
+
+def _record(mirror_shards, weights=(3.0, 1.0), direct=True, stripe=True):
+    lay = _layout()
+    return lay, StorageRecord(
+        [DriveSpec("fast", "single-nvme"), DriveSpec("slow", "single-nvme", speed=0.5)],
+        [DirectorySpec("fast", lay.files[:2]), DirectorySpec("slow", lay.files[2:])],
+        [DirectorySpec("slow", mirror_shards)] if mirror_shards else [],
+        list(weights) if mirror_shards else None, direct, stripe)
+
+
+def _storage(rec, lay):
+    from replay.device import load_device
+    prof = load_device("single-nvme")
+    return Storage(rec, {"fast": prof, "slow": prof.scaled(0.5)}, lay)
+
+
+def test_expert_reads_split_mirror_and_fallback():
+    lay, rec = _record(None)
+    s = _storage(rec, lay)
+    # no mirror: expert 0's 6 MiB weights on drive 0 (file 0), scales on drive 1 (file 2)
+    assert s.expert_reads(3, 0, lay.expert_loc[0, 0]) == [(0, 6 * MiB + 4096)] + [(1, 65536)] * 3
+    lay, rec = _record([lay.files[0]])
+    s = _storage(rec, lay)
+    # (3, 0) routes to replica 1 (hash 241 >= 192): file 0 is mirrored, widened to 6 MiB + 4 KiB, striped
+    reads = s.expert_reads(3, 0, lay.expert_loc[0, 0])
+    assert reads[:2] == [(1, 3 * MiB + 4096), (0, 3 * MiB)]       # chunks rounded up to 4 KiB, the rest last
+    assert reads[2:] == [(1, 65536)] * 3                      # scales: file 2 is on drive 1 anyway
+    # (3, 0)'s weights moved to file 1, which the mirror lacks: the whole read from the primary
+    loc = lay.expert_loc[0, 0].copy()
+    loc[:3, 0] = 1
+    assert s.expert_reads(3, 0, loc)[0] == (0, 6 * MiB + 4096)
+    # its scales stay routed to replica 1: file 2 is not mirrored, so drive 1 (its primary) serves them
+    assert s.expert_reads(3, 0, loc)[1:] == [(1, 65536)] * 3
+
+
+def test_buffered_reads_are_not_striped():
+    lay, rec = _record([_layout().files[0]], direct=False)
+    s = _storage(rec, lay)
+    assert s.expert_reads(3, 0, lay.expert_loc[0, 0])[0] == (1, 6 * MiB)   # routed to the mirror, whole
+    lay, rec = _record([_layout().files[0]], stripe=False)
+    s = _storage(rec, lay)
+    assert s.expert_reads(3, 0, lay.expert_loc[0, 0])[0] == (1, 6 * MiB + 4096)
+
+
+def test_record_round_trips_and_rejects_bad_input(tmp_path):
+    lay, rec = _record([_layout().files[0]])
+    p = tmp_path / "storage.json"
+    p.write_text(json.dumps(rec.to_json()))
+    back, profiles = load_storage(p)
+    assert back == rec and profiles["slow"].drive.bandwidth == pytest.approx(profiles["fast"].drive.bandwidth / 2)
+    bad = rec.to_json()
+    bad["dirs"][1]["shards"].append(lay.files[0])
+    with pytest.raises(InputError, match="in split directories 0 and 1"):
+        StorageRecord.from_json(bad, "s.json")
+    bad = rec.to_json()
+    bad["weights"] = [1.0]
+    with pytest.raises(InputError, match="2 positive numbers"):
+        StorageRecord.from_json(bad, "s.json")
+    bad = rec.to_json()
+    bad["mirrors"][0]["drive"] = "nvme9"
+    with pytest.raises(InputError, match="unknown drive"):
+        StorageRecord.from_json(bad, "s.json")
+    bad = rec.to_json()
+    bad["direct"] = 1
+    with pytest.raises(InputError, match="not true or false"):
+        StorageRecord.from_json(bad, "s.json")
+    rec2 = StorageRecord(rec.drives, [DirectorySpec("fast", lay.files[:1])])
+    with pytest.raises(InputError, match="in no split directory"):
+        _storage(rec2, lay)
+
+
+def test_capacity_is_checked():
+    lay, rec = _record(None)
+    small = StorageRecord([DriveSpec("fast", "single-nvme", capacity_bytes=100 * MiB), rec.drives[1]], rec.dirs)
+    with pytest.raises(InputError, match="more than its capacity"):
+        _storage(small, lay)
+
+
+def test_engine_variables():
+    lay, rec = _record([_layout().files[0]])
+    env = _storage(rec, lay).engine_variables({"dir:0": "/a", "dir:1": "/b", "mirror:0": "/m"})
+    assert env == {"SNAP": "/a", "COLI_MODEL_DIRS": "/b", "COLI_MODEL_MIRROR": "/m", "COLI_DISK_WEIGHTS": "3,1",
+                   "DIRECT": "1"}
