@@ -24,7 +24,7 @@ from containers.synth import synth_container
 from replay.config import PREFETCH_SOURCES
 from replay.planfile import METHODS
 
-from . import __version__
+from . import __version__, drives_command
 from .coactivation import WEIGHTS
 from .render import (
     format_calibration,
@@ -866,6 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-sessions", type=int, default=5, help="held-out sessions a comparison needs")
     c.add_argument("-o", "--output", help="write both curves as JSON")
     c.add_argument("--json", action="store_true", help="print JSON")
+
+    s = _command(sub, "drives", drives_command.HELP, drives_command.cmd_drives)
+    drives_command.add_arguments(s)
 
     s = _command(sub, "gate", "recompute a gate record's interval and verdict from the evidence it stores", cmd_gate)
     s.add_argument("--recheck", required=True, metavar="gate.json", help="the gate record to recheck")

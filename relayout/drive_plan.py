@@ -5,9 +5,11 @@ From the training sessions' routing: ``p[l, e]``, the loads of expert ``e`` of l
 committed token, and ``P[l, e, e']``, the loads of both together per token. Reading an expert
 costs its bytes over a drive's rate, so an expert's stall value per byte is ``p``.
 
-* **Mirror** (a mirror drive and a budget in bytes): the experts of highest ``p`` that fit the
-  budget go into shards of their own, which the mirror holds; the engine then routes and stripes
-  their reads over both copies (:mod:`replay.storage`).
+* **Mirror** (a mirror drive and a budget in bytes): the experts whose mirroring shortens a
+  layer's expected load time most per byte (:func:`choose_mirrored`; hottest first within a
+  layer, and no more of a layer than balances its two copies' drives) go into shards of their
+  own, which the mirror holds; the engine then routes and stripes their reads over both copies
+  (:mod:`replay.storage`).
 * **Split** (``COLI_MODEL_DIRS``): experts are assigned to the split drives hottest first; each
   goes to the drive where a layer's expected load time grows least, counting its own loads and
   those of the experts already there that fire with it,
@@ -99,14 +101,8 @@ def plan_drives(layout: Layout, tensors: list[TensorInfo], routing: Routing, dri
     mirrored = np.zeros((L, E), dtype=bool)
     if mirror:
         budget = min(mirror_bytes, cap[mirror]) * 0.99
-        used = 0
-        for flat in order:
-            l, e = divmod(int(flat), E)
-            if routing.p[l, e] <= 0 or used + b[l, e] > budget:
-                continue
-            mirrored[l, e] = True
-            used += b[l, e]
-        cap[mirror] -= used if mirror not in split else 0
+        mirrored = choose_mirrored(routing.p, b, budget, rate.sum(), profiles[mirror].steady_rate(EXPERT_READ_BYTES, workers))
+        cap[mirror] -= 0 if mirror in split else b[mirrored].sum()
 
     drive_of = np.full((L, E), -1, dtype=np.int64)
     load = np.zeros((L, len(split)))
@@ -151,6 +147,39 @@ def plan_drives(layout: Layout, tensors: list[TensorInfo], routing: Routing, dri
         weights = Storage(rec, profiles, packed).weights
         rec = StorageRecord(rec.drives, dirs, mirrors, [round(w, 3) for w in weights])
     return DrivePlan(packed, rec, mirrored)
+
+
+def choose_mirrored(p: np.ndarray, nbytes: np.ndarray, budget: float, primary_rate: float, mirror_rate: float) -> np.ndarray:
+    """The experts to mirror [L, E] (bool) within ``budget`` bytes: one at a time, the expert whose
+    mirroring shortens its layer's expected load time most per byte, each layer's candidates
+    taken hottest first. A mirrored expert's read is striped in halves over the primary and the
+    mirror (O_DIRECT reads of 4 MiB or more); a layer's expected load time is
+    ``max(primary bytes / primary_rate, mirror bytes / mirror_rate)`` per token, the split drives
+    pooled as one primary. Stops when no expert shortens a layer or none fits."""
+    L, E = p.shape
+    load = p * nbytes
+    order = np.argsort(-p, axis=1, kind="stable")
+    nxt = np.zeros(L, dtype=np.int64)
+    prim = load.sum(axis=1)
+    mirr = np.zeros(L)
+    chosen = np.zeros((L, E), dtype=bool)
+    used = 0.0
+    rows = np.arange(L)
+    while True:
+        ok = nxt < E
+        e = order[rows, np.minimum(nxt, E - 1)]
+        x = load[rows, e]
+        now = np.maximum(prim / primary_rate, mirr / mirror_rate)
+        after = np.maximum((prim - x / 2) / primary_rate, (mirr + x / 2) / mirror_rate)
+        gain = np.where(ok & (p[rows, e] > 0) & (used + nbytes[rows, e] <= budget), (now - after) / nbytes[rows, e], -np.inf)
+        l = int(np.argmax(gain))
+        if not gain[l] > 0:
+            return chosen
+        chosen[l, e[l]] = True
+        used += nbytes[l, e[l]]
+        prim[l] -= x[l] / 2
+        mirr[l] += x[l] / 2
+        nxt[l] += 1
 
 
 def even_split_by_name(layout: Layout, drives: list[DriveSpec], split: list[str]) -> StorageRecord:
