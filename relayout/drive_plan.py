@@ -6,8 +6,8 @@ committed token, and ``P[l, e, e']``, the loads of both together per token. Read
 costs its bytes over a drive's rate, so an expert's stall value per byte is ``p``.
 
 * **Mirror** (a mirror drive and a budget in bytes): the experts whose mirroring shortens a
-  layer's expected load time most per byte (:func:`choose_mirrored`; hottest first within a
-  layer, and no more of a layer than balances its two copies' drives) go into shards of their
+  layer's expected load time most per byte (:func:`choose_mirrored`: no more of a layer than
+  balances its two copies' drives) go into shards of their
   own, which the mirror holds; the engine then routes and stripes their reads over both copies
   (:mod:`replay.storage`).
 * **Split** (``COLI_MODEL_DIRS``): experts are assigned to the split drives hottest first; each
@@ -151,35 +151,27 @@ def plan_drives(layout: Layout, tensors: list[TensorInfo], routing: Routing, dri
 
 def choose_mirrored(p: np.ndarray, nbytes: np.ndarray, budget: float, primary_rate: float, mirror_rate: float) -> np.ndarray:
     """The experts to mirror [L, E] (bool) within ``budget`` bytes: one at a time, the expert whose
-    mirroring shortens its layer's expected load time most per byte, each layer's candidates
-    taken hottest first. A mirrored expert's read is striped in halves over the primary and the
+    mirroring shortens its layer's expected load time most per byte. A mirrored expert's read is striped in halves over the primary and the
     mirror (O_DIRECT reads of 4 MiB or more); a layer's expected load time is
     ``max(primary bytes / primary_rate, mirror bytes / mirror_rate)`` per token, the split drives
     pooled as one primary. Stops when no expert shortens a layer or none fits."""
     L, E = p.shape
     load = p * nbytes
-    order = np.argsort(-p, axis=1, kind="stable")
-    nxt = np.zeros(L, dtype=np.int64)
     prim = load.sum(axis=1)
     mirr = np.zeros(L)
     chosen = np.zeros((L, E), dtype=bool)
     used = 0.0
-    rows = np.arange(L)
     while True:
-        ok = nxt < E
-        e = order[rows, np.minimum(nxt, E - 1)]
-        x = load[rows, e]
-        now = np.maximum(prim / primary_rate, mirr / mirror_rate)
-        after = np.maximum((prim - x / 2) / primary_rate, (mirr + x / 2) / mirror_rate)
-        gain = np.where(ok & (p[rows, e] > 0) & (used + nbytes[rows, e] <= budget), (now - after) / nbytes[rows, e], -np.inf)
-        l = int(np.argmax(gain))
-        if not gain[l] > 0:
+        now = np.maximum(prim / primary_rate, mirr / mirror_rate)[:, None]
+        after = np.maximum((prim[:, None] - load / 2) / primary_rate, (mirr[:, None] + load / 2) / mirror_rate)
+        gain = np.where(~chosen & (p > 0) & (used + nbytes <= budget), (now - after) / nbytes, -np.inf)
+        l, e = np.unravel_index(int(np.argmax(gain)), gain.shape)
+        if not gain[l, e] > 0:
             return chosen
-        chosen[l, e[l]] = True
-        used += nbytes[l, e[l]]
-        prim[l] -= x[l] / 2
-        mirr[l] += x[l] / 2
-        nxt[l] += 1
+        chosen[l, e] = True
+        used += nbytes[l, e]
+        prim[l] -= load[l, e] / 2
+        mirr[l] += load[l, e] / 2
 
 
 def even_split_by_name(layout: Layout, drives: list[DriveSpec], split: list[str]) -> StorageRecord:
