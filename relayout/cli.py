@@ -257,6 +257,7 @@ def cmd_replay(args) -> int:
     from replay.cluster import open_executor
     from replay.device import load_device
     from replay.evidence import split_sessions_by_content
+    from replay.storage import storage_profile
     from replay.gate import compare, measured_tpot_parts, sweep
     from replay.planfile import load_plan
     from replay.trace import TraceFile, load_trace
@@ -270,7 +271,7 @@ def cmd_replay(args) -> int:
     # the gate and the sweep read the rows block by block from the file (memory flat in trace length);
     # the hypothesis tables hold the trace in memory
     trace = load_trace(args.trace) if hypotheses else TraceFile(args.trace)
-    device = load_device(args.device)
+    device = storage_profile(args.storage) if args.storage else load_device(args.device)
     config = _runtime_config(args)
     _check_ram(config.ram_bytes, plan)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
@@ -792,7 +793,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a relayout trace file (relayout trace import); sessions the plan trained on are excluded. The gate "
                         "and --sweep stream its rows from the file (memory flat in trace length); --policy and "
                         "--hypotheses load it into memory")
-    s.add_argument("--device", required=True, help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
+    d = s.add_mutually_exclusive_group(required=True)
+    d.add_argument("--device", help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
+    d.add_argument("--storage", metavar="STORAGE.json", help="several independent drives (relayout drives --out writes one; "
+                                                            "docs/MULTI_DRIVE.md); a layout it does not list is split "
+                                                            "evenly by name over its split drives")
     _runtime_options(s, modelled=True)
     g = s.add_argument_group("gate")
     g.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")

@@ -16,7 +16,7 @@ HELP = "plan shards over several drives without RAID (COLI_MODEL_DIRS, COLI_MODE
 
 
 def add_arguments(c: argparse.ArgumentParser) -> None:
-    c.add_argument("trace", help="routing trace (.rt); even-numbered sessions train, odd-numbered ones are held out")
+    c.add_argument("trace", help="routing trace (.rt); without --plan even-numbered sessions train, odd-numbered ones are held out")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--geometry", help="plan for a geometry's converter layout (a shipped name or JSON)")
     src.add_argument("--container", metavar="SRC", help="plan for this container's tensors")
@@ -31,7 +31,10 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
                    help="the directory of a drive's shards, for the printed variables (default <NAME>)")
     c.add_argument("--shard-gb", type=float, default=3.01, help="shard size, GB")
     c.add_argument("--workers", type=int, default=8, help="reader workers (PIPE_WORKERS), 1-16")
-    c.add_argument("--out", metavar="DIR", help="write DIR/layout.json and DIR/storage.json")
+    c.add_argument("--plan", metavar="PLAN.json", help="repack this plan (relayout plan): its training sessions train, "
+                                                       "the others are held out; with --out, DIR/plan.json is the "
+                                                       "repacked plan, for relayout replay --storage DIR/storage.json")
+    c.add_argument("--out", metavar="DIR", help="write DIR/layout.json (or DIR/plan.json with --plan) and DIR/storage.json")
     c.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -92,10 +95,23 @@ def cmd_drives(args) -> int:
     trace = load_trace(args.trace)
     if not set(int(x) for x in trace.layers) <= set(stock.layers):
         raise InputError(args.trace, "the trace's layers are not the model's routed layers")
-    train = trace.fwd_session % 2 == 0
-    held = np.arange(1, len(trace.sessions), 2)
+    plan_in = None
+    if args.plan:
+        from replay.planfile import load_plan
+
+        plan_in = load_plan(args.plan)
+        if plan_in.raw.get("split") is not None:
+            raise InputError(args.plan, "a plan with split experts cannot be repacked over drives; plan without --split")
+        if plan_in.stock.files != stock.files or plan_in.stock.file_sizes != stock.file_sizes:
+            raise InputError(args.plan, "the plan is for another source than --geometry/--container")
+        trained = set(plan_in.training_sessions)
+        in_training = np.array([s in trained for s in trace.sessions], dtype=bool)
+    else:
+        in_training = np.arange(len(trace.sessions)) % 2 == 0
+    train = in_training[trace.fwd_session]
+    held = np.flatnonzero(~in_training)
     if not train.any() or len(held) == 0:
-        raise InputError(args.trace, "needs two sessions or more (even ones train, odd ones are held out)")
+        raise InputError(args.trace, "needs training and held-out sessions (without --plan: even ones train, odd ones are held out)")
     routing = training_routing(trace, train, stock)
     plan = plan_drives(stock, tensors, routing, drives, profiles, split, args.mirror,
                        int(args.mirror_gb * 1e9), int(args.shard_gb * 1e9), args.workers)
@@ -115,7 +131,15 @@ def cmd_drives(args) -> int:
     env = storage.engine_variables(where)
     if args.out:
         out = make_dirs(args.out)
-        write_json_atomic(Path(out) / "layout.json", plan.layout.to_json())
+        if plan_in is not None:
+            from replay.planfile import plan_digest, save_plan
+
+            raw = {k: v for k, v in plan_in.raw.items() if k not in ("plan_digest", "repack_layout")}
+            raw["layout"] = plan.layout.to_json()
+            raw["plan_digest"] = plan_digest(raw)
+            save_plan(raw, Path(out) / "plan.json")
+        else:
+            write_json_atomic(Path(out) / "layout.json", plan.layout.to_json())
         write_json_atomic(Path(out) / "storage.json", plan.storage.to_json())
     sizes = dict(zip(plan.layout.files, plan.layout.file_sizes))
     report = {
@@ -139,6 +163,6 @@ def cmd_drives(args) -> int:
           f"{even.per_token * 1e3:.1f} ms/token; saving {diff[0] * 1e3:.1f} ms/token "
           f"[95% CI {diff[1] * 1e3:.1f}, {diff[2] * 1e3:.1f}]")
     if args.out:
-        print(f"wrote {args.out}/layout.json and {args.out}/storage.json")
+        print(f"wrote {args.out}/{'plan' if plan_in else 'layout'}.json and {args.out}/storage.json")
     print("engine variables: " + " ".join(f"{k}={v}" for k, v in env.items()))
     return 0

@@ -141,3 +141,15 @@ def ratio_interval(base: SessionStall, x: SessionStall, y: SessionStall, session
     r = (s0[idx].sum(1) - sx[idx].sum(1)) / (s0[idx].sum(1) - sy[idx].sum(1))
     lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
     return float(point), float(lo), float(hi)
+
+
+def speedup_interval(slow: SessionStall, fast: SessionStall, sessions: np.ndarray, draws: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> tuple[float, float, float]:
+    """Stall per token of ``slow`` over that of ``fast`` on ``sessions``, with a bootstrap
+    interval over sessions (resampled together): ``(ratio, low, high)``."""
+    rng = np.random.default_rng(seed)
+    a, b = slow.stall_seconds[sessions], fast.stall_seconds[sessions]
+    idx = rng.integers(0, len(sessions), size=(draws, len(sessions)))
+    r = a[idx].sum(1) / b[idx].sum(1)
+    lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
+    return float(a.sum() / b.sum()), float(lo), float(hi)

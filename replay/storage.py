@@ -275,6 +275,11 @@ class Storage:
         """The drive reads one expert load causes: ``(drive, bytes)`` per read, the weight read(s)
         first, then the three scale reads. ``loc`` [6, 3]: the expert's ``(file, offset, bytes)``
         per slot (:class:`containers.layout.Layout`'s ``expert_loc[li, e]``)."""
+        return [(d, n) for _, _, n, d in self.expert_extents(layer, expert, loc)]
+
+    def expert_extents(self, layer: int, expert: int, loc: np.ndarray) -> list[tuple[int, int, int, int]]:
+        """:meth:`expert_reads` with where each read is: ``(file, offset, bytes, drive)``
+        (O_DIRECT weight reads widened, striped ones per chunk)."""
         route = route_replica(layer, expert, self.cuts)
         gate_file = int(loc[WEIGHT_SLOTS[0], 0])
         if route and self.file_drive[route][gate_file] < 0:
@@ -286,17 +291,17 @@ class Storage:
         if contiguous:
             f, off, n = int(srt[0, 0]), int(srt[0, 1]), int(srt[:, 2].sum())
             if self.record.direct:
-                _, n = widen_direct(off, n)
+                off, n = widen_direct(off, n)
                 chunks = stripe_chunks(n, self.holders(f), route) if self.record.stripe else []
                 if chunks:
-                    reads += [(int(self.file_drive[r][f]), size) for r, _, size in chunks]
+                    reads += [(f, off + o, size, int(self.file_drive[r][f])) for r, o, size in chunks]
                 else:
-                    reads.append((self._drive(route, f), n))
+                    reads.append((f, off, n, self._drive(route, f)))
             else:
-                reads.append((self._drive(route, f), n))
+                reads.append((f, off, n, self._drive(route, f)))
         else:
-            reads += [(self._drive(route, int(f)), int(n)) for f, _, n in w]
-        reads += [(self._drive(route, int(loc[s, 0])), int(loc[s, 2])) for s in SCALE_SLOTS]
+            reads += [(int(f), int(o), int(n), self._drive(route, int(f))) for f, o, n in w]
+        reads += [(int(loc[s, 0]), int(loc[s, 1]), int(loc[s, 2]), self._drive(route, int(loc[s, 0]))) for s in SCALE_SLOTS]
         return reads
 
     def _drive(self, replica: int, f: int) -> int:
@@ -319,3 +324,103 @@ class Storage:
         if self.record.direct:
             env["DIRECT"] = "1"
         return env
+
+
+def address_map(storage: Storage, layout: Layout, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which drive serves each byte of the replay's address space (file ``f`` at ``bases[f]``):
+    ``(seg_start, seg_drive)`` for :func:`replay.device.split_storage`. Each expert's reads
+    (:meth:`Storage.expert_extents`: routed, striped, widened) are painted in layout order, a byte
+    two widened reads share going to the first; every other byte is its file's primary drive's."""
+    ivs = []
+    for li, layer in enumerate(layout.layers):
+        for e in range(layout.n_experts):
+            for f, off, n, d in storage.expert_extents(layer, e, layout.expert_loc[li, e]):
+                ivs.append((int(bases[f]) + off, int(bases[f]) + off + n, d))
+    ivs.sort(key=lambda t: t[0])
+    primary = storage.file_drive[0]
+    ends = [int(bases[f]) + int(layout.file_sizes[f]) for f in range(len(layout.files))]
+    marks: list[tuple[int, int]] = []                          # (address, drive from there on)
+
+    def background(lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` no expert read covers: each file's primary drive."""
+        f = max(int(np.searchsorted(bases, lo, side="right")) - 1, 0)
+        marks.append((lo, int(primary[f])))
+        for g in range(f + 1, len(bases)):
+            if bases[g] >= hi:
+                break
+            marks.append((int(bases[g]), int(primary[g])))
+
+    cur = 0
+    for lo, hi, d in ivs:
+        lo = max(lo, cur)
+        if lo >= hi:
+            continue
+        if lo > cur:
+            background(cur, lo)
+        marks.append((lo, d))
+        cur = hi
+    background(cur, max(ends) + 1)
+    starts, drives = [], []
+    for at, d in marks:                                         # ascending; a later mark at one address wins
+        if starts and starts[-1] == at:
+            starts.pop()
+            drives.pop()
+        if not drives or drives[-1] != d:
+            starts.append(at)
+            drives.append(d)
+    return np.array(starts, dtype=np.int64), np.array(drives, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class StorageProfile(ArrayProfile):
+    """Independent drives as the compiled timing model takes them: one member per drive (split
+    rule ``storage``), each with its own rates; a layout's reads reach them by
+    :func:`address_map`. A layout whose files the description does not list (a gate's baseline)
+    is placed as the converter's shards would be by hand: split evenly by name over the same
+    split drives, without a mirror. The drives must agree on queue slots, request limit and
+    service discipline; an array (RAID-0) as one of several drives is not modelled here."""
+
+    record: StorageRecord | None = None
+    drives: tuple = ()
+
+    def address_map(self, layout: Layout, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        names = {s for d in self.record.dirs for s in d.shards}
+        rec = self.record if names == set(layout.files) else even_split(layout, self.record)
+        profiles = {d.name: p for d, p in zip(self.record.drives, self.drives)}
+        return address_map(Storage(rec, profiles, layout, self.name), layout, bases)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "storage": self.record.to_json(), "drives": [p.to_json() for p in self.drives]}
+
+    @property
+    def full_bandwidth(self) -> float:
+        """The drives' large-read ceilings added up."""
+        return float(sum(p.full_bandwidth for p in self.drives))
+
+
+def even_split(layout: Layout, record: StorageRecord) -> StorageRecord:
+    """``layout``'s files split by name over ``record``'s split drives in equal runs, no mirror."""
+    names = sorted(layout.files)
+    k = len(record.dirs)
+    cuts = [round(i * len(names) / k) for i in range(k + 1)]
+    return StorageRecord(record.drives, [DirectorySpec(record.dirs[i].drive, names[cuts[i]:cuts[i + 1]]) for i in range(k)])
+
+
+def storage_profile(path: str | os.PathLike) -> StorageProfile:
+    """A storage description as a device for the compiled timing model (:class:`StorageProfile`)."""
+    rec, profiles = load_storage(path)
+    drives = tuple(profiles[d.name] for d in rec.drives)
+    for p in drives:
+        if p.members != 1:
+            raise InputError(path, f"drive profile {p.name!r} is an array of {p.members}; as one of several drives "
+                                   "only single drives are modelled")
+    first = drives[0].drive
+    for p in drives[1:]:
+        d = p.drive
+        if (d.queue_slots, d.max_request_bytes, d.service) != (first.queue_slots, first.max_request_bytes, first.service):
+            raise InputError(path, "the drives must agree on queue_slots, max_request_bytes and service")
+    return StorageProfile(name=f"storage:{Path(path).name}", drive=first, members=len(drives), chunk_bytes=0,
+                          split_rule="storage", host_bandwidth=float(sum(p.host_bandwidth for p in drives)),
+                          direct_alignment=DIRECT_ALIGNMENT, read_ahead_bytes=drives[0].read_ahead_bytes,
+                          description="independent drives: " + ", ".join(f"{d.name} ({p.name})" for d, p in zip(rec.drives, drives)),
+                          record=rec, drives=drives)

@@ -182,3 +182,53 @@ def test_engine_variables():
     env = _storage(rec, lay).engine_variables({"dir:0": "/a", "dir:1": "/b", "mirror:0": "/m"})
     assert env == {"SNAP": "/a", "COLI_MODEL_DIRS": "/b", "COLI_MODEL_MIRROR": "/m", "COLI_DISK_WEIGHTS": "3,1",
                    "DIRECT": "1"}
+
+
+# ------------------------------------------------------------------ the compiled model on several drives
+
+def _two_file_layout(E=8):
+    """Layer 3's experts alternate between two files; each expert's weights adjacent, then its scales."""
+    loc = np.zeros((1, E, 6, 3), dtype=np.int64)
+    off = [4096, 4096]
+    for e in range(E):
+        f = e % 2
+        for slot, n in enumerate((2 * MiB, 2 * MiB, 2 * MiB, 65536, 65536, 65536)):
+            loc[0, e, slot] = (f, off[f], n)
+            off[f] += n
+    return Layout(["out-00001.safetensors", "out-00002.safetensors"], off, [3], E, loc, 4096)
+
+
+def _storage_file(tmp_path, rec):
+    p = tmp_path / "storage.json"
+    p.write_text(json.dumps(rec.to_json()))
+    from replay.storage import storage_profile
+    return storage_profile(p)
+
+
+def test_compiled_model_on_independent_drives(tmp_path):
+    from conftest import make_trace
+    from replay.config import RuntimeConfig
+    from replay.device import load_device
+    from replay.engine import simulate
+
+    lay = _two_file_layout()
+    tr = make_trace([[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[0, 3, 4, 7]]], E=8)
+    cfg = RuntimeConfig(workers=4, dense_seconds=0.0, compute_bytes_per_second=1e30)
+    fwd = np.ones(3, bool)
+    plain, plain_use = simulate(tr, fwd, lay, load_device("single-nvme"), cfg)
+    one = _storage_file(tmp_path, StorageRecord([DriveSpec("a", "single-nvme")], [DirectorySpec("a", lay.files)]))
+    same, _ = simulate(tr, fwd, lay, one, cfg)
+    assert same.stall == pytest.approx(plain.stall, rel=1e-12)              # one drive holding all: today's model
+    two = _storage_file(tmp_path, StorageRecord([DriveSpec("a", "single-nvme"), DriveSpec("b", "single-nvme")],
+                                                [DirectorySpec("a", lay.files[:1]), DirectorySpec("b", lay.files[1:])]))
+    split, use = simulate(tr, fwd, lay, two, cfg)
+    assert (split.stall < 0.75 * plain.stall).all()                         # each layer's loads on two drives
+    assert use.transfer_seconds[0] == pytest.approx(use.transfer_seconds[1], rel=0.01)
+    slow = _storage_file(tmp_path, StorageRecord([DriveSpec("a", "single-nvme"), DriveSpec("b", "single-nvme", 0.5)],
+                                                 [DirectorySpec("a", lay.files[:1]), DirectorySpec("b", lay.files[1:])]))
+    slower, _ = simulate(tr, fwd, lay, slow, cfg)
+    assert (slower.stall > split.stall).all() and (slower.stall < plain.stall).all()
+    # a layout the description does not list: split evenly by name over the same drives
+    other = Layout(["x-1.safetensors", "x-2.safetensors"], lay.file_sizes, lay.layers, 8, lay.expert_loc, 4096)
+    evenly, _ = simulate(tr, fwd, other, two, cfg)
+    assert evenly.stall == pytest.approx(split.stall, rel=1e-12)
