@@ -233,3 +233,41 @@ def test_compiled_model_on_independent_drives(tmp_path):
     other = Layout(["x-1.safetensors", "x-2.safetensors"], lay.file_sizes, lay.layers, 8, lay.expert_loc, 4096)
     evenly, _ = simulate(tr, fwd, other, two, cfg)
     assert evenly.stall == pytest.approx(split.stall, rel=1e-12)
+
+
+# ------------------------------------------------------------------ a split and mirrored layout on disk
+
+def test_check_split_and_mirrors(small_container, tmp_path):
+    import shutil
+
+    from containers.multidir import check_split
+
+    files = sorted(p.name for p in small_container.glob("*.safetensors"))
+    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    for d in (a, b, m):
+        d.mkdir()
+    half = len(files) // 2
+    for n in files[:half]:
+        shutil.copy(small_container / n, a / n)
+    for n in files[half:]:
+        shutil.copy(small_container / n, b / n)
+    shutil.copy(small_container / files[0], m / files[0])
+    ok = check_split([a, b], [m])
+    assert ok.problems == [] and sorted(ok.shards) == files and ok.mirrored == [[files[0]]]
+    # a mirror file whose bytes differ under the same header: found by content, not by the engine's check
+    data = bytearray((m / files[0]).read_bytes())
+    data[-1] ^= 1
+    (m / files[0]).write_bytes(bytes(data))
+    assert check_split([a, b], [m], content=False).problems == []
+    bad = check_split([a, b], [m])
+    assert len(bad.problems) == 2 and "bytes differ" in bad.problems[0] and "no usable mirror file" in bad.problems[1]
+    # a shard in two directories: the second copy is shadowed, its tensors counted once
+    shutil.copy(small_container / files[-1], a / files[-1])
+    shadow = check_split([a, b], [])
+    assert len(shadow.problems) == 1 and "shadowed" in shadow.problems[0] and shadow.shards[files[-1]] == a / files[-1]
+    (a / files[-1]).unlink()
+    # a shard missing from every directory is not an error here, but its tensors are absent: a renamed
+    # copy of a shard puts every tensor twice
+    shutil.copy(small_container / files[0], b / "extra.safetensors")
+    twice = check_split([a, b], [])
+    assert twice.problems and all("is in both" in p for p in twice.problems)
