@@ -271,3 +271,35 @@ def test_check_split_and_mirrors(small_container, tmp_path):
     shutil.copy(small_container / files[0], b / "extra.safetensors")
     twice = check_split([a, b], [])
     assert twice.problems and all("is in both" in p for p in twice.problems)
+
+
+def test_stage_mirror_copies_checks_and_resumes(small_container, tmp_path):
+    import shutil
+
+    from containers.multidir import RECEIPT, check_split, mirror_receipt_problems, stage_mirror
+
+    files = sorted(p.name for p in small_container.glob("*.safetensors"))
+    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    a.mkdir(), b.mkdir()
+    for i, n in enumerate(files):
+        shutil.copy(small_container / n, (a if i % 2 == 0 else b) / n)
+    chosen = files[:2]
+    receipt = stage_mirror([a, b], chosen, m)
+    assert [f["name"] for f in receipt["files"]] == chosen and (m / RECEIPT).is_file()
+    assert check_split([a, b], [m]).problems == [] and check_split([a, b], [m]).mirrored == [chosen]
+    assert mirror_receipt_problems(m) == []
+    # a stale partial file from a killed run is replaced; a complete file is kept as it is
+    (m / chosen[0]).unlink()
+    (m / f".{chosen[0]}.relayout-partial").write_bytes(b"half")
+    kept = (m / chosen[1]).stat().st_mtime_ns
+    stage_mirror([a, b], chosen, m)
+    assert (m / chosen[0]).read_bytes() == (small_container / chosen[0]).read_bytes()
+    assert (m / chosen[1]).stat().st_mtime_ns == kept and not (m / f".{chosen[0]}.relayout-partial").exists()
+    # a present file that differs is never replaced
+    (m / chosen[1]).write_bytes(b"not a shard")
+    with pytest.raises(InputError, match="exists and differs"):
+        stage_mirror([a, b], chosen, m)
+    assert (m / chosen[1]).read_bytes() == b"not a shard"
+    assert len(mirror_receipt_problems(m)) == 1
+    with pytest.raises(InputError, match="in none of the split directories"):
+        stage_mirror([a, b], ["nope.safetensors"], m)
