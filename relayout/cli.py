@@ -874,6 +874,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "drives", drives_command.HELP, drives_command.cmd_drives)
     drives_command.add_arguments(s)
+    s = _command(sub, "mirror", drives_command.MIRROR_HELP, drives_command.cmd_mirror)
+    drives_command.add_mirror_arguments(s)
 
     s = _command(sub, "gate", "recompute a gate record's interval and verdict from the evidence it stores", cmd_gate)
     s.add_argument("--recheck", required=True, metavar="gate.json", help="the gate record to recheck")

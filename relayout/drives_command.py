@@ -166,3 +166,50 @@ def cmd_drives(args) -> int:
         print(f"wrote {args.out}/{'plan' if plan_in else 'layout'}.json and {args.out}/storage.json")
     print("engine variables: " + " ".join(f"{k}={v}" for k, v in env.items()))
     return 0
+
+
+MIRROR_HELP = "stage a mirror of chosen shards (checksummed, resumable, with a receipt) or check a split and mirrored model on disk"
+
+
+def add_mirror_arguments(c: argparse.ArgumentParser) -> None:
+    c.add_argument("what", choices=("stage", "check"), help="stage: copy the storage description's mirror shards into "
+                                                            "--to; check: the split as the engine indexes it and each "
+                                                            "mirror against its shards (and its receipt)")
+    c.add_argument("dirs", nargs="+", metavar="DIR", help="the split directories, the primary (SNAP) first")
+    c.add_argument("--storage", metavar="STORAGE.json", help="stage: the description naming the mirror's shards")
+    c.add_argument("--index", type=int, default=0, help="stage: which of its mirrors (0 = the first)")
+    c.add_argument("--to", metavar="DIR", help="stage: the mirror directory")
+    c.add_argument("--mirror", action="append", default=[], metavar="DIR", help="check: a mirror directory (repeat)")
+    c.add_argument("--json", action="store_true", help="print JSON")
+
+
+def cmd_mirror(args) -> int:
+    from containers.multidir import RECEIPT, check_split, mirror_receipt_problems, stage_mirror
+    from replay.storage import load_storage
+
+    if args.what == "stage":
+        if not args.storage or not args.to:
+            raise InputError(None, "mirror stage needs --storage and --to")
+        rec, _ = load_storage(args.storage)
+        if not 0 <= args.index < len(rec.mirrors):
+            raise InputError(args.storage, f"has {len(rec.mirrors)} mirror(s); --index {args.index} is not one")
+        receipt = stage_mirror(args.dirs, rec.mirrors[args.index].shards, args.to)
+        total = sum(f["bytes"] for f in receipt["files"])
+        print(json.dumps(receipt, indent=1) if args.json else
+              f"staged {len(receipt['files'])} shard(s), {total / 1e9:.2f} GB, in {args.to} (receipt {RECEIPT})")
+        return 0
+    result = check_split(args.dirs, args.mirror)
+    problems = list(result.problems)
+    for m in args.mirror:
+        if (Path(m) / RECEIPT).exists():
+            problems += mirror_receipt_problems(m)
+    if args.json:
+        print(json.dumps({"shards": len(result.shards), "mirrored": result.mirrored, "problems": problems}, indent=1))
+    else:
+        print(f"{len(result.shards)} shard(s) indexed; " + "; ".join(f"mirror {m}: {len(n)} shard(s)" for m, n in zip(args.mirror, result.mirrored)))
+        for p in problems[:20]:
+            print(p)
+        if len(problems) > 20:
+            print(f"and {len(problems) - 20} more problem(s)")
+        print("OK" if not problems else f"{len(problems)} problem(s)")
+    return 0 if not problems else 1
