@@ -327,3 +327,33 @@ def test_mirror_command(small_container, tmp_path):
     assert r.returncode == 1 and "bytes, the shard" in r.stdout
     r = run_cli("mirror", "stage", a, b, "--storage", tmp_path / "s.json", "--to", tmp_path / "m")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "exists and differs" in r.stderr
+
+
+def test_stage_mirror_on_a_full_disk_leaves_nothing_half_written(small_container, tmp_path, monkeypatch):
+    import errno
+    import os
+    import shutil
+
+    from containers import multidir
+
+    files = sorted(p.name for p in small_container.glob("*.safetensors"))
+    a = tmp_path / "a"
+    a.mkdir()
+    for n in files:
+        shutil.copy(small_container / n, a / n)
+    real = os.copy_file_range
+    calls = []
+
+    def full(fin, fout, count, offset_src=None, offset_dst=None):
+        calls.append(count)
+        if len(calls) > 1:                     # the disk fills after the first piece
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fin, fout, min(count, 4096), offset_src, offset_dst)
+
+    monkeypatch.setattr(multidir.os, "copy_file_range", full)
+    with pytest.raises(OSError):
+        multidir.stage_mirror([a], files[:1], tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == []   # no partial file, no receipt, no shard
+    monkeypatch.setattr(multidir.os, "copy_file_range", real)
+    multidir.stage_mirror([a], files[:1], tmp_path / "m")              # room again: the stage completes
+    assert multidir.mirror_receipt_problems(tmp_path / "m") == []
