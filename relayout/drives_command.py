@@ -12,6 +12,8 @@ import numpy as np
 from containers.atomic import make_dirs, write_json_atomic
 from containers.errors import InputError
 
+MIN_HELD_OUT = 5
+"""Held-out sessions below which the predicted saving is reported as insufficient."""
 HELP = "plan shards over several drives without RAID (COLI_MODEL_DIRS, COLI_MODEL_MIRROR): packing, assignment, mirror"
 
 
@@ -28,7 +30,8 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("--mirror", metavar="NAME", help="the drive holding a partial mirror")
     c.add_argument("--mirror-gb", type=float, default=0.0, help="the mirror's budget, GB")
     c.add_argument("--path", action="append", default=[], metavar="NAME=DIR",
-                   help="the directory of a drive's shards, for the printed variables (default <NAME>)")
+                   help="the directory of a drive's shards, for the printed variables (default <NAME>); a mirror on a "
+                        "drive that also holds split shards is DIR-mirror")
     c.add_argument("--shard-gb", type=float, default=3.01, help="shard size, GB")
     c.add_argument("--workers", type=int, default=8, help="reader workers (PIPE_WORKERS), 1-16")
     c.add_argument("--plan", metavar="PLAN.json", help="repack this plan (relayout plan): its training sessions train, "
@@ -144,6 +147,7 @@ def cmd_drives(args) -> int:
     sizes = dict(zip(plan.layout.files, plan.layout.file_sizes))
     report = {
         "held_out_sessions": len(held),
+        "sufficient": len(held) >= MIN_HELD_OUT,
         "held_out_tokens": int(trace.fwd_committed[~train].sum()),
         "dirs": [{"drive": d.drive, "shards": len(d.shards), "bytes": sum(sizes[s] for s in d.shards)} for d in plan.storage.dirs],
         "mirrors": [{"drive": m.drive, "shards": len(m.shards), "bytes": sum(sizes[s] for s in m.shards)} for m in plan.storage.mirrors],
@@ -162,6 +166,9 @@ def cmd_drives(args) -> int:
           f"planned {planned.per_token * 1e3:.1f} ms/token, the converter's shards split evenly by name "
           f"{even.per_token * 1e3:.1f} ms/token; saving {diff[0] * 1e3:.1f} ms/token "
           f"[95% CI {diff[1] * 1e3:.1f}, {diff[2] * 1e3:.1f}]")
+    if len(held) < MIN_HELD_OUT:
+        print(f"insufficient: {len(held)} held-out session(s), fewer than {MIN_HELD_OUT}; the interval above is not "
+              "to be relied on (record more sessions)")
     if args.out:
         print(f"wrote {args.out}/{'plan' if plan_in else 'layout'}.json and {args.out}/storage.json")
     print("engine variables: " + " ".join(f"{k}={v}" for k, v in env.items()))

@@ -21,7 +21,7 @@ over the replicas holding the shard (:func:`stripe_chunks`). Bytes, bytes/s.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -396,6 +396,10 @@ class StorageProfile(ArrayProfile):
     def full_bandwidth(self) -> float:
         """The drives' large-read ceilings added up."""
         return float(sum(p.full_bandwidth for p in self.drives))
+
+    def scaled(self, factor: float) -> "StorageProfile":
+        """Every drive ``factor`` times as fast (:meth:`ArrayProfile.scaled`)."""
+        return replace(super().scaled(factor), drives=tuple(p.scaled(factor) for p in self.drives))
 
 
 def even_split(layout: Layout, record: StorageRecord) -> StorageRecord:

@@ -155,5 +155,19 @@ def test_command(tmp_path, model):
                  "b=single-nvme,speed=0.5", "--out", tmp_path / "plan", "--path", "a=/mnt/a", "--path", "b=/mnt/b")
     assert ok.returncode == 0, ok.stderr
     assert "COLI_MODEL_DIRS=/mnt/b" in ok.stdout and "SNAP=/mnt/a" in ok.stdout
+    assert "insufficient: 2 held-out session(s)" in ok.stdout                # 4 sessions: 2 held out
     rec = json.loads((tmp_path / "plan" / "storage.json").read_text())
     assert [d["drive"] for d in rec["dirs"]] == ["a", "b"]
+
+
+def test_drive_seconds_closed_form():
+    from replay.device import read_alone_seconds
+    from replay.drivetime import drive_seconds
+
+    nvme = load_device("single-nvme")
+    s = 1 << 20                                                              # under the 1.25 MiB request limit
+    t = drive_seconds(nvme, np.array([s, 0]), np.array([1, 0]), 8)
+    assert t[0] == pytest.approx(read_alone_seconds(nvme.drive, s)) and t[1] == 0.0
+    eight = drive_seconds(nvme, np.array([8 * 19 << 20]), np.array([8]), 8)[0]
+    assert eight >= 8 * (19 << 20) / nvme.drive.bandwidth                 # at depth the drive's bandwidth bounds it
+    assert drive_seconds(nvme.scaled(0.5), np.array([8 * 19 << 20]), np.array([8]), 8)[0] == pytest.approx(2 * eight)
