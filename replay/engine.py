@@ -92,6 +92,7 @@ from .jit import compile_notice
 from .pagecache import new_page_cache
 from .predictors import RELIABILITY_BINS
 from .runtime import new_lru
+from .storage import StorageProfile
 from .trace import RoutingTrace
 from .unions import (
     DEFAULT_CHUNK_FORWARDS,
@@ -374,7 +375,7 @@ def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device
     (:class:`replay.storage.StorageProfile`) with their address map for ``layout``."""
     d = device.drive
     M = int(device.members)
-    if hasattr(device, "address_map"):
+    if isinstance(device, StorageProfile):
         drives = [p.drive for p in device.drives]
         per = [np.array(x, dtype=np.float64) for x in zip(*((p.request_seconds, p.bandwidth, p.request_bandwidth,
                                                                p.request_channel_seconds) for p in drives))]
