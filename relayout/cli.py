@@ -25,7 +25,7 @@ from containers.synth import synth_container
 from replay.config import PREFETCH_SOURCES
 from replay.planfile import METHODS
 
-from . import __version__
+from . import __version__, drives_command
 from .coactivation import WEIGHTS
 from .render import (
     format_calibration,
@@ -265,6 +265,7 @@ def cmd_replay(args) -> int:
     from replay.cluster import open_executor
     from replay.device import load_device
     from replay.evidence import split_sessions_by_content
+    from replay.storage import storage_profile
     from replay.gate import compare, measured_tpot_parts, sweep
     from replay.planfile import load_plan
     from replay.trace import TraceFile, load_trace
@@ -278,7 +279,7 @@ def cmd_replay(args) -> int:
     # the gate and the sweep read the rows block by block from the file (memory flat in trace length);
     # the hypothesis tables hold the trace in memory
     trace = load_trace(args.trace) if hypotheses else TraceFile(args.trace)
-    device = load_device(args.device)
+    device = storage_profile(args.storage) if args.storage else load_device(args.device)
     config = _runtime_config(args)
     _check_ram(config.ram_bytes, plan)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
@@ -843,7 +844,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a relayout trace file (relayout trace import); sessions the plan trained on are excluded. The gate "
                         "and --sweep stream its rows from the file (memory flat in trace length); --policy and "
                         "--hypotheses load it into memory")
-    s.add_argument("--device", required=True, help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
+    d = s.add_mutually_exclusive_group(required=True)
+    d.add_argument("--device", help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
+    d.add_argument("--storage", metavar="STORAGE.json", help="several independent drives (relayout drives --out writes one; "
+                                                            "docs/MULTI_DRIVE.md); a layout it does not list is split "
+                                                            "evenly by name over its split drives")
     _runtime_options(s, modelled=True)
     g = s.add_argument_group("gate")
     g.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
@@ -917,6 +922,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-sessions", type=int, default=5, help="held-out sessions a comparison needs")
     c.add_argument("-o", "--output", help="write both curves as JSON")
     c.add_argument("--json", action="store_true", help="print JSON")
+
+    s = _command(sub, "drives", drives_command.HELP, drives_command.cmd_drives)
+    drives_command.add_arguments(s)
+    s = _command(sub, "mirror", drives_command.MIRROR_HELP, drives_command.cmd_mirror)
+    drives_command.add_mirror_arguments(s)
 
     s = _command(sub, "gate", "recompute a gate record's interval and verdict from the evidence it stores", cmd_gate)
     s.add_argument("--recheck", required=True, metavar="gate.json", help="the gate record to recheck")

@@ -190,3 +190,72 @@ def pack_layout(
     segs = sorted(([n, *placed[n]] for n in names_stored), key=lambda t: (t[1], t[2]))
     return Layout([n for n, _ in files], [l.file_size for l in final], list(layers), n_experts, loc, al, others,
                   metas, dict(sorted(seg_map.items())), segs)
+
+
+def pack_groups(
+    tensors: list[TensorInfo],
+    layers: list[int],
+    n_experts: int,
+    groups: list[list[tuple[int, int]]],
+    shard_bytes: int,
+    alignment: int = 4096,
+    metadata: dict[str, str] | None = None,
+    stamps: dict[str, str] | None = None,
+) -> tuple[Layout, list[list[int]]]:
+    """Place every tensor in new files, each file holding experts of one group only.
+
+    Files are named as the converter names them (``out-00000``...); ``stamps`` (the source's
+    ``colibri.fmt`` stamps) go into the ``__metadata__`` of the file holding each tensor.
+
+    ``groups``: lists of (absolute layer, expert id), each expert in exactly one group. The
+    non-expert tensors come first, in their source order, in files of their own; then each group's
+    experts in the given order, each expert one block (down, gate, up weights byte-adjacent and
+    aligned, then its three scales), files cut between blocks at about ``shard_bytes``. Returns
+    the layout and, per group, the indices of its files (the non-expert files belong to no group).
+    """
+    by_name = {t.name: t for t in tensors}
+    members = [x for g in groups for x in g]
+    want = {(l, e) for l in layers for e in range(n_experts)}
+    if len(members) != len(set(members)) or set(members) != want:
+        raise InputError(None, "the groups must hold every expert of every layer exactly once")
+    expert_names = {slot_name(l, e, s) for l, e in want for s in range(6)}
+    blocks = [[[(t, None)] for t in tensors if t.name not in expert_names]]
+    for g in groups:
+        blocks.append([[(by_name[slot_name(l, e, s)], None if i == 0 else 1) for i, s in enumerate((2, 0, 1, *SCALE_SLOTS))]
+                       for l, e in g])
+    files: list[tuple[str, list[TensorSpec]]] = []
+    owner: list[list[int]] = [[] for _ in groups]
+    for gi, series in enumerate(blocks):
+        cur: list[TensorSpec] = []
+        size = 0
+        for block in series:
+            bsize = sum(t.nbytes for t, _ in block) + alignment
+            if cur and size + bsize > shard_bytes:
+                files.append((shard_name("out", len(files)), cur))
+                if gi:
+                    owner[gi - 1].append(len(files) - 1)
+                cur, size = [], 0
+            cur += [_spec(t, a) for t, a in block]
+            size += bsize
+        if cur:
+            files.append((shard_name("out", len(files)), cur))
+            if gi:
+                owner[gi - 1].append(len(files) - 1)
+    if len(files) > MAX_FILES:
+        raise InputError(None, f"the layout needs {len(files)} files, more than the runtime's {MAX_FILES}; raise the shard size")
+    placeholder = {**(metadata or {}), "relayout.layout": "0" * 32}
+    per_file = place_stamps(stamps or {}, [[s.name for s in specs] for _, specs in files])
+    layouts = [plan_shard(specs, alignment, with_stamps(placeholder, st)) for (_, specs), st in zip(files, per_file)]
+    digest = digest_of(repr([(name, [(s.name, b) for s, b in lay.placements]) for (name, _), lay in zip(files, layouts)]).encode())
+    metas = [with_stamps({**placeholder, "relayout.layout": digest}, st) for st in per_file]
+    final = [plan_shard(specs, alignment, m) for (_, specs), m in zip(files, metas)]
+    placed = {spec.name: (fi, begin, spec.nbytes) for fi, lay in enumerate(final) for spec, begin in lay.placements}
+    loc = np.zeros((len(layers), n_experts, 6, 3), dtype=np.int64)
+    for li, layer in enumerate(layers):
+        for e in range(n_experts):
+            for slot in range(6):
+                loc[li, e, slot] = placed[slot_name(layer, e, slot)]
+    others = sorted(([n, *placed[n]] for n in placed if n not in expert_names), key=lambda t: (t[1], t[2]))
+    layout = Layout([n for n, _ in files], [l.file_size for l in final], list(layers), n_experts, loc, alignment, others,
+                    metas)
+    return layout, owner

@@ -112,9 +112,11 @@ from .jit import HELPER, LOOP, trailing_zeros
 DEFAULT_READ_AHEAD_BYTES = 128 * 1024
 """Linux's default readahead maximum, ``read_ahead_kb`` 128 (bytes)."""
 
-SPLIT_RULES = ("none", "md", "apple")
-"""Split rules; the compiled timing model takes a rule as its index here."""
+SPLIT_RULES = ("none", "md", "apple", "storage")
+"""Split rules; the compiled timing model takes a rule as its index here. ``storage``: independent
+drives, an address map saying which drive serves each byte (:mod:`replay.storage`)."""
 APPLE = SPLIT_RULES.index("apple")
+STORAGE = SPLIT_RULES.index("storage")
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ class ArrayProfile:
                 raise InputError(self.name, f"{what} is {value!r}, not a finite {'integer' if kind is int else 'number'}")
         if self.split_rule not in SPLIT_RULES:
             raise InputError(self.name, f"unknown split rule {self.split_rule!r} (choose {', '.join(SPLIT_RULES)})")
-        if self.members < 1 or (self.members > 1 and self.chunk_bytes <= 0):
+        if self.members < 1 or (self.members > 1 and self.split_rule != "storage" and self.chunk_bytes <= 0):
             raise InputError(self.name, "an array needs members >= 1 and a positive chunk size")
         if self.split_rule == "none" and self.members != 1:
             raise InputError(self.name, "split rule 'none' is for a single drive")
@@ -376,9 +378,43 @@ def largest_request(nbytes: int, members: int, chunk: int, rule: int, max_reques
     big = nbytes
     if max_request > 0:
         big = min(big, max_request)
-    if members > 1 and rule != APPLE:
+    if members > 1 and rule != APPLE and rule != STORAGE:
         big = min(big, chunk)
     return big
+
+
+@njit(**HELPER)
+def split_device(addr: int, length: int, dev, pieces: np.ndarray, nbytes: np.ndarray) -> None:
+    """:func:`split_read` for the compiled model's device ``dev`` (:data:`replay.instance.Device`):
+    on independent drives (rule ``storage``) by its address map, else over the array's members."""
+    if dev.rule == STORAGE:
+        split_storage(addr, length, dev.seg_start, dev.seg_drive, dev.members, dev.max_request, pieces, nbytes)
+    else:
+        split_read(addr, length, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
+
+
+@njit(**HELPER)
+def split_storage(start: int, length: int, seg_start: np.ndarray, seg_drive: np.ndarray, drives: int, max_request: int,
+                  pieces: np.ndarray, nbytes: np.ndarray) -> None:
+    """How one read ``[start, start+length)`` lands on independent drives: the address map's
+    segments (``seg_start`` [S] ascending, the first 0; segment ``i`` runs to ``seg_start[i+1]``,
+    the last to the end; ``seg_drive`` [S] its drive, neighbours on different drives) each give
+    the drive they cross one request of the bytes crossed; then the system's request limit
+    ``max_request`` (0: none). Fills ``pieces`` and ``nbytes`` [drives]."""
+    for d in range(drives):
+        pieces[d], nbytes[d] = 0, 0
+    if length <= 0:
+        return
+    i = np.searchsorted(seg_start, start, side="right") - 1
+    pos, end, S = start, start + length, len(seg_start)
+    while pos < end:
+        stop = min(end, seg_start[i + 1]) if i + 1 < S else end
+        d = seg_drive[i]
+        nbytes[d] += stop - pos
+        pieces[d] += 1
+        pos = stop
+        i += 1
+    _limit_requests(drives, max_request, pieces, nbytes)
 
 
 @njit(**HELPER)

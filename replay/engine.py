@@ -92,6 +92,7 @@ from .jit import compile_notice
 from .pagecache import new_page_cache
 from .predictors import RELIABILITY_BINS
 from .runtime import new_lru
+from .storage import StorageProfile
 from .trace import RoutingTrace
 from .unions import (
     DEFAULT_CHUNK_FORWARDS,
@@ -281,7 +282,7 @@ class Replay:
                                            device.drive.max_request_bytes))
         self.table = prefetcher_inputs(config, layout, coupling)
         self.pol = read_policy(config, device)
-        self.dev = device_numbers(device)
+        self.dev = device_numbers(device, layout)
         # a batch union holds at most E experts: working arrays for that serve every chunk
         self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots)
         self.totals = new_results(0, L, E, device.members)
@@ -369,13 +370,23 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       bool(config.backoff))
 
 
-def device_numbers(device: ArrayProfile) -> Device:
-    """The device as the compiled model takes it."""
+def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device:
+    """The device as the compiled model takes it; independent drives
+    (:class:`replay.storage.StorageProfile`) with their address map for ``layout``."""
     d = device.drive
-    return Device(int(device.members), int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
+    M = int(device.members)
+    if isinstance(device, StorageProfile):
+        drives = [p.drive for p in device.drives]
+        per = [np.array(x, dtype=np.float64) for x in zip(*((p.request_seconds, p.bandwidth, p.request_bandwidth,
+                                                               p.request_channel_seconds) for p in drives))]
+        seg_start, seg_drive = device.address_map(layout, file_bases(layout))
+    else:
+        per = [np.full(M, float(x)) for x in (d.request_seconds, d.bandwidth, d.request_bandwidth, d.request_channel_seconds)]
+        seg_start, seg_drive = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return Device(M, int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
                  float(d.request_seconds), float(d.bandwidth), int(d.queue_slots), float(device.host_bandwidth),
                  float(device.full_bandwidth), float(d.request_bandwidth), int(d.max_request), d.service == "shared",
-                 float(d.request_channel_seconds))
+                 float(d.request_channel_seconds), *per, seg_start, seg_drive)
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

@@ -40,7 +40,7 @@ from .admission import (
     record_demand,
     record_outcome,
 )
-from .device import largest_request, split_read
+from .device import largest_request, split_device
 from .jit import HELPER, LOOP, STAGE, fetch_lines
 from .predictors import (
     FUSED,
@@ -108,7 +108,8 @@ and ``prefetch_experts`` (its K, or the queue-slot budget Q); ``admission`` (an 
 ``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
-                               "stream_bandwidth max_request shared request_channel")
+                               "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "
+                               "m_channel seg_start seg_drive")
 """A :class:`replay.device.ArrayProfile` as plain numbers (:func:`replay.engine.device_numbers`):
 ``members``, ``chunk`` (stripe bytes), ``rule`` (an index into ``SPLIT_RULES``); per drive
 ``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
@@ -116,7 +117,11 @@ b_1 (bytes/s, at most B: :mod:`replay.device`'s queue model), ``max_request`` (b
 system's largest drive request, 0 for none), ``shared`` (the drives share their channel among
 the reads in them, bool: :mod:`replay.device`'s service discipline), ``request_channel`` c (s
 each request holds the channel beyond its bytes); ``host_bandwidth`` and
-``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
+``full_bandwidth`` (the array's large-read ceiling), bytes/s. Per member [M], what the reads use:
+``m_request`` a, ``m_bandwidth`` B, ``m_stream`` b_1, ``m_channel`` c (the drive's figures on
+every member of an array; each drive's own on independent drives); ``seg_start``, ``seg_drive``
+the address map of independent drives (rule ``storage``: :func:`replay.device.split_storage`;
+empty otherwise)."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru pages")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
@@ -336,7 +341,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         host[0], host[1] = max(host[0] - next_at, 0.0), max(host[1] - next_at, 0.0)
         drives.busy[0] = max(drives.busy[0] - next_at, 0.0)
     for m in range(dev.members):
-        usage.transfer_seconds[m] = drives.member_bytes[m] / dev.bandwidth
+        usage.transfer_seconds[m] = drives.member_bytes[m] / dev.m_bandwidth[m]
 
 
 @njit(**STAGE)
@@ -644,17 +649,18 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
         return _serve_shared(addr, n, t, dev, drives, usage)
     pieces, nbytes, mfree, sfree, host = drives.pieces, drives.nbytes, drives.free, drives.small_free, drives.host
     slots = drives.slots
-    split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
+    split_device(addr, n, dev, pieces, nbytes)
     small = n <= SMALL_READ_BYTES
-    a, Q = dev.request_seconds, dev.queue_slots
+    Q = dev.queue_slots
     done = -np.inf
     for m in range(dev.members):
         drives.member_bytes[m] += nbytes[m]
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
+            a = dev.m_request[m]
             size = nbytes[m] / pieces[m]
-            xfer = dev.request_channel + size / dev.bandwidth
-            serve = a + largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request) / dev.stream_bandwidth
+            xfer = dev.m_channel[m] + size / dev.m_bandwidth[m]
+            serve = a + largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request) / dev.m_stream[m]
             chan = sfree[m] if small else mfree[m]
             mdone = t
             for _ in range(pieces[m]):
@@ -665,7 +671,7 @@ def _serve_read(addr, n, warm, t, dev, drives, usage):
                 mdone = max(mdone, d)
             usage.residence_seconds[m] += mdone - t
             if small:
-                mfree[m] += pieces[m] * dev.request_channel + nbytes[m] / dev.bandwidth
+                mfree[m] += pieces[m] * dev.m_channel[m] + nbytes[m] / dev.m_bandwidth[m]
                 sfree[m] = chan
             else:
                 mfree[m] = chan
@@ -692,16 +698,16 @@ def _serve_shared(addr, n, t, dev, drives, usage):
     in all, the largest of ``r`` (:func:`replay.device.largest_request`; ``C``:
     :func:`_channel_rate`). Returns its completion time (s)."""
     pieces, nbytes, mfree = drives.pieces, drives.nbytes, drives.free
-    split_read(addr, n, dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
-    C = _channel_rate(dev)
+    split_device(addr, n, dev, pieces, nbytes)
     done = t
     for m in range(dev.members):
         drives.member_bytes[m] += nbytes[m]
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
+            C = _channel_rate(dev, m)
             entry = _command(m, t, dev, drives)
             big = largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request)
-            mdone = max(entry, mfree[m]) + max(big / dev.stream_bandwidth, pieces[m] * dev.request_channel + nbytes[m] / C)
+            mdone = max(entry, mfree[m]) + max(big / dev.m_stream[m], pieces[m] * dev.m_channel[m] + nbytes[m] / C)
             mfree[m] = mdone
             usage.residence_seconds[m] += mdone - t
             done = max(done, mdone)
@@ -719,9 +725,9 @@ def _count_busy(t, done, drives, usage):
 
 
 @njit(**HELPER)
-def _channel_rate(dev):
-    """A shared member's channel rate C (bytes/s): the drive's, or its even share of the host link."""
-    return min(dev.bandwidth, dev.host_bandwidth / dev.members)
+def _channel_rate(dev, m):
+    """Shared member ``m``'s channel rate C (bytes/s): the drive's, or its even share of the host link."""
+    return min(dev.m_bandwidth[m], dev.host_bandwidth / dev.members)
 
 
 @njit(**HELPER)
@@ -730,8 +736,8 @@ def _command(m, t, dev, drives):
     latency ``a`` (one command per read, however many requests the system split it into); returns
     when it has passed it (s): the read's bytes enter the channel then."""
     t0 = max(drives.slots[m, drives.head[m]], t)
-    _take_slot(drives.slots[m], drives.head, m, dev.queue_slots, t0 + dev.request_seconds)
-    return t0 + dev.request_seconds
+    _take_slot(drives.slots[m], drives.head, m, dev.queue_slots, t0 + dev.m_request[m])
+    return t0 + dev.m_request[m]
 
 
 @njit(**HELPER)
@@ -768,7 +774,6 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
         for j in range(P + 1):
             enter[m, j], rem[m, j] = np.inf, np.inf
     share.busy[0] = 0.0
-    C = _channel_rate(dev)
     next_job, left, pilot_busy = 0, n_jobs, False
     while True:
         tc, mc, te, me = np.inf, -1, np.inf, -1  # the next read to leave a channel, and to enter one
@@ -793,7 +798,7 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
             share.active[mc] -= 1
             share.last[mc] = max(share.last[mc], tc)
             usage.residence_seconds[mc] += tc - share.issued[jc]
-            _member_events(share, mc, C)
+            _member_events(share, mc, _channel_rate(dev, mc))
             share.parts[jc] -= 1
             if share.parts[jc] == 0:
                 if jc == P:
@@ -805,7 +810,7 @@ def _shared_pool(n_jobs, n_workers, start, jobs, reads, workers, pilot, dev, dri
             rem[me, je] = share.size[me, je]
             share.active[me] += 1
             enter[me, je] = np.inf
-            _member_events(share, me, C)
+            _member_events(share, me, _channel_rate(dev, me))
         else:
             if w == P:
                 r = job_read[pilot.state[PILOT_NEXT]] + pilot.state[PILOT_POS]
@@ -878,19 +883,19 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
     members, on each it holds a command slot and waits to enter the channel. Returns
     whether it reads any byte (an empty read completes at once)."""
     pieces, nbytes = drives.pieces, drives.nbytes
-    split_read(reads.addr[r], reads.length[r], dev.members, dev.chunk, dev.rule, dev.max_request, pieces, nbytes)
-    C = _channel_rate(dev)
+    split_device(reads.addr[r], reads.length[r], dev, pieces, nbytes)
     share.issued[j] = t
     parts = 0
     for m in range(dev.members):
         drives.member_bytes[m] += nbytes[m]
         usage.requests[m] += pieces[m]
         if nbytes[m] > 0:
+            C = _channel_rate(dev, m)
             share.enter[m, j] = _command(m, t, dev, drives)
-            work = nbytes[m] + pieces[m] * dev.request_channel * C    # its bytes and its requests' channel time
+            work = nbytes[m] + pieces[m] * dev.m_channel[m] * C    # its bytes and its requests' channel time
             share.size[m, j] = work
             big = largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request)
-            share.cap[m, j] = dev.stream_bandwidth * (work / big)   # its bytes in the time of its largest request
+            share.cap[m, j] = dev.m_stream[m] * (work / big)   # its bytes in the time of its largest request
             if share.enter[m, j] < share.next_enter[m]:
                 share.next_enter[m], share.enter_by[m] = share.enter[m, j], j
             parts += 1
