@@ -42,6 +42,8 @@ SERIAL = "none"
 """``--scheduler`` value for the serial path (no Dask)."""
 LOCAL = "local"
 """``--scheduler`` value for a local cluster on this machine's cores (the default)."""
+CONNECT_GRACE_S = 2.0
+"""Seconds a connection attempt is given beyond its timeout to report before it is abandoned."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,33 @@ def dask_available() -> bool:
     return True
 
 
+def _connect(client_class, scheduler: str, timeout_s: float):
+    """A client of the scheduler at ``scheduler``, or one :class:`InputError` within about
+    ``timeout_s`` seconds: whatever answers there (nothing, an HTTP server, garbage) is given that
+    long, in a thread of its own, so no reply can hold the command."""
+    import threading
+
+    box = {}
+
+    def connect():
+        try:
+            box["client"] = client_class(scheduler, timeout=f"{timeout_s}s")
+        except BaseException as e:          # noqa: BLE001 - whatever the peer made it raise, reported below
+            box["error"] = e
+
+    thread = threading.Thread(target=connect, name="relayout-dask-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s + CONNECT_GRACE_S)
+    if thread.is_alive():
+        raise InputError(None, f"the Dask scheduler at {scheduler} did not answer within {timeout_s:g} s "
+                               "(is a Dask scheduler listening there?)")
+    if "error" in box:
+        e = box["error"]
+        raise InputError(None, f"cannot reach the Dask scheduler at {scheduler} ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'})")
+    return box["client"]
+
+
 @contextlib.contextmanager
 def open_executor(scheduler: str | None = LOCAL, workers: int | None = None, timeout_s: float = 10.0) -> Iterator[Executor]:
     """An executor for ``scheduler`` (``local``, ``none`` or an address), closed on exit.
@@ -192,9 +221,6 @@ def open_executor(scheduler: str | None = LOCAL, workers: int | None = None, tim
                           silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
             yield DaskExecutor(client, f"local Dask cluster ({n} worker processes)")
         return
-    try:
-        client = Client(scheduler, timeout=f"{timeout_s}s")
-    except (OSError, TimeoutError, ValueError) as e:
-        raise InputError(None, f"cannot reach the Dask scheduler at {scheduler}: {e}") from None
+    client = _connect(Client, scheduler, timeout_s)
     with client:
         yield DaskExecutor(client, f"Dask cluster at {scheduler}")
