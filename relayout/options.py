@@ -72,11 +72,14 @@ def integer(lo: int, hi: int | None):
 
 
 def numbers(lo: float, hi: float | None, whole: bool = False):
-    """Comma-separated numbers (whole numbers with ``whole``), each in ``[lo, hi]``: a tuple."""
+    """Comma-separated numbers (whole numbers with ``whole``), each in ``[lo, hi]``, at least one: a tuple."""
     one = integer(lo, hi) if whole else number(lo, hi)
 
     def parse(text: str) -> tuple:
-        return tuple(one(x) for x in text.split(",") if x.strip())
+        items = tuple(one(x) for x in text.split(",") if x.strip())
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r} lists no number")
+        return items
 
     parse.__name__ = "list"
     return parse
