@@ -285,7 +285,8 @@ def test_shipped_device_profiles_load():
 # ------------------------------------------------------------------ schedulers that never answer
 
 
-def _silent_listener():
+def _listener(greeting: bytes = b""):
+    """A loopback listener that accepts, sends ``greeting`` and then nothing."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -294,7 +295,9 @@ def _silent_listener():
     def accept():
         while True:
             try:
-                held.append(srv.accept()[0])
+                conn = srv.accept()[0]
+                conn.sendall(greeting)
+                held.append(conn)
             except OSError:
                 return
 
@@ -307,13 +310,13 @@ class _QuietHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("kind", ["silent", "http"])
+@pytest.mark.parametrize("kind", ["silent", "http", "garbage"])
 def test_a_scheduler_address_that_never_answers_as_dask_is_an_error_within_seconds(kind):
     pytest.importorskip("distributed")
     from replay.cluster import open_executor
 
-    if kind == "silent":
-        srv, held = _silent_listener()
+    if kind != "http":
+        srv, held = _listener(b"HTTP/1.1 200 OK\r\n\r\n" if kind == "garbage" else b"")
         port, close = srv.getsockname()[1], srv.close
     else:
         httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
@@ -321,7 +324,7 @@ def test_a_scheduler_address_that_never_answers_as_dask_is_an_error_within_secon
         port, close = httpd.server_address[1], httpd.shutdown
     try:
         t0 = time.monotonic()
-        with pytest.raises(InputError, match="Dask scheduler at tcp://127.0.0.1"):
+        with pytest.raises(InputError, match="not a Dask scheduler" if kind == "garbage" else "did not answer within 2 s"):
             with open_executor(f"tcp://127.0.0.1:{port}", timeout_s=2):
                 pass
         assert time.monotonic() - t0 < 30
