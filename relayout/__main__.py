@@ -1,3 +1,5 @@
+"""``python -m relayout``: SIGTERM and Ctrl-C end even the start-up (imports) with one line and exit 130."""
+
 import signal
 import sys
 
@@ -12,5 +14,4 @@ try:
 except KeyboardInterrupt:
     print("relayout: interrupted while starting", file=sys.stderr)
     raise SystemExit(130) from None
-signal.signal(signal.SIGTERM, signal.SIG_DFL)
 raise SystemExit(main())
