@@ -16,7 +16,6 @@ runtime that reads segments: :meth:`Container.report` counts such experts (``spl
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from .errors import InputError
 from .geometry import PROJECTIONS, ExpertFormat, LayerNumbering, projection_shape
+from .jsonfile import parse_json
 from .safetensors_io import ShardHeader, TensorEntry, read_header
 from .shard_metadata import container_stamps
 
@@ -95,7 +95,7 @@ class ModelConfig(LayerNumbering):
             size = path.stat().st_size
             if size > CONFIG_MAX_BYTES:
                 raise InputError(path, f"{size} bytes; a config.json over {CONFIG_MAX_BYTES} bytes is refused")
-            obj = json.loads(path.read_bytes().decode("utf-8"))
+            obj = parse_json(path.read_bytes().decode("utf-8"))
         except OSError as exc:
             raise InputError(path, f"cannot read ({exc.strerror or exc})") from None
         except RecursionError:

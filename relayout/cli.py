@@ -26,6 +26,7 @@ from replay.config import PREFETCH_SOURCES
 from replay.planfile import METHODS
 
 from . import __version__, drives_command
+from . import options as opt
 from .coactivation import WEIGHTS
 from .render import (
     format_calibration,
@@ -239,15 +240,8 @@ def _runtime_config(args):
         compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
         prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
         prefetch_bytes=int(getattr(args, "prefetch_budget_mb", 0.0) * 1e6),
-        source_caps=_floats(getattr(args, "source_caps", None) or ""),
+        source_caps=list(getattr(args, "source_caps", None) or ()),
     )
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise InputError(None, f"expected comma-separated numbers, got {text!r}") from None
 
 
 EXIT_FAIL = 3
@@ -287,7 +281,7 @@ def cmd_replay(args) -> int:
         return _replay_hypotheses(args, plan, trace, device, config)
     if args.sweep:
         with open_executor(args.scheduler) as executor:
-            cells = sweep(plan, trace, device, config, _sweep_ram_gb(args, plan), [int(w) for w in _floats(args.sweep_workers)],
+            cells = sweep(plan, trace, device, config, _sweep_ram_gb(args, plan), list(args.sweep_workers),
                           args.threshold, baseline, args.min_sessions, executor)
         if args.output:
             write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
@@ -345,7 +339,7 @@ def _sweep_ram_gb(args, plan) -> list[float]:
     """``--sweep-ram`` as given (each checked against the model), or shares of the model's routed
     bytes, with ``--ram-gb`` among them when it is set."""
     if args.sweep_ram:
-        budgets = _floats(args.sweep_ram)
+        budgets = list(args.sweep_ram)
         for gb in budgets:
             _check_ram(int(gb * 1e9), plan)
         return budgets
@@ -376,7 +370,7 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
     expert = int(plan.layout.expert_bytes().max())
     if args.sweep:
         ram = [int(x * 1e9) for x in _sweep_ram_gb(args, plan)]
-        budgets = ([int(x * 1e6) for x in _floats(args.sweep_budgets_mb)] if args.sweep_budgets_mb else
+        budgets = ([int(x * 1e6) for x in args.sweep_budgets_mb] if args.sweep_budgets_mb else
                    sorted({max(1, config.prefetch_experts // 2) * expert, config.prefetch_experts * expert}))
     else:
         ram, budgets = [config.ram_bytes], [config.prefetch_bytes]
@@ -453,8 +447,8 @@ def cmd_split_curve(args) -> int:
         raise InputError(None, "the split curve compares LRU and resident tops within --ram-gb; --pin-gb does not apply")
     plan = load_plan(args.layout)
     trace = load_trace(args.trace)
-    curve = split_curve(plan, trace, load_device(args.device), _runtime_config(args), [int(x * 1e9) for x in _floats(args.ram_budgets_gb)],
-                        tuple(_floats(args.ratios)), tuple(_floats(args.top_shares)), min_sessions=args.min_sessions)
+    curve = split_curve(plan, trace, load_device(args.device), _runtime_config(args), [int(x * 1e9) for x in args.ram_budgets_gb],
+                        args.ratios, args.top_shares, min_sessions=args.min_sessions)
     if args.output:
         write_json_atomic(args.output, curve.to_json())
     print(json.dumps(curve.to_json(), indent=1) if args.json else format_split_curve(curve))
@@ -684,12 +678,12 @@ def _command(sub, name: str, help: str, func=None) -> argparse.ArgumentParser:
 def _geometry_options(c: argparse.ArgumentParser, full: bool = True) -> None:
     """Pick a geometry and scale it down (the absolute numbering of layers is kept)."""
     g = c.add_argument_group("geometry (scaled-down models keep the real numbering of layers)")
-    g.add_argument("--moe-layers", type=int, help="number of MoE layers (default: the geometry's)")
-    g.add_argument("--experts", type=int, help="routed experts per layer (default: the geometry's)")
+    g.add_argument("--moe-layers", type=opt.integer(1, 4096), help="number of MoE layers (default: the geometry's)")
+    g.add_argument("--experts", type=opt.integer(1, 32767), help="routed experts per layer (default: the geometry's)")
     if full:
-        g.add_argument("--hidden", type=int, help="hidden size (default: the geometry's)")
-        g.add_argument("--ffn", type=int, help="expert FFN (moe_intermediate) size (default: the geometry's)")
-        g.add_argument("--vocab", type=int, help="vocabulary size, embedding and lm_head rows (default: the geometry's)")
+        g.add_argument("--hidden", type=opt.integer(1, 1 << 20), help="hidden size (default: the geometry's)")
+        g.add_argument("--ffn", type=opt.integer(1, 1 << 20), help="expert FFN (moe_intermediate) size (default: the geometry's)")
+        g.add_argument("--vocab", type=opt.integer(1, 1 << 24), help="vocabulary size, embedding and lm_head rows (default: the geometry's)")
 
 
 def _scheduler_option(c, what: str) -> None:
@@ -704,15 +698,15 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
     ``ram``: the LRU's budget, which a command sweeping budgets takes its own way)."""
     r = c.add_argument_group("runtime (colibrì's read path)")
     if ram:
-        r.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
-    r.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
+        r.add_argument("--ram-gb", type=opt.gigabytes, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
+    r.add_argument("--workers", type=opt.integer(1, 1024), default=8, help="reader workers, 1-16")
     r.add_argument("--batched", action="store_true", help="a batched queue (io_uring-style, 64 loads in flight) instead of workers")
     r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file")
-    r.add_argument("--coalesce-max-mb", type=float, default=268.435456, help="largest coalesced read, MB")
+    r.add_argument("--coalesce-max-mb", type=opt.positive_megabytes, default=268.435456, help="largest coalesced read, MB")
     r.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
-    r.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms"
+    r.add_argument("--dense-ms", type=opt.milliseconds, default=1.0, help="per-layer compute before routing, ms"
                                                             + ("" if modelled else " (slept)"))
-    r.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second"
+    r.add_argument("--compute-gbps", type=opt.rate_gbps, default=50.0, help="expert matmul speed, GB of weights per second"
                                                                  + ("" if modelled else " (slept)"))
     r.add_argument("--prefetch", type=_prefetch_setting if modelled else str, default="none",
                    choices=None if modelled else PREFETCH_SOURCES, metavar="SOURCE" if modelled else None,
@@ -722,10 +716,10 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
                            "sessions), or several of coupled, heat, persistence, session joined by '+' (e.g. "
                            "coupled+persistence: their probabilities fused by a log-odds regression learned on the "
                            "training sessions; needs --policy)" if modelled else "; needs --layout)"))
-    r.add_argument("--prefetch-experts", type=int, default=6, help="experts the prefetcher loads per layer (K, 1-64)")
+    r.add_argument("--prefetch-experts", type=opt.integer(1, 64), default=6, help="experts the prefetcher loads per layer (K, 1-64)")
     if modelled:
-        r.add_argument("--pin-gb", type=float, default=0.0, help="pin the hottest experts (training heat), GB")
-        r.add_argument("--other-ms", type=float, default=0.0, help="other overhead per token (O in TPOT), ms")
+        r.add_argument("--pin-gb", type=opt.gigabytes, default=0.0, help="pin the hottest experts (training heat), GB")
+        r.add_argument("--other-ms", type=opt.milliseconds, default=0.0, help="other overhead per token (O in TPOT), ms")
 
 
 def _rewrite_options(c: argparse.ArgumentParser, src_flag: bool) -> None:
@@ -738,7 +732,7 @@ def _rewrite_options(c: argparse.ArgumentParser, src_flag: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = opt.OneLineParser(
         prog="relayout", formatter_class=_Help,
         description="Co-activation layouts for MoE expert containers streamed from NVMe: plan, replay and gate, "
                     "rewrite, verify, measure. Every bad input is one line on stderr and exit status 2.",
@@ -757,8 +751,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="the new directory")
     c.add_argument("--geometry", required=True, help=f"one of {geometries} or a geometry JSON file")
     _geometry_options(c)
-    c.add_argument("--shard-mb", type=float, help="target shard size in MB, 10^6 bytes (default: the geometry's)")
-    c.add_argument("--seed", type=int, default=0, help="seed of the tensor bytes and the shard cuts")
+    c.add_argument("--shard-mb", type=opt.positive_megabytes, help="target shard size in MB, 10^6 bytes (default: the geometry's)")
+    c.add_argument("--seed", type=opt.seed, default=0, help="seed of the tensor bytes and the shard cuts")
     c.add_argument("--sparse", action="store_true", help="sparse files: real headers, each tensor a 4 KiB seeded stamp "
                                                          "then holes (zeros); a full-size container in a few GB of disk")
     c.add_argument("--stamp", action="store_true", help="stamp the format of every quantised tensor that is not a routed "
@@ -769,9 +763,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="the trace file to write (.rt)")
     c.add_argument("--geometry", required=True, help=f"one of {geometries} or a geometry JSON file")
     _geometry_options(c, full=False)
-    c.add_argument("--tokens", type=int, default=2000, help="decode tokens in all")
-    c.add_argument("--sessions", type=int, default=8, help="sessions the tokens are split into")
-    c.add_argument("--seed", type=int, default=0, help="seed of the routing")
+    c.add_argument("--tokens", type=opt.positive_count, default=2000, help="decode tokens in all")
+    c.add_argument("--sessions", type=opt.positive_count, default=8, help="sessions the tokens are split into")
+    c.add_argument("--seed", type=opt.seed, default=0, help="seed of the routing")
     c.add_argument("--fit", metavar="ATLAS", help="fit heat and lift to a co-activation atlas and report the error: a shipped "
                                               f"atlas ({', '.join(atlas_names())}) or an atlas JSON file")
 
@@ -812,29 +806,29 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--container", help="the container the plan is for")
     src.add_argument("--manifest", help=f"its manifest (default DIR/{MANIFEST_NAME}; hashed now if absent)")
     src.add_argument("--geometry", help=f"plan for a geometry's converter layout instead ({geometries} or a JSON file)")
-    src.add_argument("--source-shard-mb", type=float, help="with --geometry: the source's shard size, MB (as given to synth)")
-    src.add_argument("--synth-seed", type=int, default=0, help="with --geometry: seed of the synthetic container it mirrors")
+    src.add_argument("--source-shard-mb", type=opt.positive_megabytes, help="with --geometry: the source's shard size, MB (as given to synth)")
+    src.add_argument("--synth-seed", type=opt.seed, default=0, help="with --geometry: seed of the synthetic container it mirrors")
     _geometry_options(s)
     m = s.add_argument_group("ordering")
     m.add_argument("--method", default="louvain", choices=METHODS, help="how each layer's experts are ordered")
-    m.add_argument("--train-fraction", type=float, default=0.7, help="first fraction of sessions to learn from")
-    m.add_argument("--seed", type=int, default=0, help="seed of Louvain and the random baseline")
-    m.add_argument("--resolution", type=float, default=1.0, help="Louvain resolution")
+    m.add_argument("--train-fraction", type=opt.number(0.0, 1.0, lo_open=True), default=0.7, help="first fraction of sessions to learn from")
+    m.add_argument("--seed", type=opt.seed, default=0, help="seed of Louvain and the random baseline")
+    m.add_argument("--resolution", type=opt.number(0.0, 1e6, lo_open=True), default=1.0, help="Louvain resolution")
     m.add_argument("--weight", default="count", choices=WEIGHTS, help="co-activation edge weight")
-    m.add_argument("--min-support", type=int, default=1, help="minimum co-selections for an edge")
+    m.add_argument("--min-support", type=opt.positive_count, default=1, help="minimum co-selections for an edge")
     _scheduler_option(m, "pooled counting (one task per trace file; a single trace is counted in this process)")
     k = s.add_argument_group("packing")
-    k.add_argument("--shard-mb", type=float, default=4000, help="target size of new shards, MB")
-    k.add_argument("--alignment", type=int, default=4096, help="block alignment in bytes (e.g. a RAID chunk size)")
+    k.add_argument("--shard-mb", type=opt.positive_megabytes, default=4000, help="target size of new shards, MB")
+    k.add_argument("--alignment", type=opt.integer(1, 1 << 30), default=4096, help="block alignment in bytes (e.g. a RAID chunk size)")
     k.add_argument("--scales-with-weights", action="store_true", help="put each expert's scales right after its weights")
     v = s.add_argument_group("vertical split")
-    v.add_argument("--split-ratio", type=float, help="fraction of the FFN in the top segment (default: no split)")
-    v.add_argument("--split-ram-gb", type=float, help="RAM for resident top segments, GB (needed with --split-ratio)")
+    v.add_argument("--split-ratio", type=opt.number(0.0, 1.0, lo_open=True), help="fraction of the FFN in the top segment (default: no split)")
+    v.add_argument("--split-ram-gb", type=opt.gigabytes, help="RAM for resident top segments, GB (needed with --split-ratio)")
     v.add_argument("--split-rule", default="stall", choices=RULES,
                    help="rank tops by heat per byte, closed-form stall per byte, or replayed wait per byte")
-    v.add_argument("--cache-gb", type=float, help="LRU cache the split competes with, GB (stall and replay rules; default 0)")
+    v.add_argument("--cache-gb", type=opt.gigabytes, help="LRU cache the split competes with, GB (stall and replay rules; default 0)")
     v.add_argument("--split-device", default="mac-pro-2019-applraid-4x", help="device profile for the replay rule")
-    v.add_argument("--split-workers", type=int, default=8, help="reader workers for the replay rule")
+    v.add_argument("--split-workers", type=opt.integer(1, 1024), default=8, help="reader workers for the replay rule")
 
     s = _command(sub, "replay", "replay held-out routing through baseline and plan layouts; gate the rewrite", cmd_replay)
     s.add_argument("--layout", required=True, metavar="PLAN.json",
@@ -852,11 +846,11 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_options(s, modelled=True)
     g = s.add_argument_group("gate")
     g.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
-    g.add_argument("--threshold", type=float, default=0.05, help="fraction of baseline TPOT the interval's low end must save")
+    g.add_argument("--threshold", type=opt.fraction, default=0.05, help="fraction of baseline TPOT the interval's low end must save")
     g.add_argument("--tpot-from", metavar="RUN.jsonl",
                    help="take TPOT's compute and other time per token from a measured STALL_TRACE (relayout measure), "
                         "so the threshold is relative to a TPOT you recognise (default: the compute model and --other-ms)")
-    g.add_argument("--min-sessions", type=int, default=5,
+    g.add_argument("--min-sessions", type=opt.positive_count, default=5,
                    help="held-out sessions a verdict needs; with fewer the verdict is 'insufficient' (steps are then "
                         "resampled in blocks)")
     g.add_argument("--strict", action="store_true",
@@ -866,9 +860,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print JSON")
     w = s.add_argument_group("sweep")
     w.add_argument("--sweep", action="store_true", help="regime map over RAM budgets x workers x coalesce")
-    w.add_argument("--sweep-ram", help="RAM budgets for --sweep, GB, comma-separated (default: 0, 1/8, 1/4 and 1/2 of "
-                                        "the model's routed expert bytes, and --ram-gb when given)")
-    w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
+    w.add_argument("--sweep-ram", type=opt.numbers(0.0, opt.GB_MAX),
+                   help="RAM budgets for --sweep, GB, comma-separated (default: 0, 1/8, 1/4 and 1/2 of the model's routed "
+                        "expert bytes, and --ram-gb when given)")
+    w.add_argument("--sweep-workers", type=opt.numbers(1, 1024, whole=True), default="1,2,8,16", help="worker counts for --sweep")
     _scheduler_option(w, "the sweep's cells (one task per cell)")
     h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate)")
     h.add_argument("--policy", metavar="NAME[,NAME...]",
@@ -876,11 +871,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "stall-value, oracle, or 'all'); over --prefetch's source (coupled when none); prints H2's table, "
                         "with --sweep every hypothesis over --sweep-ram x --sweep-budgets-mb")
     h.add_argument("--hypotheses", metavar="H[,H...]", help="which tables: H2, H3a, H3b, H5 (default: H2; with --sweep all four)")
-    h.add_argument("--prefetch-budget-mb", type=float, default=0.0,
+    h.add_argument("--prefetch-budget-mb", type=opt.megabytes, default=0.0,
                    help="speculative bytes admitted per layer (B), MB; 0 = only the queue-slot budget --prefetch-experts limits")
-    h.add_argument("--sweep-budgets-mb", help="speculative-byte budgets for --sweep --policy, MB per layer "
+    h.add_argument("--sweep-budgets-mb", type=opt.numbers(0.0, opt.MB_MAX), help="speculative-byte budgets for --sweep --policy, MB per layer "
                                               "(default: half and all of --prefetch-experts experts' worth)")
-    h.add_argument("--source-caps", metavar="SHARE[,SHARE...]",
+    h.add_argument("--source-caps", type=opt.numbers(0.0, 1.0), metavar="SHARE[,SHARE...]",
                    help="per-source caps for --prefetch a+b: the most of B and of --prefetch-experts each source's "
                         "candidates take per layer, one share (0-1) per source in --prefetch's order (default: no caps; "
                         "H5's source-caps arm: equal shares)")
@@ -894,12 +889,12 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_options(s, modelled=True)
     a = s.add_argument_group("arms")
     a.add_argument("--arms", help="comma-separated arms (default: lru,frequency,hybrid,probability-per-byte,stall-value)")
-    a.add_argument("--pin-share", type=float, default=0.5,
+    a.add_argument("--pin-share", type=opt.fraction, default=0.5,
                    help="share of --ram-gb the frequency, hybrid and probability arms pin (colibrì's default: half); "
                         "the stall-value arm searches it")
-    a.add_argument("--half-life", type=float, help="hybrid arm: half-life of a selection's weight, training steps "
+    a.add_argument("--half-life", type=opt.number(0.0, 1e12, lo_open=True), help="hybrid arm: half-life of a selection's weight, training steps "
                                                    "(default: a quarter of the training steps)")
-    a.add_argument("--min-sessions", type=int, default=5, help="held-out sessions a comparison needs")
+    a.add_argument("--min-sessions", type=opt.positive_count, default=5, help="held-out sessions a comparison needs")
     o = s.add_argument_group("output")
     o.add_argument("--export", default="stall-value", help="the arm whose pins --pin-file and --plan-out write")
     o.add_argument("--pin-file", metavar="PIN.txt", help="write that arm's pins as colibrì's PIN file (layer expert rank lines)")
@@ -914,12 +909,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", required=True, help=f"a shipped profile ({', '.join(shipped_names('devices'))}) or a profile JSON")
     _runtime_options(s, modelled=True, ram=False)
     c = s.add_argument_group("curve")
-    c.add_argument("--ram-gb", dest="ram_budgets_gb", required=True, help="RAM budgets, GB, comma-separated (the curve's x axis)")
-    c.add_argument("--ratios", default="0.125,0.25,0.375,0.5", help="split ratios searched (FFN share of the top; 0 = no split "
+    c.add_argument("--ram-gb", dest="ram_budgets_gb", type=opt.numbers(0.0, opt.GB_MAX), required=True, help="RAM budgets, GB, comma-separated (the curve's x axis)")
+    c.add_argument("--ratios", type=opt.numbers(0.0, 1.0), default="0.125,0.25,0.375,0.5", help="split ratios searched (FFN share of the top; 0 = no split "
                                                                    "is always searched)")
-    c.add_argument("--top-shares", default="0.25,0.5,0.75,1", help="shares of each budget for resident tops searched "
+    c.add_argument("--top-shares", type=opt.numbers(0.0, 1.0), default="0.25,0.5,0.75,1", help="shares of each budget for resident tops searched "
                                                                   "(the LRU holds whole experts in the rest)")
-    c.add_argument("--min-sessions", type=int, default=5, help="held-out sessions a comparison needs")
+    c.add_argument("--min-sessions", type=opt.positive_count, default=5, help="held-out sessions a comparison needs")
     c.add_argument("-o", "--output", help="write both curves as JSON")
     c.add_argument("--json", action="store_true", help="print JSON")
 
@@ -941,8 +936,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = _command(sub, "calibrate", "measure the device holding PATH and fit a device profile", cmd_calibrate)
     s.add_argument("path", help="a directory (a temporary test file is written there) or a large file")
     s.add_argument("-o", "--output", required=True, metavar="device.json", help="the profile to write")
-    s.add_argument("--size-mb", type=int, default=1024, help="test file size when PATH is a directory, MiB (>= 64)")
-    s.add_argument("--seconds", type=float, default=0.4, help="time per (request size, queue depth) cell (0.05-60)")
+    s.add_argument("--size-mb", type=opt.integer(64, 1 << 30), default=1024, help="test file size when PATH is a directory, MiB (>= 64)")
+    s.add_argument("--seconds", type=opt.number(0.05, 60.0), default=0.4, help="time per (request size, queue depth) cell (0.05-60)")
     s.add_argument("--name", help="profile name (default: from PATH)")
 
     s = _command(sub, "validate", "measure S for real on the disk holding PATH and compare it with the replay model's "
@@ -953,20 +948,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"use this profile ({', '.join(shipped_names('devices'))} or a JSON) instead of calibrating PATH")
     s.add_argument("--container", metavar="DIR", help="measure this container (on the disk under test; only read) instead "
                                                       "of a synthetic one; each non-stock layout is a full copy under PATH")
-    s.add_argument("--gb", type=float, default=1.0, help="size of the synthetic container (GLM-5.2 int4-row, 18.9 MB experts), GB")
-    s.add_argument("--minutes", type=float, help="fit the whole run in about this many minutes: a probe measurement "
+    s.add_argument("--gb", type=opt.positive_gigabytes, default=1.0, help="size of the synthetic container (GLM-5.2 int4-row, 18.9 MB experts), GB")
+    s.add_argument("--minutes", type=opt.number(0.0, 1e5, lo_open=True), help="fit the whole run in about this many minutes: a probe measurement "
                                                  "chooses --reps (>= 2) and/or --tokens")
-    s.add_argument("--tokens", type=int, help="held-out steps measured and replayed per run (default 40)")
-    s.add_argument("--reps", type=int, help="measured repetitions per cell, >= 2 (default 4; an even count "
+    s.add_argument("--tokens", type=opt.count, help="held-out steps measured and replayed per run (default 40)")
+    s.add_argument("--reps", type=opt.count, help="measured repetitions per cell, >= 2 (default 4; an even count "
                                             "counterbalances the run order)")
     s.add_argument("--layouts", default="stock,louvain,random", help="layouts to measure; stock is the baseline")
     s.add_argument("--ram", default="0,0.25", help="RAM budgets for the expert LRU, fractions of the routed bytes")
     s.add_argument("--prefetch", default="none", help=f"prefetch sources ({', '.join(PREFETCH_SOURCES)}); with none among "
                                                       "them each source's saving against none is judged too")
-    s.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
+    s.add_argument("--workers", type=opt.count, default=8, help="reader workers, 1-16")
     s.add_argument("--coalesce", action="store_true", help="coalesce adjacent experts' reads (colibrì's COALESCE), "
                                                          "measured and modelled alike: where the order of experts matters")
-    s.add_argument("--seed", type=int, default=0, help="seed of the synthetic container, trace and plans")
+    s.add_argument("--seed", type=opt.seed, default=0, help="seed of the synthetic container, trace and plans")
     s.add_argument("-o", "--output", default="validation.json", help="the record to write (a calibrated profile is saved "
                                                                      "next to it as NAME.device.json)")
     s.add_argument("--plots", metavar="DIR", help="write a predicted vs measured S scatter (needs the 'plots' extra: matplotlib)")
@@ -981,7 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine_options(s)
     s.add_argument("--layout", metavar="PLAN.json", help="evaluate only sessions this plan did not train on")
-    s.add_argument("--tokens", type=int, help="stop after this many held-out steps (default: all)")
+    s.add_argument("--tokens", type=opt.positive_count, help="stop after this many held-out steps (default: all)")
     _runtime_options(s, modelled=False)
     s.add_argument("--warm", action="store_true", help="do not drop the page cache first")
     s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
@@ -1003,7 +998,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "budget (GB), H5 default and tail-control")
     h.add_argument("--arm", action="append", metavar="ARM=CONFIGURATION",
                    help="name the arm a configuration label stands for (repeatable)")
-    h.add_argument("--min-sessions", type=int, default=5, help="units (repetition x request) a verdict needs")
+    h.add_argument("--min-sessions", type=opt.positive_count, default=5, help="units (repetition x request) a verdict needs")
 
     s = _command(sub, "compare", "paired comparison of STALL_TRACE files or of colibrì runs (first = control)", cmd_compare)
     s.add_argument("runs", nargs="+", help="STALL_TRACE files, or colibrì arms (a directory of one container's runs, "
@@ -1023,28 +1018,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _command(sub, "demo", "run the pipeline end to end on a small synthetic model", cmd_demo)
     s.add_argument("--dir", help="work directory: new, empty or a previous demo's (default: a temporary one, removed afterwards)")
-    s.add_argument("--seed", type=int, default=0, help="seed of the model, trace and plan")
+    s.add_argument("--seed", type=opt.seed, default=0, help="seed of the model, trace and plan")
     return p
 
 
 DEBUG_VARIABLE = "RELAYOUT_DEBUG"
 
 
+def _interrupted(signum, frame):
+    """SIGTERM ends a command the way Ctrl-C does (one line, exit 130)."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit status: 0 done, 2 a problem with the input (one line on stderr),
     1 an internal error (one line asking for a bug report; the traceback with ``RELAYOUT_DEBUG=1``),
-    130 interrupted."""
+    130 interrupted (Ctrl-C or SIGTERM). Python warnings raised while a command runs are printed
+    as one ``relayout: warning:`` line each when it succeeds, and not beside its error line when
+    it fails."""
     import signal
+    import warnings
 
     from . import AS_COMMAND, quiet_interrupts
 
     command = "relayout"
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_DFL:
+        try:
+            signal.signal(signal.SIGTERM, _interrupted)
+        except ValueError:                  # not the main thread: signals stay as they are
+            previous = None
     try:
         if AS_COMMAND and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C from here on: KeyboardInterrupt, cleaned up
-        args = build_parser().parse_args(argv)
-        command = f"relayout {args.command}" + (f" {args.what}" if getattr(args, "what", None) else "")
-        return args.func(args)
+        with warnings.catch_warnings(record=True) as caught:
+            args = build_parser().parse_args(argv)
+            command = f"relayout {args.command}" + (f" {args.what}" if getattr(args, "what", None) else "")
+            status = args.func(args)
+        for line in dict.fromkeys(str(w.message).splitlines()[0] for w in caught if str(w.message)):
+            print(f"relayout: warning: {line[:300]}", file=sys.stderr)
+        return status
     except InputError as exc:
         print(f"relayout: error: {exc}", file=sys.stderr)
         return 2
@@ -1066,5 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
               f"with the output of {DEBUG_VARIABLE}=1 {command} ...", file=sys.stderr)
         return 1
     finally:
+        if previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, previous)
         if AS_COMMAND and threading.current_thread() is threading.main_thread():
             quiet_interrupts()          # a Ctrl-C while the interpreter exits: one line, no traceback

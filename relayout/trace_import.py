@@ -57,10 +57,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import zstandard
 
 from containers.errors import InputError
-from containers.jsonfile import ZSTD_MAGIC, iter_jsonl, read_bytes
+from containers.jsonfile import ZSTD_MAGIC, iter_jsonl, read_bytes, text_blocks
 from replay.trace import (
     DEFAULT_MAX_EXPERTS,
     DEFAULT_MAX_LAYER,
@@ -438,7 +437,7 @@ def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits
     parts: dict[str, list] = {key: [] for key in ("calls", "rows", "layers", "experts", "gates", "lines")}
     range_error = None
     n_sel = 0
-    for first_line, block in _text_blocks(path, block_bytes):
+    for first_line, block in text_blocks(path, block_bytes):
         parsed = _fast_route_parse(block)
         if parsed is None:
             parsed = _careful_route_parse(path, block, first_line)
@@ -605,35 +604,6 @@ def _padded(parts: list[np.ndarray], k: int, fill) -> np.ndarray:
         out[row:row + len(p), :p.shape[1]] = p
         row += len(p)
     return out
-
-
-def _text_blocks(path: Path, block_bytes: int):
-    """``(first line number, bytes)`` of consecutive blocks of whole lines of a text file (zstd
-    decompressed as it is read), each about ``block_bytes`` long."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(4)
-            fh.seek(0)
-            reader = zstandard.ZstdDecompressor().stream_reader(fh) if head == ZSTD_MAGIC else fh
-            line, carry = 1, b""
-            while True:
-                chunk = reader.read(block_bytes)
-                if not chunk:
-                    break
-                data = carry + chunk if carry else chunk
-                cut = data.rfind(b"\n") + 1
-                if cut == 0:
-                    carry = data
-                    continue
-                block, carry = data[:cut], data[cut:]
-                yield line, block
-                line += block.count(b"\n")
-            if carry:
-                yield line, carry
-    except OSError as exc:
-        raise InputError(path, exc.strerror or str(exc)) from None
-    except zstandard.ZstdError as exc:
-        raise InputError(path, f"corrupt zstd data ({exc})") from None
 
 
 def _route_calls(path: Path, lines: np.ndarray, calls: np.ndarray, layers: np.ndarray):

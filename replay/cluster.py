@@ -42,6 +42,8 @@ SERIAL = "none"
 """``--scheduler`` value for the serial path (no Dask)."""
 LOCAL = "local"
 """``--scheduler`` value for a local cluster on this machine's cores (the default)."""
+CONNECT_GRACE_S = 2.0
+"""Seconds a connection attempt is given beyond its timeout to report before it is abandoned."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,66 @@ def dask_available() -> bool:
     return True
 
 
+HANDSHAKE_MAX_BYTES = 1 << 20
+"""The longest first message a Dask scheduler may announce (its handshake is some tens of bytes)."""
+
+
+def _probe(scheduler: str, timeout_s: float) -> None:
+    """For a ``tcp://`` (or scheme-less) address: connect and read the 8-byte length a Dask
+    scheduler sends first, within ``timeout_s``; silence, or a length no handshake has (an HTTP
+    server, say), is an :class:`InputError` before the Dask client reads or allocates anything."""
+    import socket
+    import struct
+
+    scheme, sep, rest = scheduler.partition("://")
+    if sep and scheme != "tcp":
+        return
+    host, _, port = (rest if sep else scheme).rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            head = b""
+            while len(head) < 8:
+                more = sock.recv(8 - len(head))
+                if not more:
+                    raise InputError(None, f"{scheduler} closed the connection without a Dask handshake")
+                head += more
+    except socket.timeout:
+        raise InputError(None, f"the Dask scheduler at {scheduler} did not answer within {timeout_s:g} s "
+                               "(is a Dask scheduler listening there?)") from None
+    except (OSError, ValueError) as e:
+        raise InputError(None, f"cannot reach the Dask scheduler at {scheduler} ({e})") from None
+    size = struct.unpack("<Q", head)[0]
+    if not 0 < size <= HANDSHAKE_MAX_BYTES:
+        raise InputError(None, f"{scheduler} is not a Dask scheduler (its first message announces {size:,} bytes)")
+
+
+def _connect(client_class, scheduler: str, timeout_s: float):
+    """A client of the scheduler at ``scheduler``, or one :class:`InputError` within about
+    ``timeout_s`` seconds: whatever answers there (nothing, an HTTP server, garbage) is given that
+    long, in a thread of its own, so no reply can hold the command."""
+    import threading
+
+    box = {}
+
+    def connect():
+        try:
+            box["client"] = client_class(scheduler, timeout=f"{timeout_s}s")
+        except BaseException as e:          # noqa: BLE001 - whatever the peer made it raise, reported below
+            box["error"] = e
+
+    thread = threading.Thread(target=connect, name="relayout-dask-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s + CONNECT_GRACE_S)
+    if thread.is_alive():
+        raise InputError(None, f"the Dask scheduler at {scheduler} did not answer within {timeout_s:g} s "
+                               "(is a Dask scheduler listening there?)")
+    if "error" in box:
+        e = box["error"]
+        raise InputError(None, f"cannot reach the Dask scheduler at {scheduler} ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'})")
+    return box["client"]
+
+
 @contextlib.contextmanager
 def open_executor(scheduler: str | None = LOCAL, workers: int | None = None, timeout_s: float = 10.0) -> Iterator[Executor]:
     """An executor for ``scheduler`` (``local``, ``none`` or an address), closed on exit.
@@ -174,7 +236,8 @@ def open_executor(scheduler: str | None = LOCAL, workers: int | None = None, tim
     ``local`` starts a cluster of ``workers`` single-threaded worker processes (default: this
     machine's cores) and stops it on exit; without dask installed it falls back to serial.
     An address connects to that scheduler's cluster (dask must be installed), waiting at most
-    ``timeout_s`` seconds for it to answer.
+    ``timeout_s`` seconds for it to answer; a tcp address is first probed for a Dask handshake, so
+    a peer that is not a scheduler never reaches the Dask client.
     """
     scheduler = LOCAL if scheduler is None else scheduler
     if scheduler == SERIAL or (scheduler == LOCAL and not dask_available()):
@@ -192,9 +255,7 @@ def open_executor(scheduler: str | None = LOCAL, workers: int | None = None, tim
                           silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
             yield DaskExecutor(client, f"local Dask cluster ({n} worker processes)")
         return
-    try:
-        client = Client(scheduler, timeout=f"{timeout_s}s")
-    except (OSError, TimeoutError, ValueError) as e:
-        raise InputError(None, f"cannot reach the Dask scheduler at {scheduler}: {e}") from None
+    _probe(scheduler, timeout_s)
+    client = _connect(Client, scheduler, timeout_s)
     with client:
         yield DaskExecutor(client, f"Dask cluster at {scheduler}")

@@ -112,6 +112,20 @@ from .jit import HELPER, LOOP, trailing_zeros
 DEFAULT_READ_AHEAD_BYTES = 128 * 1024
 """Linux's default readahead maximum, ``read_ahead_kb`` 128 (bytes)."""
 
+MAX_MEMBERS = 256
+"""The most drives an array profile may stripe over."""
+MIN_CHUNK = 512
+"""The smallest stripe chunk of an array, bytes (a sector)."""
+MAX_ALIGNMENT = 1 << 20
+"""The largest O_DIRECT alignment a profile may give, bytes (devices align to 512 B or 4 KiB; every
+read is widened to it, so a larger one only makes the model read, and take, longer)."""
+MAX_QUEUE_SLOTS = 65536
+"""The most requests a drive may serve at once (NVMe's deepest queue)."""
+MAX_RATE = 1e16
+"""The fastest drive, stream or host link a profile may give, bytes/s."""
+MAX_REQUEST_SECONDS = 60.0
+"""The longest per-request latency or channel time a profile may give, s."""
+
 SPLIT_RULES = ("none", "md", "apple", "storage")
 """Split rules; the compiled timing model takes a rule as its index here. ``storage``: independent
 drives, an address map saying which drive serves each byte (:mod:`replay.storage`)."""
@@ -151,6 +165,11 @@ class DriveProfile:
     def max_request(self) -> int:
         """m as the compiled model takes it: bytes, 0 for no limit."""
         return 0 if self.max_request_bytes is None else int(self.max_request_bytes)
+
+
+def _plain(x: float) -> str:
+    """A bound as written: whole numbers in digits, others in %g."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 
 SERVICES = ("in-order", "shared")
@@ -231,6 +250,17 @@ class ArrayProfile:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or (kind is int and not isinstance(value, int)):
                 raise InputError(self.name, f"{what} is {value!r}, not a finite {'integer' if kind is int else 'number'}")
+        d = self.drive
+        for what, value, lo, hi in (("members", self.members, 1, MAX_MEMBERS), ("chunk_bytes", self.chunk_bytes, 0, 1 << 34),
+                                    ("direct_alignment", self.direct_alignment, 1, MAX_ALIGNMENT),
+                                    ("queue_slots", d.queue_slots, 1, MAX_QUEUE_SLOTS),
+                                    ("host_bandwidth", self.host_bandwidth, 0, MAX_RATE), ("bandwidth", d.bandwidth, 0, MAX_RATE),
+                                    ("request_seconds", d.request_seconds, 0, MAX_REQUEST_SECONDS),
+                                    ("request_channel_seconds", d.request_channel_seconds, 0, MAX_REQUEST_SECONDS)):
+            if isinstance(value, (int, float)) and math.isfinite(value) and not lo <= value <= hi:
+                raise InputError(self.name, f"{what} is {value!r}, outside {lo} to {_plain(hi)}")
+        if self.members > 1 and self.split_rule != "storage" and self.chunk_bytes < MIN_CHUNK:
+            raise InputError(self.name, f"chunk_bytes is {self.chunk_bytes!r}: an array's chunks are at least {MIN_CHUNK} bytes")
         if self.split_rule not in SPLIT_RULES:
             raise InputError(self.name, f"unknown split rule {self.split_rule!r} (choose {', '.join(SPLIT_RULES)})")
         if self.members < 1 or (self.members > 1 and self.split_rule != "storage" and self.chunk_bytes <= 0):
@@ -247,7 +277,7 @@ class ArrayProfile:
         if self.drive.request_seconds < 0 or self.drive.bandwidth <= 0 or self.host_bandwidth <= 0 or self.drive.queue_slots < 1:
             raise InputError(self.name, "request cost must be >= 0, bandwidths and queue slots positive")
         b1 = self.drive.stream_bandwidth
-        if b1 is not None and (isinstance(b1, bool) or not isinstance(b1, (int, float)) or not math.isfinite(b1) or b1 <= 0):
+        if b1 is not None and (isinstance(b1, bool) or not isinstance(b1, (int, float)) or not math.isfinite(b1) or not 0 < b1 <= MAX_RATE):
             raise InputError(self.name, f"stream_bandwidth is {b1!r}, not a positive finite number (or null: = bandwidth)")
         m = self.drive.max_request_bytes
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 512 <= m <= 1 << 34):
@@ -308,6 +338,8 @@ def load_device(name_or_path: str) -> ArrayProfile:
         drive = obj.pop("drive")
         drive = DriveProfile(**{k: v for k, v in drive.items() if k in DriveProfile.__dataclass_fields__})
         return ArrayProfile(drive=drive, **obj)
+    except InputError as exc:
+        raise InputError(where, f"device profile {exc.where}: {exc.problem}" if exc.where else exc.problem) from None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise InputError(where, f"not a valid device profile ({exc})") from None
 

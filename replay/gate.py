@@ -188,6 +188,8 @@ def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: Runtim
     :mod:`replay.evidence`). Against the stock layout, a plan that records its repacked stock
     layout is also replayed that way, to split the saving into repacking and ordering.
     """
+    if not 0.0 <= threshold <= 1.0:               # NaN included: the record would not recheck
+        raise InputError(None, f"the threshold must be a fraction of TPOT from 0 to 1, got {threshold!r}")
     check_trace_matches(trace, plan)
     if baseline is not None and baseline.source_fingerprint != plan.source_fingerprint:
         raise InputError(baseline.path, "baseline plan is for a different container than the plan")

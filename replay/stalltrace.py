@@ -76,17 +76,53 @@ STALL_TOLERANCE_NS = 1000
 STALL_TOLERANCE_REL = 0.01
 """A recorded stall agrees with the interval union within max(1 us, 1%)."""
 
+MAX_TIME_NS = 2**62
+"""The latest monotonic timestamp a record may carry, ns (some 146 years of uptime)."""
+MAX_SPAN_NS = 86_400 * 10**9
+"""The longest duration a record may give or span (compute, other, wall and stall time per step;
+a load from issue to ready; a wait; a barrier), ns: a day."""
+MAX_BYTES = 2**40
+"""The most bytes one record may count (a read, or a step's reads of one kind), a TiB."""
+MAX_COUNT = 2**31 - 1
+"""The largest step number, request count or queue occupancy a record may carry."""
+MAX_POSITIONS = 2**20
+"""The most positions one step may evaluate (and tokens it may commit)."""
+MAX_LAYER = 2**16 - 1
+MAX_EXPERT = 2**20 - 1
+MAX_SEGMENT = 255
+LIMITS = {"step": MAX_COUNT, "layer": MAX_LAYER, "expert_id": MAX_EXPERT, "segment_id": MAX_SEGMENT,
+          "bytes": MAX_BYTES, "committed_tokens": MAX_POSITIONS, "evaluated_positions": MAX_POSITIONS,
+          "issue_ns": MAX_TIME_NS, "ready_ns": MAX_TIME_NS, "need_ns": MAX_TIME_NS,
+          "barrier_enter_ns": MAX_TIME_NS, "barrier_exit_ns": MAX_TIME_NS,
+          "compute_ns": MAX_SPAN_NS, "other_ns": MAX_SPAN_NS, "wall_ns": MAX_SPAN_NS, "stall_ns": MAX_SPAN_NS,
+          "foreground_stall_ns": MAX_SPAN_NS, "queue_depth": MAX_COUNT, "worker_occupancy": MAX_COUNT,
+          **{k: MAX_BYTES if k.endswith("_bytes") else MAX_COUNT for k in IO_FIELDS}}
+"""The largest value of each integer field (every one is also >= 0, counts >= 1)."""
+
 
 def _int(rec: dict, key: str, where: str, minimum: int = 0) -> int:
     v = rec.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise InputError(where, f"{key!r} must be an integer >= {minimum} (got {v!r})"[:200])
+    top = LIMITS[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not minimum <= v <= top:
+        raise InputError(where, f"{key!r} must be an integer of {minimum} to {top} (got {v!r})"[:200])
     return v
 
 
 def _opt_int(rec: dict, key: str, where: str) -> int:
     """``rec[key]`` as an integer >= 0, or -1 when the record does not carry it."""
     return _int(rec, key, where) if key in rec and rec[key] is not None else -1
+
+
+def _bool(rec: dict, key: str, where: str, default: bool | None = None) -> bool:
+    v = rec.get(key, default)
+    if not isinstance(v, bool):
+        raise InputError(where, f"{key!r} must be true or false (got {v!r})"[:200])
+    return v
+
+
+def _span(start: int, end: int, what: str, where: str) -> None:
+    if end - start > MAX_SPAN_NS:
+        raise InputError(where, f"{what} spans {end - start} ns, more than a day")
 
 
 def _agrees(recorded: int, union: int) -> bool:
@@ -170,15 +206,19 @@ def read_stall_trace(path: str | Path) -> dict[str, Run]:
             issue, ready, need = (_int(rec, k, where) for k in TIMED)
             if ready < issue:
                 raise InputError(where, f"ready_ns {ready} is before issue_ns {issue}")
+            _span(issue, ready, "the load from issue_ns to ready_ns", where)
+            _span(need, ready, "the wait from need_ns to ready_ns", where)
         barrier = None
         if "barrier_enter_ns" in rec and "barrier_exit_ns" in rec:
             barrier = (_int(rec, "barrier_enter_ns", where), _int(rec, "barrier_exit_ns", where))
             if barrier[1] < barrier[0]:
                 raise InputError(where, "barrier_exit_ns is before barrier_enter_ns")
+            _span(*barrier, "the barrier", where)
         run.keys.append((request, step, layer))
         run.expert.append(expert)
-        run.segment.append(int(rec.get("segment_id", 0)))
-        run.required.append(bool(rec["required"]))
+        run.segment.append(_int(rec, "segment_id", where) if "segment_id" in rec else 0)
+        required = _bool(rec, "required", where)
+        run.required.append(required)
         run.nbytes.append(nbytes)
         run.issue.append(issue)
         run.ready.append(ready)
@@ -186,7 +226,7 @@ def read_stall_trace(path: str | Path) -> dict[str, Run]:
         tier = rec.get("tier_at_prediction", rec.get("tier_served"))
         run.already.append(tier == "ram")
         run.speculative.append(rec.get("priority") == "speculative")
-        run.used.append(bool(rec.get("used_before_eviction", rec["required"])))
+        run.used.append(_bool(rec, "used_before_eviction", where, required))
         run.tier.append(rec.get("tier_served") if isinstance(rec.get("tier_served"), str) else None)
         run.fg_stall.append(_opt_int(rec, "foreground_stall_ns", where))
         run.barrier.append(barrier)

@@ -45,6 +45,7 @@ import zstandard
 from containers.atomic import atomic_output
 from containers.errors import InputError
 from containers.hashing import digest_of
+from containers.jsonfile import parse_json
 
 RowBlock = namedtuple("RowBlock", "row_forward row_layer experts")
 """Consecutive rows of a trace: the row arrays a replay reads (see :class:`RoutingTrace`)."""
@@ -588,9 +589,9 @@ def _open_layout(path: Path) -> _Layout:
         raw = _read_exact(reader, hlen, path)
         st = os.fstat(fh.fileno())
     try:
-        header = json.loads(raw)
-    except RecursionError:
-        raise InputError(path, "corrupt trace (header nested too deeply)") from None
+        header = parse_json(raw)
+    except ValueError as exc:
+        raise InputError(path, f"corrupt trace (header: {str(exc)[:120]})") from None
     specs, offset = {}, hlen
     for name, dtype, shape in _check_header(header, version, path):
         specs[name] = (dtype, shape, offset)
