@@ -276,7 +276,7 @@ class Replay:
         self.config = config
         self.lay = layout_arrays(layout, config, split)
         self.ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
-                            new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
+                            new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0], config.lru_experts), E),
                             new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
                                            device.drive.max_request_bytes))
         self.table = prefetcher_inputs(config, layout, coupling)
@@ -366,7 +366,7 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       source_index(config.prefetch), int(config.prefetch_experts),
                       ADMISSION_POLICIES.index(config.admission), int(config.prefetch_bytes), int(config.prefetch_candidates),
                       float(config.prefetch_min_probability), bool(config.cancel_stale), bool(config.adaptive_budget),
-                      bool(config.backoff))
+                      bool(config.backoff), bool(config.blocking), bool(config.routing_order))
 
 
 def device_numbers(device: ArrayProfile) -> Device:

@@ -97,7 +97,7 @@ address in the array's logical address space."""
 
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
-                                      "min_probability cancel_stale adaptive_budget backoff")
+                                      "min_probability cancel_stale adaptive_budget backoff blocking routing_order")
 """How the runtime reads (:func:`replay.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
@@ -105,7 +105,11 @@ page-cache share of weight reads, 0-1); ``dense_seconds`` (per layer, before it 
 ``prefetch`` (the source, an index into ``MODEL_SOURCES``; ``replay.config.FUSED`` for several)
 and ``prefetch_experts`` (its K, or the queue-slot budget Q); ``admission`` (an index into ``ADMISSION_POLICIES``), ``prefetch_bytes``
 (B per layer, 0 none), ``candidates``, ``min_probability``, and the tail controls ``cancel_stale``,
-``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""
+``adaptive_budget``, ``backoff`` (:mod:`replay.admission`); ``blocking`` (colibrì's PIPE=0: the
+compute thread waits for all of a layer's demand loads before its first matmul) and
+``routing_order`` (misses issued, waited for and promoted into the LRU in routing order, hits
+computed between them in that order, as colibrì's ``moe()`` does; else physical order with the
+resident work first)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel")
@@ -127,14 +131,15 @@ buffered scale reads, with the kernel's readahead: :class:`replay.pagecache.Page
 
 # ------------------------------------------------------------------------ per-call working arrays
 
-Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait")
+Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait pre")
 """One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
 resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (some
 of its scale preads went to the drive: set when its reads are planned); ``ready`` (>= 0: a
 prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` (weight bytes
 it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
 ``sjob`` (the jobs carrying its weights and its scales); ``wait`` (s the compute thread waited for
-it)."""
+it); ``pre`` (under ``ReadPolicy.routing_order``: the resident work routed between the previous miss and
+this one, s)."""
 
 Jobs = namedtuple("Jobs", "first_read tail done")
 """The reader pool's jobs [2K]: ``first_read`` [2K+1] (each job's first read; one past the
@@ -204,7 +209,7 @@ def new_work(K, E, W, M, Q):
     reads each, follow the demand jobs)."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
-                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K))
+                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K), np.zeros(K))
     J = 2 * K + PREFETCH_SLOTS
     jobs = Jobs(np.empty(J + 1, np.int64), np.empty(J), np.empty(J))
     R = max(8 * K, 7) + 8 * PREFETCH_SLOTS
@@ -301,7 +306,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
                              work.share)
             else:
                 _reader_pool(n_jobs, pol.workers, pilot_free, jobs, reads, workers, pilot, dev, drives, usage)
-            end = _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out)
+            end = _compute_thread(i, li, k, miss, resident, lay, pol, dev, jobs, out)
             for j in range(n_jobs):
                 out.prefetch.demand_done[i] = max(out.prefetch.demand_done[i], job_done[j])
         if learning:
@@ -386,7 +391,11 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
     An expert is served by the pinned store, then the layer's LRU, then (with no LRU) a prefetch
     that completed before routing; a prefetch still in flight makes a miss that waits for it
     instead of reading. The misses then enter the LRU in issue (physical) order, the order their
-    loads complete in and the harness (:mod:`replay.measure`) inserts them in. Counts the union, hits, compute time (dense and
+    loads complete in and the harness (:mod:`replay.measure`) inserts them in. Under
+    ``pol.routing_order`` the union is met in routing order (``inst.sel_order``), the misses are
+    listed in that order with the resident work routed before each (``miss.pre``), and, as
+    colibrì promotes its loaded slabs, the last ``min(k, cap)`` misses enter the LRU, the last
+    one first. Counts the union, hits, compute time (dense and
     matmuls) and the prefetch metrics. Returns the number of misses and the compute on resident work (s): the
     matmuls of experts in RAM and the top parts of missing experts whose top segment is resident.
     """
@@ -399,9 +408,11 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
     miss_e, miss_top, miss_comp, miss_ready = miss.expert, miss.top, miss.comp, miss.ready
     res, pf = out.instance, out.prefetch
     no_cache = lru.capacity[li] <= 0
+    routed = pol.routing_order
     k, hits = 0, 0
-    union_bytes, matmul, on_hits, on_tops = 0.0, 0.0, 0.0, 0.0
-    for j in range(a, b):
+    union_bytes, matmul, on_hits, on_tops, pre = 0.0, 0.0, 0.0, 0.0, 0.0
+    for r in range(a, b):
+        j = inst.sel_order[r] if routed else r
         e = sel_e[j]
         comp = seconds[e] * sel_mult[j]
         union_bytes += ebytes[e]
@@ -409,6 +420,7 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
         if layer_pinned[e]:
             hits += 1
             on_hits += comp
+            pre += comp
             continue
         prefetched = pf_ready[e] < np.inf
         if prefetched or not lru.cached[li, e]:
@@ -416,6 +428,7 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
         if lru_touch(lru, li, e) or (no_cache and prefetched and pf_ready[e] <= 0):
             hits += 1
             on_hits += comp
+            pre += comp
             if prefetched:
                 pf.timely[i] += pf_bytes[e]
                 pf.timely_n[i] += 1
@@ -423,16 +436,24 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
             continue
         if top_resident[e]:
             on_tops += comp * top_fraction
-        q = k                                    # insert by physical place
-        while q > 0 and rank[miss_e[q - 1]] > rank[e]:
+            pre += comp * top_fraction
+        q = k                                    # insert by physical place (in routing order: append)
+        while not routed and q > 0 and rank[miss_e[q - 1]] > rank[e]:
             miss_e[q], miss_top[q], miss_comp[q] = miss_e[q - 1], miss_top[q - 1], miss_comp[q - 1]
             miss_ready[q] = miss_ready[q - 1]
             q -= 1
         miss_e[q], miss_top[q], miss_comp[q] = e, top_resident[e], comp
         miss_ready[q] = pf_ready[e] if prefetched and pf_ready[e] > 0 else -1.0
+        if routed:
+            miss.pre[q] = pre
+            pre = 0.0
         k += 1
-    for m in range(k):                           # in issue order, as their loads complete and the runtime stamps them
-        lru_add(lru, li, miss_e[m])
+    if routed:                                   # colibrì's promotion: the last min(k, cap) misses, the last one first
+        for m in range(min(k, lru.capacity[li])):
+            lru_add(lru, li, miss_e[k - 1 - m])
+    else:
+        for m in range(k):                       # in issue order, as their loads complete and the runtime stamps them
+            lru_add(lru, li, miss_e[m])
     for p in range(pf_n):                        # prefetched, not selected: wasted (an LRU keeps them)
         e = pending.experts[p]
         if not _selected(e, sel_e, a, b):
@@ -952,20 +973,34 @@ def _take_slot(ring, head, m, Q, done):
 
 
 @njit(**HELPER)
-def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
+def _compute_thread(i, li, k, miss, resident, lay, pol, dev, jobs, out):
     """The compute thread runs resident work, then, in issue order, waits for each missing expert
     and runs its matmul (only the bottom part when its top is resident). Stall is the time it
     waits, on that critical path. The oracle's thread does the same with bytes streaming at the
-    array's full bandwidth with no per-request cost. Returns when the layer's compute ends (s)."""
+    array's full bandwidth with no per-request cost. Returns when the layer's compute ends (s).
+
+    Under ``pol.routing_order`` it runs the union in routing order instead: before each miss the
+    resident work routed before it (``miss.pre``), the rest after the last miss. Under
+    ``pol.blocking`` (colibrì's PIPE=0) it first waits until every miss has arrived (the whole
+    wait is charged to the miss that arrived last), then runs all the layer's matmuls; its oracle
+    waits for all the bytes streamed at full bandwidth."""
+    if pol.blocking:
+        return _blocked_compute(i, li, k, miss, resident, lay, dev, jobs, out)
     res, pf = out.instance, out.prefetch
     expert_wait = res.expert_wait[li]
     miss_e, miss_comp, miss_ready, job_done = miss.expert, miss.comp, miss.ready, jobs.done
     keep_top = 1 - lay.top_fraction[li]
     ebytes = lay.ebytes[li]
-    t = resident
-    t_oracle = resident
+    routed = pol.routing_order
+    t = 0.0 if routed else resident
+    t_oracle = t
+    done_pre = 0.0
     stall, oracle, streamed = 0.0, 0.0, 0.0
     for p in range(k):
+        if routed:
+            t += miss.pre[p]
+            t_oracle += miss.pre[p]
+            done_pre += miss.pre[p]
         comp = miss_comp[p] * keep_top if miss.top[p] else miss_comp[p]
         if miss_ready[p] >= 0:                   # a prefetch in flight
             ready = miss_ready[p]
@@ -988,7 +1023,42 @@ def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
         oracle += wait
     res.stall[i] = stall
     res.oracle_stall[i] = oracle
+    if routed:
+        t += max(resident - done_pre, 0.0)
     return t
+
+
+@njit(**HELPER)
+def _blocked_compute(i, li, k, miss, resident, lay, dev, jobs, out):
+    """:func:`_compute_thread` under colibrì's PIPE=0: the thread is blocked from routing until
+    the last of the layer's ``k`` misses has arrived, then runs the resident work and every
+    miss's matmul. Returns when the layer's compute ends (s)."""
+    res, pf = out.instance, out.prefetch
+    miss_e, miss_comp, miss_ready, job_done = miss.expert, miss.comp, miss.ready, jobs.done
+    keep_top = 1 - lay.top_fraction[li]
+    ebytes = lay.ebytes[li]
+    ready_all, last, comps, streamed = 0.0, -1, 0.0, 0.0
+    for p in range(k):
+        if miss_ready[p] >= 0:                   # a prefetch in flight
+            ready = miss_ready[p]
+        else:
+            ready = max(job_done[miss.wjob[p]], job_done[miss.sjob[p]])
+        if ready <= 0.0:
+            pf.timely[i] += ebytes[miss_e[p]]
+            if miss_ready[p] >= 0:
+                pf.timely_n[i] += 1
+                pf.slack[i] += -ready
+        if last < 0 or ready > ready_all:
+            ready_all, last = max(ready, 0.0), p
+        miss.wait[p] = 0.0
+        comps += miss_comp[p] * keep_top if miss.top[p] else miss_comp[p]
+        streamed += miss.wlen[p] + (miss.sbytes[p] if miss.first[p] else 0)
+    if last >= 0:
+        miss.wait[last] = ready_all
+        res.expert_wait[li, miss_e[last]] += ready_all
+    res.stall[i] = ready_all
+    res.oracle_stall[i] = streamed / dev.full_bandwidth
+    return ready_all + resident + comps
 
 
 @njit(**HELPER)
