@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -218,18 +219,48 @@ def _prefetch_setting(text: str) -> str:
     return text
 
 
-def _runtime_config(args):
+def _runtime_config(args, layout=None):
+    """The model's configuration: relayout's own read path when --workers, --batched or --buffered
+    choose it, else the colibrì run --runtime-env / --runtime-env-from describe (the engine's
+    defaults when neither is given; ``layout`` sizes its LRU from CAP and RAM_GB)."""
     from replay.config import RuntimeConfig
 
-    return RuntimeConfig(
-        ram_bytes=int(getattr(args, "ram_gb", 0.0) * 1e9), workers=args.workers, batched=args.batched, coalesce=args.coalesce,
-        coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered,
+    own = args.workers is not None or args.batched or args.buffered
+    facts = None
+    gbps = args.compute_gbps
+    base = RuntimeConfig(
+        ram_bytes=int(getattr(args, "ram_gb", 0.0) * 1e9), workers=args.workers or 8, batched=args.batched,
+        coalesce=args.coalesce, coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered,
         pin_bytes=int(getattr(args, "pin_gb", 0.0) * 1e9), dense_seconds=args.dense_ms / 1e3,
-        compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
+        compute_bytes_per_second=(gbps or 50.0) * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
         prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
         prefetch_bytes=int(getattr(args, "prefetch_budget_mb", 0.0) * 1e6),
         source_caps=_floats(getattr(args, "source_caps", None) or ""),
     )
+    env, env_from = getattr(args, "runtime_env", None), getattr(args, "runtime_env_from", None)
+    if own and (env is not None or env_from):
+        raise InputError(None, "--workers/--batched/--buffered choose relayout's own read path; with --runtime-env "
+                               "give colibrì's PIPE, PIPE_WORKERS, URING, DIRECT instead")
+    if own or not hasattr(args, "runtime_env"):
+        return base
+    from replay.engine_config import config_from_run, engine_cap, parse_runtime_env
+
+    cfg = None
+    if env_from:
+        cfg, facts = config_from_run(env_from)
+    cfg = parse_runtime_env(env or "", base=cfg)
+    if gbps is None and facts and facts.matmul_bytes_per_second:
+        base = replace(base, compute_bytes_per_second=facts.matmul_bytes_per_second)
+    lru = -1
+    if facts and facts.cap is not None and layout is not None:
+        lru = facts.cap
+    elif layout is not None and (cfg.CAP or cfg.RAM_GB):
+        eb = layout.expert_bytes().astype(float)
+        lru = engine_cap(cfg, layout.n_experts, float(eb[:, 0].sum()),
+                         float(sum(layout.file_sizes)) - float(eb.sum()) + base.pin_bytes, float(eb.max()))
+    from replay.engine_config import model_config
+
+    return model_config(cfg, base, lru, facts.omp_threads if facts else None, base.pin_bytes)
 
 
 def _floats(text: str) -> list[float]:
@@ -265,7 +296,7 @@ def cmd_replay(args) -> int:
     # the hypothesis tables hold the trace in memory
     trace = load_trace(args.trace) if hypotheses else TraceFile(args.trace)
     device = load_device(args.device)
-    config = _runtime_config(args)
+    config = _runtime_config(args, None if args.sweep or hypotheses else plan.layout)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
     if hypotheses:
         return _replay_hypotheses(args, plan, trace, device, config)
@@ -619,15 +650,27 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
     r = c.add_argument_group("runtime (colibrì's read path)")
     if ram:
         r.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
-    r.add_argument("--workers", type=int, default=8, help="reader workers, 1-16")
-    r.add_argument("--batched", action="store_true", help="a batched queue (io_uring-style, 64 loads in flight) instead of workers")
-    r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file")
+    if modelled:
+        r.add_argument("--runtime-env", metavar="'VAR=VALUE ...'",
+                       help="the colibrì run to model, in its own variables (PIPE, PIPE_WORKERS, URING, DIRECT, CAP, "
+                            "CAP_RAISE, RAM_GB, PIN_GB, OMP_NUM_THREADS; docs/ENGINE_MODEL.md). Default, unless --workers, "
+                            "--batched or --buffered choose relayout's own read path: the engine's Linux default (PIPE=0: "
+                            "each layer's misses loaded by the OpenMP team while the compute thread waits; buffered reads)")
+        r.add_argument("--runtime-env-from", metavar="RUN.txt",
+                       help="model the configuration a colibrì run printed (its stdout+stderr with PROF=1: the [PROF] "
+                            "config line, its LRU cap, OpenMP team and, unless --compute-gbps, its matmul rate); "
+                            "--runtime-env adds to it")
+    r.add_argument("--workers", type=int, help="relayout's read path: reader workers, 1-16 (default 8)")
+    r.add_argument("--batched", action="store_true", help="relayout's read path: a batched queue (io_uring-style, 64 loads in flight)")
+    r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file: NEEDS A RUNTIME "
+                                                           "CHANGE (colibrì pull request 1398, not merged)")
     r.add_argument("--coalesce-max-mb", type=float, default=268.435456, help="largest coalesced read, MB")
-    r.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
+    r.add_argument("--buffered", action="store_true", help="relayout's read path: buffered weight reads instead of O_DIRECT")
     r.add_argument("--dense-ms", type=float, default=1.0, help="per-layer compute before routing, ms"
                                                             + ("" if modelled else " (slept)"))
-    r.add_argument("--compute-gbps", type=float, default=50.0, help="expert matmul speed, GB of weights per second"
-                                                                 + ("" if modelled else " (slept)"))
+    r.add_argument("--compute-gbps", type=float, help="expert matmul rate, GB (1e9 bytes) of expert weights per second "
+                   "per position (default 50, or the run's own with --runtime-env-from; measure it from colibrì's PROF=1 "
+                   "P0-EXEC line, 'routed CPU <s>s / <GB/s>')" + ("" if modelled else " (slept)"))
     r.add_argument("--prefetch", type=_prefetch_setting if modelled else str, default="none",
                    choices=None if modelled else PREFETCH_SOURCES, metavar="SOURCE" if modelled else None,
                    help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, a bound), "

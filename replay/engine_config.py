@@ -270,10 +270,24 @@ def describe(config: RuntimeConfig) -> str:
     """One line naming the read path a configuration models: colibrì's variables, or relayout's own
     read path, and what of it needs a runtime change."""
     if config.engine_env:
-        head = f"colibrì {config.engine_env}"
+        lru = (f"LRU cap {config.lru_experts}/layer" if config.lru_experts >= 0 else
+               f"LRU from --ram-gb {config.ram_bytes / 1e9:g} (give CAP or RAM_GB for the engine's own sizing)")
+        head = f"colibrì {config.engine_env} ({describe_mode(config)}); {lru}"
     else:
         mode = "batched queue (64 in flight)" if config.batched else f"{config.workers} loader workers"
         head = f"relayout's read path: {mode}, {'O_DIRECT' if config.direct else 'buffered'} weights"
+    head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
     if config.runtime_changes:
-        head += " | needs a runtime change: " + "; ".join(config.runtime_changes)
+        head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
     return head
+
+
+def describe_mode(config: RuntimeConfig) -> str:
+    """How the model runs a colibrì configuration, in words."""
+    if config.blocking:
+        mode = f"PIPE=0: blocking batch on a team of {config.workers}"
+    elif config.batched:
+        mode = "URING=1: one submission, up to 64 loads in flight, waits per expert"
+    else:
+        mode = f"PIPE=1: {config.workers} loader threads, waits per expert"
+    return f"{mode}, {'O_DIRECT' if config.direct else 'buffered'} weights, routing order"
