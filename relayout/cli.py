@@ -236,6 +236,7 @@ def _runtime_config(args, layout=None):
         prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
         prefetch_bytes=int(getattr(args, "prefetch_budget_mb", 0.0) * 1e6),
         source_caps=_floats(getattr(args, "source_caps", None) or ""),
+        page_cache_bytes=int((getattr(args, "page_cache_gb", None) or 0.0) * 1e9),
     )
     env, env_from = getattr(args, "runtime_env", None), getattr(args, "runtime_env_from", None)
     if own and (env is not None or env_from):
@@ -243,7 +244,7 @@ def _runtime_config(args, layout=None):
                                "give colibrì's PIPE, PIPE_WORKERS, URING, DIRECT instead")
     if own or not hasattr(args, "runtime_env"):
         return base
-    from replay.engine_config import config_from_run, engine_cap, parse_runtime_env
+    from replay.engine_config import config_from_run, memory_terms, model_config, parse_runtime_env
 
     cfg = None
     if env_from:
@@ -251,15 +252,9 @@ def _runtime_config(args, layout=None):
     cfg = parse_runtime_env(env or "", base=cfg)
     if gbps is None and facts and facts.matmul_bytes_per_second:
         base = replace(base, compute_bytes_per_second=facts.matmul_bytes_per_second)
-    lru = -1
-    if facts and facts.cap is not None and layout is not None:
-        lru = facts.cap
-    elif layout is not None and (cfg.CAP or cfg.RAM_GB):
-        eb = layout.expert_bytes().astype(float)
-        lru = engine_cap(cfg, layout.n_experts, float(eb[:, 0].sum()),
-                         float(sum(layout.file_sizes)) - float(eb.sum()) + base.pin_bytes, float(eb.max()))
-    from replay.engine_config import model_config
-
+    lru, page = memory_terms(cfg, facts, layout, base.pin_bytes) if layout is not None else (-1, 0)
+    if args.page_cache_gb is None:
+        base = replace(base, page_cache_bytes=page)
     return model_config(cfg, base, lru, facts.omp_threads if facts else None, base.pin_bytes)
 
 
@@ -660,6 +655,10 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
                        help="model the configuration a colibrì run printed (its stdout+stderr with PROF=1: the [PROF] "
                             "config line, its LRU cap, OpenMP team and, unless --compute-gbps, its matmul rate); "
                             "--runtime-env adds to it")
+        r.add_argument("--page-cache-gb", type=float,
+                       help="memory the kernel keeps expert weights in under buffered reads (DIRECT=0), GB (default: "
+                            "what a --runtime-env-from run left of its available memory, else 0: every buffered weight "
+                            "read reaches the drive)")
     r.add_argument("--workers", type=int, help="relayout's read path: reader workers, 1-16 (default 8)")
     r.add_argument("--batched", action="store_true", help="relayout's read path: a batched queue (io_uring-style, 64 loads in flight)")
     r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file: NEEDS A RUNTIME "

@@ -68,6 +68,7 @@ class RuntimeConfig:
     source_caps: list[float] = field(default_factory=list)  # per source of `prefetch`, in order: the most of B and of Q it takes per layer (share, 0-1); [] = no caps
     blocking: bool = False             # colibrì PIPE=0: a layer's misses load as one batch on `workers` threads (the OpenMP team), the compute thread blocked until all are in
     routing_order: bool = False        # misses issued, waited for and promoted into the LRU in routing order, hits computed between them in that order (colibrì's moe()); False: physical order, resident matmuls first
+    page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.weightcache), bytes; 0: every buffered weight read reaches the drive
     lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
     engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.engine_config); "" = relayout's own read path
     runtime_changes: list[str] = field(default_factory=list)  # what of this configuration the public colibrì does not run (RUNTIME_CHANGES), set from the fields
@@ -76,6 +77,8 @@ class RuntimeConfig:
         limit = MAX_TEAM if self.blocking else 16
         if not self.batched and not 1 <= self.workers <= limit:
             raise InputError(None, f"--workers must be 1-{limit} (got {self.workers})")
+        if self.page_cache_bytes < 0:
+            raise InputError(None, f"the page cache for weights must be >= 0 bytes (got {self.page_cache_bytes})")
         if self.lru_experts < -1:
             raise InputError(None, f"the LRU's experts per layer must be >= 0 (got {self.lru_experts})")
         object.__setattr__(self, "runtime_changes", runtime_changes(self))

@@ -99,13 +99,15 @@ def _text(name: str, v) -> str:
 @dataclass(frozen=True)
 class RunFacts:
     """What a run's output says beyond its variables: the LRU cap it resolved (experts per layer),
-    the experts it pinned, its OpenMP team's width, and its expert matmuls' rate (bytes of weights
-    per second, from the ``P0-EXEC`` line); None where the output does not say."""
+    the experts it pinned, its OpenMP team's width, its expert matmuls' rate (bytes of weights
+    per second, from the ``P0-EXEC`` line) and the memory available when it started (bytes, the
+    ``[PROF] machine`` line); None where the output does not say."""
 
     cap: int | None = None
     pinned: int | None = None
     omp_threads: int | None = None
     matmul_bytes_per_second: float | None = None
+    available_bytes: float | None = None
 
 
 _INT = re.compile(r"[0-9]+\Z")
@@ -171,7 +173,7 @@ def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfi
 
 _CONFIG_LINE = re.compile(r"\[PROF\] config: RAM_GB=(auto )?([0-9.]+) CTX=\d+ \| expert cache cap (\d+)/layer .*?"
                           r"\| pinned (\d+) .*?PIPE=(\d) DIRECT=(\d) MMAP=(\d) .*?PILOT=(\d)")
-_MACHINE_LINE = re.compile(r"\[PROF\] machine: .*\((\d+) omp threads\)")
+_MACHINE_LINE = re.compile(r"\[PROF\] machine: .*\((\d+) omp threads\) \| RAM [0-9.]+ GB total, ([0-9.]+) GB available")
 _URING_LINE = re.compile(r"\[URING\] queued expert I/O active \(depth=\d+, workers=(\d+)")
 _EXEC_LINE = re.compile(r"P0-EXEC: routed CPU ([0-9.]+)s / ([0-9.]+) GB/s")
 
@@ -200,7 +202,8 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     mt = _MACHINE_LINE.search(text)
     ex = _EXEC_LINE.search(text)
     rate = float(ex.group(2)) * 1e9 if ex and float(ex.group(2)) > 0 else None
-    return cfg, RunFacts(int(cap), int(pinned), int(mt.group(1)) if mt else None, rate)
+    return cfg, RunFacts(int(cap), int(pinned), int(mt.group(1)) if mt else None, rate,
+                         float(mt.group(2)) * 1e9 if mt else None)
 
 
 def engine_cap(cfg: EngineConfig, n_experts: int, row_bytes: float, resident_bytes: float, widest_expert_bytes: float,
@@ -225,6 +228,30 @@ def engine_cap(cfg: EngineConfig, n_experts: int, row_bytes: float, resident_byt
     if cfg.CAP_RAISE and min(capmax, n_experts) > cap:
         return min(capmax, n_experts)
     return cap
+
+
+def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: int) -> tuple[int, int]:
+    """The LRU's experts per layer and the page cache's bytes for weights a colibrì run has on
+    ``layout`` (a :class:`containers.layout.Layout`).
+
+    The LRU: the cap the run printed (``facts``), else :func:`engine_cap` when ``CAP`` or
+    ``RAM_GB`` is given (the container's bytes outside routed experts, plus ``pin_bytes``, as
+    resident), else -1 (the model's ``ram_bytes`` then sizes it). The page cache: with buffered
+    weights and a run that printed the memory available at its start, what the run left of it:
+    available less resident, the LRU's slots and the working slabs; else 0.
+    """
+    eb = layout.expert_bytes().astype(float)
+    row, widest = float(eb[:, 0].sum()), float(eb.max())
+    resident = float(sum(layout.file_sizes)) - float(eb.sum()) + pin_bytes
+    lru = -1
+    if facts is not None and facts.cap is not None:
+        lru = facts.cap
+    elif cfg.CAP or cfg.RAM_GB:
+        lru = engine_cap(cfg, layout.n_experts, row, resident, widest)
+    page = 0
+    if not cfg.DIRECT and facts is not None and facts.available_bytes:
+        page = int(max(facts.available_bytes - resident - max(lru, 0) * row - WORKING_SET_SLOTS * widest, 0.0))
+    return lru, page
 
 
 def not_modelled(cfg: EngineConfig) -> list[str]:
@@ -276,6 +303,9 @@ def describe(config: RuntimeConfig) -> str:
     else:
         mode = "batched queue (64 in flight)" if config.batched else f"{config.workers} loader workers"
         head = f"relayout's read path: {mode}, {'O_DIRECT' if config.direct else 'buffered'} weights"
+    if not config.direct:
+        head += (f"; page cache for weights {config.page_cache_bytes / 1e9:g} GB" if config.page_cache_bytes else
+                 "; no page cache for weights (every buffered weight read reaches the drive; --page-cache-gb)")
     head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
     if config.runtime_changes:
         head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)

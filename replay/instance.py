@@ -65,6 +65,7 @@ from .pagecache import (
 from .prefetch import COUPLED, ORACLE, predict_next
 from .readplan import SCALE, WEIGHT, ReadPlan, plan_layer
 from .runtime import lru_add, lru_start, lru_touch
+from .weightcache import wc_add, wc_hit, wc_start
 
 MEMORY_BANDWIDTH = 10e9
 """Bytes/s for reads served from the OS page cache."""
@@ -122,16 +123,17 @@ the reads in them, bool: :mod:`replay.device`'s service discipline), ``request_c
 each request holds the channel beyond its bytes); ``host_bandwidth`` and
 ``full_bandwidth`` (the array's large-read ceiling), bytes/s."""
 
-RamTiers = namedtuple("RamTiers", "pinned lru pages")
+RamTiers = namedtuple("RamTiers", "pinned lru pages weights")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
 ``lru`` (the per-layer LRUs, :class:`replay.runtime.Lru`), ``pages`` (the page cache under the
-buffered scale reads, with the kernel's readahead: :class:`replay.pagecache.PageCache`)."""
+buffered scale reads, with the kernel's readahead: :class:`replay.pagecache.PageCache`),
+``weights`` (the page cache under buffered weight reads: :class:`replay.weightcache.WeightCache`)."""
 
 # the prefetcher's inputs and state: replay.admission.Prefetcher (a prediction source and the controller)
 
 # ------------------------------------------------------------------------ per-call working arrays
 
-Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait pre")
+Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait pre cached")
 """One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
 resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (some
 of its scale preads went to the drive: set when its reads are planned); ``ready`` (>= 0: a
@@ -139,7 +141,7 @@ prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` 
 it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
 ``sjob`` (the jobs carrying its weights and its scales); ``wait`` (s the compute thread waited for
 it); ``pre`` (under ``ReadPolicy.routing_order``: the resident work routed between the previous miss and
-this one, s)."""
+this one, s); ``cached`` (its weights are in the page cache: :mod:`replay.weightcache`)."""
 
 Jobs = namedtuple("Jobs", "first_read tail done")
 """The reader pool's jobs [2K]: ``first_read`` [2K+1] (each job's first read; one past the
@@ -209,7 +211,7 @@ def new_work(K, E, W, M, Q):
     reads each, follow the demand jobs)."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
-                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K), np.zeros(K))
+                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K), np.zeros(K), np.zeros(K, np.bool_))
     J = 2 * K + PREFETCH_SLOTS
     jobs = Jobs(np.empty(J + 1, np.int64), np.empty(J), np.empty(J))
     R = max(8 * K, 7) + 8 * PREFETCH_SLOTS
@@ -273,6 +275,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             _fetch_rows(i + 1, inst, table.source, ram, lay, learning, out)
         lru_start(lru, li, inst_session[i])
         start_session(ram.pages, inst_session[i])
+        wc_start(ram.weights, inst_session[i])
         if pf_for != i:
             pf_n = 0
         if pol.prefetch == FUSED:
@@ -292,7 +295,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         n_jobs, end = 0, resident
         jobs.first_read[0] = 0
         if k > 0:
-            n_jobs = _plan_reads(i, li, k, miss, lay, pol, ram.pages, plan, jobs, reads, res)
+            n_jobs = _plan_reads(i, li, k, miss, lay, pol, ram.pages, ram.weights, plan, jobs, reads, res)
         pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT], pilot.state[PILOT_END] = n_jobs, n_jobs, n_jobs
         pilot.state[PILOT_POS] = 0
         pilot.free[0] = pilot_free
@@ -477,7 +480,7 @@ def _selected(e, sel_e, a, b):
 
 
 @njit(**STAGE)
-def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
+def _plan_reads(i, li, k, miss, lay, pol, pages, weights, plan, jobs, reads, res):
     """The reader pool's jobs and their reads, in issue order, as :func:`replay.readplan.plan_layer`
     plans them (the harness executes the same plan); returns the number of jobs.
 
@@ -487,13 +490,16 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
     cache ``pages`` cannot serve it (:func:`replay.pagecache.buffered_read`, in issue order), as
     one read of the pages the kernel's readahead reads for it; otherwise it, like a warm weight
     read, costs memory time at the end of its job. A job left with no drive read keeps one empty
-    warm read to carry it. Reads, the reads that reach the drives, and bytes read
+    warm read to carry it. A buffered weight read of experts whose weights the page cache
+    ``weights`` holds (:mod:`replay.weightcache`) is served from memory; the others, once read,
+    enter it. Reads, the reads that reach the drives, and bytes read
     (O_DIRECT-widened weights, whole scales) go into ``res`` (the instance outputs).
     """
     miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
     for p in range(k):
         skip[p] = miss.ready[p] >= 0
         wjob[p], sjob[p], sbytes[p], miss.first[p] = -1, -1, 0, False
+        miss.cached[p] = not skip[p] and wc_hit(weights, li, miss_e[p])
     n_plan, n_jobs = plan_layer(miss_e, k, skip, miss.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
                                 lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
                                 pol.coalesce, pol.gap_bytes, pol.span_bytes, miss.wlen, plan)
@@ -512,9 +518,15 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
             wtail, warm_scales, has_warm_scales = 0.0, 0, False
         f, n, a = plan.file[r], plan.length[r], plan.first[r]
         if plan.kind[r] == WEIGHT:
-            queued = n_reads
-            n_reads, wtail, n = _weight_read(f, plan.offset[r], n, bases, pol, n_reads, wtail, reads)
-            drive_reads += n_reads - queued
+            cached = True
+            for m in range(a, plan.last[r] + 1):
+                cached = cached and miss.cached[m]
+            if cached:
+                wtail += n / MEMORY_BANDWIDTH
+            else:
+                queued = n_reads
+                n_reads, wtail, n = _weight_read(f, plan.offset[r], n, bases, pol, n_reads, wtail, reads)
+                drive_reads += n_reads - queued
             for m in range(a, plan.last[r] + 1):
                 wjob[m] = job
         else:
@@ -536,6 +548,9 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
         job_tail[job] = wtail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
         n_reads = _close_job(job, job_read, n_reads, reads)
     job_read[n_jobs] = n_reads
+    for p in range(k):
+        if not skip[p] and not miss.cached[p]:
+            wc_add(weights, li, miss_e[p])
     res.reads[i] = n_plan
     res.drive_reads[i] = drive_reads
     res.read_bytes[i] = read_bytes
@@ -1110,7 +1125,8 @@ def _queue_at_routing(i, li, inst, table, ram, lay, pol, pending, plan, single, 
         pf_list[q] = e
         pilot.mark[q] = checkpoint(ram.pages)
         jobs.first_read[job] = n_reads
-        n_plan, n_reads, jobs.tail[job], total = _plan_load(li, e, lay, pol, plan, single, ram.pages, reads, n_reads)
+        n_plan, n_reads, jobs.tail[job], total = _plan_load(li, e, lay, pol, plan, single, ram.pages, ram.weights, reads,
+                                                            n_reads)
         n_reads = _close_job(job, jobs.first_read, n_reads, reads)
         pilot.n_plan[q], pilot.nbytes[q] = n_plan, total
         job += 1
@@ -1119,12 +1135,13 @@ def _queue_at_routing(i, li, inst, table, ram, lay, pol, pending, plan, single, 
 
 
 @njit(**STAGE)
-def _plan_load(li, e, lay, pol, plan, single, pages, reads, n_reads):
+def _plan_load(li, e, lay, pol, plan, single, pages, weights, reads, n_reads):
     """Plan one prefetch load of expert ``e`` of layer ``li`` (read alone, never coalesced: its
     weights and its scales, :func:`replay.readplan.plan_layer`) into ``reads`` from ``n_reads``
     on, its scale preads through the page cache ``pages`` as :func:`_plan_reads` does. Returns
     the preads planned, the reads queued so far, the page-cache time after its drive reads (warm
-    weights and scales, s) and its bytes."""
+    weights and scales, s) and its bytes. Its weights come from the page cache ``weights`` when
+    it holds them; they enter it when the load completes (:func:`_record_load`)."""
     single.expert[0], single.top[0] = e, lay.top_resident[li, e]
     n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
                            lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1,
@@ -1132,9 +1149,12 @@ def _plan_load(li, e, lay, pol, plan, single, pages, reads, n_reads):
     bases = lay.bases
     tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
     settled = scales_settled(pages, li, e)
+    cached = wc_hit(weights, li, e)
     for r in range(n_plan):
         f, nb = plan.file[r], plan.length[r]
-        if plan.kind[r] == WEIGHT:
+        if plan.kind[r] == WEIGHT and cached:
+            tail += nb / MEMORY_BANDWIDTH
+        elif plan.kind[r] == WEIGHT:
             n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
         else:
             n_reads, queued = _scale_read(f, plan.offset[r], nb, settled, pages, bases, n_reads, reads)
@@ -1180,16 +1200,17 @@ def _pilot_outcome(i, li, deadline, lay, pending, ram, jobs, pilot, out):
             continue
         note_settled(ram.pages, li, e, lay.sloc[li, e])
         loaded = _record_load(i, li, e, pilot.n_plan[q], pilot.nbytes[q], jobs.done[first + q], deadline, lay, pending,
-                              ram.lru, out, loaded)
+                              ram.lru, ram.weights, out, loaded)
     return loaded
 
 
 @njit(**HELPER)
-def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, out, loaded):
+def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, weights, out, loaded):
     """A prefetch load of expert ``e`` of layer ``li`` for instance ``i``, ``n_plan`` preads of
     ``nbytes``, completed at ``done`` (s): count it, keep its ready time in the next instance's
     clock (that layer is routed at ``deadline``, s), list it ``loaded``-th in ``pending.experts``
-    and, when it completed before ``deadline``, put it in the LRU. Returns the loads listed."""
+    and, when it completed before ``deadline``, put it in the LRU. Its weights enter the page
+    cache ``weights`` (buffered reads). Returns the loads listed."""
     res, pf = out.instance, out.prefetch
     res.reads[i] += n_plan
     res.read_bytes[i] += nbytes
@@ -1198,6 +1219,7 @@ def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, ou
     pf.loads[i] += 1
     pf.issued[i] += pending.nbytes[e]
     pending.experts[loaded] = e
+    wc_add(weights, li, e)
     if done <= deadline:
         lru_add(lru, li, e)
     return loaded + 1
@@ -1259,7 +1281,7 @@ def _prefetch(i, li, start, deadline, inst, table, ram, lay, pol, dev, pending, 
                     pf.cancelled[i] += 1
             break
         mark = checkpoint(ram.pages)
-        n_plan, n_reads, tail, total = _plan_load(li, e, lay, pol, plan, single, ram.pages, reads, 0)
+        n_plan, n_reads, tail, total = _plan_load(li, e, lay, pol, plan, single, ram.pages, ram.weights, reads, 0)
         stale = pol.cancel_stale and not _selected(e, inst.sel_e, a, b)
         issued, issued_bytes = n_reads, 0
         for r in range(n_reads):
@@ -1279,7 +1301,7 @@ def _prefetch(i, li, start, deadline, inst, table, ram, lay, pol, dev, pending, 
         stop_logging(ram.pages)
         note_settled(ram.pages, li, e, lay.sloc[li, e])
         t += tail
-        loaded = _record_load(i, li, e, n_plan, total, t, deadline, lay, pending, lru, out, loaded)
+        loaded = _record_load(i, li, e, n_plan, total, t, deadline, lay, pending, lru, ram.weights, out, loaded)
     return loaded
 
 

@@ -2,6 +2,8 @@
 batched queue, routing order and the LRU promotion, each against a stall computed by hand; and the
 run configuration in the engine's own variables (replay.engine_config)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -183,7 +185,7 @@ def test_each_engine_mode_maps_onto_its_read_path():
     assert (p1.blocking, p1.batched, p1.workers, p1.direct) == (False, False, 16, True)
     u = model_config(parse_runtime_env("URING=1"), base, 4)
     assert u.batched and u.in_flight == 64 and not u.blocking
-    assert any("1398" in c for c in u.runtime_changes) and "needs a runtime change" in describe(u)
+    assert any("1398" in c for c in u.runtime_changes) and "NEEDS A RUNTIME CHANGE" in describe(u)
     with pytest.raises(InputError, match="COLI_MMAP"):
         model_config(parse_runtime_env("COLI_MMAP=1"), base, 4)
 
@@ -216,3 +218,62 @@ def test_a_runs_effective_configuration_is_read_from_its_output(tmp_path):
     (tmp_path / "bare.txt").write_text("PROFILE: expert-disk 1.0s service / 0.5s wait\n")
     with pytest.raises(InputError, match="PROF"):
         config_from_run(tmp_path / "bare.txt")
+
+
+# ------------------------------------------------------------------------ the command line
+
+def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
+    from conftest import run_cli
+
+    from containers.geometry import load_geometry
+    from relayout.plan import make_plan, source_from_geometry
+    from relayout.trace_synth import synth_trace
+    from replay.planfile import save_plan
+    from replay.trace import save_trace
+
+    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
+    tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
+    save_plan(make_plan(tr, source_from_geometry(g), method="louvain", progress=False), tmp_path / "p.json")
+    save_trace(tr, tmp_path / "t.rt")
+    common = ["replay", "--layout", tmp_path / "p.json", "--trace", tmp_path / "t.rt", "--device", "single-nvme",
+              "--min-sessions", 1]
+    res = run_cli(*common, "--json")
+    assert res.returncode == 0, res.stderr
+    rt = json.loads(res.stdout)["runtime"]
+    assert rt["blocking"] and rt["routing_order"] and not rt["direct"] and rt["engine_env"] == "(defaults)"
+    res = run_cli(*common, "--json", "--runtime-env", "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0 SNAP=/m",
+                  "--coalesce")
+    assert res.returncode == 0, res.stderr
+    rt = json.loads(res.stdout)["runtime"]
+    assert (rt["blocking"], rt["workers"], rt["direct"], rt["lru_experts"]) == (False, 2, True, 3)
+    assert rt["engine_env"] == "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0"
+    assert any("1398" in c for c in rt["runtime_changes"])
+    res = run_cli(*common, "--runtime-env", "PIPE=1", "--compute-gbps", 7)
+    assert res.returncode == 0 and "read path: colibrì PIPE=1" in res.stdout and "7 GB/s" in res.stdout
+    res = run_cli(*common, "--workers", 2)                       # relayout's own read path, as before
+    assert res.returncode == 0 and "relayout's read path: 2 loader workers" in res.stdout
+    for bad, word in [(["--runtime-env", "PIPE=3"], "PIPE must be 0 or 1"), (["--runtime-env", "NOPE=1"], "NOPE"),
+                      (["--runtime-env", "PIPE=1", "--workers", 2], "--workers")]:
+        res = run_cli(*common, *bad)
+        assert res.returncode == 2 and word in res.stderr and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_buffered_weight_reads_are_served_again_from_the_page_cache():
+    """Buffered weights, no LRU, a page cache of 1.5 MiB: forward 1 reads expert 0 from the drive
+    (A + 1M/B); forward 2's re-read of 0 comes from memory (1M at MEMORY_BANDWIDTH, no drive
+    read); forward 3 reads 1, which evicts 0; forward 4's 0 goes to the drive again. O_DIRECT
+    reads neither use nor fill the page cache."""
+    from replay.instance import MEMORY_BANDWIDTH
+
+    sizes = [MIB, MIB]
+    cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=3 * MIB // 2, **BASE)
+    inst = run([[0], [0], [1], [0]], sizes, cfg)
+    assert list(inst.drive_reads) == [1, 0, 1, 1]
+    assert inst.stall[0] == pytest.approx(A + MIB / B, rel=1e-12)
+    assert inst.stall[1] == pytest.approx(MIB / MEMORY_BANDWIDTH, rel=1e-12)
+    assert inst.stall[3] == pytest.approx(A + MIB / B, rel=1e-12)
+    direct = run([[0], [0]], sizes, RuntimeConfig(workers=1, page_cache_bytes=4 * MIB, **dict(BASE, direct=True)))
+    assert list(direct.drive_reads) == [1, 1]
+    none = run([[0], [0]], sizes, RuntimeConfig(workers=1, **BASE))
+    assert list(none.drive_reads) == [1, 1]
