@@ -100,7 +100,8 @@ def _text(name: str, v) -> str:
 class RunFacts:
     """What a run's output says beyond its variables: the LRU cap it resolved (experts per layer),
     the experts it pinned, its OpenMP team's width, its expert matmuls' rate (bytes of weights
-    per second, from the ``P0-EXEC`` line) and the memory available when it started (bytes, the
+    per second, from the last ``P0-EXEC`` line: weight bytes per expert call over the calls'
+    seconds, the model's per-position rate where each call has one row, as in decode) and the memory available when it started (bytes, the
     ``[PROF] machine`` line); None where the output does not say."""
 
     cap: int | None = None
@@ -178,16 +179,23 @@ _URING_LINE = re.compile(r"\[URING\] queued expert I/O active \(depth=\d+, worke
 _EXEC_LINE = re.compile(r"P0-EXEC: routed CPU ([0-9.]+)s / ([0-9.]+) GB/s")
 
 
+RUN_FILES = ("stdout.txt", "stderr.txt")
+"""A run directory's output files (as ``relayout measure --engine`` keeps them)."""
+
+
 def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
-    """The effective configuration a colibrì run printed (its stdout and stderr in one file, run
-    with ``PROF=1``): the ``[PROF] config`` line (RAM_GB, cap, pins, PIPE, DIRECT, MMAP, PILOT),
+    """The effective configuration a colibrì run printed (its stdout and stderr in one file, or a
+    directory holding :data:`RUN_FILES`; run with ``PROF=1``): the ``[PROF] config`` line (RAM_GB, cap, pins, PIPE, DIRECT, MMAP, PILOT),
     the ``[PROF] machine`` line (the OpenMP team), the ``[URING]`` line (URING=1 and its workers,
     the smaller of PIPE_WORKERS and 64) and the ``P0-EXEC`` line (the matmul rate). Variables the
     output does not show keep the engine's defaults. The cap the run resolved is in ``RunFacts``.
     Raises :class:`InputError` when the file has no ``[PROF] config`` line."""
     p = Path(path)
+    files = [p / n for n in RUN_FILES if (p / n).is_file()] if p.is_dir() else [p]
+    if not files:
+        raise InputError(str(p), f"a run directory needs {' or '.join(RUN_FILES)}")
     try:
-        text = p.read_text(errors="replace")
+        text = "\n".join(f.read_text(errors="replace") for f in files)
     except OSError as exc:
         raise InputError(str(p), f"cannot read the run's output: {exc.strerror or exc}") from None
     m = _CONFIG_LINE.search(text)
@@ -200,7 +208,7 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     if u:
         cfg = replace(cfg, URING=1, PIPE=1, PIPE_WORKERS=max(1, min(int(u.group(1)), 64)))
     mt = _MACHINE_LINE.search(text)
-    ex = _EXEC_LINE.search(text)
+    ex = ([None] + list(_EXEC_LINE.finditer(text)))[-1]
     rate = float(ex.group(2)) * 1e9 if ex and float(ex.group(2)) > 0 else None
     return cfg, RunFacts(int(cap), int(pinned), int(mt.group(1)) if mt else None, rate,
                          float(mt.group(2)) * 1e9 if mt else None)
