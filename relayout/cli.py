@@ -329,7 +329,7 @@ def cmd_replay(args) -> int:
 def _replay_hypotheses(args, plan, trace, device, config) -> int:
     """``replay --policy``: the seed's hypothesis tables (H2 at one regime; with ``--sweep``, every
     hypothesis over RAM x speculative-byte budgets)."""
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from containers.atomic import write_json_atomic
     from replay.cluster import open_executor
@@ -354,8 +354,11 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
         tables = hypothesis_tables(plan, trace, device, replace(config, prefetch=source), ram, budgets, keys, policies,
                                    source, args.min_sessions, executor)
     scores = predictor_scores(plan, trace, source) if SOURCE_SEPARATOR in source else []
+    from replay.config import RUNTIME_CHANGES
+
+    label = f"NEEDS A RUNTIME CHANGE: {RUNTIME_CHANGES['admission']} (the tables' arms other than top-k)"
     record = {"format": "relayout.hypotheses", "plan": plan.digest, "device": device.name, "source": source,
-              "tables": [t.to_json() for t in tables]}
+              "runtime_changes": [RUNTIME_CHANGES["admission"]], "tables": [t.to_json() for t in tables]}
     if scores:
         record["predictors"] = [asdict(r) for r in scores]
     if args.output:
@@ -366,7 +369,7 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
         if scores:
             print(f"prediction sources on the held-out sessions ({source}: each alone, then fused)\n"
                   + format_reliability(scores) + "\n")
-        print(format_hypotheses(tables))
+        print(format_hypotheses(tables) + "\n" + label)
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
     return 0
@@ -809,7 +812,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sweep-ram", default="0,64,128,192,208", help="RAM budgets for --sweep, GB")
     w.add_argument("--sweep-workers", default="1,2,8,16", help="worker counts for --sweep")
     _scheduler_option(w, "the sweep's cells (one task per cell)")
-    h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate)")
+    h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate; NEEDS A RUNTIME "
+                             "CHANGE: colibrì has no admission control or prefetch budgets)")
     h.add_argument("--policy", metavar="NAME[,NAME...]",
                    help="admission policies to compare with stall-value at equal budgets (probability, per-byte, deadline, "
                         "stall-value, oracle, or 'all'); over --prefetch's source (coupled when none); prints H2's table, "

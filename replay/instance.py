@@ -134,7 +134,8 @@ buffered scale reads, with the kernel's readahead: :class:`replay.pagecache.Page
 # ------------------------------------------------------------------------ per-call working arrays
 
 Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait pre cached")
-"""One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
+"""One instance's misses [K], in issue order (physical; routing order under
+``ReadPolicy.routing_order``): ``expert``; ``top`` (its top segment is
 resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (some
 of its scale preads went to the drive: set when its reads are planned); ``ready`` (>= 0: a
 prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` (weight bytes
