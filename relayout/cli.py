@@ -647,7 +647,8 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
     ``ram``: the LRU's budget, which a command sweeping budgets takes its own way)."""
     r = c.add_argument_group("runtime (colibrì's read path)")
     if ram:
-        r.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
+        r.add_argument("--ram-gb", type=float, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)"
+                       + ("; the gate sizes it by CAP and RAM_GB when a colibrì configuration gives them" if modelled else ""))
     if modelled:
         r.add_argument("--runtime-env", metavar="'VAR=VALUE ...'",
                        help="the colibrì run to model, in its own variables (PIPE, PIPE_WORKERS, URING, DIRECT, CAP, "
@@ -655,7 +656,8 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
                             "--batched or --buffered choose relayout's own read path: the engine's Linux default (PIPE=0: "
                             "each layer's misses loaded by the OpenMP team while the compute thread waits; buffered reads)")
         r.add_argument("--runtime-env-from", metavar="RUN.txt",
-                       help="model the configuration a colibrì run printed (its stdout+stderr with PROF=1: the [PROF] "
+                       help="model the configuration a colibrì run printed (a file of its stdout+stderr with PROF=1, or a "
+                            "directory of stdout.txt and stderr.txt: the [PROF] "
                             "config line, its LRU cap, OpenMP team and, unless --compute-gbps, its matmul rate); "
                             "--runtime-env adds to it")
         r.add_argument("--page-cache-gb", type=float,
@@ -677,7 +679,8 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
                    choices=None if modelled else PREFETCH_SOURCES, metavar="SOURCE" if modelled else None,
                    help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, a bound), "
                         "coupled (cross-layer pair counts of the training sessions, like COUPLE"
-                        + ("); replay only: heat, persistence, session (probability sources learned on the training "
+                        + ("); replay only, NEEDING A RUNTIME CHANGE: heat, persistence, session (probability sources "
+                           "learned on the training "
                            "sessions), or several of coupled, heat, persistence, session joined by '+' (e.g. "
                            "coupled+persistence: their probabilities fused by a log-odds regression learned on the "
                            "training sessions; needs --policy)" if modelled else "; needs --layout)"))
