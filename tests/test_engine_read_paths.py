@@ -277,3 +277,16 @@ def test_buffered_weight_reads_are_served_again_from_the_page_cache():
     assert list(direct.drive_reads) == [1, 1]
     none = run([[0], [0]], sizes, RuntimeConfig(workers=1, **BASE))
     assert list(none.drive_reads) == [1, 1]
+
+
+def test_the_union_is_met_in_routing_order():
+    """Two positions routing (5, 1) and (1, 7), and a second instance routing (3, 2): the union is
+    kept ascending, and met in the order colibrì builds it: 5, 1, 7 (1 at its first selection), then 3, 2."""
+    from replay.unions import instance_unions, routing_order
+
+    experts = np.array([[5, 1], [1, 7], [3, 2]], dtype=np.int16)
+    row_start, rows = np.array([0, 2, 3]), np.arange(3)
+    sel_start, sel_e, _ = instance_unions(row_start, rows, experts, 8)
+    order = routing_order(row_start, rows, experts, sel_start, sel_e, 8)
+    assert list(sel_e) == [1, 5, 7, 2, 3]
+    assert [int(sel_e[j]) for j in order] == [5, 1, 7, 3, 2]
