@@ -244,6 +244,10 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
     res = run_cli(*common, "--json", "--runtime-env", "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0 SNAP=/m",
                   "--coalesce")
     assert res.returncode == 0, res.stderr
+    import jsonschema
+    from conftest import REPO
+
+    jsonschema.validate(json.loads(res.stdout), json.loads((REPO / "manifests/schemas/gate.schema.json").read_text()))
     rt = json.loads(res.stdout)["runtime"]
     assert (rt["blocking"], rt["workers"], rt["direct"], rt["lru_experts"]) == (False, 2, True, 3)
     assert rt["engine_env"] == "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0"
