@@ -50,8 +50,8 @@ class EngineConfig:
     ``CAP`` is the requested experts per layer (argv[1] or the CAP variable; 0 = not given: 64 for a
     bare invocation). ``RAM_GB`` 0 = auto (0.88 x MemAvailable of the machine the engine runs on).
     ``PIN`` a pin file or ``auto`` ("" none), ``PIN_GB`` its budget (-1 = ``all``). ``COUPLE`` a
-    coupling file ("" none). ``OMP_NUM_THREADS`` 0 = not given (the OpenMP team is as wide as the
-    machine's cores).
+    coupling file ("" none). ``PILOT_K`` 0 = not given (6 under PILOT_REAL, else 8).
+    ``OMP_NUM_THREADS`` 0 = not given (the OpenMP team is as wide as the machine's cores).
     """
 
     PIPE: int = 0
@@ -101,8 +101,9 @@ class RunFacts:
     """What a run's output says beyond its variables: the LRU cap it resolved (experts per layer),
     the experts it pinned, its OpenMP team's width, its expert matmuls' rate (bytes of weights
     per second, from the last ``P0-EXEC`` line: weight bytes per expert call over the calls'
-    seconds, the model's per-position rate where each call has one row, as in decode) and the memory available when it started (bytes, the
-    ``[PROF] machine`` line); None where the output does not say."""
+    seconds, the model's per-position rate where each call has one row, as in decode) and the
+    memory available when it started (bytes, the ``[PROF] machine`` line); None where the output
+    does not say."""
 
     cap: int | None = None
     pinned: int | None = None
