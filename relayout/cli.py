@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -230,18 +231,43 @@ def _prefetch_setting(text: str) -> str:
     return text
 
 
-def _runtime_config(args):
+def _runtime_config(args, layout=None):
+    """The model's configuration: relayout's own read path when --workers, --batched or --buffered
+    choose it, else the colibrì run --runtime-env / --runtime-env-from describe (the engine's
+    defaults when neither is given; ``layout`` sizes its LRU from CAP and RAM_GB)."""
     from replay.config import RuntimeConfig
 
-    return RuntimeConfig(
-        ram_bytes=int(getattr(args, "ram_gb", 0.0) * 1e9), workers=args.workers, batched=args.batched, coalesce=args.coalesce,
-        coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered,
+    own = args.workers is not None or args.batched or args.buffered
+    facts = None
+    gbps = args.compute_gbps
+    base = RuntimeConfig(
+        ram_bytes=int(getattr(args, "ram_gb", 0.0) * 1e9), workers=args.workers or 8, batched=args.batched,
+        coalesce=args.coalesce, coalesce_max_bytes=int(args.coalesce_max_mb * 1e6), direct=not args.buffered,
         pin_bytes=int(getattr(args, "pin_gb", 0.0) * 1e9), dense_seconds=args.dense_ms / 1e3,
-        compute_bytes_per_second=args.compute_gbps * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
+        compute_bytes_per_second=(gbps or 50.0) * 1e9, other_seconds_per_token=getattr(args, "other_ms", 0.0) / 1e3,
         prefetch=getattr(args, "prefetch", "none"), prefetch_experts=getattr(args, "prefetch_experts", 6),
         prefetch_bytes=int(getattr(args, "prefetch_budget_mb", 0.0) * 1e6),
         source_caps=list(getattr(args, "source_caps", None) or ()),
+        page_cache_bytes=int((getattr(args, "page_cache_gb", None) or 0.0) * 1e9),
     )
+    env, env_from = getattr(args, "runtime_env", None), getattr(args, "runtime_env_from", None)
+    if own and (env is not None or env_from):
+        raise InputError(None, "--workers/--batched/--buffered choose relayout's own read path; with --runtime-env "
+                               "give colibrì's PIPE, PIPE_WORKERS, URING, DIRECT instead")
+    if own or not hasattr(args, "runtime_env"):
+        return base
+    from replay.engine_config import config_from_run, memory_terms, model_config, parse_runtime_env
+
+    cfg = None
+    if env_from:
+        cfg, facts = config_from_run(env_from)
+    cfg = parse_runtime_env(env or "", base=cfg)
+    if gbps is None and facts and facts.matmul_bytes_per_second:
+        base = replace(base, compute_bytes_per_second=facts.matmul_bytes_per_second)
+    lru, page = memory_terms(cfg, facts, layout, base.pin_bytes) if layout is not None else (-1, 0)
+    if args.page_cache_gb is None:
+        base = replace(base, page_cache_bytes=page)
+    return model_config(cfg, base, lru, facts.omp_threads if facts else None, base.pin_bytes)
 
 
 EXIT_FAIL = 3
@@ -274,7 +300,7 @@ def cmd_replay(args) -> int:
     # the hypothesis tables hold the trace in memory
     trace = load_trace(args.trace) if hypotheses else TraceFile(args.trace)
     device = storage_profile(args.storage) if args.storage else load_device(args.device)
-    config = _runtime_config(args)
+    config = _runtime_config(args, None if args.sweep or hypotheses else plan.layout)
     _check_ram(config.ram_bytes, plan)
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
     if hypotheses:
@@ -353,7 +379,7 @@ def _sweep_ram_gb(args, plan) -> list[float]:
 def _replay_hypotheses(args, plan, trace, device, config) -> int:
     """``replay --policy``: the seed's hypothesis tables (H2 at one regime; with ``--sweep``, every
     hypothesis over RAM x speculative-byte budgets)."""
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from containers.atomic import write_json_atomic
     from replay.cluster import open_executor
@@ -378,8 +404,11 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
         tables = hypothesis_tables(plan, trace, device, replace(config, prefetch=source), ram, budgets, keys, policies,
                                    source, args.min_sessions, executor)
     scores = predictor_scores(plan, trace, source) if SOURCE_SEPARATOR in source else []
+    from replay.config import RUNTIME_CHANGES
+
+    label = f"NEEDS A RUNTIME CHANGE: {RUNTIME_CHANGES['admission']} (the tables' arms other than top-k)"
     record = {"format": "relayout.hypotheses", "plan": plan.digest, "device": device.name, "source": source,
-              "tables": [t.to_json() for t in tables]}
+              "runtime_changes": [RUNTIME_CHANGES["admission"]], "tables": [t.to_json() for t in tables]}
     if scores:
         record["predictors"] = [asdict(r) for r in scores]
     if args.output:
@@ -390,7 +419,7 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
         if scores:
             print(f"prediction sources on the held-out sessions ({source}: each alone, then fused)\n"
                   + format_reliability(scores) + "\n")
-        print(format_hypotheses(tables))
+        print(format_hypotheses(tables) + "\n" + label)
     if args.output and not args.json:
         print(f"\nwrote {args.output}")
     return 0
@@ -698,21 +727,40 @@ def _runtime_options(c: argparse.ArgumentParser, modelled: bool, ram: bool = Tru
     ``ram``: the LRU's budget, which a command sweeping budgets takes its own way)."""
     r = c.add_argument_group("runtime (colibrì's read path)")
     if ram:
-        r.add_argument("--ram-gb", type=opt.gigabytes, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)")
-    r.add_argument("--workers", type=opt.integer(1, 1024), default=8, help="reader workers, 1-16")
-    r.add_argument("--batched", action="store_true", help="a batched queue (io_uring-style, 64 loads in flight) instead of workers")
-    r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file")
+        r.add_argument("--ram-gb", type=opt.gigabytes, default=0.0, help="RAM for the per-layer expert LRU, GB (0 = no cache)"
+                       + ("; the gate sizes it by CAP and RAM_GB when a colibrì configuration gives them" if modelled else ""))
+    if modelled:
+        r.add_argument("--runtime-env", metavar="'VAR=VALUE ...'",
+                       help="the colibrì run to model, in its own variables (PIPE, PIPE_WORKERS, URING, DIRECT, CAP, "
+                            "CAP_RAISE, RAM_GB, PIN_GB, OMP_NUM_THREADS; docs/ENGINE_MODEL.md). Default, unless --workers, "
+                            "--batched or --buffered choose relayout's own read path: the engine's Linux default (PIPE=0: "
+                            "each layer's misses loaded by the OpenMP team while the compute thread waits; buffered reads)")
+        r.add_argument("--runtime-env-from", metavar="RUN.txt",
+                       help="model the configuration a colibrì run printed (a file of its stdout+stderr with PROF=1, or a "
+                            "directory of stdout.txt and stderr.txt: the [PROF] "
+                            "config line, its LRU cap, OpenMP team and, unless --compute-gbps, its matmul rate); "
+                            "--runtime-env adds to it")
+        r.add_argument("--page-cache-gb", type=opt.gigabytes,
+                       help="memory the kernel keeps expert weights in under buffered reads (DIRECT=0), GB (default: "
+                            "what a --runtime-env-from run left of its available memory, else 0: every buffered weight "
+                            "read reaches the drive)")
+    r.add_argument("--workers", type=opt.integer(1, 1024), help="relayout's read path: reader workers, 1-16 (default 8)")
+    r.add_argument("--batched", action="store_true", help="relayout's read path: a batched queue (io_uring-style, 64 loads in flight)")
+    r.add_argument("--coalesce", action="store_true", help="one read for experts contiguous in one file: NEEDS A RUNTIME "
+                                                           "CHANGE (colibrì pull request 1398, not merged)")
     r.add_argument("--coalesce-max-mb", type=opt.positive_megabytes, default=268.435456, help="largest coalesced read, MB")
-    r.add_argument("--buffered", action="store_true", help="buffered weight reads instead of O_DIRECT")
+    r.add_argument("--buffered", action="store_true", help="relayout's read path: buffered weight reads instead of O_DIRECT")
     r.add_argument("--dense-ms", type=opt.milliseconds, default=1.0, help="per-layer compute before routing, ms"
                                                             + ("" if modelled else " (slept)"))
-    r.add_argument("--compute-gbps", type=opt.rate_gbps, default=50.0, help="expert matmul speed, GB of weights per second"
-                                                                 + ("" if modelled else " (slept)"))
+    r.add_argument("--compute-gbps", type=opt.rate_gbps, help="expert matmul rate, GB (1e9 bytes) of expert weights per second "
+                   "per position (default 50, or the run's own with --runtime-env-from; measure it from colibrì's PROF=1 "
+                   "P0-EXEC line, 'routed CPU <s>s / <GB/s>')" + ("" if modelled else " (slept)"))
     r.add_argument("--prefetch", type=_prefetch_setting if modelled else str, default="none",
                    choices=None if modelled else PREFETCH_SOURCES, metavar="SOURCE" if modelled else None,
                    help="prefetch source for the next layer: none (colibrì's default), oracle (its true experts, a bound), "
                         "coupled (cross-layer pair counts of the training sessions, like COUPLE"
-                        + ("); replay only: heat, persistence, session (probability sources learned on the training "
+                        + ("); replay only, NEEDING A RUNTIME CHANGE: heat, persistence, session (probability sources "
+                           "learned on the training "
                            "sessions), or several of coupled, heat, persistence, session joined by '+' (e.g. "
                            "coupled+persistence: their probabilities fused by a log-odds regression learned on the "
                            "training sessions; needs --policy)" if modelled else "; needs --layout)"))
@@ -865,7 +913,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "expert bytes, and --ram-gb when given)")
     w.add_argument("--sweep-workers", type=opt.numbers(1, 1024, whole=True), default="1,2,8,16", help="worker counts for --sweep")
     _scheduler_option(w, "the sweep's cells (one task per cell)")
-    h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate)")
+    h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate; NEEDS A RUNTIME "
+                             "CHANGE: colibrì has no admission control or prefetch budgets)")
     h.add_argument("--policy", metavar="NAME[,NAME...]",
                    help="admission policies to compare with stall-value at equal budgets (probability, per-byte, deadline, "
                         "stall-value, oracle, or 'all'); over --prefetch's source (coupled when none); prints H2's table, "

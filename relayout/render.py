@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from replay.engine_config import describe as describe_read_path
+
 
 def human_bytes(n: float) -> str:
     """``1234567`` -> ``'1.23 MB'`` (decimal units, as drive vendors and FACTS use)."""
@@ -132,6 +134,7 @@ def format_gate(g) -> str:
         f"held-out sessions: {len(g.trace.sessions_evaluated)} evaluated, {len(g.trace.sessions_excluded_as_training)} excluded "
         f"as training (matched by {g.trace.held_out_by}); device {g.device.name}; RAM {rt.ram_bytes / 1e9:g} GB, workers "
         f"{rt.workers}{' (batched)' if rt.batched else ''}, coalesce {'on' if rt.coalesce else 'off'}",
+        f"read path: {describe_read_path(rt)}",
         _prefetch_line(rt, b.prefetch, p.prefetch),
     ]
     if g.pins is not None:

@@ -66,10 +66,22 @@ class RuntimeConfig:
     adaptive_budget: bool = False      # admit only the bytes the drives can deliver before the next layer is routed
     backoff: bool = False              # a layer stops prefetching while its measured stall-conversion turns non-positive
     source_caps: list[float] = field(default_factory=list)  # per source of `prefetch`, in order: the most of B and of Q it takes per layer (share, 0-1); [] = no caps
+    blocking: bool = False             # colibrì PIPE=0: a layer's misses load as one batch on `workers` threads (the OpenMP team), the compute thread blocked until all are in
+    routing_order: bool = False        # misses issued, waited for and promoted into the LRU in routing order, hits computed between them in that order (colibrì's moe()); False: physical order, resident matmuls first
+    page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.weightcache), bytes; 0: every buffered weight read reaches the drive
+    lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
+    engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.engine_config); "" = relayout's own read path
+    runtime_changes: list[str] = field(default_factory=list)  # what of this configuration the public colibrì does not run (RUNTIME_CHANGES), set from the fields
 
     def __post_init__(self):
-        if not self.batched and not 1 <= self.workers <= 16:
-            raise InputError(None, f"--workers must be 1-16 (got {self.workers})")
+        limit = MAX_TEAM if self.blocking else 16
+        if not self.batched and not 1 <= self.workers <= limit:
+            raise InputError(None, f"--workers must be 1-{limit} (got {self.workers})")
+        if self.page_cache_bytes < 0:
+            raise InputError(None, f"the page cache for weights must be >= 0 bytes (got {self.page_cache_bytes})")
+        if self.lru_experts < -1:
+            raise InputError(None, f"the LRU's experts per layer must be >= 0 (got {self.lru_experts})")
+        object.__setattr__(self, "runtime_changes", runtime_changes(self))
         if self.ram_bytes < 0 or self.pin_bytes < 0:
             raise InputError(None, "RAM budgets must be >= 0")
         if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
@@ -109,6 +121,35 @@ class RuntimeConfig:
         return asdict(self)
 
 
+MAX_TEAM = 1024
+"""Most threads a blocking batch (colibrì's PIPE=0 OpenMP team) is modelled with."""
+
+RUNTIME_CHANGES = {
+    "coalesce": "--coalesce: one pread for experts contiguous in one shard, a patched colibrì (pull request 1398 in "
+                "JustVugg/colibri, not merged)",
+    "admission": "--policy/admission other than top-k: prefetch admission colibrì does not have",
+    "prefetch-controls": "prefetch byte budget, adaptive budget, per-source caps, stale cancellation or backoff: "
+                         "controls colibrì's prefetcher does not have",
+    "prefetch-source": "a prefetch source colibrì does not have (heat, persistence, session or fused sources)",
+}
+"""relayout-only read-path features: each needs a runtime change before colibrì runs it (the label
+``RuntimeConfig.runtime_changes`` carries into output and gate.json)."""
+
+
+def runtime_changes(config: "RuntimeConfig") -> list[str]:
+    """The :data:`RUNTIME_CHANGES` labels of what ``config`` models that the public colibrì does not run."""
+    out = []
+    if config.coalesce:
+        out.append(RUNTIME_CHANGES["coalesce"])
+    if config.admission != "top-k":
+        out.append(RUNTIME_CHANGES["admission"])
+    if config.prefetch_bytes or config.adaptive_budget or config.source_caps or config.cancel_stale or config.backoff:
+        out.append(RUNTIME_CHANGES["prefetch-controls"])
+    if config.prefetch not in PREFETCH_SOURCES:
+        out.append(RUNTIME_CHANGES["prefetch-source"])
+    return out
+
+
 def prefetch_sources(prefetch: str) -> tuple[str, ...]:
     """The source names of a ``prefetch`` setting: one of :data:`MODEL_SOURCES`, or 2 to
     :data:`MAX_SOURCES` distinct probability sources joined by :data:`SOURCE_SEPARATOR` (not
@@ -132,9 +173,12 @@ def source_index(prefetch: str) -> int:
     return MODEL_SOURCES.index(names[0]) if len(names) == 1 else FUSED
 
 
-def lru_capacities(ram_bytes: int, expert_bytes: np.ndarray) -> np.ndarray:
-    """Experts each layer's LRU holds when ``ram_bytes`` is shared evenly by the layers."""
+def lru_capacities(ram_bytes: int, expert_bytes: np.ndarray, lru_experts: int = -1) -> np.ndarray:
+    """Experts each layer's LRU holds: ``lru_experts`` in every layer when >= 0 (colibrì's cap),
+    else as many as ``ram_bytes`` shared evenly by the layers pays for."""
     L = len(expert_bytes)
+    if lru_experts >= 0:
+        return np.full(L, lru_experts, dtype=np.int64)
     if ram_bytes <= 0:
         return np.zeros(L, dtype=np.int64)
     return (ram_bytes // L // np.maximum(expert_bytes, 1)).astype(np.int64)

@@ -63,6 +63,23 @@ enter L+1's LRU (or, with no cache, wait for L+1 alone); an expert still in flig
 compute thread wait for it instead of reading it again. A wrong prediction costs drive time and,
 with a cache, an LRU slot.
 
+**colibrì's read paths** (:mod:`replay.engine_config`; docs/ENGINE_MODEL.md is the specification,
+with references into the engine's source). A configuration given in the engine's variables runs
+its order: the union is met in routing order (``Instances.sel_order``: positions in order, each
+position's experts in the router's order), misses are issued in that order, and the compute
+thread runs the resident experts routed before a miss, then waits for it; after the layer the
+last ``min(k, cap)`` misses enter the LRU, the last first (``RuntimeConfig.routing_order``).
+``PIPE=1`` is the reader pool of ``PIPE_WORKERS`` (at most 16) threads; ``URING=1`` the batched
+queue (64 loads in flight); ``PIPE=0``, the engine's Linux default, loads the layer's misses on
+the OpenMP team (``workers`` threads, taking them in order) while the compute thread is blocked
+(``RuntimeConfig.blocking``): the stall is when the last miss arrives, and every matmul of the
+layer runs after it. The LRU holds the engine's cap (``RuntimeConfig.lru_experts``: CAP,
+CAP_RAISE, RAM_GB). Buffered weight reads go through a page cache of whole experts
+(:mod:`replay.weightcache`, ``RuntimeConfig.page_cache_bytes``). Not modelled: COLI_MMAP, the
+router pilot and page-cache hints (PILOT, COUPLE without PILOT_REAL), AUTOPIN's history, the
+loaders' spin-waits competing with the matmuls for cores, and (under URING) a load's reads
+being in flight together rather than one after another.
+
 The **oracle** replaces the drives by a stream at the array's full bandwidth with no per-request
 cost: the lower bound on stall that no layout can beat (for the misses left after prefetch).
 """
@@ -93,6 +110,7 @@ from .pagecache import new_page_cache
 from .predictors import RELIABILITY_BINS
 from .runtime import new_lru
 from .storage import StorageProfile
+from .weightcache import new_weight_cache
 from .trace import RoutingTrace
 from .unions import (
     DEFAULT_CHUNK_FORWARDS,
@@ -277,9 +295,10 @@ class Replay:
         self.config = config
         self.lay = layout_arrays(layout, config, split)
         self.ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
-                            new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0]), E),
+                            new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0], config.lru_experts), E),
                             new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
-                                           device.drive.max_request_bytes))
+                                           device.drive.max_request_bytes),
+                            new_weight_cache(0 if config.direct else config.page_cache_bytes, self.lay.wbytes))
         self.table = prefetcher_inputs(config, layout, coupling)
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device, layout)
@@ -367,7 +386,7 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       source_index(config.prefetch), int(config.prefetch_experts),
                       ADMISSION_POLICIES.index(config.admission), int(config.prefetch_bytes), int(config.prefetch_candidates),
                       float(config.prefetch_min_probability), bool(config.cancel_stale), bool(config.adaptive_budget),
-                      bool(config.backoff))
+                      bool(config.backoff), bool(config.blocking), bool(config.routing_order))
 
 
 def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device:

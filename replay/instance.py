@@ -65,6 +65,7 @@ from .pagecache import (
 from .prefetch import COUPLED, ORACLE, predict_next
 from .readplan import SCALE, WEIGHT, ReadPlan, plan_layer
 from .runtime import lru_add, lru_start, lru_touch
+from .weightcache import wc_add, wc_hit, wc_start
 
 MEMORY_BANDWIDTH = 10e9
 """Bytes/s for reads served from the OS page cache."""
@@ -97,7 +98,7 @@ address in the array's logical address space."""
 
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
-                                      "min_probability cancel_stale adaptive_budget backoff")
+                                      "min_probability cancel_stale adaptive_budget backoff blocking routing_order")
 """How the runtime reads (:func:`replay.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
@@ -105,7 +106,11 @@ page-cache share of weight reads, 0-1); ``dense_seconds`` (per layer, before it 
 ``prefetch`` (the source, an index into ``MODEL_SOURCES``; ``replay.config.FUSED`` for several)
 and ``prefetch_experts`` (its K, or the queue-slot budget Q); ``admission`` (an index into ``ADMISSION_POLICIES``), ``prefetch_bytes``
 (B per layer, 0 none), ``candidates``, ``min_probability``, and the tail controls ``cancel_stale``,
-``adaptive_budget``, ``backoff`` (:mod:`replay.admission`)."""
+``adaptive_budget``, ``backoff`` (:mod:`replay.admission`); ``blocking`` (colibrì's PIPE=0: the
+compute thread waits for all of a layer's demand loads before its first matmul) and
+``routing_order`` (misses issued, waited for and promoted into the LRU in routing order, hits
+computed between them in that order, as colibrì's ``moe()`` does; else physical order with the
+resident work first)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "
@@ -123,23 +128,26 @@ every member of an array; each drive's own on independent drives); ``seg_start``
 the address map of independent drives (rule ``storage``: :func:`replay.device.split_storage`;
 empty otherwise)."""
 
-RamTiers = namedtuple("RamTiers", "pinned lru pages")
+RamTiers = namedtuple("RamTiers", "pinned lru pages weights")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
 ``lru`` (the per-layer LRUs, :class:`replay.runtime.Lru`), ``pages`` (the page cache under the
-buffered scale reads, with the kernel's readahead: :class:`replay.pagecache.PageCache`)."""
+buffered scale reads, with the kernel's readahead: :class:`replay.pagecache.PageCache`),
+``weights`` (the page cache under buffered weight reads: :class:`replay.weightcache.WeightCache`)."""
 
 # the prefetcher's inputs and state: replay.admission.Prefetcher (a prediction source and the controller)
 
 # ------------------------------------------------------------------------ per-call working arrays
 
-Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait")
-"""One instance's misses [K], in issue (physical) order: ``expert``; ``top`` (its top segment is
+Misses = namedtuple("Misses", "expert top comp first ready wlen sbytes skip wjob sjob wait pre cached")
+"""One instance's misses [K], in issue order (physical; routing order under
+``ReadPolicy.routing_order``): ``expert``; ``top`` (its top segment is
 resident: only the bottom is read); ``comp`` (its matmul over all positions, s); ``first`` (some
 of its scale preads went to the drive: set when its reads are planned); ``ready`` (>= 0: a
 prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` (weight bytes
 it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
 ``sjob`` (the jobs carrying its weights and its scales); ``wait`` (s the compute thread waited for
-it)."""
+it); ``pre`` (under ``ReadPolicy.routing_order``: the resident work routed between the previous miss and
+this one, s); ``cached`` (its weights are in the page cache: :mod:`replay.weightcache`)."""
 
 Jobs = namedtuple("Jobs", "first_read tail done")
 """The reader pool's jobs [2K]: ``first_read`` [2K+1] (each job's first read; one past the
@@ -209,7 +217,7 @@ def new_work(K, E, W, M, Q):
     reads each, follow the demand jobs)."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
-                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K))
+                  np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K), np.zeros(K), np.zeros(K, np.bool_))
     J = 2 * K + PREFETCH_SLOTS
     jobs = Jobs(np.empty(J + 1, np.int64), np.empty(J), np.empty(J))
     R = max(8 * K, 7) + 8 * PREFETCH_SLOTS
@@ -273,6 +281,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             _fetch_rows(i + 1, inst, table.source, ram, lay, learning, out)
         lru_start(lru, li, inst_session[i])
         start_session(ram.pages, inst_session[i])
+        wc_start(ram.weights, inst_session[i])
         if pf_for != i:
             pf_n = 0
         if pol.prefetch == FUSED:
@@ -292,7 +301,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         n_jobs, end = 0, resident
         jobs.first_read[0] = 0
         if k > 0:
-            n_jobs = _plan_reads(i, li, k, miss, lay, pol, ram.pages, plan, jobs, reads, res)
+            n_jobs = _plan_reads(i, li, k, miss, lay, pol, ram.pages, ram.weights, plan, jobs, reads, res)
         pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT], pilot.state[PILOT_END] = n_jobs, n_jobs, n_jobs
         pilot.state[PILOT_POS] = 0
         pilot.free[0] = pilot_free
@@ -306,7 +315,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
                              work.share)
             else:
                 _reader_pool(n_jobs, pol.workers, pilot_free, jobs, reads, workers, pilot, dev, drives, usage)
-            end = _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out)
+            end = _compute_thread(i, li, k, miss, resident, lay, pol, dev, jobs, out)
             for j in range(n_jobs):
                 out.prefetch.demand_done[i] = max(out.prefetch.demand_done[i], job_done[j])
         if learning:
@@ -391,7 +400,11 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
     An expert is served by the pinned store, then the layer's LRU, then (with no LRU) a prefetch
     that completed before routing; a prefetch still in flight makes a miss that waits for it
     instead of reading. The misses then enter the LRU in issue (physical) order, the order their
-    loads complete in and the harness (:mod:`replay.measure`) inserts them in. Counts the union, hits, compute time (dense and
+    loads complete in and the harness (:mod:`replay.measure`) inserts them in. Under
+    ``pol.routing_order`` the union is met in routing order (``inst.sel_order``), the misses are
+    listed in that order with the resident work routed before each (``miss.pre``), and, as
+    colibrì promotes its loaded slabs, the last ``min(k, cap)`` misses enter the LRU, the last
+    one first. Counts the union, hits, compute time (dense and
     matmuls) and the prefetch metrics. Returns the number of misses and the compute on resident work (s): the
     matmuls of experts in RAM and the top parts of missing experts whose top segment is resident.
     """
@@ -404,9 +417,11 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
     miss_e, miss_top, miss_comp, miss_ready = miss.expert, miss.top, miss.comp, miss.ready
     res, pf = out.instance, out.prefetch
     no_cache = lru.capacity[li] <= 0
+    routed = pol.routing_order
     k, hits = 0, 0
-    union_bytes, matmul, on_hits, on_tops = 0.0, 0.0, 0.0, 0.0
-    for j in range(a, b):
+    union_bytes, matmul, on_hits, on_tops, pre = 0.0, 0.0, 0.0, 0.0, 0.0
+    for r in range(a, b):
+        j = inst.sel_order[r] if routed else r
         e = sel_e[j]
         comp = seconds[e] * sel_mult[j]
         union_bytes += ebytes[e]
@@ -414,6 +429,7 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
         if layer_pinned[e]:
             hits += 1
             on_hits += comp
+            pre += comp
             continue
         prefetched = pf_ready[e] < np.inf
         if prefetched or not lru.cached[li, e]:
@@ -421,6 +437,7 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
         if lru_touch(lru, li, e) or (no_cache and prefetched and pf_ready[e] <= 0):
             hits += 1
             on_hits += comp
+            pre += comp
             if prefetched:
                 pf.timely[i] += pf_bytes[e]
                 pf.timely_n[i] += 1
@@ -428,16 +445,24 @@ def _select(i, li, inst, ram, lay, pol, pending, pf_n, miss, out):
             continue
         if top_resident[e]:
             on_tops += comp * top_fraction
-        q = k                                    # insert by physical place
-        while q > 0 and rank[miss_e[q - 1]] > rank[e]:
+            pre += comp * top_fraction
+        q = k                                    # insert by physical place (in routing order: append)
+        while not routed and q > 0 and rank[miss_e[q - 1]] > rank[e]:
             miss_e[q], miss_top[q], miss_comp[q] = miss_e[q - 1], miss_top[q - 1], miss_comp[q - 1]
             miss_ready[q] = miss_ready[q - 1]
             q -= 1
         miss_e[q], miss_top[q], miss_comp[q] = e, top_resident[e], comp
         miss_ready[q] = pf_ready[e] if prefetched and pf_ready[e] > 0 else -1.0
+        if routed:
+            miss.pre[q] = pre
+            pre = 0.0
         k += 1
-    for m in range(k):                           # in issue order, as their loads complete and the runtime stamps them
-        lru_add(lru, li, miss_e[m])
+    if routed:                                   # colibrì's promotion: the last min(k, cap) misses, the last one first
+        for m in range(min(k, lru.capacity[li])):
+            lru_add(lru, li, miss_e[k - 1 - m])
+    else:
+        for m in range(k):                       # in issue order, as their loads complete and the runtime stamps them
+            lru_add(lru, li, miss_e[m])
     for p in range(pf_n):                        # prefetched, not selected: wasted (an LRU keeps them)
         e = pending.experts[p]
         if not _selected(e, sel_e, a, b):
@@ -461,7 +486,7 @@ def _selected(e, sel_e, a, b):
 
 
 @njit(**STAGE)
-def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
+def _plan_reads(i, li, k, miss, lay, pol, pages, weights, plan, jobs, reads, res):
     """The reader pool's jobs and their reads, in issue order, as :func:`replay.readplan.plan_layer`
     plans them (the harness executes the same plan); returns the number of jobs.
 
@@ -471,13 +496,16 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
     cache ``pages`` cannot serve it (:func:`replay.pagecache.buffered_read`, in issue order), as
     one read of the pages the kernel's readahead reads for it; otherwise it, like a warm weight
     read, costs memory time at the end of its job. A job left with no drive read keeps one empty
-    warm read to carry it. Reads, the reads that reach the drives, and bytes read
+    warm read to carry it. A buffered weight read of experts whose weights the page cache
+    ``weights`` holds (:mod:`replay.weightcache`) is served from memory; the others, once read,
+    enter it. Reads, the reads that reach the drives, and bytes read
     (O_DIRECT-widened weights, whole scales) go into ``res`` (the instance outputs).
     """
     miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
     for p in range(k):
         skip[p] = miss.ready[p] >= 0
         wjob[p], sjob[p], sbytes[p], miss.first[p] = -1, -1, 0, False
+        miss.cached[p] = not skip[p] and wc_hit(weights, li, miss_e[p])
     n_plan, n_jobs = plan_layer(miss_e, k, skip, miss.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
                                 lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
                                 pol.coalesce, pol.gap_bytes, pol.span_bytes, miss.wlen, plan)
@@ -496,9 +524,15 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
             wtail, warm_scales, has_warm_scales = 0.0, 0, False
         f, n, a = plan.file[r], plan.length[r], plan.first[r]
         if plan.kind[r] == WEIGHT:
-            queued = n_reads
-            n_reads, wtail, n = _weight_read(f, plan.offset[r], n, bases, pol, n_reads, wtail, reads)
-            drive_reads += n_reads - queued
+            cached = True
+            for m in range(a, plan.last[r] + 1):
+                cached = cached and miss.cached[m]
+            if cached:
+                wtail += n / MEMORY_BANDWIDTH
+            else:
+                queued = n_reads
+                n_reads, wtail, n = _weight_read(f, plan.offset[r], n, bases, pol, n_reads, wtail, reads)
+                drive_reads += n_reads - queued
             for m in range(a, plan.last[r] + 1):
                 wjob[m] = job
         else:
@@ -520,6 +554,9 @@ def _plan_reads(i, li, k, miss, lay, pol, pages, plan, jobs, reads, res):
         job_tail[job] = wtail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
         n_reads = _close_job(job, job_read, n_reads, reads)
     job_read[n_jobs] = n_reads
+    for p in range(k):
+        if not skip[p] and not miss.cached[p]:
+            wc_add(weights, li, miss_e[p])
     res.reads[i] = n_plan
     res.drive_reads[i] = drive_reads
     res.read_bytes[i] = read_bytes
@@ -957,20 +994,34 @@ def _take_slot(ring, head, m, Q, done):
 
 
 @njit(**HELPER)
-def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
+def _compute_thread(i, li, k, miss, resident, lay, pol, dev, jobs, out):
     """The compute thread runs resident work, then, in issue order, waits for each missing expert
     and runs its matmul (only the bottom part when its top is resident). Stall is the time it
     waits, on that critical path. The oracle's thread does the same with bytes streaming at the
-    array's full bandwidth with no per-request cost. Returns when the layer's compute ends (s)."""
+    array's full bandwidth with no per-request cost. Returns when the layer's compute ends (s).
+
+    Under ``pol.routing_order`` it runs the union in routing order instead: before each miss the
+    resident work routed before it (``miss.pre``), the rest after the last miss. Under
+    ``pol.blocking`` (colibrì's PIPE=0) it first waits until every miss has arrived (the whole
+    wait is charged to the miss that arrived last), then runs all the layer's matmuls; its oracle
+    waits for all the bytes streamed at full bandwidth."""
+    if pol.blocking:
+        return _blocked_compute(i, li, k, miss, resident, lay, dev, jobs, out)
     res, pf = out.instance, out.prefetch
     expert_wait = res.expert_wait[li]
     miss_e, miss_comp, miss_ready, job_done = miss.expert, miss.comp, miss.ready, jobs.done
     keep_top = 1 - lay.top_fraction[li]
     ebytes = lay.ebytes[li]
-    t = resident
-    t_oracle = resident
+    routed = pol.routing_order
+    t = 0.0 if routed else resident
+    t_oracle = t
+    done_pre = 0.0
     stall, oracle, streamed = 0.0, 0.0, 0.0
     for p in range(k):
+        if routed:
+            t += miss.pre[p]
+            t_oracle += miss.pre[p]
+            done_pre += miss.pre[p]
         comp = miss_comp[p] * keep_top if miss.top[p] else miss_comp[p]
         if miss_ready[p] >= 0:                   # a prefetch in flight
             ready = miss_ready[p]
@@ -993,7 +1044,42 @@ def _compute_thread(i, li, k, miss, resident, lay, dev, jobs, out):
         oracle += wait
     res.stall[i] = stall
     res.oracle_stall[i] = oracle
+    if routed:
+        t += max(resident - done_pre, 0.0)
     return t
+
+
+@njit(**HELPER)
+def _blocked_compute(i, li, k, miss, resident, lay, dev, jobs, out):
+    """:func:`_compute_thread` under colibrì's PIPE=0: the thread is blocked from routing until
+    the last of the layer's ``k`` misses has arrived, then runs the resident work and every
+    miss's matmul. Returns when the layer's compute ends (s)."""
+    res, pf = out.instance, out.prefetch
+    miss_e, miss_comp, miss_ready, job_done = miss.expert, miss.comp, miss.ready, jobs.done
+    keep_top = 1 - lay.top_fraction[li]
+    ebytes = lay.ebytes[li]
+    ready_all, last, comps, streamed = 0.0, -1, 0.0, 0.0
+    for p in range(k):
+        if miss_ready[p] >= 0:                   # a prefetch in flight
+            ready = miss_ready[p]
+        else:
+            ready = max(job_done[miss.wjob[p]], job_done[miss.sjob[p]])
+        if ready <= 0.0:
+            pf.timely[i] += ebytes[miss_e[p]]
+            if miss_ready[p] >= 0:
+                pf.timely_n[i] += 1
+                pf.slack[i] += -ready
+        if last < 0 or ready > ready_all:
+            ready_all, last = max(ready, 0.0), p
+        miss.wait[p] = 0.0
+        comps += miss_comp[p] * keep_top if miss.top[p] else miss_comp[p]
+        streamed += miss.wlen[p] + (miss.sbytes[p] if miss.first[p] else 0)
+    if last >= 0:
+        miss.wait[last] = ready_all
+        res.expert_wait[li, miss_e[last]] += ready_all
+    res.stall[i] = ready_all
+    res.oracle_stall[i] = streamed / dev.full_bandwidth
+    return ready_all + resident + comps
 
 
 @njit(**HELPER)
@@ -1045,7 +1131,8 @@ def _queue_at_routing(i, li, inst, table, ram, lay, pol, pending, plan, single, 
         pf_list[q] = e
         pilot.mark[q] = checkpoint(ram.pages)
         jobs.first_read[job] = n_reads
-        n_plan, n_reads, jobs.tail[job], total = _plan_load(li, e, lay, pol, plan, single, ram.pages, reads, n_reads)
+        n_plan, n_reads, jobs.tail[job], total = _plan_load(li, e, lay, pol, plan, single, ram.pages, ram.weights, reads,
+                                                            n_reads)
         n_reads = _close_job(job, jobs.first_read, n_reads, reads)
         pilot.n_plan[q], pilot.nbytes[q] = n_plan, total
         job += 1
@@ -1054,12 +1141,13 @@ def _queue_at_routing(i, li, inst, table, ram, lay, pol, pending, plan, single, 
 
 
 @njit(**STAGE)
-def _plan_load(li, e, lay, pol, plan, single, pages, reads, n_reads):
+def _plan_load(li, e, lay, pol, plan, single, pages, weights, reads, n_reads):
     """Plan one prefetch load of expert ``e`` of layer ``li`` (read alone, never coalesced: its
     weights and its scales, :func:`replay.readplan.plan_layer`) into ``reads`` from ``n_reads``
     on, its scale preads through the page cache ``pages`` as :func:`_plan_reads` does. Returns
     the preads planned, the reads queued so far, the page-cache time after its drive reads (warm
-    weights and scales, s) and its bytes."""
+    weights and scales, s) and its bytes. Its weights come from the page cache ``weights`` when
+    it holds them; they enter it when the load completes (:func:`_record_load`)."""
     single.expert[0], single.top[0] = e, lay.top_resident[li, e]
     n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, 1.0 - lay.top_fraction[li], lay.adjacent[li],
                            lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li], False, 0, 1,
@@ -1067,9 +1155,12 @@ def _plan_load(li, e, lay, pol, plan, single, pages, reads, n_reads):
     bases = lay.bases
     tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
     settled = scales_settled(pages, li, e)
+    cached = wc_hit(weights, li, e)
     for r in range(n_plan):
         f, nb = plan.file[r], plan.length[r]
-        if plan.kind[r] == WEIGHT:
+        if plan.kind[r] == WEIGHT and cached:
+            tail += nb / MEMORY_BANDWIDTH
+        elif plan.kind[r] == WEIGHT:
             n_reads, tail, nb = _weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
         else:
             n_reads, queued = _scale_read(f, plan.offset[r], nb, settled, pages, bases, n_reads, reads)
@@ -1115,16 +1206,17 @@ def _pilot_outcome(i, li, deadline, lay, pending, ram, jobs, pilot, out):
             continue
         note_settled(ram.pages, li, e, lay.sloc[li, e])
         loaded = _record_load(i, li, e, pilot.n_plan[q], pilot.nbytes[q], jobs.done[first + q], deadline, lay, pending,
-                              ram.lru, out, loaded)
+                              ram.lru, ram.weights, out, loaded)
     return loaded
 
 
 @njit(**HELPER)
-def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, out, loaded):
+def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, weights, out, loaded):
     """A prefetch load of expert ``e`` of layer ``li`` for instance ``i``, ``n_plan`` preads of
     ``nbytes``, completed at ``done`` (s): count it, keep its ready time in the next instance's
     clock (that layer is routed at ``deadline``, s), list it ``loaded``-th in ``pending.experts``
-    and, when it completed before ``deadline``, put it in the LRU. Returns the loads listed."""
+    and, when it completed before ``deadline``, put it in the LRU. Its weights enter the page
+    cache ``weights`` (buffered reads). Returns the loads listed."""
     res, pf = out.instance, out.prefetch
     res.reads[i] += n_plan
     res.read_bytes[i] += nbytes
@@ -1133,6 +1225,7 @@ def _record_load(i, li, e, n_plan, nbytes, done, deadline, lay, pending, lru, ou
     pf.loads[i] += 1
     pf.issued[i] += pending.nbytes[e]
     pending.experts[loaded] = e
+    wc_add(weights, li, e)
     if done <= deadline:
         lru_add(lru, li, e)
     return loaded + 1
@@ -1194,7 +1287,7 @@ def _prefetch(i, li, start, deadline, inst, table, ram, lay, pol, dev, pending, 
                     pf.cancelled[i] += 1
             break
         mark = checkpoint(ram.pages)
-        n_plan, n_reads, tail, total = _plan_load(li, e, lay, pol, plan, single, ram.pages, reads, 0)
+        n_plan, n_reads, tail, total = _plan_load(li, e, lay, pol, plan, single, ram.pages, ram.weights, reads, 0)
         stale = pol.cancel_stale and not _selected(e, inst.sel_e, a, b)
         issued, issued_bytes = n_reads, 0
         for r in range(n_reads):
@@ -1214,7 +1307,7 @@ def _prefetch(i, li, start, deadline, inst, table, ram, lay, pol, dev, pending, 
         stop_logging(ram.pages)
         note_settled(ram.pages, li, e, lay.sloc[li, e])
         t += tail
-        loaded = _record_load(i, li, e, n_plan, total, t, deadline, lay, pending, lru, out, loaded)
+        loaded = _record_load(i, li, e, n_plan, total, t, deadline, lay, pending, lru, ram.weights, out, loaded)
     return loaded
 
 

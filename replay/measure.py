@@ -403,7 +403,7 @@ class _Run:
         self.config, self.trace = config, trace
         self.lay = layout_arrays(layout, config, None)
         self.ebytes = layout.expert_bytes() if self.seg is None else self.seg.need_bytes
-        self.capacity = lru_capacities(config.ram_bytes, self.ebytes[:, 0])
+        self.capacity = lru_capacities(config.ram_bytes, self.ebytes[:, 0], config.lru_experts)
         self.comp = self.lay.seconds
         self.sink = _Sink(arm.out, record)
         try:

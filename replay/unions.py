@@ -23,13 +23,16 @@ from containers.layout import Layout
 from .jit import LOOP
 from .trace import RoutingTrace, RowBlock, whole_forward_runs
 
-Instances = namedtuple("Instances", "forward layer session sel_start sel_e sel_mult")
+Instances = namedtuple("Instances", "forward layer session sel_start sel_e sel_mult sel_order")
 """The instances of the selected forwards, in time order (forward, then layer), as the compiled
 model takes them. Per instance [I]: ``forward`` (int32, index into the trace's forwards),
 ``layer`` (int32, layout layer index), ``session`` (int32). ``sel_start`` [I+1] (int64):
 instance ``i``'s batch union is ``sel_e[sel_start[i]:sel_start[i+1]]`` (int16 expert ids, the
 trace format's range, ascending within an instance), each selected by ``sel_mult`` (int32)
-positions (at most the rows of one instance, fewer than the format's 2**31 rows)."""
+positions (at most the rows of one instance, fewer than the format's 2**31 rows). ``sel_order``
+(int64, like ``sel_e``): instance ``i``'s selections in routing order, the order the runtime
+meets them (positions in order, each position's experts in the router's order, an expert at its
+first selection), as indices into ``sel_e`` (:func:`routing_order`)."""
 
 DEFAULT_CHUNK_FORWARDS = 1024
 """Forwards per chunk of a streamed replay: about 77k GLM-5.2 instances, a few MB of arrays."""
@@ -59,9 +62,10 @@ def rows_instances(row_forward: np.ndarray, row_layer: np.ndarray, experts: np.n
         by_inst = np.argsort(row_inst, kind="stable")
         rows, row_inst = rows[by_inst], row_inst[by_inst]
     sel_start, sel_e, sel_mult = instance_unions(np.searchsorted(row_inst, np.arange(I + 1)), rows, experts, layout.n_experts)
+    sel_order = routing_order(np.searchsorted(row_inst, np.arange(I + 1)), rows, experts, sel_start, sel_e, layout.n_experts)
     fwd = inst_key // L
     return Instances(fwd.astype(np.int32), (inst_key % L).astype(np.int32), fwd_session[fwd].astype(np.int32),
-                     sel_start, sel_e, sel_mult)
+                     sel_start, sel_e, sel_mult, sel_order)
 
 
 def whole_forward_blocks(trace: RoutingTrace, chunk_forwards: int) -> Iterator[RowBlock]:
@@ -125,3 +129,27 @@ def instance_unions(row_start, rows, experts, n_experts):
             count[sel_e[j]] = 0
         sel_start[i + 1] = n
     return sel_start, sel_e[:n].copy(), sel_mult[:n].copy()
+
+
+@njit(**LOOP)
+def routing_order(row_start, rows, experts, sel_start, sel_e, n_experts):
+    """Each instance's union in routing order: ``sel_order[sel_start[i] + r]`` is the index into
+    ``sel_e`` of the ``r``-th distinct expert instance ``i``'s rows select (rows in order, each
+    row's experts in its column order, an expert counted at its first selection), as colibrì's
+    ``moe()`` builds its union. Arguments as :func:`instance_unions` takes them, with its
+    ``sel_start`` and ``sel_e``."""
+    where = np.full(n_experts, -1, np.int64)
+    sel_order = np.empty(len(sel_e), np.int64)
+    for i in range(len(row_start) - 1):
+        first = sel_start[i]
+        for j in range(first, sel_start[i + 1]):
+            where[sel_e[j]] = j
+        n = first
+        for r in rows[row_start[i]:row_start[i + 1]]:
+            for e in experts[r]:
+                if e < 0 or where[e] < 0:
+                    continue
+                sel_order[n] = where[e]
+                where[e] = -1
+                n += 1
+    return sel_order

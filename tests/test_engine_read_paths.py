@@ -1,0 +1,296 @@
+"""colibrì's read paths in the model: PIPE=0's blocking batch, PIPE=1's per-expert waits, URING's
+batched queue, routing order and the LRU promotion, each against a stall computed by hand; and the
+run configuration in the engine's own variables (replay.engine_config)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from containers.errors import InputError
+from containers.layout import Layout
+from replay.config import RuntimeConfig
+from replay.device import ArrayProfile, DriveProfile
+from replay.engine import simulate
+from replay.engine_config import (
+    EngineConfig,
+    config_from_run,
+    describe,
+    engine_cap,
+    model_config,
+    parse_runtime_env,
+)
+from replay.trace import RoutingTrace
+
+MIB = 1 << 20
+A, B = 1e-3, 1e9        # request latency (s) and bandwidth (bytes/s) of the test drive
+
+
+def drive():
+    """One drive: each request costs A then streams at B; reads side by side share nothing but
+    the queue (32 slots), so k concurrent reads of s bytes each complete at A + s / B."""
+    return ArrayProfile("q", DriveProfile("d", A, 1e15, 32, B), 1, 0, "none", 1e15, read_ahead_bytes=0)
+
+
+def layout(E, wbytes):
+    """One file; expert e's three weights adjacent (one read of wbytes[e]) and empty scales."""
+    loc = np.zeros((1, E, 6, 3), dtype=np.int64)
+    off = 4096
+    for e in range(E):
+        for slot, n in enumerate([wbytes[e] // 4, wbytes[e] // 4, wbytes[e] - 2 * (wbytes[e] // 4), 0, 0, 0]):
+            loc[0, e, slot] = (0, off, n)
+            off += n
+    return Layout(["f.safetensors"], [off], [3], E, loc, 4096)
+
+
+def forwards(routes, E):
+    """One forward per entry of ``routes``, one position each, selecting its experts in that order."""
+    F, k = len(routes), max(len(r) for r in routes)
+    experts = np.full((F, k), -1, dtype=np.int16)
+    for f, r in enumerate(routes):
+        experts[f, :len(r)] = r
+    return RoutingTrace(
+        layers=np.array([3], dtype=np.int16), n_experts=E, top_k=k, geometry="test", sessions=["s0"],
+        row_forward=np.arange(F, dtype=np.int32), row_layer=np.full(F, 3, np.int16), row_position=np.zeros(F, np.int32),
+        experts=experts, gates=np.full((F, k), np.nan, dtype=np.float32), fwd_session=np.zeros(F, np.int32),
+        fwd_kind=np.zeros(F, np.int8), fwd_evaluated=np.ones(F, np.int32), fwd_committed=np.ones(F, np.int32))
+
+
+def run(routes, wbytes, config):
+    E = len(wbytes)
+    inst, _ = simulate(forwards(routes, E), np.ones(len(routes), bool), layout(E, wbytes), drive(), config)
+    return inst
+
+
+COMPUTE = 1e9                     # matmul: 1 ms per MiB-ish of weights (bytes/s)
+BASE = dict(dense_seconds=0.0, compute_bytes_per_second=COMPUTE, direct=False)
+
+
+def test_pipe0_blocks_the_compute_thread_for_the_whole_batch():
+    """PIPE=0, a team of 2: misses of 1, 2, 3 MiB. Thread 1 takes the 1 MiB (done at A + 1 MiB/B),
+    thread 2 the 2 MiB (A + 2 MiB/B); thread 1 then the 3 MiB (issued at its first's end, done
+    2A + 4 MiB/B). The compute waits for the last: stall 2A + 4 MiB/B; then all matmuls."""
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    cfg = RuntimeConfig(workers=2, blocking=True, routing_order=True, **BASE)
+    inst = run([[0, 1, 2]], sizes, cfg)
+    expect = 2 * A + 4 * MIB / B
+    assert inst.stall[0] == pytest.approx(expect, rel=1e-12)
+    assert inst.compute[0] == pytest.approx(6 * MIB / COMPUTE, rel=1e-12)
+
+
+def test_pipe1_overlaps_loads_with_matmuls_and_waits_per_expert():
+    """PIPE=1, 2 workers, same batch in routing order 0, 1, 2. Loads done at d0 = A + 1M/B,
+    d1 = A + 2M/B, d2 = 2A + 4M/B; the compute thread waits for each in turn and runs its matmul
+    (c = s / C) before waiting for the next: stall = sum of max(d_p - t_p, 0)."""
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    cfg = RuntimeConfig(workers=2, routing_order=True, **BASE)
+    inst = run([[0, 1, 2]], sizes, cfg)
+    d = [A + MIB / B, A + 2 * MIB / B, 2 * A + 4 * MIB / B]
+    c = [s / COMPUTE for s in sizes]
+    t, stall = 0.0, 0.0
+    for p in range(3):
+        w = max(d[p] - t, 0.0)
+        stall += w
+        t += w + c[p]
+    assert inst.stall[0] == pytest.approx(stall, rel=1e-12)
+    blocked = run([[0, 1, 2]], sizes, RuntimeConfig(workers=2, blocking=True, routing_order=True, **BASE))
+    assert inst.stall[0] < blocked.stall[0]          # overlap: less waiting than the blocking batch
+
+
+def test_uring_puts_every_load_of_the_layer_in_flight_at_once():
+    """URING (the batched queue, 64 loads in flight): the three loads all start at 0 and complete
+    at A + s/B each; the compute waits for each in routing order."""
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    inst = run([[0, 1, 2]], sizes, RuntimeConfig(batched=True, routing_order=True, **BASE))
+    d = [A + s / B for s in sizes]
+    c = [s / COMPUTE for s in sizes]
+    t, stall = 0.0, 0.0
+    for p in range(3):
+        w = max(d[p] - t, 0.0)
+        stall += w
+        t += w + c[p]
+    assert inst.stall[0] == pytest.approx(stall, rel=1e-12)
+
+
+def test_routing_order_issues_misses_as_routed_and_computes_hits_between_them():
+    """Forward 1 loads expert 2 into an LRU of 1; forward 2 routes 0 then 2 (a hit). Routing
+    order: the miss 0 is issued and waited for first (its load A + 1M/B), then the hit's matmul
+    runs: stall A + 1M/B. Relayout's order runs the hit first (M/2 / C of compute), so the same
+    miss costs A + 1M/B - M/2 / C."""
+    sizes = [MIB, MIB, MIB // 2]
+    routed = run([[2], [0, 2]], sizes, RuntimeConfig(workers=1, routing_order=True, lru_experts=1, **BASE))
+    physical = run([[2], [0, 2]], sizes, RuntimeConfig(workers=1, lru_experts=1, **BASE))
+    assert routed.hits[1] == physical.hits[1] == 1
+    assert routed.stall[1] == pytest.approx(A + MIB / B, rel=1e-12)
+    assert physical.stall[1] == pytest.approx(A + MIB / B - MIB / 2 / COMPUTE, rel=1e-12)
+
+
+def test_routing_order_issue_order_changes_the_stall_of_an_unsorted_route():
+    """One worker, route 2 then 0 (2 is 3 MiB, 0 is 1 MiB). Routing order loads 2 first: waits
+    A + 3M/B, computes 3M/C, then 0 is done at 2A + 4M/B. Physical order loads 0 first."""
+    sizes = [MIB, MIB, 3 * MIB]
+    inst = run([[2, 0]], sizes, RuntimeConfig(workers=1, routing_order=True, **BASE))
+    t = A + 3 * MIB / B
+    stall = t
+    t += 3 * MIB / COMPUTE
+    stall += max(2 * A + 4 * MIB / B - t, 0.0)
+    assert inst.stall[0] == pytest.approx(stall, rel=1e-12)
+
+
+def test_the_engines_promotion_keeps_the_last_misses_of_a_layer():
+    """Cap 1: forward 1 misses 0 then 1; colibrì promotes only the last (1). Forward 2 routes 0,
+    1: 1 hits, 0 misses (relayout's order would have kept 1 as well, the newest)."""
+    sizes = [MIB, MIB, MIB]
+    inst = run([[0, 1], [1], [0]], sizes, RuntimeConfig(workers=1, routing_order=True, lru_experts=1, **BASE))
+    assert list(inst.hits) == [0, 1, 0]
+    # cap 2, three misses 0, 1, 2: the last two (1, 2) are kept, 2 the oldest (promoted first)
+    inst = run([[0, 1, 2], [0], [1], [2]], sizes, RuntimeConfig(workers=1, routing_order=True, lru_experts=2, **BASE))
+    assert list(inst.hits) == [0, 0, 1, 0]
+
+
+# ------------------------------------------------------------------------ the run configuration
+
+def test_the_default_configuration_is_the_engines_linux_default():
+    """The parser's defaults are colibrì's on Linux (CPU build), as its source sets them
+    (/work/engine/c/colibri.c at 4ef9a99): PIPE 0 off Windows (main, lines 9319-9325), PIPE_WORKERS 8
+    (9330), DIRECT 0 (9333), URING 0 (9341), COLI_MMAP 0 (9240), CAP_RAISE 1 where the Metal
+    fast-SSD probe did not run (8688, g_ssd_fast 0 off Metal: 130-134), RAM_GB 0 = auto (9653),
+    PIN_GB 10 (9633), AUTOPIN 1 (9658), COUPLE_K 8 and COUPLE_D 1 (9644-9646), PILOT and
+    PILOT_REAL 0 (9301-9302), COLI_PIPE_BLOCK 0 (9332); CAP from argv[1] or CAP, 64 when neither
+    (coli_resolve_cap, 9098-9113)."""
+    d = parse_runtime_env("")
+    assert d == EngineConfig()
+    assert (d.PIPE, d.PIPE_WORKERS, d.URING, d.DIRECT, d.COLI_MMAP, d.CAP_RAISE, d.RAM_GB, d.PIN_GB, d.AUTOPIN,
+            d.COUPLE_K, d.COUPLE_D, d.PILOT, d.PILOT_REAL, d.COLI_PIPE_BLOCK, d.PIN, d.COUPLE) == \
+        (0, 8, 0, 0, 0, 1, 0.0, 10.0, 1, 8, 1, 0, 0, 0, "", "")
+    m = model_config(d, RuntimeConfig(), lru_experts=engine_cap(d, 256, 1e9, 0, 1e6), omp_threads=2)
+    assert m.blocking and m.routing_order and not m.direct and not m.batched and m.workers == 2
+    assert m.lru_experts == 64 and m.engine_env == "(defaults)" and m.runtime_changes == []
+
+
+def test_the_parser_applies_the_engines_implications_and_is_strict():
+    assert parse_runtime_env("URING=1").PIPE == 1
+    assert parse_runtime_env("PIPE_WORKERS=4").PIPE == 1
+    assert parse_runtime_env("PIPE=0 PIPE_WORKERS=4").PIPE == 0
+    assert parse_runtime_env("PIN_GB=all PROMPT='a b' SNAP=/x").PIN_GB == -1.0
+    for bad, word in [("PIPE=2", "PIPE"), ("FOO=1", "FOO"), ("PIPE_WORKERS=0", "PIPE_WORKERS"), ("RAM_GB=lots", "RAM_GB"),
+                      ("PIPE", "PIPE"), ("DIRECT=1 DIRECT=0", "DIRECT"), ("URING=1 COLI_MMAP=1", "COLI_MMAP")]:
+        with pytest.raises(InputError, match=word):
+            parse_runtime_env(bad)
+
+
+def test_each_engine_mode_maps_onto_its_read_path():
+    base = RuntimeConfig(coalesce=True)
+    p1 = model_config(parse_runtime_env("PIPE=1 PIPE_WORKERS=32 DIRECT=1"), base, 4)
+    assert (p1.blocking, p1.batched, p1.workers, p1.direct) == (False, False, 16, True)
+    u = model_config(parse_runtime_env("URING=1"), base, 4)
+    assert u.batched and u.in_flight == 64 and not u.blocking
+    assert any("1398" in c for c in u.runtime_changes) and "NEEDS A RUNTIME CHANGE" in describe(u)
+    with pytest.raises(InputError, match="COLI_MMAP"):
+        model_config(parse_runtime_env("COLI_MMAP=1"), base, 4)
+
+
+def test_cap_for_ram_lowers_and_raises_the_cap_as_the_engine_does():
+    row, wide = 1e9, 1e7
+    reserve = 3.7e9 + 64 * wide
+    # 20 GB - 5 GB resident - reserve pays for 10 rows: CAP 16 lowered to 10; CAP 4 raised to 10 (not with CAP_RAISE=0)
+    ram = (5e9 + reserve + 10.5 * row) / 1e9
+    assert engine_cap(EngineConfig(CAP=16, RAM_GB=ram), 256, row, 5e9, wide) == 10
+    assert engine_cap(EngineConfig(CAP=4, RAM_GB=ram), 256, row, 5e9, wide) == 10
+    assert engine_cap(EngineConfig(CAP=4, RAM_GB=ram, CAP_RAISE=0), 256, row, 5e9, wide) == 4
+    assert engine_cap(EngineConfig(CAP=4, RAM_GB=ram), 8, row, 5e9, wide) == 8          # at most n_experts
+    assert engine_cap(EngineConfig(CAP=4, RAM_GB=1.0), 256, row, 5e9, wide) == 1        # the floor
+    assert engine_cap(EngineConfig(CAP=4), 256, row, 5e9, wide) == 4                    # auto budget: as requested
+
+
+def test_a_runs_effective_configuration_is_read_from_its_output(tmp_path):
+    out = tmp_path / "run.txt"
+    out.write_text(
+        "[PROF] machine: Intel | 2 cores (2 omp threads) | RAM 8.0 GB total, 6.0 GB available | backend CPU\n"
+        "[PROF] config: RAM_GB=auto 5.3 CTX=4096 | expert cache cap 4/layer (up to 0.0 GB) | pinned 0 (0.0 GB) | "
+        "DRAFT=0 PIPE=1 DIRECT=1 MMAP=0 IDOT=1 DSA=off PILOT=0 CACHE_ROUTE=0\n"
+        "[URING] queued expert I/O active (depth=512, workers=8, DIRECT=1)\n"
+        "P0-EXEC: routed CPU 1.500s / 7.10 GB/s (120 row) | routed GPU critical 0.000s\n")
+    cfg, facts = config_from_run(out)
+    assert (cfg.PIPE, cfg.DIRECT, cfg.URING, cfg.PIPE_WORKERS, cfg.RAM_GB) == (1, 1, 1, 8, 0.0)
+    assert (facts.cap, facts.pinned, facts.omp_threads) == (4, 0, 2)
+    assert facts.matmul_bytes_per_second == pytest.approx(7.1e9)
+    (tmp_path / "bare.txt").write_text("PROFILE: expert-disk 1.0s service / 0.5s wait\n")
+    with pytest.raises(InputError, match="PROF"):
+        config_from_run(tmp_path / "bare.txt")
+
+
+# ------------------------------------------------------------------------ the command line
+
+def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
+    from conftest import run_cli
+
+    from containers.geometry import load_geometry
+    from relayout.plan import make_plan, source_from_geometry
+    from relayout.trace_synth import synth_trace
+    from replay.planfile import save_plan
+    from replay.trace import save_trace
+
+    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
+    tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
+    save_plan(make_plan(tr, source_from_geometry(g), method="louvain", progress=False), tmp_path / "p.json")
+    save_trace(tr, tmp_path / "t.rt")
+    common = ["replay", "--layout", tmp_path / "p.json", "--trace", tmp_path / "t.rt", "--device", "single-nvme",
+              "--min-sessions", 1]
+    res = run_cli(*common, "--json")
+    assert res.returncode == 0, res.stderr
+    rt = json.loads(res.stdout)["runtime"]
+    assert rt["blocking"] and rt["routing_order"] and not rt["direct"] and rt["engine_env"] == "(defaults)"
+    res = run_cli(*common, "--json", "--runtime-env", "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0 SNAP=/m",
+                  "--coalesce")
+    assert res.returncode == 0, res.stderr
+    import jsonschema
+    from conftest import REPO
+
+    jsonschema.validate(json.loads(res.stdout), json.loads((REPO / "manifests/schemas/gate.schema.json").read_text()))
+    rt = json.loads(res.stdout)["runtime"]
+    assert (rt["blocking"], rt["workers"], rt["direct"], rt["lru_experts"]) == (False, 2, True, 3)
+    assert rt["engine_env"] == "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0"
+    assert any("1398" in c for c in rt["runtime_changes"])
+    res = run_cli(*common, "--runtime-env", "PIPE=1", "--compute-gbps", 7)
+    assert res.returncode == 0 and "read path: colibrì PIPE=1" in res.stdout and "7 GB/s" in res.stdout
+    res = run_cli(*common, "--workers", 2)                       # relayout's own read path, as before
+    assert res.returncode == 0 and "relayout's read path: 2 loader workers" in res.stdout
+    for bad, word in [(["--runtime-env", "PIPE=3"], "PIPE must be 0 or 1"), (["--runtime-env", "NOPE=1"], "NOPE"),
+                      (["--runtime-env", "PIPE=1", "--workers", 2], "--workers")]:
+        res = run_cli(*common, *bad)
+        assert res.returncode == 2 and word in res.stderr and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_buffered_weight_reads_are_served_again_from_the_page_cache():
+    """Buffered weights, no LRU, a page cache of 1.5 MiB: forward 1 reads expert 0 from the drive
+    (A + 1M/B); forward 2's re-read of 0 comes from memory (1M at MEMORY_BANDWIDTH, no drive
+    read); forward 3 reads 1, which evicts 0; forward 4's 0 goes to the drive again. O_DIRECT
+    reads neither use nor fill the page cache."""
+    from replay.instance import MEMORY_BANDWIDTH
+
+    sizes = [MIB, MIB]
+    cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=3 * MIB // 2, **BASE)
+    inst = run([[0], [0], [1], [0]], sizes, cfg)
+    assert list(inst.drive_reads) == [1, 0, 1, 1]
+    assert inst.stall[0] == pytest.approx(A + MIB / B, rel=1e-12)
+    assert inst.stall[1] == pytest.approx(MIB / MEMORY_BANDWIDTH, rel=1e-12)
+    assert inst.stall[3] == pytest.approx(A + MIB / B, rel=1e-12)
+    direct = run([[0], [0]], sizes, RuntimeConfig(workers=1, page_cache_bytes=4 * MIB, **dict(BASE, direct=True)))
+    assert list(direct.drive_reads) == [1, 1]
+    none = run([[0], [0]], sizes, RuntimeConfig(workers=1, **BASE))
+    assert list(none.drive_reads) == [1, 1]
+
+
+def test_the_union_is_met_in_routing_order():
+    """Two positions routing (5, 1) and (1, 7), and a second instance routing (3, 2): the union is
+    kept ascending, and met in the order colibrì builds it: 5, 1, 7 (1 at its first selection), then 3, 2."""
+    from replay.unions import instance_unions, routing_order
+
+    experts = np.array([[5, 1], [1, 7], [3, 2]], dtype=np.int16)
+    row_start, rows = np.array([0, 2, 3]), np.arange(3)
+    sel_start, sel_e, _ = instance_unions(row_start, rows, experts, 8)
+    order = routing_order(row_start, rows, experts, sel_start, sel_e, 8)
+    assert list(sel_e) == [1, 5, 7, 2, 3]
+    assert [int(sel_e[j]) for j in order] == [5, 1, 7, 3, 2]
