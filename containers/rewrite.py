@@ -606,20 +606,9 @@ def _regenerated_index(src: Container, files: list[OutputFile]) -> bytes | None:
 
 def _write_generated(dest: Destination, name: str, data: bytes, on_bytes) -> dict:
     """Write a file relayout makes for DST (not a copy of SRC's) crash-safely; its journal entry."""
-    tmp = f".{name}.tmp-{os.getpid()}"
     try:
-        fd = dest.create(tmp)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            fsync_fd(fd)
-        finally:
-            os.close(fd)
-        dest.replace(tmp, name)
-        dest.sync()
+        write_at(dest.fd, name, data, dest.partial / name)
     except OSError as exc:
-        dest.unlink(tmp)
         raise InputError(dest.partial / name, describe_os_error(exc) + RESUME_HINT) from None
     on_bytes(len(data))
     digest, _ = hash_file(dest.partial / name)

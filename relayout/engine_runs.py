@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from containers.atomic import fsync_dir, make_dirs
+from containers.atomic import create_exclusive, fsync_dir, make_dirs, open_dir
 from containers.errors import InputError
 from replay.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
 from replay.measure import drop_cache
@@ -113,9 +113,16 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     arm_dir = make_dirs(out_dir / arm.name)
     final = arm_dir / run_name(prompt_index, repetition)
     partial = arm_dir / f".{final.name}.partial"
-    if partial.exists():
+    if os.path.lexists(partial):
+        if partial.is_symlink() or not partial.is_dir():
+            raise InputError(partial, "is not a run directory relayout made (a link or a file); move it away and run again")
         _clear_partial(partial)
     partial.mkdir()
+    dir_fd = open_dir(partial, partial)
+    try:
+        out_fd, err_fd = create_exclusive(dir_fd, STDOUT_FILE), create_exclusive(dir_fd, STDERR_FILE)
+    finally:
+        os.close(dir_fd)
     set_env = {**FIXED_ENV, **runtime_env, "SNAP": str(arm.container), "PROMPT": prompt, "NGEN": str(ngen),
                "ROUTE_TRACE": str(partial / ROUTE_FILE)}
     env = {**os.environ, **set_env}
@@ -124,7 +131,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     load = os.getloadavg()[0]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t0 = time.monotonic()
-    with open(partial / STDOUT_FILE, "wb") as out, open(partial / STDERR_FILE, "wb") as err:
+    with os.fdopen(out_fd, "wb") as out, os.fdopen(err_fd, "wb") as err:
         try:
             proc = subprocess.run(argv, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                   cwd=str(partial), timeout=timeout_s)
