@@ -250,11 +250,13 @@ def _runtime_config(args, layout=None):
         source_caps=list(getattr(args, "source_caps", None) or ()),
         page_cache_bytes=int((getattr(args, "page_cache_gb", None) or 0.0) * 1e9),
     )
-    env, env_from = getattr(args, "runtime_env", None), getattr(args, "runtime_env_from", None)
+    if not hasattr(args, "runtime_env_from"):        # the emulating harness: relayout's own read path only
+        return base
+    env, env_from = args.runtime_env, args.runtime_env_from
     if own and (env is not None or env_from):
         raise InputError(None, "--workers/--batched/--buffered choose relayout's own read path; with --runtime-env "
                                "give colibrì's PIPE, PIPE_WORKERS, URING, DIRECT instead")
-    if own or not hasattr(args, "runtime_env"):
+    if own:
         return base
     from replay.engine_config import config_from_run, memory_terms, model_config, parse_runtime_env
 
@@ -321,7 +323,9 @@ def cmd_replay(args) -> int:
 
         checked = preflight(args.container, plan, args.out, args.manifest)
     parts = measured_tpot_parts(args.tpot_from) if args.tpot_from else None
-    _say(held_out_notice(split_sessions_by_content(trace, [plan] + ([baseline] if baseline else [])), args.min_sessions))
+    if not args.json:
+        print(held_out_notice(split_sessions_by_content(trace, [plan] + ([baseline] if baseline else [])), args.min_sessions),
+              flush=True)
     gate = compare(plan, trace, device, config, baseline, args.threshold, min_sessions=args.min_sessions, tpot_parts=parts)
     if args.output:
         write_json_atomic(args.output, gate.to_json())

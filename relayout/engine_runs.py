@@ -33,7 +33,6 @@ from pathlib import Path
 from containers.atomic import create_exclusive, fsync_dir, make_dirs, open_dir
 from containers.errors import InputError
 from replay.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
-from replay.measure import drop_cache
 
 FIXED_ENV = {"PROF": "1", "TOKENS": "1", "TEMP": "0"}
 _OURS = (STDOUT_FILE, STDERR_FILE, ROUTE_FILE, RUN_FILE)
@@ -127,6 +126,8 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
                "ROUTE_TRACE": str(partial / ROUTE_FILE)}
     env = {**os.environ, **set_env}
     argv = [str(engine)]
+    from replay.measure import drop_cache        # the harness's module compiles the model: loaded only to run
+
     cold = drop_cache(container_files(arm.container))
     load = os.getloadavg()[0]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

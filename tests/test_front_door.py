@@ -79,7 +79,7 @@ def test_replay_ends_with_a_bottom_line_for_each_verdict(planned):
     gate = root / "gate.json"
     res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "-o", gate)
     assert res.returncode == 0, res.stderr
-    assert "the verdict will rest on 4 held-out sessions" in res.stderr
+    assert "the verdict will rest on 4 held-out sessions" in res.stdout
     last = res.stdout.strip().splitlines()[-1]
     assert last.startswith("Bottom line: NO VERDICT (insufficient evidence): the new layout saves ")
     assert "ms/token (95% interval" in last and "Record more sessions" in last
