@@ -1070,7 +1070,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="re-hash and name every mismatch")
 
     s = _command(sub, "demo", "run the pipeline end to end on a small synthetic model", cmd_demo)
-    s.add_argument("--dir", help="work directory: new, empty or a previous demo's (default: a temporary one, removed afterwards)")
+    s.add_argument("--dir", help="where the demo keeps its files: a new or empty directory, or a previous demo's "
+                                        "(default: a new folder relayout-demo[-N] under the current directory)")
     s.add_argument("--seed", type=opt.seed, default=0, help="seed of the model, trace and plan")
     return p
 

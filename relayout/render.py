@@ -659,7 +659,8 @@ def bottom_line(g, plan_path: str, gate_path: str | None, container: str | None,
     gate_arg = gate_path or "gate.json"
     if g.verdict == "pass":
         if container and out:
-            nxt = f"rewriting {container} into {out} now; then run colibrì with SNAP={out} and the same settings"
+            nxt = (f"the rewrite of {container} goes to {out}; run colibrì with SNAP={out} and the same settings, "
+                   "and measure both (relayout measure --engine)")
         else:
             nxt = (f"next: relayout rewrite SRC --layout {plan_path} --gate {gate_arg} --out DST --verify, "
                    "then run colibrì with SNAP=DST and the same settings and measure both")

@@ -134,3 +134,12 @@ def test_verify_against_the_wrong_source_is_bounded(planned):
 def test_a_missing_directory_is_named_as_missing(tmp_path):
     res = run_cli("inspect", tmp_path / "nowhere")
     assert res.returncode == 2 and "no such directory" in res.stderr
+
+
+def test_the_demo_picks_a_new_folder_under_the_current_directory(tmp_path):
+    from relayout.demo import default_demo_dir
+
+    assert default_demo_dir(tmp_path) == tmp_path / "relayout-demo"
+    (tmp_path / "relayout-demo").mkdir()
+    (tmp_path / "relayout-demo-2").symlink_to(tmp_path / "elsewhere")          # a dangling link counts as taken
+    assert default_demo_dir(tmp_path) == tmp_path / "relayout-demo-3"
