@@ -381,7 +381,7 @@ def _sweep_ram_gb(args, plan) -> list[float]:
 
 
 def _replay_hypotheses(args, plan, trace, device, config) -> int:
-    """``replay --policy``: the seed's hypothesis tables (H2 at one regime; with ``--sweep``, every
+    """``replay --policy``: the hypothesis tables (H2 at one regime; with ``--sweep``, every
     hypothesis over RAM x speculative-byte budgets)."""
     from dataclasses import asdict
 
@@ -917,7 +917,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "expert bytes, and --ram-gb when given)")
     w.add_argument("--sweep-workers", type=opt.numbers(1, 1024, whole=True), default="1,2,8,16", help="worker counts for --sweep")
     _scheduler_option(w, "the sweep's cells (one task per cell)")
-    h = s.add_argument_group("stall-valued control (seed E2, E3, E5: hypothesis tables instead of the gate; NEEDS A RUNTIME "
+    h = s.add_argument_group("stall-valued control (hypothesis tables instead of the gate: H2 admission, H3a placement, "
+                             "H3b whole vs split experts, H5 prefetch budgets; NEEDS A RUNTIME "
                              "CHANGE: colibrì has no admission control or prefetch budgets)")
     h.add_argument("--policy", metavar="NAME[,NAME...]",
                    help="admission policies to compare with stall-value at equal budgets (probability, per-byte, deadline, "
@@ -1038,7 +1039,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses); with --engine, the directory "
                                           "the runs are kept in")
 
-    s = _command(sub, "report", "S and the seed 4.3 metrics from STALL_TRACE files or colibrì runs' output", cmd_report)
+    s = _command(sub, "report", "stall per committed token (S) and what makes it up (hit rate, reads per token, step stall "
+                                     "percentiles, queue depth), from STALL_TRACE files or colibrì runs' output", cmd_report)
     s.add_argument("runs", nargs="+", help="STALL_TRACE files (.jsonl or .jsonl.zst), or colibrì runs: output files, "
                                            "measured run directories, or directories of them (one arm each)")
     s.add_argument("--json", action="store_true", help="print JSON")
@@ -1046,7 +1048,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--predicted", metavar="gate.json", help="with --plots: add predicted vs measured S")
     h = s.add_argument_group("hypotheses (the tables of replay --policy, from measured runs)")
     h.add_argument("--hypothesis", choices=("H2", "H3a", "H3b", "H5"),
-                   help="judge a seed hypothesis on the runs: each run's configuration (or run id) is an arm; H2 needs "
+                   help="judge a hypothesis (H2 admission, H3a placement, H3b whole vs split experts, H5 prefetch budgets) on the runs: each run's configuration (or run id) is an arm; H2 needs "
                         "none and stall-value, H3a stall-value and frequency, H3b whole@GB and split@GB at each RAM "
                         "budget (GB), H5 default and tail-control")
     h.add_argument("--arm", action="append", metavar="ARM=CONFIGURATION",
