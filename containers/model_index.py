@@ -24,21 +24,13 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import InputError
+from .jsonfile import parse_json
 from .safetensors_io import MAX_HEADER_BYTES
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = MAX_HEADER_BYTES
 """A larger index is refused rather than read (it is one entry per tensor)."""
 MAX_SHOWN = 3
-
-
-def _no_duplicates(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def read_index(path: str | os.PathLike) -> dict:
@@ -55,9 +47,7 @@ def read_index(path: str | os.PathLike) -> dict:
     except OSError as exc:
         raise InputError(path, f"cannot read ({exc.strerror or exc})") from None
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except RecursionError:
-        raise InputError(path, "not valid JSON (nested too deeply)") from None
+        doc = parse_json(raw.decode("utf-8"))
     except ValueError as exc:
         raise InputError(path, f"not valid JSON ({str(exc).splitlines()[0][:120]})") from None
     if not isinstance(doc, dict):
