@@ -29,10 +29,10 @@ from replay.planfile import METHODS
 from . import __version__, drives_command
 from . import options as opt
 from .coactivation import WEIGHTS
+from .gate_text import format_gate, format_sweep
 from .render import (
     format_calibration,
     format_compare,
-    format_gate,
     format_hypotheses,
     format_inspect,
     format_measure,
@@ -42,7 +42,6 @@ from .render import (
     format_report,
     format_split_curve,
     format_stats,
-    format_sweep,
     format_verify,
     human_bytes,
     plan_summary,
@@ -292,7 +291,7 @@ def cmd_replay(args) -> int:
     from replay.planfile import load_plan
     from replay.trace import TraceFile, load_trace
 
-    from .render import bottom_line, held_out_notice
+    from .gate_text import bottom_line, held_out_notice
 
     if args.min_sessions < 1:
         raise InputError(None, f"--min-sessions must be at least 1, got {args.min_sessions}")

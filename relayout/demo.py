@@ -31,7 +31,8 @@ from replay.trace import save_trace
 
 from .apply import apply_plan, verify
 from .plan import make_plan, source_from_container
-from .render import bottom_line, completion_sentence, human_bytes, merge_sentence, plan_summary
+from .gate_text import bottom_line
+from .render import completion_sentence, human_bytes, merge_sentence, plan_summary
 from .trace_stats import trace_stats
 from .trace_synth import SynthParams, synth_trace
 from .workdir import WorkDir

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from relayout.render import bottom_line, held_out_notice
+from relayout.gate_text import bottom_line, held_out_notice
 from relayout.training import held_out_advice, sessions_needed, split_sessions
 from replay.evidence import HeldOut
 from replay.gatefile import load_gate
