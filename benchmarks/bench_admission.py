@@ -8,13 +8,13 @@ of ``--sessions`` sessions; the first half trains, the second half is held out. 
 
 1. each prediction source's held-out Brier score and expected calibration error (every expert of
    every predicted layer is a candidate), the same for the coupled and persistence sources fused
-   (replay.predictors.learn_fused), and the late-need probability q's scores from a replay that
+   (replay.model.predictors.learn_fused), and the late-need probability q's scores from a replay that
    observes without loading;
 2. the admission arms at equal budgets (Q = 6 queue slots, B = 6 experts' bytes per layer, the
    coupled source's probabilities for every policy; oracle: the true experts): S, the saving
    against no prefetch, eta_stall, timely required-byte recall, speculative and unused bytes,
    loads, rejected and cancelled candidates per committed token, the drives' mean queue depth
-   and the p50/p95/p99/max step stall; then H2's verdict (replay.hypotheses);
+   and the p50/p95/p99/max step stall; then H2's verdict (replay.evaluation.hypotheses);
 3. the tail-control arms (E5) on the probability-first policy: default, stale cancellation, the
    queue-aware adaptive budget, backoff and all three, with the same columns, then all three over
    the fused coupled+persistence probability without and with per-source caps (half of B and Q
@@ -35,13 +35,13 @@ import numpy as np
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
 from relayout.trace_synth import synth_trace
-from replay.admission import admission_counts
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.engine import simulate
-from replay.gate import run_layout
-from replay.hypotheses import admission_table, arm_from_run, tail_table
-from replay.predictors import learn_fused, learn_source, reliability, score_source
+from replay.model.admission import admission_counts
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.model.engine import simulate
+from replay.evaluation.gate import run_layout
+from replay.evaluation.hypotheses import admission_table, arm_from_run, tail_table
+from replay.model.predictors import learn_fused, learn_source, reliability, score_source
 
 
 def main() -> None:

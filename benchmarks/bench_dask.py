@@ -3,8 +3,8 @@
 Usage: python benchmarks/bench_dask.py [--workers 2] [--pairs 3] [--files 24] [--tokens 4000]
 
 Prints, measured in this run:
-* the local cluster's start-up time (``replay.cluster.open_executor('local')``);
-* the regime sweep (``replay.gate.sweep``, 16 cells: 2 RAM budgets x 4 worker counts x coalesce)
+* the local cluster's start-up time (``replay.execution.open_executor('local')``);
+* the regime sweep (``replay.evaluation.gate.sweep``, 16 cells: 2 RAM budgets x 4 worker counts x coalesce)
   of a GLM-5.2-shaped plan (75 layers x 256 experts, top-8, --tokens decode tokens), serial in
   this process and on the cluster, alternating --pairs times: seconds, speedup, and whether the
   two tables are identical (they must be);
@@ -34,12 +34,12 @@ from containers.geometry import load_geometry
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
 from relayout.training import pooled_training
-from replay.cluster import SerialExecutor, open_executor
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.gate import sweep
-from replay.planfile import load_plan, save_plan
-from replay.trace import save_trace
+from replay.execution import SerialExecutor, open_executor
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.evaluation.gate import sweep
+from replay.formats.planfile import load_plan, save_plan
+from replay.formats.trace import save_trace
 
 RAM_GB = [0.0, 64.0]
 WORKERS = [1, 2, 8, 16]

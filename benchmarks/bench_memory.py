@@ -10,9 +10,9 @@ every forward through the stock layout on the Mac Pro profile (no cache, 8 worke
 in fresh processes and prints each one's wall time, peak RSS (the child's VmHWM) and the stall
 per committed token S it computed:
 
-* ``streamed``: :class:`replay.trace.TraceFile` + :func:`replay.streaming.replay_steps` over its
+* ``streamed``: :class:`replay.formats.trace.TraceFile` + :func:`replay.model.streaming.replay_steps` over its
   row blocks (the rows never all in memory);
-* ``in memory``: :func:`replay.trace.load_trace` (gates left in the file) + ``replay_steps``;
+* ``in memory``: :func:`replay.formats.trace.load_trace` (gates left in the file) + ``replay_steps``;
 * ``baseline``: the --baseline commit's tree (``git archive``) doing what its ``run_layout`` did,
   ``load_trace`` + ``simulate`` + ``step_table``, up to --baseline-max tokens (it needs about
   23 MB per 1,000 tokens);
@@ -48,7 +48,7 @@ GENERATE = """
 import sys, numpy as np
 from containers.geometry import load_geometry
 from relayout.trace_synth import synth_trace
-from replay.trace import RoutingTrace, save_trace
+from replay.formats.trace import RoutingTrace, save_trace
 tokens, path = int(sys.argv[1]), sys.argv[2]
 g = load_geometry("glm-5.2-int4-row")
 layers, L, k = list(g.moe_layers), len(g.moe_layers), 8
@@ -80,33 +80,33 @@ import json, sys, time, numpy as np
 t0 = time.perf_counter()
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
-from replay.config import RuntimeConfig
-from replay.device import load_device
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
 mode, path = sys.argv[1], sys.argv[2]
 layout = source_from_geometry(load_geometry("glm-5.2-int4-row")).stock
 dev, cfg = load_device("mac-pro-2019-applraid-4x"), RuntimeConfig()
 if mode == "streamed":
-    from replay.streaming import replay_steps
-    from replay.trace import TraceFile
+    from replay.model.streaming import replay_steps
+    from replay.formats.trace import TraceFile
     tf = TraceFile(path)
     steps = replay_steps(tf, np.ones(tf.n_forwards, bool), layout, dev, cfg, blocks=tf.row_blocks()).steps
 elif mode == "in memory":
-    from replay.streaming import replay_steps
-    from replay.trace import load_trace
+    from replay.model.streaming import replay_steps
+    from replay.formats.trace import load_trace
     tr = load_trace(path)
     steps = replay_steps(tr, np.ones(tr.n_forwards, bool), layout, dev, cfg).steps
 elif mode.endswith("stats"):
     from relayout.trace_stats import trace_stats
-    from replay.trace import load_trace
+    from replay.formats.trace import load_trace
     tr = load_trace(path)
     t = trace_stats(tr)
     hwm = int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]) / 1024
     print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": hwm, "S": float("nan"), "steps": t["forwards"]}))
     sys.exit(0)
 else:
-    from replay.engine import simulate
-    from replay.metrics import step_table
-    from replay.trace import load_trace
+    from replay.model.engine import simulate
+    from replay.model.metrics import step_table
+    from replay.formats.trace import load_trace
     tr = load_trace(path)
     mask = np.ones(tr.n_forwards, bool)
     inst, _ = simulate(tr, mask, layout, dev, cfg)

@@ -7,7 +7,7 @@ A GLM-5.2-shaped synthetic trace (``relayout synth trace --geometry glm-5.2-int4
 glm-5.2``; the full-size g64 container of 142 shards, 427 GB, planned without its bytes), its
 sessions alternately training and held out. Drives: the shipped ``single-nvme`` profile at full
 speed ("fast") and at half speed ("slow"), and for four drives two of each. Predicted S is
-:mod:`replay.drivetime`'s drive-level estimate on the held-out sessions; intervals are 95%
+:mod:`replay.model.drivetime`'s drive-level estimate on the held-out sessions; intervals are 95%
 bootstrap intervals over held-out sessions, paired.
 
 1. Mirror, two drives of unequal speed: the whole container on the fast drive, a mirror of 25% and
@@ -38,10 +38,10 @@ from common import REPO
 from containers.geometry import load_geometry
 from containers.layout import layout_from_geometry
 from relayout.drive_plan import even_split_by_name, plan_drives, training_routing
-from replay.device import load_device
-from replay.drivetime import expert_table, paired_interval, ratio_interval, session_stall, speedup_interval
-from replay.storage import DirectorySpec, DriveSpec, Storage, StorageRecord
-from replay.trace import load_trace
+from replay.model.device import load_device
+from replay.model.drivetime import expert_table, paired_interval, ratio_interval, session_stall, speedup_interval
+from replay.model.storage import DirectorySpec, DriveSpec, Storage, StorageRecord
+from replay.formats.trace import load_trace
 
 
 

@@ -40,16 +40,16 @@ from relayout.plan import (
 )
 from relayout.render import format_placement, format_split_curve
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.calibrate import calibrate
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.engine import split_state
-from replay.gate import evaluation_forwards, run_layout
-from replay.measure import measure
-from replay.placement import placement_arms
-from replay.planfile import load_plan, save_plan
-from replay.splitcurve import split_curve
-from replay.stalltrace import report
+from replay.physical.calibrate import calibrate
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.model.engine import split_state
+from replay.evaluation.gate import evaluation_forwards, run_layout
+from replay.physical.measure import measure
+from replay.control.placement import placement_arms
+from replay.formats.planfile import load_plan, save_plan
+from replay.control.splitcurve import split_curve
+from replay.physical.stalltrace import report
 
 
 def replayed(work: Path, tokens: int) -> None:

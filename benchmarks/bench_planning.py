@@ -37,7 +37,7 @@ from relayout.ordering import runs_per_token
 from relayout.plan import make_plan, source_from_geometry, split_sessions, training_rows
 from relayout.trace_import import import_traces
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
-from replay.trace import save_trace
+from replay.formats.trace import save_trace
 
 
 def write_route_trace(path: Path, selections: int, seed: int = 0) -> None:
@@ -55,8 +55,8 @@ def timed_plan(checkout: Path, trace: Path, out: Path) -> tuple[float, float]:
     """Plan ``trace`` for the GLM-5.2 geometry with the code in ``checkout``, in a fresh process:
     (seconds inside make_plan, peak RSS MB of the process)."""
     code = (f"import sys, time; sys.path.insert(0, {str(checkout)!r}); "
-            "from replay.trace import load_trace; from relayout.plan import make_plan, source_from_geometry; "
-            "from replay.planfile import save_plan; from containers.geometry import load_geometry; "
+            "from replay.formats.trace import load_trace; from relayout.plan import make_plan, source_from_geometry; "
+            "from replay.formats.planfile import save_plan; from containers.geometry import load_geometry; "
             f"tr = load_trace({str(trace)!r}); src = source_from_geometry(load_geometry('glm-5.2-int4-row')); "
             "t = time.perf_counter(); p = make_plan(tr, src, 'louvain', progress=False); s = time.perf_counter() - t; "
             f"save_plan(p, {str(out)!r}); "

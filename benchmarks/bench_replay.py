@@ -25,12 +25,12 @@ from common import child_peak_rss_mb
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
 from relayout.trace_synth import synth_trace
-from replay.config import RuntimeConfig
-from replay.coupling import coupling_table
-from replay.device import load_device
-from replay.engine import simulate
-from replay.predictors import learn_source
-from replay.trace import save_trace
+from replay.model.config import RuntimeConfig
+from replay.model.coupling import coupling_table
+from replay.model.device import load_device
+from replay.model.engine import simulate
+from replay.model.predictors import learn_source
+from replay.formats.trace import save_trace
 
 RECORDS = Path(__file__).resolve().parent / "records"
 TARGET_LOADS_PER_S = 2e6
@@ -90,10 +90,10 @@ def run(args, work: Path) -> None:
               + (f" ({loads / dt / STALL_VALUED_TARGET:.2f}x the stall-valued target of 1.5 M/s; on CPU time, "
                  f"{cpu:.1f} s: {loads / cpu / 1e6:.2f} M/s, {loads / cpu / STALL_VALUED_TARGET:.2f}x)"
                  if cfg.admission == "stall-value" else ""))
-    code = (f"import numpy as np; from replay.trace import load_trace; from relayout.plan import source_from_geometry; "
-            f"from containers.geometry import load_geometry; from replay.device import load_device; "
-            f"from replay.streaming import replay_steps; "
-            f"from replay.config import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "
+    code = (f"import numpy as np; from replay.formats.trace import load_trace; from relayout.plan import source_from_geometry; "
+            f"from containers.geometry import load_geometry; from replay.model.device import load_device; "
+            f"from replay.model.streaming import replay_steps; "
+            f"from replay.model.config import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "
             f"replay_steps(tr, np.ones(tr.n_forwards, bool), source_from_geometry(load_geometry('glm-5.2-int4-row')).stock, "
             f"load_device('mac-pro-2019-applraid-4x'), RuntimeConfig())")
     print(f"peak RSS of one replay (load_trace + replay_steps, as the gate runs it) in a fresh process: "

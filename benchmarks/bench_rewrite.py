@@ -32,7 +32,7 @@ from containers.manifest import build_manifest, write_manifest
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace
-from replay.planfile import save_plan
+from replay.formats.planfile import save_plan
 
 
 def files_of(root: Path) -> list[Path]:
@@ -122,7 +122,7 @@ def main() -> None:
         d = work / f"mem-{label}"
         shutil.rmtree(d, ignore_errors=True)
         mb = child_peak_rss_mb(
-            f"from relayout.apply import apply_plan; from replay.planfile import load_plan; "
+            f"from relayout.apply import apply_plan; from replay.formats.planfile import load_plan; "
             f"apply_plan({str(s)!r}, load_plan({str(p)!r}), {str(d)!r}, None, force=True, progress=False)")
         shutil.rmtree(d, ignore_errors=True)
         print(f"peak RSS of a rewrite, {label} container ({sum(x.stat().st_size for x in files_of(s)) / 1e9:.2f} GB): {mb:.0f} MB")

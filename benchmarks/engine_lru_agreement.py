@@ -23,10 +23,10 @@ import numpy as np
 from containers.container import Container
 from containers.layout import layout_from_container
 from relayout.trace_import import import_traces
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.engine import simulate
-from replay.engine_config import config_from_run, model_config
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.model.engine import simulate
+from replay.colibri.engine_config import config_from_run, model_config
 
 IO_LINE = re.compile(r"hit [0-9.]+% \((\d+) pin \+ (\d+) lru / (\d+) load\)")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from replay.engine_metrics import engine_report  # noqa: E402
+from replay.colibri.engine_metrics import engine_report  # noqa: E402
 
 
 def main(runs_dir: str) -> None:

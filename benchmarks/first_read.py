@@ -3,7 +3,7 @@
 Usage: python benchmarks/first_read.py [--fresh-mb 600] [--dir DIR] OLD_FILE [OLD_FILE ...]
 
 Reads each OLD_FILE (files that have sat on the disk unread, e.g. from the machine's image) whole
-twice with :func:`replay.calibrate.read_once` (O_DIRECT, 4 MiB chunks, 8 at a time), then writes a
+twice with :func:`replay.physical.calibrate.read_once` (O_DIRECT, 4 MiB chunks, 8 at a time), then writes a
 file of ``--fresh-mb`` MiB of random bytes in ``--dir`` (fsynced), drops the page cache (needs
 root; said when it cannot) and reads it twice the same way; prints each pass's rate side by
 side and the ratio second / first pass. On a disk whose blocks read at the same speed every time
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common import REPO  # noqa: F401  (puts the repository on sys.path)
 
-from replay.calibrate import read_once
+from replay.physical.calibrate import read_once
 
 
 def passes(path: Path, n: int = 2) -> list[float]:

@@ -9,9 +9,9 @@ WORK_DIR is the work directory `relayout validate PATH --container SOURCE --coal
 1. Stock and louvain measured in lockstep (one worker, coalescing, RAM 0, cold, the validation's
    first ``--steps`` held-out steps), three ways in one run: as `validate` measures; after
    allocating ``--objects`` small objects (the heap of a validation) with the collector frozen
-   during the steps, as `replay.measure.collector_out_of_the_way` does; and with that heap and
+   during the steps, as `replay.physical.measure.collector_out_of_the_way` does; and with that heap and
    the collector left free (the harness before it). Printed per way and layout: S, and the waits
-   for experts whose own reads the page cache served (:func:`replay.stalltrace.page_cache_wait`),
+   for experts whose own reads the page cache served (:func:`replay.physical.stalltrace.page_cache_wait`),
    ms/token.
 2. A scale job (three buffered 3 KiB preads of cached pages) submitted to a one-thread pool
    while the main thread blocks on it, spins 47 us in Python (``time.sleep(0)`` in a loop, the
@@ -38,14 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-import replay.measure as measure
+import replay.physical.measure as measure
 from containers.container import Container
 from relayout.validate import validation_trace
-from replay.config import RuntimeConfig
-from replay.gate import evaluation_forwards
-from replay.planfile import load_plan
+from replay.model.config import RuntimeConfig
+from replay.evaluation.gate import evaluation_forwards
+from replay.formats.planfile import load_plan
 from numba import njit
-from replay.stalltrace import report
+from replay.physical.stalltrace import report
 
 SCALE_READ = 3072
 COMPUTE_NS = 47_000

@@ -40,7 +40,7 @@ from relayout.apply import verify  # noqa: E402
 from relayout.packing import PackOptions  # noqa: E402
 from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace  # noqa: E402
-from replay.planfile import save_plan  # noqa: E402
+from replay.formats.planfile import save_plan  # noqa: E402
 
 
 def digests(root: Path) -> dict[str, str]:

@@ -11,12 +11,12 @@ bytes one straight after the other, as one loader thread issues a layer's expert
 ``2 s`` bytes (the two merged); and, for each ``--gaps`` value ``g`` (us), two reads of ``s``
 bytes with the second issued ``g`` after the first completed (the thread busy meanwhile, as a
 loader doing other work; the gap is not counted in the pair's time): the calibration's own
-measurement (:func:`replay.calibrate.merge_timings`), reads landing in huge-page buffers as the
+measurement (:func:`replay.physical.calibrate.merge_timings`), reads landing in huge-page buffers as the
 harness's do.
 
 Printed per size: the medians (us), the saving of the merged read against the pair (median of the
 paired differences, with a 95% bootstrap interval) and against two lone reads, and what the profile
-predicts it saves (:func:`replay.device.read_alone_seconds`: ``a``, plus up to ``c`` for each
+predicts it saves (:func:`replay.model.device.read_alone_seconds`: ``a``, plus up to ``c`` for each
 request the merge removes), beside one lone read's ``a + c`` (what a model that charged every read a whole
 small read's latency would predict). docs/BENCHMARKS.md ("Request channel time") records runs.
 """
@@ -28,8 +28,8 @@ import sys
 
 import numpy as np
 
-from replay.calibrate import median_interval, merge_timings
-from replay.device import load_device, read_alone_seconds
+from replay.physical.calibrate import median_interval, merge_timings
+from replay.model.device import load_device, read_alone_seconds
 
 QWEN3_EXPERT_BYTES = 2_371_584
 

@@ -27,10 +27,10 @@ import numpy as np  # noqa: E402
 from containers.geometry import load_geometry  # noqa: E402
 from relayout.plan import make_plan, source_from_geometry  # noqa: E402
 from relayout.trace_synth import SynthParams, synth_trace  # noqa: E402
-from replay.config import RuntimeConfig  # noqa: E402
-from replay.device import load_device  # noqa: E402
-from replay.gate import evaluation_forwards, run_layout  # noqa: E402
-from replay.planfile import load_plan, save_plan  # noqa: E402
+from replay.model.config import RuntimeConfig  # noqa: E402
+from replay.model.device import load_device  # noqa: E402
+from replay.evaluation.gate import evaluation_forwards, run_layout  # noqa: E402
+from replay.formats.planfile import load_plan, save_plan  # noqa: E402
 
 PROFILES = ("mac-pro-2019-applraid-4x", "linux-md-raid0-4x", "single-nvme")
 RAM = 8 * 10**9

@@ -10,7 +10,7 @@ kernel also reads ahead of a buffered read, so the scales of the experts stored 
 cached before they are read (``docs/BENCHMARKS.md``, "The harness's own waits": the harness
 sent 1.35-2.07 times fewer preads to the drive than the model).
 
-Each repetition drops FILE from the page cache (:func:`replay.measure.drop_cache`),
+Each repetition drops FILE from the page cache (:func:`replay.physical.measure.drop_cache`),
 issues the scale reads at a random 4 KiB-aligned offset, and after each read counts the
 contiguous bytes cached from the page after the one holding the last byte read so far, with
 ``mincore`` on a mapping of the file (which looks without reading). Printed: the device's
@@ -27,10 +27,10 @@ import sys
 
 import numpy as np
 
-from replay.calibrate import system_read_ahead_bytes
-from replay.measure import drop_cache
-from replay.residency import PAGE_BYTES as PAGE
-from replay.residency import FileResidency, residency_visible
+from replay.physical.calibrate import system_read_ahead_bytes
+from replay.physical.measure import drop_cache
+from replay.physical.residency import PAGE_BYTES as PAGE
+from replay.physical.residency import FileResidency, residency_visible
 
 SCAN_BYTES = 32 * 1024 * 1024
 """How far past the reads the scan looks for cached pages (bytes)."""

@@ -4,7 +4,7 @@ Usage: python benchmarks/refit_calibrations.py [DEVICE_JSON ...]
 
 Default: every profile with calibration cells in ``benchmarks/records`` and its ``calibrations``
 directory. Per profile: the fit it carries (a, RMS and worst |log(fitted / measured)| over its
-cells) and the present :func:`replay.calibrate.fit_queue_model` on the same cells (a, c, B, Q,
+cells) and the present :func:`replay.physical.calibrate.fit_queue_model` on the same cells (a, c, B, Q,
 RMS, worst). This is how docs/BENCHMARKS.md ("Request channel time") compared the fit without
 and with the request channel time ``c``.
 """
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from replay.calibrate import fit_queue_model
+from replay.physical.calibrate import fit_queue_model
 
 RECORDS = Path(__file__).resolve().parent / "records"
 

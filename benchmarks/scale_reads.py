@@ -5,16 +5,16 @@ Usage: python benchmarks/scale_reads.py CONTAINER [--tokens N] [--sessions S] [-
 
 Issues the scale preads a runtime at RAM 0 issues (each token, every layer: ``--top-k`` experts
 drawn with Zipf weights ``rank^-A``, read in the layer's physical order, each expert's scale
-tensors gate, up, down, as :func:`replay.readplan.plan_layer` plans them), ``--tokens`` tokens
+tensors gate, up, down, as :func:`replay.model.readplan.plan_layer` plans them), ``--tokens`` tokens
 per session, each session starting with the container's page cache dropped
-(:func:`replay.measure.drop_cache`) and its files opened afresh. Before each pread, ``mincore``
+(:func:`replay.physical.measure.drop_cache`) and its files opened afresh. Before each pread, ``mincore``
 says whether the page cache holds every page of it, read (up to date); if not, the pread waits
-for the drive (:mod:`replay.residency`, as the harness in :mod:`replay.measure` asks). (``RWF_NOWAIT``,
+for the drive (:mod:`replay.physical.residency`, as the harness in :mod:`replay.physical.measure` asks). (``RWF_NOWAIT``,
 the harness's test before, races with a fast device: it also succeeds when the readahead it started itself completes before it looks, which
 on a virtual disk the host has cached takes microseconds; how often it failed is printed
 beside.) ``--gap-us`` is slept after each expert (its weight read and matmul in a runtime; 0:
 the experts' scale reads back to back, as with coalescing). The page-cache model
-(:func:`replay.pagecache.buffered_read`, with the device's ``read_ahead_kb`` unless
+(:func:`replay.model.pagecache.buffered_read`, with the device's ``read_ahead_kb`` unless
 ``--read-ahead-kb``) decides the same preads. Printed: the preads, those that reached the drive
 in each, and how often the two agreed pread by pread. The container's files must be yours or
 writable by you (Linux's ``mincore`` reports every page of any other file as cached); they are
@@ -33,10 +33,10 @@ import numpy as np
 
 from containers.container import Container
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
-from replay.calibrate import system_max_request_bytes, system_read_ahead_bytes
-from replay.measure import drop_cache
-from replay.pagecache import buffered_read, new_page_cache, start_session
-from replay.residency import open_residency, residency_visible
+from replay.physical.calibrate import system_max_request_bytes, system_read_ahead_bytes
+from replay.physical.measure import drop_cache
+from replay.model.pagecache import buffered_read, new_page_cache, start_session
+from replay.physical.residency import open_residency, residency_visible
 
 
 def reads_of(layout, rng, tokens: int, k: int, skew: float) -> list:

@@ -3,14 +3,14 @@
 Usage: python benchmarks/shared_pages.py VALIDATION_JSON [--layout stock] [--ram 0] [--beside 0.25]
 
 ``relayout validate`` measures the RAM budgets of a layout in lockstep on one container
-(:func:`replay.measure.measure_interleaved`), so each arm finds in the page cache the scale
+(:func:`replay.physical.measure.measure_interleaved`), so each arm finds in the page cache the scale
 pages the other read; the replay model runs each arm alone. On the kept run's container,
 held-out steps and runtime configuration (:func:`validate_layers.kept_run`), this measures the
 layout at ``--ram`` alone, then in lockstep with the same layout at ``--beside``, cold (the
 page cache dropped at each session, as validate does), and prints each arm's demand preads that
 reached the drive per step (``drive_requests`` of its records) beside the model's
-(``drive_reads`` of :func:`replay.engine.simulate`). The container's files must be yours or
-writable by you (the harness asks ``mincore``, :mod:`replay.residency`).
+(``drive_reads`` of :func:`replay.model.engine.simulate`). The container's files must be yours or
+writable by you (the harness asks ``mincore``, :mod:`replay.physical.residency`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 from validate_layers import kept_run
 
 from containers.container import Container
-from replay.engine import simulate
-from replay.measure import Arm, measure_interleaved
+from replay.model.engine import simulate
+from replay.physical.measure import Arm, measure_interleaved
 
 
 def drive_reads_per_step(path: Path, steps: int) -> float:

@@ -27,11 +27,11 @@ import numpy as np
 
 from containers.container import Container
 from relayout.validate import validation_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.engine import simulate
-from replay.gate import evaluation_forwards, training_coupling
-from replay.planfile import load_plan
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.model.engine import simulate
+from replay.evaluation.gate import evaluation_forwards, training_coupling
+from replay.formats.planfile import load_plan
 
 
 def measured_layers(runs: Path, arm: str) -> tuple[dict, float, dict]:

@@ -27,15 +27,15 @@ from relayout.apply import apply_plan
 from relayout.plan import make_plan, source_from_container
 from relayout.render import format_calibration
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.calibrate import calibrate
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.engine import simulate
-from replay.gate import evaluation_forwards, training_coupling
-from replay.measure import measure
-from replay.metrics import step_table, summarize
-from replay.planfile import load_plan, save_plan
-from replay.stalltrace import report
+from replay.physical.calibrate import calibrate
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.model.engine import simulate
+from replay.evaluation.gate import evaluation_forwards, training_coupling
+from replay.physical.measure import measure
+from replay.model.metrics import step_table, summarize
+from replay.formats.planfile import load_plan, save_plan
+from replay.physical.stalltrace import report
 
 
 def _floats(text: str) -> list[float]:

@@ -23,8 +23,8 @@ from containers.geometry import geometry_names, load_geometry
 from containers.jsonfile import shipped_names
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
-from replay.config import PREFETCH_SOURCES
-from replay.planfile import METHODS
+from replay.model.config import PREFETCH_SOURCES
+from replay.formats.planfile import METHODS
 
 from . import __version__, drives_command
 from . import options as opt
@@ -108,7 +108,7 @@ def _scaled_geometry(args, shard_attr: str = "shard_mb"):
 
 
 def cmd_trace_import(args) -> int:
-    from replay.trace import save_trace
+    from replay.formats.trace import save_trace
 
     from .trace_import import import_traces
 
@@ -132,7 +132,7 @@ def cmd_trace_import(args) -> int:
 
 
 def cmd_trace_stats(args) -> int:
-    from replay.trace import load_trace
+    from replay.formats.trace import load_trace
 
     from .trace_stats import trace_stats
 
@@ -142,7 +142,7 @@ def cmd_trace_stats(args) -> int:
 
 
 def cmd_synth_trace(args) -> int:
-    from replay.trace import save_trace
+    from replay.formats.trace import save_trace
 
     from .trace_synth import SynthParams, fit_atlas, load_atlas, synth_trace
 
@@ -168,7 +168,7 @@ def cmd_synth_trace(args) -> int:
 
 
 def cmd_export_coli_pairs(args) -> int:
-    from replay.trace import load_trace
+    from replay.formats.trace import load_trace
 
     from .coactivation import write_coli_pairs
 
@@ -178,9 +178,9 @@ def cmd_export_coli_pairs(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from replay.cluster import open_executor
-    from replay.planfile import save_plan
-    from replay.trace import load_trace
+    from replay.execution import open_executor
+    from replay.formats.planfile import save_plan
+    from replay.formats.trace import load_trace
 
     from .packing import PackOptions
     from .plan import (
@@ -190,7 +190,7 @@ def cmd_plan(args) -> int:
         source_from_container,
         source_from_geometry,
     )
-    from replay.evidence import MIN_SESSIONS
+    from replay.evaluation.evidence import MIN_SESSIONS
 
     from .training import held_out_advice, pooled_training, trace_paths
 
@@ -224,7 +224,7 @@ def cmd_plan(args) -> int:
 
 def _prefetch_setting(text: str) -> str:
     """``--prefetch`` of the replay model: one source, or several joined by '+'."""
-    from replay.config import prefetch_sources
+    from replay.model.config import prefetch_sources
 
     prefetch_sources(text)
     return text
@@ -234,7 +234,7 @@ def _runtime_config(args, layout=None):
     """The model's configuration: relayout's own read path when --workers, --batched or --buffered
     choose it, else the colibrì run --runtime-env / --runtime-env-from describe (the engine's
     defaults when neither is given; ``layout`` sizes its LRU from CAP and RAM_GB)."""
-    from replay.config import RuntimeConfig
+    from replay.model.config import RuntimeConfig
 
     own = args.workers is not None or args.batched or args.buffered
     facts = None
@@ -257,7 +257,7 @@ def _runtime_config(args, layout=None):
                                "give colibrì's PIPE, PIPE_WORKERS, URING, DIRECT instead")
     if own:
         return base
-    from replay.engine_config import config_from_run, memory_terms, model_config, parse_runtime_env
+    from replay.colibri.engine_config import config_from_run, memory_terms, model_config, parse_runtime_env
 
     cfg = None
     if env_from:
@@ -283,13 +283,14 @@ def _verdict_status(verdict: str) -> int:
 
 def cmd_replay(args) -> int:
     from containers.atomic import write_json_atomic
-    from replay.cluster import open_executor
-    from replay.device import load_device
-    from replay.evidence import split_sessions_by_content
-    from replay.storage import storage_profile
-    from replay.gate import compare, measured_tpot_parts, sweep
-    from replay.planfile import load_plan
-    from replay.trace import TraceFile, load_trace
+    from replay.execution import open_executor
+    from replay.model.device import load_device
+    from replay.evaluation.evidence import split_sessions_by_content
+    from replay.model.storage import storage_profile
+    from replay.evaluation.gate import compare, sweep
+    from replay.physical.stalltrace import measured_tpot_parts
+    from replay.formats.planfile import load_plan
+    from replay.formats.trace import TraceFile, load_trace
 
     from .gate_text import bottom_line, held_out_notice
 
@@ -385,9 +386,9 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
     from dataclasses import asdict
 
     from containers.atomic import write_json_atomic
-    from replay.cluster import open_executor
-    from replay.config import SOURCE_SEPARATOR
-    from replay.experiments import ADMISSION_ARMS, HYPOTHESIS_KEYS, hypothesis_tables, predictor_scores
+    from replay.execution import open_executor
+    from replay.model.config import SOURCE_SEPARATOR
+    from replay.control.experiments import ADMISSION_ARMS, HYPOTHESIS_KEYS, hypothesis_tables, predictor_scores
 
     names = ADMISSION_ARMS if args.policy in (None, "all") else tuple(p for p in args.policy.split(",") if p)
     policies = tuple(dict.fromkeys([*names, "stall-value"]))          # the arm the claim is about is always run
@@ -407,7 +408,7 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
         tables = hypothesis_tables(plan, trace, device, replace(config, prefetch=source), ram, budgets, keys, policies,
                                    source, args.min_sessions, executor)
     scores = predictor_scores(plan, trace, source) if SOURCE_SEPARATOR in source else []
-    from replay.config import RUNTIME_CHANGES
+    from replay.model.config import RUNTIME_CHANGES
 
     label = f"NEEDS A RUNTIME CHANGE: {RUNTIME_CHANGES['admission']} (the tables' arms other than top-k)"
     record = {"format": "relayout.hypotheses", "plan": plan.digest, "device": device.name, "source": source,
@@ -430,11 +431,11 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
 
 def cmd_placement(args) -> int:
     from containers.atomic import write_json_atomic
-    from replay.device import load_device
-    from replay.pinfile import pin_gb_for, write_pin_file
-    from replay.placement import ARMS, placement_arms
-    from replay.planfile import load_plan, save_plan, with_pins
-    from replay.trace import load_trace
+    from replay.model.device import load_device
+    from replay.formats.pinfile import pin_gb_for, write_pin_file
+    from replay.control.placement import ARMS, placement_arms
+    from replay.formats.planfile import load_plan, save_plan, with_pins
+    from replay.formats.trace import load_trace
 
     arms = tuple(a for a in args.arms.split(",") if a) if args.arms else ARMS
     if args.pin_gb:
@@ -470,10 +471,10 @@ def cmd_placement(args) -> int:
 
 def cmd_split_curve(args) -> int:
     from containers.atomic import write_json_atomic
-    from replay.device import load_device
-    from replay.planfile import load_plan
-    from replay.splitcurve import split_curve
-    from replay.trace import load_trace
+    from replay.model.device import load_device
+    from replay.formats.planfile import load_plan
+    from replay.control.splitcurve import split_curve
+    from replay.formats.trace import load_trace
 
     if args.pin_gb:
         raise InputError(None, "the split curve compares LRU and resident tops within --ram-gb; --pin-gb does not apply")
@@ -490,7 +491,8 @@ def cmd_split_curve(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from replay.gatefile import load_gate, recheck
+    from replay.evaluation.gate import recheck
+    from replay.formats.gatefile import load_gate
 
     gate = load_gate(args.recheck)
     problems = recheck(gate, args.recheck)
@@ -512,8 +514,8 @@ def _say(line: str) -> None:
 
 
 def cmd_rewrite(args) -> int:
-    from replay.gatefile import load_gate
-    from replay.planfile import load_plan
+    from replay.formats.gatefile import load_gate
+    from replay.formats.planfile import load_plan
 
     from .apply import apply_plan
 
@@ -558,7 +560,7 @@ def cmd_verify(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from containers.atomic import write_json_atomic
-    from replay.calibrate import calibrate
+    from replay.physical.calibrate import calibrate
 
     profile = calibrate(args.path, args.size_mb, args.seconds, args.name)
     write_json_atomic(args.output, profile)
@@ -598,10 +600,10 @@ def cmd_measure(args) -> int:
     if not args.trace:
         raise InputError(None, "measure needs --trace (the Python emulation) or --engine (the real engine)")
     from containers.container import Container
-    from replay.gate import evaluation_forwards, training_coupling
-    from replay.measure import default_run_id, measure
-    from replay.planfile import load_plan
-    from replay.trace import load_trace
+    from replay.evaluation.gate import evaluation_forwards, training_coupling
+    from replay.physical.measure import default_run_id, measure
+    from replay.formats.planfile import load_plan
+    from replay.formats.trace import load_trace
 
     trace = load_trace(args.trace)
     plan = load_plan(args.layout) if args.layout else None
@@ -617,7 +619,7 @@ def cmd_measure(args) -> int:
     container = Container.open(args.container)
     split = None
     if any(e.segments for e in container.experts.values()):
-        from replay.engine import split_state
+        from replay.model.engine import split_state
 
         if plan is None or not plan.split or not plan.layout.segmented:
             raise InputError(args.container, "this container stores experts as split segments; give --layout PLAN.json, "
@@ -635,17 +637,17 @@ def cmd_measure(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from replay.engine_output import looks_like_engine_output
+    from replay.colibri.engine_output import looks_like_engine_output
 
     if any(looks_like_engine_output(p) for p in args.runs):
         from .engine_render import cmd_engine_report
 
         return cmd_engine_report(args)
-    from replay.stalltrace import report, write_plots
+    from replay.physical.stalltrace import report, write_plots
 
     r = report(args.runs)
     if args.hypothesis:
-        from replay.hypotheses import measured_table
+        from replay.evaluation.hypotheses import measured_table
 
         names = {}
         for spec in args.arm or []:
@@ -660,7 +662,7 @@ def cmd_report(args) -> int:
     if args.plots:
         predicted = None
         if args.predicted:
-            from replay.gatefile import load_gate
+            from replay.formats.gatefile import load_gate
 
             predicted = load_gate(args.predicted).to_json()
         for path in write_plots(r, args.plots, predicted):
@@ -669,13 +671,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from replay.engine_output import looks_like_engine_output
+    from replay.colibri.engine_output import looks_like_engine_output
 
     if any(looks_like_engine_output(p) for p in args.runs):
         from .engine_render import cmd_engine_compare
 
         return cmd_engine_compare(args)
-    from replay.stalltrace import compare
+    from replay.physical.stalltrace import compare
 
     c = compare(args.runs)
     print(json.dumps(c, indent=1) if args.json else format_compare(c))

@@ -10,7 +10,7 @@ Edge weights derived from them: ``count`` (C), ``lift`` = C N / (heat_i heat_j) 
 ``pmi`` = log2(lift). Graphs keep edges with count >= ``min_support``.
 
 Cross-layer coupling counts, for the same (forward, position), expert ``e`` at layer L followed
-by expert ``f`` at layer L+dL (:mod:`replay.coupling`, which the replay's coupled prefetch source
+by expert ``f`` at layer L+dL (:mod:`replay.model.coupling`, which the replay's coupled prefetch source
 learns from); :func:`write_coli_pairs` exports them in colibrì's ``.coli_pairs`` format for the
 runtime's coupled prefetch.
 
@@ -30,8 +30,8 @@ import numpy as np
 
 from containers.atomic import atomic_output
 from containers.errors import InputError
-from replay.coupling import aligned_rows
-from replay.trace import RoutingTrace
+from replay.model.coupling import aligned_rows
+from replay.formats.trace import RoutingTrace
 
 WEIGHTS = ("count", "lift", "pmi")
 

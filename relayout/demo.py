@@ -18,16 +18,16 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
-from replay.calibrate import calibrate
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.evidence import block_evidence
-from replay.gate import compare, evaluation_forwards, run_layout
-from replay.measure import Arm, measure_interleaved
-from replay.planfile import load_plan, save_plan
-from replay.stalltrace import compare as compare_runs
-from replay.stalltrace import report as run_report
-from replay.trace import save_trace
+from replay.physical.calibrate import calibrate
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.evaluation.evidence import block_evidence
+from replay.evaluation.gate import compare, evaluation_forwards, run_layout
+from replay.physical.measure import Arm, measure_interleaved
+from replay.formats.planfile import load_plan, save_plan
+from replay.physical.stalltrace import compare as compare_runs
+from replay.physical.stalltrace import report as run_report
+from replay.formats.trace import save_trace
 
 from .apply import apply_plan, verify
 from .plan import make_plan, source_from_container

@@ -9,7 +9,7 @@ costs its bytes over a drive's rate, so an expert's stall value per byte is ``p`
   layer's expected load time most per byte (:func:`choose_mirrored`: no more of a layer than
   balances its two copies' drives) go into shards of their
   own, which the mirror holds; the engine then routes and stripes their reads over both copies
-  (:mod:`replay.storage`).
+  (:mod:`replay.model.storage`).
 * **Split** (``COLI_MODEL_DIRS``): experts are assigned to the split drives hottest first; each
   goes to the drive where a layer's expected load time grows least, counting its own loads and
   those of the experts already there that fire with it,
@@ -29,8 +29,8 @@ import numpy as np
 from containers.errors import InputError
 from containers.layout import Layout, TensorInfo
 from containers.shard_metadata import carried_metadata, container_stamps
-from replay.device import ArrayProfile
-from replay.storage import DirectorySpec, DriveSpec, Storage, StorageRecord
+from replay.model.device import ArrayProfile
+from replay.model.storage import DirectorySpec, DriveSpec, Storage, StorageRecord
 
 from .packing import pack_groups
 

@@ -42,8 +42,8 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def parse_drive(text: str):
-    """``NAME=PROFILE[,speed=X][,capacity-gb=Y]`` as a :class:`replay.storage.DriveSpec`."""
-    from replay.storage import DriveSpec
+    """``NAME=PROFILE[,speed=X][,capacity-gb=Y]`` as a :class:`replay.model.storage.DriveSpec`."""
+    from replay.model.storage import DriveSpec
 
     name, eq, rest = text.partition("=")
     parts = rest.split(",")
@@ -70,10 +70,10 @@ def cmd_drives(args) -> int:
     from containers.container import Container
     from containers.geometry import load_geometry
     from containers.layout import layout_from_container, layout_from_geometry, tensors_of_container
-    from replay.device import load_device
-    from replay.drivetime import expert_table, paired_interval, session_stall
-    from replay.storage import DirectorySpec, Storage, StorageRecord
-    from replay.trace import load_trace
+    from replay.model.device import load_device
+    from replay.model.drivetime import expert_table, paired_interval, session_stall
+    from replay.model.storage import DirectorySpec, Storage, StorageRecord
+    from replay.formats.trace import load_trace
 
     from .drive_plan import even_split_by_name, plan_drives, training_routing
 
@@ -100,7 +100,7 @@ def cmd_drives(args) -> int:
         raise InputError(args.trace, "the trace's layers are not the model's routed layers")
     plan_in = None
     if args.plan:
-        from replay.planfile import load_plan
+        from replay.formats.planfile import load_plan
 
         plan_in = load_plan(args.plan)
         if plan_in.raw.get("split") is not None:
@@ -135,7 +135,7 @@ def cmd_drives(args) -> int:
     if args.out:
         out = make_dirs(args.out)
         if plan_in is not None:
-            from replay.planfile import plan_digest, save_plan
+            from replay.formats.planfile import plan_digest, save_plan
 
             raw = {k: v for k, v in plan_in.raw.items() if k not in ("plan_digest", "repack_layout")}
             raw["layout"] = plan.layout.to_json()
@@ -192,7 +192,7 @@ def add_mirror_arguments(c: argparse.ArgumentParser) -> None:
 
 def cmd_mirror(args) -> int:
     from containers.multidir import RECEIPT, check_split, mirror_receipt_problems, stage_mirror
-    from replay.storage import load_storage
+    from replay.model.storage import load_storage
 
     if args.what == "stage":
         if not args.storage or not args.to:

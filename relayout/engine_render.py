@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from replay.engine_metrics import engine_compare, engine_report
+from replay.colibri.engine_metrics import engine_compare, engine_report
 
 
 def _ms(x) -> str:

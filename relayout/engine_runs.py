@@ -2,7 +2,7 @@
 
 Each run is one engine process in text mode (``PROMPT=<one line of the prompts file>``): the
 container's safetensors files are evicted from the page cache just before it starts
-(:func:`replay.measure.drop_cache`), the engine runs with the runtime configuration given in its
+(:func:`replay.physical.measure.drop_cache`), the engine runs with the runtime configuration given in its
 own terms (``--runtime-env "PIPE=1 DIRECT=1 CAP=4"``) plus ``PROF=1`` (its profile lines),
 ``TOKENS=1`` (its output token ids), ``TEMP=0`` (greedy, so two containers' outputs must agree
 token for token; a ``TEMP`` in ``--runtime-env`` wins), ``NGEN`` and ``ROUTE_TRACE`` (its routing,
@@ -11,7 +11,7 @@ the measured container run back to back, the order alternating between repetitio
 of the shared disk or machine load falls on both.
 
 A run is written into ``OUT/<arm>/.pPP-rRR.partial/`` (stdout, stderr, the routing trace), its
-record (:class:`replay.engine_output.RunIdentity`) last, then the directory is renamed to
+record (:class:`replay.colibri.engine_output.RunIdentity`) last, then the directory is renamed to
 ``OUT/<arm>/pPP-rRR``: a directory under its final name is a complete run. Run again, the
 command keeps complete runs and redoes the rest. The engine itself writes its expert-usage
 history (``.coli_usage``) and a ``.coli_kv`` file into the container directory it runs; that is
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from containers.atomic import create_exclusive, fsync_dir, make_dirs, open_dir
 from containers.errors import InputError
-from replay.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
+from replay.colibri.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
 
 FIXED_ENV = {"PROF": "1", "TOKENS": "1", "TEMP": "0"}
 _OURS = (STDOUT_FILE, STDERR_FILE, ROUTE_FILE, RUN_FILE)
@@ -126,7 +126,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
                "ROUTE_TRACE": str(partial / ROUTE_FILE)}
     env = {**os.environ, **set_env}
     argv = [str(engine)]
-    from replay.measure import drop_cache        # the harness's module compiles the model: loaded only to run
+    from replay.physical.measure import drop_cache        # the harness's module compiles the model: loaded only to run
 
     cold = drop_cache(container_files(arm.container))
     load = os.getloadavg()[0]
@@ -218,7 +218,7 @@ def engine_options(c) -> None:
 def cmd_measure_engine(args) -> int:
     """Run the engine per :func:`measure_engine`, then print the runs' report (and the comparison
     when there is a baseline)."""
-    from replay.engine_metrics import engine_compare, engine_report
+    from replay.colibri.engine_metrics import engine_compare, engine_report
 
     from .engine_render import format_engine_compare, format_engine_report
 

@@ -1,19 +1,19 @@
 """The gate's answer in words: the gate record as a table and a reason, the sweep's table, the
 held-out sessions a verdict will rest on, and the bottom line with the next command.
 
-Each function takes a record the replay returned (:class:`replay.gatefile.GateRecord`, sweep
-rows, :class:`replay.evidence.HeldOut`) and returns text; nothing here computes a figure.
+Each function takes a record the replay returned (:class:`replay.formats.gatefile.GateRecord`, sweep
+rows, :class:`replay.evaluation.evidence.HeldOut`) and returns text; nothing here computes a figure.
 """
 
 from __future__ import annotations
 
-from replay.engine_config import describe as describe_read_path
+from replay.colibri.engine_config import describe as describe_read_path
 
 from .render import human_bytes
 
 
 def format_gate(g) -> str:
-    """A :class:`replay.gatefile.GateRecord` as the verdict, the reason and a side-by-side table."""
+    """A :class:`replay.formats.gatefile.GateRecord` as the verdict, the reason and a side-by-side table."""
     ms = 1e3
     b, p = g.baseline_metrics, g.plan_metrics
     rt = g.runtime
@@ -101,7 +101,7 @@ def _sweep_verdict(cell: dict) -> str:
 
 def held_out_notice(held, min_sessions: int) -> str:
     """One sentence, before a replay's work, on the held-out sessions its verdict will rest on
-    (``held`` a :class:`replay.evidence.HeldOut`) and how many more a verdict needs."""
+    (``held`` a :class:`replay.evaluation.evidence.HeldOut`) and how many more a verdict needs."""
     n = len(held.evaluated)
     text = (f"the verdict will rest on {n} held-out session{'s' if n != 1 else ''} "
             f"({len(held.training)} excluded as the plan's training, matched by {held.matched_by})")
@@ -115,7 +115,7 @@ def held_out_notice(held, min_sessions: int) -> str:
 def bottom_line(g, plan_path: str, gate_path: str | None, container: str | None, out: str | None,
                 forced: bool = False) -> str:
     """The replay's answer in words: the saving in ms/token and % of TPOT with its 95% interval,
-    the verdict, and the next command to run (``g`` a :class:`replay.gatefile.GateRecord`)."""
+    the verdict, and the next command to run (``g`` a :class:`replay.formats.gatefile.GateRecord`)."""
     ms = 1e3
     s, f, t = g.saving_per_token_s, g.saving_fraction_of_tpot, g.threshold
     saving = (f"the new layout saves {s.estimate * ms:.2f} ms/token (95% interval {s.low * ms:.2f} to "

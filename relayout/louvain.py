@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from replay.jit import LOOP
+from replay.model.jit import LOOP
 
 _TOLERANCE = 1e-10
 """A move must gain more than this fraction of the node's degree (the largest a gain can be) to be

@@ -32,7 +32,7 @@ import networkx as nx
 import numpy as np
 from numba import njit
 
-from replay.jit import LOOP
+from replay.model.jit import LOOP
 
 from .coactivation import LayerCounts, coactivation_graph, weight_matrix
 from .louvain import louvain_partition, modularity

@@ -3,7 +3,7 @@
 :func:`make_plan` learns per-layer expert orders from the training sessions
 (:mod:`relayout.ordering`), packs them into a new layout (:mod:`relayout.packing`) and
 optionally a vertical split plan (:mod:`relayout.split`). What a plan file records, and how it
-is read and validated, is :mod:`replay.planfile`.
+is read and validated, is :mod:`replay.formats.planfile`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from containers.layout import (
 from containers.manifest import build_manifest, load_manifest
 from containers.segments import expert_segment_specs
 from containers.shard_metadata import carried_metadata, container_stamps
-from replay.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, plan_digest
-from replay.trace import RoutingTrace
+from replay.formats.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, plan_digest
+from replay.formats.trace import RoutingTrace
 
 from . import __version__
 from .coactivation import LayerCounts
@@ -240,9 +240,9 @@ def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: 
         heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=g["n_experts"])
     tokens = int(fmask.sum())
     if opt.rule == "replay":
-        from replay.config import RuntimeConfig
-        from replay.device import load_device
-        from replay.engine import simulate
+        from replay.model.config import RuntimeConfig
+        from replay.model.device import load_device
+        from replay.model.engine import simulate
 
         inst, _ = simulate(trace, fmask, layout, load_device(opt.device), RuntimeConfig(ram_bytes=opt.cache_bytes, workers=opt.workers))
         frac = np.array([s.top_rows / g["moe_intermediate_size"] for s in sizes])

@@ -107,7 +107,7 @@ def format_stats(s: dict) -> str:
 
 def small_page_warning(profile: dict) -> str | None:
     """The sentence saying that buffers of scattered pages reach the calibrated device in smaller
-    requests than the profile assumes (:func:`replay.calibrate.small_page_request_limit`), or None
+    requests than the profile assumes (:func:`replay.physical.calibrate.small_page_request_limit`), or None
     when they do not, or the system does not say."""
     d, small = profile["drive"], profile.get("calibration", {}).get("small_page_request_limit")
     if not small or not d.get("max_request_bytes") or small["bytes"] >= d["max_request_bytes"]:
@@ -125,7 +125,7 @@ MERGE_AGREES = 0.25
 
 
 def merge_sentence(profile: dict) -> tuple[str, float | None] | None:
-    """What merging two reads saved in the calibration (:func:`replay.calibrate.merge_saving`)
+    """What merging two reads saved in the calibration (:func:`replay.physical.calibrate.merge_saving`)
     against what the profile predicts, in words, and predicted / measured (None when the measured
     saving's median is not above zero); None when not measured. The prediction agrees when it lies
     inside the measured 95% interval or within :data:`MERGE_AGREES` of its median. This checks
@@ -154,7 +154,7 @@ def merge_sentence(profile: dict) -> tuple[str, float | None] | None:
 
 
 def completion_sentence(profile: dict) -> tuple[str, bool] | None:
-    """How the calibrated device served concurrent reads (:func:`replay.calibrate.completion_spread`)
+    """How the calibrated device served concurrent reads (:func:`replay.physical.calibrate.completion_spread`)
     in words, with how the profile's drive serves them (its ``service``), and whether the drive
     shares itself among them; None when not measured."""
     c = profile.get("calibration", {}).get("completion_spread")
@@ -337,7 +337,7 @@ def format_rewrite_files(manifest: dict, stamps: int, index: bool) -> list[str]:
 
 
 def format_measure(result) -> str:
-    """One line about a measured run (:class:`replay.measure.MeasureResult`)."""
+    """One line about a measured run (:class:`replay.physical.measure.MeasureResult`)."""
     s = result.stall_ns / max(result.committed, 1) / 1e6
     return (f"{result.steps} steps, {result.committed} committed tokens in {result.wall_seconds:.2f} s; "
             f"S = {s:.3f} ms/token; {result.cold}; weights read {'with O_DIRECT' if result.direct else 'buffered'}")
@@ -500,7 +500,7 @@ def format_split_curve(curve) -> str:
 
 
 def format_reliability(scores) -> str:
-    """Prediction sources on held-out sessions (:class:`replay.predictors.Reliability`): each
+    """Prediction sources on held-out sessions (:class:`replay.model.predictors.Reliability`): each
     one's candidates, base rate, Brier score and expected calibration error, beside the Brier score
     of a constant forecast at the base rate (a source below it has skill)."""
     lines = [f"  {'source':<28}{'candidates':>12}{'base rate':>11}{'Brier':>10}{'ECE':>9}{'Brier at base rate':>20}"]
@@ -518,13 +518,13 @@ def format_reliability(scores) -> str:
 
 def format_hypotheses(tables) -> str:
     """``replay --policy`` and ``report --hypothesis``: one table per hypothesis and regime
-    (:class:`replay.hypotheses.HypothesisTable`): each arm's S with its 95% interval and the seed's
+    (:class:`replay.evaluation.hypotheses.HypothesisTable`): each arm's S with its 95% interval and the seed's
     figures beside it (ms per committed token; speculative and unused MB per committed token;
     eta_stall in ms of stall removed per MB speculated), the comparisons, the verdict in words."""
     def opt(x, fmt, scale=1.0):
         return "n/a" if x is None else format(x * scale, fmt)
 
-    from replay.hypotheses import HYPOTHESES
+    from replay.evaluation.hypotheses import HYPOTHESES
 
     out = []
     for t in tables:

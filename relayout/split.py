@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from containers.errors import InputError
-from replay.config import greedy_by_value
-from replay.splitsizes import SegmentSizes, segment_sizes, tops_by_wait
+from replay.model.config import greedy_by_value
+from replay.control.splitsizes import SegmentSizes, segment_sizes, tops_by_wait
 
 RULES = ("heat", "stall", "replay")
 

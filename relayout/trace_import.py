@@ -45,7 +45,7 @@ Each input file is one session, in the order given (a ROUTE_TRACE may be cut int
 Ranges are checked on the parsed 64-bit (or Python) integers, before any narrowing to the
 trace's int16/int32 arrays. With a geometry, ids must be below its experts per layer and layers
 among its routed layers; without one, ids are capped at ``DEFAULT_MAX_EXPERTS - 1`` and layers at
-``DEFAULT_MAX_LAYER`` (see :mod:`replay.trace`). Every allocation sized by a file's values is
+``DEFAULT_MAX_LAYER`` (see :mod:`replay.formats.trace`). Every allocation sized by a file's values is
 bounded by those limits and by the file's own size.
 """
 
@@ -60,7 +60,7 @@ import numpy as np
 
 from containers.errors import InputError
 from containers.jsonfile import ZSTD_MAGIC, iter_jsonl, read_bytes, text_blocks
-from replay.trace import (
+from replay.formats.trace import (
     DEFAULT_MAX_EXPERTS,
     DEFAULT_MAX_LAYER,
     FORWARD_KINDS,

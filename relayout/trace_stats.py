@@ -4,7 +4,7 @@ Per layer: heat entropy (bits; log2(E) means uniform), the within-layer lift dis
 seen at least ``min_count`` times, the lift from layer L to L+1 for the same position, and the
 reuse distance (forwards between two uses of the same expert at the same layer).
 
-Bounded for any trace :func:`replay.trace.load_trace` accepts: pair statistics are sparse (memory
+Bounded for any trace :func:`replay.formats.trace.load_trace` accepts: pair statistics are sparse (memory
 grows with the rows, not with the square of the experts per layer), one layer's rows are
 worked on at a time (found by a pass over the row layers, so nothing is as large as the whole
 trace's rows but the trace itself, whose gates stay in the file), and arrays indexed by expert
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from replay.trace import FORWARD_KINDS, RoutingTrace
+from replay.formats.trace import FORWARD_KINDS, RoutingTrace
 
 from .coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
 from .trace_synth import entropy_bits

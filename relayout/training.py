@@ -8,7 +8,7 @@ fingerprints, which replay uses to keep training sessions out of its evidence).
 
 **Pooling.** Many trace files (a community's sessions from many machines) are pooled by
 map-reduce: each file is loaded, split and counted on its own (:func:`count_trace_file`; a task
-counts a batch of consecutive files, on a :mod:`replay.cluster` executor), and the counts are
+counts a batch of consecutive files, on a :mod:`replay.execution` executor), and the counts are
 merged exactly (:meth:`TrainingSet.merged`), so no machine ever holds more than one trace and
 the merged counts. Every file is split by ``train_fraction`` on its own, so each keeps held-out sessions a
 replay of that file can be judged on. A pooled plan names its sessions ``<trace path>:<session>``
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from containers.errors import InputError
-from replay.trace import FORWARD_KINDS, RoutingTrace
+from replay.formats.trace import FORWARD_KINDS, RoutingTrace
 
 from .coactivation import PairCounts, count_pairs
 
@@ -137,7 +137,7 @@ def training_of_trace(trace: RoutingTrace, geometry: dict, train_fraction: float
 
 def count_trace_file(path: str, geometry: dict, train_fraction: float) -> TrainingSet:
     """Load one trace file and count its training rows: the map task of pooled planning."""
-    from replay.trace import load_trace
+    from replay.formats.trace import load_trace
 
     trace = load_trace(path)
     return training_of_trace(trace, geometry, train_fraction, f"{path}:")[0]
@@ -165,7 +165,7 @@ balance uneven files, few enough that merging partial counts costs little)."""
 
 def pooled_training(paths: list[str], geometry: dict, train_fraction: float, executor) -> TrainingSet:
     """Training set of every file in ``paths``, counted in batches of consecutive files, one task
-    per batch on ``executor`` (a :class:`replay.cluster.Executor`), merged in the order given.
+    per batch on ``executor`` (a :class:`replay.execution.Executor`), merged in the order given.
     The result does not depend on the batching (merging is exact and keeps the order)."""
     if not paths:
         raise InputError(None, "no trace files to pool")

@@ -21,21 +21,21 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    against stock, written first, of 2-10 ms/token (``docs/BENCHMARKS.md``);
 2. reads every container once (:func:`_read_each_once`: a virtual disk may serve a block slower
    the first time it is read, which would favour the freshly written copies);
-3. calibrates the disk holding ``PATH`` (:func:`replay.calibrate.calibrate`) unless a device
+3. calibrates the disk holding ``PATH`` (:func:`replay.physical.calibrate.calibrate`) unless a device
    profile is given, on the stock container's largest file when it can
    (:func:`calibration_target`), and saves the profile next to the output; then, for every
    cell (layout x RAM budget x prefetch source), measures S for real
-   (:func:`replay.measure.measure_interleaved`, cold) ``reps`` times, the layouts and prefetch
+   (:func:`replay.physical.measure.measure_interleaved`, cold) ``reps`` times, the layouts and prefetch
    sources of a RAM budget measured together, step by step in lockstep (every run's step j
    before any run's step j + 1, their order rotating each step from a counterbalanced one:
    :func:`measurement_order`), so every run of a block sees the disk of the same seconds (each
    run holds its own read buffers: ``workers + 1`` of an expert's size, about 1.5 GB for the
    default block of 9 runs of 18.9 MB experts), on the same first ``tokens`` held-out steps,
-   and predicts S by replaying exactly those steps on the profile (:func:`replay.engine.simulate`). A probe
-   (:func:`replay.calibrate.probe_rate`: reads of one expert's size, as many at once as the
+   and predicts S by replaying exactly those steps on the profile (:func:`replay.model.engine.simulate`). A probe
+   (:func:`replay.physical.calibrate.probe_rate`: reads of one expert's size, as many at once as the
    runtime's workers, for 1 s on the container's largest file) before the first repetition and
    after each follows the disk's speed at the measured runs' operating point; each repetition
-   is also predicted on the profile scaled (:meth:`replay.device.ArrayProfile.scaled`) by the
+   is also predicted on the profile scaled (:meth:`replay.model.device.ArrayProfile.scaled`) by the
    probes around it over the rate the profile gives the probe's reads: a diagnosis of a
    drifting disk beside the verdict, which stays on the profile as calibrated. Finer, each
    measured run is also predicted at the rate its own drive served it (:func:`at_run_speed`:
@@ -46,7 +46,7 @@ What a user runs before trusting a gate on their own storage (issue 12). It
    read off; and at its drive's speed with the compute its harness ran (:func:`at_harness_compute`:
    a check of the harness, whose own Python work can run beyond the emulated compute where each
    expert's compute is short and reads are many); and at its drive's speed less its waits for
-   experts whose own reads the page cache served (:func:`replay.stalltrace.page_cache_wait`: a
+   experts whose own reads the page cache served (:func:`replay.physical.stalltrace.page_cache_wait`: a
    coalesced run's later experts, whose scale reads a Python harness serves in tens of
    microseconds and the runtime in a few, a wait the model does not predict); diagnoses too;
 4. compares: predicted/measured S per cell, with the measured S's 95% interval over the
@@ -70,7 +70,7 @@ The verdict (:func:`judge_record`, :func:`summarize_validation`) is one of three
 judgements (each cell's S, each layout's saving and each prefetch source's saving). A 95% interval misses its true value one time in twenty, so a run
 of 42 judgements misses about two by chance alone. So a prediction is ruled out only beyond its
 *family* interval, at the coverage each judgement needs for all of them to hold together 95% of
-the time (Bonferroni, :func:`replay.stats.family_level`; at 4 repetitions 3.8 times as wide as
+the time (Bonferroni, :func:`replay.evaluation.stats.family_level`; at 4 repetitions 3.8 times as wide as
 the 95% one), widened by the tolerance where there is one (a cell's S: :data:`TOLERANCE`; a
 prefetch saving: :data:`PREFETCH_TOLERANCE`) and, for a layout's saving, by what the placement
 control shows placement alone does to S (the difference between two containers is their layouts'
@@ -78,7 +78,7 @@ and their files' placement on the disk). The model *does not hold* when a measur
 prediction out; short of that, fewer than :data:`VERDICT_REPS` repetitions per cell are
 *insufficient* for a verdict. It *holds* when every cell's predicted/measured ratio is within
 :data:`TOLERANCE` of 1, no more savings miss their 95% interval than chance gives a correct
-model in 95% of runs (:func:`replay.stats.chance_misses`: 3 of 24) and the gate decides alike on
+model in 95% of runs (:func:`replay.evaluation.stats.chance_misses`: 3 of 24) and the gate decides alike on
 every comparison whose prediction is not off by placement. Otherwise it is *inconclusive*: the
 repetitions scatter too widely to confirm or refute it, and the summary says to measure more,
 or a layout saving is off by no more than placement, which no number of repetitions separates.
@@ -114,11 +114,11 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, write_manifest
 from containers.synth import synth_container
-from replay.config import PREFETCH_SOURCES, RuntimeConfig
-from replay.evidence import block_evidence
-from replay.gatefile import LayoutMetrics
-from replay.metrics import StepTable
-from replay.stats import chance_misses, family_level, family_widening, repetition_interval, student_t_quantile
+from replay.model.config import PREFETCH_SOURCES, RuntimeConfig
+from replay.evaluation.evidence import block_evidence
+from replay.model.metrics import LayoutMetrics
+from replay.model.metrics import StepTable
+from replay.evaluation.stats import chance_misses, family_level, family_widening, repetition_interval, student_t_quantile
 
 from .demo import measured_vs_predicted
 from .render import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
@@ -274,8 +274,8 @@ def synthetic_geometry(gigabytes: float):
 
 @dataclass(frozen=True)
 class Prediction:
-    """One cell predicted on the profile: its steps (:class:`replay.metrics.StepTable`), their
-    summary (:class:`replay.gatefile.LayoutMetrics`), and the demand preads that reach the drives
+    """One cell predicted on the profile: its steps (:class:`replay.model.metrics.StepTable`), their
+    summary (:class:`replay.formats.gatefile.LayoutMetrics`), and the demand preads that reach the drives
     per committed token (the model's page cache serves the rest)."""
 
     steps: StepTable
@@ -308,7 +308,7 @@ def validation_trace(container: Container, seed: int = 0, tokens: int | None = N
 def _prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
     """Container, manifest path, trace and the layouts (planned, rewritten). Returns
     ``(container dir, manifest dict, trace, Layouts, synthetic)``."""
-    from replay.planfile import load_plan, save_plan
+    from replay.formats.planfile import load_plan, save_plan
 
     from .apply import apply_plan
     from .plan import make_plan, source_from_container
@@ -380,7 +380,7 @@ def _cells(o: ValidateOptions) -> list[tuple]:
 
 def measurement_order(runs: list, rep: int, block: int) -> list:
     """The order the ``runs`` of one block (every layout x prefetch source at one RAM budget) take
-    their first step in, repetition ``rep`` (:func:`replay.measure.measure_interleaved` then
+    their first step in, repetition ``rep`` (:func:`replay.physical.measure.measure_interleaved` then
     rotates it by one place each step): rotated by one place per pair of repetitions and per block,
     and reversed in the second repetition of each pair (ABBA counterbalancing). Over a pair every
     run's mean place in the block is the same, so a disk whose speed drifts steadily within a
@@ -442,13 +442,13 @@ def _choose_size(o: ValidateOptions, available: int, n_runs_per_rep: int, probe_
 
 def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     """Run the validation (see the module doc) and return the ``validation.json`` record, written to ``o.output``."""
-    from replay.calibrate import calibrate, merge_saving, probe_rate
-    from replay.device import load_device
-    from replay.engine import simulate
-    from replay.gate import evaluation_forwards, training_coupling
-    from replay.measure import Arm, measure, measure_interleaved
-    from replay.metrics import drive_rate, step_table, summarize
-    from replay.stalltrace import report
+    from replay.physical.calibrate import calibrate, merge_saving, probe_rate
+    from replay.model.device import load_device
+    from replay.model.engine import simulate
+    from replay.evaluation.gate import evaluation_forwards, training_coupling
+    from replay.physical.measure import Arm, measure, measure_interleaved
+    from replay.model.metrics import drive_rate, step_table, summarize
+    from replay.physical.stalltrace import report
 
     t_start = time.perf_counter()
     check_options(o)
@@ -646,7 +646,7 @@ def calibration_target(container_dir: Path, path: Path) -> Path:
     written. The runs then read data the calibration read too, in the same state: this VM's disk
     read a freshly written test file at other speeds than the containers read once before
     (2026-12-02, two runs: each run's disk 0.91-1.70 times as fast as the test-file profile)."""
-    from replay.calibrate import MIN_FILE_BYTES
+    from replay.physical.calibrate import MIN_FILE_BYTES
 
     files = sorted(Path(container_dir).glob("*.safetensors"), key=lambda p: p.stat().st_size)
     if files and files[-1].stat().st_size >= MIN_FILE_BYTES and os.stat(files[-1]).st_dev == os.stat(path).st_dev:
@@ -655,12 +655,12 @@ def calibration_target(container_dir: Path, path: Path) -> Path:
 
 
 def _read_each_once(dirs: dict, progress: bool) -> dict:
-    """Read every file of each layout's container once (:func:`replay.calibrate.read_once`),
+    """Read every file of each layout's container once (:func:`replay.physical.calibrate.read_once`),
     before anything is measured, so no layout is measured on blocks read for the first time.
     Returns per layout ``{"bytes", "seconds", "rate_Bps"}``: containers read at very different
     rates show a disk that does not serve every file alike on a first read
     (:func:`summarize_validation` names the slow ones)."""
-    from replay.calibrate import read_once
+    from replay.physical.calibrate import read_once
 
     files = {m: sorted(p for p in Path(d).iterdir() if p.is_file()) for m, d in dirs.items()}
     total = sum(p.stat().st_size for fs in files.values() for p in fs)
@@ -676,7 +676,7 @@ def _read_each_once(dirs: dict, progress: bool) -> dict:
 def _probe_target(container_dir: Path, stock) -> tuple[Path | None, int]:
     """The drift probe's file (the container's largest) and read size (bytes): the median
     expert's bytes, aligned up, as the measured forwards read them (at most half the file)."""
-    from replay.calibrate import ALIGN
+    from replay.physical.calibrate import ALIGN
 
     files = sorted(Path(container_dir).glob("*.safetensors"), key=lambda p: p.stat().st_size)
     expert = -(-int(np.median(stock.expert_bytes())) // ALIGN) * ALIGN
@@ -693,9 +693,9 @@ def at_run_speed(stall_and_rate, device, measured_rate: float | None) -> dict | 
     """The prediction of one measured run at the speed its disk ran at.
 
     The measured run's drive served ``measured_rate`` bytes/s while busy
-    (:func:`replay.stalltrace.drive_busy`); the model, replaying the same steps on ``device``,
-    serves its reads at the rate :func:`replay.metrics.drive_rate` gives. The device is scaled
-    (:meth:`replay.device.ArrayProfile.scaled`) until the two rates agree:
+    (:func:`replay.physical.stalltrace.drive_busy`); the model, replaying the same steps on ``device``,
+    serves its reads at the rate :func:`replay.model.metrics.drive_rate` gives. The device is scaled
+    (:meth:`replay.model.device.ArrayProfile.scaled`) until the two rates agree:
     ``f <- f * measured / modelled(f)`` from ``f = 1``, :data:`RUN_SPEED_STEPS` times.
     ``stall_and_rate(device)`` replays and returns ``(S in s/token, modelled rate)``.
 
@@ -721,12 +721,12 @@ def at_harness_compute(stall_at, rate: float, compute: float, matmul: float, mea
     """The prediction of one measured run with the compute its harness ran (``validate`` replays
     it at its drive's speed too, :func:`at_run_speed`: the run under its own conditions).
 
-    The harness emulates the runtime's compute (:class:`replay.measure._ComputeClock`); its own
+    The harness emulates the runtime's compute (:class:`replay.physical.measure._ComputeClock`); its own
     Python work (routing, submitting reads, records, waking) is taken off the emulated compute
     while it fits in it. A harness that counted the work beyond as compute between a layer's
     reads overlapped them with it and measured less stall, the more so for layouts issuing more
     reads (``docs/BENCHMARKS.md``, v29-v33); the present one times its waits in the compute
-    model's time (:meth:`replay.measure._ComputeClock.waited`), and what excess is left falls
+    model's time (:meth:`replay.physical.measure._ComputeClock.waited`), and what excess is left falls
     outside a layer's reads. Here the run's excess, ``measured_compute - compute``, is given to
     the model as slower matmuls, at ``rate * matmul / (matmul + excess)``: the prediction the
     first kind of harness should be held to, and for the present one a check that the excess is
@@ -762,7 +762,7 @@ def at_harness_compute(stall_at, rate: float, compute: float, matmul: float, mea
 def neighbour_scales(scales: list, groups: list) -> list:
     """For each run, the mean of the speed factors (:func:`at_run_speed`'s ``scale``) of the
     other runs of its group (``groups``, one id per run: the runs measured interleaved with it,
-    :func:`replay.measure.measure_interleaved`): the disk's speed during a run, read off other
+    :func:`replay.physical.measure.measure_interleaved`): the disk's speed during a run, read off other
     runs, so a prediction at it is tested on a measurement its speed was not taken from. None
     where no other run of the group has a factor."""
     out = []
@@ -775,8 +775,8 @@ def neighbour_scales(scales: list, groups: list) -> list:
 def _drift(probe_file: Path, probe_size: int, depth: int, rates: list[float], device) -> dict:
     """The disk's probed rate before the first repetition and after each (bytes/s), and each
     repetition's speed against the profile's: the mean of the probes around it over the rate the
-    profile gives the probe's reads (:meth:`replay.device.ArrayProfile.steady_rate`)."""
-    from replay.calibrate import PROBE_SECONDS
+    profile gives the probe's reads (:meth:`replay.model.device.ArrayProfile.steady_rate`)."""
+    from replay.physical.calibrate import PROBE_SECONDS
 
     profile_rate = device.steady_rate(probe_size, depth)
     scales = [(rates[r] + rates[r + 1]) / 2 / profile_rate for r in range(len(rates) - 1)]
@@ -794,7 +794,7 @@ def _interval(ev) -> dict:
 def _over_repetitions(values: list[float], judgements: int | None = None) -> dict:
     """A measured figure's mean and 95% interval with each repetition one unit (s/token); with
     ``judgements``, also its ``family`` interval: at the coverage each of the run's judgements
-    needs for all of them to hold together 95% of the time (:func:`replay.stats.family_level`),
+    needs for all of them to hold together 95% of the time (:func:`replay.evaluation.stats.family_level`),
     the one a prediction must miss to be ruled out."""
     iv = repetition_interval(values)
     out = {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high, "method": "repetitions (Student t)",
@@ -921,7 +921,7 @@ def _run_stalls(runs: list[dict]) -> list[float]:
 
 def _page_cache_waits(runs: list[dict]) -> list[float] | None:
     """Each measured run's stall on experts whose own reads the page cache served (s/token,
-    :func:`replay.stalltrace.page_cache_wait`); None when a run's records carry no I/O counts."""
+    :func:`replay.physical.stalltrace.page_cache_wait`); None when a run's records carry no I/O counts."""
     if any(r.get("page_cache_wait_s") is None for r in runs):
         return None
     return [float(r["page_cache_wait_s"] / r["committed"].sum()) for r in runs]
@@ -1096,7 +1096,7 @@ def _record(o, device, device_source, profile_path, src, manifest, trace, held, 
 
 def merge_after_sentence(merge: tuple[str, float | None], after: dict) -> tuple[str, float | None]:
     """The calibration's merge sentence (:func:`relayout.render.merge_sentence`) with what merging
-    saved again after the measurement (:func:`replay.calibrate.merge_saving`): how far the per-read
+    saved again after the measurement (:func:`replay.physical.calibrate.merge_saving`): how far the per-read
     cost a coalescing saving rests on moved while the runs were measured."""
     us = 1e6
     return (merge[0] + f"; after the measurement it saved {after['saving_seconds'] * us:.0f} us "
@@ -1229,7 +1229,7 @@ def drive_reads_check(cells: list[dict]) -> dict | None:
 
 def page_cache_waits(cells: list[dict], comparisons: list[dict]) -> dict | None:
     """What the harness's waits for experts whose own reads the page cache served (the cells'
-    ``measured_page_cache_wait_per_token_s``, :func:`replay.stalltrace.page_cache_wait`) come to,
+    ``measured_page_cache_wait_per_token_s``, :func:`replay.physical.stalltrace.page_cache_wait`) come to,
     and the layout savings at equal disk speed less them. Returns per layout the smallest and
     largest mean wait over its cells (``by_layout``, s/token), and over the layout comparisons
     judged that way (``savings``) how many lie inside their measured interval and how many are
@@ -1260,7 +1260,7 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     stall); else ``"insufficient"`` with fewer than :data:`VERDICT_REPS` repetitions per cell;
     ``"holds"`` when every cell's predicted S is within :data:`TOLERANCE` of the
     measured mean, the savings that miss their 95% interval (unresolved or within placement) are
-    no more than chance gives a correct model in 95% of runs (:func:`replay.stats.chance_misses`)
+    no more than chance gives a correct model in 95% of runs (:func:`replay.evaluation.stats.chance_misses`)
     and the gate decides alike wherever the measured saving is not within placement; otherwise
     ``"inconclusive"``. ``text``: the verdict's sentence on its first line, then one line per
     aspect behind it, each under a label (layout savings, prefetch savings, judgements, the

@@ -1,10 +1,19 @@
-"""The model of the runtime's read path on NVMe storage, its stall metrics, and the gate.
+"""The engine model and everything judged with it, in rooms by concept.
 
-The compiled model (numba, :mod:`replay.jit`) is cached on disk. numba keys a cached build by the
-file that defines a function only, so a build that inlines code from another module would
-outlive an edit of that module and run the old model. Builds are therefore kept in a directory
-named by a digest of every module of this package (:func:`compiled_cache_dir`): any change to
-the model's source starts a fresh build; builds of other sources untouched for a day are removed.
+- :mod:`replay.formats`: the files the model reads and writes (trace, plan, gate record, pins).
+- :mod:`replay.model`: the compiled model of the runtime's read path (numba).
+- :mod:`replay.colibri`: the real engine's configuration, output and measured metrics.
+- :mod:`replay.physical`: the harness that reads real drives, and calibration.
+- :mod:`replay.evaluation`: statistics, evidence, the gate, hypotheses.
+- :mod:`replay.control`: placement, split curves and policy experiments.
+- :mod:`replay.execution`: running replays serially or on a Dask cluster.
+
+The compiled model is cached on disk. numba keys a cached build by the file that defines a
+function only, so a build that inlines code from another module would outlive an edit of that
+module and run the old model. Builds are therefore kept in a directory named by a digest of every
+module under :mod:`replay.model` (:func:`compiled_cache_dir`): any change to the model's source
+starts a fresh build, an edit elsewhere does not; builds of other sources untouched for a day are
+removed.
 """
 
 from __future__ import annotations
@@ -19,13 +28,19 @@ STALE_SECONDS = 86400
 """Builds of other sources unused this long are removed."""
 
 
-def source_digest(package: Path = Path(__file__).parent) -> str:
-    """xxh3-64 (hex) of the module sources of ``package`` (this one by default), in name order."""
+MODEL_PACKAGE = Path(__file__).parent / "model"
+"""The compiled model's sources: the only files whose edits start a fresh build."""
+
+
+def source_digest(package: Path = MODEL_PACKAGE) -> str:
+    """xxh3-64 (hex) of every module under ``package`` (the compiled model by default), at any
+    depth, in relative-path order."""
     import xxhash
 
     h = xxhash.xxh3_64()
-    for p in sorted(Path(package).glob("*.py")):
-        h.update(p.name.encode())
+    root = Path(package)
+    for p in sorted(root.rglob("*.py"), key=lambda q: q.relative_to(root).as_posix()):
+        h.update(p.relative_to(root).as_posix().encode())
         h.update(p.read_bytes())
     return h.hexdigest()
 

@@ -13,9 +13,9 @@ from containers.errors import InputError
 from relayout.render import format_compare, format_report
 from relayout.trace_import import import_traces
 from relayout.trace_synth import synth_trace
-from replay.config import RuntimeConfig
-from replay.measure import assumed_committed_mask, default_run_id, measure
-from replay.stalltrace import compare, report
+from replay.model.config import RuntimeConfig
+from replay.physical.measure import assumed_committed_mask, default_run_id, measure
+from replay.physical.stalltrace import compare, report
 
 
 def appendix_a(step, layer, e, ready, need, committed, evaluated=None, run="r1", request=0, **kw):
@@ -305,7 +305,7 @@ def test_measure_tells_drive_requests_from_page_cache_hits(small_container, smal
 
 def test_plots_draw_every_run_with_its_own_legend_entry(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    import replay.stalltrace as st
+    import replay.physical.stalltrace as st
 
     figs = []
     monkeypatch.setattr(st, "_save", lambda fig, path: (figs.append(fig), path)[1])

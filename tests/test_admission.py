@@ -1,4 +1,4 @@
-"""Prefetch admission under equal budgets and tail control (replay.admission in the compiled loop)."""
+"""Prefetch admission under equal budgets and tail control (replay.model.admission in the compiled loop)."""
 
 from dataclasses import replace
 
@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_predictors import layout, routing
 
-from replay.admission import _most_probable, _never_gains, _value, prefetcher_inputs
-from replay.config import RuntimeConfig
-from replay.device import ArrayProfile, DriveProfile
-from replay.engine import simulate
-from replay.metrics import step_table, summarize
-from replay.predictors import learn_source
+from replay.model.admission import _most_probable, _never_gains, _value, prefetcher_inputs
+from replay.model.config import RuntimeConfig
+from replay.model.device import ArrayProfile, DriveProfile
+from replay.model.engine import simulate
+from replay.model.metrics import step_table, summarize
+from replay.model.predictors import learn_source
 
 POLICIES = ("probability", "per-byte", "deadline", "stall-value")
 LAT, BW = 1e-4, 1e9
@@ -195,7 +195,7 @@ def test_a_probability_source_needs_its_learned_model():
        st.floats(0, 1), st.floats(0, 4), st.floats(0, 1), st.integers(1, 10**8))
 def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes(p, need, svc, t, routed, lam, rho,
                                                                                  p_victim, nbytes):
-    """V(a) does not decrease with the need time, to the last bit (replay.admission._may_gain
+    """V(a) does not decrease with the need time, to the last bit (replay.model.admission._may_gain
     skips ordering the candidates when none is positive at need time inf)."""
     bound = _value(p, np.inf, svc, t, routed, lam, rho, p_victim, nbytes, 2e9)
     assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= bound
@@ -209,7 +209,7 @@ def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes
        st.floats(0, 1), st.sampled_from([0.0, 1e-15, 1e-12, 1e-9, 1e-6, 1e-3]), st.booleans())
 def test_stall_value_skips_ranking_only_when_no_load_of_the_pool_can_gain(t0, d, lo, spread, where, p_victim, lam, rho,
                                                                          more, nbytes, dp, offset, above):
-    """replay.admission._never_gains (the stall-valued policy's exit before ranking candidates)
+    """replay.model.admission._never_gains (the stall-valued policy's exit before ranking candidates)
     against _value itself at need time inf, for loads at the very edge of gaining: a probability
     just above or below where V(a) = 0 for a load time anywhere in the layer's range (the
     bound is least at its ends, not its middle) and any bytes above the least. An exit that
@@ -239,7 +239,7 @@ def test_stall_value_skips_ranking_only_when_no_load_of_the_pool_can_gain(t0, d,
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 256), st.integers(1, 64), st.integers(1, 6), st.booleans(), st.integers(0, 2**32 - 1))
 def test_the_candidates_are_exactly_the_most_probable_whichever_way_they_are_found(n, C, levels, in_order, seed):
-    """replay.admission._most_probable: counting (up to RANKED_POOL considered experts) and
+    """replay.model.admission._most_probable: counting (up to RANKED_POOL considered experts) and
     insertion (beyond) find the same set as a sort by probability then id; few probability
     levels make ties."""
     rng = np.random.default_rng(seed)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from replay.stalltrace import report
+from replay.physical.stalltrace import report
 
 
 @pytest.mark.slow

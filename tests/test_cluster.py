@@ -20,12 +20,12 @@ from relayout.training import (
     trace_paths,
     training_rows,
 )
-from replay.cluster import SerialExecutor, open_executor
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.gate import sweep
-from replay.planfile import load_plan, save_plan
-from replay.trace import save_trace
+from replay.execution import SerialExecutor, open_executor
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.evaluation.gate import sweep
+from replay.formats.planfile import load_plan, save_plan
+from replay.formats.trace import save_trace
 
 pytest.importorskip("distributed")
 
@@ -112,7 +112,7 @@ def _files(tmp_path, n=3, tokens=300):
 
 def _direct_counts(paths, layers, E):
     """Brute force: each file's training rows counted densely, summed."""
-    from replay.trace import load_trace
+    from replay.formats.trace import load_trace
 
     total = {layer: np.zeros((E, E), dtype=np.int64) for layer in layers}
     for p in paths:
@@ -202,7 +202,7 @@ def test_pooled_plan_cli_and_replay_holds_out_each_files_tail(tmp_path):
 
 def test_a_plan_from_pooled_counts_orders_as_the_plan_from_the_rows(tmp_path):
     """Ordering reads counts only: one file pooled gives the plan its rows give, order for order."""
-    from replay.trace import load_trace
+    from replay.formats.trace import load_trace
 
     paths = _files(tmp_path, n=1, tokens=400)
     g = load_geometry("glm-5.2-int4-row").scaled(moe_layers=3, experts=32)

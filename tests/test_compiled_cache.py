@@ -9,13 +9,37 @@ import replay
 from replay import CACHE_PREFIX, STALE_SECONDS, compiled_cache_dir, source_digest
 
 
-def test_editing_any_module_of_the_model_changes_the_cache_directory(tmp_path):
+def _copy_of_replay(tmp_path: Path) -> Path:
     pkg = tmp_path / "replay"
     shutil.copytree(Path(replay.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    before = source_digest(pkg)
-    assert before == source_digest(Path(replay.__file__).parent)
-    (pkg / "device.py").write_text((pkg / "device.py").read_text() + "\n# an edit of a module the loop inlines\n")
-    assert source_digest(pkg) != before
+    return pkg
+
+
+def test_editing_any_module_of_the_model_changes_the_cache_directory(tmp_path):
+    pkg = _copy_of_replay(tmp_path)
+    before = source_digest(pkg / "model")
+    assert before == source_digest()
+    (pkg / "model" / "device.py").write_text((pkg / "model" / "device.py").read_text() + "\n# an edit the loop inlines\n")
+    assert source_digest(pkg / "model") != before
+
+
+def test_a_new_module_deeper_in_the_model_changes_the_cache_directory(tmp_path):
+    pkg = _copy_of_replay(tmp_path)
+    before = source_digest(pkg / "model")
+    (pkg / "model" / "kernels").mkdir()
+    (pkg / "model" / "kernels" / "extra.py").write_text("X = 1\n")
+    assert source_digest(pkg / "model") != before
+
+
+def test_a_docstring_edit_outside_the_model_keeps_the_compiled_build(tmp_path):
+    """Editing the gate, the hypotheses or a file format leaves the digest, and so the cached
+    build, as it was."""
+    pkg = _copy_of_replay(tmp_path)
+    before = source_digest(pkg / "model")
+    for rel in ("evaluation/hypotheses.py", "evaluation/gate.py", "formats/trace.py", "__init__.py"):
+        f = pkg / rel
+        f.write_text('"""An edited docstring."""\n' + f.read_text())
+    assert source_digest(pkg / "model") == before
 
 
 def test_the_cache_lives_under_the_users_cache_and_stale_builds_go(tmp_path, monkeypatch):

@@ -201,7 +201,7 @@ def rewritten(tmp_path_factory):
     from relayout.apply import apply_plan
     from relayout.plan import SplitOptions, make_plan, source_from_container
     from relayout.trace_synth import synth_trace
-    from replay.planfile import load_plan, save_plan
+    from replay.formats.planfile import load_plan, save_plan
 
     root = tmp_path_factory.mktemp("hardening")
     g = small_geometry(moe_layers=2, experts=16, ffn=256)

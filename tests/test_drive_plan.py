@@ -12,10 +12,10 @@ from containers.errors import InputError
 from containers.layout import layout_from_geometry, slot_name
 from relayout.drive_plan import choose_mirrored, even_split_by_name, plan_drives, training_routing
 from relayout.trace_synth import synth_trace
-from replay.device import load_device
-from replay.drivetime import expert_table, session_stall
-from replay.storage import DriveSpec, Storage
-from replay.trace import save_trace
+from replay.model.device import load_device
+from replay.model.drivetime import expert_table, session_stall
+from replay.model.storage import DriveSpec, Storage
+from replay.formats.trace import save_trace
 
 from conftest import run_cli, small_geometry
 
@@ -161,8 +161,8 @@ def test_command(tmp_path, model):
 
 
 def test_drive_seconds_closed_form():
-    from replay.device import read_alone_seconds
-    from replay.drivetime import drive_seconds
+    from replay.model.device import read_alone_seconds
+    from replay.model.drivetime import drive_seconds
 
     nvme = load_device("single-nvme")
     s = 1 << 20                                                              # under the 1.25 MiB request limit

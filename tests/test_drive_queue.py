@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from containers.layout import Layout
-from replay.calibrate import DEPTHS, SIZES, fit_queue_model
-from replay.config import RuntimeConfig
-from replay.device import ArrayProfile, DriveProfile, load_device, queue_throughput
-from replay.engine import simulate
-from replay.trace import RoutingTrace
+from replay.physical.calibrate import DEPTHS, SIZES, fit_queue_model
+from replay.model.config import RuntimeConfig
+from replay.model.device import ArrayProfile, DriveProfile, load_device, queue_throughput
+from replay.model.engine import simulate
+from replay.formats.trace import RoutingTrace
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
 MIB = 1 << 20
@@ -91,7 +91,7 @@ def test_queue_slots_bound_the_rate_of_small_requests():
 
 
 def test_event_model_matches_the_steady_state_equation():
-    """Closed loop of W workers on 1 MiB reads: the simulated rate is X(s, W) of replay.device,
+    """Closed loop of W workers on 1 MiB reads: the simulated rate is X(s, W) of replay.model.device,
     within the start-up of the last round."""
     a, b1, B, E = 1e-4, 0.5e9, 1.6e9, 64
     for W, Q in ((1, 32), (2, 32), (3, 32), (8, 32), (8, 2)):
@@ -150,7 +150,7 @@ def test_shipped_profiles_model_a_queue_depth_dependent_drive():
 def test_the_system_splits_a_large_read_into_requests_it_issues_together():
     """m = max_request_bytes: a 19 MB read on one drive is ceil(19 MB / m) requests; md's chunk pieces
     under m stay as they are, AppleRAID's one request per member is split; no limit = one request."""
-    from replay.device import member_split
+    from replay.model.device import member_split
 
     one = ArrayProfile("one", DriveProfile("d", 1e-4, 3.5e9, 32, 2e9, 1280 * 1024), 1, 0, "none", 4e9)
     pieces, nbytes = member_split(one, np.array([0]), np.array([18_915_328]))
@@ -246,7 +246,7 @@ def test_the_calibration_says_whether_concurrent_reads_completed_in_order():
 def test_a_split_read_streams_in_the_time_of_its_largest_request(service):
     """One 4.5 MiB read, m = 4 MiB, b_1 = B / 4: the system sends 4 MiB and 0.5 MiB (not two of
     2.25 MiB), side by side, so the read takes 4 MiB / b_1, what read_alone_seconds says too."""
-    from replay.device import largest_request, read_alone_seconds
+    from replay.model.device import largest_request, read_alone_seconds
 
     B, b1, m = 1e9, 0.25e9, 4 * MIB
     dev = ArrayProfile("q", DriveProfile("d", 0.0, B, 32, b1, m, service), 1, 0, "none", 1e15)

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from replay.engine_metrics import engine_compare, engine_report
-from replay.engine_output import (
+from replay.colibri.engine_metrics import engine_compare, engine_report
+from replay.colibri.engine_output import (
     RUN_FILE,
     EngineOutput,
     EngineRun,

@@ -1,6 +1,6 @@
 """colibrì's read paths in the model: PIPE=0's blocking batch, PIPE=1's per-expert waits, URING's
 batched queue, routing order and the LRU promotion, each against a stall computed by hand; and the
-run configuration in the engine's own variables (replay.engine_config)."""
+run configuration in the engine's own variables (replay.colibri.engine_config)."""
 
 import json
 
@@ -9,10 +9,10 @@ import pytest
 
 from containers.errors import InputError
 from containers.layout import Layout
-from replay.config import RuntimeConfig
-from replay.device import ArrayProfile, DriveProfile
-from replay.engine import simulate
-from replay.engine_config import (
+from replay.model.config import RuntimeConfig
+from replay.model.device import ArrayProfile, DriveProfile
+from replay.model.engine import simulate
+from replay.colibri.engine_config import (
     EngineConfig,
     config_from_run,
     describe,
@@ -20,7 +20,7 @@ from replay.engine_config import (
     model_config,
     parse_runtime_env,
 )
-from replay.trace import RoutingTrace
+from replay.formats.trace import RoutingTrace
 
 MIB = 1 << 20
 A, B = 1e-3, 1e9        # request latency (s) and bandwidth (bytes/s) of the test drive
@@ -228,8 +228,8 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
     from containers.geometry import load_geometry
     from relayout.plan import make_plan, source_from_geometry
     from relayout.trace_synth import synth_trace
-    from replay.planfile import save_plan
-    from replay.trace import save_trace
+    from replay.formats.planfile import save_plan
+    from replay.formats.trace import save_trace
 
     g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
     tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
@@ -268,7 +268,7 @@ def test_buffered_weight_reads_are_served_again_from_the_page_cache():
     (A + 1M/B); forward 2's re-read of 0 comes from memory (1M at MEMORY_BANDWIDTH, no drive
     read); forward 3 reads 1, which evicts 0; forward 4's 0 goes to the drive again. O_DIRECT
     reads neither use nor fill the page cache."""
-    from replay.instance import MEMORY_BANDWIDTH
+    from replay.model.instance import MEMORY_BANDWIDTH
 
     sizes = [MIB, MIB]
     cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=3 * MIB // 2, **BASE)
@@ -286,7 +286,7 @@ def test_buffered_weight_reads_are_served_again_from_the_page_cache():
 def test_the_union_is_met_in_routing_order():
     """Two positions routing (5, 1) and (1, 7), and a second instance routing (3, 2): the union is
     kept ascending, and met in the order colibrì builds it: 5, 1, 7 (1 at its first selection), then 3, 2."""
-    from replay.unions import instance_unions, routing_order
+    from replay.model.unions import instance_unions, routing_order
 
     experts = np.array([[5, 1], [1, 7], [3, 2]], dtype=np.int16)
     row_start, rows = np.array([0, 2, 3]), np.arange(3)

@@ -14,8 +14,8 @@ from conftest import REPO
 
 from containers.errors import InputError
 from relayout.engine_runs import EngineArm, measure_engine, parse_runtime_env, schedule
-from replay.engine_metrics import engine_compare, engine_report
-from replay.engine_output import RUN_FILE, read_runs
+from replay.colibri.engine_metrics import engine_compare, engine_report
+from replay.colibri.engine_output import RUN_FILE, read_runs
 
 RECORDED = sorted(p for p in (REPO / "tests" / "data" / "engine" / "stock-louvain" / "baseline").iterdir() if p.is_dir())[0]
 

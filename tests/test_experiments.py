@@ -9,9 +9,9 @@ import pytest
 from containers.geometry import load_geometry
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.experiments import (
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.control.experiments import (
     admission_arms,
     hypothesis_tables,
     placement_arm_steps,
@@ -19,10 +19,10 @@ from replay.experiments import (
     tail_arms,
     tail_configs,
 )
-from replay.hypotheses import INSUFFICIENT, NOT_SUPPORTED, SUPPORTED
-from replay.placement import placement_arms
-from replay.planfile import load_plan, save_plan
-from replay.splitcurve import split_curve
+from replay.evaluation.hypotheses import INSUFFICIENT, NOT_SUPPORTED, SUPPORTED
+from replay.control.placement import placement_arms
+from replay.formats.planfile import load_plan, save_plan
+from replay.control.splitcurve import split_curve
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_cli_policy_prints_h2_and_sweep_writes_every_hypothesis(case, tmp_path):
 
     from conftest import run_cli
 
-    from replay.trace import save_trace
+    from replay.formats.trace import save_trace
 
     plan, tr = case
     save_trace(tr, tmp_path / "t.rt")
@@ -137,7 +137,7 @@ def test_cli_policy_over_two_sources_scores_them_and_their_fusion(case, tmp_path
 
     from conftest import run_cli
 
-    from replay.trace import save_trace
+    from replay.formats.trace import save_trace
 
     plan, tr = case
     save_trace(tr, tmp_path / "t.rt")

@@ -8,8 +8,8 @@ import pytest
 
 from relayout.gate_text import bottom_line, held_out_notice
 from relayout.training import held_out_advice, sessions_needed, split_sessions
-from replay.evidence import HeldOut
-from replay.gatefile import load_gate
+from replay.evaluation.evidence import HeldOut
+from replay.formats.gatefile import load_gate
 
 from conftest import run_cli, source_with_manifest, small_geometry
 
@@ -113,7 +113,7 @@ def test_sweep_budgets_come_from_the_model(planned):
     assert res.returncode == 0, res.stderr
     cells = json.loads(out.read_text())["cells"]
     budgets = sorted({c["ram_gb"] for c in cells})
-    from replay.planfile import load_plan
+    from replay.formats.planfile import load_plan
 
     routed = float(load_plan(plan).layout.expert_bytes().sum()) / 1e9
     assert budgets[0] == 0 and 0.001 in budgets

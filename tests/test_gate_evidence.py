@@ -12,13 +12,14 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.evidence import MIN_BLOCKS, block_evidence, holm, judge, session_evidence
-from replay.gate import compare
-from replay.gatefile import GateRecord, recheck
-from replay.planfile import load_plan, save_plan
-from replay.trace import save_trace
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.evaluation.evidence import MIN_BLOCKS, block_evidence, holm, judge, session_evidence
+from replay.evaluation.gate import compare
+from replay.evaluation.gate import recheck
+from replay.formats.gatefile import GateRecord
+from replay.formats.planfile import load_plan, save_plan
+from replay.formats.trace import save_trace
 
 CONFIG = RuntimeConfig(workers=1, coalesce=True)
 
@@ -166,7 +167,7 @@ def test_check_gate_refuses_insufficient_evidence(case):
 
 
 def test_tpot_parts_from_a_measured_run_set_the_threshold(case, tmp_path):
-    from replay.gate import measured_tpot_parts
+    from replay.physical.stalltrace import measured_tpot_parts
 
     recs = []
     for s in range(4):   # 2 ms compute and 3 ms other per token, measured

@@ -18,13 +18,13 @@ from containers.hashing import digest_of
 from relayout.cli import _runtime_config, build_parser
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
-from replay.coupling import COUPLED_TARGETS, coupling_table, top_targets
-from replay.device import load_device
-from replay.gate import compare, gate_pins, sweep
-from replay.pinfile import PinRecord
-from replay.planfile import load_plan, save_plan, with_pins
-from replay.trace import TraceFile, load_trace, save_trace
+from replay.model.config import RuntimeConfig
+from replay.model.coupling import COUPLED_TARGETS, coupling_table, top_targets
+from replay.model.device import load_device
+from replay.evaluation.gate import compare, gate_pins, sweep
+from replay.formats.pinfile import PinRecord
+from replay.formats.planfile import load_plan, save_plan, with_pins
+from replay.formats.trace import TraceFile, load_trace, save_trace
 
 DEVICE = "single-nvme"
 BLOCK = 37

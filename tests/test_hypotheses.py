@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from containers.errors import InputError
-from replay.hypotheses import (
+from replay.evaluation.hypotheses import (
     INSUFFICIENT,
     MEDIAN_TOLERANCE,
     NOT_SUPPORTED,
@@ -158,8 +158,8 @@ def test_report_judges_h5_from_measured_runs_like_a_replay(tmp_path):
     path = tmp_path / "runs.jsonl"
     _measured(path, "a", "stock-prefetch", late)
     _measured(path, "b", "budgeted", cut)
-    from replay.hypotheses import measured_table
-    from replay.stalltrace import report
+    from replay.evaluation.hypotheses import measured_table
+    from replay.physical.stalltrace import report
 
     t = measured_table("H5", report([path]).runs, {"stock-prefetch": "default", "budgeted": "tail-control"})
     assert t.verdict == SUPPORTED, t.reason

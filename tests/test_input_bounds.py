@@ -22,8 +22,8 @@ from conftest import REPO, fuzz_examples, run_cli
 from containers.errors import InputError
 from containers.jsonfile import MAX_LINE_BYTES, iter_jsonl, parse_json, read_bytes
 from relayout import cli
-from replay.evidence import Evidence, block_evidence, session_evidence
-from replay.stalltrace import read_stall_trace
+from replay.evaluation.evidence import Evidence, block_evidence, session_evidence
+from replay.physical.stalltrace import read_stall_trace
 
 BAD_NUMBERS = ["nan", "inf", "-inf", "1e30", "-1", "1e400", "x", "0x10", ""]
 
@@ -262,7 +262,7 @@ def test_a_huge_resample_request_is_refused_without_allocating():
     ("drive.max_request_bytes", 2**60), ("members", 1.5), ("direct_alignment", "4096"),
 ])
 def test_absurd_device_profile_fields_are_one_line_errors_naming_the_file(tmp_path, field, value):
-    from replay.device import load_device
+    from replay.model.device import load_device
 
     obj = json.loads((REPO / "manifests" / "devices" / "linux-md-raid0-4x.json").read_text())
     target, _, name = field.rpartition(".")
@@ -276,7 +276,7 @@ def test_absurd_device_profile_fields_are_one_line_errors_naming_the_file(tmp_pa
 
 def test_shipped_device_profiles_load():
     from containers.jsonfile import shipped_names
-    from replay.device import load_device
+    from replay.model.device import load_device
 
     for name in shipped_names("devices"):
         load_device(name)
@@ -313,7 +313,7 @@ class _QuietHandler(http.server.BaseHTTPRequestHandler):
 @pytest.mark.parametrize("kind", ["silent", "http", "garbage"])
 def test_a_scheduler_address_that_never_answers_as_dask_is_an_error_within_seconds(kind):
     pytest.importorskip("distributed")
-    from replay.cluster import open_executor
+    from replay.execution import open_executor
 
     if kind != "http":
         srv, held = _listener(b"HTTP/1.1 200 OK\r\n\r\n" if kind == "garbage" else b"")

@@ -13,13 +13,13 @@ from conftest import page_cache_evicts, run_cli, small_geometry
 from containers.container import Container
 from containers.errors import InputError
 from relayout.trace_synth import synth_trace
-from replay.calibrate import calibrate, system_read_ahead_bytes
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.measure import Arm, _Reader, drop_cache, measure, measure_interleaved
-from replay.residency import residency_visible
-from replay.stalltrace import read_stall_trace, report, run_metrics
-from replay.trace import save_trace
+from replay.physical.calibrate import calibrate, system_read_ahead_bytes
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.physical.measure import Arm, _Reader, drop_cache, measure, measure_interleaved
+from replay.physical.residency import residency_visible
+from replay.physical.stalltrace import read_stall_trace, report, run_metrics
+from replay.formats.trace import save_trace
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
     until its first load has begun; that load's reads are held until the next layer has been
     routed, so exactly one load is in flight at each route. Returns the prefetchers made.
     """
-    import replay.measure as rm
+    import replay.physical.measure as rm
 
     prefetchers = []
 
@@ -310,21 +310,21 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
     assert dev.name == "test-disk" and dev.drive.bandwidth > 0 and dev.drive.queue_slots >= 1
     assert len(profile["calibration"]["cells"]) == 20
     assert not list(tmp_path.glob(".relayout-calibrate-*")), "the test file is removed"
-    from replay.calibrate import system_max_request_bytes
+    from replay.physical.calibrate import system_max_request_bytes
 
     # read while the test file existed: the system's request limit of the disk under tmp_path
     assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(tmp_path)
-    from replay.calibrate import system_read_ahead_bytes
+    from replay.physical.calibrate import system_read_ahead_bytes
 
     # and its readahead maximum, which the page cache model uses (Linux's default where unknown)
     assert dev.read_ahead_bytes == (system_read_ahead_bytes(tmp_path) if system_read_ahead_bytes(tmp_path) is not None
                                     else 128 * 1024)
-    from replay.calibrate import small_page_request_limit
+    from replay.physical.calibrate import small_page_request_limit
 
     spread = profile["calibration"]["completion_spread"]          # 8 reads of 8 MiB fit the 64 MiB file
     assert spread["depth"] == 8 and spread["size"] == 8 << 20 and 0 < spread["first_over_last"] <= 1
     assert spread["in_order"] == 1 / 8
-    from replay.calibrate import drive_service
+    from replay.physical.calibrate import drive_service
 
     # the discipline the spread shows is the profile's, and the fit is of that discipline's equation
     assert dev.drive.service == drive_service(spread) == profile["calibration"]["fit"]["service"]
@@ -332,8 +332,8 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
     assert profile["calibration"]["small_page_request_limit"] == limit
     if limit is not None:                                 # one segment per page of the reading buffer
         assert limit["bytes"] == limit["max_segments"] * limit["page_bytes"] > 0
-    from replay.calibrate import MERGE_BYTES
-    from replay.device import read_alone_seconds
+    from replay.physical.calibrate import MERGE_BYTES
+    from replay.model.device import read_alone_seconds
 
     # merging two reads was measured at half the request limit (at most 2 MiB: one merged request),
     # and the predicted saving is the fitted model's, 2 l(s) - l(2 s)
@@ -379,7 +379,7 @@ def test_the_harness_refuses_what_only_the_replay_model_has(small_container, tra
 def test_expert_records_are_written_with_their_step_not_between_the_waits(tmp_path):
     """Encoding a record between the compute thread's waits is time the compute model does not
     have: the sink holds a step's expert records and writes them with its step record."""
-    from replay.measure import _Sink
+    from replay.physical.measure import _Sink
 
     out = tmp_path / "held.jsonl"
     sink = _Sink(out, record=True)
@@ -398,7 +398,7 @@ def test_reader_threads_exist_with_their_buffers_before_anything_is_timed(small_
     that starts them on demand does it inside the first layer's timed submissions."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from replay.measure import _Reader, _start_threads
+    from replay.physical.measure import _Reader, _start_threads
 
     c = Container.open(small_container)
     reader = _Reader(c.files, direct=False)
@@ -475,7 +475,7 @@ def test_read_buffers_are_private_page_aligned_memory_that_may_take_huge_pages()
     import ctypes
     from pathlib import Path
 
-    from replay.buffers import HUGE_PAGE, PAGE, read_buffer
+    from replay.physical.buffers import HUGE_PAGE, PAGE, read_buffer
 
     buf = read_buffer(3 * 1024 * 1024 + 5)
     assert len(buf) == 3 * 1024 * 1024 + PAGE and buf[:8] == bytes(8)
@@ -495,7 +495,7 @@ def test_read_buffers_are_private_page_aligned_memory_that_may_take_huge_pages()
 def test_a_settled_prefetcher_has_no_load_in_flight():
     """Between two arms' steps (measure_interleaved) a run's prefetch loads must have completed:
     ``idle`` returns only after every load queued before it."""
-    import replay.measure as rm
+    import replay.physical.measure as rm
 
     def slow_read(f, off, n, direct):
         time.sleep(0.05)
@@ -511,7 +511,7 @@ def test_a_settled_prefetcher_has_no_load_in_flight():
 
 
 def test_a_wait_is_timed_from_where_the_compute_model_reached_it():
-    from replay.measure import _ComputeClock
+    from replay.physical.measure import _ComputeClock
 
     ms = 1_000_000
     clock = _ComputeClock()
@@ -528,7 +528,7 @@ def test_a_wait_is_timed_from_where_the_compute_model_reached_it():
 def test_the_compute_threads_own_work_is_taken_off_its_emulated_compute():
     """Between waits the thread takes the compute model's time, its own work included; a wait ends
     the lag. The old clock added the work to the compute (80, 70 and 90 ms below)."""
-    from replay.measure import _ComputeClock
+    from replay.physical.measure import _ComputeClock
 
     ms = 1_000_000
     clock = _ComputeClock()
@@ -688,7 +688,7 @@ def test_the_harness_reads_move_the_kernels_readahead_on(tmp_path):
 def test_a_read_in_pieces_is_one_request_counted_where_its_first_piece_was_served(tmp_path, monkeypatch):
     """Reads longer than MAX_READ go in pieces: one request (the runtime issues one pread), where
     the first piece was served; each piece's bytes where they were."""
-    import replay.measure as rm
+    import replay.physical.measure as rm
 
     path = tmp_path / "f.bin"
     _file_of_pages(path, 8)

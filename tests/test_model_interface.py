@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from containers.layout import Layout
-from replay.config import RuntimeConfig
-from replay.coupling import coupling_table
-from replay.device import ArrayProfile, DriveProfile
-from replay.engine import (
+from replay.model.config import RuntimeConfig
+from replay.model.coupling import coupling_table
+from replay.model.device import ArrayProfile, DriveProfile
+from replay.model.engine import (
     DeviceOutputs,
     DeviceUsage,
     InstanceOutputs,
@@ -20,8 +20,8 @@ from replay.engine import (
     new_results,
     simulate,
 )
-from replay.predictors import RELIABILITY_BINS, learn_source
-from replay.trace import RoutingTrace
+from replay.model.predictors import RELIABILITY_BINS, learn_source
+from replay.formats.trace import RoutingTrace
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
 DECLARED = ((InstanceResult, InstanceOutputs, "instance"), (PrefetchResult, PrefetchOutputs, "prefetch"),

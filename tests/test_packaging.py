@@ -33,7 +33,7 @@ from containers.jsonfile import (
     shipped_names,
 )
 from relayout.trace_synth import atlas_names, load_atlas
-from replay.device import load_device
+from replay.model.device import load_device
 
 OURS = {"relayout", "replay", "containers", "manifests"}
 COPY_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",

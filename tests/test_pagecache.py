@@ -1,4 +1,4 @@
-"""The page cache under buffered scale reads (replay.pagecache): Linux's readahead, by hand.
+"""The page cache under buffered scale reads (replay.model.pagecache): Linux's readahead, by hand.
 
 The sequences here are the ones measured on this project's disk with ``mincore``
 (benchmarks/scale_reads.py, docs/BENCHMARKS.md): a random read is read as it is, the read after
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from replay.device import load_device
+from replay.model.device import load_device
 
-from replay.pagecache import (
+from replay.model.pagecache import (
     CACHED,
     MARK,
     PAGE_BYTES,

@@ -12,17 +12,17 @@ from containers.geometry import load_geometry
 from containers.layout import Layout
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.pinfile import pin_file_text, pin_gb_for, runtime_pins, write_pin_file
-from replay.placement import (
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.formats.pinfile import pin_file_text, pin_gb_for, runtime_pins, write_pin_file
+from replay.control.placement import (
     lrfu_value,
     placement_arms,
     selection_counts,
     union_probability,
 )
-from replay.planfile import load_plan, plan_digest, save_plan, with_pins
-from replay.trace import save_trace
+from replay.formats.planfile import load_plan, plan_digest, save_plan, with_pins
+from replay.formats.trace import save_trace
 
 
 def hand_trace(forwards, layers=(3,), E=8, sessions=None):
@@ -101,7 +101,7 @@ def test_frequency_arm_pins_the_most_selected_experts(case):
     ebytes = plan.layout.expert_bytes()[:, 0]
     ram = int(0.3 * ebytes.sum() * plan.layout.n_experts)
     st = placement_arms(plan, tr, load_device("single-nvme"), RuntimeConfig(workers=2), ram, arms=("frequency",))
-    from replay.placement import training_forwards
+    from replay.control.placement import training_forwards
 
     counts = selection_counts(tr, training_forwards(tr, plan), plan.layout)
     pinned = st.arm("frequency").pins.pinned

@@ -14,7 +14,7 @@ from relayout.apply import apply_plan, output_files, verify
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace
-from replay.planfile import load_plan, plan_digest
+from replay.formats.planfile import load_plan, plan_digest
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)

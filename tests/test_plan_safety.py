@@ -20,7 +20,7 @@ from relayout.apply import apply_plan, output_files, verify
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace
-from replay.planfile import load_plan, plan_digest, save_plan
+from replay.formats.planfile import load_plan, plan_digest, save_plan
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +265,7 @@ def test_interrupted_rewrite_never_leaves_a_complete_looking_destination(base, t
 
 
 def test_a_crafted_gate_or_device_profile_is_one_clean_error(base, tmp_path):
-    from replay.device import load_device
+    from replay.model.device import load_device
 
     gate = tmp_path / "gate.json"
     gate.write_text(json.dumps({"format": "relayout.gate", "version": 1, "verdict": "pass", "plan": None, "reason": 3,

@@ -23,8 +23,8 @@ from relayout.plan import (
 )
 from relayout.split import segment_sizes
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.planfile import load_plan, save_plan
-from replay.trace import save_trace
+from replay.formats.planfile import load_plan, save_plan
+from replay.formats.trace import save_trace
 
 STRONG = SynthParams(clique_strength=0.95, coupling=0.5)
 
@@ -213,9 +213,9 @@ def test_replay_split_rule_ranks_by_replayed_wait_per_byte():
 
 @pytest.mark.slow
 def test_replay_split_rule_does_not_lose_to_heat_in_the_replay_model(tmp_path):
-    from replay.config import RuntimeConfig
-    from replay.device import load_device
-    from replay.gate import compare
+    from replay.model.config import RuntimeConfig
+    from replay.model.device import load_device
+    from replay.evaluation.gate import compare
 
     g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=6, ffn=384)
     tr = synth_trace(g.moe_layers, 128, 8, 1200, 6, seed=1)

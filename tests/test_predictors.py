@@ -1,4 +1,4 @@
-"""Prediction sources as probabilities (replay.predictors): calibration, Brier score, ECE."""
+"""Prediction sources as probabilities (replay.model.predictors): calibration, Brier score, ECE."""
 
 import numpy as np
 import pytest
@@ -6,14 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from containers.layout import Layout
-from replay.predictors import (
+from replay.model.predictors import (
     RELIABILITY_BINS,
     isotonic_bins,
     learn_source,
     plot_reliability,
     score_source,
 )
-from replay.trace import RoutingTrace
+from replay.formats.trace import RoutingTrace
 
 SOURCES = ("heat", "persistence", "coupled", "session", "oracle")
 
@@ -160,7 +160,7 @@ def test_the_reliability_plot_is_written(tmp_path):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9]), min_size=1, max_size=20), st.integers(1, 8))
 def test_top_k_of_a_probability_source_is_the_k_most_probable_ties_by_id(p, k):
-    from replay.predictors import most_probable
+    from replay.model.predictors import most_probable
 
     p = np.array(p)
     out = np.empty(len(p), dtype=np.int64)

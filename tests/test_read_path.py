@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 from conftest import small_geometry
 
-import replay.measure as rm
+import replay.physical.measure as rm
 from containers.container import Container
 from containers.layout import layout_from_container
 from relayout.trace_synth import synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.engine import layout_arrays, simulate
-from replay.readplan import SCALE, WEIGHT, new_plan, plan_layer
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.model.engine import layout_arrays, simulate
+from replay.model.readplan import SCALE, WEIGHT, new_plan, plan_layer
 
 
 def _plan(pos_off, nbytes, cap, gap=0, skip=None):

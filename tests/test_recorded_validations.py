@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.device import load_device
+from replay.model.device import load_device
 from relayout.validate import judge_record
 
 RECORDS = Path(__file__).resolve().parent.parent / "benchmarks" / "records"
@@ -62,7 +62,7 @@ QUOTED.update({
     "v46-2026-12-03": dict(verdict="inconclusive", inside_measured=0, unresolved_savings=1, ratio=(0.74, 0.83),
                            merge_saving_predicted_over_measured=pytest.approx(0.98, abs=0.005)),
 })
-# "Scale reads and the kernel's readahead": the model's page cache (replay.pagecache), on this session's slower disk.
+# "Scale reads and the kernel's readahead": the model's page cache (replay.model.pagecache), on this session's slower disk.
 QUOTED.update({
     "v47-2026-12-03": dict(verdict="inconclusive", inside_measured=2, unresolved_savings=2, ratio=(0.97, 1.09),
                            merge_saving_predicted_over_measured=pytest.approx(1.50, abs=0.005)),

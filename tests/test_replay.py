@@ -16,17 +16,17 @@ from containers.geometry import load_geometry
 from containers.layout import Layout
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig, lru_capacities
-from replay.device import ArrayProfile, DriveProfile, load_device, member_split
-from replay.engine import simulate
-from replay.gate import compare
-from replay.jit import fetch_lines
-from replay.metrics import step_table, summarize
-from replay.pagecache import buffered_read, new_page_cache
-from replay.planfile import load_plan, save_plan
-from replay.runtime import lru_hits
-from replay.stats import paired_saving
-from replay.unions import instance_unions
+from replay.model.config import RuntimeConfig, lru_capacities
+from replay.model.device import ArrayProfile, DriveProfile, load_device, member_split
+from replay.model.engine import simulate
+from replay.evaluation.gate import compare
+from replay.model.jit import fetch_lines
+from replay.model.metrics import step_table, summarize
+from replay.model.pagecache import buffered_read, new_page_cache
+from replay.formats.planfile import load_plan, save_plan
+from replay.model.runtime import lru_hits
+from replay.evaluation.stats import paired_saving
+from replay.model.unions import instance_unions
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
 
@@ -94,7 +94,7 @@ def scales_together_layout(E=16, wbytes=(8192, 8192, 16384), sbytes=(3072, 3072,
 
 
 def test_scale_reads_reach_the_drive_as_the_page_cache_with_readahead_decides():
-    """The model's scale preads go through :mod:`replay.pagecache` in issue order (each expert's
+    """The model's scale preads go through :mod:`replay.model.pagecache` in issue order (each expert's
     weights, then its gate, up and down scales): its drive reads are the weight reads and the
     scale preads a page cache fed the same preads says wait. Neighbours' scales share pages,
     and readahead serves more of them."""
@@ -374,7 +374,7 @@ def test_gate_record_matches_its_schema(small_expert_case, tmp_path, prefetch):
     jsonschema.validate(json.loads((tmp_path / "gate.json").read_text()),
                         json.loads((REPO / "manifests/schemas/gate.schema.json").read_text()))
     assert (gate["baseline_metrics"]["prefetch"] is None) == (prefetch == "none")
-    from replay.gatefile import GateRecord, load_gate
+    from replay.formats.gatefile import GateRecord, load_gate
 
     assert load_gate(tmp_path / "gate.json") == record          # the typed record reads back exactly
     broken = json.loads(json.dumps(gate))
@@ -467,7 +467,7 @@ def test_a_wrong_prefetch_in_flight_delays_the_demand_it_did_not_predict():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True), st.integers(1, 8), st.integers(0, 2**31))
 def test_coupled_prediction_is_the_k_best_scores(union, k, seed):
-    from replay.prefetch import COUPLED, predict_next
+    from replay.model.prefetch import COUPLED, predict_next
 
     rng = np.random.default_rng(seed)
     targets = np.full((1, 12, 4), -1, dtype=np.int32)
@@ -491,7 +491,7 @@ def test_coupled_prediction_is_the_k_best_scores(union, k, seed):
 
 
 def test_coupled_source_learns_which_experts_follow(tmp_path):
-    from replay.coupling import coupling_table
+    from replay.model.coupling import coupling_table
 
     # layer 4 always picks the two experts after layer 3's: a coupling a table can learn
     rng = np.random.default_rng(0)
@@ -529,7 +529,7 @@ def test_coupled_source_learns_which_experts_follow(tmp_path):
 def test_a_first_compile_says_so_and_a_cached_run_says_nothing(capsys):
     from numba import njit
 
-    from replay.jit import compile_notice
+    from replay.model.jit import compile_notice
 
     @njit
     def twice(x):
@@ -544,7 +544,7 @@ def test_a_first_compile_says_so_and_a_cached_run_says_nothing(capsys):
 
 
 def test_top_targets_pads_when_a_layer_has_fewer_experts_than_targets():
-    from replay.coupling import top_targets
+    from replay.model.coupling import top_targets
 
     X = np.array([[0, 3, 1], [2, 0, 0], [0, 0, 0]])
     targets, counts = top_targets(X, 5)
@@ -558,8 +558,8 @@ def test_the_models_lru_takes_misses_in_physical_order_as_the_harness_does(tmp_p
     are those of an LRU that inserts each instance's misses in physical order (the order the
     harness inserts them in, and their loads complete in), not in lookup order: the two orders
     give different hits here, so a model inserting by id fails."""
-    from replay.engine import layout_arrays
-    from replay.unions import chunk_instances, whole_forward_blocks
+    from replay.model.engine import layout_arrays
+    from replay.model.unions import chunk_instances, whole_forward_blocks
 
     g = load_geometry("glm-5.2-int4-row")
     tr = synth_trace(g.moe_layers[:3], 256, 8, 400, 2, seed=11, geometry=g.name)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from containers.errors import InputError
-from replay.calibrate import DEPTHS, SIZES, fit_queue_model
-from replay.config import RuntimeConfig
-from replay.device import ArrayProfile, DriveProfile, load_device, queue_throughput
-from replay.engine import simulate
+from replay.physical.calibrate import DEPTHS, SIZES, fit_queue_model
+from replay.model.config import RuntimeConfig
+from replay.model.device import ArrayProfile, DriveProfile, load_device, queue_throughput
+from replay.model.engine import simulate
 from tests.test_drive_queue import MIB, NO_COMPUTE, layout, one_forward
 from tests.test_shared_drive import sized_layout
 
@@ -130,7 +130,7 @@ def test_a_profile_with_a_bad_c_is_refused(tmp_path, bad):
 
 
 def test_merging_is_measured_on_a_real_file_and_refused_on_one_too_small(tmp_path):
-    from replay.calibrate import merge_saving
+    from replay.physical.calibrate import merge_saving
 
     f = tmp_path / "data.bin"
     f.write_bytes(np.random.default_rng(0).integers(0, 256, 8 * MIB, dtype=np.uint8).tobytes())
@@ -140,7 +140,7 @@ def test_merging_is_measured_on_a_real_file_and_refused_on_one_too_small(tmp_pat
     assert m["saving_low_seconds"] <= m["saving_seconds"] <= m["saving_high_seconds"]
     with pytest.raises(InputError, match="data.bin.*too small"):
         merge_saving(f, 4 * MIB)
-    from replay.calibrate import merge_timings
+    from replay.physical.calibrate import merge_timings
 
     # the benchmark's kinds: lone reads and pairs with a gap (not counted), each once per repetition
     t = merge_timings(f, MIB, pairs=5, lone=True, gaps_us=(200,))
@@ -204,7 +204,7 @@ def test_validate_adds_what_merging_saved_after_the_measurement():
 def test_a_read_alone_in_the_engine_is_what_read_alone_seconds_says(service, slots):
     """b_1 below B, a read the system splits into four unequal requests (3.5 MiB at m = 1 MiB),
     fewer slots than requests or more: the compiled model and the closed form agree."""
-    from replay.device import read_alone_seconds
+    from replay.model.device import read_alone_seconds
 
     dev = drive(service, b1=B / 2, slots=slots, max_request=MIB)
     assert stall_of(dev, [3.5]) == pytest.approx(read_alone_seconds(dev.drive, int(3.5 * MIB)), rel=1e-9)

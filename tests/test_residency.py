@@ -1,4 +1,4 @@
-"""replay.residency: the page cache's residency, asked with mincore, on small real files."""
+"""replay.physical.residency: the page cache's residency, asked with mincore, on small real files."""
 
 import os
 import sys
@@ -6,8 +6,8 @@ import sys
 import pytest
 from conftest import page_cache_evicts
 
-from replay.measure import drop_cache
-from replay.residency import PAGE_BYTES, FileResidency, open_residency, residency_visible
+from replay.physical.measure import drop_cache
+from replay.physical.residency import PAGE_BYTES, FileResidency, open_residency, residency_visible
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore on files is Linux's")
 

@@ -17,11 +17,11 @@ from relayout.apply import apply_plan, verify
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.gate import compare
-from replay.planfile import load_plan, save_plan
-from replay.trace import save_trace
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.evaluation.gate import compare
+from replay.formats.planfile import load_plan, save_plan
+from replay.formats.trace import save_trace
 
 
 @pytest.fixture(scope="module")

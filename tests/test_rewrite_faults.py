@@ -25,14 +25,14 @@ from relayout.apply import apply_plan
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
 from relayout.trace_synth import synth_trace
-from replay.planfile import load_plan, save_plan
+from replay.formats.planfile import load_plan, save_plan
 
 DRIVER = r"""
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import containers.destination as destination
 from relayout.apply import apply_plan
-from replay.planfile import load_plan
+from replay.formats.planfile import load_plan
 
 kill_at, src, plan, dst, log = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 action = sys.argv[7]

@@ -14,10 +14,10 @@ import pytest
 from containers.geometry import load_geometry
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.gate import compare, run_layout
-from replay.planfile import load_plan, save_plan
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.evaluation.gate import compare, run_layout
+from replay.formats.planfile import load_plan, save_plan
 
 PROFILES = ("mac-pro-2019-applraid-4x", "linux-md-raid0-4x", "single-nvme")
 RAID_PROFILES = PROFILES[:2]

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.layout import Layout
-from replay.calibrate import DEPTHS, SIZES, drive_service, fit_queue_model
-from replay.config import RuntimeConfig
-from replay.device import ArrayProfile, DriveProfile, load_device, queue_throughput
-from replay.engine import simulate
+from replay.physical.calibrate import DEPTHS, SIZES, drive_service, fit_queue_model
+from replay.model.config import RuntimeConfig
+from replay.model.device import ArrayProfile, DriveProfile, load_device, queue_throughput
+from replay.model.engine import simulate
 from tests.test_drive_queue import MIB, NO_COMPUTE, one_forward
 
 A, B = 1e-4, 1e9          # request cost (s) and channel rate (bytes/s) of the hand cases

@@ -1,5 +1,5 @@
-"""Several prediction sources at once: the fused probability (replay.predictors) and per-source
-caps on the admission budgets (replay.admission)."""
+"""Several prediction sources at once: the fused probability (replay.model.predictors) and per-source
+caps on the admission budgets (replay.model.admission)."""
 
 from dataclasses import replace
 
@@ -11,10 +11,10 @@ from test_admission import PER_EXPERT, drive, free_compute, stall
 from test_predictors import layout, random_trace, routing
 
 from containers.errors import InputError
-from replay.config import RuntimeConfig
-from replay.engine import Replay
-from replay.metrics import step_table
-from replay.predictors import (
+from replay.model.config import RuntimeConfig
+from replay.model.engine import Replay
+from replay.model.metrics import step_table
+from replay.model.predictors import (
     CALIBRATION_BINS,
     FusedModel,
     SourceModel,
@@ -25,7 +25,7 @@ from replay.predictors import (
     reliability_of_cells,
     score_source,
 )
-from replay.unions import chunk_instances, whole_forward_blocks
+from replay.model.unions import chunk_instances, whole_forward_blocks
 
 EXPERT = 45056
 """Bytes of one expert of :func:`test_predictors.layout` (32 KiB of weights, three 4 KiB scales)."""
@@ -79,7 +79,7 @@ def test_fusion_fits_the_training_sessions_at_least_as_well_as_each_source():
     assert fused.name == "heat+coupled" and fused.names == ("heat", "coupled")
 
     def log_loss(coef):
-        from replay.predictors import _cell_probabilities, _fused_cells
+        from replay.model.predictors import _cell_probabilities, _fused_cells
 
         n, y = _fused_cells(fused.sources, tr, train, lay)
         q = np.clip(fused_probability(coef, _cell_probabilities(fused.sources, n.shape[1])), 1e-12, 1 - 1e-12)
@@ -231,7 +231,7 @@ def test_settings_of_several_sources_are_checked():
         RuntimeConfig(prefetch="heat+coupled", admission="probability", source_caps=(0.5, 1.5))
     with pytest.raises(InputError, match="observe"):
         RuntimeConfig(prefetch="heat+coupled", admission="observe", source_caps=(0.5, 0.5))
-    from replay.admission import prefetcher_inputs
+    from replay.model.admission import prefetcher_inputs
 
     with pytest.raises(InputError, match="fused probability learned"):
         prefetcher_inputs(RuntimeConfig(prefetch="heat+coupled", admission="probability"), layout(), None)

@@ -14,11 +14,11 @@ from containers.segments import SegmentSpec, expert_segment_specs, reassembled_c
 from relayout.apply import apply_plan, verify
 from relayout.plan import SplitOptions, make_plan, source_from_container
 from relayout.trace_synth import synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.gate import compare
-from replay.planfile import load_plan, save_plan
-from replay.trace import save_trace
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.evaluation.gate import compare
+from replay.formats.planfile import load_plan, save_plan
+from replay.formats.trace import save_trace
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -101,8 +101,8 @@ def test_measure_reads_a_split_container_as_the_plan_says(split_case, tmp_path):
     segments, the others their whole blocks; the bytes per miss match the plan's segment sizes."""
     import json
 
-    from replay.engine import split_state
-    from replay.measure import measure
+    from replay.model.engine import split_state
+    from replay.physical.measure import measure
 
     root, src, tr, plan = split_case
     dst = tmp_path / "dst"
@@ -142,11 +142,11 @@ def test_measure_reads_a_split_container_as_the_plan_says(split_case, tmp_path):
 def test_model_and_harness_plan_the_same_bytes_for_split_misses(split_case, tmp_path):
     """The replay model's read plan and the harness's split reads: the same weight bytes for every
     miss, and for group-scale formats the same bytes in all (per-row down scales are stored twice,
-    which the model does not count: see replay.measure.SplitReads)."""
+    which the model does not count: see replay.physical.measure.SplitReads)."""
     from containers.geometry import ExpertFormat
-    from replay.engine import layout_arrays, split_state
-    from replay.measure import SplitReads
-    from replay.readplan import WEIGHT, new_plan, plan_layer
+    from replay.model.engine import layout_arrays, split_state
+    from replay.physical.measure import SplitReads
+    from replay.model.readplan import WEIGHT, new_plan, plan_layer
 
     root, src, tr, plan = split_case
     dst = tmp_path / "dst"

@@ -10,12 +10,12 @@ from containers.errors import InputError
 from containers.geometry import ExpertFormat, load_geometry
 from relayout.plan import make_plan, source_from_geometry
 from relayout.trace_synth import SynthParams, synth_trace
-from replay.config import RuntimeConfig
-from replay.device import load_device
-from replay.planfile import load_plan, save_plan
-from replay.splitcurve import split_curve
-from replay.splitsizes import segment_sizes
-from replay.trace import save_trace
+from replay.model.config import RuntimeConfig
+from replay.model.device import load_device
+from replay.formats.planfile import load_plan, save_plan
+from replay.control.splitcurve import split_curve
+from replay.control.splitsizes import segment_sizes
+from replay.formats.trace import save_trace
 
 
 @pytest.fixture(scope="module")

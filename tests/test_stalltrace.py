@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from containers.errors import InputError
-from replay.stalltrace import compare, interval_union, report
+from replay.physical.stalltrace import compare, interval_union, report
 
 
 def expert(step, layer, e, issue, ready, need, nbytes=1000, required=True, run="r1", **kw):
@@ -112,7 +112,7 @@ def test_compare_pairs_repetitions_and_flags_token_divergence(tmp_path):
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from replay.stalltrace import write_plots
+    from replay.physical.stalltrace import write_plots
 
     recs = [step(0), step(1), expert(0, 3, 1, 0, 500, 200), expert(1, 4, 2, 0, 900, 100)]
     r = report([write(tmp_path / "t.jsonl", recs)])
@@ -125,7 +125,7 @@ def test_plots_are_written(tmp_path):
 def test_drive_busy_is_the_union_of_the_loads_that_read_the_drive():
     """Two overlapping drive loads and one apart count their union; a page-cache load (no drive
     requests) and a record without I/O counts do not count at all."""
-    from replay.stalltrace import drive_busy
+    from replay.physical.stalltrace import drive_busy
 
     io = [(2, 100, 0, 0, 0, 0), (1, 50, 0, 0, 0, 0), (0, 0, 3, 30, 0, 0), None, (1, 10, 0, 0, 0, 0)]
     issue = np.array([0, 5, 0, 0, 40], dtype=np.int64)
@@ -137,7 +137,7 @@ def test_drive_busy_is_the_union_of_the_loads_that_read_the_drive():
 def test_page_cache_wait_counts_demand_loads_the_page_cache_served_whole(tmp_path):
     """Only demand loads with no drive and no unclassified request, and some page-cache ones,
     count; their foreground stall is summed, and published per committed token."""
-    from replay.stalltrace import page_cache_wait
+    from replay.physical.stalltrace import page_cache_wait
 
     io = [(0, 0, 3, 30, 0, 0), (1, 50, 2, 20, 0, 0), (0, 0, 0, 0, 3, 30), (0, 0, 3, 30, 0, 0), None, (0, 0, 3, 30, 0, 0)]
     stall = [7, 100, 100, 100, 100, 5]
@@ -159,7 +159,7 @@ def test_page_cache_wait_counts_demand_loads_the_page_cache_served_whole(tmp_pat
 def test_figure_labels_are_short_and_distinct():
     from types import SimpleNamespace
 
-    from replay.stalltrace import LABEL_CHARS, _labels
+    from replay.physical.stalltrace import LABEL_CHARS, _labels
 
     long_a = "stock-" + "x" * 30 + "-20261204T101010-a"
     long_b = "stock-" + "x" * 30 + "-20261204T101010-b"
@@ -177,7 +177,7 @@ def test_legends_sit_outside_the_data():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from replay.stalltrace import _legend_outside
+    from replay.physical.stalltrace import _legend_outside
 
     fig, ax = plt.subplots()
     ax.bar([0, 1], [1, 2], label="a run with a long label")

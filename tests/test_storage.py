@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.layout import Layout
-from replay.storage import (
+from replay.model.storage import (
     DirectorySpec,
     DriveSpec,
     Storage,
@@ -110,7 +110,7 @@ def _record(mirror_shards, weights=(3.0, 1.0), direct=True, stripe=True):
 
 
 def _storage(rec, lay):
-    from replay.device import load_device
+    from replay.model.device import load_device
     prof = load_device("single-nvme")
     return Storage(rec, {"fast": prof, "slow": prof.scaled(0.5)}, lay)
 
@@ -201,15 +201,15 @@ def _two_file_layout(E=8):
 def _storage_file(tmp_path, rec):
     p = tmp_path / "storage.json"
     p.write_text(json.dumps(rec.to_json()))
-    from replay.storage import storage_profile
+    from replay.model.storage import storage_profile
     return storage_profile(p)
 
 
 def test_compiled_model_on_independent_drives(tmp_path):
     from conftest import make_trace
-    from replay.config import RuntimeConfig
-    from replay.device import load_device
-    from replay.engine import simulate
+    from replay.model.config import RuntimeConfig
+    from replay.model.device import load_device
+    from replay.model.engine import simulate
 
     lay = _two_file_layout()
     tr = make_trace([[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[0, 3, 4, 7]]], E=8)

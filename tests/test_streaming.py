@@ -9,14 +9,14 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
 from relayout.trace_synth import synth_trace
-from replay.config import RuntimeConfig
-from replay.coupling import coupling_table
-from replay.device import load_device
-from replay.engine import simulate
-from replay.metrics import StepTable, step_table
-from replay.streaming import replay_steps
-from replay.trace import RoutingTrace, TraceFile, load_trace, save_trace
-from replay.unions import RowBlock, realign_blocks, whole_forward_blocks
+from replay.model.config import RuntimeConfig
+from replay.model.coupling import coupling_table
+from replay.model.device import load_device
+from replay.model.engine import simulate
+from replay.model.metrics import StepTable, step_table
+from replay.model.streaming import replay_steps
+from replay.formats.trace import RoutingTrace, TraceFile, load_trace, save_trace
+from replay.model.unions import RowBlock, realign_blocks, whole_forward_blocks
 
 CONFIGS = {
     "no cache": RuntimeConfig(),
@@ -153,7 +153,7 @@ def test_rows_out_of_order_across_a_block_boundary_are_refused(case, tmp_path, m
     write_unchecked(tr, tmp_path / "order.rt", monkeypatch)
     with pytest.raises(InputError, match="not sorted|not in forward order"):
         TraceFile(tmp_path / "order.rt", rows_per_block=16)
-    monkeypatch.setattr("replay.trace.ROWS_PER_BLOCK", 16)     # validate checks in blocks too
+    monkeypatch.setattr("replay.formats.trace.ROWS_PER_BLOCK", 16)     # validate checks in blocks too
     with pytest.raises(InputError, match="not sorted|not in forward order"):
         tr.validate()
 

@@ -22,7 +22,7 @@ from relayout.coactivation import write_coli_pairs
 from relayout.trace_import import import_traces
 from relayout.trace_stats import trace_stats
 from relayout.trace_synth import synth_trace
-from replay.trace import MAGIC, RoutingTrace, load_trace, save_trace
+from replay.formats.trace import MAGIC, RoutingTrace, load_trace, save_trace
 
 
 def write(tmp_path, name, data):
@@ -82,7 +82,7 @@ def write_rt(path, header, arrays, version=2, digest=True):
 
 def rt_parts(trace):
     """(header, arrays) exactly as save_trace writes them."""
-    from replay.trace import _ARRAYS, DTYPES
+    from replay.formats.trace import _ARRAYS, DTYPES
 
     arrays = [(n, np.ascontiguousarray(getattr(trace, n), dtype=DTYPES[n])) for n in _ARRAYS]
     if trace.heat is not None:

@@ -28,7 +28,7 @@ from relayout.validate import (
     speed_normalized_savings,
     summarize_validation,
 )
-from replay.stats import repetition_interval
+from replay.evaluation.stats import repetition_interval
 
 
 @pytest.fixture(scope="module")
@@ -225,12 +225,12 @@ def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
 def test_validate_coalesces_in_the_model_and_the_measured_runs_alike(disk, tmp_path):
     from containers.container import Container
     from relayout.validate import validation_trace
-    from replay.config import RuntimeConfig
-    from replay.device import load_device
-    from replay.engine import simulate
-    from replay.gate import evaluation_forwards
-    from replay.metrics import step_table, summarize
-    from replay.planfile import load_plan
+    from replay.model.config import RuntimeConfig
+    from replay.model.device import load_device
+    from replay.model.engine import simulate
+    from replay.evaluation.gate import evaluation_forwards
+    from replay.model.metrics import step_table, summarize
+    from replay.formats.planfile import load_plan
 
     out = tmp_path / "validation.json"
     try:
@@ -493,7 +493,7 @@ def test_a_container_whose_first_read_was_slow_is_named():
 
 
 def test_read_once_reads_every_byte_of_every_file(tmp_path):
-    from replay.calibrate import READ_ONCE_BYTES, read_once
+    from replay.physical.calibrate import READ_ONCE_BYTES, read_once
 
     sizes = [0, 1, 4097, 2 * READ_ONCE_BYTES + 123]
     paths = []
@@ -529,7 +529,7 @@ def test_prefetch_saving_agrees_inside_the_measured_interval_or_within_the_toler
 def test_a_scaled_profile_is_the_same_drives_at_another_speed():
     import numpy as np
 
-    from replay.device import load_device, queue_throughput
+    from replay.model.device import load_device, queue_throughput
 
     d = load_device("single-nvme")
     f = d.scaled(2.5)
@@ -589,10 +589,10 @@ def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
     """A run "measured" on the same drive at 0.6 times its speed: the fixed point recovers the
     factor from the two rates alone, and predicts the run as the slowed drive does."""
     from relayout.validate import at_run_speed
-    from replay.config import RuntimeConfig
-    from replay.device import load_device
-    from replay.engine import simulate
-    from replay.metrics import drive_rate, step_table, summarize
+    from replay.model.config import RuntimeConfig
+    from replay.model.device import load_device
+    from replay.model.engine import simulate
+    from replay.model.metrics import drive_rate, step_table, summarize
     from relayout.plan import source_from_geometry
     from relayout.trace_synth import synth_trace
 
@@ -645,7 +645,7 @@ def test_calibration_reads_the_stock_containers_largest_file_when_it_can(tmp_pat
     """validate calibrates on data its runs read (the stock container's largest file, only read)
     when that file is large enough; else it writes a test file in PATH."""
     from relayout.validate import calibration_target
-    from replay.calibrate import MIN_FILE_BYTES
+    from replay.physical.calibrate import MIN_FILE_BYTES
 
     c = tmp_path / "stock"
     c.mkdir()
@@ -758,7 +758,7 @@ def test_a_prefetch_saving_is_ruled_out_only_beyond_its_family_interval_widened_
 
 
 def test_the_verdict_allows_as_many_misses_of_95_percent_intervals_as_chance_gives():
-    from replay.stats import chance_misses
+    from replay.evaluation.stats import chance_misses
 
     cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
 
@@ -797,7 +797,7 @@ def test_the_verdict_allows_as_many_misses_of_95_percent_intervals_as_chance_giv
 def test_chance_misses_is_the_binomial_95th_percentile_and_family_level_is_bonferroni():
     from scipy.stats import binom
 
-    from replay.stats import chance_misses, family_level
+    from replay.evaluation.stats import chance_misses, family_level
 
     for k in (1, 2, 12, 24, 42, 100):
         b = chance_misses(k)

@@ -1,0 +1,332 @@
+"""A colibrì run configuration in the engine's own variables, and the read policy the model takes from it.
+
+colibrì reads its read-path configuration from environment variables (``PIPE=1 DIRECT=1
+RAM_GB=128``); :func:`parse_runtime_env` reads such a string into an :class:`EngineConfig`
+(strict: an unknown variable or a malformed value is one error naming it), and
+:func:`config_from_run` reads the effective configuration a run printed (its ``[PROF] config``
+line and the lines beside it). :func:`model_config` maps an :class:`EngineConfig` onto the
+model's :class:`replay.model.config.RuntimeConfig`. What each variable does in the engine, with
+references into its source, is docs/ENGINE_MODEL.md; the defaults here are the engine's on Linux.
+
+Pure Python (no compiled code). Bytes, seconds, bytes/s; RAM_GB and PIN_GB in GB (1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from containers.errors import InputError
+
+from replay.model.config import RuntimeConfig
+
+FLAGS = ("PIPE", "URING", "DIRECT", "COLI_MMAP", "CAP_RAISE", "AUTOPIN", "PILOT", "PILOT_REAL", "COLI_PIPE_BLOCK")
+"""Variables that are 0 or 1."""
+
+NO_READ_EFFECT = ("SNAP", "COLI_MODEL", "PROMPT", "COLI_PROMPT", "NGEN", "PROF", "TOKENS", "ROUTE_TRACE", "COLI_NO_OMP_TUNE",
+                  "STATS", "SEED", "TEMP", "COLI_TEMP", "CTX", "REF", "SERVE")
+"""Variables a run's environment may carry that do not change how experts are read: accepted and ignored."""
+
+PIPE_POOL_MAX = 16
+"""colibrì's pthread loader pool holds at most this many workers (``pipe_init`` clamps PIPE_WORKERS)."""
+
+URING_LOADS = 64
+"""Loads one io_uring submission holds (colibrì's ``URING_LOAD_MAX``): the model's batched queue depth."""
+
+SLACK_BYTES = 1.2e9 + 2.5e9
+"""colibrì's fixed RAM reserve in ``cap_for_ram``: activations and overhead, and the page-cache reserve (bytes)."""
+
+WORKING_SET_SLOTS = 64
+"""Expert slabs of the per-block working set ``cap_for_ram`` reserves (``ws[64]``), each of the widest expert."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """colibrì's read-path variables, named and defaulted as the engine on Linux (CPU build).
+
+    ``CAP`` is the requested experts per layer (argv[1] or the CAP variable; 0 = not given: 64 for a
+    bare invocation). ``RAM_GB`` 0 = auto (0.88 x MemAvailable of the machine the engine runs on).
+    ``PIN`` a pin file or ``auto`` ("" none), ``PIN_GB`` its budget (-1 = ``all``). ``COUPLE`` a
+    coupling file ("" none). ``PILOT_K`` 0 = not given (6 under PILOT_REAL, else 8).
+    ``OMP_NUM_THREADS`` 0 = not given (the OpenMP team is as wide as the machine's cores).
+    """
+
+    PIPE: int = 0
+    PIPE_WORKERS: int = 8
+    URING: int = 0
+    DIRECT: int = 0
+    COLI_MMAP: int = 0
+    COLI_PIPE_BLOCK: int = 0
+    CAP: int = 0
+    CAP_RAISE: int = 1
+    RAM_GB: float = 0.0
+    PIN: str = ""
+    PIN_GB: float = 10.0
+    AUTOPIN: int = 1
+    COUPLE: str = ""
+    COUPLE_K: int = 8
+    COUPLE_D: int = 1
+    PILOT: int = 0
+    PILOT_REAL: int = 0
+    PILOT_K: int = 0
+    OMP_NUM_THREADS: int = 0
+
+    def to_env(self) -> str:
+        """The variables that differ from the engine's defaults, as ``NAME=VALUE`` words ("" for the defaults)."""
+        base = EngineConfig()
+        words = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v != getattr(base, f.name):
+                words.append(f"{f.name}={_text(f.name, v)}")
+        return " ".join(words)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _text(name: str, v) -> str:
+    if name == "PIN_GB" and v < 0:
+        return "all"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return shlex.quote(str(v)) if isinstance(v, str) else str(v)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run's output says beyond its variables: the LRU cap it resolved (experts per layer),
+    the experts it pinned, its OpenMP team's width, its expert matmuls' rate (bytes of weights
+    per second, from the last ``P0-EXEC`` line: weight bytes per expert call over the calls'
+    seconds, the model's per-position rate where each call has one row, as in decode) and the
+    memory available when it started (bytes, the ``[PROF] machine`` line); None where the output
+    does not say."""
+
+    cap: int | None = None
+    pinned: int | None = None
+    omp_threads: int | None = None
+    matmul_bytes_per_second: float | None = None
+    available_bytes: float | None = None
+
+
+_INT = re.compile(r"[0-9]+\Z")
+_FLOAT = re.compile(r"[0-9]+(\.[0-9]*)?\Z|\.[0-9]+\Z")
+
+
+def _value(name: str, text: str, where: str):
+    if name in FLAGS:
+        if text not in ("0", "1"):
+            raise InputError(where, f"{name} must be 0 or 1 (got {text!r})")
+        return int(text)
+    if name in ("PIN", "COUPLE"):
+        if not text:
+            raise InputError(where, f"{name} needs a file (got an empty value)")
+        return text
+    if name == "PIN_GB" and text == "all":
+        return -1.0
+    if name in ("RAM_GB", "PIN_GB"):
+        if not _FLOAT.match(text):
+            raise InputError(where, f"{name} must be a number of GB >= 0 (got {text!r})")
+        return float(text)
+    if not _INT.match(text):
+        raise InputError(where, f"{name} must be a whole number (got {text!r})")
+    n = int(text)
+    ranges = {"PIPE_WORKERS": (1, 64), "CAP": (0, 1 << 20), "COUPLE_K": (1, 32), "COUPLE_D": (1, 2), "PILOT_K": (1, 64),
+              "OMP_NUM_THREADS": (1, 1024)}
+    lo, hi = ranges[name]
+    if not lo <= n <= hi:
+        raise InputError(where, f"{name} must be {lo}-{hi} (got {n})")
+    return n
+
+
+def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfig | None = None) -> EngineConfig:
+    """An :class:`EngineConfig` from ``NAME=VALUE`` words (shell quoting allowed), over ``base``
+    (default: the engine's defaults). Rules the engine applies when it starts: ``URING=1`` implies
+    ``PIPE=1``; ``PIPE_WORKERS`` given without ``PIPE`` implies ``PIPE=1``; ``URING=1`` with
+    ``COLI_MMAP=1`` is refused (the engine exits). Raises :class:`InputError` naming the variable."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise InputError(where, f"cannot split {text!r} into NAME=VALUE words: {exc}") from None
+    known = {f.name for f in fields(EngineConfig)}
+    given: dict = {}
+    for w in words:
+        name, eq, value = w.partition("=")
+        if not eq or not name:
+            raise InputError(where, f"{w!r} is not NAME=VALUE")
+        if name in NO_READ_EFFECT:
+            continue
+        if name not in known:
+            raise InputError(where, f"unknown variable {name} (read-path variables: {', '.join(sorted(known))}; "
+                                    f"ignored: {', '.join(NO_READ_EFFECT)})")
+        if name in given:
+            raise InputError(where, f"{name} is given twice")
+        given[name] = _value(name, value, where)
+    cfg = replace(base or EngineConfig(), **given)
+    if cfg.URING and cfg.COLI_MMAP:
+        raise InputError(where, "URING=1 with COLI_MMAP=1: the engine refuses this combination")
+    if cfg.URING or ("PIPE_WORKERS" in given and "PIPE" not in given and base is None):
+        cfg = replace(cfg, PIPE=1)
+    return cfg
+
+
+_CONFIG_LINE = re.compile(r"\[PROF\] config: RAM_GB=(auto )?([0-9.]+) CTX=\d+ \| expert cache cap (\d+)/layer .*?"
+                          r"\| pinned (\d+) .*?PIPE=(\d) DIRECT=(\d) MMAP=(\d) .*?PILOT=(\d)")
+_MACHINE_LINE = re.compile(r"\[PROF\] machine: .*\((\d+) omp threads\) \| RAM [0-9.]+ GB total, ([0-9.]+) GB available")
+_URING_LINE = re.compile(r"\[URING\] queued expert I/O active \(depth=\d+, workers=(\d+)")
+_EXEC_LINE = re.compile(r"P0-EXEC: routed CPU ([0-9.]+)s / ([0-9.]+) GB/s")
+
+
+RUN_FILES = ("stdout.txt", "stderr.txt")
+"""A run directory's output files (as ``relayout measure --engine`` keeps them)."""
+
+
+def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
+    """The effective configuration a colibrì run printed (its stdout and stderr in one file, or a
+    directory holding :data:`RUN_FILES`; run with ``PROF=1``): the ``[PROF] config`` line (RAM_GB, cap, pins, PIPE, DIRECT, MMAP, PILOT),
+    the ``[PROF] machine`` line (the OpenMP team), the ``[URING]`` line (URING=1 and its workers,
+    the smaller of PIPE_WORKERS and 64) and the ``P0-EXEC`` line (the matmul rate). Variables the
+    output does not show keep the engine's defaults. The cap the run resolved is in ``RunFacts``.
+    Raises :class:`InputError` when the file has no ``[PROF] config`` line."""
+    p = Path(path)
+    files = [p / n for n in RUN_FILES if (p / n).is_file()] if p.is_dir() else [p]
+    if not files:
+        raise InputError(str(p), f"a run directory needs {' or '.join(RUN_FILES)}")
+    try:
+        text = "\n".join(f.read_text(errors="replace") for f in files)
+    except OSError as exc:
+        raise InputError(str(p), f"cannot read the run's output: {exc.strerror or exc}") from None
+    m = _CONFIG_LINE.search(text)
+    if not m:
+        raise InputError(str(p), "no '[PROF] config:' line: run the engine with PROF=1 and keep its stderr")
+    auto, ram, cap, pinned, pipe, direct, mmap, pilot = m.groups()
+    cfg = EngineConfig(PIPE=int(pipe), DIRECT=int(direct), COLI_MMAP=int(mmap), PILOT=int(pilot), CAP=int(cap),
+                       CAP_RAISE=0, RAM_GB=0.0 if auto else float(ram))
+    u = _URING_LINE.search(text)
+    if u:
+        cfg = replace(cfg, URING=1, PIPE=1, PIPE_WORKERS=max(1, min(int(u.group(1)), 64)))
+    mt = _MACHINE_LINE.search(text)
+    ex = ([None] + list(_EXEC_LINE.finditer(text)))[-1]
+    rate = float(ex.group(2)) * 1e9 if ex and float(ex.group(2)) > 0 else None
+    return cfg, RunFacts(int(cap), int(pinned), int(mt.group(1)) if mt else None, rate,
+                         float(mt.group(2)) * 1e9 if mt else None)
+
+
+def engine_cap(cfg: EngineConfig, n_experts: int, row_bytes: float, resident_bytes: float, widest_expert_bytes: float,
+               kv_bytes: float = 0.0) -> int:
+    """Experts per layer colibrì's LRU holds under ``cfg`` (``cap_for_ram``'s rule).
+
+    The requested cap (``CAP``; 64 when not given) is lowered to what the RAM budget pays for,
+    ``floor((RAM_GB - resident - reserve) / row_bytes)`` (at least 1), and, when the budget pays for
+    more and ``CAP_RAISE`` is 1, raised to it (at most ``n_experts``). ``row_bytes``: one slot in
+    every MoE layer (bytes); ``resident_bytes``: dense weights and pinned experts; the reserve is
+    :data:`SLACK_BYTES`, 64 slabs of the widest expert and ``kv_bytes`` (the KV cache at CTX).
+    With ``RAM_GB`` 0 (auto: a share of the engine machine's free memory, unknown here) the
+    requested cap is kept.
+    """
+    cap = cfg.CAP or 64
+    if cfg.RAM_GB <= 0:
+        return cap
+    avail = cfg.RAM_GB * 1e9 - resident_bytes - (SLACK_BYTES + WORKING_SET_SLOTS * widest_expert_bytes + kv_bytes)
+    capmax = max(int(avail / row_bytes) if avail > 0 and row_bytes > 0 else 0, 1)
+    if capmax < cap:
+        return capmax
+    if cfg.CAP_RAISE and min(capmax, n_experts) > cap:
+        return min(capmax, n_experts)
+    return cap
+
+
+def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: int) -> tuple[int, int]:
+    """The LRU's experts per layer and the page cache's bytes for weights a colibrì run has on
+    ``layout`` (a :class:`containers.layout.Layout`).
+
+    The LRU: the cap the run printed (``facts``), else :func:`engine_cap` when ``CAP`` or
+    ``RAM_GB`` is given (the container's bytes outside routed experts, plus ``pin_bytes``, as
+    resident), else -1 (the model's ``ram_bytes`` then sizes it). The page cache: with buffered
+    weights and a run that printed the memory available at its start, what the run left of it:
+    available less resident, the LRU's slots and the working slabs; else 0.
+    """
+    eb = layout.expert_bytes().astype(float)
+    row, widest = float(eb[:, 0].sum()), float(eb.max())
+    resident = float(sum(layout.file_sizes)) - float(eb.sum()) + pin_bytes
+    lru = -1
+    if facts is not None and facts.cap is not None:
+        lru = facts.cap
+    elif cfg.CAP or cfg.RAM_GB:
+        lru = engine_cap(cfg, layout.n_experts, row, resident, widest)
+    page = 0
+    if not cfg.DIRECT and facts is not None and facts.available_bytes:
+        page = int(max(facts.available_bytes - resident - max(lru, 0) * row - WORKING_SET_SLOTS * widest, 0.0))
+    return lru, page
+
+
+def not_modelled(cfg: EngineConfig) -> list[str]:
+    """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
+    out = []
+    if cfg.COLI_MMAP:
+        out.append("COLI_MMAP=1 (experts as mapped views, the page cache as the expert cache) is not modelled")
+    if cfg.PILOT or cfg.PILOT_REAL:
+        out.append("PILOT/PILOT_REAL (the router pilot's cross-layer loads) are not modelled")
+    if cfg.COUPLE:
+        out.append("COUPLE without PILOT_REAL only issues page-cache hints (WILLNEED) for the next layer, which "
+                   "the model does not have" if not cfg.PILOT_REAL else "COUPLE with PILOT_REAL is not modelled")
+    return out
+
+
+def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_threads: int | None = None,
+                 pin_bytes: int = 0) -> RuntimeConfig:
+    """The model's configuration for a colibrì run under ``cfg``: its read path named as the engine
+    runs it, the rest (compute model, dense time, relayout-only policies) from ``base``.
+
+    PIPE=0: one blocking batch per layer on the OpenMP team (``omp_threads`` wide; default
+    ``OMP_NUM_THREADS``, else this machine's cores). PIPE=1: PIPE_WORKERS loader threads (at most
+    16), the compute thread waiting per expert. URING=1: up to 64 loads in flight, waits per
+    expert. DIRECT=1: O_DIRECT weight reads (scales stay buffered). Misses in routing order. The
+    LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). Raises
+    :class:`InputError` for what the model does not run (:func:`not_modelled`).
+    """
+    missing = not_modelled(cfg)
+    if missing:
+        raise InputError("--runtime-env", "; ".join(missing))
+    team = omp_threads or cfg.OMP_NUM_THREADS or os.cpu_count() or 1
+    if cfg.URING:
+        workers, batched, blocking = base.workers, True, False
+    elif cfg.PIPE:
+        workers, batched, blocking = max(1, min(cfg.PIPE_WORKERS, PIPE_POOL_MAX)), False, False
+    else:
+        workers, batched, blocking = team, False, True
+    return replace(base, workers=workers, batched=batched, blocking=blocking, direct=bool(cfg.DIRECT), routing_order=True,
+                   lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), engine_env=cfg.to_env() or "(defaults)")
+
+
+def describe(config: RuntimeConfig) -> str:
+    """One line naming the read path a configuration models: colibrì's variables, or relayout's own
+    read path, and what of it needs a runtime change."""
+    if config.engine_env:
+        lru = (f"LRU cap {config.lru_experts}/layer" if config.lru_experts >= 0 else
+               f"LRU from --ram-gb {config.ram_bytes / 1e9:g} (give CAP or RAM_GB for the engine's own sizing)")
+        head = f"colibrì {config.engine_env} ({describe_mode(config)}); {lru}"
+    else:
+        mode = "batched queue (64 in flight)" if config.batched else f"{config.workers} loader workers"
+        head = f"relayout's read path: {mode}, {'O_DIRECT' if config.direct else 'buffered'} weights"
+    if not config.direct:
+        head += (f"; page cache for weights {config.page_cache_bytes / 1e9:g} GB" if config.page_cache_bytes else
+                 "; no page cache for weights (every buffered weight read reaches the drive; --page-cache-gb)")
+    head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
+    if config.runtime_changes:
+        head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
+    return head
+
+
+def describe_mode(config: RuntimeConfig) -> str:
+    """How the model runs a colibrì configuration, in words."""
+    if config.blocking:
+        mode = f"PIPE=0: blocking batch on a team of {config.workers}"
+    elif config.batched:
+        mode = "URING=1: one submission, up to 64 loads in flight, waits per expert"
+    else:
+        mode = f"PIPE=1: {config.workers} loader threads, waits per expert"
+    return f"{mode}, {'O_DIRECT' if config.direct else 'buffered'} weights, routing order"

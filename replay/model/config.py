@@ -1,0 +1,212 @@
+"""The runtime's configuration: its knobs, and how a RAM budget becomes pin sets and LRU capacities.
+
+Pure Python and numpy (no compiled code), so the command line can build its options and
+planning can rank pins without loading the replay model. Bytes, seconds, bytes/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from containers.errors import InputError
+
+PREFETCH_SOURCES = ("none", "oracle", "coupled")
+"""Prefetch sources the runtime (and so the measuring harness, :mod:`replay.physical.measure`) has (see
+:mod:`replay.model.prefetch`)."""
+
+MODEL_SOURCES = PREFETCH_SOURCES + ("heat", "persistence", "session")
+"""Prefetch sources the replay model has: the runtime's, and the probability sources of
+:mod:`replay.model.predictors` (replay only). The compiled model takes a source as its index here."""
+
+SOURCE_SEPARATOR = "+"
+"""Joins several prefetch sources run at once (``"coupled+persistence"``): their probabilities
+are fused into one (:mod:`replay.model.predictors`), each candidate credited to one of them
+(:mod:`replay.model.admission`)."""
+
+MAX_SOURCES = 3
+"""Most sources one run combines (the fusion is learned over every combination of their
+calibration bins: ``CALIBRATION_BINS ** MAX_SOURCES`` cells per layer)."""
+
+FUSED = len(MODEL_SOURCES)
+"""The compiled model's source index of several sources at once (the fused probability)."""
+
+ADMISSION_POLICIES = ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe")
+"""How the prefetcher admits a source's candidates (:mod:`replay.model.admission`): ``top-k`` (the
+runtime's rule: the source's K best, in rank order), ``probability`` (highest probability first),
+``per-byte`` (probability per byte), ``deadline`` (earliest estimated need first), ``stall-value``
+(seed 5.3's V(a)), ``oracle`` (the experts really needed, in need order: a bound, not deployable),
+``observe`` (load nothing; score the late-need probability q). The compiled model takes a policy
+as its index here."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Runtime knobs and the compute model. Bytes, seconds, bytes/s."""
+
+    ram_bytes: int = 0                 # LRU budget for whole experts (0 = no cache)
+    workers: int = 8                   # reader workers (PIPE_WORKERS), 1-16
+    batched: bool = False              # io_uring-style queue: up to 64 loads in flight
+    coalesce: bool = False             # one read for experts contiguous in one file
+    coalesce_max_bytes: int = 256 * 1024 * 1024
+    coalesce_gap_bytes: int = 64 * 1024
+    direct: bool = True                # O_DIRECT weight reads (scales are always buffered)
+    pin_bytes: int = 0                 # hottest experts pinned in RAM (by training heat)
+    dense_seconds: float = 1.0e-3      # per layer and forward, before routing: attention, router
+    compute_bytes_per_second: float = 50e9  # an expert's matmul streams its weights at this rate, per position
+    other_seconds_per_token: float = 0.0    # O in TPOT = C + S + O
+    prefetch: str = "none"             # prefetch source for the next layer (MODEL_SOURCES; the runtime has PREFETCH_SOURCES)
+    prefetch_experts: int = 6          # K: experts predicted per layer (colibrì PILOT_K); Q, the queue-slot budget, for other policies
+    admission: str = "top-k"           # prefetch admission policy (ADMISSION_POLICIES)
+    prefetch_bytes: int = 0            # B: speculative bytes admitted per layer (0 = only Q limits)
+    prefetch_candidates: int = 16      # the source's most probable experts a policy chooses among, 1-64
+    prefetch_min_probability: float = 0.02  # candidates below this probability are not considered
+    cancel_stale: bool = False         # stop a load's later reads once the next layer is routed without it
+    adaptive_budget: bool = False      # admit only the bytes the drives can deliver before the next layer is routed
+    backoff: bool = False              # a layer stops prefetching while its measured stall-conversion turns non-positive
+    source_caps: list[float] = field(default_factory=list)  # per source of `prefetch`, in order: the most of B and of Q it takes per layer (share, 0-1); [] = no caps
+    blocking: bool = False             # colibrì PIPE=0: a layer's misses load as one batch on `workers` threads (the OpenMP team), the compute thread blocked until all are in
+    routing_order: bool = False        # misses issued, waited for and promoted into the LRU in routing order, hits computed between them in that order (colibrì's moe()); False: physical order, resident matmuls first
+    page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.model.weightcache), bytes; 0: every buffered weight read reaches the drive
+    lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
+    engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.colibri.engine_config); "" = relayout's own read path
+    runtime_changes: list[str] = field(default_factory=list)  # what of this configuration the public colibrì does not run (RUNTIME_CHANGES), set from the fields
+
+    def __post_init__(self):
+        limit = MAX_TEAM if self.blocking else 16
+        if not self.batched and not 1 <= self.workers <= limit:
+            raise InputError(None, f"--workers must be 1-{limit} (got {self.workers})")
+        if self.page_cache_bytes < 0:
+            raise InputError(None, f"the page cache for weights must be >= 0 bytes (got {self.page_cache_bytes})")
+        if self.lru_experts < -1:
+            raise InputError(None, f"the LRU's experts per layer must be >= 0 (got {self.lru_experts})")
+        object.__setattr__(self, "runtime_changes", runtime_changes(self))
+        if self.ram_bytes < 0 or self.pin_bytes < 0:
+            raise InputError(None, "RAM budgets must be >= 0")
+        if self.coalesce_max_bytes < 1 or self.coalesce_gap_bytes < 0:
+            raise InputError(None, "coalescing needs a span of at least 1 byte and a gap >= 0")
+        names = prefetch_sources(self.prefetch)
+        object.__setattr__(self, "source_caps", [float(c) for c in self.source_caps])
+        if self.source_caps:
+            if len(self.source_caps) != len(names) or self.prefetch == "none":
+                raise InputError(None, f"--source-caps gives {len(self.source_caps)} shares for the prefetch source(s) "
+                                       f"{self.prefetch!r}: give one per source, in order")
+            if not all(0.0 <= c <= 1.0 for c in self.source_caps):
+                raise InputError(None, f"--source-caps: every share must be in [0, 1] (got {list(self.source_caps)})")
+            if self.admission == "observe":
+                raise InputError(None, "per-source caps share the prefetch budgets; admission 'observe' loads nothing")
+        if not 1 <= self.prefetch_experts <= 64:
+            raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
+        if self.admission not in ADMISSION_POLICIES:
+            raise InputError(None, f"unknown admission policy {self.admission!r} (choose {', '.join(ADMISSION_POLICIES)})")
+        if self.prefetch_bytes < 0 or not 1 <= self.prefetch_candidates <= 64:
+            raise InputError(None, "prefetch budgets: bytes must be >= 0 and candidates 1-64")
+        if not 0.0 <= self.prefetch_min_probability <= 1.0:
+            raise InputError(None, f"--prefetch-min-probability must be in [0, 1] (got {self.prefetch_min_probability})")
+        if self.compute_bytes_per_second <= 0 or self.dense_seconds < 0:
+            raise InputError(None, "compute model needs a positive rate and non-negative dense time")
+
+    @property
+    def in_flight(self) -> int:
+        """Loads that can be outstanding at once."""
+        return 64 if self.batched else self.workers
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The prefetch source names of ``prefetch``, in order (``()`` for ``none``)."""
+        return () if self.prefetch == "none" else prefetch_sources(self.prefetch)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+MAX_TEAM = 1024
+"""Most threads a blocking batch (colibrì's PIPE=0 OpenMP team) is modelled with."""
+
+RUNTIME_CHANGES = {
+    "coalesce": "--coalesce: one pread for experts contiguous in one shard, a patched colibrì (pull request 1398 in "
+                "JustVugg/colibri, not merged)",
+    "admission": "--policy/admission other than top-k: prefetch admission colibrì does not have",
+    "prefetch-controls": "prefetch byte budget, adaptive budget, per-source caps, stale cancellation or backoff: "
+                         "controls colibrì's prefetcher does not have",
+    "prefetch-source": "a prefetch source colibrì does not have (heat, persistence, session or fused sources)",
+}
+"""relayout-only read-path features: each needs a runtime change before colibrì runs it (the label
+``RuntimeConfig.runtime_changes`` carries into output and gate.json)."""
+
+
+def runtime_changes(config: "RuntimeConfig") -> list[str]:
+    """The :data:`RUNTIME_CHANGES` labels of what ``config`` models that the public colibrì does not run."""
+    out = []
+    if config.coalesce:
+        out.append(RUNTIME_CHANGES["coalesce"])
+    if config.admission != "top-k":
+        out.append(RUNTIME_CHANGES["admission"])
+    if config.prefetch_bytes or config.adaptive_budget or config.source_caps or config.cancel_stale or config.backoff:
+        out.append(RUNTIME_CHANGES["prefetch-controls"])
+    if config.prefetch not in PREFETCH_SOURCES:
+        out.append(RUNTIME_CHANGES["prefetch-source"])
+    return out
+
+
+def prefetch_sources(prefetch: str) -> tuple[str, ...]:
+    """The source names of a ``prefetch`` setting: one of :data:`MODEL_SOURCES`, or 2 to
+    :data:`MAX_SOURCES` distinct probability sources joined by :data:`SOURCE_SEPARATOR` (not
+    ``none`` or ``oracle``: the oracle is a bound, not a source to fuse)."""
+    if prefetch in MODEL_SOURCES:
+        return (prefetch,)
+    names = tuple(prefetch.split(SOURCE_SEPARATOR))
+    if len(names) < 2 or any(n not in MODEL_SOURCES for n in names):
+        raise InputError(None, f"unknown prefetch source {prefetch!r} (choose {', '.join(MODEL_SOURCES)}, or several of "
+                               f"{', '.join(MODEL_SOURCES[2:])} joined by {SOURCE_SEPARATOR!r})")
+    if {"none", "oracle"} & set(names) or len(set(names)) != len(names) or len(names) > MAX_SOURCES:
+        raise InputError(None, f"prefetch sources {prefetch!r}: combine 2-{MAX_SOURCES} distinct sources of "
+                               f"{', '.join(MODEL_SOURCES[2:])} (not none or oracle)")
+    return names
+
+
+def source_index(prefetch: str) -> int:
+    """The compiled model's index of a ``prefetch`` setting: its place in :data:`MODEL_SOURCES`,
+    or :data:`FUSED` for several sources."""
+    names = prefetch_sources(prefetch)
+    return MODEL_SOURCES.index(names[0]) if len(names) == 1 else FUSED
+
+
+def lru_capacities(ram_bytes: int, expert_bytes: np.ndarray, lru_experts: int = -1) -> np.ndarray:
+    """Experts each layer's LRU holds: ``lru_experts`` in every layer when >= 0 (colibrì's cap),
+    else as many as ``ram_bytes`` shared evenly by the layers pays for."""
+    L = len(expert_bytes)
+    if lru_experts >= 0:
+        return np.full(L, lru_experts, dtype=np.int64)
+    if ram_bytes <= 0:
+        return np.zeros(L, dtype=np.int64)
+    return (ram_bytes // L // np.maximum(expert_bytes, 1)).astype(np.int64)
+
+
+def greedy_by_value(value: np.ndarray, cost: np.ndarray, budget: float) -> np.ndarray:
+    """Boolean [L, E]: items taken best value first (ties by layer, then id) while they fit.
+
+    ``value`` [L, E] is value per byte; ``cost`` [L] bytes per item of a layer. Items of value
+    <= 0 are never taken; an item that does not fit is skipped and smaller ones may still fit.
+    """
+    L, E = value.shape
+    out = np.zeros((L, E), dtype=bool)
+    order = np.lexsort((np.tile(np.arange(E), L), np.repeat(np.arange(L), E), -value.ravel()))
+    used = 0.0
+    for flat in order.tolist():
+        li, e = divmod(flat, E)
+        if value[li, e] <= 0:
+            break
+        if used + cost[li] > budget:
+            continue
+        used += cost[li]
+        out[li, e] = True
+    return out
+
+
+def pinned_experts(heat: np.ndarray, expert_bytes: np.ndarray, pin_bytes: int) -> np.ndarray:
+    """Boolean [L, E]: hottest experts (selections per byte) until ``pin_bytes`` is used."""
+    if pin_bytes <= 0:
+        return np.zeros(heat.shape, dtype=bool)
+    return greedy_by_value(heat / np.maximum(expert_bytes, 1)[:, None], np.asarray(expert_bytes, dtype=np.float64), pin_bytes)
