@@ -1,8 +1,8 @@
 """Synthetic containers: real safetensors files with the runtime's tensor names, laid out the way
 the colibrì converter lays them out, filled with deterministic pseudo-random bytes.
 
-Layout rules (FACTS section 1): tensors are taken in source-checkpoint order (layer by layer,
-expert by expert) and cut into shards by size, each source tensor's weight and scales together;
+Layout rules (the colibrì converter's): tensors are taken in source-checkpoint order (layer by
+layer, expert by expert) and cut into shards by size, each source tensor's weight and scales together;
 inside a shard the official writer's order applies (F32 first, then by name, contiguous), so
 scales sit together far from the weights and an expert cut by a shard boundary straddles files.
 The MTP layer's tensors go to their own ``out-mtp-NNNNN`` shards.
