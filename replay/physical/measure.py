@@ -81,7 +81,7 @@ from containers.errors import InputError
 from containers.layout import WEIGHT_SLOTS, Layout, layout_from_container
 
 from replay.physical.buffers import read_buffer
-from replay.model.config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
+from replay.model.config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities, replay_only_settings
 from replay.model.engine import SplitState, layout_arrays
 from replay.model.prefetch import predict_next
 from replay.model.readplan import SCALE, WEIGHT, new_plan, plan_layer
@@ -392,14 +392,10 @@ class _Run:
             raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
         if config.prefetch == "coupled" and arm.coupling is None:
             raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
-        replay_only = [what for what, on in (
-            (f"prefetch source {config.prefetch!r}", config.prefetch not in PREFETCH_SOURCES),
-            (f"admission policy {config.admission!r}", config.admission != "top-k"),
-            ("a speculative-byte budget", config.prefetch_bytes > 0), ("stale cancellation", config.cancel_stale),
-            ("the adaptive budget", config.adaptive_budget), ("backoff", config.backoff)) if on]
+        replay_only = replay_only_settings(config)
         if replay_only:
             raise InputError(None, f"the harness performs the runtime's own prefetch (sources {', '.join(PREFETCH_SOURCES)}, "
-                                   f"top-K); {replay_only[0]} exists in the replay model only")
+                                   f"top-K); {replay_only[0][1]} exists in the replay model only")
         self.config, self.trace = config, trace
         self.lay = layout_arrays(layout, config, None)
         self.ebytes = layout.expert_bytes() if self.seg is None else self.seg.need_bytes
