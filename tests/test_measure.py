@@ -367,10 +367,15 @@ def test_measure_and_report_cli(small_container, trace_for, tmp_path):
 
 @pytest.mark.parametrize("knob", [dict(prefetch="heat"), dict(prefetch="coupled", admission="stall-value"),
                                   dict(prefetch="oracle", prefetch_bytes=10**6), dict(prefetch="oracle", cancel_stale=True),
-                                  dict(prefetch="oracle", adaptive_budget=True), dict(prefetch="oracle", backoff=True)])
+                                  dict(prefetch="oracle", adaptive_budget=True), dict(prefetch="oracle", backoff=True),
+                                  dict(prefetch="coupled", source_caps=[0.5])])
 def test_the_harness_refuses_what_only_the_replay_model_has(small_container, trace_for, tmp_path, knob):
     """A policy the runtime does not have must not be measured silently as the runtime's top-K."""
     from containers.errors import InputError
+    from replay.model.config import REPLAY_ONLY_FIELDS, replay_only_settings
+
+    assert [name for name, _ in replay_only_settings(RuntimeConfig(**knob))] == [
+        name for name in REPLAY_ONLY_FIELDS if name in knob and (name != "prefetch" or knob[name] == "heat")]
 
     trace = trace_for
     with pytest.raises(InputError, match="replay model only"):
@@ -531,7 +536,7 @@ def test_a_wait_is_timed_from_where_the_compute_model_reached_it():
 
 def test_the_compute_threads_own_work_is_taken_off_its_emulated_compute():
     """Between waits the thread takes the compute model's time, its own work included; a wait ends
-    the lag. The old clock added the work to the compute (80, 70 and 90 ms below)."""
+    the lag. A clock that added the work to the compute would take 80, 70 and 90 ms below."""
     from replay.physical.compute_clock import ComputeClock
 
     ms = 1_000_000
@@ -708,3 +713,16 @@ def test_a_read_in_pieces_is_one_request_counted_where_its_first_piece_was_serve
         assert reader.read(0, 4096, 2 * 4096, False) == IoTally(page_cache_requests=1, page_cache_bytes=8192)
     finally:
         reader.close()
+
+
+def test_the_read_tally_writes_the_stall_trace_read_fields_in_their_order():
+    """An expert record's read accounting is the tally's fields, named and ordered as the
+    STALL_TRACE reader expects (a reordered or renamed field would change every record)."""
+    from replay.physical.stalltrace import IO_FIELDS
+
+    io = IoTally(drive_requests=1, drive_bytes=2, page_cache_requests=3, page_cache_bytes=4,
+                 unclassified_requests=5, unclassified_bytes=6)
+    assert tuple(io.to_json()) == IO_FIELDS and list(io.to_json().values()) == [1, 2, 3, 4, 5, 6]
+    assert io + io == IoTally(drive_requests=2, drive_bytes=4, page_cache_requests=6, page_cache_bytes=8,
+                              unclassified_requests=10, unclassified_bytes=12)
+    assert IoTally(page_cache_requests=1).tier == "os_cache" and IoTally(unclassified_requests=1).tier == "nvme"

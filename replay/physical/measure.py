@@ -117,7 +117,24 @@ def measure(
     split: tuple[Layout, SplitState] | None = None,
 ) -> MeasureResult:
     """Run the demand path on ``container`` for the forwards in mask ``forwards`` (one
-    :class:`Arm` of :func:`measure_interleaved`; the arguments are the arm's fields)."""
+    :class:`Arm` of :func:`measure_interleaved`).
+
+    Parameters
+    ----------
+    container, config, out, run_id, coupling, split
+        The arm's fields (:class:`Arm`).
+    trace : RoutingTrace
+        The routing trace whose forwards are performed.
+    forwards : numpy.ndarray
+        Boolean mask over the trace's forwards: the steps measured, in trace order.
+    cold, record, progress
+        As :func:`measure_interleaved`.
+
+    Returns
+    -------
+    MeasureResult
+        The run's STALL_TRACE path, totals and how the page cache was controlled.
+    """
     arm = Arm(container=container, config=config, out=out, run_id=run_id, coupling=coupling, split=split)
     return measure_interleaved([arm], trace, forwards, cold=cold, record=record, progress=progress)[0]
 
@@ -132,8 +149,8 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     within it, and a prefetch load still in flight at its end (loaded for a layer that then
     missed nothing) completes, untimed, before the next arm's step begins (alone, it would
     overlap the start of the arm's next step). The arms' order rotates by one each step, so
-    over every ``len(arms)`` steps each arm takes each place once. Two runs measured one after the other minutes apart see a disk
-    whose speed may have moved between them (a virtual disk here moved 30-56% within a
+    over every ``len(arms)`` steps each arm takes each place once. Two runs measured one after
+    the other minutes apart see a disk whose speed may have moved between them (a virtual disk here moved 30-56% within a
     validation); interleaved, every arm sees the disk of the same seconds, and a saving between
     two arms is measured at equal disk speed whatever the drift. ``cold`` drops the page cache
     of every arm's files before the first step and again, untimed, before the first step of
@@ -145,10 +162,30 @@ def measure_interleaved(arms: list[Arm], trace: RoutingTrace, forwards: np.ndarr
     arm read them are counted as page-cache requests in its records (with rotation, no arm is
     favoured).
 
-    ``on_step`` is called after each arm's step (for a caller's progress bar).
     Memory: each arm holds ``workers + 1`` read buffers of its largest read (bytes), its own.
-    Returns one :class:`MeasureResult` per arm; its ``wall_seconds`` is the time spent in its
-    own steps (s). When an arm fails, no arm's record is left unfinished.
+    When an arm fails, no arm's record is left unfinished.
+
+    Parameters
+    ----------
+    arms : list of Arm
+        The runs, each a container under one configuration.
+    trace : RoutingTrace
+        The routing trace whose forwards are performed.
+    forwards : numpy.ndarray
+        Boolean mask over the trace's forwards: the steps measured, in trace order.
+    cold : bool
+        Drop the page cache of the arms' files before the first step and at each new session.
+    record : bool
+        Write each arm's STALL_TRACE (``Arm.out``).
+    progress : bool
+        Show a progress bar.
+    on_step : callable, optional
+        Called after each arm's step (for a caller's progress bar).
+
+    Returns
+    -------
+    list of MeasureResult
+        One per arm, in ``arms`` order; ``wall_seconds`` is the time spent in its own steps (s).
     """
     runs: list[ArmRun] = []
     try:
