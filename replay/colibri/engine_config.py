@@ -155,15 +155,34 @@ def env_words(text: str | None, where: str = "--runtime-env", *, strict: bool = 
     given once; the value of each read-path variable (an :class:`EngineConfig` field) is checked
     as the engine reads it (a flag 0 or 1, a file name not empty, a number of GB, a whole
     number in range). Variables that do not change how experts are read (:data:`NO_READ_EFFECT`)
-    are kept unchecked. ``strict``: any other variable is refused (a configuration to model);
-    else it is kept as given (an environment to run the engine with, or a run's).
+    are kept unchecked.
 
+    Parameters
+    ----------
+    text : str or None
+        The words (None or "" for none).
+    where : str
+        What an error names (the option the words came from).
+    strict : bool
+        Refuse any other variable (a configuration to model); else keep it as given (an
+        environment to run the engine with).
+
+    Returns
+    -------
+    dict
+        Each word's value by its name, as given (strings), in the words' order.
+
+    Raises
+    ------
+    InputError
+        Naming the word or the variable.
+
+    Examples
+    --------
     >>> env_words("PIPE=1 RAM_GB=128 TEMP=0")
     {'PIPE': '1', 'RAM_GB': '128', 'TEMP': '0'}
     >>> env_words("PIPE=1 DRAFT=4", strict=False)
     {'PIPE': '1', 'DRAFT': '4'}
-
-    Raises :class:`InputError` naming the word or variable.
     """
     try:
         words = shlex.split(text or "")
@@ -189,10 +208,33 @@ def env_words(text: str | None, where: str = "--runtime-env", *, strict: bool = 
 def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfig | None = None) -> EngineConfig:
     """An :class:`EngineConfig` from ``NAME=VALUE`` words (:func:`env_words`, strict: an unknown
     variable or a malformed value is one error naming it; :data:`NO_READ_EFFECT` variables are
-    ignored), over ``base`` (default: the engine's defaults). Rules the engine applies when it
-    starts: ``URING=1`` implies ``PIPE=1``; ``PIPE_WORKERS`` given without ``PIPE`` implies
-    ``PIPE=1``; ``URING=1`` with ``COLI_MMAP=1`` is refused (the engine exits). Raises
-    :class:`InputError` naming the variable."""
+    ignored). Rules the engine applies when it starts: ``URING=1`` implies ``PIPE=1``;
+    ``PIPE_WORKERS`` given without ``PIPE`` implies ``PIPE=1``; ``URING=1`` with ``COLI_MMAP=1``
+    is refused (the engine exits).
+
+    Parameters
+    ----------
+    text : str
+        The words, e.g. ``"PIPE=1 DIRECT=1 CAP=4"``.
+    where : str
+        What an error names.
+    base : EngineConfig, optional
+        The configuration the words change (default: the engine's defaults).
+
+    Returns
+    -------
+    EngineConfig
+
+    Raises
+    ------
+    InputError
+        Naming the variable.
+
+    Examples
+    --------
+    >>> parse_runtime_env("URING=1 RAM_GB=128 PROMPT='a b'").PIPE
+    1
+    """
     given = {name: _value(name, value, where) for name, value in env_words(text, where).items()
              if name not in NO_READ_EFFECT}
     cfg = replace(base or EngineConfig(), **given)

@@ -3,8 +3,11 @@
 Records are JSONL (zstd-compressed when the file name ends in ``.zst``), the form
 :mod:`replay.physical.stalltrace` reads. Every expert record carries its step's
 ``evaluated_positions`` and ``committed_tokens``, its ``foreground_stall_ns`` (the compute
-thread's wait for it), its ``tier_served`` and its reads (:class:`replay.physical.reader.IoTally`,
-the ``drive_*``, ``page_cache_*`` and ``unclassified_*`` requests and bytes). A step's expert
+thread's wait for it), its ``tier_served`` (``nvme`` when any of its bytes came from the drive,
+``os_cache`` when all came from the page cache, ``ram`` for LRU hits) and its reads
+(:class:`replay.physical.reader.IoTally`, the ``drive_*``, ``page_cache_*`` and
+``unclassified_*`` requests and bytes; a coalesced weight read shared by a run of experts counts
+on the first of them). A step's expert
 records are held until its step record and encoded with it, once its last layer is done. The
 file is written to a temporary name and renamed into place on success only. Times in monotonic
 nanoseconds; bytes.
