@@ -71,47 +71,51 @@ def check_harness_config(config: RuntimeConfig, coupling) -> None:
                                f"top-K); {replay_only[0][1]} exists in the replay model only")
 
 
+def arm_layout(container: Container, split: tuple[Layout, SplitState] | None, config: RuntimeConfig,
+               trace: RoutingTrace) -> tuple[Layout, SplitReads | None]:
+    """The layout an arm reads ``container`` by, and for a container stored as split segments
+    what is read from it (:class:`replay.physical.read_jobs.SplitReads`, from the split plan's
+    layout and state ``split``); refuses a split plan for whole experts or the reverse, coalescing
+    or prefetch on a split container, and a trace that does not fit the container."""
+    reads = None
+    if any(e.segments for e in container.experts.values()):
+        if split is None:
+            raise InputError(container.root, "this container stores experts as split segments; measure it with --layout "
+                                             "PLAN.json, the split plan it was rewritten from")
+        if config.coalesce or config.prefetch != "none":
+            raise InputError(container.root, "measuring a split container with --coalesce or a prefetch source is not "
+                                             "implemented (demand reads only)")
+        layout, state = split
+        reads = SplitReads(container, layout, state)
+    elif split is not None:
+        raise InputError(container.root, "the plan splits experts but this container stores them whole")
+    else:
+        layout = layout_from_container(container)
+    missing = sorted(set(trace.layers.tolist()) - set(layout.layers))
+    if missing or trace.n_experts > layout.n_experts:
+        raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
+    return layout, reads
+
+
 class ReadGeometry:
     """The container as one arm reads it: its layout's arrays, a split container's segment reads,
     the bytes a miss of each expert reads, each layer's LRU capacity and each expert's compute.
 
     Attributes: ``lay`` (:func:`replay.model.engine.layout_arrays`), ``split``
     (:class:`replay.physical.read_jobs.SplitReads` or None), ``layer_index`` (model layer ->
-    layout layer), ``expert_bytes`` [L, E] (bytes a miss reads), ``capacity`` [L] (experts each
-    LRU holds), ``compute`` [L, E] (seconds of matmul per position).
+    layout layer), ``n_experts``, ``expert_bytes`` [L, E] (bytes a miss reads), ``capacity`` [L]
+    (experts each LRU holds), ``compute`` [L, E] (seconds of matmul per position).
     """
 
-    def __init__(self, container: Container, split: tuple[Layout, SplitState] | None, config: RuntimeConfig,
-                 trace: RoutingTrace):
-        self.split = None
-        if any(e.segments for e in container.experts.values()):
-            if split is None:
-                raise InputError(container.root, "this container stores experts as split segments; measure it with --layout "
-                                                 "PLAN.json, the split plan it was rewritten from")
-            if config.coalesce or config.prefetch != "none":
-                raise InputError(container.root, "measuring a split container with --coalesce or a prefetch source is not "
-                                                 "implemented (demand reads only)")
-            layout, state = split
-            self.split = SplitReads(container, layout, state)
-        elif split is not None:
-            raise InputError(container.root, "the plan splits experts but this container stores them whole")
-        else:
-            layout = layout_from_container(container)
-        self.n_layers, self.n_experts = len(layout.layers), layout.n_experts
+    def __init__(self, layout: Layout, split: SplitReads | None, config: RuntimeConfig):
+        self.split, self.config = split, config
+        self.n_experts = layout.n_experts
         self.layer_index = {layer: i for i, layer in enumerate(layout.layers)}
-        missing = sorted(set(trace.layers.tolist()) - set(self.layer_index))
-        if missing or trace.n_experts > self.n_experts:
-            raise InputError(trace.source or None, f"trace does not fit the container (layers {missing[:3]}, {trace.n_experts} experts)")
-        self.config = config
-        self.layout = layout
-        self._load_reads: dict[tuple, list] = {}
-
-    def arrays(self) -> None:
-        """Build the layout's arrays (after the configuration has been checked)."""
-        self.lay = layout_arrays(self.layout, self.config, None)
-        self.expert_bytes = self.layout.expert_bytes() if self.split is None else self.split.need_bytes
-        self.capacity = lru_capacities(self.config.ram_bytes, self.expert_bytes[:, 0], self.config.lru_experts)
+        self.lay = layout_arrays(layout, config, None)
+        self.expert_bytes = layout.expert_bytes() if split is None else split.need_bytes
+        self.capacity = lru_capacities(config.ram_bytes, self.expert_bytes[:, 0], config.lru_experts)
         self.compute = self.lay.seconds
+        self._load_reads: dict[tuple, list] = {}
 
     def largest_read(self) -> int:
         """Bytes of the largest read a thread may issue (an expert's, widened for O_DIRECT)."""
@@ -235,10 +239,10 @@ class ArmRun:
     def __init__(self, arm, run_id: str, trace: RoutingTrace, record: bool):
         container, config = arm.container, arm.config
         self.run_id = run_id
-        self.geometry = ReadGeometry(container, arm.split, config, trace)
+        layout, split = arm_layout(container, arm.split, config, trace)
         check_harness_config(config, arm.coupling)
         self.config, self.trace = config, trace
-        self.geometry.arrays()
+        self.geometry = ReadGeometry(layout, split, config)
         self.sink = StallTraceWriter(arm.out, record)
         try:
             self.threads = ReadThreads(container, config, arm.coupling, self.geometry.n_experts)
