@@ -132,6 +132,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--container", str(c)],
                          capture_output=True, text=True, env=env)
     assert res.returncode == 2 and "--trace" in res.stderr and "--engine" in res.stderr
+    engine = _stand_in_engine(tmp_path)
+    (tmp_path / "p.txt").write_text("a prompt\n")
+    for bad, says in (("PIPE=2", "PIPE must be 0 or 1"), ("PROMPT='unbalanced", "cannot split")):
+        res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--engine", str(engine), "--container", str(c),
+                              "--prompts", str(tmp_path / "p.txt"), "-o", str(tmp_path / "o"), "--runtime-env", bad],
+                             capture_output=True, text=True, env=env)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr, res.stderr
+        assert not (tmp_path / "o").exists() and not (tmp_path / "calls.txt").exists()     # nothing run
 
 
 ENGINE = os.environ.get("RELAYOUT_COLIBRI_ENGINE")
