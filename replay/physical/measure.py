@@ -245,4 +245,5 @@ def collector_out_of_the_way():
 
 def _result(run: ArmRun, path: Path | None) -> MeasureResult:
     t = run.totals
-    return MeasureResult(path, run.how, run.direct, t.wall_ns / 1e9, t.steps, t.committed, t.stall_ns)
+    return MeasureResult(path=path, cold=run.how, direct=run.direct, wall_seconds=t.wall_ns / 1e9, steps=t.steps,
+                         committed=t.committed, stall_ns=t.stall_ns)
