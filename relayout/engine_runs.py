@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from containers.atomic import create_exclusive, fsync_dir, make_dirs, open_dir
 from containers.errors import InputError
+from replay.colibri.engine_config import env_words
 from replay.colibri.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
 
 FIXED_ENV = {"PROF": "1", "TOKENS": "1", "TEMP": "0"}
@@ -44,17 +44,6 @@ class EngineArm:
 
     name: str
     container: Path
-
-
-def parse_runtime_env(text: str | None) -> dict:
-    """``"PIPE=1 DIRECT=1"`` -> ``{"PIPE": "1", "DIRECT": "1"}`` (shell quoting allowed)."""
-    out = {}
-    for word in shlex.split(text or ""):
-        name, sep, value = word.partition("=")
-        if not sep or not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "").isalnum():
-            raise InputError(None, f"--runtime-env takes NAME=value words, got {word!r}")
-        out[name] = value
-    return out
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -106,7 +95,7 @@ def _clear_partial(partial: Path) -> None:
         raise InputError(partial, "holds files relayout did not write there; move them away and run again") from None
 
 
-def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str, repetition: int,
+def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str, repetition: int, *,
                     runtime_env: dict, ngen: int, out_dir: Path, timeout_s: float | None) -> tuple[Path, RunIdentity]:
     """One cold run into ``out_dir/<arm>/pPP-rRR``; returns the directory and its record."""
     arm_dir = make_dirs(out_dir / arm.name)
@@ -157,7 +146,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
 
 
 def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str], reps: int, runtime_env: dict,
-                   ngen: int, out_dir: str | Path, timeout_s: float | None = None, progress=print) -> list[Path]:
+                   ngen: int, out_dir: str | Path, *, timeout_s: float | None = None, progress=print) -> list[Path]:
     """Run every (arm, prompt, repetition) of :func:`schedule` not yet complete under ``out_dir``.
 
     Parameters
@@ -166,7 +155,8 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
     arms : containers measured, the control first.
     prompts : one prompt per run.
     reps : repetitions of every prompt on every arm.
-    runtime_env : the engine's environment variables for the run configuration.
+    runtime_env : the engine's environment variables for the run configuration
+        (:func:`replay.colibri.engine_config.env_words`, tolerant of variables it does not read).
     ngen : tokens to generate per run (``NGEN``).
     out_dir : where the runs go (created).
     timeout_s : a run still going after this many seconds is killed and recorded with return code -9.
@@ -193,7 +183,8 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
             progress(f"[{i}/{len(plan)}] {arm.name} {final.name}: kept (complete)")
             done.append(final)
             continue
-        path, ident = run_engine_once(engine, arm, p, prompts[p], rep, runtime_env, ngen, out_dir, timeout_s)
+        path, ident = run_engine_once(engine, arm, p, prompts[p], rep, runtime_env=runtime_env, ngen=ngen, out_dir=out_dir,
+                                      timeout_s=timeout_s)
         status = "ok" if ident.returncode == 0 else f"engine exit status {ident.returncode}"
         progress(f"[{i}/{len(plan)}] {arm.name} {path.name}: {status}, {ident.wall_s:.1f} s, load {ident.load_average:.2f}")
         done.append(path)
@@ -228,8 +219,8 @@ def cmd_measure_engine(args) -> int:
         raise InputError(None, "measure --engine needs -o DIR (where the runs are kept)")
     arms = ([EngineArm("baseline", Path(args.baseline))] if args.baseline else []) + [
         EngineArm("container", Path(args.container))]
-    measure_engine(args.engine, arms, read_prompts(args.prompts), args.reps, parse_runtime_env(args.runtime_env),
-                   args.ngen, args.output, args.timeout)
+    measure_engine(args.engine, arms, read_prompts(args.prompts), args.reps, env_words(args.runtime_env, strict=False),
+                   args.ngen, args.output, timeout_s=args.timeout)
     dirs = [Path(args.output) / a.name for a in arms]
     print(format_engine_report(engine_report(dirs)))
     if args.baseline:

@@ -14,7 +14,8 @@ from relayout.render import format_compare, format_report
 from relayout.trace_import import import_traces
 from relayout.trace_synth import synth_trace
 from replay.model.config import RuntimeConfig
-from replay.physical.measure import assumed_committed_mask, default_run_id, measure
+from replay.physical.arm_run import assumed_committed_mask
+from replay.physical.measure import default_run_id, measure
 from replay.physical.stalltrace import compare, report
 
 

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 
 from containers.errors import InputError
-from relayout.engine_runs import EngineArm, measure_engine, parse_runtime_env, schedule
+from relayout.engine_runs import EngineArm, measure_engine, schedule
+from replay.colibri.engine_config import env_words, parse_runtime_env
 from replay.colibri.engine_metrics import engine_compare, engine_report
 from replay.colibri.engine_output import RUN_FILE, read_runs
 
@@ -50,12 +51,30 @@ def test_repetitions_interleave_the_arms_and_alternate_their_order():
 
 
 def test_runtime_env_is_the_engines_own_words():
-    assert parse_runtime_env("PIPE=1 DIRECT=1 RAM_GB=128") == {"PIPE": "1", "DIRECT": "1", "RAM_GB": "128"}
-    assert parse_runtime_env("") == {}
-    with pytest.raises(InputError, match="NAME=value"):
-        parse_runtime_env("PIPE")
-    with pytest.raises(InputError, match="NAME=value"):
-        parse_runtime_env("1X=2")
+    run = lambda text: env_words(text, strict=False)          # noqa: E731  (measure --engine's reading)
+    assert run("PIPE=1 DIRECT=1 RAM_GB=128") == {"PIPE": "1", "DIRECT": "1", "RAM_GB": "128"}
+    assert run("") == {} and run(None) == {}
+    assert run("DRAFT=4 'PROMPT=a b'") == {"DRAFT": "4", "PROMPT": "a b"}     # variables the model does not read: kept
+    for bad in ("PIPE", "1X=2", "=1"):
+        with pytest.raises(InputError, match="NAME=value"):
+            run(bad)
+    with pytest.raises(InputError, match="split"):
+        run("PROMPT='unbalanced")
+
+
+def test_running_and_modelling_read_the_engines_variables_by_the_same_rules():
+    """The environment a run is given and the configuration the model takes: one parser, the
+    same verdict on every variable both read; only a variable the model does not know differs."""
+    for bad, word in [("PIPE=2", "PIPE"), ("PIPE_WORKERS=0", "PIPE_WORKERS"), ("RAM_GB=lots", "RAM_GB"),
+                      ("PIN=", "PIN"), ("DIRECT=1 DIRECT=0", "DIRECT")]:
+        for parse in (lambda t: env_words(t, strict=False), parse_runtime_env):
+            with pytest.raises(InputError, match=word):
+                parse(bad)
+    assert env_words("PIPE=1 PIN_GB=all CAP=4", strict=False) == {"PIPE": "1", "PIN_GB": "all", "CAP": "4"}
+    assert parse_runtime_env("PIPE=1 PIN_GB=all CAP=4").PIN_GB == -1.0
+    assert env_words("MTP=1", strict=False) == {"MTP": "1"}
+    with pytest.raises(InputError, match="unknown variable MTP"):
+        parse_runtime_env("MTP=1")
 
 
 def test_runs_are_kept_per_arm_prompt_and_repetition_and_resumed(tmp_path):
@@ -113,6 +132,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--container", str(c)],
                          capture_output=True, text=True, env=env)
     assert res.returncode == 2 and "--trace" in res.stderr and "--engine" in res.stderr
+    engine = _stand_in_engine(tmp_path)
+    (tmp_path / "p.txt").write_text("a prompt\n")
+    for bad, says in (("PIPE=2", "PIPE must be 0 or 1"), ("PROMPT='unbalanced", "cannot split")):
+        res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--engine", str(engine), "--container", str(c),
+                              "--prompts", str(tmp_path / "p.txt"), "-o", str(tmp_path / "o"), "--runtime-env", bad],
+                             capture_output=True, text=True, env=env)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr, res.stderr
+        assert not (tmp_path / "o").exists() and not (tmp_path / "calls.txt").exists()     # nothing run
 
 
 ENGINE = os.environ.get("RELAYOUT_COLIBRI_ENGINE")

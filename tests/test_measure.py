@@ -16,7 +16,8 @@ from relayout.trace_synth import synth_trace
 from replay.physical.calibrate import calibrate, system_read_ahead_bytes
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
-from replay.physical.measure import Arm, _Reader, drop_cache, measure, measure_interleaved
+from replay.physical.measure import Arm, drop_cache, measure, measure_interleaved
+from replay.physical.reader import IoTally, Reader
 from replay.physical.residency import residency_visible
 from replay.physical.stalltrace import read_stall_trace, report, run_metrics
 from replay.formats.trace import save_trace
@@ -123,11 +124,13 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
     until its first load has begun; that load's reads are held until the next layer has been
     routed, so exactly one load is in flight at each route. Returns the prefetchers made.
     """
-    import replay.physical.measure as rm
+    import replay.physical.arm_run as run_module
+    from replay.physical.compute_clock import ComputeClock
+    from replay.physical.prefetcher import Prefetcher
 
     prefetchers = []
 
-    class Controlled(rm._Prefetcher):
+    class Controlled(Prefetcher):
         def __init__(self, config, coupling, n_experts, read):
             self.routes = 0                          # layers routed so far
             self.released = threading.Condition()
@@ -153,7 +156,7 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
                 self.released.notify_all()
             return out
 
-    class Clock(rm._ComputeClock):
+    class Clock(ComputeClock):
         def __call__(self, seconds):
             for p in prefetchers:
                 loads = list(p.loads.values())       # queued for the next layer, which is not routed yet
@@ -168,8 +171,8 @@ def _fix_prefetch_timing(monkeypatch, schedule: str) -> list:
             self.mark, self.lag = time.perf_counter_ns(), 0   # the hold is the test's: the thread is not behind after it
             super().__call__(seconds)
 
-    monkeypatch.setattr(rm, "_Prefetcher", Controlled)
-    monkeypatch.setattr(rm, "_ComputeClock", Clock)
+    monkeypatch.setattr(run_module, "Prefetcher", Controlled)
+    monkeypatch.setattr(run_module, "ComputeClock", Clock)
     return prefetchers
 
 
@@ -364,10 +367,15 @@ def test_measure_and_report_cli(small_container, trace_for, tmp_path):
 
 @pytest.mark.parametrize("knob", [dict(prefetch="heat"), dict(prefetch="coupled", admission="stall-value"),
                                   dict(prefetch="oracle", prefetch_bytes=10**6), dict(prefetch="oracle", cancel_stale=True),
-                                  dict(prefetch="oracle", adaptive_budget=True), dict(prefetch="oracle", backoff=True)])
+                                  dict(prefetch="oracle", adaptive_budget=True), dict(prefetch="oracle", backoff=True),
+                                  dict(prefetch="coupled", source_caps=[0.5])])
 def test_the_harness_refuses_what_only_the_replay_model_has(small_container, trace_for, tmp_path, knob):
     """A policy the runtime does not have must not be measured silently as the runtime's top-K."""
     from containers.errors import InputError
+    from replay.model.config import REPLAY_ONLY_FIELDS, replay_only_settings
+
+    assert [name for name, _ in replay_only_settings(RuntimeConfig(**knob))] == [
+        name for name in REPLAY_ONLY_FIELDS if name in knob and (name != "prefetch" or knob[name] == "heat")]
 
     trace = trace_for
     with pytest.raises(InputError, match="replay model only"):
@@ -379,14 +387,15 @@ def test_the_harness_refuses_what_only_the_replay_model_has(small_container, tra
 def test_expert_records_are_written_with_their_step_not_between_the_waits(tmp_path):
     """Encoding a record between the compute thread's waits is time the compute model does not
     have: the sink holds a step's expert records and writes them with its step record."""
-    from replay.physical.measure import _Sink
+    from replay.physical.stall_writer import StallTraceWriter, StepId
 
     out = tmp_path / "held.jsonl"
-    sink = _Sink(out, record=True)
-    sink.expert("r", "q", 7, 3, 11, True, 100, 1, 2, 2, "nvme", stall=1)
+    sink = StallTraceWriter(out, record=True)
+    sid = StepId(run_id="r", request_id="q", step=7, committed_tokens=1, evaluated_positions=1)
+    sink.expert(sid, 3, 11, required=True, nbytes=100, issue=1, ready=2, need=2, tier="nvme", stall=1)
     sink.fh.flush()
     assert [f.stat().st_size for f in tmp_path.iterdir()] == [0]     # the temp file, nothing in it yet
-    sink.step("r", "q", 7, 1, 1, 10, 20, 1)
+    sink.step(sid, compute_ns=10, wall_ns=20, stall_ns=1)
     sink.close()
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r.get("record", "expert") for r in recs] == ["expert", "step"]
@@ -398,13 +407,13 @@ def test_reader_threads_exist_with_their_buffers_before_anything_is_timed(small_
     that starts them on demand does it inside the first layer's timed submissions."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from replay.physical.measure import _Reader, _start_threads
+    from replay.physical.arm_run import start_threads
 
     c = Container.open(small_container)
-    reader = _Reader(c.files, direct=False)
+    reader = Reader(c.files, direct=False)
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="relayout-test-io")
     try:
-        _start_threads(pool, 4, reader, 3 * 4096)
+        start_threads(pool, 4, reader, 3 * 4096)
         names = [t.name for t in threading.enumerate() if t.name.startswith("relayout-test-io")]
         assert len(names) == 4
         sizes = {pool.submit(lambda: len(reader.local.buf)).result() for _ in range(16)}
@@ -495,13 +504,13 @@ def test_read_buffers_are_private_page_aligned_memory_that_may_take_huge_pages()
 def test_a_settled_prefetcher_has_no_load_in_flight():
     """Between two arms' steps (measure_interleaved) a run's prefetch loads must have completed:
     ``idle`` returns only after every load queued before it."""
-    import replay.physical.measure as rm
+    from replay.physical.prefetcher import Prefetcher
 
     def slow_read(f, off, n, direct):
         time.sleep(0.05)
-        return rm.IO_ZERO
+        return IoTally()
 
-    p = rm._Prefetcher(RuntimeConfig(prefetch="oracle"), None, 16, slow_read)
+    p = Prefetcher(RuntimeConfig(prefetch="oracle"), None, 16, slow_read)
     try:
         futures = [p.thread.submit(p._load, [(0, 0, 4096, False)], [False], p.batch) for _ in range(3)]
         p.idle()
@@ -511,10 +520,10 @@ def test_a_settled_prefetcher_has_no_load_in_flight():
 
 
 def test_a_wait_is_timed_from_where_the_compute_model_reached_it():
-    from replay.physical.measure import _ComputeClock
+    from replay.physical.compute_clock import ComputeClock
 
     ms = 1_000_000
-    clock = _ComputeClock()
+    clock = ComputeClock()
     clock.begin()
     clock.lag, clock.mark = 8 * ms, 100 * ms              # 8 ms behind the model at t = 100 ms: the model is at 92
     assert clock.waited(105 * ms, 95 * ms) == (92 * ms, 3 * ms)   # bytes at 95: the model waits 3, the thread not
@@ -527,11 +536,11 @@ def test_a_wait_is_timed_from_where_the_compute_model_reached_it():
 
 def test_the_compute_threads_own_work_is_taken_off_its_emulated_compute():
     """Between waits the thread takes the compute model's time, its own work included; a wait ends
-    the lag. The old clock added the work to the compute (80, 70 and 90 ms below)."""
-    from replay.physical.measure import _ComputeClock
+    the lag. A clock that added the work to the compute would take 80, 70 and 90 ms below."""
+    from replay.physical.compute_clock import ComputeClock
 
     ms = 1_000_000
-    clock = _ComputeClock()
+    clock = ComputeClock()
     clock.begin()
     t0 = time.perf_counter_ns()
     time.sleep(0.030)                                     # the thread's own work: 30 ms
@@ -632,14 +641,14 @@ def test_a_buffered_read_the_page_cache_serves_is_still_issued(tmp_path):
     issued whatever the cache holds, copies the bytes, and moves the kernel's readahead on."""
     path = tmp_path / "f.bin"
     data = _file_of_pages(path, 8)
-    reader = _Reader([path], direct=False)
+    reader = Reader([path], direct=False)
     try:
         reader.prepare(4096)
         reader.read(0, 0, 4096, False)
         reader.read(0, 2 * 4096, 4096, False)
         io = reader.read(0, 100, 3000, False)            # page 0 again: cached
         if reader.page_cache_test != "none":
-            assert io[2:4] == (1, 3000)                   # counted as served by the page cache
+            assert (io.page_cache_requests, io.page_cache_bytes) == (1, 3000)   # counted as served by the page cache
         assert bytes(reader.local.buf[:3000]) == data[100:3100]   # and its bytes were read
     finally:
         reader.close()
@@ -658,7 +667,7 @@ def test_the_harness_reads_move_the_kernels_readahead_on(tmp_path):
     if not ra or ra < 128 * 1024:
         pytest.skip("readahead smaller than 128 KiB or unknown here")
     drop_cache([path])
-    reader = _Reader([path], direct=False)
+    reader = Reader([path], direct=False)
 
     def settled_run() -> int:
         """Bytes cached from the start once the readahead under way has completed (s: 2 at most)."""
@@ -679,7 +688,7 @@ def test_the_harness_reads_move_the_kernels_readahead_on(tmp_path):
         first = settled_run()
         assert 0 < first < 1024 * 4096
         for off in range(4096, first, 4096):           # on through the cached window, page by page
-            assert reader.read(0, off, 4096, False)[2] == 1
+            assert reader.read(0, off, 4096, False).page_cache_requests == 1
         assert settled_run() > first
     finally:
         reader.close()
@@ -688,19 +697,32 @@ def test_the_harness_reads_move_the_kernels_readahead_on(tmp_path):
 def test_a_read_in_pieces_is_one_request_counted_where_its_first_piece_was_served(tmp_path, monkeypatch):
     """Reads longer than MAX_READ go in pieces: one request (the runtime issues one pread), where
     the first piece was served; each piece's bytes where they were."""
-    import replay.physical.measure as rm
+    import replay.physical.reader as reader_module
 
     path = tmp_path / "f.bin"
     _file_of_pages(path, 8)
     if not page_cache_evicts(path) or not residency_visible(path):
         pytest.skip("page cache residency unknown here, or pages kept when dropped (tmpfs)")
-    monkeypatch.setattr(rm, "MAX_READ", 4096)
+    monkeypatch.setattr(reader_module, "MAX_READ", 4096)
     drop_cache([path])
-    reader = _Reader([path], direct=False)
+    reader = Reader([path], direct=False)
     try:
         os.posix_fadvise(reader.buffered[0], 0, 0, os.POSIX_FADV_RANDOM)   # no readahead: the pages read, only
         reader.read(0, 4096, 4096, False)                                   # page 1 cached
-        assert reader.read(0, 0, 3 * 4096, False) == (1, 8192, 0, 4096, 0, 0)
-        assert reader.read(0, 4096, 2 * 4096, False) == (0, 0, 1, 8192, 0, 0)
+        assert reader.read(0, 0, 3 * 4096, False) == IoTally(drive_requests=1, drive_bytes=8192, page_cache_bytes=4096)
+        assert reader.read(0, 4096, 2 * 4096, False) == IoTally(page_cache_requests=1, page_cache_bytes=8192)
     finally:
         reader.close()
+
+
+def test_the_read_tally_writes_the_stall_trace_read_fields_in_their_order():
+    """An expert record's read accounting is the tally's fields, named and ordered as the
+    STALL_TRACE reader expects (a reordered or renamed field would change every record)."""
+    from replay.physical.stalltrace import IO_FIELDS
+
+    io = IoTally(drive_requests=1, drive_bytes=2, page_cache_requests=3, page_cache_bytes=4,
+                 unclassified_requests=5, unclassified_bytes=6)
+    assert tuple(io.to_json()) == IO_FIELDS and list(io.to_json().values()) == [1, 2, 3, 4, 5, 6]
+    assert io + io == IoTally(drive_requests=2, drive_bytes=4, page_cache_requests=6, page_cache_bytes=8,
+                              unclassified_requests=10, unclassified_bytes=12)
+    assert IoTally(page_cache_requests=1).tier == "os_cache" and IoTally(unclassified_requests=1).tier == "nvme"

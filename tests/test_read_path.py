@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from conftest import small_geometry
 
-import replay.physical.measure as rm
+import replay.physical.arm_run as run_module
+from replay.physical.measure import measure
+from replay.physical.reader import Reader
 from containers.container import Container
 from containers.layout import layout_from_container
 from relayout.trace_synth import synth_trace
@@ -29,7 +31,7 @@ def _plan(pos_off, nbytes, cap, gap=0, skip=None):
 
 
 def test_a_coalesced_read_never_exceeds_the_cap():
-    # four contiguous 60-byte experts, cap 100: no two fit, so four reads (the old model read 120 bytes once)
+    # four contiguous 60-byte experts, cap 100: no two fit, so four reads (not one read of 120 bytes)
     reads, jobs = _plan([0, 60, 120, 180], [60] * 4, cap=100)
     weights = [r for r in reads if r[5] == WEIGHT]
     assert [(off, n, a, b) for _, off, n, a, b, _, _ in weights] == [(0, 60, 0, 0), (60, 60, 1, 1), (120, 60, 2, 2),
@@ -59,7 +61,7 @@ def test_model_and_harness_issue_identical_read_lists(small_container, tmp_path,
     lay = layout_arrays(layout, config, None)
     lock = threading.Lock()
     done, planned = [], []                 # per layer: reads the harness performed / the plan it was given
-    real_read, real_submit = rm._Reader.read, rm._submit
+    real_read, real_submit = Reader.read, run_module.submit_layer
 
     def read(self, f, off, n, direct):
         with lock:
@@ -71,10 +73,10 @@ def test_model_and_harness_issue_identical_read_lists(small_container, tmp_path,
         planned.append(reads)
         return real_submit(pool, job, reads, k, config, after)
 
-    monkeypatch.setattr(rm._Reader, "read", read)
-    monkeypatch.setattr(rm, "_submit", submit)
+    monkeypatch.setattr(Reader, "read", read)
+    monkeypatch.setattr(run_module, "submit_layer", submit)
     mask = np.ones(trace.n_forwards, bool)
-    rm.measure(c, trace, mask, config, None, record=False, cold=False, progress=False)
+    measure(c, trace, mask, config, None, record=False, cold=False, progress=False)
     inst, _ = simulate(trace, mask, layout, load_device("mac-pro-2019-applraid-4x"), config)
     assert len(planned) == len(inst.forward)
     cap_ok = 0

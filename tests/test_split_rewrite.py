@@ -142,10 +142,10 @@ def test_measure_reads_a_split_container_as_the_plan_says(split_case, tmp_path):
 def test_model_and_harness_plan_the_same_bytes_for_split_misses(split_case, tmp_path):
     """The replay model's read plan and the harness's split reads: the same weight bytes for every
     miss, and for group-scale formats the same bytes in all (per-row down scales are stored twice,
-    which the model does not count: see replay.physical.measure.SplitReads)."""
+    which the model does not count: see replay.physical.read_jobs.SplitReads)."""
     from containers.geometry import ExpertFormat
     from replay.model.engine import layout_arrays, split_state
-    from replay.physical.measure import SplitReads
+    from replay.physical.read_jobs import SplitReads
     from replay.model.readplan import WEIGHT, new_plan, plan_layer
 
     root, src, tr, plan = split_case

@@ -1,8 +1,9 @@
 """A colibrì run configuration in the engine's own variables, and the read policy the model takes from it.
 
 colibrì reads its read-path configuration from environment variables (``PIPE=1 DIRECT=1
-RAM_GB=128``); :func:`parse_runtime_env` reads such a string into an :class:`EngineConfig`
-(strict: an unknown variable or a malformed value is one error naming it), and
+RAM_GB=128``); :func:`env_words` reads such a string with one set of rules (strict about
+unknown variables for a configuration to model, tolerant of them for an environment to run the
+engine with), :func:`parse_runtime_env` reads it into an :class:`EngineConfig`, and
 :func:`config_from_run` reads the effective configuration a run printed (its ``[PROF] config``
 line and the lines beside it). :func:`model_config` maps an :class:`EngineConfig` onto the
 model's :class:`replay.model.config.RuntimeConfig`. What each variable does in the engine, with
@@ -142,29 +143,100 @@ def _value(name: str, text: str, where: str):
     return n
 
 
-def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfig | None = None) -> EngineConfig:
-    """An :class:`EngineConfig` from ``NAME=VALUE`` words (shell quoting allowed), over ``base``
-    (default: the engine's defaults). Rules the engine applies when it starts: ``URING=1`` implies
-    ``PIPE=1``; ``PIPE_WORKERS`` given without ``PIPE`` implies ``PIPE=1``; ``URING=1`` with
-    ``COLI_MMAP=1`` is refused (the engine exits). Raises :class:`InputError` naming the variable."""
+def _is_name(name: str) -> bool:
+    return bool(name) and (name[0].isalpha() or name[0] == "_") and name.replace("_", "").isalnum()
+
+
+def env_words(text: str | None, where: str = "--runtime-env", *, strict: bool = True) -> dict[str, str]:
+    """The ``NAME=VALUE`` words of ``text`` (shell quoting allowed), by name, as given.
+
+    One set of rules for every reader of the engine's variables: each word is ``NAME=VALUE``
+    with ``NAME`` a variable name (a letter or ``_``, then letters, digits, ``_``); a name is
+    given once; the value of each read-path variable (an :class:`EngineConfig` field) is checked
+    as the engine reads it (a flag 0 or 1, a file name not empty, a number of GB, a whole
+    number in range). Variables that do not change how experts are read (:data:`NO_READ_EFFECT`)
+    are kept unchecked.
+
+    Parameters
+    ----------
+    text : str or None
+        The words (None or "" for none).
+    where : str
+        What an error names (the option the words came from).
+    strict : bool
+        Refuse any other variable (a configuration to model); else keep it as given (an
+        environment to run the engine with).
+
+    Returns
+    -------
+    dict
+        Each word's value by its name, as given (strings), in the words' order.
+
+    Raises
+    ------
+    InputError
+        Naming the word or the variable.
+
+    Examples
+    --------
+    >>> env_words("PIPE=1 RAM_GB=128 TEMP=0")
+    {'PIPE': '1', 'RAM_GB': '128', 'TEMP': '0'}
+    >>> env_words("PIPE=1 DRAFT=4", strict=False)
+    {'PIPE': '1', 'DRAFT': '4'}
+    """
     try:
-        words = shlex.split(text)
+        words = shlex.split(text or "")
     except ValueError as exc:
         raise InputError(where, f"cannot split {text!r} into NAME=VALUE words: {exc}") from None
     known = {f.name for f in fields(EngineConfig)}
-    given: dict = {}
+    out: dict[str, str] = {}
     for w in words:
         name, eq, value = w.partition("=")
-        if not eq or not name:
-            raise InputError(where, f"{w!r} is not NAME=VALUE")
-        if name in NO_READ_EFFECT:
-            continue
-        if name not in known:
+        if not eq or not _is_name(name):
+            raise InputError(where, f"takes NAME=value words, got {w!r}")
+        if name in out:
+            raise InputError(where, f"{name} is given twice")
+        if name in known:
+            _value(name, value, where)
+        elif strict and name not in NO_READ_EFFECT:
             raise InputError(where, f"unknown variable {name} (read-path variables: {', '.join(sorted(known))}; "
                                     f"ignored: {', '.join(NO_READ_EFFECT)})")
-        if name in given:
-            raise InputError(where, f"{name} is given twice")
-        given[name] = _value(name, value, where)
+        out[name] = value
+    return out
+
+
+def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfig | None = None) -> EngineConfig:
+    """An :class:`EngineConfig` from ``NAME=VALUE`` words (:func:`env_words`, strict: an unknown
+    variable or a malformed value is one error naming it; :data:`NO_READ_EFFECT` variables are
+    ignored). Rules the engine applies when it starts: ``URING=1`` implies ``PIPE=1``;
+    ``PIPE_WORKERS`` given without ``PIPE`` implies ``PIPE=1``; ``URING=1`` with ``COLI_MMAP=1``
+    is refused (the engine exits).
+
+    Parameters
+    ----------
+    text : str
+        The words, e.g. ``"PIPE=1 DIRECT=1 CAP=4"``.
+    where : str
+        What an error names.
+    base : EngineConfig, optional
+        The configuration the words change (default: the engine's defaults).
+
+    Returns
+    -------
+    EngineConfig
+
+    Raises
+    ------
+    InputError
+        Naming the variable.
+
+    Examples
+    --------
+    >>> parse_runtime_env("URING=1 RAM_GB=128 PROMPT='a b'").PIPE
+    1
+    """
+    given = {name: _value(name, value, where) for name, value in env_words(text, where).items()
+             if name not in NO_READ_EFFECT}
     cfg = replace(base or EngineConfig(), **given)
     if cfg.URING and cfg.COLI_MMAP:
         raise InputError(where, "URING=1 with COLI_MMAP=1: the engine refuses this combination")

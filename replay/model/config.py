@@ -136,16 +136,48 @@ RUNTIME_CHANGES = {
 ``RuntimeConfig.runtime_changes`` carries into output and gate.json)."""
 
 
+REPLAY_ONLY_FIELDS = ("prefetch", "admission", "prefetch_bytes", "cancel_stale", "adaptive_budget", "backoff",
+                      "source_caps")
+"""The :class:`RuntimeConfig` fields the runtime has only at one setting (its prefetch sources
+:data:`PREFETCH_SOURCES`, ``top-k`` admission, no byte budget, stale cancellation, adaptive budget,
+backoff or per-source caps); any other setting exists in the replay model only
+(:func:`replay_only_settings`). Every other field is a knob the runtime, and so the measuring
+harness, has too."""
+
+
+def replay_only_settings(config: "RuntimeConfig") -> list[tuple[str, str]]:
+    """``(field, the setting in words)`` of each :data:`REPLAY_ONLY_FIELDS` field ``config`` sets
+    to what only the replay model performs, in that order (empty when the runtime has them all).
+
+    >>> replay_only_settings(RuntimeConfig(prefetch="heat", backoff=True))
+    [('prefetch', "prefetch source 'heat'"), ('backoff', 'backoff')]
+    >>> replay_only_settings(RuntimeConfig(prefetch="coupled", coalesce=True))
+    []
+    """
+    settings = {
+        "prefetch": (config.prefetch not in PREFETCH_SOURCES, f"prefetch source {config.prefetch!r}"),
+        "admission": (config.admission != "top-k", f"admission policy {config.admission!r}"),
+        "prefetch_bytes": (config.prefetch_bytes > 0, "a speculative-byte budget"),
+        "cancel_stale": (config.cancel_stale, "stale cancellation"),
+        "adaptive_budget": (config.adaptive_budget, "the adaptive budget"),
+        "backoff": (config.backoff, "backoff"),
+        "source_caps": (bool(config.source_caps), "per-source caps"),
+    }
+    return [(name, settings[name][1]) for name in REPLAY_ONLY_FIELDS if settings[name][0]]
+
+
 def runtime_changes(config: "RuntimeConfig") -> list[str]:
-    """The :data:`RUNTIME_CHANGES` labels of what ``config`` models that the public colibrì does not run."""
+    """The :data:`RUNTIME_CHANGES` labels of what ``config`` models that the public colibrì does not
+    run: coalescing, and its :func:`replay_only_settings` grouped as source, admission and controls."""
+    replay_only = {name for name, _ in replay_only_settings(config)}
     out = []
     if config.coalesce:
         out.append(RUNTIME_CHANGES["coalesce"])
-    if config.admission != "top-k":
+    if "admission" in replay_only:
         out.append(RUNTIME_CHANGES["admission"])
-    if config.prefetch_bytes or config.adaptive_budget or config.source_caps or config.cancel_stale or config.backoff:
+    if replay_only - {"prefetch", "admission"}:
         out.append(RUNTIME_CHANGES["prefetch-controls"])
-    if config.prefetch not in PREFETCH_SOURCES:
+    if "prefetch" in replay_only:
         out.append(RUNTIME_CHANGES["prefetch-source"])
     return out
 
