@@ -16,8 +16,9 @@ code runs, and every path the outputs record is relative and the same for every 
    (heat order, scales after weights, 64 KiB alignment), ``split`` (ratio 0.5, 2 MB of tops,
    stall rule), ``split-replay`` (ratio 0.25, 3 MB of tops, replayed-wait rule on single-nvme);
 3. per configuration of :data:`GRID`: ``replay ... -o gate.json`` (the sweep configuration writes
-   its sweep table, sweep.json, instead and rewrites nothing), then ``rewrite SRC --layout PLAN --gate gate.json --out DST`` (with
-   ``--force`` only when the gate did not pass), and the same replay once more in a child Python
+   its sweep table, sweep.json, instead and rewrites nothing), then
+   ``rewrite SRC --layout PLAN --gate gate.json --out DST`` (with ``--force`` only when the gate
+   did not pass), and the same replay once more in a child Python
    that runs the CLI in-process with the replay model's ``replay_steps`` wrapped, keeping a digest
    of every array each call returns (the per-step table: stall, oracle stall, compute, committed,
    evaluated, union bytes, reads, read bytes, hits, lookups, forward, session; the per-expert
@@ -337,6 +338,10 @@ def differing_parts(outputs: list[Output]) -> list[str]:
     return [n for n in names if len({o.parts.get(n) for o in outputs}) > 1]
 
 
+def _output_order(name: str) -> tuple:
+    return (OUTPUTS.index(name) if name in OUTPUTS else len(OUTPUTS), name)
+
+
 def compare(results: list[dict], labels: list[str]) -> tuple[list[str], bool]:
     """The side-by-side table's lines and whether every output is identical across trees."""
     lines, all_same = [], True
@@ -346,10 +351,10 @@ def compare(results: list[dict], labels: list[str]) -> tuple[list[str], bool]:
     lines += [head, "-" * len(head)]
     verdicts = []
     for row in rows:
-        names = sorted(set().union(*(r[row] for r in results)), key=lambda n: (n not in OUTPUTS, OUTPUTS.index(n) if n in OUTPUTS else 0, n))
+        names = sorted(set().union(*(r.get(row, {}) for r in results)), key=_output_order)
         differs = []
         for n in names:
-            outs = [r[row].get(n) for r in results]
+            outs = [r.get(row, {}).get(n) for r in results]
             cells = [short(o.digest) if o else "-" for o in outs]
             same = len(set(cells)) == 1
             lines.append(f"{row if n == names[0] else '':{width}}{n:12}" + "".join(f"{c:18}" for c in cells)
