@@ -42,9 +42,9 @@ changes nothing today). ``tool_version`` is deliberately not stripped: a restruc
 it changes plan.json, gate.json and the rewritten manifest, and this script says so; pass
 ``--ignore tool_version`` to compare everything else.
 
-Timings on the 2-core VM: about 40 s per tree once the tree's compiled replay model is cached
-(~/.cache/relayout/src-<digest>); a tree whose model sources were never compiled spends ~1.5-3
-minutes compiling in its first replay.
+Time per tree on the 2-core VM at a load average of 8-10: about 3 minutes (40 s of CPU) once the
+tree's compiled replay model is cached (~/.cache/relayout/src-<digest>, per source path); a tree
+at a new path compiles it once, in the replay-rule split plan (7 minutes at that load).
 """
 
 from __future__ import annotations
