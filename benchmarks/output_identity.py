@@ -248,7 +248,6 @@ class Tree:
     def __init__(self, root: Path, scratch: Path, ignore: frozenset[str], log):
         self.root, self.scratch, self.ignore, self.log = root, scratch, ignore, log
         self.env = dict(os.environ, PYTHONPATH=str(root))
-        self.env.pop("PYTHONHASHSEED", None)
         self.seconds: dict[str, float] = {}
 
     def run(self, argv: list[str], ok=(0,), what: str = "") -> subprocess.CompletedProcess:
