@@ -18,6 +18,7 @@ from relayout.workflows.validation.record import VALIDATION_FORMAT, VALIDATION_V
 from relayout.workflows.validation.rules import cell_agreement
 from relayout.workflows.validation.run import WORK_MARKER, WORK_NAME
 from relayout.workflows.validation.summary import drive_reads_check, harness_compute, page_cache_waits, summarize_validation
+from containers.errors import InputError
 from replay.evaluation.stats import repetition_interval
 
 
@@ -57,13 +58,17 @@ def _check_record(v: dict) -> None:
                                                                  for x in mc["repetitions"]])
     assert v["summary"]["harness_compute"]["cells"] == len(v["cells"])
     assert "the harness's compute" in v["summary"]["text"]
-    old = {**json.loads(json.dumps(v)), "version": 6}    # a record of version 6 had no calibration sentence
-    del old["calibration_sharing"]
-    assert judge_record(old)["summary"]["verdict"] == v["summary"]["verdict"]
-    with pytest.raises(ValueError, match="version 6 or later"):
-        judge_record({**v, "version": 5})
-    with pytest.raises(ValueError, match="relayout.validation"):
+    for old in (VALIDATION_VERSION - 1, 6):               # an older record: one line, run validate again
+        with pytest.raises(InputError, match=f"version {old}; this relayout reads version {VALIDATION_VERSION}: run "
+                                             "relayout validate again") as e:
+            judge_record({**v, "version": old}, "v.json")
+        assert str(e.value).count("\n") == 0 and str(e.value).startswith("v.json: ")
+    with pytest.raises(InputError, match="not a relayout.validation record"):
         judge_record({**v, "format": "something else"})
+    lacking = json.loads(json.dumps(v))
+    del lacking["placement_control"]
+    with pytest.raises(InputError, match="lacks 'placement_control'"):
+        judge_record(lacking)
     assert v["device"]["name"] == "single-nvme" and v["device"]["profile"]["drive"]
     assert v["container"]["fingerprint"] and v["trace"]["fingerprint"] and len(v["trace"]["held_out_sessions"]) >= 5
     assert v["config"]["reps"] == 2 and v["config"]["tokens"] == 8 and v["trace"]["steps"] == 8
