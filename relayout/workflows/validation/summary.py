@@ -62,8 +62,11 @@ class Tally:
 
 
 def tally(cells: list[dict], comparisons: list[dict], prefetch_comparisons: list[dict]) -> Tally:
-    """Count the judged cells and savings and decide the verdict (the module doc of
-    :mod:`relayout.workflows.validation`, "The verdict")."""
+    """Count the judged cells and savings and decide the verdict (``docs/VALIDATION.md``, "The verdict"):
+    ``"does not hold"`` when a measurement rules a prediction out (or no cell measured any stall);
+    else ``"insufficient"`` with fewer than :data:`.rules.VERDICT_REPS` repetitions per cell;
+    ``"holds"`` when every cell is within :data:`.rules.TOLERANCE`, the savings missing their 95%
+    interval are no more than chance allows and the gate decides alike; else ``"inconclusive"``."""
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
     lo, hi = (min(ratios), max(ratios)) if ratios else (None, None)
     within = max(abs(r - 1) for r in ratios) if ratios else None
