@@ -111,16 +111,30 @@ def summary_lines(t, s, cells: list[dict], *, drift: float | None, harness: dict
                   waits: dict | None, slow: list, sharing: tuple | None, merge: tuple | None, placement: list | None,
                   hidden: int | None) -> list[str]:
     """The summary's text, line by line (``t``: a :class:`.summary.Tally`, ``s``: the :class:`.summary.Speeds`;
-    the rest as :func:`.summary.summarize_validation` found them)."""
-    M, P, inside, placed, sign_wrong, decided, wrong = t.M, t.P, t.inside, t.placed, t.sign_wrong, t.decided, t.wrong
-    gate_diff, gate_placed, pf_close, pf_out, pf_precise, reps = t.gate_diff, t.gate_placed, t.pf_close, t.pf_out, t.pf_precise, t.reps
-    missed, allowed, contradicted, spread, verdict, ratios = t.missed, t.allowed, t.contradicted, t.spread, t.verdict, t.ratios
-    probed, probed_within, at_run, at_near, run_savings, run_pf = s.probed, s.probed_within, s.at_run, s.at_near, s.run_savings, s.run_pf
+    the rest as :func:`.summary.summarize_validation` found them): the verdict's sentence, then
+    ``"  label: sentence"`` per aspect."""
     lines = [verdict_sentence(t) + harness_note(t, harness) + drift_note(t, s, drift)]
 
     def line(label: str, sentence: str) -> None:
         lines.append(f"  {label}: {sentence}")
 
+    judgement_lines(line, t, cells)
+    speed_lines(line, t, s, cells, drift)
+    if harness:
+        harness_line(line, harness)
+    if reads:
+        reads_line(line, reads)
+    if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:
+        waits_line(line, waits)
+    disk_lines(line, t, slow=slow, sharing=sharing, merge=merge, placement=placement, hidden=hidden)
+    return lines
+
+
+def judgement_lines(line, t, cells: list[dict]) -> None:
+    """Layout savings, prefetch savings, the judgements a verdict rests on, chance, contradictions, scattered repetitions."""
+    M, P, inside, placed, sign_wrong, decided, wrong = t.M, t.P, t.inside, t.placed, t.sign_wrong, t.decided, t.wrong
+    gate_diff, gate_placed, pf_close, pf_out, pf_precise, reps = t.gate_diff, t.gate_placed, t.pf_close, t.pf_out, t.pf_precise, t.reps
+    missed, allowed, contradicted, spread, verdict = t.missed, t.allowed, t.contradicted, t.spread, t.verdict
     if M:
         line("layout savings", f"the predicted saving lies inside the measured 95% interval in {len(inside)} of {M} "
              f"comparison(s)" + (f", beyond its family interval by no more than placement alone does in {len(placed)}"
@@ -153,6 +167,12 @@ def summary_lines(t, s, cells: list[dict], *, drift: float | None, harness: dict
         line("repetitions", f"those of one cell differ by up to {spread:.0%} of their mean: the disk was not steady "
              "(other I/O?)" + ("" if verdict == "inconclusive" else
                                ", so rerun on an idle machine or with more --reps before reading the savings"))
+
+
+def speed_lines(line, t, s, cells: list[dict], drift: float | None) -> None:
+    """The disk's drift; the cells at each run's speed and at its neighbours'; the savings at equal disk speed."""
+    ratios = t.ratios
+    probed, probed_within, at_run, at_near, run_savings, run_pf = s.probed, s.probed_within, s.at_run, s.at_near, s.run_savings, s.run_pf
     if probed_within is not None:
         line("the disk's drift", f"its probed rate moved by {drift:.0%} during the run; predicting each repetition at "
              f"its probed speed gives predicted/measured S {min(probed):.2f}-{max(probed):.2f} "
@@ -184,52 +204,67 @@ def summary_lines(t, s, cells: list[dict], *, drift: float | None, harness: dict
                 line(f"{what} savings at equal disk speed", f"the predicted {what} saving lies inside the measured "
                      f"interval in {sum(x['predicted_inside_measured'] for x in xs)} of {len(xs)} (half-widths up to "
                      f"{width:.2f} ms/token){close}, ruled out in {sum(x['agreement'] == 'disagrees' for x in xs)}")
-    if harness:
-        line("the harness's compute", f"the measuring harness computed {harness['excess_min']:+.0%} to "
-             f"{harness['excess_max']:+.0%} more than the model's compute ({harness['excess_min_s'] * 1e3:+.2f} to "
-             f"{harness['excess_max_s'] * 1e3:+.2f} ms/token; in that excess, layouts of one RAM budget and prefetch "
-             f"source differ by up to {harness['layout_spread_s'] * 1e3:.2f} ms/token): its own Python work beyond the "
-             "emulated compute. Counted as compute between a layer's reads, that work overlaps them and hides stall the "
-             "runtime would show, the more so for layouts issuing more reads; relayout's harness times its waits in the "
-             "compute model's time, so an excess that is large or differs between layouts marks a record measured before "
-             "it did"
-             + (f"; at each run's speed with the compute it ran, the model gives predicted/measured S "
-                f"{harness['ratio_min']:.2f}-{harness['ratio_max']:.2f} ({harness['cells_within_band']} of "
-                f"{harness['cells']} cells within +/-{CLOSE_BAND:.0%})" if harness["cells"] else "")
-             + (f", and at equal disk speed and compute the predicted layout saving lies inside the measured interval "
-                f"in {harness['savings_inside']} of {harness['savings']}, ruled out in {harness['savings_ruled_out']}"
-                if harness["savings"] else ""))
-    if reads:
-        sentence = (f"the model's demand preads that reach the drive are {reads['ratio_min']:.2f}-"
-                    f"{reads['ratio_max']:.2f} times the harness's per token ({reads['within']} of {reads['cells']} "
-                    f"cells within +/-{READS_AGREE:.0%})" if reads["cells"] else "")
-        if reads["unmeasured"]:
-            sentence += (", and " if sentence else "") + (f"in {reads['unmeasured']} cell(s) the model read from the drive "
-                                                          "and the harness did not")
-        if reads["within"] < reads["cells"] or reads["unmeasured"]:
-            sentence += (": the two read the same preads (one read path) and disagree about which of them reach the drive, "
-                         "a difference in what is read, not in the drive's speed")
-            if reads["cells"] and reads["ratio_min"] > 1 + READS_AGREE:
-                sentence += ("; the model's page cache (Linux's readahead at the profile's read_ahead_bytes, each arm alone) "
-                             "held fewer scale pages than the kernel's, which arms reading the same container share, or, "
-                             "where the harness tested with RWF_NOWAIT (page_cache_test in its runs' configuration), it took "
-                             "a scale read whose own readahead had completed before it looked for a page-cache hit")
-            elif reads["cells"] and reads["ratio_max"] < 1 - READS_AGREE:
-                sentence += ("; the kernel's page cache held fewer scale pages than the model's: a pread that finds its pages "
-                             "still being read by an earlier readahead waits for the drive (the harness counts it as a drive "
-                             "read, the model as served from the page cache), or the kernel read less ahead than the "
-                             "Linux 6.16-6.19 readahead the model follows")
-        line("drive reads", sentence)
-    if waits and max(hi for _, hi in waits["by_layout"].values()) > 0:
-        line("waits for the page cache", "the harness's compute thread waited "
-             + ", ".join(f"{lo * 1e3:.2f}-{hi * 1e3:.2f} ms/token in {m}" for m, (lo, hi) in waits["by_layout"].items())
-             + " for experts whose own reads the page cache served (a coalesced run's later experts: their weights come "
-             "with the run's first read, their scale reads follow as jobs of their own and find their pages cached): "
-             "bytes the runtime, in C, has in microseconds, and the model charges memory time for, where a Python "
-             "harness's reader thread takes tens of microseconds a job"
-             + (f"; at equal disk speed less these waits, the predicted layout saving lies inside the measured interval "
-                f"in {waits['savings_inside']} of {waits['savings']}, ruled out in {waits['savings_ruled_out']}"
-                if waits["savings"] else ""))
+
+
+def harness_line(line, harness: dict) -> None:
+    """The harness's compute against the model's (:func:`.summary.harness_compute`)."""
+    line("the harness's compute", f"the measuring harness computed {harness['excess_min']:+.0%} to "
+         f"{harness['excess_max']:+.0%} more than the model's compute ({harness['excess_min_s'] * 1e3:+.2f} to "
+         f"{harness['excess_max_s'] * 1e3:+.2f} ms/token; in that excess, layouts of one RAM budget and prefetch "
+         f"source differ by up to {harness['layout_spread_s'] * 1e3:.2f} ms/token): its own Python work beyond the "
+         "emulated compute. Counted as compute between a layer's reads, that work overlaps them and hides stall the "
+         "runtime would show, the more so for layouts issuing more reads; relayout's harness times its waits in the "
+         "compute model's time, so an excess that is large or differs between layouts marks a record measured before "
+         "it did"
+         + (f"; at each run's speed with the compute it ran, the model gives predicted/measured S "
+            f"{harness['ratio_min']:.2f}-{harness['ratio_max']:.2f} ({harness['cells_within_band']} of "
+            f"{harness['cells']} cells within +/-{CLOSE_BAND:.0%})" if harness["cells"] else "")
+         + (f", and at equal disk speed and compute the predicted layout saving lies inside the measured interval "
+            f"in {harness['savings_inside']} of {harness['savings']}, ruled out in {harness['savings_ruled_out']}"
+            if harness["savings"] else ""))
+
+
+def reads_line(line, reads: dict) -> None:
+    """The demand reads that reach the drive, the model's against the harness's (:func:`.summary.drive_reads_check`)."""
+    sentence = (f"the model's demand preads that reach the drive are {reads['ratio_min']:.2f}-"
+                f"{reads['ratio_max']:.2f} times the harness's per token ({reads['within']} of {reads['cells']} "
+                f"cells within +/-{READS_AGREE:.0%})" if reads["cells"] else "")
+    if reads["unmeasured"]:
+        sentence += (", and " if sentence else "") + (f"in {reads['unmeasured']} cell(s) the model read from the drive "
+                                                      "and the harness did not")
+    if reads["within"] < reads["cells"] or reads["unmeasured"]:
+        sentence += (": the two read the same preads (one read path) and disagree about which of them reach the drive, "
+                     "a difference in what is read, not in the drive's speed")
+        if reads["cells"] and reads["ratio_min"] > 1 + READS_AGREE:
+            sentence += ("; the model's page cache (Linux's readahead at the profile's read_ahead_bytes, each arm alone) "
+                         "held fewer scale pages than the kernel's, which arms reading the same container share, or, "
+                         "where the harness tested with RWF_NOWAIT (page_cache_test in its runs' configuration), it took "
+                         "a scale read whose own readahead had completed before it looked for a page-cache hit")
+        elif reads["cells"] and reads["ratio_max"] < 1 - READS_AGREE:
+            sentence += ("; the kernel's page cache held fewer scale pages than the model's: a pread that finds its pages "
+                         "still being read by an earlier readahead waits for the drive (the harness counts it as a drive "
+                         "read, the model as served from the page cache), or the kernel read less ahead than the "
+                         "Linux 6.16-6.19 readahead the model follows")
+    line("drive reads", sentence)
+
+
+def waits_line(line, waits: dict) -> None:
+    """The harness's waits for experts the page cache served (:func:`.summary.page_cache_waits`)."""
+    line("waits for the page cache", "the harness's compute thread waited "
+         + ", ".join(f"{lo * 1e3:.2f}-{hi * 1e3:.2f} ms/token in {m}" for m, (lo, hi) in waits["by_layout"].items())
+         + " for experts whose own reads the page cache served (a coalesced run's later experts: their weights come "
+         "with the run's first read, their scale reads follow as jobs of their own and find their pages cached): "
+         "bytes the runtime, in C, has in microseconds, and the model charges memory time for, where a Python "
+         "harness's reader thread takes tens of microseconds a job"
+         + (f"; at equal disk speed less these waits, the predicted layout saving lies inside the measured interval "
+            f"in {waits['savings_inside']} of {waits['savings']}, ruled out in {waits['savings_ruled_out']}"
+            if waits["savings"] else ""))
+
+
+def disk_lines(line, t, *, slow: list, sharing: tuple | None, merge: tuple | None, placement: list | None,
+               hidden: int | None) -> None:
+    """Slow first reads, a drive that shares itself, the per-read cost, the placement control."""
+    M = t.M
     if slow:
         line("first reads", "read once before measuring, " + ", ".join(f"the {m} container ran at {f:.0%}" for m, f in slow)
              + " of the fastest: this disk does not serve every file alike on a first read (a host cache or a lazily "
@@ -247,4 +282,3 @@ def summary_lines(t, s, cells: list[dict], *, drift: float | None, harness: dict
              f"ms/token [{worst['low_s'] * 1e3:+.2f}, {worst['high_s'] * 1e3:+.2f}] at RAM {block['ram_fraction']:g} "
              f"(the block whose interval reaches farthest): a measured layout saving within {bound * 1e3:.2f} ms/token "
              f"is not separable from where the disk put the files, and {hidden} of {M} are no larger")
-    return lines
