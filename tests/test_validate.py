@@ -824,3 +824,45 @@ def test_fewer_repetitions_than_a_verdict_needs_give_insufficient_unless_a_measu
     assert summarize_validation(two, [_comparison(True, inside=False)])["verdict"] == "does not hold"
     four = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
     assert summarize_validation(four, [_comparison(True)])["verdict"] == "holds"
+
+
+def _record(stock_reps, louvain_reps, predicted=(1.0e-3, 0.8e-3), saving=None):
+    """A present-form validation record of two cells (stock, louvain at RAM 0) and their saving, unjudged (s/token)."""
+    cells = [{"layout": m, "ram_fraction": 0.0, "prefetch": "none", "predicted_stall_per_token_s": p,
+              "predicted_tpot_s": p + 0.01, "ratio": p / (sum(r) / len(r)),
+              "measured_stall_per_token_s": {"mean": sum(r) / len(r), "repetitions": list(r)},
+              "at_probed_speed": None, "at_run_speed": None, "at_neighbour_speed": None, "at_harness_compute": None}
+             for m, p, r in (("stock", predicted[0], stock_reps), ("louvain", predicted[1], louvain_reps))]
+    each = [a - b for a, b in zip(stock_reps, louvain_reps)]
+    iv = repetition_interval(each)
+    comparison = {"layout": "louvain", "baseline": "stock", "ram_fraction": 0.0, "prefetch": "none",
+                  "predicted_saving": {"estimate_s": predicted[0] - predicted[1] if saving is None else saving},
+                  "measured_saving": {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high, "repetitions": each},
+                  "at_run_speed": None, "at_harness_compute": None, "less_page_cache_waits": None,
+                  "gate": {"same_decision": True}}
+    return {"format": VALIDATION_FORMAT, "version": VALIDATION_VERSION, "tool_version": "test", "path": "/disk",
+            "device": {}, "container": {}, "trace": {}, "layouts": {}, "config": {}, "drift": None, "first_read": {},
+            "cells": cells, "comparisons": [comparison], "prefetch_comparisons": [],
+            "placement_control": {"prefetch": "none", "blocks": []}, "calibration_sharing": None,
+            "calibration_merge": None}
+
+
+def test_a_synthetic_record_is_judged_close_contradicted_or_insufficient_by_the_rules():
+    stock, louvain = (1.00e-3, 1.02e-3, 0.98e-3, 1.01e-3), (0.80e-3, 0.81e-3, 0.79e-3, 0.80e-3)
+    r = _record(stock, louvain)
+    v = judge_record(r)                                    # predictions on the measured means: close, holds
+    assert [c["agreement"] for c in v["cells"]] == ["agrees", "agrees"]
+    assert v["comparisons"][0]["agreement"] == "agrees" and v["summary"]["verdict"] == "holds"
+    assert v["summary"]["text"].startswith("the model holds on this disk within 1% (predicted/measured S 1.00-1.00")
+    assert "summary" not in r and "agreement" not in r["cells"][0]        # the input is left as it was
+    assert list(v)[-4:] == ["summary", "work_dir", "plots", "elapsed_seconds"]   # the written order
+    far = judge_record(_record(stock, louvain, predicted=(1.5e-3, 0.8e-3)))     # stock 49% over a tight measurement
+    assert far["cells"][0]["agreement"] == "disagrees" and far["summary"]["verdict"] == "does not hold"
+    wrong = judge_record(_record(stock, louvain, saving=-0.2e-3))             # a cost predicted, a clear saving measured
+    x = wrong["comparisons"][0]
+    assert x["agreement"] == "disagrees" and x["sign_agrees"] is False and "CONTRADICTS" in x["words"]
+    assert wrong["summary"]["contradictions"] == 1 and wrong["summary"]["verdict"] == "does not hold"
+    two = judge_record(_record(stock[:2], louvain[:2]))                       # two repetitions: no verdict
+    assert two["summary"]["verdict"] == "insufficient" and two["summary"]["text"].startswith("INSUFFICIENT")
+    with pytest.raises(InputError, match="lacks 'cells'"):
+        judge_record({k: x for k, x in r.items() if k != "cells"})
