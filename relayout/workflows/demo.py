@@ -17,7 +17,6 @@ import numpy as np
 
 from containers.atomic import write_bytes_atomic, write_json_atomic
 from containers.container import MANIFEST_NAME, Container
-from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container

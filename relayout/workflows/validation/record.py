@@ -23,6 +23,10 @@ import numpy as np
 from containers import __version__
 from containers import records
 from containers.errors import InputError
+from replay.evaluation.evidence import HeldOut
+from replay.formats.trace import RoutingTrace
+from replay.model.config import RuntimeConfig
+from replay.model.device import ArrayProfile
 
 from .diagnoses import normalized_saving, predicted_at, run_page_cache_waits, run_stalls, saving
 from .options import TRAIN_FRACTION, ValidateOptions
@@ -102,17 +106,17 @@ class Measurement:
     """
 
     options: ValidateOptions
-    device: Any
+    device: ArrayProfile
     device_source: str
     profile_path: Path | None
     source: Path
     manifest: dict
-    trace: Any
-    held: Any
+    trace: RoutingTrace
+    held: HeldOut
     plans: dict
     synthetic: bool
     routed: int
-    runtime: Any
+    runtime: RuntimeConfig
     reps: int
     chosen: str | None
     cells: list

@@ -23,7 +23,9 @@ from containers.progress import progress_bar
 from containers.atomic import make_dirs, write_json_atomic
 from containers.container import Container
 from containers.errors import InputError
+from replay.formats.trace import RoutingTrace
 from replay.model.config import RuntimeConfig
+from replay.model.device import ArrayProfile
 from replay.model.metrics import LayoutMetrics, StepTable
 
 from relayout.render import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
@@ -94,7 +96,7 @@ class Calibrated:
     """The profile predicted on and where it came from; with a calibration, the profile's JSON,
     where it was saved, and its sentences on sharing and merging (:mod:`relayout.render`)."""
 
-    device: object
+    device: ArrayProfile
     source: str
     path: Path | None = None
     profile: dict | None = None
@@ -128,15 +130,19 @@ class Replayer:
     """Replays the held-out steps of ``mask`` for one cell ``(layout, prefetch, RAM fraction)``
     on a device (:func:`replay.model.engine.simulate`)."""
 
-    trace: object
+    trace: RoutingTrace
     mask: np.ndarray
     lay: Layouts
     runtime: RuntimeConfig
     routed: int
-    coupling: object
+    coupling: object | None
 
     def config(self, pf: str, frac: float) -> RuntimeConfig:
         return replace(self.runtime, ram_bytes=int(self.routed * frac), prefetch=pf)
+
+    def first(self, n: int) -> "Replayer":
+        """The same replays on the first ``n`` of its steps."""
+        return replace(self, mask=self.mask & (np.cumsum(self.mask) <= n))
 
     def predict(self, key: tuple, device) -> Prediction:
         """The cell predicted on ``device``."""
@@ -284,6 +290,35 @@ def _diagnoses(r: Replayer, device, measured: Measured, predicted: dict, probe: 
     return {"drift": drift, "probed": probed, "at_run": at_run, "at_near": at_near, "at_harness": at_harness}
 
 
+def _run_size(o: ValidateOptions, everything: Replayer, device, *, started: float, notify) -> tuple[int, int, str | None]:
+    """``(tokens, reps, what was chosen and why)``: as given (or the defaults), or what ``--minutes``
+    affords (:func:`.options.choose_size`) after a probe of stock's first steps at the smallest
+    RAM budget (the slowest cell), counted from ``started`` (``time.perf_counter()``)."""
+    from replay.model.engine import simulate
+    from replay.physical.measure import measure
+
+    available = int(everything.mask.sum())
+    tokens = min(o.tokens or DEFAULT_TOKENS, available)
+    reps = o.reps or DEFAULT_REPS
+    if o.minutes is None:
+        return tokens, reps, None
+    n_runs = len(cells_of(o)) * len(o.layouts) + len(o.ram)          # + the placement control in every block
+    pf, frac = min(cells_of(o), key=lambda c: c[1])
+    probe_steps = min(PROBE_TOKENS, available)
+    probing = everything.first(probe_steps)
+    # the replay model compiles on a machine's first run: do it now, so the budget counts it
+    simulate(probing.trace, probing.mask, probing.lay.layouts["stock"], device, probing.config(pf, frac),
+             coupling=probing.coupling)
+    notify(f"probing: {probe_steps} steps of stock at RAM {frac:g}, prefetch {pf}")
+    res = measure(Container.open(probing.lay.dirs["stock"]), probing.trace, probing.mask, probing.config(pf, frac), None,
+                  record=False, progress=False, coupling=probing.coupling)
+    budget = o.minutes * 60 - (time.perf_counter() - started)
+    budget -= max(15.0, 0.1 * budget)       # predictions, evidence, writing, removing the work directory
+    tokens, reps, chosen = choose_size(o, available, n_runs, res.wall_seconds, probe_steps, budget)
+    notify(chosen)
+    return tokens, reps, chosen
+
+
 def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     """Run the validation and write its record to ``o.output``.
 
@@ -298,9 +333,7 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
     The ``validation.json`` record written (:meth:`.record.ValidationRecord.to_json`).
     """
     from replay.evaluation.gate import evaluation_forwards, training_coupling
-    from replay.model.engine import simulate
     from replay.physical.calibrate import merge_saving
-    from replay.physical.measure import measure
 
     t_start = time.perf_counter()
     check_options(o)
@@ -325,38 +358,18 @@ def validate(o: ValidateOptions, notify=print, progress: bool = True) -> dict:
         base_cfg = RuntimeConfig(workers=o.workers, coalesce=o.coalesce)
         cells = cells_of(o)
         control_pf = "none" if "none" in o.prefetch else o.prefetch[0]   # the placement control's prefetch source
-        n_runs = len(cells) * len(o.layouts) + len(o.ram)                # + the placement control in every block
-
-        def first(n: int) -> np.ndarray:
-            return mask_all & (np.cumsum(mask_all) <= n)
-
+        everything = Replayer(trace, mask_all, lay, base_cfg, routed, coupling)
         run_dir = make_dirs(work.claim("runs"))
-        chosen = None
-        tokens = min(o.tokens or DEFAULT_TOKENS, available)
-        reps = o.reps or DEFAULT_REPS
-        if o.minutes is not None:
-            pf, frac = min(cells, key=lambda c: c[1])
-            probe_steps = min(PROBE_TOKENS, available)
-            probing = Replayer(trace, first(probe_steps), lay, base_cfg, routed, coupling)
-            # the replay model compiles on a machine's first run: do it now, so the budget counts it
-            simulate(trace, probing.mask, lay.layouts["stock"], device, probing.config(pf, frac), coupling=coupling)
-            notify(f"probing: {probe_steps} steps of stock at RAM {frac:g}, prefetch {pf}")
-            res = measure(Container.open(lay.dirs["stock"]), trace, first(probe_steps), probing.config(pf, frac), None,
-                          record=False, progress=False, coupling=coupling)
-            budget = o.minutes * 60 - (time.perf_counter() - t_start)
-            budget -= max(15.0, 0.1 * budget)       # predictions, evidence, writing, removing the work directory
-            tokens, reps, chosen = choose_size(o, available, n_runs, res.wall_seconds, probe_steps, budget)
-            notify(chosen)
+        tokens, reps, chosen = _run_size(o, everything, device, started=t_start, notify=notify)
         if reps % 2:
             notify(f"{reps} repetitions: the last is unpaired, so a disk whose speed drifts through a round is not "
                    "fully counterbalanced (an even --reps is)")
         if o.tokens is not None and o.tokens > available:
             notify(f"only {available} held-out steps in the trace: measuring {available}, not {o.tokens}")
-        mask = first(tokens)
-        fw = np.flatnonzero(mask)
+        r = everything.first(tokens)
+        fw = np.flatnonzero(r.mask)
         methods = list(o.layouts)
         probe = probe_target(lay.dirs["stock"], lay.layouts["stock"])
-        r = Replayer(trace, mask, lay, base_cfg, routed, coupling)
         # predictions: exactly the measured steps, on the profile
         predicted = {(m, pf, frac): r.predict((m, pf, frac), device) for pf, frac in cells for m in methods}
         measured = _measure(o, r, fw=fw, reps=reps, control_pf=control_pf, run_dir=run_dir, probe=probe,
