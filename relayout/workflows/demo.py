@@ -71,10 +71,22 @@ def default_demo_dir(parent: Path) -> Path:
 
 
 def run_demo(work_dir: str | None = None, seed: int = 0) -> int:
-    """Run the demo in ``work_dir`` (new, empty or a previous demo's), or in a new folder under the
-    current directory (:func:`default_demo_dir`); its outputs are kept and listed. Only paths the
-    demo recorded making (:class:`~relayout.workflows.workdir.WorkDir`) are ever removed (a previous demo's,
-    when it runs again in the same directory)."""
+    """Run the demo; its outputs are kept and listed.
+
+    Only paths the demo recorded making (:class:`~relayout.workflows.workdir.WorkDir`) are ever
+    removed (a previous demo's, when it runs again in the same directory).
+
+    Parameters
+    ----------
+    work_dir : the directory to run in (new, empty or a previous demo's); None for a new folder
+        under the current directory (:func:`default_demo_dir`).
+    seed : the seed of the synthetic container, trace and plan.
+
+    Returns
+    -------
+    The exit status: 0 when the container, its manifest check and the rewrite's full verify found
+    no problem, else 1.
+    """
     work = WorkDir.open(work_dir if work_dir is not None else default_demo_dir(Path.cwd()), DEMO_MARKER, "demo")
     try:
         return _run(work, seed)

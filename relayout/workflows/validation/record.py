@@ -330,6 +330,16 @@ def judge(record: ValidationRecord) -> ValidationRecord:
 
 
 def judge_record(obj: dict, where: str | None = None) -> dict:
-    """A ``validation.json`` document (parsed JSON, :meth:`ValidationRecord.from_json`) judged
-    again by the present rules (:func:`judge`), as JSON values; ``obj`` is left as it was."""
+    """A ``validation.json`` document judged again by the present rules.
+
+    Parameters
+    ----------
+    obj : the parsed document (:meth:`ValidationRecord.from_json`: of the present version only);
+        left as it was.
+    where : the file it came from, named in a one-line :class:`InputError`.
+
+    Returns
+    -------
+    The judged record (:func:`judge`) as JSON values, in the order ``validate`` writes them.
+    """
     return judge(ValidationRecord.from_json(obj, where)).to_json()

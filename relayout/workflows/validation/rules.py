@@ -85,7 +85,11 @@ def cell_agreement(predicted: float, mean: float, low: float, high: float, toler
     when it lies outside the measured interval [``low``, ``high``] widened by ``tolerance`` (no S
     the measurement admits is within tolerance of the prediction; ``validate`` passes the cell's
     family interval, :func:`over_repetitions`); else ``"unresolved"`` (the repetitions scatter
-    too widely to tell). Any one unit (s/token)."""
+    too widely to tell). Any one unit (s/token).
+
+    >>> cell_agreement(1.15, 1.0, 0.99, 1.01), cell_agreement(1.3, 1.0, 0.99, 1.01), cell_agreement(1.3, 1.0, 0.5, 1.5)
+    ('agrees', 'disagrees', 'unresolved')
+    """
     if mean > 0 and abs(predicted / mean - 1) <= tolerance:
         return "agrees"
     if predicted > high * (1 + tolerance) or predicted < max(low, 0.0) * (1 - tolerance):
