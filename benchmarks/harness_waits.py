@@ -40,7 +40,7 @@ import numpy as np
 
 import replay.physical.measure as measure
 from containers.container import Container
-from relayout.validate import validation_trace
+from relayout.workflows.validation.prepare import validation_trace
 from replay.model.config import RuntimeConfig
 from replay.evaluation.gate import evaluation_forwards
 from replay.formats.planfile import load_plan

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from containers.container import Container
-from relayout.validate import validation_trace
+from relayout.workflows.validation.prepare import validation_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.model.engine import simulate

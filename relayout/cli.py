@@ -573,7 +573,8 @@ def cmd_validate(args) -> int:
     import time
 
     from .render import format_validation
-    from .validate import ValidateOptions, parse_list, validate
+    from .workflows.validation.options import ValidateOptions, parse_list
+    from .workflows.validation.run import validate
 
     t0 = time.perf_counter()
     opts = ValidateOptions(
@@ -688,7 +689,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .workflows.demo import run_demo
 
     return run_demo(args.dir, seed=args.seed)
 

@@ -91,7 +91,7 @@ def test_an_unexpected_exception_is_one_line_asking_for_a_bug_report(monkeypatch
 
 
 def test_the_demo_says_in_words_when_measurement_contradicts_prediction():
-    from relayout.demo import measured_vs_predicted
+    from relayout.workflows.validation.rules import measured_vs_predicted
 
     assert measured_vs_predicted(-6.4, -8.0, -4.9, 3.4).startswith("measurement CONTRADICTS the prediction: measured saving is negative")
     assert "CONTRADICTS" in measured_vs_predicted(2.0, 1.5, 2.5, -0.5)

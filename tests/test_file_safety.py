@@ -14,7 +14,7 @@ from conftest import REPO, run_cli
 
 from containers.atomic import TEMP_NAME, atomic_output, temp_name, write_json_atomic
 from containers.errors import InputError
-from relayout.workdir import WorkDir
+from relayout.workflows.workdir import WorkDir
 
 
 def _victim(tmp_path):

@@ -137,7 +137,7 @@ def test_a_missing_directory_is_named_as_missing(tmp_path):
 
 
 def test_the_demo_picks_a_new_folder_under_the_current_directory(tmp_path):
-    from relayout.demo import default_demo_dir
+    from relayout.workflows.demo import default_demo_dir
 
     assert default_demo_dir(tmp_path) == tmp_path / "relayout-demo"
     (tmp_path / "relayout-demo").mkdir()

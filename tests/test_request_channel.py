@@ -174,10 +174,11 @@ def test_the_merge_check_says_how_far_the_model_is_from_what_merging_saved():
 
 def test_a_validation_record_says_what_merging_saved_under_per_read_cost():
     from relayout.render import merge_sentence
-    from relayout.validate import judge_record
+    from relayout.workflows.validation.record import judge_record
 
-    with open(Path(__file__).resolve().parent.parent / "benchmarks" / "records" / "v37-2026-12-03.validation.json") as f:
+    with open(Path(__file__).resolve().parent.parent / "benchmarks" / "records" / "v53-2026-12-04.validation.json") as f:
         record = json.load(f)
+    record["calibration_merge"] = None                               # a run on a given profile
     plain = judge_record(record)
     assert "per-read cost" not in plain["summary"]["text"]
     assert plain["summary"]["merge_saving_predicted_over_measured"] is None
@@ -191,7 +192,7 @@ def test_a_validation_record_says_what_merging_saved_under_per_read_cost():
 
 def test_validate_adds_what_merging_saved_after_the_measurement():
     from relayout.render import merge_sentence
-    from relayout.validate import merge_after_sentence
+    from relayout.workflows.validation.run import merge_after_sentence
 
     merge = merge_sentence(_merge_profile(60, 40))
     after = {"saving_seconds": -12e-6, "saving_low_seconds": -20e-6, "saving_high_seconds": -3e-6}

@@ -13,21 +13,12 @@ import numpy as np
 import pytest
 from conftest import run_cli, small_geometry, source_with_manifest, tree_state
 
-from relayout.validate import (
-    VALIDATION_FORMAT,
-    VALIDATION_VERSION,
-    WORK_MARKER,
-    WORK_NAME,
-    _normalized_saving,
-    at_harness_compute,
-    cell_agreement,
-    drive_reads_check,
-    harness_compute,
-    judge_record,
-    page_cache_waits,
-    speed_normalized_savings,
-    summarize_validation,
-)
+from relayout.workflows.validation.diagnoses import at_harness_compute, normalized_saving, speed_normalized_savings
+from relayout.workflows.validation.record import VALIDATION_FORMAT, VALIDATION_VERSION, judge_record
+from relayout.workflows.validation.rules import cell_agreement
+from relayout.workflows.validation.run import WORK_MARKER, WORK_NAME
+from relayout.workflows.validation.summary import drive_reads_check, harness_compute, page_cache_waits, summarize_validation
+from containers.errors import InputError
 from replay.evaluation.stats import repetition_interval
 
 
@@ -67,13 +58,17 @@ def _check_record(v: dict) -> None:
                                                                  for x in mc["repetitions"]])
     assert v["summary"]["harness_compute"]["cells"] == len(v["cells"])
     assert "the harness's compute" in v["summary"]["text"]
-    old = {**json.loads(json.dumps(v)), "version": 6}    # a record of version 6 had no calibration sentence
-    del old["calibration_sharing"]
-    assert judge_record(old)["summary"]["verdict"] == v["summary"]["verdict"]
-    with pytest.raises(ValueError, match="version 6 or later"):
-        judge_record({**v, "version": 5})
-    with pytest.raises(ValueError, match="relayout.validation"):
+    for old in (VALIDATION_VERSION - 1, 6):               # an older record: one line, run validate again
+        with pytest.raises(InputError, match=f"version {old}; this relayout reads version {VALIDATION_VERSION}: run "
+                                             "relayout validate again") as e:
+            judge_record({**v, "version": old}, "v.json")
+        assert str(e.value).count("\n") == 0 and str(e.value).startswith("v.json: ")
+    with pytest.raises(InputError, match="not a relayout.validation record"):
         judge_record({**v, "format": "something else"})
+    lacking = json.loads(json.dumps(v))
+    del lacking["placement_control"]
+    with pytest.raises(InputError, match="lacks 'placement_control'"):
+        judge_record(lacking)
     assert v["device"]["name"] == "single-nvme" and v["device"]["profile"]["drive"]
     assert v["container"]["fingerprint"] and v["trace"]["fingerprint"] and len(v["trace"]["held_out_sessions"]) >= 5
     assert v["config"]["reps"] == 2 and v["config"]["tokens"] == 8 and v["trace"]["steps"] == 8
@@ -224,7 +219,7 @@ def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
 
 def test_validate_coalesces_in_the_model_and_the_measured_runs_alike(disk, tmp_path):
     from containers.container import Container
-    from relayout.validate import validation_trace
+    from relayout.workflows.validation.prepare import validation_trace
     from replay.model.config import RuntimeConfig
     from replay.model.device import load_device
     from replay.model.engine import simulate
@@ -428,8 +423,8 @@ def test_the_model_and_the_harness_are_compared_on_the_reads_that_reach_the_driv
 def test_a_normalized_saving_needs_a_positive_prediction_for_every_run():
     runs = ([0.03, 0.031], 0.03, [{"predicted_stall_per_token_s": 0.029}, {"predicted_stall_per_token_s": 0.03}])
     zero = ([0.02, 0.021], 0.02, [{"predicted_stall_per_token_s": 0.0}, {"predicted_stall_per_token_s": 0.02}])
-    assert _normalized_saving(runs, runs)["measured"]["repetitions"] == pytest.approx([0.0, 0.0])
-    assert _normalized_saving(runs, zero) is None and _normalized_saving(runs, (*zero[:2], [None, None])) is None
+    assert normalized_saving(runs, runs)["measured"]["repetitions"] == pytest.approx([0.0, 0.0])
+    assert normalized_saving(runs, zero) is None and normalized_saving(runs, (*zero[:2], [None, None])) is None
 
 
 def test_repetition_interval_is_students_t_over_repetitions():
@@ -507,23 +502,23 @@ def test_read_once_reads_every_byte_of_every_file(tmp_path):
 
 
 def test_prefetch_saving_agrees_inside_the_measured_interval_or_within_the_tolerance():
-    from relayout.validate import PREFETCH_TOLERANCE, _judge
+    from relayout.workflows.validation.rules import PREFETCH_TOLERANCE, judge_saving
 
     def measured(reps_ms):
         iv = repetition_interval(np.asarray(reps_ms) / 1e3)
         return {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high}
 
     cost = measured([-20.0, -22.0, -18.0])                           # prefetch costs 20 ms/token, steadily
-    x = _judge(-0.005, cost, PREFETCH_TOLERANCE)                     # predicted -5 vs measured -20 [-25, -15]
+    x = judge_saving(-0.005, cost, PREFETCH_TOLERANCE)                     # predicted -5 vs measured -20 [-25, -15]
     assert x["measured_excludes_zero"] and x["sign_agrees"] and not x["predicted_inside_measured"]
     assert not x["within_tolerance"] and x["agreement"] == "disagrees"
-    x = _judge(-0.019, cost, PREFETCH_TOLERANCE)
+    x = judge_saving(-0.019, cost, PREFETCH_TOLERANCE)
     assert x["predicted_inside_measured"] and x["agreement"] == "agrees"
-    x = _judge(-0.0145, measured([-20.0, -20.1, -19.9]), PREFETCH_TOLERANCE)   # 27.5% off, outside a tight interval
+    x = judge_saving(-0.0145, measured([-20.0, -20.1, -19.9]), PREFETCH_TOLERANCE)   # 27.5% off, outside a tight interval
     assert not x["predicted_inside_measured"] and x["within_tolerance"] and x["agreement"] == "agrees"
-    x = _judge(+0.010, cost, PREFETCH_TOLERANCE)                     # predicted a gain, measured a clear cost
+    x = judge_saving(+0.010, cost, PREFETCH_TOLERANCE)                     # predicted a gain, measured a clear cost
     assert x["sign_agrees"] is False and x["agreement"] == "disagrees" and "CONTRADICTS" in x["words"]
-    assert "within_tolerance" not in _judge(-0.019, cost)            # layouts: no tolerance, the interval alone
+    assert "within_tolerance" not in judge_saving(-0.019, cost)            # layouts: no tolerance, the interval alone
 
 
 def test_a_scaled_profile_is_the_same_drives_at_another_speed():
@@ -553,7 +548,7 @@ def test_a_scaled_profile_is_the_same_drives_at_another_speed():
 def test_runs_are_measured_in_a_counterbalanced_rotating_order():
     """A fixed order (stock always first, no prefetch before a source) turns a disk's drift within
     a round into a fake saving: over each pair of repetitions every run's mean place is the same."""
-    from relayout.validate import measurement_order
+    from relayout.workflows.validation.run import measurement_order
 
     runs = [(m, pf) for m in ("stock", "louvain", "random") for pf in ("none", "oracle", "coupled")]
     for block in range(3):
@@ -568,27 +563,27 @@ def test_runs_are_measured_in_a_counterbalanced_rotating_order():
 def test_a_budget_is_measured_in_pairs_of_repetitions(tmp_path):
     """The run order is counterbalanced over pairs of repetitions, so --minutes picks an even
     number of them (unless --reps says otherwise), whatever the budget and the trace's length."""
-    from relayout.validate import ValidateOptions, _choose_size
+    from relayout.workflows.validation.options import ValidateOptions, choose_size
 
     for tokens in (None, 8):
         o = ValidateOptions(tmp_path, tmp_path / "v.json", minutes=5, tokens=tokens)
         for available in (10, 40, 400):
             for budget in (30.0, 90.0, 300.0, 900.0, 5000.0):
-                t, reps, _ = _choose_size(o, available, 18, 1.0, 10, budget)
+                t, reps, _ = choose_size(o, available, 18, 1.0, 10, budget)
                 assert reps % 2 == 0 and reps >= 2 and t >= 1
     o = ValidateOptions(tmp_path, tmp_path / "v.json", minutes=5, reps=3)
-    assert _choose_size(o, 400, 18, 1.0, 10, 900.0)[1] == 3
+    assert choose_size(o, 400, 18, 1.0, 10, 900.0)[1] == 3
     o = ValidateOptions(tmp_path, tmp_path / "v.json", minutes=5)
-    t, reps, why = _choose_size(o, 400, 18, 1.0, 10, 400.0)      # 4 repetitions of 4 steps fit: a verdict's 4 first
+    t, reps, why = choose_size(o, 400, 18, 1.0, 10, 400.0)      # 4 repetitions of 4 steps fit: a verdict's 4 first
     assert reps == 4 and t >= 4 and "insufficient" not in why
-    t, reps, why = _choose_size(o, 400, 18, 1.0, 10, 30.0)       # not even that: 2, and it says what that means
+    t, reps, why = choose_size(o, 400, 18, 1.0, 10, 30.0)       # not even that: 2, and it says what that means
     assert reps == 2 and "fewer repetitions than the 4 a verdict needs" in why
 
 
 def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
     """A run "measured" on the same drive at 0.6 times its speed: the fixed point recovers the
     factor from the two rates alone, and predicts the run as the slowed drive does."""
-    from relayout.validate import at_run_speed
+    from relayout.workflows.validation.diagnoses import at_run_speed
     from replay.model.config import RuntimeConfig
     from replay.model.device import load_device
     from replay.model.engine import simulate
@@ -633,7 +628,7 @@ def test_speed_normalized_savings_remove_the_disks_speed_not_the_models_error():
 
 
 def test_neighbour_scales_come_from_the_runs_interleaved_with_each_run_never_itself():
-    from relayout.validate import neighbour_scales
+    from relayout.workflows.validation.diagnoses import neighbour_scales
 
     groups = ["a", "a", "a", "b", "b", "c"]
     assert neighbour_scales([1.0, 2.0, 4.0, None, 8.0, 5.0], groups) == [3.0, 2.5, 1.5, 8.0, None, None]
@@ -644,7 +639,7 @@ def test_neighbour_scales_come_from_the_runs_interleaved_with_each_run_never_its
 def test_calibration_reads_the_stock_containers_largest_file_when_it_can(tmp_path):
     """validate calibrates on data its runs read (the stock container's largest file, only read)
     when that file is large enough; else it writes a test file in PATH."""
-    from relayout.validate import calibration_target
+    from relayout.workflows.validation.prepare import calibration_target
     from replay.physical.calibrate import MIN_FILE_BYTES
 
     c = tmp_path / "stock"
@@ -657,12 +652,12 @@ def test_calibration_reads_the_stock_containers_largest_file_when_it_can(tmp_pat
 
 
 def test_the_summary_counts_the_prefetch_savings_measured_precisely_enough_to_judge():
-    from relayout.validate import PREFETCH_TOLERANCE, _judge, resolves_tolerance
+    from relayout.workflows.validation.rules import PREFETCH_TOLERANCE, judge_saving, resolves_tolerance
 
     def prefetch(predicted_ms, reps_ms):
         iv = repetition_interval(np.asarray(reps_ms) / 1e3)
         m = {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high}
-        return {"measured_saving": m, **_judge(predicted_ms / 1e3, m, PREFETCH_TOLERANCE)}
+        return {"measured_saving": m, **judge_saving(predicted_ms / 1e3, m, PREFETCH_TOLERANCE)}
 
     tight = prefetch(-9.0, [-10.0, -10.2, -9.8])          # -10 +/- 0.5: resolves +/-30%, prediction 10% off
     tight_off = prefetch(-6.0, [-10.0, -10.2, -9.8])      # resolves it, prediction 40% off (and outside)
@@ -689,7 +684,7 @@ def test_a_drive_that_shares_itself_among_concurrent_reads_is_said_in_the_summar
 
 
 def test_layout_savings_within_the_placement_control_are_counted():
-    from relayout.validate import placement_difference
+    from relayout.workflows.validation.rules import placement_difference
 
     cells = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
     block = placement_difference(0.0, [0.100, 0.102, 0.101], [0.090, 0.093, 0.091])   # the copy: 10 ms/token faster
@@ -707,31 +702,31 @@ def test_layout_savings_within_the_placement_control_are_counted():
 
 
 def _measured(reps_ms, judgements=1):
-    from relayout.validate import _over_repetitions
+    from relayout.workflows.validation.rules import over_repetitions
 
-    return _over_repetitions([x / 1e3 for x in reps_ms], judgements)
+    return over_repetitions([x / 1e3 for x in reps_ms], judgements)
 
 
 def test_a_layout_saving_is_ruled_out_only_beyond_the_family_interval_and_placement():
-    from relayout.validate import _judge
+    from relayout.workflows.validation.rules import judge_saving
 
     m = _measured([-2.0, -2.4, -2.2, -2.6], judgements=42)           # -2.3 [-2.71, -1.89] ms/token; 99.88%: [-3.87, -0.73]
     assert m["family"]["level"] == pytest.approx(1 - 0.05 / 42)
     assert m["family"]["low_s"] < m["low_s"] and m["family"]["high_s"] > m["high_s"]
-    assert _judge(-0.0022, m, placement_s=0.001)["agreement"] == "agrees"                 # inside the 95% interval
-    x = _judge(-0.001, m, placement_s=0.003)                         # outside 95%, inside the family one: chance
+    assert judge_saving(-0.0022, m, placement_s=0.001)["agreement"] == "agrees"                 # inside the 95% interval
+    x = judge_saving(-0.001, m, placement_s=0.003)                         # outside 95%, inside the family one: chance
     assert x["agreement"] == "unresolved" and "42 judgements" in x["words"]
-    x = _judge(0.0, m, placement_s=0.003)                            # beyond the family one, but placement moves S 3 ms
+    x = judge_saving(0.0, m, placement_s=0.003)                            # beyond the family one, but placement moves S 3 ms
     assert x["agreement"] == "within placement" and "placement control" in x["words"] and x["sign_agrees"] is False
     assert "CONTRADICTS" not in x["words"] and x["placement_bound_s"] == 0.003
-    x = _judge(+0.001, m, placement_s=0.0001)                        # beyond both: the measurement rules it out
+    x = judge_saving(+0.001, m, placement_s=0.0001)                        # beyond both: the measurement rules it out
     assert x["agreement"] == "disagrees" and "CONTRADICTS" in x["words"]
-    assert _judge(0.0, m)["agreement"] == "disagrees"                # no control: the family interval alone
-    assert _judge(-0.001, _measured([-2.0, -2.4, -2.2, -2.6]))["agreement"] == "disagrees"   # one judgement: 95%
+    assert judge_saving(0.0, m)["agreement"] == "disagrees"                # no control: the family interval alone
+    assert judge_saving(-0.001, _measured([-2.0, -2.4, -2.2, -2.6]))["agreement"] == "disagrees"   # one judgement: 95%
 
 
 def test_a_prediction_farther_from_the_measurement_never_stands_better():
-    from relayout.validate import PREFETCH_TOLERANCE, _judge
+    from relayout.workflows.validation.rules import PREFETCH_TOLERANCE, judge_saving
 
     rank = {"agrees": 0, "unresolved": 1, "within placement": 2, "disagrees": 3}
     for reps, k, tolerance, bound in [([1.0, 1.2, 1.1, 1.3], 42, None, 0.0001), ([1.0, 1.2, 1.1, 1.3], 42, None, 0.001),
@@ -740,21 +735,21 @@ def test_a_prediction_farther_from_the_measurement_never_stands_better():
         m = _measured(reps, judgements=k)
         centre = m["estimate_s"]
         for direction in (-1, 1):
-            states = [rank[_judge(centre + direction * d * 1e-5, m, tolerance, bound)["agreement"]] for d in range(3000)]
+            states = [rank[judge_saving(centre + direction * d * 1e-5, m, tolerance, bound)["agreement"]] for d in range(3000)]
             assert states == sorted(states), (reps, tolerance, bound, direction)
             assert states[0] == 0 and states[-1] == 3
 
 
 def test_a_prefetch_saving_is_ruled_out_only_beyond_its_family_interval_widened_by_the_tolerance():
-    from relayout.validate import PREFETCH_TOLERANCE, _judge
+    from relayout.workflows.validation.rules import PREFETCH_TOLERANCE, judge_saving
 
     m = _measured([-5.5, -5.8, -6.3, -6.6], judgements=42)           # -6.05 ms/token, 99.88% interval to about -3.9
     high = m["family"]["high_s"]
     assert high < 0
-    x = _judge(high * (1 - PREFETCH_TOLERANCE) - 1e-6, m, PREFETCH_TOLERANCE)   # within 30% of the interval's end
+    x = judge_saving(high * (1 - PREFETCH_TOLERANCE) - 1e-6, m, PREFETCH_TOLERANCE)   # within 30% of the interval's end
     assert x["agreement"] == "unresolved" and not x["within_tolerance"] and "tolerance" in x["words"]
-    assert _judge(high * (1 - PREFETCH_TOLERANCE) + 1e-6, m, PREFETCH_TOLERANCE)["agreement"] == "disagrees"
-    assert _judge(high + 1e-6, m)["agreement"] == "disagrees"       # a layout saving: no tolerance
+    assert judge_saving(high * (1 - PREFETCH_TOLERANCE) + 1e-6, m, PREFETCH_TOLERANCE)["agreement"] == "disagrees"
+    assert judge_saving(high + 1e-6, m)["agreement"] == "disagrees"       # a layout saving: no tolerance
 
 
 def test_the_verdict_allows_as_many_misses_of_95_percent_intervals_as_chance_gives():
@@ -819,7 +814,7 @@ def test_a_gate_decision_measured_on_a_saving_within_placement_is_not_held_again
 
 
 def test_fewer_repetitions_than_a_verdict_needs_give_insufficient_unless_a_measurement_rules_the_model_out():
-    from relayout.validate import VERDICT_REPS
+    from relayout.workflows.validation.rules import VERDICT_REPS
 
     two = [_cell("stock", 1.0, (0.99, 1.01)), _cell("louvain", 1.0, (0.99, 1.01))]
     s = summarize_validation(two, [_comparison(True)])
@@ -829,3 +824,45 @@ def test_fewer_repetitions_than_a_verdict_needs_give_insufficient_unless_a_measu
     assert summarize_validation(two, [_comparison(True, inside=False)])["verdict"] == "does not hold"
     four = [_cell("stock", 1.0, STEADY), _cell("louvain", 1.0, STEADY)]
     assert summarize_validation(four, [_comparison(True)])["verdict"] == "holds"
+
+
+def _record(stock_reps, louvain_reps, predicted=(1.0e-3, 0.8e-3), saving=None):
+    """A present-form validation record of two cells (stock, louvain at RAM 0) and their saving, unjudged (s/token)."""
+    cells = [{"layout": m, "ram_fraction": 0.0, "prefetch": "none", "predicted_stall_per_token_s": p,
+              "predicted_tpot_s": p + 0.01, "ratio": p / (sum(r) / len(r)),
+              "measured_stall_per_token_s": {"mean": sum(r) / len(r), "repetitions": list(r)},
+              "at_probed_speed": None, "at_run_speed": None, "at_neighbour_speed": None, "at_harness_compute": None}
+             for m, p, r in (("stock", predicted[0], stock_reps), ("louvain", predicted[1], louvain_reps))]
+    each = [a - b for a, b in zip(stock_reps, louvain_reps)]
+    iv = repetition_interval(each)
+    comparison = {"layout": "louvain", "baseline": "stock", "ram_fraction": 0.0, "prefetch": "none",
+                  "predicted_saving": {"estimate_s": predicted[0] - predicted[1] if saving is None else saving},
+                  "measured_saving": {"estimate_s": iv.estimate, "low_s": iv.low, "high_s": iv.high, "repetitions": each},
+                  "at_run_speed": None, "at_harness_compute": None, "less_page_cache_waits": None,
+                  "gate": {"same_decision": True}}
+    return {"format": VALIDATION_FORMAT, "version": VALIDATION_VERSION, "tool_version": "test", "path": "/disk",
+            "device": {}, "container": {}, "trace": {}, "layouts": {}, "config": {}, "drift": None, "first_read": {},
+            "cells": cells, "comparisons": [comparison], "prefetch_comparisons": [],
+            "placement_control": {"prefetch": "none", "blocks": []}, "calibration_sharing": None,
+            "calibration_merge": None}
+
+
+def test_a_synthetic_record_is_judged_close_contradicted_or_insufficient_by_the_rules():
+    stock, louvain = (1.00e-3, 1.02e-3, 0.98e-3, 1.01e-3), (0.80e-3, 0.81e-3, 0.79e-3, 0.80e-3)
+    r = _record(stock, louvain)
+    v = judge_record(r)                                    # predictions on the measured means: close, holds
+    assert [c["agreement"] for c in v["cells"]] == ["agrees", "agrees"]
+    assert v["comparisons"][0]["agreement"] == "agrees" and v["summary"]["verdict"] == "holds"
+    assert v["summary"]["text"].startswith("the model holds on this disk within 1% (predicted/measured S 1.00-1.00")
+    assert "summary" not in r and "agreement" not in r["cells"][0]        # the input is left as it was
+    assert list(v)[-4:] == ["summary", "work_dir", "plots", "elapsed_seconds"]   # the written order
+    far = judge_record(_record(stock, louvain, predicted=(1.5e-3, 0.8e-3)))     # stock 49% over a tight measurement
+    assert far["cells"][0]["agreement"] == "disagrees" and far["summary"]["verdict"] == "does not hold"
+    wrong = judge_record(_record(stock, louvain, saving=-0.2e-3))             # a cost predicted, a clear saving measured
+    x = wrong["comparisons"][0]
+    assert x["agreement"] == "disagrees" and x["sign_agrees"] is False and "CONTRADICTS" in x["words"]
+    assert wrong["summary"]["contradictions"] == 1 and wrong["summary"]["verdict"] == "does not hold"
+    two = judge_record(_record(stock[:2], louvain[:2]))                       # two repetitions: no verdict
+    assert two["summary"]["verdict"] == "insufficient" and two["summary"]["text"].startswith("INSUFFICIENT")
+    with pytest.raises(InputError, match="lacks 'cells'"):
+        judge_record({k: x for k, x in r.items() if k != "cells"})

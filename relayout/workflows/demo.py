@@ -1,7 +1,10 @@
 """``relayout demo``: the whole pipeline on a small built-in synthetic model, in seconds.
 
-The default model is the GLM-5.2 group-64 geometry (int8 MTP layer included) scaled down to
-6 MoE layers of 32 experts, so every code path of the real 429 GB container is exercised.
+The model is the GLM-5.2 group-64 geometry (int8 MTP layer included) scaled down to 6 MoE layers
+of 32 experts, so every code path of the real 429 GB container is exercised: build, inspect,
+manifest, trace, plan, replay and gate, rewrite and verify, then both containers measured for real
+in lockstep against the prediction. Its files are kept in a work directory it records
+(:class:`~relayout.workflows.workdir.WorkDir`); times in seconds, S in ms per committed token.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import numpy as np
 
 from containers.atomic import write_bytes_atomic, write_json_atomic
 from containers.container import MANIFEST_NAME, Container
-from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, check_container, write_manifest
 from containers.synth import synth_container
@@ -29,12 +31,14 @@ from replay.physical.stalltrace import compare as compare_runs
 from replay.physical.stalltrace import report as run_report
 from replay.formats.trace import save_trace
 
-from .apply import apply_plan, verify
-from .plan import make_plan, source_from_container
-from .gate_text import bottom_line
-from .render import completion_sentence, human_bytes, merge_sentence, plan_summary
-from .trace_stats import trace_stats
-from .trace_synth import SynthParams, synth_trace
+from relayout.apply import apply_plan, verify
+from relayout.gate_text import bottom_line
+from relayout.plan import make_plan, source_from_container
+from relayout.render import completion_sentence, human_bytes, merge_sentence, plan_summary
+from relayout.trace_stats import trace_stats
+from relayout.trace_synth import SynthParams, synth_trace
+
+from .validation.rules import HARNESS_EXCESS, measured_vs_predicted
 from .workdir import WorkDir
 
 DEMO_GEOMETRY = "glm-5.2-int4-g64"
@@ -67,10 +71,22 @@ def default_demo_dir(parent: Path) -> Path:
 
 
 def run_demo(work_dir: str | None = None, seed: int = 0) -> int:
-    """Run the demo in ``work_dir`` (new, empty or a previous demo's), or in a new folder under the
-    current directory (:func:`default_demo_dir`); its outputs are kept and listed. Only paths the
-    demo recorded making (:class:`~relayout.workdir.WorkDir`) are ever removed (a previous demo's,
-    when it runs again in the same directory)."""
+    """Run the demo; its outputs are kept and listed.
+
+    Only paths the demo recorded making (:class:`~relayout.workflows.workdir.WorkDir`) are ever
+    removed (a previous demo's, when it runs again in the same directory).
+
+    Parameters
+    ----------
+    work_dir : the directory to run in (new, empty or a previous demo's); None for a new folder
+        under the current directory (:func:`default_demo_dir`).
+    seed : the seed of the synthetic container, trace and plan.
+
+    Returns
+    -------
+    The exit status: 0 when the container, its manifest check and the rewrite's full verify found
+    no problem, else 1.
+    """
     work = WorkDir.open(work_dir if work_dir is not None else default_demo_dir(Path.cwd()), DEMO_MARKER, "demo")
     try:
         return _run(work, seed)
@@ -78,23 +94,9 @@ def run_demo(work_dir: str | None = None, seed: int = 0) -> int:
         work.seal()
 
 
-def measured_vs_predicted(estimate: float, low: float, high: float, predicted: float) -> str:
-    """In words: does a measured saving (estimate and 95% interval) agree with a predicted one? Same units."""
-    if low > 0 and predicted <= 0 or high < 0 and predicted >= 0 or (low <= 0 <= high and abs(predicted) > high - low):
-        return ("measurement CONTRADICTS the prediction: measured saving " +
-                ("is positive" if low > 0 else "is negative" if high < 0 else "is indistinguishable from zero") +
-                f", predicted {predicted:+.3f}")
-    if low <= predicted <= high:
-        return "measurement agrees with the prediction: the predicted saving lies inside the measured interval"
-    return (f"measurement and prediction agree in sign but not in size: predicted {predicted:+.3f}, measured "
-            f"[{low:+.3f}, {high:+.3f}]")
-
-
 def harness_sentence(runs: dict, model_compute: float) -> str:
     """In words: the compute the measuring harness ran per committed token (``runs``: label ->
     STALL_TRACE path) against the model's (s/token), and what an excess means for measured stall."""
-    from .validate import HARNESS_EXCESS
-
     ran = {label: float(np.mean([m.published["compute_per_committed_token_ns"] for m in run_report([path]).runs])) / 1e9
            for label, path in runs.items()}
     said = ", ".join(f"{label} {c * 1e3:.3f}" for label, c in ran.items())
