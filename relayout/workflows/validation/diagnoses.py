@@ -55,12 +55,12 @@ def at_harness_compute(stall_at, rate: float, compute: float, matmul: float, mea
     """The prediction of one measured run with the compute its harness ran (``validate`` replays
     it at its drive's speed too, :func:`at_run_speed`: the run under its own conditions).
 
-    The harness emulates the runtime's compute (:class:`replay.physical.measure._ComputeClock`); its own
+    The harness emulates the runtime's compute (:class:`replay.physical.compute_clock.ComputeClock`); its own
     Python work (routing, submitting reads, records, waking) is taken off the emulated compute
     while it fits in it. A harness that counted the work beyond as compute between a layer's
     reads would overlap them with it and measure less stall, the more so for layouts issuing
     more reads; this one times its waits in the compute model's time
-    (:meth:`replay.physical.measure._ComputeClock.waited`), and what excess is left falls
+    (:meth:`replay.physical.compute_clock.ComputeClock.waited`), and what excess is left falls
     outside a layer's reads. Here the run's excess, ``measured_compute - compute``, is given to
     the model as slower matmuls, at ``rate * matmul / (matmul + excess)``: a check that the
     excess is small and alike across layouts.
