@@ -48,7 +48,8 @@ GENERATE = """
 import sys, numpy as np
 from containers.geometry import load_geometry
 from relayout.trace_synth import synth_trace
-from replay.formats.trace import RoutingTrace, save_trace
+from replay.formats.trace import save_trace
+from replay.model.routing import RoutingTrace
 tokens, path = int(sys.argv[1]), sys.argv[2]
 g = load_geometry("glm-5.2-int4-row")
 layers, L, k = list(g.moe_layers), len(g.moe_layers), 8

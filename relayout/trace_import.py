@@ -60,19 +60,7 @@ import numpy as np
 
 from containers.errors import InputError
 from containers.jsonfile import ZSTD_MAGIC, iter_jsonl, read_bytes, text_blocks
-from replay.formats.trace import (
-    DEFAULT_MAX_EXPERTS,
-    DEFAULT_MAX_LAYER,
-    FORWARD_KINDS,
-    INT32_MAX,
-    MAX_EXPERTS,
-    MAX_LAYER,
-    MAX_LAYER_EXPERT_CELLS,
-    MAX_POSITION,
-    MAX_TOP_K,
-    RoutingTrace,
-    rows_with_repeats,
-)
+from replay.model.routing import DEFAULT_MAX_EXPERTS, DEFAULT_MAX_LAYER, FORWARD_KINDS, INT32_MAX, MAX_EXPERTS, MAX_LAYER, MAX_LAYER_EXPERT_CELLS, MAX_POSITION, MAX_TOP_K, RoutingTrace, rows_with_repeats
 
 KIND = {name: i for i, name in enumerate(FORWARD_KINDS)}
 MBLT_MAGIC = 0x544C424D

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from replay.formats.trace import FORWARD_KINDS, RoutingTrace
+from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
 from .coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
 from .trace_synth import entropy_bits

@@ -25,7 +25,7 @@ import numpy as np
 
 from containers.errors import InputError
 from containers.jsonfile import parse_json, read_shipped, shipped_names
-from replay.formats.trace import FORWARD_KINDS, RoutingTrace
+from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from replay.colibri.engine_config import (
     model_config,
     parse_runtime_env,
 )
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 MIB = 1 << 20
 A, B = 1e-3, 1e9        # request latency (s) and bandwidth (bytes/s) of the test drive

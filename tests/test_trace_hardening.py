@@ -22,7 +22,8 @@ from relayout.coactivation import write_coli_pairs
 from relayout.trace_import import import_traces
 from relayout.trace_stats import trace_stats
 from relayout.trace_synth import synth_trace
-from replay.formats.trace import MAGIC, RoutingTrace, load_trace, save_trace
+from replay.formats.trace import MAGIC, load_trace, save_trace
+from replay.model.routing import RoutingTrace
 
 
 def write(tmp_path, name, data):
@@ -82,9 +83,9 @@ def write_rt(path, header, arrays, version=2, digest=True):
 
 def rt_parts(trace):
     """(header, arrays) exactly as save_trace writes them."""
-    from replay.formats.trace import _ARRAYS, DTYPES
+    from replay.model.routing import ARRAYS, DTYPES
 
-    arrays = [(n, np.ascontiguousarray(getattr(trace, n), dtype=DTYPES[n])) for n in _ARRAYS]
+    arrays = [(n, np.ascontiguousarray(getattr(trace, n), dtype=DTYPES[n])) for n in ARRAYS]
     if trace.heat is not None:
         arrays.append(("heat", np.ascontiguousarray(trace.heat, dtype=DTYPES["heat"])))
     header = {

@@ -15,7 +15,8 @@ from relayout.coactivation import pair_counts, write_coli_pairs
 from relayout.trace_import import import_traces, read_route_trace
 from relayout.trace_stats import layer_rows_in_turn, reuse_distances, trace_stats
 from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
-from replay.formats.trace import FORWARD_KINDS, load_trace, save_trace
+from replay.formats.trace import load_trace, save_trace
+from replay.model.routing import FORWARD_KINDS
 
 
 def test_route_trace_forwards_kinds_and_rows(tmp_path):

@@ -87,7 +87,7 @@ from replay.model.prefetch import predict_next
 from replay.model.readplan import SCALE, WEIGHT, new_plan, plan_layer
 from replay.physical.residency import open_residency
 from replay.physical.stalltrace import IO_FIELDS
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 MAX_READ = 64 * 1024 * 1024
 ALIGN = 4096
@@ -109,7 +109,7 @@ def assumed_committed_mask(trace: RoutingTrace) -> np.ndarray:
     nothing (a trace imported before prefill counted its token). Trace meta ``committed_assumed``
     names forward kinds (``kinds``) or, per session name, forward indices within the session
     (``session_forwards``), so it stays true of a subset of the sessions."""
-    from replay.formats.trace import FORWARD_KINDS
+    from replay.model.routing import FORWARD_KINDS
 
     info = trace.meta.get("committed_assumed") or {}
     kinds = [FORWARD_KINDS.index(k) for k in info.get("kinds", []) if k in FORWARD_KINDS]
