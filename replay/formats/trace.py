@@ -31,14 +31,14 @@ from containers.jsonfile import parse_json
 from replay.model.routing import (
     ARRAYS,
     DTYPES,
-    FWDARRAYS,
+    FWD_ARRAYS,
     INT32_MAX,
     MAX_EXPERTS,
     MAX_LAYER,
     MAX_LAYER_EXPERT_CELLS,
     MAX_TOP_K,
     READ_CHUNK,
-    ROWARRAYS,
+    ROW_ARRAYS,
     ROWS_PER_BLOCK,
     ArrayInFile,
     RoutingTrace,
@@ -304,7 +304,7 @@ class TraceFile(TraceSource):
         self.rows_per_block = int(rows_per_block)
         with _guarded(self.path):
             self._layout = _open_layout(self.path)
-            for name in FWDARRAYS:
+            for name in FWD_ARRAYS:
                 setattr(self, name, _read_array(self._layout, name))
         h = self._layout.header
         g = h["geometry"]
@@ -336,7 +336,7 @@ class TraceFile(TraceSource):
             sessions=self.sessions, row_forward=np.zeros(0, np.int32), row_layer=np.zeros(0, np.int16),
             row_position=np.zeros(0, np.int32), experts=np.zeros((0, self.top_k), np.int16),
             gates=np.zeros((0, self.top_k), np.float32), source=self.source, meta=self.meta,
-            **{name: getattr(self, name) for name in FWDARRAYS})
+            **{name: getattr(self, name) for name in FWD_ARRAYS})
         forwards.validate()                                 # the trace's own checks, rows aside
         self._check_rows(gates=True)
 
@@ -456,9 +456,9 @@ def _check_header(header, version: int, path: Path) -> list[tuple[str, np.dtype,
     if ("heat" in shapes) != header["heat_only"]:
         bad("a heat table must be present exactly when the trace is heat-only")
     R, F = shapes["row_forward"][0], shapes["fwd_session"][0]
-    if any(shapes[n] != (R,) for n in ROWARRAYS) or shapes["experts"] != (R, k) or shapes["gates"] != (R, k):
+    if any(shapes[n] != (R,) for n in ROW_ARRAYS) or shapes["experts"] != (R, k) or shapes["gates"] != (R, k):
         bad("row arrays disagree in length or with top_k")
-    if any(shapes[n] != (F,) for n in FWDARRAYS):
+    if any(shapes[n] != (F,) for n in FWD_ARRAYS):
         bad("forward arrays disagree in length")
     if "heat" in shapes and shapes["heat"] != (len(layers), E):
         bad("the heat table does not match the layers and experts")
