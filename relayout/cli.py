@@ -643,7 +643,8 @@ def cmd_report(args) -> int:
         from .engine_render import cmd_engine_report
 
         return cmd_engine_report(args)
-    from replay.physical.stalltrace import report, write_plots
+    from replay.physical.stallplots import write_plots
+    from replay.physical.stalltrace import report
 
     r = report(args.runs)
     if args.hypothesis:

@@ -305,7 +305,7 @@ def test_measure_tells_drive_requests_from_page_cache_hits(small_container, smal
 
 def test_plots_draw_every_run_with_its_own_legend_entry(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    import replay.physical.stalltrace as st
+    import replay.physical.stallplots as st
 
     figs = []
     monkeypatch.setattr(st, "_save", lambda fig, path: (figs.append(fig), path)[1])

@@ -86,7 +86,7 @@ from replay.model.engine import SplitState, layout_arrays
 from replay.model.prefetch import predict_next
 from replay.model.readplan import SCALE, WEIGHT, new_plan, plan_layer
 from replay.physical.residency import open_residency
-from replay.physical.stalltrace import IO_FIELDS
+from replay.formats.stalltrace import IO_FIELDS
 from replay.model.routing import RoutingTrace
 
 MAX_READ = 64 * 1024 * 1024
