@@ -33,8 +33,8 @@ from .apply import apply_plan, verify
 from .plan import make_plan, source_from_container
 from .gate_text import bottom_line
 from .render import completion_sentence, human_bytes, merge_sentence, plan_summary
-from .trace_stats import trace_stats
-from .trace_synth import SynthParams, synth_trace
+from .traces.stats import trace_stats
+from .traces.synth import SynthParams, synth_trace
 from .workdir import WorkDir
 
 DEMO_GEOMETRY = "glm-5.2-int4-g64"

@@ -11,8 +11,8 @@ from conftest import run_cli, small_geometry
 from containers.container import Container
 from containers.errors import InputError
 from relayout.render import format_compare, format_report
-from relayout.trace_import import import_traces
-from relayout.trace_synth import synth_trace
+from relayout.traces.importer import import_traces
+from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.physical.measure import assumed_committed_mask, default_run_id, measure
 from replay.physical.stalltrace import compare, report

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from containers.errors import InputError
 from relayout.coactivation import write_coli_pairs
 from relayout.runtime_output import read_runtime_output
-from relayout.trace_import import import_traces
+from relayout.traces.importer import import_traces
 from replay.model.routing import FORWARD_KINDS
 
 DATA = Path(__file__).resolve().parent / "data" / "colibri"

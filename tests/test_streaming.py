@@ -8,7 +8,7 @@ import pytest
 from containers.errors import InputError
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.coupling import coupling_table
 from replay.model.device import load_device

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from relayout.coactivation import write_coli_pairs
-from relayout.trace_import import import_traces
-from relayout.trace_stats import trace_stats
-from relayout.trace_synth import synth_trace
+from relayout.traces.importer import import_traces
+from relayout.traces.stats import trace_stats
+from relayout.traces.synth import synth_trace
 from replay.formats.trace import MAGIC, load_trace, save_trace
 from replay.model.routing import RoutingTrace
 

@@ -19,11 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
-
 from containers.errors import InputError
 from containers.jsonfile import iter_jsonl
-from replay.model.routing import MAX_POSITION
+from replay.model.routing import MAX_GATE, MAX_POSITION
 
 TIMED = ("issue_ns", "ready_ns", "need_ns")
 COUNTS = ("committed_tokens", "evaluated_positions")
@@ -51,8 +49,6 @@ MAX_POSITIONS = 2**20
 MAX_LAYER = 2**16 - 1
 MAX_EXPERT = 2**20 - 1
 MAX_SEGMENT = 255
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-"""The largest finite float32: a router probability is stored as one."""
 LIMITS = {"step": MAX_COUNT, "layer": MAX_LAYER, "expert_id": MAX_EXPERT, "segment_id": MAX_SEGMENT,
           "position": MAX_POSITION, "bytes": MAX_BYTES,
           "committed_tokens": MAX_POSITIONS, "evaluated_positions": MAX_POSITIONS,
@@ -149,7 +145,7 @@ def _check_expert(rec: dict, where: str) -> None:
         for k in IO_FIELDS:
             int_field(rec, k, where)
     gate = rec.get("router_probability")
-    if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float)) or not abs(gate) <= FLOAT32_MAX):
+    if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float)) or not abs(gate) <= MAX_GATE):
         raise InputError(where, f"'router_probability' must be a finite number, not {gate!r}"[:200])
 
 

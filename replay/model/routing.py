@@ -46,6 +46,8 @@ MAX_POSITION = INT32_MAX - 1
 """Highest position in a forward (evaluated positions = position + 1 must fit int32)."""
 MAX_LAYER_EXPERT_CELLS = 1 << 24
 """Layers x experts per layer: bounds every [L, E] array (128 MiB of int64)."""
+MAX_GATE = float(np.finfo(np.float32).max)
+"""Largest gate magnitude (gates are stored as float32: larger ones are not finite there)."""
 
 DTYPES = {
     "row_forward": "<i4", "row_layer": "<i2", "row_position": "<i4", "experts": "<i2", "gates": "<f4",

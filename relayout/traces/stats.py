@@ -17,8 +17,8 @@ import numpy as np
 
 from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
-from .coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
-from .trace_synth import entropy_bits
+from ..coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
+from .synth import entropy_bits
 
 
 def _q(x: np.ndarray, qs=(50, 90, 99)) -> dict:

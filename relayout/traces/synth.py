@@ -89,7 +89,7 @@ def entropy_bits(counts: np.ndarray) -> np.ndarray:
 
 def atlas_style_lifts(experts: np.ndarray, n_experts: int, min_count: int = 5, min_lift: float = 1.5, top: int = 2000) -> np.ndarray:
     """Lifts of the pairs an atlas would list for one layer's rows [N, k]."""
-    from .coactivation import pair_counts
+    from ..coactivation import pair_counts
 
     N = experts.shape[0]
     heat = np.bincount(experts[experts >= 0].ravel(), minlength=n_experts).astype(np.float64)
@@ -113,6 +113,7 @@ def synth_trace(
     seed: int = 0,
     params: SynthParams = SynthParams(),
     base_heat: np.ndarray | None = None,
+    *,
     geometry: str = "inferred",
 ) -> RoutingTrace:
     """Generate ``tokens`` decode tokens split over ``sessions`` sessions."""
