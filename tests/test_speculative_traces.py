@@ -94,7 +94,7 @@ def exported_pairs(tmp_path: Path, paths: list[Path]) -> dict:
 # ------------------------------------------------------------------ traces shaped as the engine writes them
 
 
-def engine_run(seed: int, prompt: int, tokens: int, head: int | None, depth: int, accept: float, stop: str,
+def engine_run(seed: int, prompt: int, tokens: int, head: int | None, depth: int, accept: float, stop: str, *,
                layers=(3, 4), experts: int = 8):
     """One session of colibrì's speculative decode loop, as ROUTE_TRACE text.
 

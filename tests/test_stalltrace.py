@@ -9,7 +9,7 @@ from containers.errors import InputError
 from replay.physical.stalltrace import compare, interval_union, report
 
 
-def expert(step, layer, e, issue, ready, need, nbytes=1000, required=True, run="r1", **kw):
+def expert(step, layer, e, issue, ready, need, nbytes=1000, required=True, *, run="r1", **kw):
     return {"run_id": run, "request_id": 0, "step": step, "layer": layer, "expert_id": e, "required": required,
             "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need, **kw}
 
