@@ -22,11 +22,24 @@ MAX_COUNT = 1 << 36
 
 
 def read_coli_usage(path: Path, limits: Limits | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """Parse a ``.coli_usage`` file: returns (layers, heat[L, E], n_experts).
+    """Parse a ``.coli_usage`` file.
 
     The header's expert count must be plausible (the geometry's, or at most
     ``DEFAULT_MAX_EXPERTS``) and the heat table is sized by it and by the layers actually listed,
     so a lying header cannot make a large allocation. A (layer, expert) listed twice is an error.
+
+    Parameters
+    ----------
+    path : Path
+        The ``.coli_usage`` file.
+    limits : Limits, optional
+        What ids and layers may be.
+
+    Returns
+    -------
+    (ndarray, ndarray, int)
+        The listed layers (sorted), the counts per (layer index, expert) ``[L, E]`` int64, and
+        the experts per layer.
     """
     limits = limits or Limits.make(None)
     text = read_bytes(path).decode("utf-8", errors="replace")

@@ -1,4 +1,4 @@
-"""``relayout trace import``: the routing traces people already have, into one :class:`RoutingTrace`.
+"""``relayout trace import``: the routing traces people already have, into one routing trace.
 
 Formats (:data:`TRACE_FORMATS`, told apart by :func:`sniff_format`): ``route``, colibrì's
 ROUTE_TRACE text (:mod:`relayout.traces.route`); ``stall``, a measured run's STALL_TRACE JSONL
@@ -149,17 +149,33 @@ def assemble(sessions: list[SessionRows], n_experts: int | None, geometry: str, 
 def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | None = None, geometry: str = "inferred",
                   routed_layers=None, mtp_layers=None, runtime_outputs: list[Path] | None = None,
                   split: str | int | None = None) -> tuple[RoutingTrace, list[str]]:
-    """Import ``paths`` (one session each, in order). Returns the trace and warnings.
+    """Import ``paths`` (one session each, in order) into one trace.
 
-    With ``n_experts`` (a geometry's experts per layer) ids must be below it; layers must be
-    among ``routed_layers``, or, when that is not given, among the routed layers of the shipped
-    geometry named ``geometry`` (if there is one with that expert count). Without a geometry the
-    default caps apply (:class:`Limits`). ``mtp_layers``: the geometry's MTP head layers.
+    Parameters
+    ----------
+    paths : list of Path
+        The input files, all of one format.
+    fmt : str, optional
+        One of :data:`TRACE_FORMATS`; told from the first file's bytes when None.
+    n_experts : int, optional
+        A geometry's experts per layer: ids must be below it. Without it the default caps of
+        :class:`relayout.traces.sessions.Limits` apply.
+    geometry : str
+        The geometry's name (recorded in the trace).
+    routed_layers, mtp_layers : iterable of int, optional
+        The layers ids may come from (else the shipped geometry ``geometry``'s, if one has that
+        expert count), and the MTP head's layers.
+    runtime_outputs : list of Path, optional
+        For ROUTE_TRACE inputs, colibrì's saved output of each input's run, in the same order
+        (:mod:`relayout.runtime_output`); each session's counts are made its run's.
+    split : "prefill" or int, optional
+        For ROUTE_TRACE inputs, ``"prefill"`` makes each prompt of a file a session, an int N a
+        session of every N committed tokens (:func:`relayout.traces.route.read_route_sessions`).
 
-    ``runtime_outputs``: for ROUTE_TRACE inputs, colibrì's saved output of each input's run, in
-    the same order (:mod:`relayout.runtime_output`); each session's counts are made its run's.
-    ``split``: for ROUTE_TRACE inputs, ``"prefill"`` makes each prompt of a file a session, an
-    int N a session of every N committed tokens (:func:`read_route_sessions`).
+    Returns
+    -------
+    (RoutingTrace, list of str)
+        The validated trace and the warnings (torn tails dropped, heat-only input).
     """
     warnings: list[str] = []
     formats = [fmt or sniff_format(p) for p in paths]

@@ -90,7 +90,22 @@ def _mblt_damage_follows(data: bytes, pos: int, k: int, n_expert: int, limits: L
 
 
 def read_mblt(path: Path, warnings: list[str], limits: Limits | None = None) -> tuple[SessionRows, int]:
-    """Parse mbolt's MBLT v1; returns the session and the header's n_expert."""
+    """Parse mbolt's MBLT v1 file as one session.
+
+    Parameters
+    ----------
+    path : Path
+        The MBLT file.
+    warnings : list of str
+        Appended to: a torn last record, dropped.
+    limits : Limits, optional
+        What ids and layers may be (the header's experts per layer must fit them).
+
+    Returns
+    -------
+    (SessionRows, int)
+        The session and the header's experts per layer.
+    """
     limits = limits or Limits.make(None)
     data = read_bytes(path)
     if len(data) < 12:

@@ -204,7 +204,7 @@ def read_route_trace(path: Path, n_experts: int | None = None, limits: Limits | 
 def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits | None = None,
                         block_bytes: int = ROUTE_BLOCK_BYTES, runtime=None, split: str | int | None = None) -> list[SessionRows]:
     """Parse one ROUTE_TRACE text file, plain or zstd, in blocks of whole lines, into sessions:
-    the file (``split`` None), one per prompt (``"prefill"``: :func:`_prompt_starts`; a serve
+    the file (``split`` None), one per prompt (``"prefill"``: :func:`relayout.traces.route_steps.prompt_starts`; a serve
     process's runtime output gives each its turn's counts, a one-shot run's output, which counts
     every prompt together, the draft depth only), or
     one per ``split`` committed tokens (an int; counted on the whole file first).

@@ -97,7 +97,22 @@ def _cross_layer_lifts(trace: RoutingTrace, layer: int, rows: np.ndarray, next_r
 
 
 def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
-    """All statistics as a JSON-ready dict."""
+    """All statistics of ``trace`` as a JSON-ready dict.
+
+    Parameters
+    ----------
+    trace : RoutingTrace
+        The trace (rows read layer by layer; its gates are never read).
+    min_count : int
+        Pairs seen fewer times are left out of the lift distributions.
+
+    Returns
+    -------
+    dict
+        The trace's counts, ``layers`` (per layer: heat entropy in bits, rows, sessions, experts
+        seen, lift quantiles over the pairs supported, cross-layer lift, reuse distance in
+        forwards) and, for a trace with rows, their medians in ``summary``.
+    """
     kinds = {k: int((trace.fwd_kind == i).sum()) for i, k in enumerate(FORWARD_KINDS)}
     out = {
         "source": trace.source,

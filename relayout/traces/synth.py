@@ -116,7 +116,30 @@ def synth_trace(
     *,
     geometry: str = "inferred",
 ) -> RoutingTrace:
-    """Generate ``tokens`` decode tokens split over ``sessions`` sessions."""
+    """Generate ``tokens`` decode tokens split over ``sessions`` sessions.
+
+    Parameters
+    ----------
+    layers : list of int
+        The routed layers (absolute numbers).
+    n_experts, top_k : int
+        Experts per layer, and selections per row.
+    tokens, sessions : int
+        Decode tokens in all, and sessions they are split over (at least one token each).
+    seed : int
+        The generator's seed: the same arguments give the same trace.
+    params : SynthParams
+        The generative model's knobs (see the module doc).
+    base_heat : ndarray, optional
+        Per-layer heat ``[L, E]`` to draw from instead of the Zipf base.
+    geometry : str
+        The geometry's name (recorded in the trace).
+
+    Returns
+    -------
+    RoutingTrace
+        One decode forward per token, one row per (forward, layer).
+    """
     if tokens < sessions or sessions < 1:
         raise InputError(None, "need at least one token per session and at least one session")
     if top_k > n_experts:
