@@ -1,14 +1,12 @@
 """``relayout trace stats``: the routing structure a layout can exploit, with its sample sizes.
-
 Per layer: heat entropy (bits; log2(E) means uniform), the within-layer lift distribution of pairs
 seen at least ``min_count`` times, the lift from layer L to L+1 for the same position, and the
-reuse distance (forwards between two uses of the same expert at the same layer).
-
-Bounded for any trace :func:`replay.formats.trace.load_trace` accepts: pair statistics are sparse (memory
-grows with the rows, not with the square of the experts per layer), one layer's rows are
-worked on at a time (found by a pass over the row layers, so nothing is as large as the whole
-trace's rows but the trace itself, whose gates stay in the file), and arrays indexed by expert
-are O(experts per layer).
+reuse distance (forwards between two uses of the same expert at the same layer). Bounded for any
+trace :func:`replay.formats.trace.load_trace` accepts: pair statistics are sparse (memory grows
+with the rows, not with the square of the experts per layer), one layer's rows are worked on at a
+time (found by a pass over the row layers, so nothing is as large as the whole trace's rows but
+the trace itself, whose gates stay in the file), and arrays indexed by expert are O(experts per
+layer).
 """
 
 from __future__ import annotations

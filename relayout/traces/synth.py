@@ -1,19 +1,14 @@
-"""Synthetic routing traces with real structure, deterministic by seed.
-
-The generative model, per routed layer:
-
-* **heat**: a skewed base popularity over experts (Zipf over a random permutation, or a real
-  atlas's per-layer heat when fitting);
-* **cliques**: experts are partitioned into groups of about ``top_k`` that tend to fire together;
-* **topics**: each topic prefers a few cliques per layer; a session dwells on a topic for a while
-  and switches, and different sessions favour different topics;
-* **cross-layer coupling**: with probability ``coupling`` a token keeps following its clique's
-  partner clique at the next layer instead of drawing a fresh one.
-
-A token's experts at a layer are drawn without replacement (Gumbel top-k) from the base heat plus
-a boost of strength ``clique_strength`` on its current clique. ``fit_atlas`` tunes that strength so
-the trace's within-layer lift distribution matches an atlas such as the shipped ``glm-5.2``
-(``manifests/atlases/``) and takes its per-layer heat directly.
+"""Synthetic routing traces with real structure, deterministic by seed. The generative model, per
+routed layer: a skewed base *heat* over experts (Zipf over a random permutation, or a real atlas's
+per-layer heat when fitting); *cliques*, groups of about ``top_k`` experts that tend to fire
+together; *topics*, each preferring a few cliques per layer, on which a session dwells for a while
+before switching (different sessions favour different topics); and *cross-layer coupling*: with
+probability ``coupling`` a token keeps following its clique's partner clique at the next layer
+instead of drawing a fresh one. A token's experts at a layer are drawn without replacement
+(Gumbel top-k) from the base heat plus a boost of strength ``clique_strength`` on its current
+clique. :func:`fit_atlas` tunes that strength so the trace's within-layer lift distribution
+matches an atlas such as the shipped ``glm-5.2`` (``manifests/atlases/``) and takes its per-layer
+heat directly.
 """
 
 from __future__ import annotations

@@ -1,53 +1,14 @@
-"""STALL_TRACE analysis: from a measured run's records to S, its diagnosis and comparisons.
-
-Records are read by :class:`replay.formats.stalltrace.StallRecords` (every field's rule lives
-there); the analysis needs, besides, ``run_id``, ``request_id``, ``required`` and ``bytes`` in
-every expert record, ``issue_ns``/``ready_ns``/``need_ns`` unless the page cache (``tier_served``
-``"ram"``) served it, and both counts in every step record. Times are monotonic nanoseconds.
-
-Token accounting. A step's counts come from its step record when there is one, else from its
-expert records (the reader refuses any disagreement, naming the line). ``committed_tokens`` is >= 1
-(a step commits an accepted prefix of at least one token) and at most ``evaluated_positions``. A
-step whose records carry no count is charged 1 committed token and reported as *assumed*
-(``committed_tokens_assumed``), as is a step record marked ``"committed_assumed": true``
-(``relayout measure`` marks speculative steps whose acceptance its input trace did not carry).
+"""STALL_TRACE analysis: a measured run's records (read by :class:`replay.formats.stalltrace.StallRecords`)
+into S, the foreground stall per committed token, with its diagnosis, reports and paired comparisons.
 
 Foreground stall of a (run, request, step, layer) is the measure of the union of the intervals
-``[need_ns, ready_ns]`` of its required records that arrived late, so overlapping waits are
-never double-counted. ``S = sum of stall / sum of committed tokens``: rejected speculative
-positions are charged in the numerator and not counted in the denominator.
-
-Cross-checks (reported, never silently preferred over the interval union):
-
-* ``foreground_stall_ns`` in expert records is read as the critical-path wait attributed to
-  that record, so a (step, layer)'s records sum to its stall; a step record's ``stall_ns`` is the
-  step's stall. Either disagreeing with the interval union by more than
-  ``max(STALL_TOLERANCE_NS, STALL_TOLERANCE_REL x union)`` (1 us or 1%: a few clock reads and
-  the runtime's own rounding) is a warning in the report and counted in ``stall_checks``.
-* ``barrier_enter_ns``/``barrier_exit_ns``: the barrier approximation
-  ``W ~ max(0, max ready - t_barrier)``, the time the compute path spends in the join of missing
-  experts. The union of a (step, layer)'s ``[barrier_enter, barrier_exit]`` intervals is reported
-  as ``barrier_stall_per_committed_token_ns`` next to S (which stays the interval-union
-  measure) when records carry them.
-
-Supporting metrics computed where the records carry what they need:
-timely required-byte recall (only when something was prefetched: without speculative records
-there is no prediction to be timely, and the figure is ``null``), unused speculative bytes, lead
-slack, union bytes per committed token, p50-p99 step stall, TPOT and its partition ``C_tok``
-(``compute_ns``), ``O_tok`` (``other_ns``) from step records, hit rate by serving tier
-(``tier_served``), queue occupancy (``queue_depth``, ``worker_occupancy``), and reads by
-priority, drive requests apart from page-cache hits (``drive_requests``/``page_cache_requests``
-and their bytes, as ``relayout measure`` records them), and the rate the drive ran at
-(``drive``: its bytes over the time at least one load reading from it was under way,
-:func:`drive_busy`), and the stall on loads the page cache served whole
-(``page_cache_wait_per_committed_token_ns``, :func:`page_cache_wait`). Figures:
-:mod:`replay.physical.stallplots`.
-
-What a STALL_TRACE cannot give: calibrated late-need probability and prediction quality per
-source unless the runtime records its predictions (``prediction_score`` of records that were
-never loaded); energy or power; per-phase CPU time beyond compute/other; page-cache hits of a
-runtime that does not classify its reads (its ``tier_served`` is taken as given); and burst
-size or queue occupancy where ``queue_depth`` is absent.
+``[need_ns, ready_ns]`` of its required records that arrived late (ns), so overlapping waits are
+never double-counted; ``S = sum of stall / sum of committed tokens``, rejected speculative
+positions charged in the numerator and not counted in the denominator. The analysis needs, besides
+what the reader requires, ``run_id``, ``request_id``, ``required`` and ``bytes`` in every expert
+record, ``issue_ns``/``ready_ns``/``need_ns`` unless the page cache (``tier_served`` ``"ram"``)
+served it, and both counts in every step record; what else a run's figures rest on, and what a
+STALL_TRACE cannot give, is in :func:`run_metrics`. Figures: :mod:`replay.physical.stallplots`.
 """
 
 from __future__ import annotations
@@ -244,7 +205,46 @@ def _stall_check(pairs: list[tuple]) -> dict | None:
 
 
 def run_metrics(run: Run) -> RunMetrics:
-    """Every metric one run supports (ns and bytes; see the module doc)."""
+    """Every metric one run supports (ns and bytes).
+
+    Token accounting. A step's counts come from its step record when there is one, else from its
+    expert records (the reader refuses any disagreement, naming the line). ``committed_tokens`` is
+    >= 1 (a step commits an accepted prefix of at least one token) and at most ``evaluated_positions``. A
+    step whose records carry no count is charged 1 committed token and reported as *assumed*
+    (``committed_tokens_assumed``), as is a step record marked ``"committed_assumed": true``
+    (``relayout measure`` marks speculative steps whose acceptance its input trace did not carry).
+
+    Cross-checks (reported, never silently preferred over the interval union):
+
+    * ``foreground_stall_ns`` in expert records is read as the critical-path wait attributed to
+      that record, so a (step, layer)'s records sum to its stall; a step record's ``stall_ns`` is the
+      step's stall. Either disagreeing with the interval union by more than
+      ``max(STALL_TOLERANCE_NS, STALL_TOLERANCE_REL x union)`` (1 us or 1%: a few clock reads and
+      the runtime's own rounding) is a warning in the report and counted in ``stall_checks``.
+    * ``barrier_enter_ns``/``barrier_exit_ns``: the barrier approximation
+      ``W ~ max(0, max ready - t_barrier)``, the time the compute path spends in the join of missing
+      experts. The union of a (step, layer)'s ``[barrier_enter, barrier_exit]`` intervals is reported
+      as ``barrier_stall_per_committed_token_ns`` next to S (which stays the interval-union
+      measure) when records carry them.
+
+    Supporting metrics computed where the records carry what they need:
+    timely required-byte recall (only when something was prefetched: without speculative records
+    there is no prediction to be timely, and the figure is ``null``), unused speculative bytes, lead
+    slack, union bytes per committed token, p50-p99 step stall, TPOT and its partition ``C_tok``
+    (``compute_ns``), ``O_tok`` (``other_ns``) from step records, hit rate by serving tier
+    (``tier_served``), queue occupancy (``queue_depth``, ``worker_occupancy``), and reads by
+    priority, drive requests apart from page-cache hits (``drive_requests``/``page_cache_requests``
+    and their bytes, as ``relayout measure`` records them), and the rate the drive ran at
+    (``drive``: its bytes over the time at least one load reading from it was under way,
+    :func:`drive_busy`), and the stall on loads the page cache served whole
+    (``page_cache_wait_per_committed_token_ns``, :func:`page_cache_wait`).
+
+    What a STALL_TRACE cannot give: calibrated late-need probability and prediction quality per
+    source unless the runtime records its predictions (``prediction_score`` of records that were
+    never loaded); energy or power; per-phase CPU time beyond compute/other; page-cache hits of a
+    runtime that does not classify its reads (its ``tier_served`` is taken as given); and burst
+    size or queue occupancy where ``queue_depth`` is absent.
+    """
     keys = run.keys
     req = np.array(run.required, dtype=bool)
     nb = np.array(run.nbytes, dtype=np.int64)
