@@ -138,7 +138,11 @@ def joined(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def padded(parts: list[np.ndarray], k: int, fill) -> np.ndarray:
-    """Blocks of rows [n_i, k_i] stacked into one [sum n_i, k] array, padded with ``fill``."""
+    """Blocks of rows [n_i, k_i] stacked into one [sum n_i, k] array, padded with ``fill``.
+
+    >>> padded([np.array([[1]]), np.array([[2, 3]])], 2, -1).tolist()
+    [[1, -1], [2, 3]]
+    """
     if len(parts) == 1 and parts[0].shape[1] == k:
         return parts[0]
     out = np.full((sum(len(p) for p in parts), k), fill, dtype=parts[0].dtype)
