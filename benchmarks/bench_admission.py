@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_admission.py [--tokens 4000] [--sessions 8] [--ram-gb 64]
        [--device mac-pro-2019-applraid-4x] [--dense-ms 1.0]
 
-A synthetic trace (relayout.trace_synth, GLM-5.2 geometry: 75 MoE layers, 256 experts, top-8)
+A synthetic trace (relayout.traces.synth, GLM-5.2 geometry: 75 MoE layers, 256 experts, top-8)
 of ``--sessions`` sessions; the first half trains, the second half is held out. Prints:
 
 1. each prediction source's held-out Brier score and expected calibration error (every expert of
@@ -34,7 +34,7 @@ import numpy as np
 
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.model.admission import admission_counts
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

@@ -32,7 +32,7 @@ from common import REPO  # noqa: F401  (puts this checkout first on sys.path)
 
 from containers.geometry import load_geometry
 from relayout.plan import make_plan, source_from_geometry
-from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
+from relayout.traces.synth import fit_atlas, load_atlas, synth_trace
 from relayout.training import pooled_training
 from replay.execution import SerialExecutor, open_executor
 from replay.model.config import RuntimeConfig

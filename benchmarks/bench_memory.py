@@ -47,8 +47,9 @@ from common import REPO, extract
 GENERATE = """
 import sys, numpy as np
 from containers.geometry import load_geometry
-from relayout.trace_synth import synth_trace
-from replay.formats.trace import RoutingTrace, save_trace
+from relayout.traces.synth import synth_trace
+from replay.formats.trace import save_trace
+from replay.model.routing import RoutingTrace
 tokens, path = int(sys.argv[1]), sys.argv[2]
 g = load_geometry("glm-5.2-int4-row")
 layers, L, k = list(g.moe_layers), len(g.moe_layers), 8
@@ -96,7 +97,7 @@ elif mode == "in memory":
     tr = load_trace(path)
     steps = replay_steps(tr, np.ones(tr.n_forwards, bool), layout, dev, cfg).steps
 elif mode.endswith("stats"):
-    from relayout.trace_stats import trace_stats
+    from relayout.traces.stats import trace_stats
     from replay.formats.trace import load_trace
     tr = load_trace(path)
     t = trace_stats(tr)

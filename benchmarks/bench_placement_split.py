@@ -39,7 +39,7 @@ from relayout.plan import (
     source_from_geometry,
 )
 from relayout.render import format_placement, format_split_curve
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from replay.physical.calibrate import calibrate
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

@@ -35,8 +35,8 @@ from relayout.coactivation import LayerCounts, weight_matrix
 from relayout.louvain import louvain_partition, modularity
 from relayout.ordering import runs_per_token
 from relayout.plan import make_plan, source_from_geometry, split_sessions, training_rows
-from relayout.trace_import import import_traces
-from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
+from relayout.traces.importer import import_traces
+from relayout.traces.synth import fit_atlas, load_atlas, synth_trace
 from replay.formats.trace import save_trace
 
 

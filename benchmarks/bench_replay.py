@@ -24,7 +24,7 @@ from common import child_peak_rss_mb
 
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.coupling import coupling_table
 from replay.model.device import load_device

@@ -31,7 +31,7 @@ from containers.container import MANIFEST_NAME, Container
 from containers.manifest import build_manifest, write_manifest
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.formats.planfile import save_plan
 
 

@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_trace_import.py [--selections 10000000] [--large 
 
 Writes a GLM-5.2-shaped ROUTE_TRACE text (75 layers, top-8 of 256, one decode row per call,
 ``<id>:<gate>`` with 4-digit gates) of --selections expert selections, then imports it
-(``relayout.trace_import.import_traces``: parse, checks, assembly, validation) in fresh
+(``relayout.traces.importer.import_traces``: parse, checks, assembly, validation) in fresh
 processes, alternating this tree with --baseline's (``git archive``), --pairs times, and prints each run's
 selections/s and peak RSS (VmHWM of the child) and the medians side by side. With --large, this
 tree's importer alone also imports a text of that many selections (the baseline would need about
@@ -49,7 +49,8 @@ def write_route_trace(path: Path, selections: int, seed: int = 0) -> int:
 def run_import(tree: Path, path: Path) -> tuple[float, float, int]:
     """Import ``path`` in a fresh process with the importer of ``tree``; returns (seconds, peak RSS
     MB, selections)."""
-    code = (f"import sys, time; sys.path.insert(0, {str(tree)!r}); import relayout.trace_import as ti; "
+    module = "relayout.traces.importer" if (tree / "relayout" / "traces").is_dir() else "relayout.trace_import"  # a baseline's
+    code = (f"import sys, time, importlib; sys.path.insert(0, {str(tree)!r}); ti = importlib.import_module({module!r}); "
             f"from pathlib import Path; "
             f"t = time.perf_counter(); tr, _ = ti.import_traces([Path({str(path)!r})], 'route'); "
             f"dt = time.perf_counter() - t; n = tr.n_selections; "

@@ -22,7 +22,7 @@ import numpy as np
 
 from containers.container import Container
 from containers.layout import layout_from_container
-from relayout.trace_import import import_traces
+from relayout.traces.importer import import_traces
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.model.engine import simulate

@@ -39,7 +39,7 @@ from containers.synth import synth_container  # noqa: E402
 from relayout.apply import verify  # noqa: E402
 from relayout.packing import PackOptions  # noqa: E402
 from relayout.plan import make_plan, source_from_container
-from relayout.trace_synth import synth_trace  # noqa: E402
+from relayout.traces.synth import synth_trace  # noqa: E402
 from replay.formats.planfile import save_plan  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from containers.geometry import load_geometry  # noqa: E402
 from relayout.plan import make_plan, source_from_geometry  # noqa: E402
-from relayout.trace_synth import SynthParams, synth_trace  # noqa: E402
+from relayout.traces.synth import SynthParams, synth_trace  # noqa: E402
 from replay.model.config import RuntimeConfig  # noqa: E402
 from replay.model.device import load_device  # noqa: E402
 from replay.evaluation.gate import evaluation_forwards, run_layout  # noqa: E402

@@ -26,7 +26,7 @@ from containers.manifest import build_manifest, write_manifest
 from relayout.apply import apply_plan
 from relayout.plan import make_plan, source_from_container
 from relayout.render import format_calibration
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from replay.physical.calibrate import calibrate
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

@@ -47,8 +47,8 @@ from .render import (
     plan_summary,
 )
 from .split import RULES
-from .trace_import import TRACE_FORMATS
-from .trace_synth import atlas_names
+from .traces.importer import TRACE_FORMATS
+from .traces.synth import atlas_names
 
 
 def cmd_inspect(args) -> int:
@@ -110,7 +110,7 @@ def _scaled_geometry(args, shard_attr: str = "shard_mb"):
 def cmd_trace_import(args) -> int:
     from replay.formats.trace import save_trace
 
-    from .trace_import import import_traces
+    from .traces.importer import import_traces
 
     n_experts, geometry, routed, mtp = None, "inferred", None, None
     if args.geometry:
@@ -134,7 +134,7 @@ def cmd_trace_import(args) -> int:
 def cmd_trace_stats(args) -> int:
     from replay.formats.trace import load_trace
 
-    from .trace_stats import trace_stats
+    from .traces.stats import trace_stats
 
     stats = trace_stats(load_trace(args.trace))
     print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
@@ -144,7 +144,7 @@ def cmd_trace_stats(args) -> int:
 def cmd_synth_trace(args) -> int:
     from replay.formats.trace import save_trace
 
-    from .trace_synth import SynthParams, fit_atlas, load_atlas, synth_trace
+    from .traces.synth import SynthParams, fit_atlas, load_atlas, synth_trace
 
     g = _scaled_geometry(args)
     params = SynthParams()
@@ -644,7 +644,8 @@ def cmd_report(args) -> int:
         from .engine_render import cmd_engine_report
 
         return cmd_engine_report(args)
-    from replay.physical.stalltrace import report, write_plots
+    from replay.physical.stallplots import write_plots
+    from replay.physical.stalltrace import report
 
     r = report(args.runs)
     if args.hypothesis:

@@ -31,7 +31,7 @@ import numpy as np
 from containers.atomic import atomic_output
 from containers.errors import InputError
 from replay.model.coupling import aligned_rows
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 WEIGHTS = ("count", "lift", "pmi")
 

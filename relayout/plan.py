@@ -29,7 +29,7 @@ from containers.manifest import build_manifest, load_manifest
 from containers.segments import expert_segment_specs
 from containers.shard_metadata import carried_metadata, container_stamps
 from replay.formats.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, plan_digest
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 from . import __version__
 from .coactivation import LayerCounts

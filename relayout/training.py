@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from containers.errors import InputError
-from replay.formats.trace import FORWARD_KINDS, RoutingTrace
+from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
 from .coactivation import PairCounts, count_pairs
 

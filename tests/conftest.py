@@ -9,7 +9,7 @@ import pytest
 
 from containers.geometry import load_geometry
 from containers.synth import synth_container
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -11,16 +11,16 @@ from conftest import run_cli, small_geometry
 from containers.container import Container
 from containers.errors import InputError
 from relayout.render import format_compare, format_report
-from relayout.trace_import import import_traces
-from relayout.trace_synth import synth_trace
+from relayout.traces.importer import import_traces
+from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.physical.arm_run import assumed_committed_mask
 from replay.physical.measure import default_run_id, measure
 from replay.physical.stalltrace import compare, report
 
 
-def appendix_a(step, layer, e, ready, need, committed, evaluated=None, run="r1", request=0, **kw):
-    """An expert record with every Appendix A field (values from the example's shape)."""
+def expert_rec(step, layer, e, ready, need, committed, evaluated=None, *, run="r1", request=0, **kw):
+    """An expert record with every field a runtime may write (ns, bytes)."""
     rec = {"run_id": run, "request_id": request, "step": step, "layer": layer,
            "evaluated_positions": evaluated or committed, "committed_tokens": committed,
            "expert_id": e, "segment_id": 0, "required": True, "router_probability": 0.1,
@@ -47,9 +47,9 @@ def write(path, records):
 
 def test_per_record_counts_are_the_denominator_without_step_records(tmp_path):
     """Two steps committing 1 and 2 tokens, no step records: S is over 3 tokens, not 2."""
-    recs = [appendix_a(0, 3, 1, 900, 0, committed=1),
-            appendix_a(1, 3, 2, 600, 0, committed=2, evaluated=3),
-            appendix_a(1, 4, 5, 300, 0, committed=2, evaluated=3)]
+    recs = [expert_rec(0, 3, 1, 900, 0, committed=1),
+            expert_rec(1, 3, 2, 600, 0, committed=2, evaluated=3),
+            expert_rec(1, 4, 5, 300, 0, committed=2, evaluated=3)]
     r = report([write(tmp_path / "a.jsonl", recs)])
     m = r["runs"][0]
     assert m["committed_tokens"] == 3 and m["evaluated_positions"] == 4
@@ -60,7 +60,7 @@ def test_per_record_counts_are_the_denominator_without_step_records(tmp_path):
 
 
 def test_records_without_counts_are_assumed_and_said_to_be(tmp_path):
-    recs = [appendix_a(0, 3, 1, 900, 0, committed=1), appendix_a(1, 3, 1, 900, 0, committed=1)]
+    recs = [expert_rec(0, 3, 1, 900, 0, committed=1), expert_rec(1, 3, 1, 900, 0, committed=1)]
     for r in recs:
         del r["committed_tokens"], r["evaluated_positions"]
     rep = report([write(tmp_path / "a.jsonl", recs)])
@@ -71,14 +71,14 @@ def test_records_without_counts_are_assumed_and_said_to_be(tmp_path):
 
 @pytest.mark.parametrize("records, line, words", [
     # an expert record disagreeing with its step record (either order)
-    ([step_rec(0, 2, 3), appendix_a(0, 3, 1, 5, 0, committed=1, evaluated=3)], 2, "committed_tokens 1 disagrees with 2"),
-    ([appendix_a(0, 3, 1, 5, 0, committed=1, evaluated=3), step_rec(0, 2, 3)], 2, "committed_tokens 2 disagrees with 1"),
+    ([step_rec(0, 2, 3), expert_rec(0, 3, 1, 5, 0, committed=1, evaluated=3)], 2, "committed_tokens 1 disagrees with 2"),
+    ([expert_rec(0, 3, 1, 5, 0, committed=1, evaluated=3), step_rec(0, 2, 3)], 2, "committed_tokens 2 disagrees with 1"),
     # two expert records of one step disagreeing
-    ([appendix_a(0, 3, 1, 5, 0, committed=2, evaluated=3), appendix_a(0, 4, 1, 5, 0, committed=2, evaluated=2)],
+    ([expert_rec(0, 3, 1, 5, 0, committed=2, evaluated=3), expert_rec(0, 4, 1, 5, 0, committed=2, evaluated=2)],
      2, "evaluated_positions 2 disagrees with 3"),
     # nothing commits zero tokens, in a step record or an expert record
     ([step_rec(0, 1), step_rec(1, 0, 1)], 2, "'committed_tokens' must be an integer of 1 to"),
-    ([appendix_a(0, 3, 1, 5, 0, committed=1), appendix_a(1, 3, 1, 5, 0, committed=0, evaluated=1)], 2, "'committed_tokens' must be an integer of 1 to"),
+    ([expert_rec(0, 3, 1, 5, 0, committed=1), expert_rec(1, 3, 1, 5, 0, committed=0, evaluated=1)], 2, "'committed_tokens' must be an integer of 1 to"),
 ])
 def test_count_problems_name_the_line(tmp_path, records, line, words):
     p = write(tmp_path / "bad.jsonl", records)
@@ -91,13 +91,13 @@ def test_count_problems_name_the_line(tmp_path, records, line, words):
 
 def test_recorded_foreground_stall_is_cross_checked(tmp_path):
     us = 1000
-    ok = [appendix_a(0, 3, 1, 1000 * us, 100 * us, committed=1, foreground_stall_ns=905 * us),  # within 1% of 900 us
-          appendix_a(0, 3, 2, 800 * us, 300 * us, committed=1, foreground_stall_ns=0)]         # inside the first wait
+    ok = [expert_rec(0, 3, 1, 1000 * us, 100 * us, committed=1, foreground_stall_ns=905 * us),  # within 1% of 900 us
+          expert_rec(0, 3, 2, 800 * us, 300 * us, committed=1, foreground_stall_ns=0)]         # inside the first wait
     r = report([write(tmp_path / "ok.jsonl", ok)])
     check = r["runs"][0]["stall_checks"]["foreground_stall_ns"]
     assert check["checked"] == 1 and check["disagreeing"] == 0 and not r["warnings"]
-    bad = [appendix_a(0, 3, 1, 1000 * us, 100 * us, committed=1, foreground_stall_ns=900 * us),
-           appendix_a(0, 3, 2, 800 * us, 300 * us, committed=1, foreground_stall_ns=500 * us)]   # summed: 1400 vs 900 us
+    bad = [expert_rec(0, 3, 1, 1000 * us, 100 * us, committed=1, foreground_stall_ns=900 * us),
+           expert_rec(0, 3, 2, 800 * us, 300 * us, committed=1, foreground_stall_ns=500 * us)]   # summed: 1400 vs 900 us
     r = report([write(tmp_path / "bad.jsonl", bad)])
     check = r["runs"][0]["stall_checks"]["foreground_stall_ns"]
     assert check["disagreeing"] == 1
@@ -106,17 +106,17 @@ def test_recorded_foreground_stall_is_cross_checked(tmp_path):
     text = format_report(r.to_json())
     assert "warning: run r1: 1 of 1 (step, layer)s' foreground_stall_ns disagree" in text
     # within the absolute tolerance (1 us) small figures agree
-    r = report([write(tmp_path / "small.jsonl", [appendix_a(0, 3, 1, 900, 0, committed=1, foreground_stall_ns=1500)])])
+    r = report([write(tmp_path / "small.jsonl", [expert_rec(0, 3, 1, 900, 0, committed=1, foreground_stall_ns=1500)])])
     assert r["runs"][0]["stall_checks"]["foreground_stall_ns"]["disagreeing"] == 0
     # a step record's stall_ns is checked the same way
-    r = report([write(tmp_path / "s.jsonl", [step_rec(0, 1, stall_ns=5000), appendix_a(0, 3, 1, 900, 0, committed=1)])])
+    r = report([write(tmp_path / "s.jsonl", [step_rec(0, 1, stall_ns=5000), expert_rec(0, 3, 1, 900, 0, committed=1)])])
     assert r["runs"][0]["stall_checks"]["step_stall_ns"]["disagreeing"] == 1
 
 
 def test_barrier_fields_give_the_barrier_estimate(tmp_path):
-    recs = [appendix_a(0, 3, 1, 900, 0, committed=2, evaluated=2, barrier_enter_ns=100, barrier_exit_ns=900),
-            appendix_a(0, 3, 2, 500, 0, committed=2, evaluated=2, barrier_enter_ns=100, barrier_exit_ns=900),
-            appendix_a(0, 4, 3, 0, 0, committed=2, evaluated=2)]
+    recs = [expert_rec(0, 3, 1, 900, 0, committed=2, evaluated=2, barrier_enter_ns=100, barrier_exit_ns=900),
+            expert_rec(0, 3, 2, 500, 0, committed=2, evaluated=2, barrier_enter_ns=100, barrier_exit_ns=900),
+            expert_rec(0, 4, 3, 0, 0, committed=2, evaluated=2)]
     m = report([write(tmp_path / "b.jsonl", recs)])["runs"][0]
     assert m["barrier_stall_per_committed_token_ns"] == pytest.approx(800 / 2)
     assert m["stall_per_committed_token_ns"] == pytest.approx(900 / 2)
@@ -124,7 +124,7 @@ def test_barrier_fields_give_the_barrier_estimate(tmp_path):
 
 
 def test_report_json_is_the_published_record_only(tmp_path):
-    recs = [step_rec(0, 1, compute_ns=3000, other_ns=1000, wall_ns=4900), appendix_a(0, 3, 1, 900, 0, committed=1)]
+    recs = [step_rec(0, 1, compute_ns=3000, other_ns=1000, wall_ns=4900), expert_rec(0, 3, 1, 900, 0, committed=1)]
     p = write(tmp_path / "t.jsonl", recs)
     r = report([p])
     out = r.to_json()
@@ -148,9 +148,9 @@ def _repeated_run(path, name, steps, late, runs=3, spec_bytes=0):
         run = f"{name}{i}"
         for s in range(steps):                            # identical steps: S does not depend on the length
             recs.append(step_rec(s, 1, run=run))
-            recs.append(appendix_a(s, 3, 1, late + 10 * i, 0, committed=1, run=run))
+            recs.append(expert_rec(s, 3, 1, late + 10 * i, 0, committed=1, run=run))
             if spec_bytes:
-                recs.append(appendix_a(s, 4, 2, 0, 0, committed=1, run=run, priority="speculative", bytes=spec_bytes))
+                recs.append(expert_rec(s, 4, 2, 0, 0, committed=1, run=run, priority="speculative", bytes=spec_bytes))
     return write(path, recs)
 
 
@@ -261,7 +261,7 @@ def test_measure_names_runs_uniquely_and_marks_assumed_counts(small_container, s
     ids = [m.run_id for m in r.runs]
     assert ids[0] != ids[1] and all(i.startswith(f"{small_container.name}@") for i in ids)
     assert default_run_id(small_container, "plans/p1.json").startswith(f"{small_container.name}+p1@")
-    # every expert record carries Appendix A's counts and its foreground stall, which agree with the union
+    # every expert record carries its step's counts and its foreground stall, which agree with the union
     recs = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
     experts = [x for x in recs if x.get("record") != "step"]
     assert all(x["committed_tokens"] == 1 and x["evaluated_positions"] == 1 for x in experts)
@@ -306,7 +306,7 @@ def test_measure_tells_drive_requests_from_page_cache_hits(small_container, smal
 
 def test_plots_draw_every_run_with_its_own_legend_entry(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    import replay.physical.stalltrace as st
+    import replay.physical.stallplots as st
 
     figs = []
     monkeypatch.setattr(st, "_save", lambda fig, path: (figs.append(fig), path)[1])
@@ -315,7 +315,7 @@ def test_plots_draw_every_run_with_its_own_legend_entry(tmp_path, monkeypatch):
         for s in range(3):
             recs.append(step_rec(s, 1, run=run))
             for layer in range(3, 81):                  # 78 MoE layers, as GLM-5.2 has
-                recs.append(appendix_a(s, layer, 1, 100 + layer, 0, committed=1, run=run))
+                recs.append(expert_rec(s, layer, 1, 100 + layer, 0, committed=1, run=run))
     a = write(tmp_path / "a.jsonl", recs[: len(recs) // 2])
     b = write(tmp_path / "b.jsonl", [dict(r, run_id="run") for r in recs[len(recs) // 2:]])  # same id, other file
     r = report([a, b])

@@ -13,7 +13,7 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from relayout.coactivation import LayerCounts, PairCounts, count_pairs, pair_counts
 from relayout.plan import make_plan, source_from_geometry
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from relayout.training import (
     pooled_training,
     split_sessions,

@@ -43,7 +43,7 @@ from containers.synth import colibri_format_name, synth_container
 from relayout.apply import apply_plan, output_files, verify
 from relayout.packing import PackOptions
 from relayout.plan import SplitOptions, make_plan, source_from_container
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, save_plan
 
 GEOMETRY = dict(moe_layers=2, experts=16)

@@ -200,7 +200,7 @@ def rewritten(tmp_path_factory):
     """A source with its manifest, a faithful rewrite of it and a split rewrite of it."""
     from relayout.apply import apply_plan
     from relayout.plan import SplitOptions, make_plan, source_from_container
-    from relayout.trace_synth import synth_trace
+    from relayout.traces.synth import synth_trace
     from replay.formats.planfile import load_plan, save_plan
 
     root = tmp_path_factory.mktemp("hardening")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from containers.errors import InputError
 from containers.layout import layout_from_geometry, slot_name
 from relayout.drive_plan import choose_mirrored, even_split_by_name, plan_drives, training_routing
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.model.device import load_device
 from replay.model.drivetime import expert_table, session_stall
 from replay.model.storage import DriveSpec, Storage

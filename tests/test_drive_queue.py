@@ -11,7 +11,7 @@ from replay.physical.calibrate import DEPTHS, SIZES, fit_queue_model
 from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile, DriveProfile, load_device, queue_throughput
 from replay.model.engine import simulate
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
 MIB = 1 << 20

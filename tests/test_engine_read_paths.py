@@ -20,7 +20,7 @@ from replay.colibri.engine_config import (
     model_config,
     parse_runtime_env,
 )
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 MIB = 1 << 20
 A, B = 1e-3, 1e9        # request latency (s) and bandwidth (bytes/s) of the test drive
@@ -227,7 +227,7 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
 
     from containers.geometry import load_geometry
     from relayout.plan import make_plan, source_from_geometry
-    from relayout.trace_synth import synth_trace
+    from relayout.traces.synth import synth_trace
     from replay.formats.planfile import save_plan
     from replay.formats.trace import save_trace
 

@@ -11,7 +11,7 @@ from conftest import run_cli
 from containers.errors import InputError
 from containers.geometry import load_geometry
 from relayout.plan import make_plan, source_from_geometry
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.evaluation.evidence import MIN_BLOCKS, block_evidence, holm, judge, session_evidence

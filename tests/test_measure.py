@@ -12,7 +12,7 @@ from conftest import page_cache_evicts, run_cli, small_geometry
 
 from containers.container import Container
 from containers.errors import InputError
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.physical.calibrate import calibrate, system_read_ahead_bytes
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

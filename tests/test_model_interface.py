@@ -21,7 +21,7 @@ from replay.model.engine import (
     simulate,
 )
 from replay.model.predictors import RELIABILITY_BINS, learn_source
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)
 DECLARED = ((InstanceResult, InstanceOutputs, "instance"), (PrefetchResult, PrefetchOutputs, "prefetch"),

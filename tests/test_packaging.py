@@ -32,7 +32,7 @@ from containers.jsonfile import (
     shipped_dir,
     shipped_names,
 )
-from relayout.trace_synth import atlas_names, load_atlas
+from relayout.traces.synth import atlas_names, load_atlas
 from replay.model.device import load_device
 
 OURS = {"relayout", "replay", "containers", "manifests"}

@@ -11,7 +11,7 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.layout import Layout
 from relayout.plan import make_plan, source_from_geometry
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.formats.pinfile import pin_file_text, pin_gb_for, runtime_pins, write_pin_file

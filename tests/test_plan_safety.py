@@ -19,7 +19,7 @@ from containers.output_files import check_output_files, output_name_problem
 from relayout.apply import apply_plan, output_files, verify
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, plan_digest, save_plan
 
 

@@ -22,7 +22,7 @@ from relayout.plan import (
     training_rows,
 )
 from relayout.split import segment_sizes
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from replay.formats.planfile import load_plan, save_plan
 from replay.formats.trace import save_trace
 

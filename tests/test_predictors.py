@@ -13,7 +13,7 @@ from replay.model.predictors import (
     plot_reliability,
     score_source,
 )
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 SOURCES = ("heat", "persistence", "coupled", "session", "oracle")
 

@@ -11,7 +11,7 @@ from replay.physical.measure import measure
 from replay.physical.reader import Reader
 from containers.container import Container
 from containers.layout import layout_from_container
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.model.engine import layout_arrays, simulate

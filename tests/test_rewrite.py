@@ -16,7 +16,7 @@ from containers.synth import synth_container
 from relayout.apply import apply_plan, verify
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.evaluation.gate import compare

@@ -13,7 +13,7 @@ import pytest
 
 from containers.geometry import load_geometry
 from relayout.plan import make_plan, source_from_geometry
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.evaluation.gate import compare, run_layout

@@ -24,7 +24,7 @@ from containers.synth import STAMP_BYTES, synth_container
 from relayout.apply import apply_plan, verify
 from relayout.packing import PackOptions
 from relayout.plan import make_plan, source_from_container
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, save_plan
 
 BLOCK = 4096

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from containers.errors import InputError
 from relayout.coactivation import write_coli_pairs
 from relayout.runtime_output import read_runtime_output
-from relayout.trace_import import import_traces
-from replay.formats.trace import FORWARD_KINDS
+from relayout.traces.importer import import_traces
+from replay.model.routing import FORWARD_KINDS
 
 DATA = Path(__file__).resolve().parent / "data" / "colibri"
 
@@ -94,7 +94,7 @@ def exported_pairs(tmp_path: Path, paths: list[Path]) -> dict:
 # ------------------------------------------------------------------ traces shaped as the engine writes them
 
 
-def engine_run(seed: int, prompt: int, tokens: int, head: int | None, depth: int, accept: float, stop: str,
+def engine_run(seed: int, prompt: int, tokens: int, head: int | None, depth: int, accept: float, stop: str, *,
                layers=(3, 4), experts: int = 8):
     """One session of colibrì's speculative decode loop, as ROUTE_TRACE text.
 

@@ -13,7 +13,7 @@ from containers.geometry import ExpertFormat
 from containers.segments import SegmentSpec, expert_segment_specs, reassembled_chunks
 from relayout.apply import apply_plan, verify
 from relayout.plan import SplitOptions, make_plan, source_from_container
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.evaluation.gate import compare

@@ -9,7 +9,7 @@ from containers.errors import InputError
 from replay.physical.stalltrace import compare, interval_union, report
 
 
-def expert(step, layer, e, issue, ready, need, nbytes=1000, required=True, run="r1", **kw):
+def expert(step, layer, e, issue, ready, need, nbytes=1000, required=True, *, run="r1", **kw):
     return {"run_id": run, "request_id": 0, "step": step, "layer": layer, "expert_id": e, "required": required,
             "bytes": nbytes, "issue_ns": issue, "ready_ns": ready, "need_ns": need, **kw}
 
@@ -112,7 +112,7 @@ def test_compare_pairs_repetitions_and_flags_token_divergence(tmp_path):
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from replay.physical.stalltrace import write_plots
+    from replay.physical.stallplots import write_plots
 
     recs = [step(0), step(1), expert(0, 3, 1, 0, 500, 200), expert(1, 4, 2, 0, 900, 100)]
     r = report([write(tmp_path / "t.jsonl", recs)])
@@ -159,7 +159,7 @@ def test_page_cache_wait_counts_demand_loads_the_page_cache_served_whole(tmp_pat
 def test_figure_labels_are_short_and_distinct():
     from types import SimpleNamespace
 
-    from replay.physical.stalltrace import LABEL_CHARS, _labels
+    from replay.physical.stallplots import LABEL_CHARS, _labels
 
     long_a = "stock-" + "x" * 30 + "-20261204T101010-a"
     long_b = "stock-" + "x" * 30 + "-20261204T101010-b"
@@ -177,7 +177,7 @@ def test_legends_sit_outside_the_data():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from replay.physical.stalltrace import _legend_outside
+    from replay.physical.stallplots import _legend_outside
 
     fig, ax = plt.subplots()
     ax.bar([0, 1], [1, 2], label="a run with a long label")

@@ -8,14 +8,15 @@ import pytest
 from containers.errors import InputError
 from containers.geometry import load_geometry
 from relayout.plan import source_from_geometry
-from relayout.trace_synth import synth_trace
+from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.coupling import coupling_table
 from replay.model.device import load_device
 from replay.model.engine import simulate
 from replay.model.metrics import StepTable, step_table
 from replay.model.streaming import replay_steps
-from replay.formats.trace import RoutingTrace, TraceFile, load_trace, save_trace
+from replay.formats.trace import TraceFile, load_trace, save_trace
+from replay.model.routing import RoutingTrace
 from replay.model.unions import RowBlock, realign_blocks, whole_forward_blocks
 
 CONFIGS = {
@@ -153,7 +154,7 @@ def test_rows_out_of_order_across_a_block_boundary_are_refused(case, tmp_path, m
     write_unchecked(tr, tmp_path / "order.rt", monkeypatch)
     with pytest.raises(InputError, match="not sorted|not in forward order"):
         TraceFile(tmp_path / "order.rt", rows_per_block=16)
-    monkeypatch.setattr("replay.formats.trace.ROWS_PER_BLOCK", 16)     # validate checks in blocks too
+    monkeypatch.setattr("replay.model.routing.ROWS_PER_BLOCK", 16)     # validate checks in blocks too
     with pytest.raises(InputError, match="not sorted|not in forward order"):
         tr.validate()
 

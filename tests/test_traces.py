@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from relayout.coactivation import pair_counts, write_coli_pairs
-from relayout.trace_import import import_traces, read_route_trace
-from relayout.trace_stats import layer_rows_in_turn, reuse_distances, trace_stats
-from relayout.trace_synth import fit_atlas, load_atlas, synth_trace
-from replay.formats.trace import FORWARD_KINDS, load_trace, save_trace
+from relayout.traces.importer import import_traces
+from relayout.traces.route import read_route_trace
+from relayout.traces.stats import layer_rows_in_turn, reuse_distances, trace_stats
+from relayout.traces.synth import fit_atlas, load_atlas, synth_trace
+from replay.formats.trace import load_trace, save_trace
+from replay.model.routing import FORWARD_KINDS
 
 
 def test_route_trace_forwards_kinds_and_rows(tmp_path):
@@ -314,7 +316,7 @@ def test_stats_take_the_layers_in_turn_with_the_next_layers_rows():
 def test_stats_counted_in_blocks_are_the_stats_counted_at_once(monkeypatch):
     tr = synth_trace([3, 4, 5, 7], 32, 4, 300, 3, seed=4)
     whole = trace_stats(tr, min_count=2)
-    monkeypatch.setattr("relayout.trace_stats.PAIR_BLOCK_ROWS", 29)
+    monkeypatch.setattr("relayout.traces.stats.PAIR_BLOCK_ROWS", 29)
     assert trace_stats(tr, min_count=2) == whole
     assert any(l["pairs_supported"] for l in whole["layers"]) and "cross_layer_lift" in whole["layers"][0]
 

@@ -589,7 +589,7 @@ def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
     from replay.model.engine import simulate
     from replay.model.metrics import drive_rate, step_table, summarize
     from relayout.plan import source_from_geometry
-    from relayout.trace_synth import synth_trace
+    from relayout.traces.synth import synth_trace
 
     g = small_geometry()
     tr = synth_trace(g.moe_layers, g.n_routed_experts, 8, 30, 1, seed=4, geometry=g.name)

@@ -35,8 +35,8 @@ from relayout.apply import apply_plan, verify
 from relayout.gate_text import bottom_line
 from relayout.plan import make_plan, source_from_container
 from relayout.render import completion_sentence, human_bytes, merge_sentence, plan_summary
-from relayout.trace_stats import trace_stats
-from relayout.trace_synth import SynthParams, synth_trace
+from relayout.traces.stats import trace_stats
+from relayout.traces.synth import SynthParams, synth_trace
 
 from .validation.rules import HARNESS_EXCESS, measured_vs_predicted
 from .workdir import WorkDir

@@ -16,7 +16,7 @@ otherwise:
 An arm's S is its summed wait over its summed tokens; its interval's half-width is Student's t
 over its runs' own S (each run one unit), set about that S. Arms compare pair by pair: runs pair by (prompt, repetition) when
 relayout measured them, else by their prompt's token ids and order; the saving's interval is
-Student's t over the pairs' savings (:func:`replay.evaluation.stats.paired_ratio_saving`). Two runs of one
+Student's t over the pairs' savings (:func:`replay.physical.stalltrace.paired_ratio_saving`). Two runs of one
 prompt whose greedy output tokens differ are a correctness failure, not noise.
 """
 

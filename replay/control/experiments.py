@@ -52,7 +52,7 @@ from replay.evaluation.hypotheses import (
     tail_table,
 )
 from replay.formats.planfile import Plan
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 ADMISSION_ARMS = ("probability", "per-byte", "deadline", "stall-value", "oracle")
 """The admission policies E2 compares (besides ``none``)."""

@@ -85,7 +85,7 @@ from replay.model.metrics import summarize
 from replay.formats.pinfile import PinRecord
 from replay.formats.planfile import Plan
 from replay.model.streaming import replay_steps
-from replay.formats.trace import FORWARD_KINDS, RoutingTrace
+from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
 ARMS = ("lru", "frequency", "hybrid", "probability-per-byte", "stall-value")
 PIN_SHARES = (0.25, 0.5, 0.75, 1.0)

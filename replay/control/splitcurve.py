@@ -57,7 +57,7 @@ from replay.control.placement import held_out_evidence, sufficiency, training_fo
 from replay.formats.planfile import Plan
 from replay.control.splitsizes import segment_sizes, tops_by_wait
 from replay.model.streaming import replay_steps
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 RATIOS = (0.125, 0.25, 0.375, 0.5)
 """Split ratios the search replays by default (besides r = 0, always a candidate)."""

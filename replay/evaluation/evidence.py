@@ -3,7 +3,7 @@ interval, and whether there is enough of it for a verdict at all.
 
 Held out by content
     A plan records a fingerprint of each training session's routing
-    (:meth:`replay.formats.trace.TraceSource.session_fingerprints`, the same from memory or from the
+    (:meth:`replay.model.routing.TraceSource.session_fingerprints`, the same from memory or from the
     file). A session of the evaluated trace whose fingerprint matches one of them is excluded
     whatever it is called; names are labels only. (Plans made before fingerprints existed fall back to names, and say so.)
 
@@ -36,7 +36,7 @@ import numpy as np
 from containers.errors import InputError
 
 from replay.formats.planfile import Plan
-from replay.formats.trace import FORWARD_KINDS, TraceSource
+from replay.model.routing import FORWARD_KINDS, TraceSource
 
 SESSION_UNITS = 5
 """Held-out sessions from which the session is the unit of resampling."""

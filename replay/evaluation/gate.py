@@ -55,7 +55,7 @@ from replay.formats.gatefile import (
 from replay.model.metrics import LayoutMetrics, session_sums, summarize
 from replay.formats.planfile import Plan
 from replay.model.streaming import replay_steps
-from replay.formats.trace import TraceSource
+from replay.model.routing import TraceSource
 
 DEFAULT_THRESHOLD = 0.05
 SWEEP_ALPHA = 0.025

@@ -6,7 +6,7 @@ learns its pair table from these counts, like colibrì's ``COUPLE`` reading ``.c
 (exported by :func:`relayout.coactivation.write_coli_pairs` from the same counts).
 
 :func:`coupling_table` counts every consecutive layer pair in one pass over the rows, block by
-block of whole forwards (:meth:`replay.formats.trace.TraceSource.column_blocks`), so a trace streamed
+block of whole forwards (:meth:`replay.model.routing.TraceSource.column_blocks`), so a trace streamed
 from its file gives the table a trace in memory gives.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 from containers.errors import InputError
 from containers.layout import Layout
 
-from replay.formats.trace import RoutingTrace, TraceSource
+from replay.model.routing import RoutingTrace, TraceSource
 
 COUPLED_TARGETS = 16
 """Successors kept per expert, as in the ``.coli_pairs`` file relayout exports for colibrì."""

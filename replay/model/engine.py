@@ -111,7 +111,7 @@ from replay.model.predictors import RELIABILITY_BINS
 from replay.model.runtime import new_lru
 from replay.model.storage import StorageProfile
 from replay.model.weightcache import new_weight_cache
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 from replay.model.unions import (
     DEFAULT_CHUNK_FORWARDS,
     Instances,

@@ -12,7 +12,7 @@ import numpy as np
 
 from replay.model.device import ArrayProfile
 from replay.model.engine import DeviceUsage, InstanceResult
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 
 
 @dataclass(frozen=True)

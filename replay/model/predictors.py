@@ -63,7 +63,7 @@ from containers.layout import Layout
 from replay.model.config import FUSED, MODEL_SOURCES, SOURCE_SEPARATOR
 from replay.model.coupling import coupling_table
 from replay.model.jit import HELPER, LOOP
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 from replay.model.unions import chunk_instances, whole_forward_blocks
 
 ORACLE, COUPLED = MODEL_SOURCES.index("oracle"), MODEL_SOURCES.index("coupled")

@@ -23,7 +23,7 @@ from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile
 from replay.model.engine import DeviceUsage, Replay, SplitState
 from replay.model.metrics import StepTable, step_sums, steps_from_sums
-from replay.formats.trace import TraceSource
+from replay.model.routing import TraceSource
 from replay.model.unions import (
     DEFAULT_CHUNK_FORWARDS,
     RowBlock,
@@ -58,9 +58,9 @@ def replay_steps(
     """Replay the forwards of mask ``forwards`` [F] chunk by chunk, keeping per-step sums only.
 
     ``trace`` gives the forwards (sessions, committed and evaluated counts) and, unless
-    ``blocks`` is given, the rows (then it must be a :class:`replay.formats.trace.RoutingTrace`), in
+    ``blocks`` is given, the rows (then it must be a :class:`replay.model.routing.RoutingTrace`), in
     chunks of ``chunk_forwards`` forwards. ``blocks``: the trace's rows in consecutive blocks
-    (:meth:`replay.formats.trace.TraceSource.row_blocks`, from memory or streamed from the file, as
+    (:meth:`replay.model.routing.TraceSource.row_blocks`, from memory or streamed from the file, as
     :func:`replay.evaluation.gate.run_layout` passes them), recut at forward boundaries. ``pinned``, ``split``,
     ``coupling``: as :func:`replay.model.engine.simulate`.
     """

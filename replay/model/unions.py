@@ -21,7 +21,7 @@ from numba import njit
 from containers.layout import Layout
 
 from replay.model.jit import LOOP
-from replay.formats.trace import RoutingTrace, RowBlock, whole_forward_runs
+from replay.model.routing import RoutingTrace, RowBlock, whole_forward_runs
 
 Instances = namedtuple("Instances", "forward layer session sel_start sel_e sel_mult sel_order")
 """The instances of the selected forwards, in time order (forward, then layer), as the compiled
@@ -81,7 +81,7 @@ def whole_forward_blocks(trace: RoutingTrace, chunk_forwards: int) -> Iterator[R
 
 def realign_blocks(blocks: Iterable[RowBlock]) -> Iterator[RowBlock]:
     """Blocks of rows (sorted by forward) recut so that no forward spans two blocks
-    (:func:`replay.formats.trace.whole_forward_runs`)."""
+    (:func:`replay.model.routing.whole_forward_runs`)."""
     for b in whole_forward_runs(blocks):
         yield RowBlock(*b)
 

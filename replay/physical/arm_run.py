@@ -29,7 +29,7 @@ from containers.container import Container
 from containers.errors import InputError
 from containers.layout import Layout, layout_from_container
 
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 from replay.model.config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities, replay_only_settings
 from replay.model.engine import SplitState, layout_arrays
 from replay.model.readplan import WEIGHT
@@ -45,7 +45,7 @@ def assumed_committed_mask(trace: RoutingTrace) -> np.ndarray:
     nothing (a trace imported before prefill counted its token). Trace meta ``committed_assumed``
     names forward kinds (``kinds``) or, per session name, forward indices within the session
     (``session_forwards``), so it stays true of a subset of the sessions."""
-    from replay.formats.trace import FORWARD_KINDS
+    from replay.model.routing import FORWARD_KINDS
 
     info = trace.meta.get("committed_assumed") or {}
     kinds = [FORWARD_KINDS.index(k) for k in info.get("kinds", []) if k in FORWARD_KINDS]

@@ -35,7 +35,7 @@ from containers.progress import progress_bar
 from containers.container import Container
 from containers.layout import Layout
 
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 from replay.model.config import RuntimeConfig
 from replay.model.engine import SplitState
 from replay.physical.arm_run import ArmRun

@@ -37,7 +37,7 @@ class IoTally:
     """Requests and bytes of one or more reads, by where they were served (requests; bytes).
 
     The field names and order are the STALL_TRACE's read-accounting fields
-    (:data:`replay.physical.stalltrace.IO_FIELDS`).
+    (:data:`replay.formats.stalltrace.IO_FIELDS`).
 
     >>> a = IoTally(drive_requests=1, drive_bytes=4096)
     >>> b = IoTally(page_cache_requests=1, page_cache_bytes=512)
@@ -72,7 +72,7 @@ class IoTally:
         return "os_cache"
 
     def to_json(self) -> dict:
-        """The STALL_TRACE read-accounting fields, in :data:`~replay.physical.stalltrace.IO_FIELDS` order."""
+        """The STALL_TRACE read-accounting fields, in :data:`~replay.formats.stalltrace.IO_FIELDS` order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 

@@ -1,129 +1,41 @@
-"""STALL_TRACE analysis (seed sections 4, 7.7, 9 and Appendix A): from records to S and its diagnosis.
-
-A STALL_TRACE is JSONL (optionally zstd-compressed). *Expert records* are keyed by run, request,
-step, layer and expert (and segment); *step records* (``"record": "step"``) carry the committed
-and evaluated counts, compute/other/wall time and output-token hashes. Times are monotonic
-nanoseconds.
-
-Token accounting. Appendix A puts ``evaluated_positions`` and ``committed_tokens`` in every expert
-record. A step's counts come from its step record when there is one, else from its expert
-records; every value given for one (run, request, step), in any record, must agree (a
-disagreement is an error naming the line). ``committed_tokens`` must be >= 1 (seed 3.2: a step
-commits an accepted prefix of at least one token) and at most ``evaluated_positions``. A step
-whose records carry no count is charged 1 committed token and reported as *assumed*
-(``committed_tokens_assumed``), as is a step record marked ``"committed_assumed": true``
-(``relayout measure`` marks speculative steps whose acceptance its input trace did not carry).
+"""STALL_TRACE analysis: a measured run's records (read by :class:`replay.formats.stalltrace.StallRecords`)
+into S, the foreground stall per committed token, with its diagnosis, reports and paired comparisons.
 
 Foreground stall of a (run, request, step, layer) is the measure of the union of the intervals
-``[need_ns, ready_ns]`` of its required records that arrived late, so overlapping waits are
-never double-counted (seed 4.1). ``S = sum of stall / sum of committed tokens``: rejected
-speculative positions are charged in the numerator and not counted in the denominator.
-
-Cross-checks (reported, never silently preferred over the interval union):
-
-* ``foreground_stall_ns`` in expert records is read as the critical-path wait attributed to
-  that record, so a (step, layer)'s records sum to its stall; a step record's ``stall_ns`` is the
-  step's stall. Either disagreeing with the interval union by more than
-  ``max(STALL_TOLERANCE_NS, STALL_TOLERANCE_REL x union)`` (1 us or 1%: a few clock reads and
-  the runtime's own rounding) is a warning in the report and counted in ``stall_checks``.
-* ``barrier_enter_ns``/``barrier_exit_ns``: seed 4.1 defines the barrier approximation
-  ``W ~ max(0, max ready - t_barrier)``, the time the compute path spends in the join of missing
-  experts. The union of a (step, layer)'s ``[barrier_enter, barrier_exit]`` intervals is reported
-  as ``barrier_stall_per_committed_token_ns`` next to S (which stays the interval-union
-  measure the seed prefers) when records carry them.
-
-Supporting metrics (seed 4.2, 4.3, 9.1) computed where the records carry what they need:
-timely required-byte recall (only when something was prefetched: without speculative records
-there is no prediction to be timely, and the figure is ``null``), unused speculative bytes, lead
-slack, union bytes per committed token, p50-p99 step stall, TPOT and its partition ``C_tok``
-(``compute_ns``), ``O_tok`` (``other_ns``) from step records, hit rate by serving tier
-(``tier_served``), queue occupancy (``queue_depth``, ``worker_occupancy``), and reads by
-priority, drive requests apart from page-cache hits (``drive_requests``/``page_cache_requests``
-and their bytes, as ``relayout measure`` records them), and the rate the drive ran at
-(``drive``: its bytes over the time at least one load reading from it was under way,
-:func:`drive_busy`), and the stall on loads the page cache served whole
-(``page_cache_wait_per_committed_token_ns``, :func:`page_cache_wait`).
-
-What a STALL_TRACE cannot give: calibrated late-need probability and prediction quality per
-source unless the runtime records its predictions (``prediction_score`` of records that were
-never loaded); energy or power; per-phase CPU time beyond compute/other; page-cache hits of a
-runtime that does not classify its reads (its ``tier_served`` is taken as given); and burst
-size or queue occupancy where ``queue_depth`` is absent.
+``[need_ns, ready_ns]`` of its required records that arrived late (ns), so overlapping waits are
+never double-counted; ``S = sum of stall / sum of committed tokens``, rejected speculative
+positions charged in the numerator and not counted in the denominator. The analysis needs, besides
+what the reader requires, ``run_id``, ``request_id``, ``required`` and ``bytes`` in every expert
+record, ``issue_ns``/``ready_ns``/``need_ns`` unless the page cache (``tier_served`` ``"ram"``)
+served it, and both counts in every step record; what else a run's figures rest on, and what a
+STALL_TRACE cannot give, is in :func:`run_metrics`. Figures: :mod:`replay.physical.stallplots`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from containers.atomic import atomic_output, make_dirs
 from containers.errors import InputError
-from containers.jsonfile import iter_jsonl
-
 from replay.evaluation.gate import TpotParts
 from replay.evaluation.stats import Interval, repetition_interval
+from replay.formats.stalltrace import IO_FIELDS, TIMED, StallRecords, int_field
 
-REQUIRED_EXPERT = ("run_id", "request_id", "step", "layer", "expert_id", "required", "bytes")
-TIMED = ("issue_ns", "ready_ns", "need_ns")
-REQUIRED_STEP = ("run_id", "request_id", "step", "committed_tokens", "evaluated_positions")
-COUNTS = ("committed_tokens", "evaluated_positions")
-IO_FIELDS = ("drive_requests", "drive_bytes", "page_cache_requests", "page_cache_bytes",
-             "unclassified_requests", "unclassified_bytes")
-"""Per-record read accounting ``relayout measure`` writes (see :mod:`replay.physical.measure`)."""
+REQUIRED_EXPERT = ("run_id", "request_id", "layer", "expert_id", "required", "bytes")
+"""Fields the analysis needs in every expert record (besides those every record carries)."""
+REQUIRED_STEP = ("run_id", "request_id", "committed_tokens", "evaluated_positions")
+"""Fields the analysis needs in every step record."""
 STALL_TOLERANCE_NS = 1000
 STALL_TOLERANCE_REL = 0.01
 """A recorded stall agrees with the interval union within max(1 us, 1%)."""
 
-MAX_TIME_NS = 2**62
-"""The latest monotonic timestamp a record may carry, ns (some 146 years of uptime)."""
-MAX_SPAN_NS = 86_400 * 10**9
-"""The longest duration a record may give or span (compute, other, wall and stall time per step;
-a load from issue to ready; a wait; a barrier), ns: a day."""
-MAX_BYTES = 2**40
-"""The most bytes one record may count (a read, or a step's reads of one kind), a TiB."""
-MAX_COUNT = 2**31 - 1
-"""The largest step number, request count or queue occupancy a record may carry."""
-MAX_POSITIONS = 2**20
-"""The most positions one step may evaluate (and tokens it may commit)."""
-MAX_LAYER = 2**16 - 1
-MAX_EXPERT = 2**20 - 1
-MAX_SEGMENT = 255
-LIMITS = {"step": MAX_COUNT, "layer": MAX_LAYER, "expert_id": MAX_EXPERT, "segment_id": MAX_SEGMENT,
-          "bytes": MAX_BYTES, "committed_tokens": MAX_POSITIONS, "evaluated_positions": MAX_POSITIONS,
-          "issue_ns": MAX_TIME_NS, "ready_ns": MAX_TIME_NS, "need_ns": MAX_TIME_NS,
-          "barrier_enter_ns": MAX_TIME_NS, "barrier_exit_ns": MAX_TIME_NS,
-          "compute_ns": MAX_SPAN_NS, "other_ns": MAX_SPAN_NS, "wall_ns": MAX_SPAN_NS, "stall_ns": MAX_SPAN_NS,
-          "foreground_stall_ns": MAX_SPAN_NS, "queue_depth": MAX_COUNT, "worker_occupancy": MAX_COUNT,
-          **{k: MAX_BYTES if k.endswith("_bytes") else MAX_COUNT for k in IO_FIELDS}}
-"""The largest value of each integer field (every one is also >= 0, counts >= 1)."""
 
-
-def _int(rec: dict, key: str, where: str, minimum: int = 0) -> int:
+def _opt(rec: dict, key: str) -> int:
+    """``rec[key]`` (checked by the reader), or -1 when the record does not carry it."""
     v = rec.get(key)
-    top = LIMITS[key]
-    if not isinstance(v, int) or isinstance(v, bool) or not minimum <= v <= top:
-        raise InputError(where, f"{key!r} must be an integer of {minimum} to {top} (got {v!r})"[:200])
-    return v
-
-
-def _opt_int(rec: dict, key: str, where: str) -> int:
-    """``rec[key]`` as an integer >= 0, or -1 when the record does not carry it."""
-    return _int(rec, key, where) if key in rec and rec[key] is not None else -1
-
-
-def _bool(rec: dict, key: str, where: str, default: bool | None = None) -> bool:
-    v = rec.get(key, default)
-    if not isinstance(v, bool):
-        raise InputError(where, f"{key!r} must be true or false (got {v!r})"[:200])
-    return v
-
-
-def _span(start: int, end: int, what: str, where: str) -> None:
-    if end - start > MAX_SPAN_NS:
-        raise InputError(where, f"{what} spans {end - start} ns, more than a day")
+    return -1 if v is None else v
 
 
 def _agrees(recorded: int, union: int) -> bool:
@@ -158,84 +70,59 @@ class Run:
     order: int = 0
 
 
-def _declare(run: Run, key: tuple, rec: dict, where: str, is_step: bool) -> None:
-    """Record the step's counts from ``rec``; any disagreement with an earlier record is an error."""
-    have = run.declared.setdefault(key, {})
-    vals = {}
-    for name in COUNTS:
-        if name in rec:
-            vals[name] = _int(rec, name, where, 1)
-    if "committed_tokens" in vals and "evaluated_positions" in vals and vals["committed_tokens"] > vals["evaluated_positions"]:
-        raise InputError(where, "committed_tokens exceeds evaluated_positions")
-    for name, v in vals.items():
-        if name in have and have[name][0] != v:
-            first = have[name][1].rsplit(":", 1)[-1]
-            raise InputError(where, f"{name} {v} disagrees with {have[name][0]} given at line {first} "
-                                    f"for request {key[0]} step {key[1]}")
-        have.setdefault(name, (v, where))
-    c, e = have.get("committed_tokens"), have.get("evaluated_positions")
-    if c and e and c[0] > e[0]:
-        raise InputError(where, f"committed_tokens {c[0]} exceeds evaluated_positions {e[0]} of request {key[0]} step {key[1]}")
-
-
 def read_stall_trace(path: str | Path) -> dict[str, Run]:
-    """Parse and validate; returns runs by run_id in order of first appearance."""
+    """Read a STALL_TRACE (:class:`replay.formats.stalltrace.StallRecords`, with the fields the
+    analysis needs); returns runs by run_id in order of first appearance.
+
+    Parameters
+    ----------
+    path : str or Path
+        The STALL_TRACE file.
+
+    Returns
+    -------
+    dict of str to Run
+        Each run's records as lists, and each step's counts and step record.
+    """
     path = Path(path)
     runs: dict[str, Run] = {}
-    for where, rec in iter_jsonl(path):
-        is_step = rec.get("record") == "step"
-        for key in REQUIRED_STEP if is_step else REQUIRED_EXPERT:
-            if key not in rec:
-                raise InputError(where, f"missing required field {key!r}")
-        run = runs.setdefault(str(rec["run_id"]), Run(str(rec["run_id"]), str(path), order=len(runs)))
-        request, step = str(rec["request_id"]), _int(rec, "step", where)
-        _declare(run, (request, step), rec, where, is_step)
+    records = StallRecords(path, REQUIRED_EXPERT, REQUIRED_STEP)
+    for where, rec, is_step, (run_id, request, step) in records:
+        run = runs.get(run_id)
+        if run is None:
+            run = runs[run_id] = Run(run_id, str(path), order=len(runs))
         if is_step:
-            if (request, step) in run.steps:
-                raise InputError(where, f"second step record for request {request} step {step}")
-            for key in ("compute_ns", "other_ns", "wall_ns", "stall_ns"):
-                if key in rec and rec[key] is not None:
-                    _int(rec, key, where)
             run.steps[(request, step)] = rec
             continue
-        layer, expert = _int(rec, "layer", where), _int(rec, "expert_id", where)
-        nbytes = _int(rec, "bytes", where)
         served_ram = rec.get("tier_served") == "ram"
         if served_ram and not all(k in rec for k in TIMED):
             issue = ready = need = 0
         else:
-            issue, ready, need = (_int(rec, k, where) for k in TIMED)
-            if ready < issue:
-                raise InputError(where, f"ready_ns {ready} is before issue_ns {issue}")
-            _span(issue, ready, "the load from issue_ns to ready_ns", where)
-            _span(need, ready, "the wait from need_ns to ready_ns", where)
+            issue, ready, need = (int_field(rec, k, where) for k in TIMED)
         barrier = None
         if "barrier_enter_ns" in rec and "barrier_exit_ns" in rec:
-            barrier = (_int(rec, "barrier_enter_ns", where), _int(rec, "barrier_exit_ns", where))
-            if barrier[1] < barrier[0]:
-                raise InputError(where, "barrier_exit_ns is before barrier_enter_ns")
-            _span(*barrier, "the barrier", where)
-        run.keys.append((request, step, layer))
-        run.expert.append(expert)
-        run.segment.append(_int(rec, "segment_id", where) if "segment_id" in rec else 0)
-        required = _bool(rec, "required", where)
+            barrier = (rec["barrier_enter_ns"], rec["barrier_exit_ns"])
+        required = rec["required"]
+        run.keys.append((request, step, rec["layer"]))
+        run.expert.append(rec["expert_id"])
+        run.segment.append(rec.get("segment_id", 0))
         run.required.append(required)
-        run.nbytes.append(nbytes)
+        run.nbytes.append(rec["bytes"])
         run.issue.append(issue)
         run.ready.append(ready)
         run.need.append(need)
         tier = rec.get("tier_at_prediction", rec.get("tier_served"))
         run.already.append(tier == "ram")
         run.speculative.append(rec.get("priority") == "speculative")
-        run.used.append(_bool(rec, "used_before_eviction", where, required))
+        run.used.append(rec.get("used_before_eviction", required))
         run.tier.append(rec.get("tier_served") if isinstance(rec.get("tier_served"), str) else None)
-        run.fg_stall.append(_opt_int(rec, "foreground_stall_ns", where))
+        run.fg_stall.append(_opt(rec, "foreground_stall_ns"))
         run.barrier.append(barrier)
-        run.queue_depth.append(_opt_int(rec, "queue_depth", where))
-        run.workers.append(_opt_int(rec, "worker_occupancy", where))
-        run.io.append(tuple(_int(rec, k, where) for k in IO_FIELDS) if all(k in rec for k in IO_FIELDS) else None)
-    if not runs:
-        raise InputError(path, "no records")
+        run.queue_depth.append(_opt(rec, "queue_depth"))
+        run.workers.append(_opt(rec, "worker_occupancy"))
+        run.io.append(tuple(rec[k] for k in IO_FIELDS) if all(k in rec for k in IO_FIELDS) else None)
+    for (run_id, request, step), counts in records.counts.items():
+        runs[run_id].declared[(request, step)] = counts
     return runs
 
 
@@ -318,7 +205,46 @@ def _stall_check(pairs: list[tuple]) -> dict | None:
 
 
 def run_metrics(run: Run) -> RunMetrics:
-    """Every seed 4.2/4.3/9.1 metric one run supports (ns and bytes)."""
+    """Every metric one run supports (ns and bytes).
+
+    Token accounting. A step's counts come from its step record when there is one, else from its
+    expert records (the reader refuses any disagreement, naming the line). ``committed_tokens`` is
+    >= 1 (a step commits an accepted prefix of at least one token) and at most ``evaluated_positions``. A
+    step whose records carry no count is charged 1 committed token and reported as *assumed*
+    (``committed_tokens_assumed``), as is a step record marked ``"committed_assumed": true``
+    (``relayout measure`` marks speculative steps whose acceptance its input trace did not carry).
+
+    Cross-checks (reported, never silently preferred over the interval union):
+
+    * ``foreground_stall_ns`` in expert records is read as the critical-path wait attributed to
+      that record, so a (step, layer)'s records sum to its stall; a step record's ``stall_ns`` is the
+      step's stall. Either disagreeing with the interval union by more than
+      ``max(STALL_TOLERANCE_NS, STALL_TOLERANCE_REL x union)`` (1 us or 1%: a few clock reads and
+      the runtime's own rounding) is a warning in the report and counted in ``stall_checks``.
+    * ``barrier_enter_ns``/``barrier_exit_ns``: the barrier approximation
+      ``W ~ max(0, max ready - t_barrier)``, the time the compute path spends in the join of missing
+      experts. The union of a (step, layer)'s ``[barrier_enter, barrier_exit]`` intervals is reported
+      as ``barrier_stall_per_committed_token_ns`` next to S (which stays the interval-union
+      measure) when records carry them.
+
+    Supporting metrics computed where the records carry what they need:
+    timely required-byte recall (only when something was prefetched: without speculative records
+    there is no prediction to be timely, and the figure is ``null``), unused speculative bytes, lead
+    slack, union bytes per committed token, p50-p99 step stall, TPOT and its partition ``C_tok``
+    (``compute_ns``), ``O_tok`` (``other_ns``) from step records, hit rate by serving tier
+    (``tier_served``), queue occupancy (``queue_depth``, ``worker_occupancy``), and reads by
+    priority, drive requests apart from page-cache hits (``drive_requests``/``page_cache_requests``
+    and their bytes, as ``relayout measure`` records them), and the rate the drive ran at
+    (``drive``: its bytes over the time at least one load reading from it was under way,
+    :func:`drive_busy`), and the stall on loads the page cache served whole
+    (``page_cache_wait_per_committed_token_ns``, :func:`page_cache_wait`).
+
+    What a STALL_TRACE cannot give: calibrated late-need probability and prediction quality per
+    source unless the runtime records its predictions (``prediction_score`` of records that were
+    never loaded); energy or power; per-phase CPU time beyond compute/other; page-cache hits of a
+    runtime that does not classify its reads (its ``tier_served`` is taken as given); and burst
+    size or queue occupancy where ``queue_depth`` is absent.
+    """
     keys = run.keys
     req = np.array(run.required, dtype=bool)
     nb = np.array(run.nbytes, dtype=np.int64)
@@ -524,112 +450,6 @@ def report(paths: list[str | Path]) -> Report:
                        "committed_tokens": A, "committed_tokens_assumed": sum(m.published["committed_tokens_assumed"] for m in ms),
                        "stall_per_committed_token_ns": sum(m.total_stall_ns for m in ms) / max(A, 1)})
     return Report(runs, pooled, [w for m in runs for w in m.warnings])
-
-
-def public_report(r: Report) -> dict:
-    """The report as JSON (kept for callers of the earlier dict interface)."""
-    return r.to_json()
-
-
-LABEL_CHARS = 20
-"""Longest run label in a figure; longer ones keep their start and end around an ellipsis."""
-
-
-def _short(text: str) -> str:
-    if len(text) <= LABEL_CHARS:
-        return text
-    keep = (LABEL_CHARS - 1) // 2
-    return text[:keep] + "\u2026" + text[-keep:]
-
-
-def _labels(runs: list[RunMetrics]) -> list[str]:
-    """Figure labels: run ids, qualified by file name where two runs share one, each at most
-    :data:`LABEL_CHARS` characters (distinct runs keep distinct labels: a number is added where
-    shortening made two equal)."""
-    ids = [m.run_id for m in runs]
-    full = [f"{Path(m.source).name}:{m.run_id}" if ids.count(m.run_id) > 1 else m.run_id for m in runs]
-    short = [_short(x) for x in full]
-    return [f"{i + 1}. {x}" if short.count(x) > 1 else x for i, x in enumerate(short)]
-
-
-def _legend_outside(ax) -> None:
-    """The legend to the right of the axes, never over the data."""
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-
-
-MAX_LAYER_TICKS = 16
-"""At most this many labelled layer ticks, at the default font size."""
-
-
-def write_plots(r: Report, out_dir: str | Path, predicted: dict | None = None) -> list[Path]:
-    """PNG figures: step-stall CDF, stall per layer (one bar per run and layer, side by side), and
-    predicted vs measured S (with a gate.json; one bar per measured run). Every run has its own
-    legend entry.
-
-    Needs matplotlib (``pip install 'relayout[plots]'``); text output never does.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InputError(None, "--plots needs matplotlib: pip install 'relayout[plots]'") from None
-    out = make_dirs(out_dir)
-    written = []
-    labels = _labels(r.runs)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m, label in zip(r.runs, labels):
-        per = np.sort(m.step_stall / m.step_committed) / 1e6
-        ax.plot(per, np.arange(1, len(per) + 1) / max(len(per), 1), label=label)
-    ax.set_xlabel("stall per committed token in a step (ms)")
-    ax.set_ylabel("fraction of steps")
-    ax.set_title("Step stall CDF")
-    _legend_outside(ax)
-    written.append(_save(fig, out / "stall_cdf.png"))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    layers = sorted({l for m in r.runs for l in m.layer_stall})
-    pos = np.arange(len(layers))
-    width = 0.8 / max(len(r.runs), 1)
-    for i, (m, label) in enumerate(zip(r.runs, labels)):
-        vals = [m.layer_stall.get(l, 0) / max(m.committed_tokens, 1) / 1e6 for l in layers]
-        ax.bar(pos - 0.4 + (i + 0.5) * width, vals, width, label=label)
-    every = max(1, math.ceil(len(layers) / MAX_LAYER_TICKS))
-    ax.set_xticks(pos[::every], [str(l) for l in layers[::every]])
-    ax.set_xlabel("layer")
-    ax.set_ylabel("stall per committed token (ms)")
-    ax.set_title("Stall per layer")
-    _legend_outside(ax)
-    written.append(_save(fig, out / "stall_per_layer.png"))
-    if predicted is not None:
-        fig, ax = plt.subplots(figsize=(max(5, 1.2 * (2 + len(r.runs))), 4))
-        pred = [predicted["baseline_metrics"]["stall_per_token_s"] * 1e3, predicted["plan_metrics"]["stall_per_token_s"] * 1e3]
-        ax.bar([0, 1], pred, 0.8, color="tab:gray", label="predicted (gate.json)")
-        colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["tab:blue"])
-        for i, (m, label) in enumerate(zip(r.runs, labels)):
-            ax.bar([2 + i], [m.stall_per_committed_token_ns / 1e6], 0.8, color=colors[i % len(colors)], label=f"measured {label}")
-        ax.set_xticks(np.arange(2 + len(r.runs)), ["predicted baseline", "predicted plan"] + [f"measured {x}" for x in labels])
-        ax.set_ylabel("S (ms per committed token)")
-        ax.set_title("Predicted vs measured stall")
-        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
-        for tick in ax.get_xticklabels():
-            tick.set_horizontalalignment("right")
-        _legend_outside(ax)
-        written.append(_save(fig, out / "predicted_vs_measured.png"))
-    return written
-
-
-def _save(fig, path: Path) -> Path:
-    """Write a figure crash-safely (temp, fsync, rename); a full disk is one clear error."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    try:
-        with atomic_output(path) as fh:
-            fig.savefig(fh, dpi=110, format="png", bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    return path
 
 
 def paired_ratio_saving(base: np.ndarray, base_tokens: np.ndarray, new: np.ndarray, new_tokens: np.ndarray,

@@ -59,7 +59,7 @@ def validation_trace(container: Container, seed: int = 0, tokens: int | None = N
     """The routing trace ``validate`` synthesises for ``container`` (``--seed``, ``--tokens``):
     :data:`TRACE_SESSIONS` sessions of planted co-activation cliques over its routed layers, each
     long enough for ``tokens`` held-out steps (default :data:`DEFAULT_TOKENS`)."""
-    from relayout.trace_synth import SynthParams, synth_trace
+    from relayout.traces.synth import SynthParams, synth_trace
 
     cfg = container.config
     layers = [l for l in container.routed_layers if l < cfg.num_hidden_layers]

@@ -24,7 +24,7 @@ from containers import __version__
 from containers import records
 from containers.errors import InputError
 from replay.evaluation.evidence import HeldOut
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile
 

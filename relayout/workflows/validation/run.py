@@ -23,7 +23,7 @@ from containers.progress import progress_bar
 from containers.atomic import make_dirs, write_json_atomic
 from containers.container import Container
 from containers.errors import InputError
-from replay.formats.trace import RoutingTrace
+from replay.model.routing import RoutingTrace
 from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile
 from replay.model.metrics import LayoutMetrics, StepTable

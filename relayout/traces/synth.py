@@ -1,19 +1,14 @@
-"""Synthetic routing traces with real structure, deterministic by seed.
-
-The generative model, per routed layer:
-
-* **heat**: a skewed base popularity over experts (Zipf over a random permutation, or a real
-  atlas's per-layer heat when fitting);
-* **cliques**: experts are partitioned into groups of about ``top_k`` that tend to fire together;
-* **topics**: each topic prefers a few cliques per layer; a session dwells on a topic for a while
-  and switches, and different sessions favour different topics;
-* **cross-layer coupling**: with probability ``coupling`` a token keeps following its clique's
-  partner clique at the next layer instead of drawing a fresh one.
-
-A token's experts at a layer are drawn without replacement (Gumbel top-k) from the base heat plus
-a boost of strength ``clique_strength`` on its current clique. ``fit_atlas`` tunes that strength so
-the trace's within-layer lift distribution matches an atlas such as the shipped ``glm-5.2``
-(``manifests/atlases/``) and takes its per-layer heat directly.
+"""Synthetic routing traces with real structure, deterministic by seed. The generative model, per
+routed layer: a skewed base *heat* over experts (Zipf over a random permutation, or a real atlas's
+per-layer heat when fitting); *cliques*, groups of about ``top_k`` experts that tend to fire
+together; *topics*, each preferring a few cliques per layer, on which a session dwells for a while
+before switching (different sessions favour different topics); and *cross-layer coupling*: with
+probability ``coupling`` a token keeps following its clique's partner clique at the next layer
+instead of drawing a fresh one. A token's experts at a layer are drawn without replacement
+(Gumbel top-k) from the base heat plus a boost of strength ``clique_strength`` on its current
+clique. :func:`fit_atlas` tunes that strength so the trace's within-layer lift distribution
+matches an atlas such as the shipped ``glm-5.2`` (``manifests/atlases/``) and takes its per-layer
+heat directly.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import numpy as np
 
 from containers.errors import InputError
 from containers.jsonfile import parse_json, read_shipped, shipped_names
-from replay.formats.trace import FORWARD_KINDS, RoutingTrace
+from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
 
 @dataclass(frozen=True)
@@ -89,7 +84,7 @@ def entropy_bits(counts: np.ndarray) -> np.ndarray:
 
 def atlas_style_lifts(experts: np.ndarray, n_experts: int, min_count: int = 5, min_lift: float = 1.5, top: int = 2000) -> np.ndarray:
     """Lifts of the pairs an atlas would list for one layer's rows [N, k]."""
-    from .coactivation import pair_counts
+    from ..coactivation import pair_counts
 
     N = experts.shape[0]
     heat = np.bincount(experts[experts >= 0].ravel(), minlength=n_experts).astype(np.float64)
@@ -113,9 +108,33 @@ def synth_trace(
     seed: int = 0,
     params: SynthParams = SynthParams(),
     base_heat: np.ndarray | None = None,
+    *,
     geometry: str = "inferred",
 ) -> RoutingTrace:
-    """Generate ``tokens`` decode tokens split over ``sessions`` sessions."""
+    """Generate ``tokens`` decode tokens split over ``sessions`` sessions.
+
+    Parameters
+    ----------
+    layers : list of int
+        The routed layers (absolute numbers).
+    n_experts, top_k : int
+        Experts per layer, and selections per row.
+    tokens, sessions : int
+        Decode tokens in all, and sessions they are split over (at least one token each).
+    seed : int
+        The generator's seed: the same arguments give the same trace.
+    params : SynthParams
+        The generative model's knobs (see the module doc).
+    base_heat : ndarray, optional
+        Per-layer heat ``[L, E]`` to draw from instead of the Zipf base.
+    geometry : str
+        The geometry's name (recorded in the trace).
+
+    Returns
+    -------
+    RoutingTrace
+        One decode forward per token, one row per (forward, layer).
+    """
     if tokens < sessions or sessions < 1:
         raise InputError(None, "need at least one token per session and at least one session")
     if top_k > n_experts:

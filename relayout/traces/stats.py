@@ -1,24 +1,22 @@
 """``relayout trace stats``: the routing structure a layout can exploit, with its sample sizes.
-
 Per layer: heat entropy (bits; log2(E) means uniform), the within-layer lift distribution of pairs
 seen at least ``min_count`` times, the lift from layer L to L+1 for the same position, and the
-reuse distance (forwards between two uses of the same expert at the same layer).
-
-Bounded for any trace :func:`replay.formats.trace.load_trace` accepts: pair statistics are sparse (memory
-grows with the rows, not with the square of the experts per layer), one layer's rows are
-worked on at a time (found by a pass over the row layers, so nothing is as large as the whole
-trace's rows but the trace itself, whose gates stay in the file), and arrays indexed by expert
-are O(experts per layer).
+reuse distance (forwards between two uses of the same expert at the same layer). Bounded for any
+trace :func:`replay.formats.trace.load_trace` accepts: pair statistics are sparse (memory grows
+with the rows, not with the square of the experts per layer), one layer's rows are worked on at a
+time (found by a pass over the row layers, so nothing is as large as the whole trace's rows but
+the trace itself, whose gates stay in the file), and arrays indexed by expert are O(experts per
+layer).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from replay.formats.trace import FORWARD_KINDS, RoutingTrace
+from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
-from .coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
-from .trace_synth import entropy_bits
+from ..coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
+from .synth import entropy_bits
 
 
 def _q(x: np.ndarray, qs=(50, 90, 99)) -> dict:
@@ -97,7 +95,22 @@ def _cross_layer_lifts(trace: RoutingTrace, layer: int, rows: np.ndarray, next_r
 
 
 def trace_stats(trace: RoutingTrace, min_count: int = 5) -> dict:
-    """All statistics as a JSON-ready dict."""
+    """All statistics of ``trace`` as a JSON-ready dict.
+
+    Parameters
+    ----------
+    trace : RoutingTrace
+        The trace (rows read layer by layer; its gates are never read).
+    min_count : int
+        Pairs seen fewer times are left out of the lift distributions.
+
+    Returns
+    -------
+    dict
+        The trace's counts, ``layers`` (per layer: heat entropy in bits, rows, sessions, experts
+        seen, lift quantiles over the pairs supported, cross-layer lift, reuse distance in
+        forwards) and, for a trace with rows, their medians in ``summary``.
+    """
     kinds = {k: int((trace.fwd_kind == i).sum()) for i, k in enumerate(FORWARD_KINDS)}
     out = {
         "source": trace.source,
