@@ -4,6 +4,8 @@ their functions are in :mod:`relayout.cli.commands_measurement`.
 
 from __future__ import annotations
 
+from replay.evaluation.evidence import MIN_SESSIONS
+
 import relayout.cli.commands_measurement as commands
 
 from .. import options as opt
@@ -56,7 +58,7 @@ def add_report(sub) -> None:
                         "budget (GB), H5 default and tail-control")
     h.add_argument("--arm", action="append", metavar="ARM=CONFIGURATION",
                    help="name the arm a configuration label stands for (repeatable)")
-    h.add_argument("--min-sessions", type=opt.positive_count, default=5, help="units (repetition x request) a verdict needs")
+    h.add_argument("--min-sessions", type=opt.positive_count, default=MIN_SESSIONS, help="units (repetition x request) a verdict needs")
 
 
 def add_compare(sub) -> None:

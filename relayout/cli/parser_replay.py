@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from containers.jsonfile import shipped_names
+from replay.evaluation.evidence import MIN_SESSIONS
 
 import relayout.cli.commands_replay as commands
 
@@ -40,7 +41,7 @@ def add_replay(sub) -> None:
     g.add_argument("--tpot-from", metavar="RUN.jsonl",
                    help="take TPOT's compute and other time per token from a measured STALL_TRACE (relayout measure), "
                         "so the threshold is relative to a TPOT you recognise (default: the compute model and --other-ms)")
-    g.add_argument("--min-sessions", type=opt.positive_count, default=5,
+    g.add_argument("--min-sessions", type=opt.positive_count, default=MIN_SESSIONS,
                    help="held-out sessions a verdict needs; with fewer the verdict is 'insufficient' (steps are then "
                         "resampled in blocks)")
     g.add_argument("--strict", action="store_true",
@@ -95,7 +96,7 @@ def add_placement(sub) -> None:
                         "the stall-value arm searches it")
     a.add_argument("--half-life", type=opt.number(0.0, 1e12, lo_open=True), help="hybrid arm: half-life of a selection's weight, training steps "
                                                    "(default: a quarter of the training steps)")
-    a.add_argument("--min-sessions", type=opt.positive_count, default=5, help="held-out sessions a comparison needs")
+    a.add_argument("--min-sessions", type=opt.positive_count, default=MIN_SESSIONS, help="held-out sessions a comparison needs")
     o = s.add_argument_group("output")
     o.add_argument("--export", default="stall-value", help="the arm whose pins --pin-file and --plan-out write")
     o.add_argument("--pin-file", metavar="PIN.txt", help="write that arm's pins as colibrì's PIN file (layer expert rank lines)")
@@ -118,7 +119,7 @@ def add_split_curve(sub) -> None:
                                                                    "is always searched)")
     c.add_argument("--top-shares", type=opt.numbers(0.0, 1.0), default="0.25,0.5,0.75,1", help="shares of each budget for resident tops searched "
                                                                   "(the LRU holds whole experts in the rest)")
-    c.add_argument("--min-sessions", type=opt.positive_count, default=5, help="held-out sessions a comparison needs")
+    c.add_argument("--min-sessions", type=opt.positive_count, default=MIN_SESSIONS, help="held-out sessions a comparison needs")
     c.add_argument("-o", "--output", help="write both curves as JSON")
     c.add_argument("--json", action="store_true", help="print JSON")
 
