@@ -24,11 +24,24 @@ def _interrupted(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. Exit status: 0 done, 2 a problem with the input (one line on stderr),
-    1 an internal error (one line asking for a bug report; the traceback with ``RELAYOUT_DEBUG=1``),
-    130 interrupted (Ctrl-C or SIGTERM). Python warnings raised while a command runs are printed
-    as one ``relayout: warning:`` line each when it succeeds, and not beside its error line when
-    it fails."""
+    """Run one command.
+
+    Python warnings raised while a command runs are printed as one ``relayout: warning:`` line
+    each when it succeeds, and not beside its error line when it fails.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The command's words after ``relayout`` (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status: 0 done (``replay --strict`` and ``replay --container --out``: 3 the gate
+        failed, 4 too little evidence),
+        2 a problem with the input (one line on stderr), 1 an internal error (one line asking for a
+        bug report; the traceback with ``RELAYOUT_DEBUG=1``), 130 interrupted (Ctrl-C or SIGTERM).
+    """
     import signal
     import warnings
 
