@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     -------
     int
         The exit status: 0 done (``replay --strict`` and ``replay --container --out``: 3 the gate
-        failed, 4 too little evidence),
-        2 a problem with the input (one line on stderr), 1 an internal error (one line asking for a
-        bug report; the traceback with ``RELAYOUT_DEBUG=1``), 130 interrupted (Ctrl-C or SIGTERM).
+        failed, 4 too little evidence), 2 a problem with the input (one line on stderr), 1 an
+        internal error (one line asking for a bug report; the traceback with ``RELAYOUT_DEBUG=1``),
+        130 interrupted (Ctrl-C or SIGTERM).
     """
     import signal
     import warnings
