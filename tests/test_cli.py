@@ -73,11 +73,12 @@ def test_output_paths_under_a_file_are_one_line_errors(tmp_path, small_container
 
 def test_an_unexpected_exception_is_one_line_asking_for_a_bug_report(monkeypatch, capsys):
     from relayout import cli
+    from relayout.cli import commands_containers
 
     def broken(args):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(cli, "cmd_inspect", broken)
+    monkeypatch.setattr(commands_containers, "cmd_inspect", broken)
     assert cli.main(["inspect", "x"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "relayout inspect: internal error (ZeroDivisionError" in err and "RELAYOUT_DEBUG=1" in err

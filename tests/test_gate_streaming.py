@@ -15,7 +15,8 @@ from conftest import run_cli
 from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.hashing import digest_of
-from relayout.cli import _runtime_config, build_parser
+from relayout.cli.arguments import runtime_config as _runtime_config
+from relayout.cli.parser import build_parser
 from relayout.plan import make_plan, source_from_geometry
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig

@@ -22,6 +22,7 @@ from conftest import REPO, fuzz_examples, run_cli
 from containers.errors import InputError
 from containers.jsonfile import MAX_LINE_BYTES, iter_jsonl, parse_json, read_bytes
 from relayout import cli
+from relayout.cli.parser import build_parser
 from replay.evaluation.evidence import Evidence, block_evidence, session_evidence
 from replay.physical.stalltrace import read_stall_trace
 
@@ -76,10 +77,10 @@ def test_alignment_zero_and_negative_and_threshold_nan_are_refused_by_the_parser
 
 
 def test_options_parse_their_defaults_and_good_values():
-    args = cli.build_parser().parse_args([*REPLAY, "--ram-gb", "12.5", "--sweep-ram", "0,64", "--source-caps", "0.5,0.5"])
+    args = build_parser().parse_args([*REPLAY, "--ram-gb", "12.5", "--sweep-ram", "0,64", "--source-caps", "0.5,0.5"])
     assert args.ram_gb == 12.5 and args.sweep_ram == (0.0, 64.0) and args.sweep_workers == (1, 2, 8, 16)
     assert args.source_caps == (0.5, 0.5) and args.threshold == 0.05 and args.coalesce_max_mb == pytest.approx(268.435456)
-    args = cli.build_parser().parse_args([*PLAN, "--alignment", "65536"])
+    args = build_parser().parse_args([*PLAN, "--alignment", "65536"])
     assert args.alignment == 65536 and args.shard_mb == 4000
 
 

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from relayout.cli import build_parser
+from relayout.cli.parser import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

@@ -1,0 +1,72 @@
+"""The container commands: ``inspect``, ``manifest``, ``rewrite`` and ``verify``. Each reads its
+arguments, calls :mod:`containers` or :mod:`relayout.apply` and prints the answer; ``drives`` and
+``mirror`` are in :mod:`relayout.drives_command`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from containers.container import MANIFEST_NAME, Container
+from containers.manifest import build_manifest, check_container, write_manifest
+
+from ..render import format_inspect
+from .output import print_rewrite_files, say, verify_and_report
+
+
+def cmd_inspect(args) -> int:
+    container = Container.open(args.dir)
+    report = container.report()
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_inspect(report))
+    if report["problems"]:
+        print(f"relayout: error: {args.dir}: {len(report['problems'])} problem(s) found", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_manifest(args) -> int:
+    root = Path(args.dir)
+    if args.check:
+        problems = check_container(root, args.output)
+        if problems:
+            for p in problems:
+                print(p)
+            print(f"relayout: error: {root}: {len(problems)} mismatch(es) against the manifest", file=sys.stderr)
+            return 2
+        print(f"{root}: every file and tensor matches the manifest")
+        return 0
+    container = Container.open(root)
+    container.require_clean()
+    manifest = build_manifest(container)
+    out = Path(args.output) if args.output else root / MANIFEST_NAME
+    write_manifest(manifest, out)
+    print(f"wrote {out}: {len(manifest['files'])} files, {len(manifest['tensors'])} tensors, "
+          f"fingerprint {manifest['fingerprint']}")
+    return 0
+
+
+def cmd_rewrite(args) -> int:
+    from replay.formats.gatefile import load_gate
+    from replay.formats.planfile import load_plan
+
+    from ..apply import apply_plan
+
+    plan = load_plan(args.layout)
+    gate = load_gate(args.gate) if args.gate else None
+    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=say, gate_path=args.gate)
+    forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
+    print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
+          f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
+    print_rewrite_files(args.out, m)
+    if args.verify:
+        return verify_and_report(args.src, args.out, False, False)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    return verify_and_report(args.src, args.dst, args.full, args.json)

@@ -1,0 +1,69 @@
+"""The measurement commands' arguments: ``calibrate``, ``measure``, ``report`` and ``compare``;
+their functions are in :mod:`relayout.cli.commands_measurement`.
+"""
+
+from __future__ import annotations
+
+from replay.evaluation.evidence import MIN_SESSIONS
+
+import relayout.cli.commands_measurement as commands
+
+from .. import options as opt
+from .arguments import command, runtime_options
+
+
+def add_calibrate(sub) -> None:
+    """``calibrate``."""
+    s = command(sub, "calibrate", "measure the device holding PATH and fit a device profile", commands.cmd_calibrate)
+    s.add_argument("path", help="a directory (a temporary test file is written there) or a large file")
+    s.add_argument("-o", "--output", required=True, metavar="device.json", help="the profile to write")
+    s.add_argument("--size-mb", type=opt.integer(64, 1 << 30), default=1024, help="test file size when PATH is a directory, MiB (>= 64)")
+    s.add_argument("--seconds", type=opt.number(0.05, 60.0), default=0.4, help="time per (request size, queue depth) cell (0.05-60)")
+    s.add_argument("--name", help="profile name (default: from PATH)")
+
+
+def add_measure(sub) -> None:
+    """``measure``: the engine's runs or the Python emulation."""
+    s = command(sub, "measure", "run the colibrì engine cold and keep its output (--engine), or emulate the runtime's "
+                                "read path in Python and write a STALL_TRACE (--trace)", commands.cmd_measure)
+    s.add_argument("--container", required=True, help="the container to read")
+    s.add_argument("--trace", help="emulation: a relayout trace whose routing is replayed for real")
+    from ..engine_runs import engine_options
+
+    engine_options(s)
+    s.add_argument("--layout", metavar="PLAN.json", help="evaluate only sessions this plan did not train on")
+    s.add_argument("--tokens", type=opt.positive_count, help="stop after this many held-out steps (default: all)")
+    runtime_options(s, modelled=False)
+    s.add_argument("--warm", action="store_true", help="do not drop the page cache first")
+    s.add_argument("--no-trace", action="store_true", help="record nothing (to measure tracing overhead)")
+    s.add_argument("--run-id", help="run id written in every record (default: unique, from the container and "
+                                    "layout names and the start time)")
+    s.add_argument("-o", "--output", help="STALL_TRACE JSONL to write (.zst compresses); with --engine, the directory "
+                                          "the runs are kept in")
+
+
+def add_report(sub) -> None:
+    """``report``, and the hypothesis tables of measured runs."""
+    s = command(sub, "report", "stall per committed token (S) and what makes it up (hit rate, reads per token, step stall "
+                               "percentiles, queue depth), from STALL_TRACE files or colibrì runs' output", commands.cmd_report)
+    s.add_argument("runs", nargs="+", help="STALL_TRACE files (.jsonl or .jsonl.zst), or colibrì runs: output files, "
+                                           "measured run directories, or directories of them (one arm each)")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--plots", metavar="DIR", help="write PNG figures (needs the 'plots' extra: matplotlib)")
+    s.add_argument("--predicted", metavar="gate.json", help="with --plots: add predicted vs measured S")
+    h = s.add_argument_group("hypotheses (the tables of replay --policy, from measured runs)")
+    h.add_argument("--hypothesis", choices=("H2", "H3a", "H3b", "H5"),
+                   help="judge a hypothesis (H2 admission, H3a placement, H3b whole vs split experts, H5 prefetch budgets) on the runs: each run's configuration (or run id) is an arm; H2 needs "
+                        "none and stall-value, H3a stall-value and frequency, H3b whole@GB and split@GB at each RAM "
+                        "budget (GB), H5 default and tail-control")
+    h.add_argument("--arm", action="append", metavar="ARM=CONFIGURATION",
+                   help="name the arm a configuration label stands for (repeatable)")
+    h.add_argument("--min-sessions", type=opt.positive_count, default=MIN_SESSIONS, help="units (repetition x request) a verdict needs")
+
+
+def add_compare(sub) -> None:
+    """``compare``."""
+    s = command(sub, "compare", "paired comparison of STALL_TRACE files or of colibrì runs (first = control)", commands.cmd_compare)
+    s.add_argument("runs", nargs="+", help="STALL_TRACE files, or colibrì arms (a directory of one container's runs, "
+                                           "or output files); the first is the control")
+    s.add_argument("--json", action="store_true", help="print JSON")

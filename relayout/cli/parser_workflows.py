@@ -1,0 +1,52 @@
+"""The workflow commands' arguments: ``validate`` and ``demo``; their functions are in
+:mod:`relayout.cli.commands_workflows`.
+"""
+
+from __future__ import annotations
+
+from containers.jsonfile import shipped_names
+from replay.model.config import PREFETCH_SOURCES
+
+import relayout.cli.commands_workflows as commands
+
+from .. import options as opt
+from .arguments import command
+
+
+def add_validate(sub) -> None:
+    """``validate``: the disk, the model measured, the cells and the record."""
+    s = command(sub, "validate", "measure S for real on the disk holding PATH and compare it with the replay model's "
+                                 "prediction, cell by cell: the model holds, does not hold, or the measurement is "
+                                 "inconclusive (insufficient below 4 repetitions per cell)", commands.cmd_validate)
+    s.add_argument("path", help="a directory on the disk to validate (calibration file and work directory go there)")
+    s.add_argument("--device", metavar="PROFILE.json",
+                   help=f"use this profile ({', '.join(shipped_names('devices'))} or a JSON) instead of calibrating PATH")
+    s.add_argument("--container", metavar="DIR", help="measure this container (on the disk under test; only read) instead "
+                                                      "of a synthetic one; each non-stock layout is a full copy under PATH")
+    s.add_argument("--gb", type=opt.positive_gigabytes, default=1.0, help="size of the synthetic container (GLM-5.2 int4-row, 18.9 MB experts), GB")
+    s.add_argument("--minutes", type=opt.number(0.0, 1e5, lo_open=True), help="fit the whole run in about this many minutes: a probe measurement "
+                                                 "chooses --reps (>= 2) and/or --tokens")
+    s.add_argument("--tokens", type=opt.count, help="held-out steps measured and replayed per run (default 40)")
+    s.add_argument("--reps", type=opt.count, help="measured repetitions per cell, >= 2 (default 4; an even count "
+                                            "counterbalances the run order)")
+    s.add_argument("--layouts", default="stock,louvain,random", help="layouts to measure; stock is the baseline")
+    s.add_argument("--ram", default="0,0.25", help="RAM budgets for the expert LRU, fractions of the routed bytes")
+    s.add_argument("--prefetch", default="none", help=f"prefetch sources ({', '.join(PREFETCH_SOURCES)}); with none among "
+                                                      "them each source's saving against none is judged too")
+    s.add_argument("--workers", type=opt.count, default=8, help="reader workers, 1-16")
+    s.add_argument("--coalesce", action="store_true", help="coalesce adjacent experts' reads (colibrì's COALESCE), "
+                                                         "measured and modelled alike: where the order of experts matters")
+    s.add_argument("--seed", type=opt.seed, default=0, help="seed of the synthetic container, trace and plans")
+    s.add_argument("-o", "--output", default="validation.json", help="the record to write (a calibrated profile is saved "
+                                                                     "next to it as NAME.device.json)")
+    s.add_argument("--plots", metavar="DIR", help="write a predicted vs measured S scatter (needs the 'plots' extra: matplotlib)")
+    s.add_argument("--keep", action="store_true", help="keep the work directory (PATH/relayout-validate: containers, "
+                                                      "plans, STALL_TRACEs)")
+
+
+def add_demo(sub) -> None:
+    """``demo``."""
+    s = command(sub, "demo", "run the pipeline end to end on a small synthetic model", commands.cmd_demo)
+    s.add_argument("--dir", help="where the demo keeps its files: a new or empty directory, or a previous demo's "
+                                 "(default: a new folder relayout-demo[-N] under the current directory)")
+    s.add_argument("--seed", type=opt.seed, default=0, help="seed of the model, trace and plan")
