@@ -21,7 +21,7 @@ from containers.output_files import Derived, OutputFile
 from containers.rewrite import rewrite_container
 from containers.segments import PARTS, SegmentSpec
 from containers.verify import verify_containers
-from replay.evaluation.gate import recheck_fields
+from replay.evaluation.evidence import recheck_fields
 from replay.formats.gatefile import GateRecord
 from replay.formats.planfile import Plan
 
@@ -69,7 +69,7 @@ def source_manifest(src: Container, manifest_path: str | os.PathLike | None) -> 
 def check_gate(gate: GateRecord | None, plan: Plan, fingerprint: str, force: bool, where: str | None = None) -> dict:
     """Provenance for the new manifest; raises unless a passing gate for this plan exists or ``force``.
 
-    A given gate is first recomputed from the evidence it stores (:func:`replay.evaluation.gate.recheck_fields`,
+    A given gate is first recomputed from the evidence it stores (:func:`replay.evaluation.evidence.recheck_fields`,
     what ``relayout gate --recheck`` does); a record that does not recompute is refused, with or
     without ``force``, naming the field. ``where`` names the gate file in that error.
     """

@@ -16,7 +16,7 @@ from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.evaluation.evidence import MIN_BLOCKS, block_evidence, holm, judge, session_evidence
 from replay.evaluation.gate import compare
-from replay.evaluation.gate import recheck
+from replay.evaluation.evidence import recheck
 from replay.formats.gatefile import GateRecord
 from replay.formats.planfile import load_plan, save_plan
 from replay.formats.trace import save_trace

@@ -216,7 +216,7 @@ def cmd_split_curve(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from replay.evaluation.gate import recheck
+    from replay.evaluation.evidence import recheck
     from replay.formats.gatefile import load_gate
 
     gate = load_gate(args.recheck)

@@ -80,7 +80,7 @@ from replay.evaluation.gate import (
     training_coupling,
 )
 from replay.formats.gatefile import Interval
-from replay.model.metrics import LayoutMetrics
+from replay.model.figures import LayoutMetrics
 from replay.model.metrics import summarize
 from replay.formats.pinfile import PinRecord
 from replay.formats.planfile import Plan

@@ -52,7 +52,8 @@ from replay.formats.gatefile import (
     Threshold,
     TraceRef,
 )
-from replay.model.metrics import LayoutMetrics, session_sums, summarize
+from replay.model.figures import LayoutMetrics
+from replay.model.metrics import session_sums, summarize
 from replay.formats.planfile import Plan
 from replay.model.streaming import replay_steps
 from replay.model.routing import TraceSource
@@ -310,30 +311,3 @@ def sweep_cell(plan: Plan, trace: TraceSource, device: ArrayProfile, baseline: P
             "saving_fraction_of_tpot": records.to_json(g.saving_fraction_of_tpot),
             "tpot_s": g.threshold.tpot_s, "p_below_threshold": g.evidence.p_below_threshold,
             "sufficient": g.evidence.sufficient, "pins": g.pins.source}
-
-
-def recheck_fields(gate: GateRecord, where: str) -> list[tuple[str, str]]:
-    """Recompute a gate record's interval and verdict from its stored evidence: ``(field, difference)`` pairs.
-
-    Empty when the record is consistent: same interval (the bootstrap is deterministic given the
-    stored seed and resample count) and same verdict for the stored threshold. ``field`` is the
-    record's field that does not recompute (``saving_per_token_s`` or ``verdict``).
-    """
-    ev = Evidence.from_json(records.to_json(gate.evidence), where)
-    got = ev.interval()
-    verdict = judge(ev, gate.threshold.seconds_per_token, gate.evidence.min_sessions).verdict
-    s = gate.saving_per_token_s
-    stored = (s.estimate, s.low, s.high)
-    problems = []
-    if not np.allclose(got, stored, rtol=1e-9, atol=1e-15):
-        problems.append(("saving_per_token_s",
-                         f"interval recomputed from the units is {got[0]:.6g} [{got[1]:.6g}, {got[2]:.6g}] s/token, the "
-                         f"record says {stored[0]:.6g} [{stored[1]:.6g}, {stored[2]:.6g}]"))
-    if verdict != gate.verdict:
-        problems.append(("verdict", f"verdict recomputed is {verdict!r}, the record says {gate.verdict!r}"))
-    return problems
-
-
-def recheck(gate: GateRecord, where: str) -> list[str]:
-    """The differences of :func:`recheck_fields`, as sentences (empty when the record is consistent)."""
-    return [problem for _, problem in recheck_fields(gate, where)]

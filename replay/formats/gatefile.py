@@ -1,8 +1,8 @@
-"""The gate record (``gate.json``): its typed record, reading, validation, and the recheck.
+"""The gate record (``gate.json``): its typed record, reading and validation.
 
 :mod:`replay.evaluation.gate` builds a :class:`GateRecord`; a rewrite reads one to decide whether it may
 run, and ``relayout gate --recheck`` recomputes its interval and verdict from the evidence it
-stores (:func:`replay.evaluation.gate.recheck`). Seconds are per committed token unless a name says otherwise;
+stores (:func:`replay.evaluation.evidence.recheck`). Seconds are per committed token unless a name says otherwise;
 bytes are bytes. Schema: ``manifests/schemas/gate.schema.json``. Nothing here loads the replay
 model.
 """
@@ -17,7 +17,7 @@ from containers.errors import InputError
 from containers.jsonfile import read_document
 
 from replay.model.config import RuntimeConfig
-from replay.model.metrics import LayoutMetrics
+from replay.model.figures import LayoutMetrics
 
 GATE_FORMAT = "relayout.gate"
 GATE_VERSION = 1

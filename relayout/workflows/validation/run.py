@@ -26,7 +26,8 @@ from containers.errors import InputError
 from replay.model.routing import RoutingTrace
 from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile
-from replay.model.metrics import LayoutMetrics, StepTable
+from replay.model.figures import LayoutMetrics
+from replay.model.metrics import StepTable
 
 from relayout.render import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
 
