@@ -128,7 +128,7 @@ def preflight(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
 
 def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: GateRecord | None = None,
                force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
-               notify=None, gate_path: str | os.PathLike | None = None,
+               notify=None, *, gate_path: str | os.PathLike | None = None,
                checked: tuple[Container, dict] | None = None) -> dict:
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest.
 

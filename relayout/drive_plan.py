@@ -82,7 +82,7 @@ class DrivePlan:
 
 def plan_drives(layout: Layout, tensors: list[TensorInfo], routing: Routing, drives: list[DriveSpec],
                 profiles: dict[str, ArrayProfile], split: list[str], mirror: str | None = None, mirror_bytes: int = 0,
-                shard_bytes: int = 3_000_000_000, workers: int = 8, alignment: int = 4096) -> DrivePlan:
+                *, shard_bytes: int = 3_000_000_000, workers: int = 8, alignment: int = 4096) -> DrivePlan:
     """Plan a split over the drives ``split`` (the first holds the primary directory) and, with
     ``mirror``, a mirror of ``mirror_bytes`` at most on that drive (the module docstring)."""
     names = [d.name for d in drives]

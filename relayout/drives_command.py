@@ -117,7 +117,7 @@ def cmd_drives(args) -> int:
         raise InputError(args.trace, "needs training and held-out sessions (without --plan: even ones train, odd ones are held out)")
     routing = training_routing(trace, train, stock)
     plan = plan_drives(stock, tensors, routing, drives, profiles, split, args.mirror,
-                       int(args.mirror_gb * 1e9), int(args.shard_gb * 1e9), args.workers)
+                       int(args.mirror_gb * 1e9), shard_bytes=int(args.shard_gb * 1e9), workers=args.workers)
     storage = Storage(plan.storage, profiles, plan.layout, "the plan")
 
     def stall(layout, st):

@@ -66,6 +66,7 @@ def pack_layout(
     orders: dict[int, np.ndarray],
     mtp_layers: set[int],
     options: PackOptions = PackOptions(),
+    *,
     metadata: dict[str, str] | None = None,
     segments: dict[int, dict] | None = None,
     stamps: dict[str, str] | None = None,

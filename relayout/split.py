@@ -60,6 +60,7 @@ def choose_resident(
     ram_budget: int,
     rule: str = "stall",
     cache_bytes: int = 0,
+    *,
     request_seconds: float = 80e-6,
     bandwidth: float = 12e9,
 ) -> list[np.ndarray]:

@@ -27,6 +27,7 @@ Regimes are independent: :func:`hypothesis_tables` runs one task per regime on a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -185,7 +186,7 @@ def split_arm_steps(plan: Plan, trace: RoutingTrace, device: ArrayProfile, confi
     curve = split_curve(plan, trace, device, config, ram_bytes)
     mask, _ = _held_out(trace, plan)
     pins = _no_pins(plan)
-    ffn = int(plan.geometry["moe_intermediate_size"])
+    ffn = plan.geometry.moe_intermediate_size
     L = len(plan.layout.layers)
     out = {}
     for whole, split in zip(curve.whole, curve.split):
@@ -212,7 +213,7 @@ class Regime:
 
 
 def regime_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, regime: Regime,
-                  keys: tuple[str, ...], policies: tuple[str, ...], source: str, min_sessions: int) -> list[HypothesisTable]:
+                  keys: tuple[str, ...], policies: tuple[str, ...], source: str, *, min_sessions: int) -> list[HypothesisTable]:
     """Every hypothesis of ``keys`` at one regime (one task of :func:`hypothesis_tables`)."""
     cfg = replace(config, ram_bytes=regime.ram_bytes, prefetch_bytes=regime.prefetch_bytes)
     off = replace(cfg, prefetch="none", source_caps=[])
@@ -236,7 +237,7 @@ def regime_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config:
 
 def hypothesis_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                       ram_bytes: list[int], prefetch_bytes: list[int], keys: tuple[str, ...] = HYPOTHESIS_KEYS,
-                      policies: tuple[str, ...] = ADMISSION_ARMS, source: str = "coupled",
+                      policies: tuple[str, ...] = ADMISSION_ARMS, *, source: str = "coupled",
                       min_sessions: int = MIN_SESSIONS, executor=None) -> list[HypothesisTable]:
     """The tables of ``keys`` over every regime RAM x byte budget, one executor task per regime.
 
@@ -251,8 +252,8 @@ def hypothesis_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, con
     executor = executor or SerialExecutor()
     regimes = [Regime(int(r), int(b)) for r in ram_bytes for b in prefetch_bytes]
     shared = [executor.share(x) for x in (plan, trace, device)]
-    per = executor.map(regime_tables, [(*shared, config, g, tuple(keys), tuple(policies), source, min_sessions)
-                                       for g in regimes], desc="hypothesis regimes")
+    per = executor.map(partial(regime_tables, min_sessions=min_sessions),
+                       [(*shared, config, g, tuple(keys), tuple(policies), source) for g in regimes], desc="hypothesis regimes")
     return [t for tables in per for t in tables]
 
 

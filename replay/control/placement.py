@@ -64,22 +64,16 @@ from containers.layout import Layout
 
 from replay.model.config import RuntimeConfig, greedy_by_value
 from replay.model.device import ArrayProfile
-from replay.evaluation.evidence import (
-    MIN_SESSIONS,
-    SESSION_UNITS,
-    Evidence,
-    block_evidence,
-    session_evidence,
-    split_sessions_by_content,
-)
+from replay.evaluation.evidence import MIN_SESSIONS, Evidence, split_sessions_by_content, sufficiency
 from replay.evaluation.gate import (
     LayoutRun,
     check_trace_matches,
     evaluation_forwards,
+    held_out_evidence,
     run_layout,
     training_coupling,
 )
-from replay.formats.gatefile import Interval
+from replay.formats.interval import Interval
 from replay.model.metrics import LayoutMetrics
 from replay.model.metrics import summarize
 from replay.formats.pinfile import PinRecord
@@ -157,7 +151,7 @@ class PlacementStudy:
 
     def to_json(self) -> dict:
         def interval(x: Interval | None):
-            return None if x is None else {"estimate": x.estimate, "low": x.low, "high": x.high}
+            return None if x is None else x.to_json()
 
         return {"format": "relayout.placement", "ram_bytes": self.ram_bytes, "pin_share": self.pin_share,
                 "device": self.device, "training_sessions": self.training_sessions,
@@ -255,7 +249,7 @@ def replay_training(trace: RoutingTrace, train: np.ndarray, layout: Layout, devi
 
 
 def stall_value_pins(trace: RoutingTrace, train: np.ndarray, layout: Layout, device: ArrayProfile, config: RuntimeConfig,
-                     ram_bytes: int, pin_share: float, lru_only: TrainingReplay, rivals: list[TrainingReplay],
+                     ram_bytes: int, pin_share: float, lru_only: TrainingReplay, *, rivals: list[TrainingReplay],
                      coupling=None) -> tuple[TrainingReplay, int]:
     """The stall-value arm (module doc: the estimator) and the number of training replays its
     search ran. ``lru_only`` is the training replay without pins at ``ram_bytes``; ``rivals`` are
@@ -304,7 +298,7 @@ def stall_value_pins(trace: RoutingTrace, train: np.ndarray, layout: Layout, dev
 
 def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_bytes: int,
                    arms: tuple[str, ...] = ARMS, pin_share: float = DEFAULT_PIN_SHARE, half_life_steps: float | None = None,
-                   seed: int = 0, min_sessions: int = MIN_SESSIONS) -> PlacementStudy:
+                   *, seed: int = 0, min_sessions: int = MIN_SESSIONS) -> PlacementStudy:
     """Every arm in ``arms`` at ``ram_bytes`` of RAM through the plan's layout (module doc).
 
     ``pin_share`` is the share of RAM the frequency, hybrid and probability-per-byte arms pin
@@ -351,7 +345,7 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
     replays = 0
     if "stall-value" in arms:
         chosen["stall-value"], replays = stall_value_pins(trace, train, layout, device, config, ram_bytes, pin_share,
-                                                          chosen["lru"], [chosen["frequency"]], coupling)
+                                                          chosen["lru"], rivals=[chosen["frequency"]], coupling=coupling)
 
     held_runs = {name: run_layout(name, trace, held_mask, layout, device,
                                   replace(config, ram_bytes=chosen[name].pins.lru_bytes, pin_bytes=0), chosen[name].pins.pinned,
@@ -371,29 +365,10 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
         results.append(ArmResult(t.pins, t.summary.stall_per_token_s, t.summary.ram_hit_rate,
                                  Interval(*evidence(run, None).interval()), run.summary.ram_hit_rate, saving))
     probe = evidence(held_runs[arms[0]], None)
-    sufficient, why = sufficiency(probe, min_sessions)
+    sufficient, why = sufficiency(probe, min_sessions, verdict=False)
     return PlacementStudy(ram_bytes, pin_share, device.name, len(split_sessions_by_content(trace, [plan]).training),
                           len(units), probe.method, sufficient, why, replays, results, list(layout.layers))
 
 
-def held_out_evidence(base: LayoutRun, new: LayoutRun | None, units: np.ndarray, seed: int = 0) -> Evidence:
-    """Paired held-out evidence of ``base`` against ``new`` (``None``: against zero stall, so the
-    interval is ``base``'s S itself): per session with at least :data:`SESSION_UNITS` held-out
-    sessions ``units``, else per step in blocks (:mod:`replay.evaluation.evidence`)."""
-    if len(units) >= SESSION_UNITS:
-        b = base.sessions["stall"][units]
-        return session_evidence(b, new.sessions["stall"][units] if new else np.zeros_like(b), base.sessions["committed"][units], seed)
-    b = base.steps.stall
-    return block_evidence(b, new.steps.stall if new else np.zeros_like(b), base.steps.committed, base.steps.session, seed)
-
-
-def sufficiency(ev: Evidence, min_sessions: int) -> tuple[bool, str]:
-    """Whether ``ev`` has enough held-out sessions for a comparison, and in words."""
-    if ev.n_sessions < min_sessions:
-        return False, f"only {ev.n_sessions} held-out session(s); a comparison needs at least {min_sessions}"
-    return True, (f"{ev.n_sessions} held-out sessions" if ev.method == "session"
-                  else f"{ev.n_sessions} held-out session(s) in {ev.n_blocks} blocks of {ev.block_steps} steps")
-
-
 __all__ = ["ARMS", "ArmResult", "DEFAULT_PIN_SHARE", "PIN_SHARES", "PinSet", "PlacementStudy", "lrfu_value", "pins_by_value",
-           "held_out_evidence", "placement_arms", "selection_counts", "sufficiency", "stall_value_pins", "training_forwards", "union_probability"]
+           "placement_arms", "selection_counts", "stall_value_pins", "training_forwards", "union_probability"]

@@ -44,16 +44,17 @@ from containers.geometry import ExpertFormat
 from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile
 from replay.model.engine import SplitState
-from replay.evaluation.evidence import MIN_SESSIONS
+from replay.evaluation.evidence import MIN_SESSIONS, sufficiency
 from replay.evaluation.gate import (
     check_trace_matches,
     evaluation_forwards,
+    held_out_evidence,
     run_layout,
     training_coupling,
 )
-from replay.formats.gatefile import Interval
+from replay.formats.interval import Interval
 from replay.model.metrics import summarize
-from replay.control.placement import held_out_evidence, sufficiency, training_forwards
+from replay.control.placement import training_forwards
 from replay.formats.planfile import Plan
 from replay.control.splitsizes import segment_sizes, tops_by_wait
 from replay.model.streaming import replay_steps
@@ -101,11 +102,10 @@ class SplitCurve:
 
     def to_json(self) -> dict:
         def point(p: CurvePoint) -> dict:
-            s = p.stall_per_token_s
             return {"ram_bytes": p.ram_bytes, "ratio": p.ratio, "top_rows": p.top_rows, "top_bytes": p.top_bytes,
                     "lru_bytes": p.lru_bytes, "resident_tops": p.resident_tops,
                     "train_stall_per_token_s": p.train_stall_per_token_s,
-                    "stall_per_token_s": {"estimate": s.estimate, "low": s.low, "high": s.high}, "ram_hit_rate": p.ram_hit_rate}
+                    "stall_per_token_s": p.stall_per_token_s.to_json(), "ram_hit_rate": p.ram_hit_rate}
 
         return {"format": "relayout.split-curve", "device": self.device, "ratios": list(self.ratios),
                 "top_shares": list(self.top_shares), "training_sessions": self.training_sessions,
@@ -126,7 +126,7 @@ class _Candidate:
 
 
 def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_bytes: list[int],
-                ratios: tuple[float, ...] = RATIOS, top_shares: tuple[float, ...] = TOP_SHARES, seed: int = 0,
+                ratios: tuple[float, ...] = RATIOS, top_shares: tuple[float, ...] = TOP_SHARES, *, seed: int = 0,
                 min_sessions: int = MIN_SESSIONS) -> SplitCurve:
     """Both curves at every budget of ``ram_bytes`` through the plan's (unsplit) layout (module doc).
 
@@ -147,8 +147,8 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
     held_mask, held = evaluation_forwards(trace, [plan])
     units = np.array(held.evaluated)
     coupling = training_coupling(trace, plan) if config.prefetch == "coupled" else None
-    ffn = g["moe_intermediate_size"]
-    fmts = [ExpertFormat.parse(g["expert_formats"][str(layer)]) for layer in layout.layers]
+    ffn = g.moe_intermediate_size
+    fmts = [ExpertFormat.parse(g.expert_formats[layer]) for layer in layout.layers]
     L, E = len(layout.layers), layout.n_experts
     replays = 0
 
@@ -161,13 +161,13 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
 
     def held_point(R: int, c: _Candidate):
         run = run_layout("split" if c.state is not None else "whole", trace, held_mask, layout, device,
-                         replace(config, ram_bytes=c.lru_bytes, pin_bytes=0), np.zeros((L, E), dtype=bool), c.state, coupling)
+                         replace(config, ram_bytes=c.lru_bytes, pin_bytes=0), np.zeros((L, E), dtype=bool), c.state, coupling=coupling)
         ev = held_out_evidence(run, None, units, seed)
         return CurvePoint(R, c.ratio, c.top_rows, c.top_bytes, c.lru_bytes,
                           0 if c.state is None else int(c.state.resident.sum()), c.train_stall, Interval(*ev.interval()),
                           run.summary.ram_hit_rate, None if c.state is None else c.state.resident), ev
 
-    sizes = {r: [segment_sizes(f, g["hidden_size"], ffn, r) for f in fmts] for r in sorted(set(ratios) - {0.0})}
+    sizes = {r: [segment_sizes(f, g.hidden_size, ffn, r) for f in fmts] for r in sorted(set(ratios) - {0.0})}
     whole_pts, split_pts = [], []
     for R in ram_bytes:
         s0, w0 = train_run(R, None)
@@ -191,7 +191,7 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
         point, probe = held_point(R, whole)
         whole_pts.append(point)
         split_pts.append(point if best is whole else held_point(R, best)[0])
-    ok, why = sufficiency(probe, min_sessions)
+    ok, why = sufficiency(probe, min_sessions, verdict=False)
     n_train = len(np.unique(trace.fwd_session[train]))
     return SplitCurve(device.name, tuple(ratios), tuple(top_shares), whole_pts, split_pts, n_train, len(units), ok, why, replays)
 

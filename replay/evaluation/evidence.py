@@ -41,7 +41,9 @@ from replay.formats.trace import FORWARD_KINDS, TraceSource
 SESSION_UNITS = 5
 """Held-out sessions from which the session is the unit of resampling."""
 MIN_SESSIONS = 5
-"""Default held-out sessions a verdict needs (seed: at least five paired repetitions)."""
+"""Default held-out sessions a verdict needs (``--min-sessions``): at least five paired repetitions."""
+DEFAULT_THRESHOLD = 0.05
+"""Default share of the baseline's TPOT the gate's interval must save at its low end (``--threshold``)."""
 MIN_BLOCKS = 10
 """Blocks of steps a block-bootstrap verdict needs."""
 RESAMPLES = 4000
@@ -250,17 +252,58 @@ class Verdict:
     sufficiency: str
 
 
-def judge(ev: Evidence, need: float, min_sessions: int = MIN_SESSIONS) -> Verdict:
-    """The verdict the evidence supports for a required saving of ``need`` seconds per token."""
+def resampling_method(n_sessions: int) -> str:
+    """How held-out evidence over ``n_sessions`` sessions is resampled: ``"session"`` from
+    :data:`SESSION_UNITS` sessions on, else ``"moving-block"`` (blocks of steps inside sessions).
+
+    >>> resampling_method(SESSION_UNITS), resampling_method(SESSION_UNITS - 1)
+    ('session', 'moving-block')
+    """
+    return "session" if n_sessions >= SESSION_UNITS else "moving-block"
+
+
+def sufficiency(ev: Evidence, min_sessions: int = MIN_SESSIONS, *, verdict: bool = True) -> tuple[bool, str]:
+    """Whether ``ev`` holds enough held-out evidence, and in words.
+
+    Parameters
+    ----------
+    ev : the paired evidence.
+    min_sessions : held-out sessions needed (``--min-sessions``).
+    verdict : True for a verdict (also at least :data:`MIN_BLOCKS` blocks for block evidence);
+        False for a comparison table that gives no verdict (sessions only).
+
+    Returns
+    -------
+    ``(sufficient, words)``: the words say what was missing, or what the evidence is.
+    """
     if ev.n_sessions < min_sessions:
-        return Verdict("insufficient", False, f"only {ev.n_sessions} held-out session(s); a verdict needs at least "
-                                              f"{min_sessions} (--min-sessions)")
-    if ev.method == "moving-block" and ev.n_blocks < MIN_BLOCKS:
-        return Verdict("insufficient", False, f"only {ev.n_blocks} blocks of {ev.block_steps} steps; a verdict needs at "
-                                              f"least {MIN_BLOCKS}")
+        if not verdict:
+            return False, f"only {ev.n_sessions} held-out session(s); a comparison needs at least {min_sessions}"
+        return False, f"only {ev.n_sessions} held-out session(s); a verdict needs at least {min_sessions} (--min-sessions)"
+    if verdict and ev.method == "moving-block" and ev.n_blocks < MIN_BLOCKS:
+        return False, f"only {ev.n_blocks} blocks of {ev.block_steps} steps; a verdict needs at least {MIN_BLOCKS}"
+    return True, (f"{ev.n_sessions} held-out sessions" if ev.method == "session" else
+                  f"{ev.n_sessions} held-out session(s) in {ev.n_blocks} blocks of {ev.block_steps} steps")
+
+
+def judge(ev: Evidence, need: float, min_sessions: int = MIN_SESSIONS) -> Verdict:
+    """The verdict the evidence supports for a required saving of ``need`` seconds per token.
+
+    Parameters
+    ----------
+    ev : the paired evidence.
+    need : the saving the lower end of the 95% interval must reach, seconds per committed token.
+    min_sessions : held-out sessions a verdict needs.
+
+    Returns
+    -------
+    :class:`Verdict`: ``insufficient`` when :func:`sufficiency` says so, else ``pass`` when the
+    interval's low end is at least ``need``, else ``fail``.
+    """
+    sufficient, how = sufficiency(ev, min_sessions)
+    if not sufficient:
+        return Verdict("insufficient", False, how)
     _, low, _ = ev.interval()
-    how = (f"{ev.n_sessions} held-out sessions" if ev.method == "session" else
-           f"{ev.n_sessions} held-out session(s) in {ev.n_blocks} blocks of {ev.block_steps} steps")
     return Verdict("pass" if low >= need else "fail", True, how)
 
 
@@ -276,5 +319,6 @@ def holm(p_values: list[float], alpha: float) -> list[bool]:
     return out
 
 
-__all__ = ["Evidence", "HeldOut", "MIN_BLOCKS", "MIN_SESSIONS", "SESSION_UNITS", "Verdict", "block_evidence", "evaluation_mask",
-           "holm", "judge", "session_evidence", "split_sessions_by_content"]
+__all__ = ["DEFAULT_THRESHOLD", "Evidence", "HeldOut", "MIN_BLOCKS", "MIN_SESSIONS", "SESSION_UNITS", "Verdict", "block_evidence",
+           "evaluation_mask", "holm", "judge", "resampling_method", "session_evidence", "split_sessions_by_content",
+           "sufficiency"]

@@ -47,15 +47,17 @@ import numpy as np
 
 from containers.errors import InputError
 
+from replay.evaluation import evidence
 from replay.evaluation.evidence import (
-    MIN_BLOCKS,
+    LEVEL,
     MIN_SESSIONS,
-    SESSION_UNITS,
+    RESAMPLES,
     block_evidence,
     holm,
+    resampling_method,
     session_evidence,
 )
-from replay.evaluation.stats import Interval
+from replay.formats.interval import Interval
 
 ALPHA = 0.025
 """Family-wise level of one hypothesis's comparisons (one-sided)."""
@@ -63,8 +65,6 @@ MATERIAL_SHARE = 0.01
 """The smallest saving, as a share of the other arm's TPOT, a comparison counts as an improvement."""
 MEDIAN_TOLERANCE = 0.05
 """H5: the largest rise of the median step stall, as a share of the default arm's, that is not "material"."""
-RESAMPLES = 4000
-LEVEL = 0.95
 SUPPORTED, NOT_SUPPORTED, INSUFFICIENT = "supported", "not supported", "insufficient"
 
 
@@ -304,7 +304,7 @@ def _units(arm: ArmSteps) -> tuple[str, list[np.ndarray], int]:
     """How steps are resampled: ``("session", [step indices per session], n_sessions)`` or
     ``("moving-block", [step indices per block start], n_sessions)``."""
     sessions, inverse = np.unique(arm.session, return_inverse=True)
-    if len(sessions) >= SESSION_UNITS:
+    if resampling_method(len(sessions)) == "session":
         return "session", [np.flatnonzero(inverse == u) for u in range(len(sessions))], len(sessions)
     ev = block_evidence(arm.stall, arm.stall, arm.committed, arm.session)
     ell, n = ev.block_steps, len(arm.stall)
@@ -320,24 +320,16 @@ def _draws(units: list[np.ndarray], n_draw: int, rng, resamples: int) -> list[np
 
 
 def _mean_evidence(base: ArmSteps, new: ArmSteps, seed: int):
-    if len(np.unique(base.session)) >= SESSION_UNITS:
+    if resampling_method(len(np.unique(base.session))) == "session":
         _, inv = np.unique(base.session, return_inverse=True)
         return session_evidence(np.bincount(inv, base.stall), np.bincount(inv, new.stall), np.bincount(inv, base.committed), seed)
     return block_evidence(base.stall, new.stall, base.committed, base.session, seed)
 
 
 def sufficiency(arm: ArmSteps, min_sessions: int = MIN_SESSIONS) -> tuple[bool, str]:
-    """Whether the steps of ``arm`` hold enough units for a verdict, and in words."""
-    method, units, n_sessions = _units(arm)
-    if n_sessions < min_sessions:
-        return False, f"only {n_sessions} held-out session(s); a verdict needs at least {min_sessions} (--min-sessions)"
-    if method == "moving-block":
-        ell = len(units[0]) if units else 0
-        n_blocks = int(np.ceil(len(arm.stall) / max(ell, 1)))
-        if n_blocks < MIN_BLOCKS:
-            return False, f"only {n_blocks} blocks of {ell} steps; a verdict needs at least {MIN_BLOCKS}"
-        return True, f"{n_sessions} held-out session(s) in {n_blocks} blocks of {ell} steps"
-    return True, f"{n_sessions} held-out sessions"
+    """Whether the steps of ``arm`` hold enough units for a verdict, and in words
+    (:func:`replay.evaluation.evidence.sufficiency` of its units)."""
+    return evidence.sufficiency(_mean_evidence(arm, arm, 0), min_sessions)
 
 
 def stall_interval(arm: ArmSteps, seed: int = 0) -> Interval:

@@ -17,21 +17,9 @@ says how many 95% intervals a correct prediction may fall outside of by chance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Interval:
-    estimate: float
-    low: float
-    high: float
-    unit: str
-    n_units: int
-
-    def to_json(self) -> dict:
-        return {"estimate": self.estimate, "low": self.low, "high": self.high, "unit": self.unit, "n_units": self.n_units}
+from replay.formats.interval import Interval
 
 
 def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: str, resamples: int = 4000,

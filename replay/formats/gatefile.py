@@ -18,6 +18,7 @@ from containers.jsonfile import read_document
 
 from replay.model.config import RuntimeConfig
 from replay.model.metrics import LayoutMetrics
+from replay.formats.interval import Interval
 
 GATE_FORMAT = "relayout.gate"
 GATE_VERSION = 1
@@ -95,25 +96,6 @@ class GateEvidence:
 
 
 @dataclass(frozen=True)
-class Saving:
-    """A saving in seconds per committed token with its 95% interval and the units behind it."""
-
-    estimate: float
-    low: float
-    high: float
-    unit: str
-    n_units: int
-    method: str
-
-
-@dataclass(frozen=True)
-class Interval:
-    estimate: float
-    low: float
-    high: float
-
-
-@dataclass(frozen=True)
 class Decomposition:
     """Saving from repacking (source order, new packing) and from ordering, each with its interval."""
 
@@ -173,7 +155,8 @@ class GateRecord:
     runtime: RuntimeConfig
     threshold: Threshold
     evidence: GateEvidence
-    saving_per_token_s: Saving
+    saving_per_token_s: Interval
+    """The saving in seconds per committed token, with its unit, unit count and resampling method."""
     saving_fraction_of_tpot: Interval
     decomposition: Decomposition | None
     headroom: Headroom
@@ -191,6 +174,9 @@ class GateRecord:
         g = records.from_json(cls, obj, where, "gate record")
         if g.verdict not in VERDICTS:
             raise InputError(where, f"gate record's verdict {g.verdict!r} is not one of {', '.join(VERDICTS)}")
+        s = g.saving_per_token_s
+        if s.unit is None or s.n_units is None or s.method is None:
+            raise InputError(where, "malformed gate record: saving_per_token_s lacks its unit, n_units or method")
         if g.pins is not None and g.pins.source not in PIN_SOURCES:
             raise InputError(where, f"gate record's pin source {g.pins.source!r} is not one of {', '.join(PIN_SOURCES)}")
         return g

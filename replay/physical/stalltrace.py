@@ -64,7 +64,8 @@ from containers.errors import InputError
 from containers.jsonfile import iter_jsonl
 
 from replay.evaluation.gate import TpotParts
-from replay.evaluation.stats import Interval, repetition_interval
+from replay.evaluation.stats import repetition_interval
+from replay.formats.interval import Interval
 
 REQUIRED_EXPERT = ("run_id", "request_id", "step", "layer", "expert_id", "required", "bytes")
 TIMED = ("issue_ns", "ready_ns", "need_ns")
