@@ -1,4 +1,4 @@
-"""Vertical expert splits (seed 5.5, FACTS section 6): which experts keep a top segment in RAM.
+"""Vertical expert splits: which experts keep a top segment in RAM.
 
 A SwiGLU expert splits exactly along its FFN dimension: the top segment is rows [0, rF) of gate
 and up plus columns [0, rF) of down, and y = y_top + y_bottom. ``rF`` is rounded to whole

@@ -1,4 +1,4 @@
-"""The seed's experiments E2, E3 and E5 replayed: each hypothesis's arms on the plan's held-out steps.
+"""The experiments E2, E3 and E5 replayed: each hypothesis's arms on the plan's held-out steps.
 
 One function per experiment returns the arms as :class:`replay.evaluation.hypotheses.ArmSteps` (all on the
 same held-out steps of the plan's layout), and :func:`hypothesis_tables` turns them into the

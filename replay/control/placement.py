@@ -1,7 +1,7 @@
-"""Placement arms at equal RAM (seed 5.5, E3 H3a): which whole experts to pin, the LRU holding the rest.
+"""Placement arms at equal RAM (experiment E3, hypothesis H3a): which whole experts to pin, the LRU holding the rest.
 
 The runtime keeps two tiers of whole experts in RAM: a pinned store chosen before decoding and a
-per-layer LRU (FACTS 2). Every arm gets the same RAM budget ``R`` bytes; its pins take
+per-layer LRU. Every arm gets the same RAM budget ``R`` bytes; its pins take
 ``pin_bytes`` of it and the LRU gets exactly ``R - pin_bytes`` (so pins that are not worth their
 bytes cost the LRU their room: that is the displacement). Arms:
 
@@ -31,7 +31,7 @@ best experts by value per byte are pinned within ``s x R`` and the training sess
 replayed again with the LRU at ``R`` minus the pins; the experts left unpinned get their new
 wait (which now includes what the smaller LRU costs them), pinned ones keep their first-round
 value, and the pins are chosen once more and replayed. One more candidate nets displacement
-explicitly, as seed 5.5's ``V(e) = (E[dW_e | resident] - E[C_displace]) / b_e``: the LRU-only
+explicitly, as ``V(e) = (E[dW_e | resident] - E[C_displace]) / b_e``: the LRU-only
 replays at ``R`` and at ``R / 2`` give the LRU's marginal stall per byte (their S difference over
 ``R / 2`` bytes, s per committed token per byte), and an expert's net value per byte is its wait
 per committed token per byte minus that slope; experts of positive net value are pinned best
@@ -39,7 +39,7 @@ first (at most ``R``), then replayed and chosen again once, like the others. Amo
 candidates, the LRU-only replay and the frequency arm's pins, the arm keeps the pin set with the
 lowest replayed S on the training sessions. So, **by construction**, the
 stall-value arm's training S is never above the frequency arm's or the LRU-only arm's at the same
-RAM (the property the issue asks for is guaranteed by keeping the better candidate, not
+RAM (guaranteed by keeping the better candidate, not
 discovered); on held-out sessions it can lose, and the table says so when it does.
 
 Every arm is then replayed on the held-out sessions (by routing content, :mod:`replay.evaluation.evidence`):

@@ -1,4 +1,4 @@
-"""S versus RAM for whole experts and for vertically split experts (seed 5.5, E3 H3b).
+"""S versus RAM for whole experts and for vertically split experts (experiment E3, hypothesis H3b).
 
 **Whole experts.** At each RAM budget ``R`` (bytes) the runtime's default placement: no pins, the
 per-layer LRU holds whole experts in all of ``R``.
@@ -29,7 +29,7 @@ held twice, as the runtime change in ``docs/SPLIT_SEGMENTS.md`` would hold them.
 
 References
 ----------
-MoEpic: vertical expert splitting with a cached top segment (FACTS section 6).
+MoEpic: vertical expert splitting with a cached top segment.
 """
 
 from __future__ import annotations

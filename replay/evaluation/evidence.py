@@ -5,9 +5,10 @@ Held out by content
     A plan records a fingerprint of each training session's routing
     (:meth:`replay.formats.trace.TraceSource.session_fingerprints`, the same from memory or from the
     file). A session of the evaluated trace whose fingerprint matches one of them is excluded
-    whatever it is called; names are labels only. (Plans made before fingerprints existed fall back to names, and say so.)
+    whatever it is called; names are labels only. A plan without fingerprints is matched by
+    session name, and the record says so.
 
-Units and interval (seed sections 4 and 9)
+Units and interval
     With at least :data:`SESSION_UNITS` held-out sessions the unit of resampling is the session:
     a paired bootstrap over sessions of ``dS = (sum W_base - sum W_new) / sum A``. With fewer, the
     units are contiguous blocks of steps inside sessions (a moving-block bootstrap; block length
@@ -15,7 +16,7 @@ Units and interval (seed sections 4 and 9)
     the dependence between neighbouring steps is kept.
 
 Enough evidence or no verdict
-    Fewer held-out sessions than ``min_sessions`` (default :data:`MIN_SESSIONS`, the seed's five
+    Fewer held-out sessions than ``min_sessions`` (default :data:`MIN_SESSIONS`, five
     paired repetitions), or fewer than :data:`MIN_BLOCKS` blocks, gives the verdict
     ``insufficient``: no pass, no fail. The record keeps every unit's values, the seed, the
     resample count, the method and the block length, so :func:`recheck` recomputes the

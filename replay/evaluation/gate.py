@@ -289,7 +289,7 @@ def _reason(verdict: Verdict, ev: Evidence, tpot: float, threshold: float, headr
 def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
           workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None, *,
           min_sessions: int = MIN_SESSIONS, executor=None) -> list[dict]:
-    """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing.
+    """The regime map: the gate over RAM budgets x workers x coalescing.
 
     Many cells test many hypotheses: each cell's one-sided bootstrap p-value of "saving below the
     threshold" is corrected by Holm's procedure at the family-wise level of one cell's test

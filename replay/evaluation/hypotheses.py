@@ -1,9 +1,9 @@
-"""The seed's hypotheses H2, H3a, H3b and H5 as tables: arms on the same held-out steps, a verdict each.
+"""The hypotheses H2, H3a, H3b and H5 as tables: arms on the same held-out steps, a verdict each.
 
 Every arm of one experiment is run (replayed, or measured by the harness) on the *same* steps, so
 arms are compared pairwise, step for step. For each hypothesis the table gives each arm's S
 (seconds of foreground stall per committed token) with its 95% bootstrap interval, the figures
-the seed asks for beside it, the paired comparisons the claim rests on, and a verdict:
+each claim needs beside it, the paired comparisons the claim rests on, and a verdict:
 
 * ``supported``: every comparison the claim needs holds: at family-wise level 2.5% one-sided
   (Holm's procedure over the comparisons; the lower tail of a 95% interval), and by at least
@@ -14,13 +14,13 @@ the seed asks for beside it, the paired comparisons the claim rests on, and a ve
   falsifier's wording is printed with it, as a result, not an error;
 * ``insufficient``: too few held-out sessions (or blocks) to decide.
 
-The claims (seed section 8):
+The claims (their wording and falsifiers: :data:`HYPOTHESES`):
 
 * **H2** (E2): stall-valued admission (``stall-value``) yields lower S and higher eta_stall than
   probability-only admission (``probability``, ``per-byte``) and deadline-only admission
   (``deadline``) at equal byte and queue budgets. ``eta_stall = (S_0 - S_policy) / B_spec``
-  (seed 4.3: S_0 is the arm without prefetch, ``none``; B_spec speculative bytes per committed
-  token), in seconds per byte.
+  (S_0 is the arm without prefetch, ``none``; B_spec speculative bytes per committed token), in
+  seconds per byte.
 * **H3a** (E3): stall-valued placement (``stall-value``) lowers S relative to raw frequency and the
   other simpler placements at equal RAM, even when its hit-rate gain is small.
 * **H3b** (E3): splitting shifts the S-versus-RAM curve toward lower memory: at some RAM budget
@@ -34,8 +34,7 @@ Units are resampled as :mod:`replay.evaluation.evidence` does: held-out sessions
 
 References
 ----------
-The seed proposal, sections 4.3 (eta_stall), 8 (E2, E3, E5 and their falsifiers) and 9.3
-(paired bootstrap intervals, family-wise error control).
+S. Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6 (1979).
 """
 
 from __future__ import annotations

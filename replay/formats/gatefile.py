@@ -164,7 +164,7 @@ class GateRecord:
     plan_metrics: LayoutMetrics
     per_session: list[SessionResult]
     pins: PinsUsed | None = None
-    """None only in records made before the pin set was recorded."""
+    """None when the record names no pin set."""
 
     def to_json(self) -> dict:
         return records.to_json(self)
@@ -183,7 +183,7 @@ class GateRecord:
 
 
 def load_gate(path) -> GateRecord:
-    """Read and check ``gate.json`` (a record from an older relayout is refused: re-run replay)."""
+    """Read and check ``gate.json``; a record without its evidence is refused (re-run replay)."""
     obj = read_document(path, GATE_FORMAT, GATE_VERSION, ("verdict", "plan", "reason"), "gate record")
     if "evidence" not in obj:
         raise InputError(path, "gate record has no evidence (made by an older relayout): run relayout replay again")
