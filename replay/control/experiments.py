@@ -214,7 +214,21 @@ class Regime:
 
 def regime_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, regime: Regime,
                   keys: tuple[str, ...], policies: tuple[str, ...], source: str, *, min_sessions: int) -> list[HypothesisTable]:
-    """Every hypothesis of ``keys`` at one regime (one task of :func:`hypothesis_tables`)."""
+    """Every hypothesis of ``keys`` at one regime (one task of :func:`hypothesis_tables`).
+
+    Parameters
+    ----------
+    plan, trace, device, config : the plan, routing trace, device profile and runtime knobs.
+    regime : the RAM and speculative-byte budgets.
+    keys : hypotheses to judge (of :data:`HYPOTHESIS_KEYS`).
+    policies : the admission policies H2 compares.
+    source : the prediction source (``"a+b"`` fuses several).
+    min_sessions : held-out sessions a verdict needs.
+
+    Returns
+    -------
+    The regime's :class:`~replay.evaluation.hypotheses.HypothesisTable` list, in hypothesis order.
+    """
     cfg = replace(config, ram_bytes=regime.ram_bytes, prefetch_bytes=regime.prefetch_bytes)
     off = replace(cfg, prefetch="none", source_caps=[])
     words = regime.words()
@@ -242,7 +256,18 @@ def hypothesis_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, con
     """The tables of ``keys`` over every regime RAM x byte budget, one executor task per regime.
 
     H3a and H3b need RAM (regimes with ``ram_bytes`` 0 skip them), H5 a byte budget (regimes
-    with ``prefetch_bytes`` 0 skip it). Tables come in regime order, then hypothesis order.
+    with ``prefetch_bytes`` 0 skip it).
+
+    Parameters
+    ----------
+    plan, trace, device, config, keys, policies, source, min_sessions : as for :func:`regime_tables`.
+    ram_bytes : RAM budgets, bytes.
+    prefetch_bytes : speculative-byte budgets per layer, bytes.
+    executor : where the regimes run (default: serially, in this process).
+
+    Returns
+    -------
+    The tables, in regime order, then hypothesis order.
     """
     from replay.execution import SerialExecutor
 

@@ -130,8 +130,21 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
                 min_sessions: int = MIN_SESSIONS) -> SplitCurve:
     """Both curves at every budget of ``ram_bytes`` through the plan's (unsplit) layout (module doc).
 
-    ``ratios`` may include 0 (no split, always searched); each must be in [0, 1). ``top_shares``
-    in (0, 1]. ``config`` supplies every other runtime knob (its RAM budgets are replaced).
+    Parameters
+    ----------
+    plan : a plan without a split; its training sessions drive the search.
+    trace : routing trace with the plan's training sessions and held-out ones.
+    device : the device profile replayed.
+    config : every other runtime knob (its RAM budgets are replaced).
+    ram_bytes : RAM budgets, bytes (each above 0).
+    ratios : split ratios to search, each in [0, 1) (0, no split, is always searched).
+    top_shares : shares of the budget for resident tops to search, each in (0, 1].
+    seed : the bootstrap's seed.
+    min_sessions : held-out sessions a comparison needs.
+
+    Returns
+    -------
+    :class:`SplitCurve`: the whole-expert and split-expert points at every budget.
     """
     if plan.split:
         raise InputError(plan.path, "the split curve searches splits itself; give a plan without --split-ratio")

@@ -30,7 +30,18 @@ class SegmentSizes:
 
 
 def segment_sizes(fmt: ExpertFormat, hidden: int, ffn: int, ratio: float) -> SegmentSizes:
-    """Exact segment sizes for split ``ratio`` of an expert of ``fmt`` (rows rounded to groups)."""
+    """Exact segment sizes for split ``ratio`` of an expert of ``fmt`` (rows rounded to groups).
+
+    Parameters
+    ----------
+    fmt : the expert's quantisation format.
+    hidden, ffn : the model's hidden size and the expert's FFN rows.
+    ratio : the top segment's share of the FFN, in (0, 1).
+
+    Returns
+    -------
+    :class:`SegmentSizes`: the top's FFN rows and both segments' bytes (weights plus scales).
+    """
     if not 0 < ratio < 1:
         raise InputError(None, f"split ratio must be between 0 and 1 (got {ratio})")
     step = fmt.group or (8 // math.gcd(8, fmt.bits))

@@ -309,7 +309,22 @@ def judge(ev: Evidence, need: float, min_sessions: int = MIN_SESSIONS) -> Verdic
 
 
 def holm(p_values: list[float], alpha: float) -> list[bool]:
-    """Holm's step-down procedure: which hypotheses are rejected at family-wise level ``alpha``."""
+    """Holm's step-down procedure: which hypotheses are rejected at family-wise level ``alpha``.
+
+    Parameters
+    ----------
+    p_values : one p-value per hypothesis.
+    alpha : the family-wise error level.
+
+    Returns
+    -------
+    One boolean per hypothesis, in the order given: True where it is rejected.
+
+    >>> holm([0.01, 0.04, 0.03], 0.05)
+    [True, False, False]
+    >>> holm([0.01, 0.02], 0.05)
+    [True, True]
+    """
     order = np.argsort(p_values, kind="stable")
     m = len(p_values)
     out = [False] * m

@@ -182,12 +182,25 @@ def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: Runtim
             min_sessions: int = MIN_SESSIONS, tpot_parts: TpotParts | None = None) -> GateRecord:
     """Replay baseline (stock, or another plan's layout) and the plan; gate; return the gate record.
 
-    The threshold is a fraction of the baseline's TPOT = C + S + O: C and O from the compute
-    model and ``config.other_seconds_per_token``, or, with ``tpot_parts``, as measured.
+    Parameters
+    ----------
+    plan : the plan whose layout is judged.
+    trace : routing trace; sessions any of the plans trained on (by routing content) are excluded.
+    device, config : the device profile and runtime configuration replayed.
+    baseline : another plan's layout to compare against, or None for the stock layout.
+    threshold : share of the baseline's TPOT = C + S + O the interval's low end must save; C and
+        O from the compute model and ``config.other_seconds_per_token``, or, with ``tpot_parts``,
+        as measured.
+    seed : the bootstrap's seed.
+    min_sessions : held-out sessions a verdict needs.
+    tpot_parts : measured compute and other time per token, or None.
 
-    The verdict is ``pass``, ``fail`` or ``insufficient`` (too few held-out sessions or blocks:
-    :mod:`replay.evaluation.evidence`). Against the stock layout, a plan that records its repacked stock
-    layout is also replayed that way, to split the saving into repacking and ordering.
+    Returns
+    -------
+    :class:`~replay.formats.gatefile.GateRecord` with the verdict ``pass``, ``fail`` or
+    ``insufficient`` (too few held-out sessions or blocks: :mod:`replay.evaluation.evidence`).
+    Against the stock layout, a plan that records its repacked stock layout is also replayed
+    that way, to split the saving into repacking and ordering.
     """
     if not 0.0 <= threshold <= 1.0:               # NaN included: the record would not recheck
         raise InputError(None, f"the threshold must be a fraction of TPOT from 0 to 1, got {threshold!r}")
@@ -298,6 +311,18 @@ def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeC
     Cells are independent: ``executor`` (a :class:`replay.execution.Executor`; default serial, in
     this process) runs one task per cell, with the plan, trace and device shared once. The table
     is the same whichever executor runs it.
+
+    Parameters
+    ----------
+    plan, trace, device, config, threshold, baseline, min_sessions : as for :func:`compare`.
+    ram_gb : RAM budgets, GB (10^9 bytes).
+    workers : reader worker counts.
+    executor : where the cells run.
+
+    Returns
+    -------
+    One row per cell (:func:`sweep_cell`) with its ``ram_gb`` and ``holm_significant`` (None
+    where the cell's evidence did not suffice).
     """
     from replay.execution import SerialExecutor
 
@@ -332,11 +357,19 @@ def sweep_cell(plan: Plan, trace: TraceSource, device: ArrayProfile, baseline: P
 
 
 def recheck_fields(gate: GateRecord, where: str) -> list[tuple[str, str]]:
-    """Recompute a gate record's interval and verdict from its stored evidence: ``(field, difference)`` pairs.
+    """Recompute a gate record's interval and verdict from its stored evidence.
 
-    Empty when the record is consistent: same interval (the bootstrap is deterministic given the
-    stored seed and resample count) and same verdict for the stored threshold. ``field`` is the
-    record's field that does not recompute (``saving_per_token_s`` or ``verdict``).
+    Parameters
+    ----------
+    gate : the record.
+    where : the record's file, for errors.
+
+    Returns
+    -------
+    ``(field, difference)`` pairs, empty when the record is consistent: same interval (the
+    bootstrap is deterministic given the stored seed and resample count) and same verdict for
+    the stored threshold. ``field`` is the record's field that does not recompute
+    (``saving_per_token_s`` or ``verdict``).
     """
     ev = Evidence.from_json(records.to_json(gate.evidence), where)
     got = ev.interval()

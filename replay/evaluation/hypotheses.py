@@ -222,7 +222,20 @@ def measured_table(key: str, runs, names: dict[str, str] | None = None, min_sess
     """Hypothesis ``key`` (H2, H3a, H3b or H5) from measured runs (:func:`measured_arms`): the same
     table, comparisons and verdict as from a replay. H3b's arms are named ``whole@GB`` and
     ``split@GB`` (:func:`measured_curve`): runs of the whole-expert and the split container at
-    each RAM budget, measured with the same prompts and repetitions."""
+    each RAM budget, measured with the same prompts and repetitions.
+
+    Parameters
+    ----------
+    key : the hypothesis.
+    runs : the measured runs (:func:`measured_arms`).
+    names : arm names by run, or None for the runs' own.
+    min_sessions : units a verdict needs.
+    seed : the bootstrap's seed.
+
+    Returns
+    -------
+    :class:`HypothesisTable`.
+    """
     arms = measured_arms(runs, names)
     regime = "measured runs: " + ", ".join(f"{n} ({len(np.unique(a.session))} units)" for n, a in arms.items())
     if key == "H2":

@@ -24,7 +24,23 @@ from replay.formats.interval import Interval
 
 def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: str, resamples: int = 4000,
                   seed: int = 0) -> Interval:
-    """95% bootstrap interval of (sum base - sum new) / sum tokens over paired units."""
+    """95% bootstrap interval of ``(sum base - sum new) / sum tokens`` over paired units.
+
+    Parameters
+    ----------
+    base, new : per-unit totals of the two layouts (e.g. seconds of stall), paired by index.
+    tokens : per-unit committed tokens.
+    unit : what one unit is, for the record.
+    resamples, seed : the bootstrap's resample count and seed (deterministic given both).
+
+    Returns
+    -------
+    :class:`~replay.formats.interval.Interval` of the saving per token, resampled over the units
+    (a single unit gives a zero-width interval at the estimate).
+
+    >>> paired_saving([2.0, 4.0], [1.0, 3.0], [1.0, 1.0], "session").estimate
+    1.0
+    """
     base, new, tokens = (np.asarray(x, dtype=np.float64) for x in (base, new, tokens))
     n = len(base)
     est = (base.sum() - new.sum()) / tokens.sum()
@@ -75,6 +91,13 @@ def family_level(judgements: int, level: float = 0.95) -> float:
     judgements : how many intervals one verdict rests on (>= 1).
     level : the family's two-sided coverage.
 
+    Returns
+    -------
+    The per-interval coverage, a fraction.
+
+    >>> round(family_level(5), 6)
+    0.99
+
     References
     ----------
     Dunn, O. J. (1961), "Multiple comparisons among means", JASA 56(293).
@@ -88,8 +111,20 @@ def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> i
     """How many of ``judgements`` intervals, each missing its true value with probability
     ``miss``, may miss by chance: the smallest ``b`` with ``P(X > b) <= 1 - level`` for ``X``
     binomial(``judgements``, ``miss``) (intervals taken as independent; those of one measurement
-    sharing a baseline are not quite, so this is a guide, not an exact test). 24 judgements at
-    95% each: 3; 12: 2; 1: 0.
+    sharing a baseline are not quite, so this is a guide, not an exact test).
+
+    Parameters
+    ----------
+    judgements : how many intervals.
+    miss : each interval's probability of missing its true value.
+    level : the coverage of the bound on the count.
+
+    Returns
+    -------
+    The number of misses chance alone explains.
+
+    >>> chance_misses(24), chance_misses(12), chance_misses(1)
+    (3, 2, 0)
 
     References
     ----------
