@@ -36,6 +36,7 @@ import numpy as np
 
 from containers.errors import InputError
 
+from replay.formats.gatefile import GateEvidence
 from replay.formats.planfile import Plan
 from replay.formats.trace import FORWARD_KINDS, TraceSource
 
@@ -182,52 +183,46 @@ class Evidence:
         return out
 
     @classmethod
-    def from_json(cls, obj: dict, where: str) -> "Evidence":
-        """The evidence a gate record stores, range-checked before anything is allocated: unit
-        values finite (stalls within :data:`MAX_UNIT_SECONDS`, committed tokens positive), the
-        seed an integer of 0 to 2^63 - 1, ``resamples`` 1 to :data:`MAX_RESAMPLES` and at most
-        :data:`MAX_DRAWS` draws in all, a moving-block record's block length within its units
-        and its session ids integers of 0 to 2^31 - 1."""
+    def from_record(cls, rec: GateEvidence, where: str) -> "Evidence":
+        """The evidence a gate record stores (typed by :class:`~replay.formats.gatefile.GateEvidence`),
+        range-checked before anything is allocated: unit values finite (stalls within
+        :data:`MAX_UNIT_SECONDS`, committed tokens positive), the seed of 0 to 2^63 - 1,
+        ``resamples`` 1 to :data:`MAX_RESAMPLES` and at most :data:`MAX_DRAWS` draws in all, a
+        moving-block record's block length within its units and its session ids of 0 to 2^31 - 1."""
         try:
-            u = obj["units"]
-            arrays = [np.asarray(u[k], dtype=np.float64) for k in ("baseline_stall_s", "plan_stall_s", "committed_tokens")]
-            if len({len(a) for a in arrays}) != 1 or not len(arrays[0]) or any(a.ndim != 1 for a in arrays) \
-                    or not all(np.isfinite(a).all() for a in arrays):
+            u = rec.units
+            arrays = [np.asarray(x, dtype=np.float64) for x in (u.baseline_stall_s, u.plan_stall_s, u.committed_tokens)]
+            if len({len(a) for a in arrays}) != 1 or not len(arrays[0]) or not all(np.isfinite(a).all() for a in arrays):
                 raise ValueError("unit arrays differ in length, are empty or hold non-finite numbers")
             n = len(arrays[0])
             if (np.abs(arrays[0]) > MAX_UNIT_SECONDS).any() or (np.abs(arrays[1]) > MAX_UNIT_SECONDS).any():
                 raise ValueError(f"a unit's stall is beyond {MAX_UNIT_SECONDS:g} s")
             if not (arrays[2] > 0).all():
                 raise ValueError("every unit must commit a positive number of tokens")
-            method = obj["method"]
+            method, ell = rec.method, rec.block_steps
             if method not in ("session", "moving-block"):
                 raise ValueError(f"unknown method {method!r}")
-            seed, resamples, n_sessions, ell = obj["seed"], obj["resamples"], obj["n_sessions"], obj["block_steps"]
-            for name, v, lo, hi in (("seed", seed, 0, 2**63 - 1), ("resamples", resamples, 1, MAX_RESAMPLES),
-                                    ("n_sessions", n_sessions, 1, n)):
-                if not _whole(v) or not lo <= v <= hi:
+            for name, v, lo, hi in (("seed", rec.seed, 0, 2**63 - 1), ("resamples", rec.resamples, 1, MAX_RESAMPLES),
+                                    ("n_sessions", rec.n_sessions, 1, n)):
+                if not lo <= v <= hi:
                     raise ValueError(f"{name} is {v!r}, not an integer of {lo} to {hi}"[:160])
             session = None
             if method == "moving-block":
-                ids = u["session"]
-                if not isinstance(ids, list) or len(ids) != n or not all(_whole(x) and 0 <= x < 2**31 for x in ids):
+                ids = u.session
+                if ids is None or len(ids) != n or not all(0 <= x < 2**31 for x in ids):
                     raise ValueError("a moving-block record needs a session id (an integer of 0 to 2^31 - 1) per step")
                 session = np.asarray(ids, dtype=np.int64)
-                if not _whole(ell) or not 1 <= ell <= n:
+                if ell is None or not 1 <= ell <= n:
                     raise ValueError(f"block_steps is {ell!r}, not an integer of 1 to the {n} units"[:160])
                 if n - ell + 1 > 0 and not (session[ell - 1:] == session[: n - ell + 1]).any():
                     raise ValueError(f"no block of {ell} steps lies within one session")
-            draws = resamples * (n if method == "session" else -(-n // ell))
+            draws = rec.resamples * (n if method == "session" else -(-n // ell))
             if draws > MAX_DRAWS:
-                raise ValueError(f"{resamples} resamples of {draws // resamples} units draw {draws:,} units; at most "
+                raise ValueError(f"{rec.resamples} resamples of {draws // rec.resamples} units draw {draws:,} units; at most "
                                  f"{MAX_DRAWS:,} are drawn")
-            return cls(method, *arrays, n_sessions, seed, resamples, ell if method == "moving-block" else None, session)
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            return cls(method, *arrays, rec.n_sessions, rec.seed, rec.resamples, ell if method == "moving-block" else None, session)
+        except (TypeError, ValueError, OverflowError) as exc:
             raise InputError(where, f"gate record's evidence is malformed ({exc})") from None
-
-
-def _whole(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def session_evidence(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, seed: int = 0) -> Evidence:

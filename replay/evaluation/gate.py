@@ -371,7 +371,7 @@ def recheck_fields(gate: GateRecord, where: str) -> list[tuple[str, str]]:
     the stored threshold. ``field`` is the record's field that does not recompute
     (``saving_per_token_s`` or ``verdict``).
     """
-    ev = Evidence.from_json(records.to_json(gate.evidence), where)
+    ev = Evidence.from_record(gate.evidence, where)
     got = ev.interval()
     verdict = judge(ev, gate.threshold.seconds_per_token, gate.evidence.min_sessions).verdict
     s = gate.saving_per_token_s
