@@ -103,7 +103,7 @@ def cmd_drives(args) -> int:
         from replay.formats.planfile import load_plan
 
         plan_in = load_plan(args.plan)
-        if plan_in.raw.get("split") is not None:
+        if plan_in.split is not None:
             raise InputError(args.plan, "a plan with split experts cannot be repacked over drives; plan without --split")
         if plan_in.stock.files != stock.files or plan_in.stock.file_sizes != stock.file_sizes:
             raise InputError(args.plan, "the plan is for another source than --geometry/--container")

@@ -28,7 +28,7 @@ from containers.layout import (
 from containers.manifest import build_manifest, load_manifest
 from containers.segments import expert_segment_specs
 from containers.shard_metadata import carried_metadata, container_stamps
-from replay.formats.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, PlanGeometry, SplitPlan, SplitSegment, plan_digest
+from replay.formats.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, PlanGeometry, PlanSourceRef, SplitPlan, SplitSegment, plan_digest
 from replay.formats.trace import RoutingTrace
 
 from . import __version__
@@ -201,8 +201,7 @@ def make_plan(
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
         "tool_version": __version__,
-        "source": {"kind": source.kind, "name": source.name, "fingerprint": source.fingerprint,
-                   "content_fingerprint": source.content_fingerprint},
+        "source": PlanSourceRef(source.kind, source.name, source.fingerprint, source.content_fingerprint).to_json(),
         "geometry": source.geometry.to_json(),
         "method": method,
         "parameters": {"seed": seed, "resolution": resolution, "weight": weight, "min_support": min_support,

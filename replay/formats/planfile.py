@@ -72,6 +72,20 @@ class PlanGeometry:
 
 
 @dataclass(frozen=True)
+class PlanSourceRef:
+    """What a plan was made for: ``kind`` ``container`` (a real one, with its fingerprints) or
+    ``geometry`` (planned without bytes), and its path or geometry name."""
+
+    kind: str
+    name: str | None = None
+    fingerprint: str | None = None
+    content_fingerprint: str | None = None
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+
+@dataclass(frozen=True)
 class SplitSegment:
     """One routed layer's vertical split: FFN rows of the top segment, and the bytes of each segment."""
 
@@ -114,6 +128,7 @@ class Plan:
     stock: Layout
     layout: Layout
     orders: dict[int, np.ndarray]
+    source: PlanSourceRef
     geometry: PlanGeometry
     split: SplitPlan | None = None
     repack: Layout | None = None
@@ -133,11 +148,11 @@ class Plan:
     @property
     def source_kind(self) -> str:
         """``container`` (a real container, with a fingerprint) or ``geometry`` (planned without bytes)."""
-        return self.raw["source"]["kind"]
+        return self.source.kind
 
     @property
     def source_fingerprint(self) -> str | None:
-        return self.raw["source"]["fingerprint"]
+        return self.source.fingerprint
 
     @property
     def training_sessions(self) -> list[str]:
@@ -194,7 +209,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
         check_runtime_constraints(repack, where)
     pins = PinRecord.from_json(raw["pins"], where) if raw.get("pins") is not None else None
     split = SplitPlan.from_json(raw["split"], where) if raw.get("split") is not None else None
-    return Plan(path=where, raw=raw, stock=stock, layout=layout, orders=orders, geometry=PlanGeometry.from_json(g, where),
+    source = records.from_json(PlanSourceRef, raw["source"], where, "plan source")
+    return Plan(path=where, raw=raw, stock=stock, layout=layout, orders=orders, source=source,
+                geometry=PlanGeometry.from_json(g, where),
                 split=split, repack=repack, pins=pins)
 
 
