@@ -220,7 +220,25 @@ def lrfu_value(trace: RoutingTrace, forwards: np.ndarray, layout: Layout, half_l
 def pins_by_value(arm: str, value: np.ndarray, expert_bytes: np.ndarray, ram_bytes: int, pin_share: float, how: str) -> PinSet:
     """Pin the best experts by ``value`` [L, E] (highest first; ties by layer, then id) within
     ``pin_share x ram_bytes``; the LRU gets the rest of ``ram_bytes``. Experts of value <= 0 are
-    never pinned."""
+    never pinned.
+
+    Parameters
+    ----------
+    arm : the arm's name, for the record.
+    value : [L, E] the ranking value (any unit; higher pins first).
+    expert_bytes : [L] one expert's bytes per layer.
+    ram_bytes : the RAM budget, bytes.
+    pin_share : the share of ``ram_bytes`` pins may take.
+    how : how the values were made, in words.
+
+    Returns
+    -------
+    :class:`PinSet`.
+
+    >>> p = pins_by_value("frequency", np.array([[5.0, 1.0], [3.0, 0.0]]), np.array([100, 100]), 400, 0.5, "counts")
+    >>> p.ranking, p.pin_bytes, p.lru_bytes
+    ([(0, 0), (1, 0)], 200, 200)
+    """
     budget = int(pin_share * ram_bytes)
     pinned = greedy_by_value(value, expert_bytes.astype(np.float64), budget)
     L, E = value.shape

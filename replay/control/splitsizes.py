@@ -56,9 +56,23 @@ def segment_sizes(fmt: ExpertFormat, hidden: int, ffn: int, ratio: float) -> Seg
 
 
 def tops_by_wait(expert_wait: np.ndarray, top_fraction: np.ndarray, top_bytes: np.ndarray, budget: float) -> np.ndarray:
-    """Boolean [L, E]: resident tops by replayed wait avoided per byte (``expert_wait`` [L, E]
-    seconds, ``top_fraction`` [L] the top's FFN share, ``top_bytes`` [L]), best first within
-    ``budget`` bytes."""
+    """Resident tops by replayed wait avoided per byte, best first within ``budget`` bytes.
+
+    Parameters
+    ----------
+    expert_wait : [L, E] seconds the compute thread waited right before each expert's matmul.
+    top_fraction : [L] the top segment's share of the FFN.
+    top_bytes : [L] one top segment's bytes.
+    budget : bytes for resident tops.
+
+    Returns
+    -------
+    Boolean [L, E]: True where the expert's top stays resident.
+
+    >>> tops_by_wait(np.array([[3.0, 1.0], [2.0, 0.0]]), np.array([0.5, 0.5]), np.array([10.0, 10.0]), 20)
+    array([[ True, False],
+           [ True, False]])
+    """
     return greedy_by_value(expert_wait * top_fraction[:, None] / np.maximum(top_bytes, 1)[:, None], top_bytes, budget)
 
 

@@ -69,7 +69,17 @@ class HeldOut:
 
 
 def split_sessions_by_content(trace: TraceSource, plans: list[Plan]) -> HeldOut:
-    """Sessions of ``trace`` that trained any of ``plans`` (by routing content) and the rest."""
+    """Sessions of ``trace`` that trained any of ``plans`` (by routing content) and the rest.
+
+    Parameters
+    ----------
+    trace : the evaluated routing trace.
+    plans : the plans whose training sessions are excluded.
+
+    Returns
+    -------
+    :class:`HeldOut`: evaluated and training session indices, and why each exclusion.
+    """
     fps = trace.session_fingerprints()
     training: set[int] = set()
     excluded: dict[str, str] = {}
@@ -96,7 +106,17 @@ def split_sessions_by_content(trace: TraceSource, plans: list[Plan]) -> HeldOut:
 
 
 def evaluation_mask(trace: TraceSource, sessions: list[int]) -> np.ndarray:
-    """Decode and verify forwards [F] of ``sessions`` (prefill excluded); one-line errors when empty."""
+    """Decode and verify forwards of ``sessions`` (prefill excluded).
+
+    Parameters
+    ----------
+    trace : the routing trace.
+    sessions : session indices (:attr:`HeldOut.evaluated`).
+
+    Returns
+    -------
+    Boolean mask [F] over the trace's forwards; a one-line :class:`InputError` when empty.
+    """
     if not sessions:
         raise InputError(trace.source or None, "every session of this trace has the routing of a session the plan was "
                          "trained on; replay needs held-out sessions (record more, or plan with a smaller --train-fraction)")
@@ -226,12 +246,36 @@ class Evidence:
 
 
 def session_evidence(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, seed: int = 0) -> Evidence:
-    """Session units: one (baseline stall, plan stall, committed tokens) per held-out session."""
+    """Session units: one (baseline stall, plan stall, committed tokens) per held-out session.
+
+    Parameters
+    ----------
+    base, new : per-session stall of the two layouts, seconds.
+    tokens : per-session committed tokens.
+    seed : the bootstrap's seed.
+
+    Returns
+    -------
+    :class:`Evidence` with method ``session``.
+    """
     return Evidence("session", *(np.asarray(x, dtype=np.float64) for x in (base, new, tokens)), len(base), seed)
 
 
 def block_evidence(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, session: np.ndarray, seed: int = 0) -> Evidence:
-    """Step units resampled in contiguous blocks inside sessions (steps in time order)."""
+    """Step units resampled in contiguous blocks inside sessions (steps in time order).
+
+    Parameters
+    ----------
+    base, new : per-step stall of the two layouts, seconds.
+    tokens : per-step committed tokens.
+    session : per-step session id.
+    seed : the bootstrap's seed.
+
+    Returns
+    -------
+    :class:`Evidence` with method ``moving-block`` and block length ``round(n ** (1/3))`` steps,
+    capped by the shortest session.
+    """
     session = np.asarray(session, dtype=np.int64)
     lengths = np.bincount(np.unique(session, return_inverse=True)[1])
     ell = int(max(1, min(round(len(session) ** (1 / 3)), lengths.min())))

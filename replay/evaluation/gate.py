@@ -86,7 +86,21 @@ class LayoutRun:
 
 def run_layout(name: str, trace: TraceSource, mask: np.ndarray, layout: Layout, device: ArrayProfile,
                config: RuntimeConfig, pinned: np.ndarray, split=None, *, coupling=None) -> LayoutRun:
-    """Replay the forwards of mask ``mask`` through ``layout``, the rows read block by block."""
+    """Replay the forwards of mask ``mask`` through ``layout``, the rows read block by block.
+
+    Parameters
+    ----------
+    name : the run's label.
+    trace, mask : the routing trace and the forwards [F] replayed.
+    layout, device, config : the layout, device profile and runtime knobs.
+    pinned : [L, E] experts pinned in RAM.
+    split : the split state (:meth:`~replay.formats.planfile.Plan.split_state`), or None.
+    coupling : the coupled prefetch source's table, or None.
+
+    Returns
+    -------
+    :class:`LayoutRun`: per-step results, the summary metrics and per-session sums.
+    """
     r = replay_steps(trace, mask, layout, device, config, pinned, split, coupling, blocks=trace.row_blocks())
     return LayoutRun(name, r.steps, summarize(r.steps, r.usage, config.other_seconds_per_token),
                      session_sums(r.steps, len(trace.sessions)))

@@ -70,6 +70,10 @@ def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -
     References
     ----------
     Student (1908), "The probable error of a mean", Biometrika 6(1).
+
+    >>> iv = repetition_interval([1.0, 2.0, 3.0])
+    >>> iv.estimate, round(iv.low, 3), round(iv.high, 3), iv.n_units
+    (2.0, -0.484, 4.484, 3)
     """
     x = np.asarray(values, dtype=np.float64)
     n = len(x)
@@ -148,6 +152,9 @@ def student_t_quantile(p: float, repetitions: int) -> float:
 
 def family_widening(level: float, repetitions: int) -> float:
     """How many times as wide a ``level`` Student-t interval over ``repetitions`` values is as the
-    95% one (>= 2 repetitions): ``t(1 - (1 - level) / 2, n - 1) / t(0.975, n - 1)``; 3.8 for
-    ``level`` 1 - 0.05/42 at 4 repetitions, 42 at 2."""
+    95% one (>= 2 repetitions): ``t(1 - (1 - level) / 2, n - 1) / t(0.975, n - 1)``.
+
+    >>> round(family_widening(1 - 0.05 / 42, 4), 1)
+    3.8
+    """
     return student_t_quantile(1 - (1 - level) / 2, repetitions) / student_t_quantile(0.975, repetitions)
