@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from containers.atomic import atomic_output
-from containers.errors import InputError
 from containers import records
 from containers.records import is_int
 
