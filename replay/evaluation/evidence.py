@@ -170,19 +170,21 @@ class Evidence:
 
     def _block_sums(self, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ell = self.block_steps
-        n = len(self.base)
-        session = self.unit_session
-        # a block may start at step i when steps i .. i+ell-1 are in one session
-        same = np.zeros(n, dtype=bool)
-        if n >= ell:
-            same[: n - ell + 1] = session[ell - 1:] == session[: n - ell + 1]
-        starts = np.flatnonzero(same)
+        starts = self.block_starts()
         draws = rng.choice(starts, size=(self.resamples, self.n_blocks), replace=True)
         out = []
         for x in (self.base, self.new, self.tokens):
             cs = np.concatenate([[0.0], np.cumsum(x)])
             out.append((cs[draws + ell] - cs[draws]).sum(axis=1))
         return out[0], out[1], out[2]
+
+    def block_starts(self) -> np.ndarray:
+        """Steps a moving block may start at: step ``i`` when steps ``i .. i + block_steps - 1`` are in one session."""
+        ell, n, session = self.block_steps, len(self.base), self.unit_session
+        same = np.zeros(n, dtype=bool)
+        if n >= ell:
+            same[: n - ell + 1] = session[ell - 1:] == session[: n - ell + 1]
+        return np.flatnonzero(same)
 
     def interval(self) -> tuple[float, float, float]:
         """(estimate, low, high): the 95% percentile interval of the replicates."""

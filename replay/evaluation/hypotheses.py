@@ -319,11 +319,7 @@ def _units(arm: ArmSteps) -> tuple[str, list[np.ndarray], int]:
     if resampling_method(len(sessions)) == "session":
         return "session", [np.flatnonzero(inverse == u) for u in range(len(sessions))], len(sessions)
     ev = block_evidence(arm.stall, arm.stall, arm.committed, arm.session)
-    ell, n = ev.block_steps, len(arm.stall)
-    same = np.zeros(n, dtype=bool)
-    if n >= ell:
-        same[: n - ell + 1] = arm.session[ell - 1:] == arm.session[: n - ell + 1]
-    return "moving-block", [np.arange(s, s + ell) for s in np.flatnonzero(same)], len(sessions)
+    return "moving-block", [np.arange(s, s + ev.block_steps) for s in ev.block_starts()], len(sessions)
 
 
 def _draws(units: list[np.ndarray], n_draw: int, rng, resamples: int) -> list[np.ndarray]:
