@@ -208,6 +208,11 @@ class Regime:
     prefetch_bytes: int
 
     def words(self) -> str:
+        """The regime in words.
+
+        >>> Regime(2_000_000_000, 0).words(), Regime(10**9, 4_000_000).words()
+        ('RAM 2 GB, no byte budget', 'RAM 1 GB, B = 4 MB per layer')
+        """
         b = "no byte budget" if self.prefetch_bytes <= 0 else f"B = {self.prefetch_bytes / 1e6:g} MB per layer"
         return f"RAM {self.ram_bytes / 1e9:.3g} GB, {b}"
 

@@ -144,7 +144,11 @@ def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> i
 
 def student_t_quantile(p: float, repetitions: int) -> float:
     """Student's t quantile ``p`` with ``repetitions - 1`` degrees of freedom (>= 2 repetitions):
-    how many standard errors of the mean a two-sided ``2p - 1`` interval reaches either side."""
+    how many standard errors of the mean a two-sided ``2p - 1`` interval reaches either side.
+
+    >>> round(student_t_quantile(0.975, 4), 3)
+    3.182
+    """
     from scipy.stats import t as student_t     # scipy.stats takes a while to import: only when asked
 
     return float(student_t.ppf(p, repetitions - 1))
