@@ -39,6 +39,7 @@ from containers.errors import InputError
 from replay.formats.gatefile import GateEvidence
 from replay.formats.planfile import Plan
 from replay.formats.trace import FORWARD_KINDS, TraceSource
+from replay.evaluation.stats import LEVEL, RESAMPLES
 
 SESSION_UNITS = 5
 """Held-out sessions from which the session is the unit of resampling."""
@@ -48,8 +49,6 @@ DEFAULT_THRESHOLD = 0.05
 """Default share of the baseline's TPOT the gate's interval must save at its low end (``--threshold``)."""
 MIN_BLOCKS = 10
 """Blocks of steps a block-bootstrap verdict needs."""
-RESAMPLES = 4000
-LEVEL = 0.95
 MAX_RESAMPLES = 10**6
 """The most bootstrap resamples a stored record may ask for."""
 MAX_DRAWS = 50_000_000

@@ -48,14 +48,13 @@ from containers.errors import InputError
 
 from replay.evaluation import evidence
 from replay.evaluation.evidence import (
-    LEVEL,
     MIN_SESSIONS,
-    RESAMPLES,
     block_evidence,
     holm,
     resampling_method,
     session_evidence,
 )
+from replay.evaluation.stats import LEVEL, RESAMPLES
 from replay.formats.interval import Interval
 
 ALPHA = 0.025

@@ -21,8 +21,13 @@ import numpy as np
 
 from replay.formats.interval import Interval
 
+RESAMPLES = 4000
+"""Bootstrap resamples of an interval, unless a caller says otherwise."""
+LEVEL = 0.95
+"""Two-sided coverage of an interval, unless a caller says otherwise."""
 
-def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: str, resamples: int = 4000,
+
+def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: str, resamples: int = RESAMPLES,
                   seed: int = 0) -> Interval:
     """95% bootstrap interval of ``(sum base - sum new) / sum tokens`` over paired units.
 
@@ -53,7 +58,7 @@ def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: s
     return Interval(float(est), float(lo), float(hi), unit, n)
 
 
-def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -> Interval:
+def repetition_interval(values, unit: str = "repetition", level: float = LEVEL) -> Interval:
     """Mean of per-repetition ``values`` and its ``level`` Student-t interval, each repetition one unit.
 
     Parameters
@@ -86,7 +91,7 @@ def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -
     return Interval(mean, mean - half, mean + half, unit, n)
 
 
-def family_level(judgements: int, level: float = 0.95) -> float:
+def family_level(judgements: int, level: float = LEVEL) -> float:
     """The coverage each of ``judgements`` intervals needs for all of them to cover their true
     values with probability at least ``level`` (Bonferroni): ``1 - (1 - level) / judgements``.
 
@@ -111,7 +116,7 @@ def family_level(judgements: int, level: float = 0.95) -> float:
     return 1 - (1 - level) / judgements
 
 
-def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> int:
+def chance_misses(judgements: int, miss: float = 0.05, level: float = LEVEL) -> int:
     """How many of ``judgements`` intervals, each missing its true value with probability
     ``miss``, may miss by chance: the smallest ``b`` with ``P(X > b) <= 1 - level`` for ``X``
     binomial(``judgements``, ``miss``) (intervals taken as independent; those of one measurement
