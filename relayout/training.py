@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from containers.errors import InputError
-from replay.formats.planfile import PlanGeometry
+from replay.formats.planfile import PlanGeometry, PlanTraining
 from replay.formats.trace import FORWARD_KINDS, RoutingTrace
 
 from .coactivation import PairCounts, count_pairs
@@ -115,10 +115,10 @@ class TrainingSet:
     def to_json(self) -> dict:
         """The plan's ``training`` record (one trace: its path and fingerprint; several: lists)."""
         one = len(self.traces) == 1
-        return {"trace": self.traces[0] if one else list(self.traces),
-                "trace_fingerprint": self.trace_fingerprints[0] if one else list(self.trace_fingerprints),
-                "sessions": list(self.sessions), "held_out_sessions": list(self.held_out_sessions),
-                "session_fingerprints": list(self.session_fingerprints), "forwards": int(self.forwards)}
+        return PlanTraining(trace=self.traces[0] if one else list(self.traces),
+                            trace_fingerprint=self.trace_fingerprints[0] if one else list(self.trace_fingerprints),
+                            sessions=list(self.sessions), held_out_sessions=list(self.held_out_sessions),
+                            session_fingerprints=list(self.session_fingerprints), forwards=int(self.forwards)).to_json()
 
 
 def training_of_trace(trace: RoutingTrace, geometry: PlanGeometry, train_fraction: float, name_prefix: str = "") -> tuple[TrainingSet, np.ndarray]:

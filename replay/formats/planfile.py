@@ -85,6 +85,23 @@ class PlanSourceRef:
         return records.to_json(self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanTraining:
+    """The sessions a plan learned from: the trace file(s) and their content fingerprints (one, or
+    a list for pooled traces), the training and held-out session names, the training sessions'
+    routing fingerprints (same order) and the training forwards counted."""
+
+    trace: str | list[str] | None = None
+    trace_fingerprint: str | list[str] | None = None
+    sessions: list[str]
+    held_out_sessions: list[str]
+    session_fingerprints: list[str] | None = None
+    forwards: int | None = None
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+
 @dataclass(frozen=True)
 class SplitSegment:
     """One routed layer's vertical split: FFN rows of the top segment, and the bytes of each segment."""
@@ -130,6 +147,7 @@ class Plan:
     orders: dict[int, np.ndarray]
     source: PlanSourceRef
     geometry: PlanGeometry
+    training: PlanTraining
     split: SplitPlan | None = None
     repack: Layout | None = None
     """The source's expert order in the new packing (files, alignment), to separate what repacking
@@ -156,12 +174,12 @@ class Plan:
 
     @property
     def training_sessions(self) -> list[str]:
-        return list(self.raw["training"]["sessions"])
+        return list(self.training.sessions)
 
     @property
     def training_fingerprints(self) -> list[str] | None:
         """Routing fingerprints of the training sessions (same order), or None when the plan has none."""
-        fps = self.raw["training"].get("session_fingerprints")
+        fps = self.training.session_fingerprints
         return None if fps is None else list(fps)
 
     def split_state(self):
@@ -210,8 +228,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
     pins = PinRecord.from_json(raw["pins"], where) if raw.get("pins") is not None else None
     split = SplitPlan.from_json(raw["split"], where) if raw.get("split") is not None else None
     source = records.from_json(PlanSourceRef, raw["source"], where, "plan source")
+    training = records.from_json(PlanTraining, raw["training"], where, "plan training")
     return Plan(path=where, raw=raw, stock=stock, layout=layout, orders=orders, source=source,
-                geometry=PlanGeometry.from_json(g, where),
+                geometry=PlanGeometry.from_json(g, where), training=training,
                 split=split, repack=repack, pins=pins)
 
 
