@@ -101,7 +101,19 @@ def predictor_scores(plan: Plan, trace: RoutingTrace, source: str) -> list:
 
 def admission_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                    policies: tuple[str, ...] = ADMISSION_ARMS, source: str = "coupled") -> dict[str, ArmSteps]:
-    """E2: ``none`` and each policy of ``policies`` over ``source``, equal budgets (module doc)."""
+    """E2: ``none`` and each policy of ``policies`` over ``source``, equal budgets (module doc).
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    policies : the admission policies compared (of :data:`ADMISSION_ARMS`).
+    source : the prediction source, learned on the training sessions.
+
+    Returns
+    -------
+    Arm name -> :class:`~replay.evaluation.hypotheses.ArmSteps` on the same held-out steps.
+    """
     bad = [p for p in policies if p not in ADMISSION_POLICIES or p in ("top-k", "observe")]
     if bad:
         raise InputError(None, f"{bad[0]!r} is not an admission policy E2 compares "
@@ -145,7 +157,18 @@ def tail_configs(config: RuntimeConfig, source: str = "coupled") -> dict[str, Ru
 
 def tail_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
               source: str = "coupled") -> dict[str, ArmSteps]:
-    """E5: the arms of :func:`tail_configs` on the held-out steps."""
+    """E5: the arms of :func:`tail_configs` on the held-out steps.
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    source : the prediction source; ``config.prefetch_bytes`` must be above 0.
+
+    Returns
+    -------
+    Arm name -> :class:`~replay.evaluation.hypotheses.ArmSteps` on the same held-out steps.
+    """
     if config.prefetch_bytes <= 0:
         raise InputError(None, "E5 compares byte budgets: give a speculative-byte budget (--prefetch-budget-mb)")
     mask, train = _held_out(trace, plan)
@@ -163,7 +186,18 @@ def tail_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Run
 def placement_arm_steps(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                         ram_bytes: int) -> dict[str, ArmSteps]:
     """E3 placement: each arm's pins and LRU (chosen on training sessions by
-    :func:`replay.control.placement.placement_arms`) replayed on the held-out steps."""
+    :func:`replay.control.placement.placement_arms`) replayed on the held-out steps.
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    ram_bytes : the RAM budget every arm gets, bytes.
+
+    Returns
+    -------
+    Arm name -> :class:`~replay.evaluation.hypotheses.ArmSteps` on the same held-out steps.
+    """
     from replay.control.placement import placement_arms
 
     study = placement_arms(plan, trace, device, config, ram_bytes)
@@ -180,7 +214,18 @@ def placement_arm_steps(plan: Plan, trace: RoutingTrace, device: ArrayProfile, c
 def split_arm_steps(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                     ram_bytes: list[int]) -> dict[int, tuple[ArmSteps, ArmSteps]]:
     """E3 splits: at each RAM budget, the whole-expert point and the split point the search of
-    :func:`replay.control.splitcurve.split_curve` chose on training sessions, replayed on the held-out steps."""
+    :func:`replay.control.splitcurve.split_curve` chose on training sessions, replayed on the held-out steps.
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    ram_bytes : RAM budgets, bytes.
+
+    Returns
+    -------
+    RAM budget -> (whole-expert arm, split arm), each :class:`~replay.evaluation.hypotheses.ArmSteps`.
+    """
     from replay.control.splitcurve import split_curve
 
     curve = split_curve(plan, trace, device, config, ram_bytes)

@@ -401,5 +401,15 @@ def recheck_fields(gate: GateRecord, where: str) -> list[tuple[str, str]]:
 
 
 def recheck(gate: GateRecord, where: str) -> list[str]:
-    """The differences of :func:`recheck_fields`, as sentences (empty when the record is consistent)."""
+    """The differences of :func:`recheck_fields`, as sentences.
+
+    Parameters
+    ----------
+    gate : the record.
+    where : the record's file, for errors.
+
+    Returns
+    -------
+    One sentence per field that does not recompute; empty when the record is consistent.
+    """
     return [problem for _, problem in recheck_fields(gate, where)]
