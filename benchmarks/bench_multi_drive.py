@@ -132,7 +132,7 @@ def main() -> None:
                                 None)
         eng, eng_st = stall(stock, eng_rec)
         plan = plan_drives(stock, tensors, routing, drives[:2], profiles, ["fast"], "slow", budget,
-                           g.shard_bytes, args.workers)
+                           shard_bytes=g.shard_bytes, workers=args.workers)
         rel, rel_st = stall(plan.layout, plan.storage)
         for name, s, st, lay, rec in (("engine planner (stock shards)", eng, eng_st, stock, eng_rec),
                                       ("relayout (repacked)", rel, rel_st, plan.layout, plan.storage)):
@@ -149,7 +149,7 @@ def main() -> None:
     for split in (["fast", "slow"], ["fast", "slow", "fast2", "slow2"]):
         ds = [d for d in drives if d.name in split]
         even, _ = stall(stock, even_split_by_name(stock, ds, split))
-        plan = plan_drives(stock, tensors, routing, ds, profiles, split, None, 0, g.shard_bytes, args.workers)
+        plan = plan_drives(stock, tensors, routing, ds, profiles, split, None, 0, shard_bytes=g.shard_bytes, workers=args.workers)
         rel, _ = stall(plan.layout, plan.storage)
         label = " + ".join(split)
         for name, s in (("converter's shards, even by name", even), ("relayout (packed and assigned)", rel)):

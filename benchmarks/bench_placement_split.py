@@ -43,7 +43,6 @@ from relayout.traces.synth import SynthParams, synth_trace
 from replay.physical.calibrate import calibrate
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
-from replay.model.engine import split_state
 from replay.evaluation.gate import evaluation_forwards, run_layout
 from replay.physical.measure import measure
 from replay.control.placement import placement_arms
@@ -105,7 +104,7 @@ def measured(work: Path, reps: int) -> None:
     apply_plan(src, plan, dst, None, force=True, progress=False)
     mask, _ = evaluation_forwards(tr, [plan])
     mask &= np.cumsum(mask) <= 120
-    state = split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
+    state = plan.split_state()
     no_pins = np.zeros((len(eb), 64), dtype=bool)
     cfg_whole, cfg_split = replace(cfg, ram_bytes=budget), replace(cfg, ram_bytes=point.lru_bytes)
     pred_whole = run_layout("whole", tr, mask, whole.layout, dev, cfg_whole, no_pins).summary.stall_per_token_s
@@ -121,7 +120,7 @@ def measured(work: Path, reps: int) -> None:
                         split=(plan.layout, state))
             runs[name].append(report([out])["runs"][0]["stall_per_committed_token_ns"] / 1e9)
     print(f"\nmeasured on this disk ({int(mask.sum())} held-out steps, cold, {reps} alternating repetitions; "
-          f"budget {budget / 1e6:.2f} MB: split ratio {point.ratio:g}, tops {plan.split['resident_bytes'] / 1e6:.2f} MB, "
+          f"budget {budget / 1e6:.2f} MB: split ratio {point.ratio:g}, tops {plan.split.resident_bytes / 1e6:.2f} MB, "
           f"LRU {point.lru_bytes / 1e6:.2f} MB)")
     for name, pred in (("whole", pred_whole), ("split", pred_split)):
         m = runs[name]

@@ -1,10 +1,13 @@
 """Typed JSON records: dataclasses that cross a package boundary, read back from JSON strictly.
 
 A record is a (frozen) dataclass whose fields are ``str``, ``int``, ``float``, ``bool``, another
-record, ``list[...]``, ``dict[str, ...]`` or ``X | None``. :func:`to_json` turns it into plain
-JSON values (field names as keys); :func:`from_json` builds it from parsed JSON, checking every
-type on the way (an ``int`` is never a ``bool``, a ``float`` is finite unless the field says
-otherwise), so a consumer reads attributes, never another package's dict by key.
+record, ``list[...]``, ``tuple[...]`` (a JSON list of fixed length), ``dict[str, ...]``,
+``dict[int, ...]`` (a JSON object keyed by decimal integers, such as layer numbers) or
+``X | None``. :func:`to_json` turns it into plain JSON values (field names as keys, in field
+order; a field declared with :func:`omitted_when_none` is left out while it is None);
+:func:`from_json` builds it from parsed JSON, checking every type on the way (an ``int`` is never
+a ``bool``, a ``float`` is finite), so a consumer reads attributes, never another package's dict
+by key.
 """
 
 from __future__ import annotations
@@ -31,18 +34,35 @@ def is_text(s: str) -> bool:
     return True
 
 
+OMIT_NONE = "omit_none"
+
+
+def omitted_when_none():
+    """A field that defaults to None and is left out of :func:`to_json`'s object while it is None.
+
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Point:
+    ...     x: int
+    ...     label: str | None = omitted_when_none()
+    >>> to_json(Point(1)), to_json(Point(1, "a"))
+    ({'x': 1}, {'x': 1, 'label': 'a'})
+    """
+    return dataclasses.field(default=None, metadata={OMIT_NONE: True})
+
+
 def to_json(record) -> dict:
-    """The record as JSON-ready values (nested records become objects)."""
-    return {f.name: _dump(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    """The record as JSON-ready values (nested records become objects, tuples lists, integer keys strings)."""
+    return {f.name: _dump(getattr(record, f.name)) for f in dataclasses.fields(record)
+            if not (f.metadata.get(OMIT_NONE) and getattr(record, f.name) is None)}
 
 
 def _dump(value):
     if dataclasses.is_dataclass(value):
         return to_json(value)
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [_dump(v) for v in value]
     if isinstance(value, dict):
-        return {k: _dump(v) for k, v in value.items()}
+        return {str(k): _dump(v) for k, v in value.items()}
     return value
 
 
@@ -52,6 +72,12 @@ def from_json(cls, obj, where: str | None, what: str = "record"):
         return _load(cls, obj, what)
     except (TypeError, ValueError, KeyError) as exc:
         raise InputError(where, f"malformed {what}: {exc}") from None
+
+
+def _int_key(key: str, path: str) -> int:
+    if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0"):
+        raise ValueError(f"{path} has key {key[:40]!r}, not a decimal integer")
+    return int(key)
 
 
 def _load(tp, obj, path: str):
@@ -86,10 +112,17 @@ def _load(tp, obj, path: str):
             raise TypeError(f"{path} is not a list")
         (item,) = typing.get_args(tp)
         return [_load(item, v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if origin is tuple:
+        items = typing.get_args(tp)
+        if not isinstance(obj, list) or len(obj) != len(items):
+            raise TypeError(f"{path} is not a list of {len(items)}")
+        return tuple(_load(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(items, obj)))
     if origin is dict:
         if not isinstance(obj, dict):
             raise TypeError(f"{path} is not an object")
-        _, item = typing.get_args(tp)
+        key, item = typing.get_args(tp)
+        if key is int:
+            return {_int_key(k, path): _load(item, v, f"{path}.{k}") for k, v in obj.items()}
         return {str(k): _load(item, v, f"{path}.{k}") for k, v in obj.items()}
     if tp is typing.Any:
         return obj
@@ -112,4 +145,4 @@ def _load(tp, obj, path: str):
     raise TypeError(f"{path}: unsupported field type {tp!r}")
 
 
-__all__ = ["from_json", "is_int", "is_text", "to_json"]
+__all__ = ["from_json", "is_int", "is_text", "omitted_when_none", "to_json"]

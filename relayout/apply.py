@@ -118,7 +118,7 @@ def preflight(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
     src.require_clean()
     manifest = source_manifest(src, manifest_path)
     if manifest["fingerprint"] != plan.source_fingerprint:
-        made_for = plan.raw["source"].get("name") or "another container"
+        made_for = plan.source.name or "another container"
         raise InputError(src_dir, f"this is not the container the plan was made for: the plan is for {made_for} "
                                   f"(fingerprint {str(plan.source_fingerprint)[:12]}...), this one is "
                                   f"{manifest['fingerprint'][:12]}...")
@@ -128,7 +128,7 @@ def preflight(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
 
 def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: GateRecord | None = None,
                force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
-               notify=None, gate_path: str | os.PathLike | None = None,
+               notify=None, *, gate_path: str | os.PathLike | None = None,
                checked: tuple[Container, dict] | None = None) -> dict:
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest.
 

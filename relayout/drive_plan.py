@@ -32,7 +32,7 @@ from containers.shard_metadata import carried_metadata, container_stamps
 from replay.model.device import ArrayProfile
 from replay.model.storage import DirectorySpec, DriveSpec, Storage, StorageRecord
 
-from .packing import pack_groups
+from .packing import DEFAULT_ALIGNMENT, pack_groups
 
 EXPERT_READ_BYTES = 19 << 20
 """The read size a drive's rate is taken at for placement (bytes): about one expert's weights."""
@@ -82,7 +82,7 @@ class DrivePlan:
 
 def plan_drives(layout: Layout, tensors: list[TensorInfo], routing: Routing, drives: list[DriveSpec],
                 profiles: dict[str, ArrayProfile], split: list[str], mirror: str | None = None, mirror_bytes: int = 0,
-                shard_bytes: int = 3_000_000_000, workers: int = 8, alignment: int = 4096) -> DrivePlan:
+                *, shard_bytes: int = 3_000_000_000, workers: int = 8, alignment: int = DEFAULT_ALIGNMENT) -> DrivePlan:
     """Plan a split over the drives ``split`` (the first holds the primary directory) and, with
     ``mirror``, a mirror of ``mirror_bytes`` at most on that drive (the module docstring)."""
     names = [d.name for d in drives]

@@ -103,7 +103,7 @@ def cmd_drives(args) -> int:
         from replay.formats.planfile import load_plan
 
         plan_in = load_plan(args.plan)
-        if plan_in.raw.get("split") is not None:
+        if plan_in.split is not None:
             raise InputError(args.plan, "a plan with split experts cannot be repacked over drives; plan without --split")
         if plan_in.stock.files != stock.files or plan_in.stock.file_sizes != stock.file_sizes:
             raise InputError(args.plan, "the plan is for another source than --geometry/--container")
@@ -117,7 +117,7 @@ def cmd_drives(args) -> int:
         raise InputError(args.trace, "needs training and held-out sessions (without --plan: even ones train, odd ones are held out)")
     routing = training_routing(trace, train, stock)
     plan = plan_drives(stock, tensors, routing, drives, profiles, split, args.mirror,
-                       int(args.mirror_gb * 1e9), int(args.shard_gb * 1e9), args.workers)
+                       int(args.mirror_gb * 1e9), shard_bytes=int(args.shard_gb * 1e9), workers=args.workers)
     storage = Storage(plan.storage, profiles, plan.layout, "the plan")
 
     def stall(layout, st):

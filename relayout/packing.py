@@ -3,7 +3,7 @@
 :func:`pack_layout` places every tensor in new files:
 
 * experts of a layer in the planned order, each expert's three weight tensors byte-adjacent
-  (down, gate, up) with the block aligned (4096 default, or a RAID chunk size);
+  (down, gate, up) with the block aligned (:data:`DEFAULT_ALIGNMENT` bytes, or a RAID chunk size);
 * no expert straddles files: files are cut only between blocks, at about ``shard_bytes``;
 * scales either together per layer (the converter's habit) or right after their expert's
   weights (``scales_with_weights``);
@@ -31,6 +31,9 @@ from containers.layout import SCALE_SLOTS, Layout, TensorInfo, shard_name, slot_
 from containers.safetensors_io import DTYPE_SIZES, TensorSpec, plan_shard
 from containers.shard_metadata import place_stamps, with_stamps
 
+DEFAULT_ALIGNMENT = 4096
+"""Default alignment of expert blocks in new shards, bytes (``--alignment``): one 4 KiB disk block."""
+
 
 class _Sized:
     """A byte source that only knows its size (planning never reads bytes)."""
@@ -54,7 +57,7 @@ class PackOptions:
     """How a new container is cut and aligned. Sizes in bytes."""
 
     shard_bytes: int = 4_000_000_000
-    alignment: int = 4096
+    alignment: int = DEFAULT_ALIGNMENT
     scales_with_weights: bool = False
     mtp_files: bool = True
 
@@ -66,6 +69,7 @@ def pack_layout(
     orders: dict[int, np.ndarray],
     mtp_layers: set[int],
     options: PackOptions = PackOptions(),
+    *,
     metadata: dict[str, str] | None = None,
     segments: dict[int, dict] | None = None,
     stamps: dict[str, str] | None = None,
@@ -198,7 +202,7 @@ def pack_groups(
     n_experts: int,
     groups: list[list[tuple[int, int]]],
     shard_bytes: int,
-    alignment: int = 4096,
+    alignment: int = DEFAULT_ALIGNMENT,
     metadata: dict[str, str] | None = None,
     stamps: dict[str, str] | None = None,
 ) -> tuple[Layout, list[list[int]]]:

@@ -28,7 +28,7 @@ from containers.layout import (
 from containers.manifest import build_manifest, load_manifest
 from containers.segments import expert_segment_specs
 from containers.shard_metadata import carried_metadata, container_stamps
-from replay.formats.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, plan_digest
+from replay.formats.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, PlanGeometry, PlanSourceRef, SplitPlan, SplitSegment, plan_digest
 from replay.model.routing import RoutingTrace
 
 from . import __version__
@@ -51,7 +51,7 @@ class PlanSource:
 
     kind: str                      # "container" | "geometry"
     name: str                      # path or geometry name
-    geometry: dict
+    geometry: PlanGeometry
     stock: Layout
     tensors: list[TensorInfo]
     fingerprint: str | None
@@ -59,16 +59,7 @@ class PlanSource:
 
     @property
     def mtp_layers(self) -> set[int]:
-        return set(self.geometry["mtp_layers"])
-
-
-def _geometry_dict(hidden, ffn, E, k, routed, mtp, formats, expert_bytes) -> dict:
-    return {
-        "hidden_size": hidden, "moe_intermediate_size": ffn, "n_experts": E, "top_k": k,
-        "routed_layers": routed, "mtp_layers": mtp,
-        "expert_formats": {str(l): f for l, f in formats.items()},
-        "expert_bytes": {str(l): b for l, b in expert_bytes.items()},
-    }
+        return set(self.geometry.mtp_layers)
 
 
 def source_from_container(root: str | os.PathLike, manifest_path: str | os.PathLike | None = None) -> PlanSource:
@@ -88,8 +79,10 @@ def source_from_container(root: str | os.PathLike, manifest_path: str | os.PathL
     formats = {l: c.experts[(l, 0)].format for l in stock.layers}
     sizes = {l: c.experts[(l, 0)].nbytes for l in stock.layers}
     cfg = c.config
-    geometry = _geometry_dict(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                              stock.layers, [l for l in stock.layers if l >= cfg.num_hidden_layers], formats, sizes)
+    geometry = PlanGeometry(hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
+                            n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, routed_layers=stock.layers,
+                            mtp_layers=[l for l in stock.layers if l >= cfg.num_hidden_layers], expert_formats=formats,
+                            expert_bytes=sizes)
     return PlanSource("container", str(root), geometry, stock, tensors_of_container(c),
                       manifest["fingerprint"], manifest["content_fingerprint"])
 
@@ -99,10 +92,10 @@ def source_from_geometry(g: Geometry, seed: int = 0) -> PlanSource:
     stock, tensors = layout_from_geometry(g, seed)
     formats = {l: g.format_of_layer(l).name for l in stock.layers}
     sizes = {l: g.expert_bytes(l) for l in stock.layers}
-    geometry = _geometry_dict(g.hidden_size, g.moe_intermediate_size, g.n_routed_experts, g.num_experts_per_tok,
-                              stock.layers, g.mtp_layer_ids, formats, sizes)
-    geometry["name"] = g.name
-    geometry["synth_seed"] = seed
+    geometry = PlanGeometry(hidden_size=g.hidden_size, moe_intermediate_size=g.moe_intermediate_size,
+                            n_experts=g.n_routed_experts, top_k=g.num_experts_per_tok, routed_layers=stock.layers,
+                            mtp_layers=g.mtp_layer_ids, expert_formats=formats, expert_bytes=sizes, name=g.name,
+                            synth_seed=seed)
     return PlanSource("geometry", g.name, geometry, stock, tensors, None, None)
 
 
@@ -147,6 +140,7 @@ def make_plan(
     resolution: float = 1.0,
     weight: str = "count",
     min_support: int = 1,
+    *,
     pack: PackOptions = PackOptions(),
     split: SplitOptions | None = None,
     progress: bool = True,
@@ -166,7 +160,7 @@ def make_plan(
         training, fmask = trace, None
     else:
         training, fmask = training_of_trace(trace, source.geometry, train_fraction)
-    E = source.geometry["n_experts"]
+    E = source.geometry.n_experts
     orders: dict[int, np.ndarray] = {}
     per_layer = {}
     layers = source.stock.layers
@@ -182,15 +176,15 @@ def make_plan(
             "train_runs_per_token": counts.runs_per_token(orders[layer]) if counts.rows else None,
             "stock_train_runs_per_token": counts.runs_per_token(stock_order) if counts.rows else None,
         }
-    split_json = None
+    split_record = None
     if split is not None:
         unsplit = pack_layout(source.tensors, layers, E, orders, source.mtp_layers, pack) if split.rule == "replay" else None
-        split_json = split_plan(trace, source, fmask, split, unsplit)
+        split_record = split_plan(trace, source, fmask, split, unsplit)
     segments = None
-    if split_json is not None:
+    if split_record is not None:
         g = source.geometry
-        segments = {layer: expert_segment_specs(ExpertFormat.parse(g["expert_formats"][str(layer)]), g["hidden_size"],
-                                                g["moe_intermediate_size"], split_json["segments"][str(layer)]["top_rows"])
+        segments = {layer: expert_segment_specs(ExpertFormat.parse(g.expert_formats[layer]), g.hidden_size,
+                                                g.moe_intermediate_size, split_record.segments[layer].top_rows)
                     for layer in layers}
     # the source's container-wide metadata keys and its format stamps go into the new files
     kept = carried_metadata(source.stock.file_metadata)
@@ -207,9 +201,8 @@ def make_plan(
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
         "tool_version": __version__,
-        "source": {"kind": source.kind, "name": source.name, "fingerprint": source.fingerprint,
-                   "content_fingerprint": source.content_fingerprint},
-        "geometry": source.geometry,
+        "source": PlanSourceRef(source.kind, source.name, source.fingerprint, source.content_fingerprint).to_json(),
+        "geometry": source.geometry.to_json(),
         "method": method,
         "parameters": {"seed": seed, "resolution": resolution, "weight": weight, "min_support": min_support,
                        "train_fraction": train_fraction, "shard_bytes": pack.shard_bytes, "alignment": pack.alignment,
@@ -217,7 +210,7 @@ def make_plan(
         "training": training.to_json(),
         "orders": {str(l): orders[l].tolist() for l in layers},
         "layers": per_layer,
-        "split": split_json,
+        "split": None if split_record is None else split_record.to_json(),
         "source_layout": source.stock.to_json(),
         "layout": layout.to_json(),
         "repack_layout": repack.to_json(),
@@ -227,17 +220,20 @@ def make_plan(
 
 
 def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: SplitOptions,
-               layout: Layout | None = None) -> dict:
+               layout: Layout | None = None) -> SplitPlan:
+    """The vertical split of ``opt`` for ``source``: segment sizes per layer and the resident tops,
+    chosen by ``opt.rule`` from the training forwards ``fmask`` of ``trace`` (``layout``: the
+    unsplit packed layout the ``replay`` rule replays)."""
     g = source.geometry
     layers = source.stock.layers
     sizes, ebytes = [], []
-    heat = np.zeros((len(layers), g["n_experts"]), dtype=np.int64)
+    heat = np.zeros((len(layers), g.n_experts), dtype=np.int64)
     for li, layer in enumerate(layers):
-        fmt = ExpertFormat.parse(g["expert_formats"][str(layer)])
-        sizes.append(segment_sizes(fmt, g["hidden_size"], g["moe_intermediate_size"], opt.ratio))
-        ebytes.append(int(g["expert_bytes"][str(layer)]))
+        fmt = ExpertFormat.parse(g.expert_formats[layer])
+        sizes.append(segment_sizes(fmt, g.hidden_size, g.moe_intermediate_size, opt.ratio))
+        ebytes.append(g.expert_bytes[layer])
         rows = trace.experts[trace.layer_rows(layer, fmask)] if layer in set(trace.layers.tolist()) else np.zeros((0, 1), np.int16)
-        heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=g["n_experts"])
+        heat[li] = np.bincount(rows[rows >= 0].astype(np.int64), minlength=g.n_experts)
     tokens = int(fmask.sum())
     if opt.rule == "replay":
         from replay.model.config import RuntimeConfig
@@ -245,18 +241,18 @@ def split_plan(trace: RoutingTrace, source: PlanSource, fmask: np.ndarray, opt: 
         from replay.model.engine import simulate
 
         inst, _ = simulate(trace, fmask, layout, load_device(opt.device), RuntimeConfig(ram_bytes=opt.cache_bytes, workers=opt.workers))
-        frac = np.array([s.top_rows / g["moe_intermediate_size"] for s in sizes])
+        frac = np.array([s.top_rows / g.moe_intermediate_size for s in sizes])
         resident = choose_resident_by_wait(inst.expert_wait, frac, sizes, opt.ram_bytes)
     else:
         resident = choose_resident(heat, tokens, sizes, ebytes, opt.ram_bytes, opt.rule, opt.cache_bytes)
-    return {
-        "ratio": opt.ratio, "rule": opt.rule, "ram_bytes": opt.ram_bytes, "cache_bytes": opt.cache_bytes,
-        **({"device": opt.device, "workers": opt.workers} if opt.rule == "replay" else {}),
-        "segments": {str(l): {"top_rows": s.top_rows, "top_bytes": s.top_bytes, "bottom_bytes": s.bottom_bytes}
-                     for l, s in zip(layers, sizes)},
-        "resident": {str(l): r.tolist() for l, r in zip(layers, resident)},
-        "resident_bytes": int(sum(len(r) * s.top_bytes for r, s in zip(resident, sizes))),
-    }
+    replayed = opt.rule == "replay"
+    return SplitPlan(
+        ratio=opt.ratio, rule=opt.rule, ram_bytes=opt.ram_bytes, cache_bytes=opt.cache_bytes,
+        device=opt.device if replayed else None, workers=opt.workers if replayed else None,
+        segments={l: SplitSegment(s.top_rows, s.top_bytes, s.bottom_bytes) for l, s in zip(layers, sizes)},
+        resident={l: r.tolist() for l, r in zip(layers, resident)},
+        resident_bytes=int(sum(len(r) * s.top_bytes for r, s in zip(resident, sizes))),
+    )
 
 
 __all__ = ["RULES", "PlanSource", "SplitOptions", "make_plan", "source_from_container", "source_from_geometry",

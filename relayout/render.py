@@ -12,7 +12,7 @@ import numpy as np
 
 
 def human_bytes(n: float) -> str:
-    """``1234567`` -> ``'1.23 MB'`` (decimal units, as drive vendors and FACTS use)."""
+    """``1234567`` -> ``'1.23 MB'`` (decimal units, as drive vendors use)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -518,8 +518,8 @@ def format_reliability(scores) -> str:
 
 def format_hypotheses(tables) -> str:
     """``replay --policy`` and ``report --hypothesis``: one table per hypothesis and regime
-    (:class:`replay.evaluation.hypotheses.HypothesisTable`): each arm's S with its 95% interval and the seed's
-    figures beside it (ms per committed token; speculative and unused MB per committed token;
+    (:class:`replay.evaluation.hypotheses.HypothesisTable`): each arm's S with its 95% interval and the
+    figures each claim needs beside it (ms per committed token; speculative and unused MB per committed token;
     eta_stall in ms of stall removed per MB speculated), the comparisons, the verdict in words."""
     def opt(x, fmt, scale=1.0):
         return "n/a" if x is None else format(x * scale, fmt)

@@ -293,9 +293,9 @@ def runtime_pins(plan, experts) -> tuple[list[tuple[int, int]], int]:
         The pins outside MTP layers (colibrì's GLM engine pins only layers below
         num_hidden_layers), in the order given, and their bytes.
     """
-    mtp = set(plan.geometry["mtp_layers"])
+    mtp = set(plan.geometry.mtp_layers)
     kept = [(layer, e) for layer, e in experts if layer not in mtp]
-    size = sum(int(plan.geometry["expert_bytes"][str(layer)]) for layer, _ in kept)
+    size = sum(int(plan.geometry.expert_bytes[layer]) for layer, _ in kept)
     return kept, size
 
 
@@ -314,7 +314,7 @@ def container_split(container, plan, name: str):
     Returns
     -------
     tuple of (containers.layout.Layout, split state) or None
-        The plan's segmented layout and its split state (:func:`replay.model.engine.split_state`).
+        The plan's segmented layout and its split state (:meth:`replay.formats.planfile.Plan.split_state`).
 
     Raises
     ------
@@ -324,9 +324,7 @@ def container_split(container, plan, name: str):
     """
     if not any(e.segments for e in container.experts.values()):
         return None
-    from replay.model.engine import split_state
-
     if plan is None or not plan.split or not plan.layout.segmented:
         raise InputError(name, "this container stores experts as split segments; give --layout PLAN.json, "
                                "the split plan it was rewritten from")
-    return plan.layout, split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
+    return plan.layout, plan.split_state()

@@ -1,4 +1,4 @@
-"""Vertical expert splits (seed 5.5, FACTS section 6): which experts keep a top segment in RAM.
+"""Vertical expert splits: which experts keep a top segment in RAM.
 
 A SwiGLU expert splits exactly along its FFN dimension: the top segment is rows [0, rF) of gate
 and up plus columns [0, rF) of down, and y = y_top + y_bottom. ``rF`` is rounded to whole
@@ -35,7 +35,21 @@ __all__ = ["RULES", "SegmentSizes", "che_hit_probability", "choose_resident", "c
 
 
 def che_hit_probability(p: np.ndarray, capacity: float) -> np.ndarray:
-    """Che's approximation of LRU hit probability per item for need probabilities ``p``."""
+    """Che's approximation of LRU hit probability per item for need probabilities ``p``.
+
+    Parameters
+    ----------
+    p : per-item probability of being needed per token.
+    capacity : the cache's size in items.
+
+    Returns
+    -------
+    Per-item hit probability; items never needed never hit, and a cache holding every needed
+    item hits all of them.
+
+    >>> che_hit_probability(np.array([0.5, 0.5, 0.0]), 5.0)
+    array([1., 1., 0.])
+    """
     if capacity <= 0:
         return np.zeros_like(p)
     if capacity >= (p > 0).sum():
@@ -60,6 +74,7 @@ def choose_resident(
     ram_budget: int,
     rule: str = "stall",
     cache_bytes: int = 0,
+    *,
     request_seconds: float = 80e-6,
     bandwidth: float = 12e9,
 ) -> list[np.ndarray]:

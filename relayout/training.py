@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from containers.errors import InputError
+from replay.formats.planfile import PlanGeometry, PlanTraining
 from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
 from .coactivation import PairCounts, count_pairs
@@ -78,11 +79,11 @@ def training_rows(trace: RoutingTrace, sessions: list[int]) -> np.ndarray:
     return trace.session_forward_mask(sessions) & (trace.fwd_kind != FORWARD_KINDS.index("prefill"))
 
 
-def check_trace_fits(trace: RoutingTrace, geometry: dict, where: str) -> None:
+def check_trace_fits(trace: RoutingTrace, geometry: PlanGeometry, where: str) -> None:
     trace.require_rows("planning")
-    if trace.n_experts > geometry["n_experts"]:
-        raise InputError(where, f"trace has expert ids up to {trace.n_experts - 1}, the container has {geometry['n_experts']} per layer")
-    extra = sorted(set(trace.layers.tolist()) - set(geometry["routed_layers"]))
+    if trace.n_experts > geometry.n_experts:
+        raise InputError(where, f"trace has expert ids up to {trace.n_experts - 1}, the container has {geometry.n_experts} per layer")
+    extra = sorted(set(trace.layers.tolist()) - set(geometry.routed_layers))
     if extra:
         raise InputError(where, f"trace routes layers {extra[:5]} that are not routed layers of the container")
 
@@ -114,13 +115,13 @@ class TrainingSet:
     def to_json(self) -> dict:
         """The plan's ``training`` record (one trace: its path and fingerprint; several: lists)."""
         one = len(self.traces) == 1
-        return {"trace": self.traces[0] if one else list(self.traces),
-                "trace_fingerprint": self.trace_fingerprints[0] if one else list(self.trace_fingerprints),
-                "sessions": list(self.sessions), "held_out_sessions": list(self.held_out_sessions),
-                "session_fingerprints": list(self.session_fingerprints), "forwards": int(self.forwards)}
+        return PlanTraining(trace=self.traces[0] if one else list(self.traces),
+                            trace_fingerprint=self.trace_fingerprints[0] if one else list(self.trace_fingerprints),
+                            sessions=list(self.sessions), held_out_sessions=list(self.held_out_sessions),
+                            session_fingerprints=list(self.session_fingerprints), forwards=int(self.forwards)).to_json()
 
 
-def training_of_trace(trace: RoutingTrace, geometry: dict, train_fraction: float, name_prefix: str = "") -> tuple[TrainingSet, np.ndarray]:
+def training_of_trace(trace: RoutingTrace, geometry: PlanGeometry, train_fraction: float, name_prefix: str = "") -> tuple[TrainingSet, np.ndarray]:
     """The training set of one trace for a plan of ``geometry``, and its forward mask [F].
 
     ``name_prefix`` is put before every session name (pooling names sessions by their file).
@@ -128,14 +129,14 @@ def training_of_trace(trace: RoutingTrace, geometry: dict, train_fraction: float
     check_trace_fits(trace, geometry, trace.source)
     train, held = split_sessions(len(trace.sessions), train_fraction)
     fmask = training_rows(trace, train)
-    counts = count_pairs(trace, fmask, list(geometry["routed_layers"]), geometry["n_experts"])
+    counts = count_pairs(trace, fmask, list(geometry.routed_layers), geometry.n_experts)
     fingerprints = trace.session_fingerprints()
     training = TrainingSet(counts, [trace.source], [trace.fingerprint()], [name_prefix + trace.sessions[i] for i in train],
                            [fingerprints[i] for i in train], [name_prefix + trace.sessions[i] for i in held], int(fmask.sum()))
     return training, fmask
 
 
-def count_trace_file(path: str, geometry: dict, train_fraction: float) -> TrainingSet:
+def count_trace_file(path: str, geometry: PlanGeometry, train_fraction: float) -> TrainingSet:
     """Load one trace file and count its training rows: the map task of pooled planning."""
     from replay.formats.trace import load_trace
 
@@ -143,7 +144,7 @@ def count_trace_file(path: str, geometry: dict, train_fraction: float) -> Traini
     return training_of_trace(trace, geometry, train_fraction, f"{path}:")[0]
 
 
-def count_trace_files(paths: list[str], geometry: dict, train_fraction: float) -> TrainingSet:
+def count_trace_files(paths: list[str], geometry: PlanGeometry, train_fraction: float) -> TrainingSet:
     """:func:`count_trace_file` of each file, merged in order, one trace in memory at a time: the
     map task of pooled planning (a batch of files, so fewer partial counts travel to be merged)."""
     total = None
@@ -163,7 +164,7 @@ BATCHES_PER_WORKER = 4
 balance uneven files, few enough that merging partial counts costs little)."""
 
 
-def pooled_training(paths: list[str], geometry: dict, train_fraction: float, executor) -> TrainingSet:
+def pooled_training(paths: list[str], geometry: PlanGeometry, train_fraction: float, executor) -> TrainingSet:
     """Training set of every file in ``paths``, counted in batches of consecutive files, one task
     per batch on ``executor`` (a :class:`replay.execution.Executor`), merged in the order given.
     The result does not depend on the batching (merging is exact and keeps the order)."""

@@ -70,7 +70,7 @@ def test_plan_invariants(model, n_drives, mirror_share, slow, tight):
     budget = int(mirror_share * total)
     drives.append(DriveSpec("m", "single-nvme", slow, budget + 1))
     profiles = _profiles(speeds)
-    plan = plan_drives(stock, tensors, routing, drives, profiles, names, "m", budget, g.shard_bytes)
+    plan = plan_drives(stock, tensors, routing, drives, profiles, names, "m", budget, shard_bytes=g.shard_bytes)
     _check_layout(stock, tensors, plan)
     storage = Storage(plan.storage, profiles, plan.layout)                   # raises when a capacity is exceeded
     sizes = dict(zip(plan.layout.files, plan.layout.file_sizes))
@@ -94,7 +94,7 @@ def test_loads_follow_drive_speed(model):
     g, stock, tensors, trace, routing = model
     drives = [DriveSpec("fast", "single-nvme"), DriveSpec("slow", "single-nvme", 0.25)]
     profiles = _profiles({"fast": 1.0, "slow": 0.25})
-    plan = plan_drives(stock, tensors, routing, drives, profiles, ["fast", "slow"], None, 0, g.shard_bytes)
+    plan = plan_drives(stock, tensors, routing, drives, profiles, ["fast", "slow"], None, 0, shard_bytes=g.shard_bytes)
     st_ = Storage(plan.storage, profiles, plan.layout)
     table = expert_table(st_, plan.layout)
     for li in range(3):
@@ -111,7 +111,7 @@ def test_loads_follow_drive_speed(model):
 def test_coactivated_experts_are_spread(model):
     g, stock, tensors, trace, routing = model
     drives = [DriveSpec("a", "single-nvme"), DriveSpec("b", "single-nvme")]
-    plan = plan_drives(stock, tensors, routing, drives, _profiles({"a": 1, "b": 1}), ["a", "b"], None, 0, g.shard_bytes)
+    plan = plan_drives(stock, tensors, routing, drives, _profiles({"a": 1, "b": 1}), ["a", "b"], None, 0, shard_bytes=g.shard_bytes)
     drive_of = {}
     for d, spec in enumerate(plan.storage.dirs):
         for s in spec.shards:
@@ -128,7 +128,7 @@ def test_capacity_too_small_is_refused(model):
     total = sum(stock.file_sizes)
     drives = [DriveSpec("a", "single-nvme", 1.0, total // 3), DriveSpec("b", "single-nvme", 1.0, total // 3)]
     with pytest.raises(InputError, match="capacities do not hold"):
-        plan_drives(stock, tensors, routing, drives, _profiles({"a": 1, "b": 1}), ["a", "b"], None, 0, g.shard_bytes)
+        plan_drives(stock, tensors, routing, drives, _profiles({"a": 1, "b": 1}), ["a", "b"], None, 0, shard_bytes=g.shard_bytes)
 
 
 def test_mirror_choice_stops_at_balance():

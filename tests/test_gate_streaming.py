@@ -161,7 +161,7 @@ def test_the_sweep_is_the_same_from_memory_and_streamed(case):
 def pinned_plan(case, name: str, experts: list[tuple[int, int]]):
     """The case's plan carrying the pin set ``experts`` ((absolute layer, expert) pairs)."""
     plan = case["plan"]
-    size = sum(int(plan.geometry["expert_bytes"][str(layer)]) for layer, _ in experts)
+    size = sum(plan.geometry.expert_bytes[layer] for layer, _ in experts)
     rec = PinRecord("frequency", size, size, 0, DEVICE, "chosen by the test", experts)
     save_plan(with_pins(plan.raw, rec), case["root"] / name)
     return load_plan(case["root"] / name)
@@ -197,7 +197,7 @@ def test_plan_pins_are_replayed_in_both_layouts_and_move_stall_the_way_they_shou
 
     hot = [(layer, int(e)) for li, layer in enumerate(layers) for e in np.argsort(-heat[li], kind="stable")[:16]]
     g = compare(pinned_plan(case, "hot.json", hot), tr, dev, cfg)
-    assert g.pins.source == "plan" and g.pins.bytes == sum(int(plan.geometry["expert_bytes"][str(lay)]) for lay, _ in hot)
+    assert g.pins.source == "plan" and g.pins.bytes == sum(plan.geometry.expert_bytes[lay] for lay, _ in hot)
     assert g.baseline_metrics.stall_per_token_s < 0.9 * plain.baseline_metrics.stall_per_token_s     # the baseline too
     assert g.plan_metrics.stall_per_token_s < 0.9 * plain.plan_metrics.stall_per_token_s
     assert g.baseline_metrics.ram_hit_rate > plain.baseline_metrics.ram_hit_rate

@@ -19,11 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, fuzz_examples, run_cli
+from containers import records
 from containers.errors import InputError
 from containers.jsonfile import MAX_LINE_BYTES, iter_jsonl, parse_json, read_bytes
 from relayout import cli
 from relayout.cli.parser import build_parser
 from replay.evaluation.evidence import Evidence, block_evidence, session_evidence
+from replay.formats.gatefile import GateEvidence
 from replay.physical.stalltrace import read_stall_trace
 
 BAD_NUMBERS = ["nan", "inf", "-inf", "1e30", "-1", "1e400", "x", "0x10", ""]
@@ -213,6 +215,12 @@ def test_duplicate_keys_are_invalid_json(tmp_path, small_container):
 # ------------------------------------------------------------------ gate evidence
 
 
+def _stored_evidence(obj, where):
+    """The evidence part of a gate record read as a gate record reads it: typed, then range-checked."""
+    verdict = {"sufficient": True, "sufficiency": "", "min_sessions": 1, "p_below_threshold": 0.0}
+    return Evidence.from_record(records.from_json(GateEvidence, {**obj, **verdict}, where, "gate record"), where)
+
+
 def _evidence_json(method="session", n=8):
     rng = np.random.default_rng(1)
     base, new, tokens = rng.random(n), rng.random(n), rng.integers(1, 50, n)
@@ -234,7 +242,7 @@ def test_fuzz_gate_evidence_is_range_checked_before_allocation(method, field, va
     else:
         obj[field] = value
     try:
-        ev = Evidence.from_json(obj, "gate.json")
+        ev = _stored_evidence(obj, "gate.json")
     except InputError as e:
         assert e.where == "gate.json" and "\n" not in str(e)
         return
@@ -245,12 +253,12 @@ def test_a_huge_resample_request_is_refused_without_allocating():
     obj = _evidence_json("session", 20000)
     obj["resamples"] = 10**6
     with pytest.raises(InputError, match="draw"):
-        Evidence.from_json(obj, "gate.json")
+        _stored_evidence(obj, "gate.json")
     obj = _evidence_json("moving-block", 40)
     obj["block_steps"] = 41
     with pytest.raises(InputError, match="block_steps"):
-        Evidence.from_json(obj, "gate.json")
-    assert Evidence.from_json(_evidence_json("moving-block", 40), "g").interval()
+        _stored_evidence(obj, "gate.json")
+    assert _stored_evidence(_evidence_json("moving-block", 40), "g").interval()
 
 
 # ------------------------------------------------------------------ device profiles

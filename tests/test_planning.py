@@ -200,6 +200,20 @@ def test_plan_matches_its_schema(planning_setup):
     jsonschema.validate(json.loads(json.dumps(plan)), json.loads((REPO / "manifests/schemas/plan.schema.json").read_text()))
 
 
+def test_the_typed_plan_records_write_back_what_plan_json_holds(planning_setup, tmp_path):
+    """Geometry, source, training and split are read into records that write the same JSON, key for key."""
+    g, tr = planning_setup
+    save_plan(make_plan(tr, source_from_geometry(g), split=SplitOptions(0.25, 10**6), progress=False), tmp_path / "p.json")
+    plan = load_plan(tmp_path / "p.json")
+    for name in ("geometry", "source", "training", "split"):
+        assert json.dumps(getattr(plan, name).to_json()) == json.dumps(plan.raw[name])
+    layer = plan.layout.layers[0]
+    assert plan.geometry.expert_bytes[layer] == plan.raw["geometry"]["expert_bytes"][str(layer)]
+    assert plan.split.segments[layer].top_rows == plan.raw["split"]["segments"][str(layer)]["top_rows"]
+    state = plan.split_state()
+    assert state.resident.sum() == sum(len(r) for r in plan.raw["split"]["resident"].values())
+
+
 def test_replay_split_rule_ranks_by_replayed_wait_per_byte():
     from relayout.split import SegmentSizes, choose_resident_by_wait
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from containers.records import from_json, to_json
+from containers.records import from_json, omitted_when_none, to_json
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,39 @@ def test_loose_values_are_one_named_error(edit, words):
     d = to_json(Outer("a", True, Inner(1, 2.0), [], {}, None))
     d.pop("note")                                  # a field with a default may be absent
     assert from_json(Outer, d, "r").note is None
+
+
+@dataclass(frozen=True)
+class Keyed:
+    pairs: list[tuple[int, int]]
+    by_layer: dict[int, str]
+    label: str | None = omitted_when_none()
+
+
+def test_tuples_integer_keys_and_omitted_fields_round_trip_as_plain_json():
+    rec = Keyed([(3, 4)], {10: "a", 2: "b"})
+    obj = to_json(rec)
+    assert obj == {"pairs": [[3, 4]], "by_layer": {"10": "a", "2": "b"}}             # no "label": it is None
+    assert list(obj["by_layer"]) == ["10", "2"]                                        # insertion order kept
+    assert from_json(Keyed, obj, "r") == rec
+    assert to_json(Keyed([], {}, "x"))["label"] == "x"
+
+
+@pytest.mark.parametrize("obj, words", [
+    ({"pairs": [[1, 2, 3]], "by_layer": {}}, r"pairs\[0\] is not a list of 2"),
+    ({"pairs": [], "by_layer": {"01": "a"}}, "not a decimal integer"),
+    ({"pairs": [], "by_layer": {"-1": "a"}}, "not a decimal integer"),
+    ({"pairs": [], "by_layer": {"x": "a"}}, "not a decimal integer"),
+])
+def test_a_bad_tuple_or_integer_key_is_one_named_error(obj, words):
+    with pytest.raises(InputError, match=words):
+        from_json(Keyed, obj, "r")
+
+
+def test_an_interval_writes_only_what_it_knows():
+    from replay.formats.interval import Interval
+
+    assert list(Interval(1.0, 0.5, 2.0).to_json()) == ["estimate", "low", "high"]
+    full = Interval(1.0, 0.5, 2.0, "session", 6, "session")
+    assert list(full.to_json()) == ["estimate", "low", "high", "unit", "n_units", "method"]
+    assert Interval.from_json(full.to_json(), "r") == full

@@ -64,7 +64,7 @@ def split_case(tmp_path_factory):
 
 def test_split_plan_rewrites_and_verifies(split_case, tmp_path):
     root, src, tr, plan = split_case
-    assert plan.layout.segmented and plan.split["resident_bytes"] > 0
+    assert plan.layout.segmented and plan.split.resident_bytes > 0
     gate = compare(plan, tr, load_device("single-nvme"), RuntimeConfig(ram_bytes=4_000_000, workers=2))
     assert gate.plan_metrics.stall_per_token_s > 0
     dst = tmp_path / "dst"
@@ -101,14 +101,13 @@ def test_measure_reads_a_split_container_as_the_plan_says(split_case, tmp_path):
     segments, the others their whole blocks; the bytes per miss match the plan's segment sizes."""
     import json
 
-    from replay.model.engine import split_state
     from replay.physical.measure import measure
 
     root, src, tr, plan = split_case
     dst = tmp_path / "dst"
     apply_plan(src, plan, dst, None, force=True, progress=False)
     c = Container.open(dst)
-    state = split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
+    state = plan.split_state()
     mask = np.zeros(tr.n_forwards, bool)
     mask[:40] = True
     out = tmp_path / "run.jsonl"
@@ -116,18 +115,18 @@ def test_measure_reads_a_split_container_as_the_plan_says(split_case, tmp_path):
     res = measure(c, tr, mask, cfg, out, progress=False, split=(plan.layout, state))
     recs = [json.loads(x) for x in out.read_text().splitlines() if '"record":"step"' not in x]
     assert res.steps == 40 and recs
-    segs = plan.split["segments"]
+    segs = plan.split.segments
     seen = {True: 0, False: 0}
     for r in recs:
         li = plan.layout.layers.index(r["layer"])
         resident = bool(state.resident[li, r["expert_id"]])
-        s = segs[str(r["layer"])]
+        s = segs[r["layer"]]
         read = r["drive_bytes"] + r["page_cache_bytes"] + r["unclassified_bytes"]
         reads = r["drive_requests"] + r["page_cache_requests"] + r["unclassified_requests"]
         if resident:
-            assert read == r["bytes"] == s["bottom_bytes"] and reads == 1 + 3
+            assert read == r["bytes"] == s.bottom_bytes and reads == 1 + 3
         else:
-            assert read == r["bytes"] == s["top_bytes"] + s["bottom_bytes"] and reads == 1 + 6
+            assert read == r["bytes"] == s.top_bytes + s.bottom_bytes and reads == 1 + 6
         seen[resident] += 1
     assert seen[True] and seen[False]               # both kinds of miss were measured
     with pytest.raises(InputError, match="split segments"):
@@ -144,19 +143,19 @@ def test_model_and_harness_plan_the_same_bytes_for_split_misses(split_case, tmp_
     miss, and for group-scale formats the same bytes in all (per-row down scales are stored twice,
     which the model does not count: see replay.physical.read_jobs.SplitReads)."""
     from containers.geometry import ExpertFormat
-    from replay.model.engine import layout_arrays, split_state
+    from replay.model.engine import layout_arrays
     from replay.physical.read_jobs import SplitReads
     from replay.model.readplan import WEIGHT, new_plan, plan_layer
 
     root, src, tr, plan = split_case
     dst = tmp_path / "dst"
     apply_plan(src, plan, dst, None, force=True, progress=False)
-    state = split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
+    state = plan.split_state()
     seg = SplitReads(Container.open(dst), plan.layout, state)
     lay = layout_arrays(plan.layout, RuntimeConfig(), state)
     grouped = 0
     for li, layer in enumerate(plan.layout.layers):
-        group = ExpertFormat.parse(plan.geometry["expert_formats"][str(layer)]).group is not None
+        group = ExpertFormat.parse(plan.geometry.expert_formats[layer]).group is not None
         for e in range(plan.layout.n_experts):
             p = new_plan(1)
             n, _ = plan_layer(np.array([e]), 1, np.zeros(1, bool), np.array([state.resident[li, e]]), 1 - state.top_fraction[li],

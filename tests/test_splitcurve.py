@@ -57,7 +57,7 @@ def test_split_search_never_loses_on_training_and_wins_below_one_expert_per_laye
     assert low_s.stall_per_token_s.estimate < low_w.stall_per_token_s.estimate
     g = plan.geometry
     sz = segment_sizes(ExpertFormat.parse(
-        g["expert_formats"][str(plan.layout.layers[0])]), g["hidden_size"], g["moe_intermediate_size"], low_s.ratio)
+        g.expert_formats[plan.layout.layers[0]]), g.hidden_size, g.moe_intermediate_size, low_s.ratio)
     assert low_s.top_bytes == low_s.resident_tops * sz.top_bytes and low_s.top_rows[0] == sz.top_rows
     assert json.loads(json.dumps(c.to_json()))["split"][0]["ratio"] == low_s.ratio
 

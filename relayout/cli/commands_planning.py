@@ -140,7 +140,7 @@ def cmd_plan(args) -> int:
                              args.split_device, args.split_workers)
     pack = PackOptions(shard_bytes=int(args.shard_mb * 1e6), alignment=args.alignment, scales_with_weights=args.scales_with_weights)
     plan = make_plan(trace, source, args.method, args.train_fraction, args.seed, args.resolution, args.weight,
-                     args.min_support, pack, split)
+                     args.min_support, pack=pack, split=split)
     save_plan(plan, args.output)
     print(f"wrote {args.output} (plan {plan['plan_digest']})")
     for line in plan_summary(plan):

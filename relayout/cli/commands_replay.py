@@ -70,7 +70,8 @@ def _replay_sweep(args, plan, trace, device, config, baseline) -> int:
 
     with open_executor(args.scheduler) as executor:
         cells = sweep(plan, trace, device, config, sweep_ram_gb(routed_bytes(plan), args.sweep_ram, args.ram_gb),
-                      list(args.sweep_workers), args.threshold, baseline, args.min_sessions, executor)
+                      list(args.sweep_workers), args.threshold, baseline, min_sessions=args.min_sessions,
+                      executor=executor)
     if args.output:
         write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
     print(json.dumps(cells, indent=1) if args.json else format_sweep(cells))
@@ -135,7 +136,7 @@ def _replay_hypotheses(args, plan, trace, device, config) -> int:
                                       args.sweep_budgets_mb)
     with open_executor(args.scheduler if args.sweep else "none") as executor:
         tables = hypothesis_tables(plan, trace, device, replace(config, prefetch=source), ram, budgets, keys, policies,
-                                   source, args.min_sessions, executor)
+                                   source=source, min_sessions=args.min_sessions, executor=executor)
     scores = predictor_scores(plan, trace, source) if SOURCE_SEPARATOR in source else []
     label = f"NEEDS A RUNTIME CHANGE: {RUNTIME_CHANGES['admission']} (the tables' arms other than top-k)"
     record = {"format": "relayout.hypotheses", "plan": plan.digest, "device": device.name, "source": source,

@@ -12,6 +12,7 @@ import relayout.cli.commands_planning as commands
 
 from .. import options as opt
 from ..coactivation import WEIGHTS
+from ..packing import DEFAULT_ALIGNMENT
 from ..split import RULES
 from ..traces.importer import TRACE_FORMATS
 from ..traces.synth import atlas_names
@@ -109,7 +110,7 @@ def add_plan(sub) -> None:
     scheduler_option(m, "pooled counting (one task per trace file; a single trace is counted in this process)")
     k = s.add_argument_group("packing")
     k.add_argument("--shard-mb", type=opt.positive_megabytes, default=4000, help="target size of new shards, MB")
-    k.add_argument("--alignment", type=opt.integer(1, 1 << 30), default=4096, help="block alignment in bytes (e.g. a RAID chunk size)")
+    k.add_argument("--alignment", type=opt.integer(1, 1 << 30), default=DEFAULT_ALIGNMENT, help="block alignment in bytes (e.g. a RAID chunk size)")
     k.add_argument("--scales-with-weights", action="store_true", help="put each expert's scales right after its weights")
     v = s.add_argument_group("vertical split")
     v.add_argument("--split-ratio", type=opt.number(0.0, 1.0, lo_open=True), help="fraction of the FFN in the top segment (default: no split)")

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from containers.jsonfile import shipped_names
-from replay.evaluation.evidence import MIN_SESSIONS
+from replay.evaluation.evidence import DEFAULT_THRESHOLD, MIN_SESSIONS
 
 import relayout.cli.commands_replay as commands
 
@@ -37,7 +37,7 @@ def add_replay(sub) -> None:
     runtime_options(s, modelled=True)
     g = s.add_argument_group("gate")
     g.add_argument("--baseline", default="stock", help="'stock' (the source layout) or another plan JSON")
-    g.add_argument("--threshold", type=opt.fraction, default=0.05, help="fraction of baseline TPOT the interval's low end must save")
+    g.add_argument("--threshold", type=opt.fraction, default=DEFAULT_THRESHOLD, help="fraction of baseline TPOT the interval's low end must save")
     g.add_argument("--tpot-from", metavar="RUN.jsonl",
                    help="take TPOT's compute and other time per token from a measured STALL_TRACE (relayout measure), "
                         "so the threshold is relative to a TPOT you recognise (default: the compute model and --other-ms)")

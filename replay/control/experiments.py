@@ -1,4 +1,4 @@
-"""The seed's experiments E2, E3 and E5 replayed: each hypothesis's arms on the plan's held-out steps.
+"""The experiments E2, E3 and E5 replayed: each hypothesis's arms on the plan's held-out steps.
 
 One function per experiment returns the arms as :class:`replay.evaluation.hypotheses.ArmSteps` (all on the
 same held-out steps of the plan's layout), and :func:`hypothesis_tables` turns them into the
@@ -27,6 +27,7 @@ Regimes are independent: :func:`hypothesis_tables` runs one task per regime on a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -100,7 +101,19 @@ def predictor_scores(plan: Plan, trace: RoutingTrace, source: str) -> list:
 
 def admission_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                    policies: tuple[str, ...] = ADMISSION_ARMS, source: str = "coupled") -> dict[str, ArmSteps]:
-    """E2: ``none`` and each policy of ``policies`` over ``source``, equal budgets (module doc)."""
+    """E2: ``none`` and each policy of ``policies`` over ``source``, equal budgets (module doc).
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    policies : the admission policies compared (of :data:`ADMISSION_ARMS`).
+    source : the prediction source, learned on the training sessions.
+
+    Returns
+    -------
+    Arm name -> :class:`~replay.evaluation.hypotheses.ArmSteps` on the same held-out steps.
+    """
     bad = [p for p in policies if p not in ADMISSION_POLICIES or p in ("top-k", "observe")]
     if bad:
         raise InputError(None, f"{bad[0]!r} is not an admission policy E2 compares "
@@ -144,7 +157,18 @@ def tail_configs(config: RuntimeConfig, source: str = "coupled") -> dict[str, Ru
 
 def tail_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
               source: str = "coupled") -> dict[str, ArmSteps]:
-    """E5: the arms of :func:`tail_configs` on the held-out steps."""
+    """E5: the arms of :func:`tail_configs` on the held-out steps.
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    source : the prediction source; ``config.prefetch_bytes`` must be above 0.
+
+    Returns
+    -------
+    Arm name -> :class:`~replay.evaluation.hypotheses.ArmSteps` on the same held-out steps.
+    """
     if config.prefetch_bytes <= 0:
         raise InputError(None, "E5 compares byte budgets: give a speculative-byte budget (--prefetch-budget-mb)")
     mask, train = _held_out(trace, plan)
@@ -162,7 +186,18 @@ def tail_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: Run
 def placement_arm_steps(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                         ram_bytes: int) -> dict[str, ArmSteps]:
     """E3 placement: each arm's pins and LRU (chosen on training sessions by
-    :func:`replay.control.placement.placement_arms`) replayed on the held-out steps."""
+    :func:`replay.control.placement.placement_arms`) replayed on the held-out steps.
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    ram_bytes : the RAM budget every arm gets, bytes.
+
+    Returns
+    -------
+    Arm name -> :class:`~replay.evaluation.hypotheses.ArmSteps` on the same held-out steps.
+    """
     from replay.control.placement import placement_arms
 
     study = placement_arms(plan, trace, device, config, ram_bytes)
@@ -179,13 +214,24 @@ def placement_arm_steps(plan: Plan, trace: RoutingTrace, device: ArrayProfile, c
 def split_arm_steps(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                     ram_bytes: list[int]) -> dict[int, tuple[ArmSteps, ArmSteps]]:
     """E3 splits: at each RAM budget, the whole-expert point and the split point the search of
-    :func:`replay.control.splitcurve.split_curve` chose on training sessions, replayed on the held-out steps."""
+    :func:`replay.control.splitcurve.split_curve` chose on training sessions, replayed on the held-out steps.
+
+    Parameters
+    ----------
+    plan, trace : the plan (its layout, training and held-out sessions) and the routing trace.
+    device, config : the device profile and the runtime knobs not named here.
+    ram_bytes : RAM budgets, bytes.
+
+    Returns
+    -------
+    RAM budget -> (whole-expert arm, split arm), each :class:`~replay.evaluation.hypotheses.ArmSteps`.
+    """
     from replay.control.splitcurve import split_curve
 
     curve = split_curve(plan, trace, device, config, ram_bytes)
     mask, _ = _held_out(trace, plan)
     pins = _no_pins(plan)
-    ffn = int(plan.geometry["moe_intermediate_size"])
+    ffn = plan.geometry.moe_intermediate_size
     L = len(plan.layout.layers)
     out = {}
     for whole, split in zip(curve.whole, curve.split):
@@ -207,13 +253,32 @@ class Regime:
     prefetch_bytes: int
 
     def words(self) -> str:
+        """The regime in words.
+
+        >>> Regime(2_000_000_000, 0).words(), Regime(10**9, 4_000_000).words()
+        ('RAM 2 GB, no byte budget', 'RAM 1 GB, B = 4 MB per layer')
+        """
         b = "no byte budget" if self.prefetch_bytes <= 0 else f"B = {self.prefetch_bytes / 1e6:g} MB per layer"
         return f"RAM {self.ram_bytes / 1e9:.3g} GB, {b}"
 
 
 def regime_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, regime: Regime,
-                  keys: tuple[str, ...], policies: tuple[str, ...], source: str, min_sessions: int) -> list[HypothesisTable]:
-    """Every hypothesis of ``keys`` at one regime (one task of :func:`hypothesis_tables`)."""
+                  keys: tuple[str, ...], policies: tuple[str, ...], source: str, *, min_sessions: int) -> list[HypothesisTable]:
+    """Every hypothesis of ``keys`` at one regime (one task of :func:`hypothesis_tables`).
+
+    Parameters
+    ----------
+    plan, trace, device, config : the plan, routing trace, device profile and runtime knobs.
+    regime : the RAM and speculative-byte budgets.
+    keys : hypotheses to judge (of :data:`HYPOTHESIS_KEYS`).
+    policies : the admission policies H2 compares.
+    source : the prediction source (``"a+b"`` fuses several).
+    min_sessions : held-out sessions a verdict needs.
+
+    Returns
+    -------
+    The regime's :class:`~replay.evaluation.hypotheses.HypothesisTable` list, in hypothesis order.
+    """
     cfg = replace(config, ram_bytes=regime.ram_bytes, prefetch_bytes=regime.prefetch_bytes)
     off = replace(cfg, prefetch="none", source_caps=[])
     words = regime.words()
@@ -236,12 +301,23 @@ def regime_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config:
 
 def hypothesis_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig,
                       ram_bytes: list[int], prefetch_bytes: list[int], keys: tuple[str, ...] = HYPOTHESIS_KEYS,
-                      policies: tuple[str, ...] = ADMISSION_ARMS, source: str = "coupled",
+                      policies: tuple[str, ...] = ADMISSION_ARMS, *, source: str = "coupled",
                       min_sessions: int = MIN_SESSIONS, executor=None) -> list[HypothesisTable]:
     """The tables of ``keys`` over every regime RAM x byte budget, one executor task per regime.
 
     H3a and H3b need RAM (regimes with ``ram_bytes`` 0 skip them), H5 a byte budget (regimes
-    with ``prefetch_bytes`` 0 skip it). Tables come in regime order, then hypothesis order.
+    with ``prefetch_bytes`` 0 skip it).
+
+    Parameters
+    ----------
+    plan, trace, device, config, keys, policies, source, min_sessions : as for :func:`regime_tables`.
+    ram_bytes : RAM budgets, bytes.
+    prefetch_bytes : speculative-byte budgets per layer, bytes.
+    executor : where the regimes run (default: serially, in this process).
+
+    Returns
+    -------
+    The tables, in regime order, then hypothesis order.
     """
     from replay.execution import SerialExecutor
 
@@ -251,8 +327,8 @@ def hypothesis_tables(plan: Plan, trace: RoutingTrace, device: ArrayProfile, con
     executor = executor or SerialExecutor()
     regimes = [Regime(int(r), int(b)) for r in ram_bytes for b in prefetch_bytes]
     shared = [executor.share(x) for x in (plan, trace, device)]
-    per = executor.map(regime_tables, [(*shared, config, g, tuple(keys), tuple(policies), source, min_sessions)
-                                       for g in regimes], desc="hypothesis regimes")
+    per = executor.map(partial(regime_tables, min_sessions=min_sessions),
+                       [(*shared, config, g, tuple(keys), tuple(policies), source) for g in regimes], desc="hypothesis regimes")
     return [t for tables in per for t in tables]
 
 

@@ -1,7 +1,7 @@
-"""Placement arms at equal RAM (seed 5.5, E3 H3a): which whole experts to pin, the LRU holding the rest.
+"""Placement arms at equal RAM (experiment E3, hypothesis H3a): which whole experts to pin, the LRU holding the rest.
 
 The runtime keeps two tiers of whole experts in RAM: a pinned store chosen before decoding and a
-per-layer LRU (FACTS 2). Every arm gets the same RAM budget ``R`` bytes; its pins take
+per-layer LRU. Every arm gets the same RAM budget ``R`` bytes; its pins take
 ``pin_bytes`` of it and the LRU gets exactly ``R - pin_bytes`` (so pins that are not worth their
 bytes cost the LRU their room: that is the displacement). Arms:
 
@@ -31,7 +31,7 @@ best experts by value per byte are pinned within ``s x R`` and the training sess
 replayed again with the LRU at ``R`` minus the pins; the experts left unpinned get their new
 wait (which now includes what the smaller LRU costs them), pinned ones keep their first-round
 value, and the pins are chosen once more and replayed. One more candidate nets displacement
-explicitly, as seed 5.5's ``V(e) = (E[dW_e | resident] - E[C_displace]) / b_e``: the LRU-only
+explicitly, as ``V(e) = (E[dW_e | resident] - E[C_displace]) / b_e``: the LRU-only
 replays at ``R`` and at ``R / 2`` give the LRU's marginal stall per byte (their S difference over
 ``R / 2`` bytes, s per committed token per byte), and an expert's net value per byte is its wait
 per committed token per byte minus that slope; experts of positive net value are pinned best
@@ -39,7 +39,7 @@ first (at most ``R``), then replayed and chosen again once, like the others. Amo
 candidates, the LRU-only replay and the frequency arm's pins, the arm keeps the pin set with the
 lowest replayed S on the training sessions. So, **by construction**, the
 stall-value arm's training S is never above the frequency arm's or the LRU-only arm's at the same
-RAM (the property the issue asks for is guaranteed by keeping the better candidate, not
+RAM (guaranteed by keeping the better candidate, not
 discovered); on held-out sessions it can lose, and the table says so when it does.
 
 Every arm is then replayed on the held-out sessions (by routing content, :mod:`replay.evaluation.evidence`):
@@ -64,22 +64,16 @@ from containers.layout import Layout
 
 from replay.model.config import RuntimeConfig, greedy_by_value
 from replay.model.device import ArrayProfile
-from replay.evaluation.evidence import (
-    MIN_SESSIONS,
-    SESSION_UNITS,
-    Evidence,
-    block_evidence,
-    session_evidence,
-    split_sessions_by_content,
-)
+from replay.evaluation.evidence import MIN_SESSIONS, Evidence, split_sessions_by_content, sufficiency
 from replay.evaluation.gate import (
     LayoutRun,
     check_trace_matches,
     evaluation_forwards,
+    held_out_evidence,
     run_layout,
     training_coupling,
 )
-from replay.formats.gatefile import Interval
+from replay.formats.interval import Interval
 from replay.model.figures import LayoutMetrics
 from replay.model.metrics import summarize
 from replay.formats.pinfile import PinRecord
@@ -157,7 +151,7 @@ class PlacementStudy:
 
     def to_json(self) -> dict:
         def interval(x: Interval | None):
-            return None if x is None else {"estimate": x.estimate, "low": x.low, "high": x.high}
+            return None if x is None else x.to_json()
 
         return {"format": "relayout.placement", "ram_bytes": self.ram_bytes, "pin_share": self.pin_share,
                 "device": self.device, "training_sessions": self.training_sessions,
@@ -226,7 +220,25 @@ def lrfu_value(trace: RoutingTrace, forwards: np.ndarray, layout: Layout, half_l
 def pins_by_value(arm: str, value: np.ndarray, expert_bytes: np.ndarray, ram_bytes: int, pin_share: float, how: str) -> PinSet:
     """Pin the best experts by ``value`` [L, E] (highest first; ties by layer, then id) within
     ``pin_share x ram_bytes``; the LRU gets the rest of ``ram_bytes``. Experts of value <= 0 are
-    never pinned."""
+    never pinned.
+
+    Parameters
+    ----------
+    arm : the arm's name, for the record.
+    value : [L, E] the ranking value (any unit; higher pins first).
+    expert_bytes : [L] one expert's bytes per layer.
+    ram_bytes : the RAM budget, bytes.
+    pin_share : the share of ``ram_bytes`` pins may take.
+    how : how the values were made, in words.
+
+    Returns
+    -------
+    :class:`PinSet`.
+
+    >>> p = pins_by_value("frequency", np.array([[5.0, 1.0], [3.0, 0.0]]), np.array([100, 100]), 400, 0.5, "counts")
+    >>> p.ranking, p.pin_bytes, p.lru_bytes
+    ([(0, 0), (1, 0)], 200, 200)
+    """
     budget = int(pin_share * ram_bytes)
     pinned = greedy_by_value(value, expert_bytes.astype(np.float64), budget)
     L, E = value.shape
@@ -255,7 +267,7 @@ def replay_training(trace: RoutingTrace, train: np.ndarray, layout: Layout, devi
 
 
 def stall_value_pins(trace: RoutingTrace, train: np.ndarray, layout: Layout, device: ArrayProfile, config: RuntimeConfig,
-                     ram_bytes: int, pin_share: float, lru_only: TrainingReplay, rivals: list[TrainingReplay],
+                     ram_bytes: int, pin_share: float, lru_only: TrainingReplay, *, rivals: list[TrainingReplay],
                      coupling=None) -> tuple[TrainingReplay, int]:
     """The stall-value arm (module doc: the estimator) and the number of training replays its
     search ran. ``lru_only`` is the training replay without pins at ``ram_bytes``; ``rivals`` are
@@ -304,13 +316,28 @@ def stall_value_pins(trace: RoutingTrace, train: np.ndarray, layout: Layout, dev
 
 def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_bytes: int,
                    arms: tuple[str, ...] = ARMS, pin_share: float = DEFAULT_PIN_SHARE, half_life_steps: float | None = None,
-                   seed: int = 0, min_sessions: int = MIN_SESSIONS) -> PlacementStudy:
+                   *, seed: int = 0, min_sessions: int = MIN_SESSIONS) -> PlacementStudy:
     """Every arm in ``arms`` at ``ram_bytes`` of RAM through the plan's layout (module doc).
 
-    ``pin_share`` is the share of RAM the frequency, hybrid and probability-per-byte arms pin
-    (the stall-value arm searches it); ``half_life_steps`` the hybrid arm's half-life in training
-    steps (default: a quarter of the training steps). ``config`` supplies every other runtime knob
-    (its ``ram_bytes`` and ``pin_bytes`` are replaced by each arm's split of ``ram_bytes``).
+    Parameters
+    ----------
+    plan : a plan without a split; its training sessions choose the pins.
+    trace : routing trace with the plan's training sessions and held-out ones.
+    device : the device profile replayed.
+    config : every other runtime knob (its ``ram_bytes`` and ``pin_bytes`` are replaced by each
+        arm's split of ``ram_bytes``).
+    ram_bytes : the RAM budget every arm gets, bytes.
+    arms : names of :data:`ARMS` to run.
+    pin_share : the share of RAM the frequency, hybrid and probability-per-byte arms pin (the
+        stall-value arm searches it).
+    half_life_steps : the hybrid arm's half-life in training steps (default: a quarter of them).
+    seed : the bootstrap's seed.
+    min_sessions : held-out sessions a comparison needs.
+
+    Returns
+    -------
+    :class:`PlacementStudy`: each arm's pins, training S, held-out S with its 95% interval, RAM
+    hit rate and saving against the frequency arm.
     """
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -351,7 +378,7 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
     replays = 0
     if "stall-value" in arms:
         chosen["stall-value"], replays = stall_value_pins(trace, train, layout, device, config, ram_bytes, pin_share,
-                                                          chosen["lru"], [chosen["frequency"]], coupling)
+                                                          chosen["lru"], rivals=[chosen["frequency"]], coupling=coupling)
 
     held_runs = {name: run_layout(name, trace, held_mask, layout, device,
                                   replace(config, ram_bytes=chosen[name].pins.lru_bytes, pin_bytes=0), chosen[name].pins.pinned,
@@ -371,29 +398,10 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
         results.append(ArmResult(t.pins, t.summary.stall_per_token_s, t.summary.ram_hit_rate,
                                  Interval(*evidence(run, None).interval()), run.summary.ram_hit_rate, saving))
     probe = evidence(held_runs[arms[0]], None)
-    sufficient, why = sufficiency(probe, min_sessions)
+    sufficient, why = sufficiency(probe, min_sessions, verdict=False)
     return PlacementStudy(ram_bytes, pin_share, device.name, len(split_sessions_by_content(trace, [plan]).training),
                           len(units), probe.method, sufficient, why, replays, results, list(layout.layers))
 
 
-def held_out_evidence(base: LayoutRun, new: LayoutRun | None, units: np.ndarray, seed: int = 0) -> Evidence:
-    """Paired held-out evidence of ``base`` against ``new`` (``None``: against zero stall, so the
-    interval is ``base``'s S itself): per session with at least :data:`SESSION_UNITS` held-out
-    sessions ``units``, else per step in blocks (:mod:`replay.evaluation.evidence`)."""
-    if len(units) >= SESSION_UNITS:
-        b = base.sessions["stall"][units]
-        return session_evidence(b, new.sessions["stall"][units] if new else np.zeros_like(b), base.sessions["committed"][units], seed)
-    b = base.steps.stall
-    return block_evidence(b, new.steps.stall if new else np.zeros_like(b), base.steps.committed, base.steps.session, seed)
-
-
-def sufficiency(ev: Evidence, min_sessions: int) -> tuple[bool, str]:
-    """Whether ``ev`` has enough held-out sessions for a comparison, and in words."""
-    if ev.n_sessions < min_sessions:
-        return False, f"only {ev.n_sessions} held-out session(s); a comparison needs at least {min_sessions}"
-    return True, (f"{ev.n_sessions} held-out sessions" if ev.method == "session"
-                  else f"{ev.n_sessions} held-out session(s) in {ev.n_blocks} blocks of {ev.block_steps} steps")
-
-
 __all__ = ["ARMS", "ArmResult", "DEFAULT_PIN_SHARE", "PIN_SHARES", "PinSet", "PlacementStudy", "lrfu_value", "pins_by_value",
-           "held_out_evidence", "placement_arms", "selection_counts", "sufficiency", "stall_value_pins", "training_forwards", "union_probability"]
+           "placement_arms", "selection_counts", "stall_value_pins", "training_forwards", "union_probability"]

@@ -1,4 +1,4 @@
-"""S versus RAM for whole experts and for vertically split experts (seed 5.5, E3 H3b).
+"""S versus RAM for whole experts and for vertically split experts (experiment E3, hypothesis H3b).
 
 **Whole experts.** At each RAM budget ``R`` (bytes) the runtime's default placement: no pins, the
 per-layer LRU holds whole experts in all of ``R``.
@@ -29,7 +29,7 @@ held twice, as the runtime change in ``docs/SPLIT_SEGMENTS.md`` would hold them.
 
 References
 ----------
-MoEpic: vertical expert splitting with a cached top segment (FACTS section 6).
+MoEpic: vertical expert splitting with a cached top segment.
 """
 
 from __future__ import annotations
@@ -44,16 +44,17 @@ from containers.geometry import ExpertFormat
 from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile
 from replay.model.engine import SplitState
-from replay.evaluation.evidence import MIN_SESSIONS
+from replay.evaluation.evidence import MIN_SESSIONS, sufficiency
 from replay.evaluation.gate import (
     check_trace_matches,
     evaluation_forwards,
+    held_out_evidence,
     run_layout,
     training_coupling,
 )
-from replay.formats.gatefile import Interval
+from replay.formats.interval import Interval
 from replay.model.metrics import summarize
-from replay.control.placement import held_out_evidence, sufficiency, training_forwards
+from replay.control.placement import training_forwards
 from replay.formats.planfile import Plan
 from replay.control.splitsizes import segment_sizes, tops_by_wait
 from replay.model.streaming import replay_steps
@@ -101,11 +102,10 @@ class SplitCurve:
 
     def to_json(self) -> dict:
         def point(p: CurvePoint) -> dict:
-            s = p.stall_per_token_s
             return {"ram_bytes": p.ram_bytes, "ratio": p.ratio, "top_rows": p.top_rows, "top_bytes": p.top_bytes,
                     "lru_bytes": p.lru_bytes, "resident_tops": p.resident_tops,
                     "train_stall_per_token_s": p.train_stall_per_token_s,
-                    "stall_per_token_s": {"estimate": s.estimate, "low": s.low, "high": s.high}, "ram_hit_rate": p.ram_hit_rate}
+                    "stall_per_token_s": p.stall_per_token_s.to_json(), "ram_hit_rate": p.ram_hit_rate}
 
         return {"format": "relayout.split-curve", "device": self.device, "ratios": list(self.ratios),
                 "top_shares": list(self.top_shares), "training_sessions": self.training_sessions,
@@ -126,12 +126,25 @@ class _Candidate:
 
 
 def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: RuntimeConfig, ram_bytes: list[int],
-                ratios: tuple[float, ...] = RATIOS, top_shares: tuple[float, ...] = TOP_SHARES, seed: int = 0,
+                ratios: tuple[float, ...] = RATIOS, top_shares: tuple[float, ...] = TOP_SHARES, *, seed: int = 0,
                 min_sessions: int = MIN_SESSIONS) -> SplitCurve:
     """Both curves at every budget of ``ram_bytes`` through the plan's (unsplit) layout (module doc).
 
-    ``ratios`` may include 0 (no split, always searched); each must be in [0, 1). ``top_shares``
-    in (0, 1]. ``config`` supplies every other runtime knob (its RAM budgets are replaced).
+    Parameters
+    ----------
+    plan : a plan without a split; its training sessions drive the search.
+    trace : routing trace with the plan's training sessions and held-out ones.
+    device : the device profile replayed.
+    config : every other runtime knob (its RAM budgets are replaced).
+    ram_bytes : RAM budgets, bytes (each above 0).
+    ratios : split ratios to search, each in [0, 1) (0, no split, is always searched).
+    top_shares : shares of the budget for resident tops to search, each in (0, 1].
+    seed : the bootstrap's seed.
+    min_sessions : held-out sessions a comparison needs.
+
+    Returns
+    -------
+    :class:`SplitCurve`: the whole-expert and split-expert points at every budget.
     """
     if plan.split:
         raise InputError(plan.path, "the split curve searches splits itself; give a plan without --split-ratio")
@@ -147,8 +160,8 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
     held_mask, held = evaluation_forwards(trace, [plan])
     units = np.array(held.evaluated)
     coupling = training_coupling(trace, plan) if config.prefetch == "coupled" else None
-    ffn = g["moe_intermediate_size"]
-    fmts = [ExpertFormat.parse(g["expert_formats"][str(layer)]) for layer in layout.layers]
+    ffn = g.moe_intermediate_size
+    fmts = [ExpertFormat.parse(g.expert_formats[layer]) for layer in layout.layers]
     L, E = len(layout.layers), layout.n_experts
     replays = 0
 
@@ -161,13 +174,13 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
 
     def held_point(R: int, c: _Candidate):
         run = run_layout("split" if c.state is not None else "whole", trace, held_mask, layout, device,
-                         replace(config, ram_bytes=c.lru_bytes, pin_bytes=0), np.zeros((L, E), dtype=bool), c.state, coupling)
+                         replace(config, ram_bytes=c.lru_bytes, pin_bytes=0), np.zeros((L, E), dtype=bool), c.state, coupling=coupling)
         ev = held_out_evidence(run, None, units, seed)
         return CurvePoint(R, c.ratio, c.top_rows, c.top_bytes, c.lru_bytes,
                           0 if c.state is None else int(c.state.resident.sum()), c.train_stall, Interval(*ev.interval()),
                           run.summary.ram_hit_rate, None if c.state is None else c.state.resident), ev
 
-    sizes = {r: [segment_sizes(f, g["hidden_size"], ffn, r) for f in fmts] for r in sorted(set(ratios) - {0.0})}
+    sizes = {r: [segment_sizes(f, g.hidden_size, ffn, r) for f in fmts] for r in sorted(set(ratios) - {0.0})}
     whole_pts, split_pts = [], []
     for R in ram_bytes:
         s0, w0 = train_run(R, None)
@@ -191,7 +204,7 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
         point, probe = held_point(R, whole)
         whole_pts.append(point)
         split_pts.append(point if best is whole else held_point(R, best)[0])
-    ok, why = sufficiency(probe, min_sessions)
+    ok, why = sufficiency(probe, min_sessions, verdict=False)
     n_train = len(np.unique(trace.fwd_session[train]))
     return SplitCurve(device.name, tuple(ratios), tuple(top_shares), whole_pts, split_pts, n_train, len(units), ok, why, replays)
 

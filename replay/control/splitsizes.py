@@ -30,7 +30,18 @@ class SegmentSizes:
 
 
 def segment_sizes(fmt: ExpertFormat, hidden: int, ffn: int, ratio: float) -> SegmentSizes:
-    """Exact segment sizes for split ``ratio`` of an expert of ``fmt`` (rows rounded to groups)."""
+    """Exact segment sizes for split ``ratio`` of an expert of ``fmt`` (rows rounded to groups).
+
+    Parameters
+    ----------
+    fmt : the expert's quantisation format.
+    hidden, ffn : the model's hidden size and the expert's FFN rows.
+    ratio : the top segment's share of the FFN, in (0, 1).
+
+    Returns
+    -------
+    :class:`SegmentSizes`: the top's FFN rows and both segments' bytes (weights plus scales).
+    """
     if not 0 < ratio < 1:
         raise InputError(None, f"split ratio must be between 0 and 1 (got {ratio})")
     step = fmt.group or (8 // math.gcd(8, fmt.bits))
@@ -45,9 +56,23 @@ def segment_sizes(fmt: ExpertFormat, hidden: int, ffn: int, ratio: float) -> Seg
 
 
 def tops_by_wait(expert_wait: np.ndarray, top_fraction: np.ndarray, top_bytes: np.ndarray, budget: float) -> np.ndarray:
-    """Boolean [L, E]: resident tops by replayed wait avoided per byte (``expert_wait`` [L, E]
-    seconds, ``top_fraction`` [L] the top's FFN share, ``top_bytes`` [L]), best first within
-    ``budget`` bytes."""
+    """Resident tops by replayed wait avoided per byte, best first within ``budget`` bytes.
+
+    Parameters
+    ----------
+    expert_wait : [L, E] seconds the compute thread waited right before each expert's matmul.
+    top_fraction : [L] the top segment's share of the FFN.
+    top_bytes : [L] one top segment's bytes.
+    budget : bytes for resident tops.
+
+    Returns
+    -------
+    Boolean [L, E]: True where the expert's top stays resident.
+
+    >>> tops_by_wait(np.array([[3.0, 1.0], [2.0, 0.0]]), np.array([0.5, 0.5]), np.array([10.0, 10.0]), 20)
+    array([[ True, False],
+           [ True, False]])
+    """
     return greedy_by_value(expert_wait * top_fraction[:, None] / np.maximum(top_bytes, 1)[:, None], top_bytes, budget)
 
 

@@ -21,10 +21,9 @@ from containers.layout import Layout
 from replay.model.config import RuntimeConfig, pinned_experts
 from replay.model.coupling import COUPLED_TARGETS, coupling_table
 from replay.model.device import ArrayProfile
-from replay.model.engine import split_state
 from replay.evaluation.evidence import (
+    DEFAULT_THRESHOLD,
     MIN_SESSIONS,
-    SESSION_UNITS,
     Evidence,
     HeldOut,
     Verdict,
@@ -32,6 +31,7 @@ from replay.evaluation.evidence import (
     evaluation_mask,
     holm,
     judge,
+    resampling_method,
     session_evidence,
     split_sessions_by_content,
 )
@@ -44,21 +44,19 @@ from replay.formats.gatefile import (
     GateEvidence,
     GateRecord,
     Headroom,
-    Interval,
     PinsUsed,
     PlanRef,
-    Saving,
     SessionResult,
     Threshold,
     TraceRef,
 )
+from replay.formats.interval import Interval
 from replay.model.figures import LayoutMetrics
 from replay.model.metrics import session_sums, summarize
 from replay.formats.planfile import Plan
 from replay.model.streaming import replay_steps
 from replay.model.routing import TraceSource
 
-DEFAULT_THRESHOLD = 0.05
 SWEEP_ALPHA = 0.025
 """Family-wise level of the sweep's Holm correction (one-sided, as a 95% interval's lower tail)."""
 
@@ -72,9 +70,9 @@ def evaluation_forwards(trace: TraceSource, plans: list[Plan]) -> tuple[np.ndarr
 def check_trace_matches(trace: TraceSource, plan: Plan) -> None:
     trace.require_rows("replay")
     g = plan.geometry
-    if trace.n_experts > g["n_experts"]:
-        raise InputError(trace.source or None, f"trace has expert ids up to {trace.n_experts - 1}; the plan's model has {g['n_experts']} per layer")
-    extra = sorted(set(trace.layers.tolist()) - set(g["routed_layers"]))
+    if trace.n_experts > g.n_experts:
+        raise InputError(trace.source or None, f"trace has expert ids up to {trace.n_experts - 1}; the plan's model has {g.n_experts} per layer")
+    extra = sorted(set(trace.layers.tolist()) - set(g.routed_layers))
     if extra:
         raise InputError(trace.source or None, f"trace routes layers {extra[:5]} the plan does not cover")
 
@@ -88,11 +86,47 @@ class LayoutRun:
 
 
 def run_layout(name: str, trace: TraceSource, mask: np.ndarray, layout: Layout, device: ArrayProfile,
-               config: RuntimeConfig, pinned: np.ndarray, split=None, coupling=None) -> LayoutRun:
-    """Replay the forwards of mask ``mask`` through ``layout``, the rows read block by block."""
+               config: RuntimeConfig, pinned: np.ndarray, split=None, *, coupling=None) -> LayoutRun:
+    """Replay the forwards of mask ``mask`` through ``layout``, the rows read block by block.
+
+    Parameters
+    ----------
+    name : the run's label.
+    trace, mask : the routing trace and the forwards [F] replayed.
+    layout, device, config : the layout, device profile and runtime knobs.
+    pinned : [L, E] experts pinned in RAM.
+    split : the split state (:meth:`~replay.formats.planfile.Plan.split_state`), or None.
+    coupling : the coupled prefetch source's table, or None.
+
+    Returns
+    -------
+    :class:`LayoutRun`: per-step results, the summary metrics and per-session sums.
+    """
     r = replay_steps(trace, mask, layout, device, config, pinned, split, coupling, blocks=trace.row_blocks())
     return LayoutRun(name, r.steps, summarize(r.steps, r.usage, config.other_seconds_per_token),
                      session_sums(r.steps, len(trace.sessions)))
+
+
+def held_out_evidence(base: LayoutRun, new: LayoutRun | None, units: np.ndarray, seed: int = 0) -> Evidence:
+    """Paired held-out evidence of ``base`` against ``new``.
+
+    Parameters
+    ----------
+    base, new : replays of the same held-out forwards; ``new`` None compares against zero stall,
+        so the interval is ``base``'s stall per committed token itself.
+    units : the held-out session indices (:attr:`HeldOut.evaluated`).
+    seed : the bootstrap's seed.
+
+    Returns
+    -------
+    :class:`~replay.evaluation.evidence.Evidence` per session, or per step in blocks inside
+    sessions, as :func:`~replay.evaluation.evidence.resampling_method` says for ``len(units)``.
+    """
+    if resampling_method(len(units)) == "session":
+        b = base.sessions["stall"][units]
+        return session_evidence(b, new.sessions["stall"][units] if new else np.zeros_like(b), base.sessions["committed"][units], seed)
+    b = base.steps.stall
+    return block_evidence(b, new.steps.stall if new else np.zeros_like(b), base.steps.committed, base.steps.session, seed)
 
 
 def _training_forwards(trace: TraceSource, plan: Plan, what: str) -> np.ndarray:
@@ -159,16 +193,29 @@ class TpotParts:
 
 
 def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeConfig,
-            baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0,
+            baseline: Plan | None = None, threshold: float = DEFAULT_THRESHOLD, seed: int = 0, *,
             min_sessions: int = MIN_SESSIONS, tpot_parts: TpotParts | None = None) -> GateRecord:
     """Replay baseline (stock, or another plan's layout) and the plan; gate; return the gate record.
 
-    The threshold is a fraction of the baseline's TPOT = C + S + O: C and O from the compute
-    model and ``config.other_seconds_per_token``, or, with ``tpot_parts``, as measured.
+    Parameters
+    ----------
+    plan : the plan whose layout is judged.
+    trace : routing trace; sessions any of the plans trained on (by routing content) are excluded.
+    device, config : the device profile and runtime configuration replayed.
+    baseline : another plan's layout to compare against, or None for the stock layout.
+    threshold : share of the baseline's TPOT = C + S + O the interval's low end must save; C and
+        O from the compute model and ``config.other_seconds_per_token``, or, with ``tpot_parts``,
+        as measured.
+    seed : the bootstrap's seed.
+    min_sessions : held-out sessions a verdict needs.
+    tpot_parts : measured compute and other time per token, or None.
 
-    The verdict is ``pass``, ``fail`` or ``insufficient`` (too few held-out sessions or blocks:
-    :mod:`replay.evaluation.evidence`). Against the stock layout, a plan that records its repacked stock
-    layout is also replayed that way, to split the saving into repacking and ordering.
+    Returns
+    -------
+    :class:`~replay.formats.gatefile.GateRecord` with the verdict ``pass``, ``fail`` or
+    ``insufficient`` (too few held-out sessions or blocks: :mod:`replay.evaluation.evidence`).
+    Against the stock layout, a plan that records its repacked stock layout is also replayed
+    that way, to split the saving into repacking and ordering.
     """
     if not 0.0 <= threshold <= 1.0:               # NaN included: the record would not recheck
         raise InputError(None, f"the threshold must be a fraction of TPOT from 0 to 1, got {threshold!r}")
@@ -178,23 +225,22 @@ def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: Runtim
     mask, held = evaluation_forwards(trace, [plan] + ([baseline] if baseline else []))
     evaluated = held.evaluated
     pins, pins_used = gate_pins(trace, plan, config)
-    split = split_state(plan.split, plan.layout, plan.geometry["moe_intermediate_size"])
+    split = plan.split_state()
     plan_config = config
     if split is not None:
-        plan_config = replace(config, ram_bytes=max(0, config.ram_bytes - int(plan.split["ram_bytes"])))
+        plan_config = replace(config, ram_bytes=max(0, config.ram_bytes - plan.split.ram_bytes))
     base_layout = baseline.layout if baseline is not None else plan.stock
     coupling = training_coupling(trace, plan) if config.prefetch == "coupled" else None
     base = run_layout("baseline", trace, mask, base_layout, device, config, pins, coupling=coupling)
-    new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split, coupling)
+    new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split, coupling=coupling)
     repack = None
     if baseline is None and plan.repack is not None:
-        repack = run_layout("repack", trace, mask, plan.repack, device, plan_config, pins, split, coupling)
+        repack = run_layout("repack", trace, mask, plan.repack, device, plan_config, pins, split, coupling=coupling)
+
+    units = np.array(evaluated)
 
     def evidence(a: LayoutRun, b: LayoutRun) -> Evidence:
-        if len(evaluated) >= SESSION_UNITS:
-            units = np.array(evaluated)
-            return session_evidence(a.sessions["stall"][units], b.sessions["stall"][units], a.sessions["committed"][units], seed)
-        return block_evidence(a.steps.stall, b.steps.stall, a.steps.committed, a.steps.session, seed)
+        return held_out_evidence(a, b, units, seed)
 
     ev = evidence(base, new)
     bm, pm = base.summary, new.summary
@@ -209,8 +255,8 @@ def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: Runtim
     verdict = judge(ev, need, min_sessions)
     est, low, high = ev.interval()
     headroom = bm.stall_per_token_s - bm.oracle_stall_per_token_s
-    reason = _reason(verdict, ev, (est, low, high), tpot, threshold, headroom, bm, pm.oracle_stall_per_token_s,
-                     config.other_seconds_per_token == 0 and tpot_parts is None)
+    reason = _reason(verdict, ev, tpot, threshold, headroom, bm, pm.oracle_stall_per_token_s,
+                     o_is_zero=config.other_seconds_per_token == 0 and tpot_parts is None)
     return GateRecord(
         format=GATE_FORMAT, version=GATE_VERSION, verdict=verdict.verdict, reason=reason, tool_version=__version__,
         plan=PlanRef(plan.path, plan.digest, plan.method, plan.source_fingerprint, plan.source_kind),
@@ -222,7 +268,7 @@ def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: Runtim
         threshold=Threshold(threshold, need, tpot, tpot_source),
         evidence=records.from_json(GateEvidence, {**ev.to_json(), "sufficient": verdict.sufficient, "sufficiency": verdict.sufficiency,
                                                   "min_sessions": min_sessions, "p_below_threshold": ev.p_below(need)}, None),
-        saving_per_token_s=Saving(est, low, high, _unit_name(ev), len(ev.base), ev.method),
+        saving_per_token_s=Interval(est, low, high, _unit_name(ev), len(ev.base), ev.method),
         saving_fraction_of_tpot=Interval(est / tpot, low / tpot, high / tpot),
         decomposition=_decomposition(base, repack, new, evidence),
         headroom=Headroom(bm.stall_per_token_s, bm.oracle_stall_per_token_s, pm.oracle_stall_per_token_s, headroom, headroom / tpot),
@@ -248,10 +294,10 @@ def _decomposition(base: LayoutRun, repack: LayoutRun | None, new: LayoutRun, ev
                          repack.summary.stall_per_token_s)
 
 
-def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: float, headroom: float, base: LayoutMetrics,
-            plan_oracle: float, o_is_zero: bool) -> str:
+def _reason(verdict: Verdict, ev: Evidence, tpot: float, threshold: float, headroom: float, base: LayoutMetrics,
+            plan_oracle: float, *, o_is_zero: bool) -> str:
     ms = 1e3
-    est, low, high = interval
+    est, low, high = ev.interval()
     o = " (O = 0: pass --other-ms or --tpot-from to count other per-token time)" if o_is_zero else ""
     text = (f"predicted saving {est * ms:.3f} ms/token (95% CI {low * ms:.3f} to {high * ms:.3f}; {verdict.sufficiency}) = "
             f"{low / tpot:.1%} of baseline TPOT {tpot * ms:.1f} ms{o} at the interval's low end; the gate needs {threshold:.0%}.")
@@ -269,9 +315,9 @@ def _reason(verdict: Verdict, ev: Evidence, interval, tpot: float, threshold: fl
 
 
 def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
-          workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None,
+          workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None, *,
           min_sessions: int = MIN_SESSIONS, executor=None) -> list[dict]:
-    """The regime map (seed H3c): the gate over RAM budgets x workers x coalescing.
+    """The regime map: the gate over RAM budgets x workers x coalescing.
 
     Many cells test many hypotheses: each cell's one-sided bootstrap p-value of "saving below the
     threshold" is corrected by Holm's procedure at the family-wise level of one cell's test
@@ -280,6 +326,18 @@ def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeC
     Cells are independent: ``executor`` (a :class:`replay.execution.Executor`; default serial, in
     this process) runs one task per cell, with the plan, trace and device shared once. The table
     is the same whichever executor runs it.
+
+    Parameters
+    ----------
+    plan, trace, device, config, threshold, baseline, min_sessions : as for :func:`compare`.
+    ram_gb : RAM budgets, GB (10^9 bytes).
+    workers : reader worker counts.
+    executor : where the cells run.
+
+    Returns
+    -------
+    One row per cell (:func:`sweep_cell`) with its ``ram_gb`` and ``holm_significant`` (None
+    where the cell's evidence did not suffice).
     """
     from replay.execution import SerialExecutor
 

@@ -1,9 +1,9 @@
-"""The seed's hypotheses H2, H3a, H3b and H5 as tables: arms on the same held-out steps, a verdict each.
+"""The hypotheses H2, H3a, H3b and H5 as tables: arms on the same held-out steps, a verdict each.
 
 Every arm of one experiment is run (replayed, or measured by the harness) on the *same* steps, so
 arms are compared pairwise, step for step. For each hypothesis the table gives each arm's S
 (seconds of foreground stall per committed token) with its 95% bootstrap interval, the figures
-the seed asks for beside it, the paired comparisons the claim rests on, and a verdict:
+each claim needs beside it, the paired comparisons the claim rests on, and a verdict:
 
 * ``supported``: every comparison the claim needs holds: at family-wise level 2.5% one-sided
   (Holm's procedure over the comparisons; the lower tail of a 95% interval), and by at least
@@ -14,13 +14,13 @@ the seed asks for beside it, the paired comparisons the claim rests on, and a ve
   falsifier's wording is printed with it, as a result, not an error;
 * ``insufficient``: too few held-out sessions (or blocks) to decide.
 
-The claims (seed section 8):
+The claims (their wording and falsifiers: :data:`HYPOTHESES`):
 
 * **H2** (E2): stall-valued admission (``stall-value``) yields lower S and higher eta_stall than
   probability-only admission (``probability``, ``per-byte``) and deadline-only admission
   (``deadline``) at equal byte and queue budgets. ``eta_stall = (S_0 - S_policy) / B_spec``
-  (seed 4.3: S_0 is the arm without prefetch, ``none``; B_spec speculative bytes per committed
-  token), in seconds per byte.
+  (S_0 is the arm without prefetch, ``none``; B_spec speculative bytes per committed token), in
+  seconds per byte.
 * **H3a** (E3): stall-valued placement (``stall-value``) lowers S relative to raw frequency and the
   other simpler placements at equal RAM, even when its hit-rate gain is small.
 * **H3b** (E3): splitting shifts the S-versus-RAM curve toward lower memory: at some RAM budget
@@ -34,8 +34,7 @@ Units are resampled as :mod:`replay.evaluation.evidence` does: held-out sessions
 
 References
 ----------
-The seed proposal, sections 4.3 (eta_stall), 8 (E2, E3, E5 and their falsifiers) and 9.3
-(paired bootstrap intervals, family-wise error control).
+S. Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6 (1979).
 """
 
 from __future__ import annotations
@@ -47,15 +46,16 @@ import numpy as np
 
 from containers.errors import InputError
 
+from replay.evaluation import evidence
 from replay.evaluation.evidence import (
-    MIN_BLOCKS,
     MIN_SESSIONS,
-    SESSION_UNITS,
     block_evidence,
     holm,
+    resampling_method,
     session_evidence,
 )
-from replay.evaluation.stats import Interval
+from replay.evaluation.stats import LEVEL, RESAMPLES
+from replay.formats.interval import Interval
 
 ALPHA = 0.025
 """Family-wise level of one hypothesis's comparisons (one-sided)."""
@@ -63,8 +63,6 @@ MATERIAL_SHARE = 0.01
 """The smallest saving, as a share of the other arm's TPOT, a comparison counts as an improvement."""
 MEDIAN_TOLERANCE = 0.05
 """H5: the largest rise of the median step stall, as a share of the default arm's, that is not "material"."""
-RESAMPLES = 4000
-LEVEL = 0.95
 SUPPORTED, NOT_SUPPORTED, INSUFFICIENT = "supported", "not supported", "insufficient"
 
 
@@ -223,7 +221,20 @@ def measured_table(key: str, runs, names: dict[str, str] | None = None, min_sess
     """Hypothesis ``key`` (H2, H3a, H3b or H5) from measured runs (:func:`measured_arms`): the same
     table, comparisons and verdict as from a replay. H3b's arms are named ``whole@GB`` and
     ``split@GB`` (:func:`measured_curve`): runs of the whole-expert and the split container at
-    each RAM budget, measured with the same prompts and repetitions."""
+    each RAM budget, measured with the same prompts and repetitions.
+
+    Parameters
+    ----------
+    key : the hypothesis.
+    runs : the measured runs (:func:`measured_arms`).
+    names : arm names by run, or None for the runs' own.
+    min_sessions : units a verdict needs.
+    seed : the bootstrap's seed.
+
+    Returns
+    -------
+    :class:`HypothesisTable`.
+    """
     arms = measured_arms(runs, names)
     regime = "measured runs: " + ", ".join(f"{n} ({len(np.unique(a.session))} units)" for n, a in arms.items())
     if key == "H2":
@@ -304,14 +315,10 @@ def _units(arm: ArmSteps) -> tuple[str, list[np.ndarray], int]:
     """How steps are resampled: ``("session", [step indices per session], n_sessions)`` or
     ``("moving-block", [step indices per block start], n_sessions)``."""
     sessions, inverse = np.unique(arm.session, return_inverse=True)
-    if len(sessions) >= SESSION_UNITS:
+    if resampling_method(len(sessions)) == "session":
         return "session", [np.flatnonzero(inverse == u) for u in range(len(sessions))], len(sessions)
     ev = block_evidence(arm.stall, arm.stall, arm.committed, arm.session)
-    ell, n = ev.block_steps, len(arm.stall)
-    same = np.zeros(n, dtype=bool)
-    if n >= ell:
-        same[: n - ell + 1] = arm.session[ell - 1:] == arm.session[: n - ell + 1]
-    return "moving-block", [np.arange(s, s + ell) for s in np.flatnonzero(same)], len(sessions)
+    return "moving-block", [np.arange(s, s + ev.block_steps) for s in ev.block_starts()], len(sessions)
 
 
 def _draws(units: list[np.ndarray], n_draw: int, rng, resamples: int) -> list[np.ndarray]:
@@ -320,24 +327,16 @@ def _draws(units: list[np.ndarray], n_draw: int, rng, resamples: int) -> list[np
 
 
 def _mean_evidence(base: ArmSteps, new: ArmSteps, seed: int):
-    if len(np.unique(base.session)) >= SESSION_UNITS:
+    if resampling_method(len(np.unique(base.session))) == "session":
         _, inv = np.unique(base.session, return_inverse=True)
         return session_evidence(np.bincount(inv, base.stall), np.bincount(inv, new.stall), np.bincount(inv, base.committed), seed)
     return block_evidence(base.stall, new.stall, base.committed, base.session, seed)
 
 
 def sufficiency(arm: ArmSteps, min_sessions: int = MIN_SESSIONS) -> tuple[bool, str]:
-    """Whether the steps of ``arm`` hold enough units for a verdict, and in words."""
-    method, units, n_sessions = _units(arm)
-    if n_sessions < min_sessions:
-        return False, f"only {n_sessions} held-out session(s); a verdict needs at least {min_sessions} (--min-sessions)"
-    if method == "moving-block":
-        ell = len(units[0]) if units else 0
-        n_blocks = int(np.ceil(len(arm.stall) / max(ell, 1)))
-        if n_blocks < MIN_BLOCKS:
-            return False, f"only {n_blocks} blocks of {ell} steps; a verdict needs at least {MIN_BLOCKS}"
-        return True, f"{n_sessions} held-out session(s) in {n_blocks} blocks of {ell} steps"
-    return True, f"{n_sessions} held-out sessions"
+    """Whether the steps of ``arm`` hold enough units for a verdict, and in words
+    (:func:`replay.evaluation.evidence.sufficiency` of its units)."""
+    return evidence.sufficiency(_mean_evidence(arm, arm, 0), min_sessions)
 
 
 def stall_interval(arm: ArmSteps, seed: int = 0) -> Interval:

@@ -17,26 +17,35 @@ says how many 95% intervals a correct prediction may fall outside of by chance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from replay.formats.interval import Interval
 
-@dataclass(frozen=True)
-class Interval:
-    estimate: float
-    low: float
-    high: float
-    unit: str
-    n_units: int
-
-    def to_json(self) -> dict:
-        return {"estimate": self.estimate, "low": self.low, "high": self.high, "unit": self.unit, "n_units": self.n_units}
+RESAMPLES = 4000
+"""Bootstrap resamples of an interval, unless a caller says otherwise."""
+LEVEL = 0.95
+"""Two-sided coverage of an interval, unless a caller says otherwise."""
 
 
-def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: str, resamples: int = 4000,
+def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: str, resamples: int = RESAMPLES,
                   seed: int = 0) -> Interval:
-    """95% bootstrap interval of (sum base - sum new) / sum tokens over paired units."""
+    """95% bootstrap interval of ``(sum base - sum new) / sum tokens`` over paired units.
+
+    Parameters
+    ----------
+    base, new : per-unit totals of the two layouts (e.g. seconds of stall), paired by index.
+    tokens : per-unit committed tokens.
+    unit : what one unit is, for the record.
+    resamples, seed : the bootstrap's resample count and seed (deterministic given both).
+
+    Returns
+    -------
+    :class:`~replay.formats.interval.Interval` of the saving per token, resampled over the units
+    (a single unit gives a zero-width interval at the estimate).
+
+    >>> paired_saving([2.0, 4.0], [1.0, 3.0], [1.0, 1.0], "session").estimate
+    1.0
+    """
     base, new, tokens = (np.asarray(x, dtype=np.float64) for x in (base, new, tokens))
     n = len(base)
     est = (base.sum() - new.sum()) / tokens.sum()
@@ -49,7 +58,7 @@ def paired_saving(base: np.ndarray, new: np.ndarray, tokens: np.ndarray, unit: s
     return Interval(float(est), float(lo), float(hi), unit, n)
 
 
-def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -> Interval:
+def repetition_interval(values, unit: str = "repetition", level: float = LEVEL) -> Interval:
     """Mean of per-repetition ``values`` and its ``level`` Student-t interval, each repetition one unit.
 
     Parameters
@@ -66,6 +75,10 @@ def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -
     References
     ----------
     Student (1908), "The probable error of a mean", Biometrika 6(1).
+
+    >>> iv = repetition_interval([1.0, 2.0, 3.0])
+    >>> iv.estimate, round(iv.low, 3), round(iv.high, 3), iv.n_units
+    (2.0, -0.484, 4.484, 3)
     """
     x = np.asarray(values, dtype=np.float64)
     n = len(x)
@@ -78,7 +91,7 @@ def repetition_interval(values, unit: str = "repetition", level: float = 0.95) -
     return Interval(mean, mean - half, mean + half, unit, n)
 
 
-def family_level(judgements: int, level: float = 0.95) -> float:
+def family_level(judgements: int, level: float = LEVEL) -> float:
     """The coverage each of ``judgements`` intervals needs for all of them to cover their true
     values with probability at least ``level`` (Bonferroni): ``1 - (1 - level) / judgements``.
 
@@ -86,6 +99,13 @@ def family_level(judgements: int, level: float = 0.95) -> float:
     ----------
     judgements : how many intervals one verdict rests on (>= 1).
     level : the family's two-sided coverage.
+
+    Returns
+    -------
+    The per-interval coverage, a fraction.
+
+    >>> round(family_level(5), 6)
+    0.99
 
     References
     ----------
@@ -96,12 +116,24 @@ def family_level(judgements: int, level: float = 0.95) -> float:
     return 1 - (1 - level) / judgements
 
 
-def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> int:
+def chance_misses(judgements: int, miss: float = 0.05, level: float = LEVEL) -> int:
     """How many of ``judgements`` intervals, each missing its true value with probability
     ``miss``, may miss by chance: the smallest ``b`` with ``P(X > b) <= 1 - level`` for ``X``
     binomial(``judgements``, ``miss``) (intervals taken as independent; those of one measurement
-    sharing a baseline are not quite, so this is a guide, not an exact test). 24 judgements at
-    95% each: 3; 12: 2; 1: 0.
+    sharing a baseline are not quite, so this is a guide, not an exact test).
+
+    Parameters
+    ----------
+    judgements : how many intervals.
+    miss : each interval's probability of missing its true value.
+    level : the coverage of the bound on the count.
+
+    Returns
+    -------
+    The number of misses chance alone explains.
+
+    >>> chance_misses(24), chance_misses(12), chance_misses(1)
+    (3, 2, 0)
 
     References
     ----------
@@ -117,7 +149,11 @@ def chance_misses(judgements: int, miss: float = 0.05, level: float = 0.95) -> i
 
 def student_t_quantile(p: float, repetitions: int) -> float:
     """Student's t quantile ``p`` with ``repetitions - 1`` degrees of freedom (>= 2 repetitions):
-    how many standard errors of the mean a two-sided ``2p - 1`` interval reaches either side."""
+    how many standard errors of the mean a two-sided ``2p - 1`` interval reaches either side.
+
+    >>> round(student_t_quantile(0.975, 4), 3)
+    3.182
+    """
     from scipy.stats import t as student_t     # scipy.stats takes a while to import: only when asked
 
     return float(student_t.ppf(p, repetitions - 1))
@@ -125,6 +161,9 @@ def student_t_quantile(p: float, repetitions: int) -> float:
 
 def family_widening(level: float, repetitions: int) -> float:
     """How many times as wide a ``level`` Student-t interval over ``repetitions`` values is as the
-    95% one (>= 2 repetitions): ``t(1 - (1 - level) / 2, n - 1) / t(0.975, n - 1)``; 3.8 for
-    ``level`` 1 - 0.05/42 at 4 repetitions, 42 at 2."""
+    95% one (>= 2 repetitions): ``t(1 - (1 - level) / 2, n - 1) / t(0.975, n - 1)``.
+
+    >>> round(family_widening(1 - 0.05 / 42, 4), 1)
+    3.8
+    """
     return student_t_quantile(1 - (1 - level) / 2, repetitions) / student_t_quantile(0.975, repetitions)

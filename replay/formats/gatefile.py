@@ -17,6 +17,7 @@ from containers.errors import InputError
 from containers.jsonfile import read_document
 
 from replay.model.config import RuntimeConfig
+from replay.formats.interval import Interval
 from replay.model.figures import LayoutMetrics
 
 GATE_FORMAT = "relayout.gate"
@@ -95,25 +96,6 @@ class GateEvidence:
 
 
 @dataclass(frozen=True)
-class Saving:
-    """A saving in seconds per committed token with its 95% interval and the units behind it."""
-
-    estimate: float
-    low: float
-    high: float
-    unit: str
-    n_units: int
-    method: str
-
-
-@dataclass(frozen=True)
-class Interval:
-    estimate: float
-    low: float
-    high: float
-
-
-@dataclass(frozen=True)
 class Decomposition:
     """Saving from repacking (source order, new packing) and from ordering, each with its interval."""
 
@@ -173,7 +155,8 @@ class GateRecord:
     runtime: RuntimeConfig
     threshold: Threshold
     evidence: GateEvidence
-    saving_per_token_s: Saving
+    saving_per_token_s: Interval
+    """The saving in seconds per committed token, with its unit, unit count and resampling method."""
     saving_fraction_of_tpot: Interval
     decomposition: Decomposition | None
     headroom: Headroom
@@ -181,7 +164,7 @@ class GateRecord:
     plan_metrics: LayoutMetrics
     per_session: list[SessionResult]
     pins: PinsUsed | None = None
-    """None only in records made before the pin set was recorded."""
+    """None when the record names no pin set."""
 
     def to_json(self) -> dict:
         return records.to_json(self)
@@ -191,13 +174,16 @@ class GateRecord:
         g = records.from_json(cls, obj, where, "gate record")
         if g.verdict not in VERDICTS:
             raise InputError(where, f"gate record's verdict {g.verdict!r} is not one of {', '.join(VERDICTS)}")
+        s = g.saving_per_token_s
+        if s.unit is None or s.n_units is None or s.method is None:
+            raise InputError(where, "malformed gate record: saving_per_token_s lacks its unit, n_units or method")
         if g.pins is not None and g.pins.source not in PIN_SOURCES:
             raise InputError(where, f"gate record's pin source {g.pins.source!r} is not one of {', '.join(PIN_SOURCES)}")
         return g
 
 
 def load_gate(path) -> GateRecord:
-    """Read and check ``gate.json`` (a record from an older relayout is refused: re-run replay)."""
+    """Read and check ``gate.json``; a record without its evidence is refused (re-run replay)."""
     obj = read_document(path, GATE_FORMAT, GATE_VERSION, ("verdict", "plan", "reason"), "gate record")
     if "evidence" not in obj:
         raise InputError(path, "gate record has no evidence (made by an older relayout): run relayout replay again")

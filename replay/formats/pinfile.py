@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from containers.atomic import atomic_output
-from containers.errors import InputError
+from containers import records
 from containers.records import is_int
 
 
@@ -40,8 +40,12 @@ class PinRecord:
     experts: list[tuple[int, int]]
 
     def to_json(self) -> dict:
-        return {"arm": self.arm, "ram_bytes": self.ram_bytes, "pin_bytes": self.pin_bytes, "lru_bytes": self.lru_bytes,
-                "device": self.device, "how": self.how, "experts": [list(p) for p in self.experts]}
+        return records.to_json(self)
+
+    @classmethod
+    def from_json(cls, obj, where: str | None) -> "PinRecord":
+        """A ``pins`` field as a record (check its ranges with :func:`pin_record_problems` first)."""
+        return records.from_json(cls, obj, where, "pin record")
 
 
 def pin_file_text(experts: list[tuple[int, int]]) -> str:
@@ -108,13 +112,4 @@ def pin_record_problems(pins, geometry: dict) -> list[str]:
     return problems
 
 
-def pin_record_of(obj: dict, where: str) -> PinRecord:
-    """A validated ``pins`` field as a :class:`PinRecord` (validate with :func:`pin_record_problems` first)."""
-    try:
-        return PinRecord(obj["arm"], obj["ram_bytes"], obj["pin_bytes"], obj["lru_bytes"], obj["device"], obj["how"],
-                         [(int(a), int(b)) for a, b in obj["experts"]])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(where, f"plan's pins are malformed ({exc})") from None
-
-
-__all__ = ["PinRecord", "pin_file_text", "pin_gb_for", "pin_record_of", "pin_record_problems", "runtime_pins", "write_pin_file"]
+__all__ = ["PinRecord", "pin_file_text", "pin_gb_for", "pin_record_problems", "runtime_pins", "write_pin_file"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +26,10 @@ from containers.hashing import digest_of
 from containers.jsonfile import read_document
 from containers.layout import Layout, check_runtime_constraints
 from containers.output_files import MAX_LISTED, output_name_problem
-from containers.records import is_int
+from containers import records
+from containers.records import is_int, omitted_when_none
 
-from replay.formats.pinfile import PinRecord, pin_record_of, pin_record_problems
+from replay.formats.pinfile import PinRecord, pin_record_problems
 
 PLAN_FORMAT = "relayout.plan"
 PLAN_VERSION = 1
@@ -45,20 +46,112 @@ def save_plan(plan: dict, path: str | os.PathLike) -> None:
     write_json_atomic(path, plan, indent=None)
 
 
-@dataclass
+@dataclass(frozen=True)
+class PlanGeometry:
+    """The model a plan is for: sizes (the FFN's ``moe_intermediate_size`` in rows), routed and MTP
+    layer numbers, and per routed layer its expert format and one expert's bytes. ``name`` and
+    ``synth_seed`` are recorded for a plan made against a geometry instead of a container."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    n_experts: int
+    top_k: int
+    routed_layers: list[int]
+    mtp_layers: list[int]
+    expert_formats: dict[int, str]
+    expert_bytes: dict[int, int]
+    name: str | None = omitted_when_none()
+    synth_seed: int | None = omitted_when_none()
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+    @classmethod
+    def from_json(cls, obj, where: str | None) -> "PlanGeometry":
+        return records.from_json(cls, obj, where, "plan geometry")
+
+
+@dataclass(frozen=True)
+class PlanSourceRef:
+    """What a plan was made for: ``kind`` ``container`` (a real one, with its fingerprints) or
+    ``geometry`` (planned without bytes), and its path or geometry name."""
+
+    kind: str
+    name: str | None = None
+    fingerprint: str | None = None
+    content_fingerprint: str | None = None
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanTraining:
+    """The sessions a plan learned from: the trace file(s) and their content fingerprints (one, or
+    a list for pooled traces), the training and held-out session names, the training sessions'
+    routing fingerprints (same order) and the training forwards counted."""
+
+    trace: str | list[str] | None = None
+    trace_fingerprint: str | list[str] | None = None
+    sessions: list[str]
+    held_out_sessions: list[str]
+    session_fingerprints: list[str] | None = None
+    forwards: int | None = None
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+
+@dataclass(frozen=True)
+class SplitSegment:
+    """One routed layer's vertical split: FFN rows of the top segment, and the bytes of each segment."""
+
+    top_rows: int
+    top_bytes: int
+    bottom_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitPlan:
+    """A vertical split plan: the top segment's FFN share ``ratio``, the rule that chose the
+    resident tops, the RAM for them and the LRU budget they competed with (bytes), for the
+    ``replay`` rule the device profile and reader workers, each routed layer's segments and
+    resident expert ids, and the resident tops' bytes."""
+
+    ratio: float
+    rule: str
+    ram_bytes: int
+    cache_bytes: int
+    device: str | None = omitted_when_none()
+    workers: int | None = omitted_when_none()
+    segments: dict[int, SplitSegment]
+    resident: dict[int, list[int]]
+    resident_bytes: int
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+    @classmethod
+    def from_json(cls, obj, where: str | None) -> "SplitPlan":
+        return records.from_json(cls, obj, where, "split plan")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
-    """A loaded, validated plan."""
+    """A loaded, validated plan: ``raw`` is the document as read (rewritten whole by :func:`with_pins`)."""
 
     path: str
     raw: dict
     stock: Layout
     layout: Layout
     orders: dict[int, np.ndarray]
-    split: dict | None = None
-    geometry: dict = field(default_factory=dict)
+    source: PlanSourceRef
+    geometry: PlanGeometry
+    training: PlanTraining
+    split: SplitPlan | None = None
     repack: Layout | None = None
     """The source's expert order in the new packing (files, alignment), to separate what repacking
-    saves from what ordering saves; None in plans made before it was recorded."""
+    saves from what ordering saves; None when the plan does not record it."""
     pins: PinRecord | None = None
     """A pin set chosen for this layout (``relayout placement --plan-out``), or None."""
 
@@ -73,21 +166,28 @@ class Plan:
     @property
     def source_kind(self) -> str:
         """``container`` (a real container, with a fingerprint) or ``geometry`` (planned without bytes)."""
-        return self.raw["source"]["kind"]
+        return self.source.kind
 
     @property
     def source_fingerprint(self) -> str | None:
-        return self.raw["source"]["fingerprint"]
+        return self.source.fingerprint
 
     @property
     def training_sessions(self) -> list[str]:
-        return list(self.raw["training"]["sessions"])
+        return list(self.training.sessions)
 
     @property
     def training_fingerprints(self) -> list[str] | None:
-        """Routing fingerprints of the training sessions (same order), or None in older plans."""
-        fps = self.raw["training"].get("session_fingerprints")
+        """Routing fingerprints of the training sessions (same order), or None when the plan has none."""
+        fps = self.training.session_fingerprints
         return None if fps is None else list(fps)
+
+    def split_state(self):
+        """The split plan as the replay model takes it (:class:`replay.model.engine.SplitState`), or None."""
+        from replay.model.engine import split_state
+
+        return split_state(None if self.split is None else self.split.to_json(), self.layout,
+                           self.geometry.moe_intermediate_size)
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
@@ -125,8 +225,13 @@ def load_plan(path: str | os.PathLike) -> Plan:
         if repack.layers != layout.layers or not np.array_equal(repack.expert_bytes(), layout.expert_bytes()):
             raise InputError(path, "the repacked stock layout does not match the new layout's experts")
         check_runtime_constraints(repack, where)
-    pins = pin_record_of(raw["pins"], where) if raw.get("pins") is not None else None
-    return Plan(where, raw, stock, layout, orders, raw.get("split"), g, repack, pins)
+    pins = PinRecord.from_json(raw["pins"], where) if raw.get("pins") is not None else None
+    split = SplitPlan.from_json(raw["split"], where) if raw.get("split") is not None else None
+    source = records.from_json(PlanSourceRef, raw["source"], where, "plan source")
+    training = records.from_json(PlanTraining, raw["training"], where, "plan training")
+    return Plan(path=where, raw=raw, stock=stock, layout=layout, orders=orders, source=source,
+                geometry=PlanGeometry.from_json(g, where), training=training,
+                split=split, repack=repack, pins=pins)
 
 
 def with_pins(raw: dict, pins: PinRecord) -> dict:

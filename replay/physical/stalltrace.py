@@ -20,7 +20,8 @@ import numpy as np
 
 from containers.errors import InputError
 from replay.evaluation.gate import TpotParts
-from replay.evaluation.stats import Interval, repetition_interval
+from replay.evaluation.stats import repetition_interval
+from replay.formats.interval import Interval
 from replay.formats.stalltrace import IO_FIELDS, TIMED, StallRecords, int_field
 
 REQUIRED_EXPERT = ("run_id", "request_id", "layer", "expert_id", "required", "bytes")

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from replay.evaluation.evidence import DEFAULT_THRESHOLD
 from replay.evaluation.stats import family_level, repetition_interval
 
-GATE_THRESHOLD = 0.05
+GATE_THRESHOLD = DEFAULT_THRESHOLD
 """The gate's threshold: the saving's interval low end must reach this fraction of the baseline TPOT."""
 TOLERANCE = 0.20
 """The model holds when every cell's predicted/measured S is within this fraction of 1."""
