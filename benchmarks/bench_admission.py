@@ -33,7 +33,7 @@ from dataclasses import replace
 import numpy as np
 
 from containers.geometry import load_geometry
-from relayout.plan import source_from_geometry
+from relayout.planning.plan import source_from_geometry
 from relayout.traces.synth import synth_trace
 from replay.model.admission import admission_counts
 from replay.model.config import RuntimeConfig

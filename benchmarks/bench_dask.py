@@ -8,7 +8,7 @@ Prints, measured in this run:
   of a GLM-5.2-shaped plan (75 layers x 256 experts, top-8, --tokens decode tokens), serial in
   this process and on the cluster, alternating --pairs times: seconds, speedup, and whether the
   two tables are identical (they must be);
-* pooled counting of --files trace files (``relayout.training.pooled_training``), serial and on
+* pooled counting of --files trace files (``relayout.planning.training.pooled_training``), serial and on
   the cluster, alternating: seconds, speedup, identical counts.
 
 Both paths load the replay model's compiled code before timing (this process, and every worker
@@ -31,9 +31,9 @@ import numpy as np
 from common import REPO  # noqa: F401  (puts this checkout first on sys.path)
 
 from containers.geometry import load_geometry
-from relayout.plan import make_plan, source_from_geometry
+from relayout.planning.plan import make_plan, source_from_geometry
 from relayout.traces.synth import fit_atlas, load_atlas, synth_trace
-from relayout.training import pooled_training
+from relayout.planning.training import pooled_training
 from replay.execution import SerialExecutor, open_executor
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

@@ -80,7 +80,7 @@ REPLAY = """
 import json, sys, time, numpy as np
 t0 = time.perf_counter()
 from containers.geometry import load_geometry
-from relayout.plan import source_from_geometry
+from relayout.planning.plan import source_from_geometry
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 mode, path = sys.argv[1], sys.argv[2]

@@ -15,7 +15,7 @@ bootstrap intervals over held-out sessions, paired.
    rule re-expressed here (not its code): rank the stock shards by the usage-weighted bytes of the
    experts they hold whose gate weight is in a chosen shard or in this one, per shard byte, and take
    the best that still fit, one at a time. Usage = the training sessions' expert counts (what
-   ``.coli_usage`` records). relayout: :func:`relayout.drive_plan.plan_drives` with the mirror.
+   ``.coli_usage`` records). relayout: :func:`relayout.planning.drive_plan.plan_drives` with the mirror.
    Reported: S with no mirror, S with each, and how many times relayout's removal is the engine's.
 2. Split (``COLI_MODEL_DIRS``) over 2 drives (fast + slow) and 4 (2 fast + 2 slow): the converter's
    shards split evenly by name against relayout's packing and assignment; reported: S of each, the
@@ -37,7 +37,7 @@ from common import REPO
 
 from containers.geometry import load_geometry
 from containers.layout import layout_from_geometry
-from relayout.drive_plan import even_split_by_name, plan_drives, training_routing
+from relayout.planning.drive_plan import even_split_by_name, plan_drives, training_routing
 from replay.model.device import load_device
 from replay.model.drivetime import expert_table, paired_interval, ratio_interval, session_stall, speedup_interval
 from replay.model.storage import DirectorySpec, DriveSpec, Storage, StorageRecord

@@ -31,14 +31,14 @@ from containers.container import MANIFEST_NAME, Container
 from containers.geometry import load_geometry
 from containers.manifest import build_manifest, write_manifest
 from containers.synth import synth_container
-from relayout.apply import apply_plan
-from relayout.plan import (
+from relayout.workflows.apply import apply_plan
+from relayout.planning.plan import (
     SplitOptions,
     make_plan,
     source_from_container,
     source_from_geometry,
 )
-from relayout.render import format_placement, format_split_curve
+from relayout.render.text import format_placement, format_split_curve
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.physical.calibrate import calibrate
 from replay.model.config import RuntimeConfig

@@ -31,10 +31,10 @@ import numpy as np
 from common import REPO
 
 from containers.geometry import load_geometry
-from relayout.coactivation import LayerCounts, weight_matrix
-from relayout.louvain import louvain_partition, modularity
-from relayout.ordering import runs_per_token
-from relayout.plan import make_plan, source_from_geometry, split_sessions, training_rows
+from relayout.planning.coactivation import LayerCounts, weight_matrix
+from relayout.planning.louvain import louvain_partition, modularity
+from relayout.planning.ordering import runs_per_token
+from relayout.planning.plan import make_plan, source_from_geometry, split_sessions, training_rows
 from relayout.traces.importer import import_traces
 from relayout.traces.synth import fit_atlas, load_atlas, synth_trace
 from replay.formats.trace import save_trace
@@ -55,7 +55,7 @@ def timed_plan(checkout: Path, trace: Path, out: Path) -> tuple[float, float]:
     """Plan ``trace`` for the GLM-5.2 geometry with the code in ``checkout``, in a fresh process:
     (seconds inside make_plan, peak RSS MB of the process)."""
     code = (f"import sys, time; sys.path.insert(0, {str(checkout)!r}); "
-            "from replay.formats.trace import load_trace; from relayout.plan import make_plan, source_from_geometry; "
+            "from replay.formats.trace import load_trace; from relayout.planning.plan import make_plan, source_from_geometry; "
             "from replay.formats.planfile import save_plan; from containers.geometry import load_geometry; "
             f"tr = load_trace({str(trace)!r}); src = source_from_geometry(load_geometry('glm-5.2-int4-row')); "
             "t = time.perf_counter(); p = make_plan(tr, src, 'louvain', progress=False); s = time.perf_counter() - t; "
@@ -114,7 +114,7 @@ def louvain_side_by_side(trace, train_mask, layers) -> None:
             groups.setdefault(c, []).append(node)
         return labels(W, groups.values())
 
-    impls = {"relayout.louvain (compiled, dense)": ours, "networkx louvain_communities": networkx}
+    impls = {"relayout.planning.louvain (compiled, dense)": ours, "networkx louvain_communities": networkx}
     if python_louvain is not None:
         impls["python-louvain best_partition"] = python
     print(f"Louvain on the same {len(mats)} layer matrices (graph built from the matrix inside the timing for the graph libraries):")

@@ -23,7 +23,7 @@ import numpy as np
 from common import child_peak_rss_mb
 
 from containers.geometry import load_geometry
-from relayout.plan import source_from_geometry
+from relayout.planning.plan import source_from_geometry
 from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.coupling import coupling_table
@@ -90,7 +90,7 @@ def run(args, work: Path) -> None:
               + (f" ({loads / dt / STALL_VALUED_TARGET:.2f}x the stall-valued target of 1.5 M/s; on CPU time, "
                  f"{cpu:.1f} s: {loads / cpu / 1e6:.2f} M/s, {loads / cpu / STALL_VALUED_TARGET:.2f}x)"
                  if cfg.admission == "stall-value" else ""))
-    code = (f"import numpy as np; from replay.formats.trace import load_trace; from relayout.plan import source_from_geometry; "
+    code = (f"import numpy as np; from replay.formats.trace import load_trace; from relayout.planning.plan import source_from_geometry; "
             f"from containers.geometry import load_geometry; from replay.model.device import load_device; "
             f"from replay.model.streaming import replay_steps; "
             f"from replay.model.config import RuntimeConfig; tr = load_trace({str(work / 't.rt')!r}); "

@@ -29,8 +29,8 @@ from common import REPO, big_container, child_peak_rss_mb, drop_file_cache, plai
 
 from containers.container import MANIFEST_NAME, Container
 from containers.manifest import build_manifest, write_manifest
-from relayout.packing import PackOptions
-from relayout.plan import make_plan, source_from_container
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import make_plan, source_from_container
 from relayout.traces.synth import synth_trace
 from replay.formats.planfile import save_plan
 
@@ -122,7 +122,7 @@ def main() -> None:
         d = work / f"mem-{label}"
         shutil.rmtree(d, ignore_errors=True)
         mb = child_peak_rss_mb(
-            f"from relayout.apply import apply_plan; from replay.formats.planfile import load_plan; "
+            f"from relayout.workflows.apply import apply_plan; from replay.formats.planfile import load_plan; "
             f"apply_plan({str(s)!r}, load_plan({str(p)!r}), {str(d)!r}, None, force=True, progress=False)")
         shutil.rmtree(d, ignore_errors=True)
         print(f"peak RSS of a rewrite, {label} container ({sum(x.stat().st_size for x in files_of(s)) / 1e9:.2f} GB): {mb:.0f} MB")

@@ -36,9 +36,9 @@ from containers.geometry import load_geometry  # noqa: E402
 from containers.manifest import build_manifest, write_manifest  # noqa: E402
 from containers.model_index import INDEX_NAME, index_bytes  # noqa: E402
 from containers.synth import synth_container  # noqa: E402
-from relayout.apply import verify  # noqa: E402
-from relayout.packing import PackOptions  # noqa: E402
-from relayout.plan import make_plan, source_from_container
+from relayout.workflows.apply import verify  # noqa: E402
+from relayout.planning.packing import PackOptions  # noqa: E402
+from relayout.planning.plan import make_plan, source_from_container
 from relayout.traces.synth import synth_trace  # noqa: E402
 from replay.formats.planfile import save_plan  # noqa: E402
 

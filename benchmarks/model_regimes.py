@@ -25,7 +25,7 @@ sys.path.insert(0, os.environ.get("RELAYOUT_TREE", str(Path(__file__).resolve().
 import numpy as np  # noqa: E402
 
 from containers.geometry import load_geometry  # noqa: E402
-from relayout.plan import make_plan, source_from_geometry  # noqa: E402
+from relayout.planning.plan import make_plan, source_from_geometry  # noqa: E402
 from relayout.traces.synth import SynthParams, synth_trace  # noqa: E402
 from replay.model.config import RuntimeConfig  # noqa: E402
 from replay.model.device import load_device  # noqa: E402

@@ -4,7 +4,7 @@ A :class:`Layout` is what the replay model reads, what a plan records and what a
 writes. The source layout comes from a real container (:func:`layout_from_container`) or, for
 planning without the bytes, from the converter rules for a geometry (:func:`layout_from_geometry`,
 the layout ``relayout synth container`` would write); the planner's packer
-(:mod:`relayout.packing`) builds new ones. :func:`check_runtime_constraints` states what the
+(:mod:`relayout.planning.packing`) builds new ones. :func:`check_runtime_constraints` states what the
 runtime requires of any layout.
 
 Slot order: ``expert_loc[layer index, expert, slot] = (file index, offset, nbytes)`` with slots

@@ -1,16 +1,16 @@
 """The runtime a command's options describe, and the budgets a replay asks for: the command line's
 adapter (:func:`relayout.cli.arguments.runtime_config`) and the pure rules of
-:mod:`relayout.replay_setup` it and the replay commands call."""
+:mod:`relayout.planning.replay_setup` it and the replay commands call."""
 
 import doctest
 
 import pytest
 
-import relayout.replay_setup
+import relayout.planning.replay_setup
 from containers.errors import InputError
 from relayout.cli.arguments import runtime_config
 from relayout.cli.parser import build_parser
-from relayout.replay_setup import RuntimeRequest, check_ram, hypothesis_selection, sweep_ram_gb
+from relayout.planning.replay_setup import RuntimeRequest, check_ram, hypothesis_selection, sweep_ram_gb
 from replay.model.config import RuntimeConfig
 
 REPLAY = ["replay", "--layout", "p.json", "--trace", "t.rt", "--device", "single-nvme"]
@@ -18,7 +18,7 @@ MEASURE = ["measure", "--container", "c", "--trace", "t.rt"]
 
 
 def test_the_doctests_of_the_pure_rules_hold():
-    assert doctest.testmod(relayout.replay_setup).failed == 0
+    assert doctest.testmod(relayout.planning.replay_setup).failed == 0
 
 
 def test_own_read_path_options_become_the_model_config_in_its_units():
@@ -44,7 +44,7 @@ def test_own_read_path_and_a_colibri_run_together_are_refused():
     with pytest.raises(InputError, match="choose relayout's own read path"):
         runtime_config(args)
     with pytest.raises(InputError, match="choose relayout's own read path"):
-        relayout.replay_setup.runtime_config(RuntimeRequest(coalesce_max_mb=1.0, dense_ms=1.0, workers=2,
+        relayout.planning.replay_setup.runtime_config(RuntimeRequest(coalesce_max_mb=1.0, dense_ms=1.0, workers=2,
                                                             colibri_run=True, runtime_env_from="run.txt"))
 
 

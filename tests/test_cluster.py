@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
-from relayout.coactivation import LayerCounts, PairCounts, count_pairs, pair_counts
-from relayout.plan import make_plan, source_from_geometry
+from relayout.planning.coactivation import LayerCounts, PairCounts, count_pairs, pair_counts
+from relayout.planning.plan import make_plan, source_from_geometry
 from relayout.traces.synth import SynthParams, synth_trace
-from relayout.training import (
+from relayout.planning.training import (
     pooled_training,
     split_sessions,
     trace_paths,
@@ -160,7 +160,7 @@ def test_sparse_pair_counts_merge_exactly(seed, k):
         dense = LayerCounts.of_rows(rows, E)
         assert np.array_equal(m.layer(li).pairs, dense.pairs) and np.array_equal(m.layer(li).heat, dense.heat)
         order = rng.permutation(E)
-        from relayout.ordering import runs_per_token
+        from relayout.planning.ordering import runs_per_token
 
         assert m.layer(li).runs_per_token(order) == pytest.approx(runs_per_token(rows, order))
     assert m.layer(2).rows == 0 and not m.layer(2).pairs.any()  # an untraced layer counts nothing

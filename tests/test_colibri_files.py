@@ -40,9 +40,9 @@ from containers.shard_metadata import (
 )
 from containers.sources import FileRange
 from containers.synth import colibri_format_name, synth_container
-from relayout.apply import apply_plan, output_files, verify
-from relayout.packing import PackOptions
-from relayout.plan import SplitOptions, make_plan, source_from_container
+from relayout.workflows.apply import apply_plan, output_files, verify
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import SplitOptions, make_plan, source_from_container
 from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, save_plan
 

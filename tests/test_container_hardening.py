@@ -198,8 +198,8 @@ from containers.verify import verify_containers  # noqa: E402
 @pytest.fixture(scope="module")
 def rewritten(tmp_path_factory):
     """A source with its manifest, a faithful rewrite of it and a split rewrite of it."""
-    from relayout.apply import apply_plan
-    from relayout.plan import SplitOptions, make_plan, source_from_container
+    from relayout.workflows.apply import apply_plan
+    from relayout.planning.plan import SplitOptions, make_plan, source_from_container
     from relayout.traces.synth import synth_trace
     from replay.formats.planfile import load_plan, save_plan
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.layout import layout_from_geometry, slot_name
-from relayout.drive_plan import choose_mirrored, even_split_by_name, plan_drives, training_routing
+from relayout.planning.drive_plan import choose_mirrored, even_split_by_name, plan_drives, training_routing
 from relayout.traces.synth import synth_trace
 from replay.model.device import load_device
 from replay.model.drivetime import expert_table, session_stall

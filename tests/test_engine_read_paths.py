@@ -226,7 +226,7 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
     from conftest import run_cli
 
     from containers.geometry import load_geometry
-    from relayout.plan import make_plan, source_from_geometry
+    from relayout.planning.plan import make_plan, source_from_geometry
     from relayout.traces.synth import synth_trace
     from replay.formats.planfile import save_plan
     from replay.formats.trace import save_trace

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 
 from containers.errors import InputError
-from relayout.engine_runs import EngineArm, measure_engine, schedule
+from relayout.workflows.engine_runs import EngineArm, measure_engine, schedule
 from replay.colibri.engine_config import env_words, parse_runtime_env
 from replay.colibri.engine_metrics import engine_compare, engine_report
 from replay.colibri.engine_output import RUN_FILE, read_runs

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from containers.geometry import load_geometry
-from relayout.plan import make_plan, source_from_geometry
+from relayout.planning.plan import make_plan, source_from_geometry
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

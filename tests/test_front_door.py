@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from relayout.gate_text import bottom_line, held_out_notice
-from relayout.training import held_out_advice, sessions_needed, split_sessions
+from relayout.render.gate import bottom_line, held_out_notice
+from relayout.planning.training import held_out_advice, sessions_needed, split_sessions
 from replay.evaluation.evidence import HeldOut
 from replay.formats.gatefile import load_gate
 

@@ -10,7 +10,7 @@ from conftest import run_cli
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
-from relayout.plan import make_plan, source_from_geometry
+from relayout.planning.plan import make_plan, source_from_geometry
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
@@ -155,7 +155,7 @@ def test_rewrite_refuses_an_insufficient_gate_and_replay_says_so_in_its_status(c
 
 
 def test_check_gate_refuses_insufficient_evidence(case):
-    from relayout.apply import check_gate
+    from relayout.workflows.apply import check_gate
 
     plan, tr = case["plan"], case["trace"]
     n = len(plan.training_sessions)

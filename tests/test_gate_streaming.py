@@ -17,7 +17,7 @@ from containers.geometry import load_geometry
 from containers.hashing import digest_of
 from relayout.cli.arguments import runtime_config as _runtime_config
 from relayout.cli.parser import build_parser
-from relayout.plan import make_plan, source_from_geometry
+from relayout.planning.plan import make_plan, source_from_geometry
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.coupling import COUPLED_TARGETS, coupling_table, top_targets

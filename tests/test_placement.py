@@ -10,7 +10,7 @@ from conftest import REPO, make_trace, run_cli
 from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.layout import Layout
-from relayout.plan import make_plan, source_from_geometry
+from relayout.planning.plan import make_plan, source_from_geometry
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

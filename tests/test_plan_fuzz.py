@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from relayout.apply import apply_plan, output_files, verify
-from relayout.packing import PackOptions
-from relayout.plan import make_plan, source_from_container
+from relayout.workflows.apply import apply_plan, output_files, verify
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import make_plan, source_from_container
 from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, plan_digest
 

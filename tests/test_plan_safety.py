@@ -16,9 +16,9 @@ from conftest import REPO, run_cli, small_geometry, source_with_manifest, tree_s
 from containers.container import Container
 from containers.errors import InputError
 from containers.output_files import check_output_files, output_name_problem
-from relayout.apply import apply_plan, output_files, verify
-from relayout.packing import PackOptions
-from relayout.plan import make_plan, source_from_container
+from relayout.workflows.apply import apply_plan, output_files, verify
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import make_plan, source_from_container
 from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, plan_digest, save_plan
 

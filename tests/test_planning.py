@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, load_geometry
-from relayout.coactivation import LayerCounts, pair_counts
-from relayout.ordering import improve_path, louvain_order, path_weight, runs_per_token
-from relayout.packing import PackOptions
-from relayout.plan import (
+from relayout.planning.coactivation import LayerCounts, pair_counts
+from relayout.planning.ordering import improve_path, louvain_order, path_weight, runs_per_token
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import (
     SplitOptions,
     make_plan,
     source_from_container,
@@ -21,7 +21,7 @@ from relayout.plan import (
     split_sessions,
     training_rows,
 )
-from relayout.split import segment_sizes
+from relayout.planning.split import segment_sizes
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.formats.planfile import load_plan, save_plan
 from replay.formats.trace import save_trace
@@ -215,7 +215,7 @@ def test_the_typed_plan_records_write_back_what_plan_json_holds(planning_setup, 
 
 
 def test_replay_split_rule_ranks_by_replayed_wait_per_byte():
-    from relayout.split import SegmentSizes, choose_resident_by_wait
+    from relayout.planning.split import SegmentSizes, choose_resident_by_wait
 
     wait = np.array([[0.0, 5.0, 1.0], [2.0, 0.0, 4.0]])
     sizes = [SegmentSizes(1, 100, 300), SegmentSizes(1, 50, 150)]
@@ -304,7 +304,7 @@ def test_compiled_local_search_makes_the_reference_moves(seed, n, fractional):
 def test_modularity_is_networkx_modularity(seed, n, resolution):
     import networkx as nx
 
-    from relayout.louvain import modularity
+    from relayout.planning.louvain import modularity
 
     rng = np.random.default_rng(seed)
     W = rng.random((n, n)) * (rng.random((n, n)) < 0.5)
@@ -321,7 +321,7 @@ def test_modularity_is_networkx_modularity(seed, n, resolution):
 
 
 def test_louvain_finds_planted_blocks_deterministically():
-    from relayout.louvain import louvain_partition
+    from relayout.planning.louvain import louvain_partition
 
     rng = np.random.default_rng(3)
     truth = np.repeat(np.arange(5), 7)[rng.permutation(35)]
@@ -342,8 +342,8 @@ def test_louvain_modularity_matches_networkx_on_coactivation_layers():
     score the modularity networkx's Louvain finds (within 1%), layer by layer."""
     import networkx as nx
 
-    from relayout.coactivation import weight_matrix
-    from relayout.louvain import louvain_partition, modularity
+    from relayout.planning.coactivation import weight_matrix
+    from relayout.planning.louvain import louvain_partition, modularity
 
     tr = synth_trace([3, 4, 5, 6], 96, 8, 2000, 4, seed=5, params=SynthParams(clique_strength=0.7))
     for layer in (3, 4, 5, 6):

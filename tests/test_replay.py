@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.layout import Layout
-from relayout.plan import make_plan, source_from_geometry
+from relayout.planning.plan import make_plan, source_from_geometry
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig, lru_capacities
 from replay.model.device import ArrayProfile, DriveProfile, load_device, member_split

@@ -13,9 +13,9 @@ from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
 from containers.manifest import build_manifest
 from containers.synth import synth_container
-from relayout.apply import apply_plan, verify
-from relayout.packing import PackOptions
-from relayout.plan import make_plan, source_from_container
+from relayout.workflows.apply import apply_plan, verify
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import make_plan, source_from_container
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

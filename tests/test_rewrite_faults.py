@@ -21,9 +21,9 @@ from conftest import REPO, small_geometry, source_with_manifest
 
 from containers.container import MANIFEST_NAME
 from containers.errors import InputError
-from relayout.apply import apply_plan
-from relayout.packing import PackOptions
-from relayout.plan import make_plan, source_from_container
+from relayout.workflows.apply import apply_plan
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import make_plan, source_from_container
 from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, save_plan
 
@@ -31,7 +31,7 @@ DRIVER = r"""
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import containers.destination as destination
-from relayout.apply import apply_plan
+from relayout.workflows.apply import apply_plan
 from replay.formats.planfile import load_plan
 
 kill_at, src, plan, dst, log = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]

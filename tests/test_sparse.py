@@ -21,9 +21,9 @@ from containers.hashing import Range, hash_file, hash_range
 from containers.manifest import build_manifest, write_manifest
 from containers.sparse import DataMap, data_map, is_zero
 from containers.synth import STAMP_BYTES, synth_container
-from relayout.apply import apply_plan, verify
-from relayout.packing import PackOptions
-from relayout.plan import make_plan, source_from_container
+from relayout.workflows.apply import apply_plan, verify
+from relayout.planning.packing import PackOptions
+from relayout.planning.plan import make_plan, source_from_container
 from relayout.traces.synth import synth_trace
 from replay.formats.planfile import load_plan, save_plan
 

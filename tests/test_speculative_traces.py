@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from relayout.coactivation import write_coli_pairs
-from relayout.runtime_output import read_runtime_output
+from relayout.planning.coactivation import write_coli_pairs
+from relayout.traces.runtime_output import read_runtime_output
 from relayout.traces.importer import import_traces
 from replay.model.routing import FORWARD_KINDS
 

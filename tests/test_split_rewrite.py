@@ -11,8 +11,8 @@ from containers.container import Container
 from containers.errors import InputError
 from containers.geometry import ExpertFormat
 from containers.segments import SegmentSpec, expert_segment_specs, reassembled_chunks
-from relayout.apply import apply_plan, verify
-from relayout.plan import SplitOptions, make_plan, source_from_container
+from relayout.workflows.apply import apply_plan, verify
+from relayout.planning.plan import SplitOptions, make_plan, source_from_container
 from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device

@@ -7,7 +7,7 @@ import pytest
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
-from relayout.plan import source_from_geometry
+from relayout.planning.plan import source_from_geometry
 from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.coupling import coupling_table

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from relayout.coactivation import write_coli_pairs
+from relayout.planning.coactivation import write_coli_pairs
 from relayout.traces.importer import import_traces
 from relayout.traces.stats import trace_stats
 from relayout.traces.synth import synth_trace

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from containers.errors import InputError
-from relayout.coactivation import pair_counts, write_coli_pairs
+from relayout.planning.coactivation import pair_counts, write_coli_pairs
 from relayout.traces.importer import import_traces
 from relayout.traces.route import read_route_trace
 from relayout.traces.stats import layer_rows_in_turn, reuse_distances, trace_stats

@@ -588,7 +588,7 @@ def test_at_run_speed_finds_the_speed_a_run_was_measured_at():
     from replay.model.device import load_device
     from replay.model.engine import simulate
     from replay.model.metrics import drive_rate, step_table, summarize
-    from relayout.plan import source_from_geometry
+    from relayout.planning.plan import source_from_geometry
     from relayout.traces.synth import synth_trace
 
     g = small_geometry()

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import warnings
 
-    from .. import AS_COMMAND, quiet_interrupts
+    from relayout import AS_COMMAND
+    from relayout import quiet_interrupts
 
     command = "relayout"
     previous = signal.getsignal(signal.SIGTERM)

@@ -1,7 +1,7 @@
 """The command line's shared pieces: its help formatter, how a command is declared, the option
 groups several commands take (geometry scaling, scheduler, the runtime's read path, rewrite) and
 how those options are read back (a scaled geometry; a :class:`replay.model.config.RuntimeConfig`
-through :mod:`relayout.replay_setup`). Options are in the units the user types: GB, MB, ms, GB/s.
+through :mod:`relayout.planning.replay_setup`). Options are in the units the user types: GB, MB, ms, GB/s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from containers.container import MANIFEST_NAME
 from containers.geometry import load_geometry
 from replay.model.config import PREFETCH_SOURCES
 
-from .. import options as opt
+from . import options as opt
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -129,9 +129,9 @@ def _colibri_run_options(r) -> None:
 
 def runtime_config(args, layout=None):
     """The model's configuration the options of :func:`runtime_options` describe
-    (:func:`relayout.replay_setup.runtime_config`; ``layout`` sizes a colibrì run's LRU from CAP and RAM_GB)."""
-    from ..replay_setup import RuntimeRequest
-    from ..replay_setup import runtime_config as config_of
+    (:func:`relayout.planning.replay_setup.runtime_config`; ``layout`` sizes a colibrì run's LRU from CAP and RAM_GB)."""
+    from relayout.planning.replay_setup import RuntimeRequest
+    from relayout.planning.replay_setup import runtime_config as config_of
 
     request = RuntimeRequest(
         ram_gb=getattr(args, "ram_gb", 0.0), workers=args.workers, batched=args.batched, coalesce=args.coalesce,

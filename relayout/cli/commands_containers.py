@@ -1,6 +1,6 @@
 """The container commands: ``inspect``, ``manifest``, ``rewrite`` and ``verify``. Each reads its
-arguments, calls :mod:`containers` or :mod:`relayout.apply` and prints the answer; ``drives`` and
-``mirror`` are in :mod:`relayout.drives_command`.
+arguments, calls :mod:`containers` or :mod:`relayout.workflows.apply` and prints the answer; ``drives`` and
+``mirror`` are in :mod:`relayout.cli.commands_drives`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from containers.container import MANIFEST_NAME, Container
 from containers.manifest import build_manifest, check_container, write_manifest
 
-from ..render import format_inspect
+from relayout.render.text import format_inspect
 from .output import print_rewrite_files, say, verify_and_report
 
 
@@ -54,7 +54,7 @@ def cmd_rewrite(args) -> int:
     from replay.formats.gatefile import load_gate
     from replay.formats.planfile import load_plan
 
-    from ..apply import apply_plan
+    from relayout.workflows.apply import apply_plan
 
     plan = load_plan(args.layout)
     gate = load_gate(args.gate) if args.gate else None

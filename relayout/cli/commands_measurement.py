@@ -1,6 +1,6 @@
 """The measurement commands: ``calibrate``, ``measure`` (the Python emulation here; the engine's
-runs in :mod:`relayout.engine_runs`), ``report`` and ``compare`` (STALL_TRACE files here; colibrì
-runs' output in :mod:`relayout.engine_render`). Each reads its arguments, calls
+runs in :mod:`relayout.workflows.engine_runs`), ``report`` and ``compare`` (STALL_TRACE files here; colibrì
+runs' output in :mod:`relayout.render.engine`). Each reads its arguments, calls
 :mod:`replay.physical` and prints the answer.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from containers.errors import InputError
 
-from ..render import format_calibration, format_compare, format_hypotheses, format_measure, format_report
+from relayout.render.text import format_calibration, format_compare, format_hypotheses, format_measure, format_report
 from .arguments import runtime_config
 
 
@@ -30,7 +30,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_measure(args) -> int:
     if args.engine:
-        from ..engine_runs import cmd_measure_engine
+        from relayout.workflows.engine_runs import cmd_measure_engine
 
         return cmd_measure_engine(args)
     if not args.trace:
@@ -41,7 +41,7 @@ def cmd_measure(args) -> int:
     from replay.formats.trace import load_trace
     from replay.physical.measure import default_run_id, measure
 
-    from ..replay_setup import container_split
+    from relayout.planning.replay_setup import container_split
 
     trace = load_trace(args.trace)
     plan = load_plan(args.layout) if args.layout else None
@@ -82,7 +82,7 @@ def cmd_report(args) -> int:
     from replay.colibri.engine_output import looks_like_engine_output
 
     if any(looks_like_engine_output(p) for p in args.runs):
-        from ..engine_render import cmd_engine_report
+        from relayout.render.engine import cmd_engine_report
 
         return cmd_engine_report(args)
     from replay.physical.stallplots import write_plots
@@ -111,7 +111,7 @@ def cmd_compare(args) -> int:
     from replay.colibri.engine_output import looks_like_engine_output
 
     if any(looks_like_engine_output(p) for p in args.runs):
-        from ..engine_render import cmd_engine_compare
+        from relayout.render.engine import cmd_engine_compare
 
         return cmd_engine_compare(args)
     from replay.physical.stalltrace import compare

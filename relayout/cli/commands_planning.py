@@ -1,8 +1,8 @@
 """The planning commands: ``synth container``, ``synth trace``, ``trace import``, ``trace stats``,
 ``export coli-pairs`` and ``plan``. Each reads its arguments, calls the library and prints what
 it wrote; the work is in :mod:`containers.synth`, :mod:`relayout.traces.synth`,
-:mod:`relayout.traces.importer`, :mod:`relayout.traces.stats`, :mod:`relayout.coactivation` and
-:mod:`relayout.plan`.
+:mod:`relayout.traces.importer`, :mod:`relayout.traces.stats`, :mod:`relayout.planning.coactivation` and
+:mod:`relayout.planning.plan`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.synth import synth_container
 
-from ..render import format_stats, human_bytes, plan_summary
+from relayout.render.text import format_stats, human_bytes, plan_summary
 from .arguments import scaled_geometry
 from .output import say
 
@@ -96,7 +96,7 @@ def cmd_synth_trace(args) -> int:
 def cmd_export_coli_pairs(args) -> int:
     from replay.formats.trace import load_trace
 
-    from ..coactivation import write_coli_pairs
+    from relayout.planning.coactivation import write_coli_pairs
 
     n = write_coli_pairs(load_trace(args.trace), args.output)
     print(f"wrote {args.output}: {n} coupling lines")
@@ -109,15 +109,15 @@ def cmd_plan(args) -> int:
     from replay.formats.planfile import save_plan
     from replay.formats.trace import load_trace
 
-    from ..packing import PackOptions
-    from ..plan import (
+    from relayout.planning.packing import PackOptions
+    from relayout.planning.plan import (
         SPLIT_NEEDS_ONE_TRACE,
         SplitOptions,
         make_plan,
         source_from_container,
         source_from_geometry,
     )
-    from ..training import held_out_advice, pooled_training, trace_paths
+    from relayout.planning.training import held_out_advice, pooled_training, trace_paths
 
     if bool(args.container) == bool(args.geometry):
         raise InputError(None, "give exactly one of --container DIR or --geometry NAME")

@@ -1,6 +1,6 @@
 """The replay commands: ``replay`` (the gate, its sweep, the hypothesis tables, and the rewrite a
 passing gate allows), ``placement``, ``split-curve`` and ``gate --recheck``. Each reads its
-arguments, asks :mod:`relayout.replay_setup` what the run is, calls the library and prints the
+arguments, asks :mod:`relayout.planning.replay_setup` what the run is, calls the library and prints the
 answer; the judging is in :mod:`replay.evaluation` and :mod:`replay.control`.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import replace
 
 from containers.errors import InputError
 
-from ..gate_text import format_gate, format_sweep
-from ..render import format_hypotheses, format_placement, format_reliability, format_split_curve, human_bytes
-from ..replay_setup import (
+from relayout.render.gate import format_gate, format_sweep
+from relayout.render.text import format_hypotheses, format_placement, format_reliability, format_split_curve, human_bytes
+from relayout.planning.replay_setup import (
     check_ram,
     hypothesis_regimes,
     hypothesis_selection,
@@ -85,11 +85,11 @@ def _replay_gate(args, plan, trace, device, config, baseline) -> int:
     from replay.evaluation.gate import compare
     from replay.physical.stalltrace import measured_tpot_parts
 
-    from ..gate_text import bottom_line, held_out_notice
+    from relayout.render.gate import bottom_line, held_out_notice
 
     checked = None
     if args.container:
-        from ..apply import preflight
+        from relayout.workflows.apply import preflight
 
         checked = preflight(args.container, plan, args.out, args.manifest)
     parts = measured_tpot_parts(args.tpot_from) if args.tpot_from else None
@@ -110,7 +110,7 @@ def _replay_gate(args, plan, trace, device, config, baseline) -> int:
         what = "had too little evidence" if gate.verdict == "insufficient" else "failed"
         print(f"gate {what}: {args.container} is not rewritten (pass --force to rewrite anyway)")
         return _verdict_status(gate.verdict)
-    from ..apply import apply_plan
+    from relayout.workflows.apply import apply_plan
 
     m = apply_plan(args.container, plan, args.out, gate, args.force, args.manifest, notify=say, checked=checked)
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors"

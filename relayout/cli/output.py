@@ -11,7 +11,7 @@ from pathlib import Path
 
 from containers.container import Container
 
-from ..render import format_rewrite_files, format_verify
+from relayout.render.text import format_rewrite_files, format_verify
 
 
 def say(line: str) -> None:
@@ -31,7 +31,7 @@ def print_rewrite_files(dst, manifest: dict) -> None:
 def verify_and_report(src, dst, full: bool, as_json: bool) -> int:
     """Verify ``dst`` against ``src`` (bytes too with ``full``), print the report (JSON with
     ``as_json``) and return the exit status: 0, or 2 when verify found a problem."""
-    from ..apply import verify
+    from relayout.workflows.apply import verify
 
     problems, summary = verify(src, dst, full)
     if as_json:

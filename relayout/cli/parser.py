@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from .. import __version__
-from .. import options as opt
+from relayout import __version__
+from . import options as opt
 from .arguments import HelpWithDefaults
 from .parser_containers import add_drives, add_inspect, add_manifest, add_rewrite, add_verify
 from .parser_measurement import add_calibrate, add_compare, add_measure, add_report
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     Returns
     -------
     argparse.ArgumentParser
-        Usage errors are one line on stderr and exit status 2 (:class:`relayout.options.OneLineParser`).
+        Usage errors are one line on stderr and exit status 2 (:class:`relayout.cli.options.OneLineParser`).
     """
     p = opt.OneLineParser(
         prog="relayout", formatter_class=HelpWithDefaults,

@@ -1,6 +1,6 @@
 """The container commands' arguments: ``inspect``, ``drives``, ``mirror``, ``rewrite``, ``verify``
 and ``manifest``; their functions are in :mod:`relayout.cli.commands_containers` (``drives`` and
-``mirror``: :mod:`relayout.drives_command`).
+``mirror``: :mod:`relayout.cli.commands_drives`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from containers.container import MANIFEST_NAME
 
 import relayout.cli.commands_containers as commands
 
-from .. import drives_command
+from . import commands_drives as drives_command
 from .arguments import command, rewrite_options
 
 

@@ -8,7 +8,7 @@ from replay.evaluation.evidence import MIN_SESSIONS
 
 import relayout.cli.commands_measurement as commands
 
-from .. import options as opt
+from . import options as opt
 from .arguments import command, runtime_options
 
 
@@ -28,7 +28,7 @@ def add_measure(sub) -> None:
                                 "read path in Python and write a STALL_TRACE (--trace)", commands.cmd_measure)
     s.add_argument("--container", required=True, help="the container to read")
     s.add_argument("--trace", help="emulation: a relayout trace whose routing is replayed for real")
-    from ..engine_runs import engine_options
+    from relayout.workflows.engine_runs import engine_options
 
     engine_options(s)
     s.add_argument("--layout", metavar="PLAN.json", help="evaluate only sessions this plan did not train on")

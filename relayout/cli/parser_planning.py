@@ -10,10 +10,10 @@ from replay.formats.planfile import METHODS
 
 import relayout.cli.commands_planning as commands
 
-from .. import options as opt
-from ..coactivation import WEIGHTS
-from ..packing import DEFAULT_ALIGNMENT
-from ..split import RULES
+from . import options as opt
+from relayout.planning.coactivation import WEIGHTS
+from relayout.planning.packing import DEFAULT_ALIGNMENT
+from relayout.planning.split import RULES
 from ..traces.importer import TRACE_FORMATS
 from ..traces.synth import atlas_names
 from .arguments import command, geometry_options, scheduler_option

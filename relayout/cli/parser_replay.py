@@ -10,7 +10,7 @@ from replay.evaluation.evidence import DEFAULT_THRESHOLD, MIN_SESSIONS
 
 import relayout.cli.commands_replay as commands
 
-from .. import options as opt
+from . import options as opt
 from .arguments import command, rewrite_options, runtime_options, scheduler_option
 
 

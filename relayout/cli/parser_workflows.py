@@ -9,7 +9,7 @@ from replay.model.config import PREFETCH_SOURCES
 
 import relayout.cli.commands_workflows as commands
 
-from .. import options as opt
+from . import options as opt
 from .arguments import command
 
 

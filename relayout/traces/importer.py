@@ -167,7 +167,7 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
         expert count), and the MTP head's layers.
     runtime_outputs : list of Path, optional
         For ROUTE_TRACE inputs, colibrì's saved output of each input's run, in the same order
-        (:mod:`relayout.runtime_output`); each session's counts are made its run's.
+        (:mod:`relayout.traces.runtime_output`); each session's counts are made its run's.
     split : "prefill" or int, optional
         For ROUTE_TRACE inputs, ``"prefill"`` makes each prompt of a file a session, an int N a
         session of every N committed tokens (:func:`relayout.traces.route.read_route_sessions`).
@@ -194,7 +194,7 @@ def import_traces(paths: list[Path], fmt: str | None = None, n_experts: int | No
             raise InputError(None, f"runtime output is read for ROUTE_TRACE inputs only, not {kind}")
         if len(runtime_outputs) != len(paths):
             raise InputError(None, f"{len(runtime_outputs)} runtime outputs for {len(paths)} inputs: give one per input, in order")
-        from ..runtime_output import read_runtime_output
+        from relayout.traces.runtime_output import read_runtime_output
 
         runtime = [read_runtime_output(Path(r)) for r in runtime_outputs]
     if kind == "coli_usage":

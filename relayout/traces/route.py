@@ -218,7 +218,7 @@ def read_route_sessions(path: Path, n_experts: int | None = None, limits: Limits
     block_bytes : int
         Text parsed per step.
     runtime : RuntimeCounts, optional
-        colibrì's printed counts of the file's run (:mod:`relayout.runtime_output`).
+        colibrì's printed counts of the file's run (:mod:`relayout.traces.runtime_output`).
     split : "prefill" or int, optional
         How to cut the file into sessions.
 

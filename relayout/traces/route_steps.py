@@ -12,7 +12,7 @@ runtime output's, or the trace's top layer when its calls show as the head's
 token: 1); later forwards of one row are decode steps, wider ones speculative verify steps;
 evaluated positions are the main model's rows. An MTP verify step commits 1 + its absorbed drafts;
 an n-gram verify step's acceptance is in no line: it is recorded as committing 1 (the minimum) and
-marked assumed, unless colibrì's output of the run is given (:mod:`relayout.runtime_output`): its
+marked assumed, unless colibrì's output of the run is given (:mod:`relayout.traces.runtime_output`): its
 decode forwards must be the trace's and its tokens become the session's. A file written by a serve
 process holds several prompts: each prompt's prefill is a forward wider than a decode step
 (``1 + G`` rows, ``G`` drafts a step, when ``G`` is known), and its turn's counts come from the

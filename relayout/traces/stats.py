@@ -15,7 +15,7 @@ import numpy as np
 
 from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
-from ..coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
+from relayout.planning.coactivation import aligned_rows, cross_layer_items, heat_of, pair_count_items
 from .synth import entropy_bits
 
 
@@ -83,7 +83,7 @@ def _within_layer_lifts(ex: np.ndarray, n_experts: int, heat: np.ndarray, n_rows
 
 
 def _cross_layer_lifts(trace: RoutingTrace, layer: int, rows: np.ndarray, next_rows: np.ndarray, min_count: int) -> np.ndarray:
-    """:func:`relayout.coactivation.cross_layer_lift` from ``layer`` to the next, counted in blocks."""
+    """:func:`relayout.planning.coactivation.cross_layer_lift` from ``layer`` to the next, counted in blocks."""
     ra, rb = aligned_rows(trace, layer, layer + 1, rows_a=rows, rows_b=next_rows)
     if not len(ra):
         return np.zeros(0)

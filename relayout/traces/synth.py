@@ -84,7 +84,7 @@ def entropy_bits(counts: np.ndarray) -> np.ndarray:
 
 def atlas_style_lifts(experts: np.ndarray, n_experts: int, min_count: int = 5, min_lift: float = 1.5, top: int = 2000) -> np.ndarray:
     """Lifts of the pairs an atlas would list for one layer's rows [N, k]."""
-    from ..coactivation import pair_counts
+    from relayout.planning.coactivation import pair_counts
 
     N = experts.shape[0]
     heat = np.bincount(experts[experts >= 0].ravel(), minlength=n_experts).astype(np.float64)

@@ -31,10 +31,10 @@ from replay.physical.stalltrace import compare as compare_runs
 from replay.physical.stalltrace import report as run_report
 from replay.formats.trace import save_trace
 
-from relayout.apply import apply_plan, verify
-from relayout.gate_text import bottom_line
-from relayout.plan import make_plan, source_from_container
-from relayout.render import completion_sentence, human_bytes, merge_sentence, plan_summary
+from relayout.workflows.apply import apply_plan, verify
+from relayout.render.gate import bottom_line
+from relayout.planning.plan import make_plan, source_from_container
+from relayout.render.text import completion_sentence, human_bytes, merge_sentence, plan_summary
 from relayout.traces.stats import trace_stats
 from relayout.traces.synth import SynthParams, synth_trace
 

@@ -5,7 +5,7 @@ the container's fingerprints and geometry, the training sessions (held-out disci
 method and its parameters, the per-layer expert order, the source's physical layout (the stock
 baseline, straddling experts included), the new layout (files, offsets, alignment) and an
 optional vertical split plan. Schema: ``manifests/schemas/plan.schema.json``. Plans are made by
-:mod:`relayout.plan`; this module is what every consumer of a plan file reads it with.
+:mod:`relayout.planning.plan`; this module is what every consumer of a plan file reads it with.
 
 A plan is a file users share: its digest (unkeyed) proves it was not damaged, not that it was
 not crafted, so :func:`load_plan` checks every field a consumer reads before it is used.
@@ -31,10 +31,10 @@ from containers.records import is_int, omitted_when_none
 
 from replay.formats.pinfile import PinRecord, pin_record_problems
 
-PLAN_FORMAT = "relayout.plan"
+PLAN_FORMAT = "relayout.planning.plan"
 PLAN_VERSION = 1
 METHODS = ("louvain", "greedy-modularity", "heat", "stock", "random")
-"""The ordering methods a plan may record (:mod:`relayout.ordering` implements them)."""
+"""The ordering methods a plan may record (:mod:`relayout.planning.ordering` implements them)."""
 
 
 def plan_digest(plan: dict) -> str:

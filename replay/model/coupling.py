@@ -3,7 +3,7 @@
 For the same (forward, position), expert ``e`` selected at layer L and expert ``f`` at layer
 L+dL count one co-occurrence. The replay's coupled prefetch source (:mod:`replay.model.prefetch`)
 learns its pair table from these counts, like colibrì's ``COUPLE`` reading ``.coli_pairs``
-(exported by :func:`relayout.coactivation.write_coli_pairs` from the same counts).
+(exported by :func:`relayout.planning.coactivation.write_coli_pairs` from the same counts).
 
 :func:`coupling_table` counts every consecutive layer pair in one pass over the rows, block by
 block of whole forwards (:meth:`replay.model.routing.TraceSource.column_blocks`), so a trace streamed

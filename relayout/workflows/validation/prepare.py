@@ -73,8 +73,8 @@ def prepare(o: ValidateOptions, work: WorkDir, notify) -> tuple:
     ``(container dir, manifest dict, trace, Layouts, synthetic)``."""
     from replay.formats.planfile import load_plan, save_plan
 
-    from relayout.apply import apply_plan
-    from relayout.plan import make_plan, source_from_container
+    from relayout.workflows.apply import apply_plan
+    from relayout.planning.plan import make_plan, source_from_container
 
     synthetic = o.container is None
     if synthetic:

@@ -111,7 +111,7 @@ class LayerCounts:
 
     def runs_per_token(self, order: np.ndarray) -> float:
         """Mean contiguous runs per row of the counted rows in ``order``: mean |S| minus the
-        co-activation weight of neighbours per row (the identity :mod:`relayout.ordering` states;
+        co-activation weight of neighbours per row (the identity :mod:`relayout.planning.ordering` states;
         exact because a validated trace never selects an expert twice in a row)."""
         if self.rows == 0:
             return 0.0

@@ -1,8 +1,8 @@
 """Making layout plans: from a routing trace and a container (or a geometry) to ``plan.json``.
 
 :func:`make_plan` learns per-layer expert orders from the training sessions
-(:mod:`relayout.ordering`), packs them into a new layout (:mod:`relayout.packing`) and
-optionally a vertical split plan (:mod:`relayout.split`). What a plan file records, and how it
+(:mod:`relayout.planning.ordering`), packs them into a new layout (:mod:`relayout.planning.packing`) and
+optionally a vertical split plan (:mod:`relayout.planning.split`). What a plan file records, and how it
 is read and validated, is :mod:`replay.formats.planfile`.
 """
 
@@ -31,18 +31,18 @@ from containers.shard_metadata import carried_metadata, container_stamps
 from replay.formats.planfile import METHODS, PLAN_FORMAT, PLAN_VERSION, PlanGeometry, PlanSourceRef, SplitPlan, SplitSegment, plan_digest
 from replay.model.routing import RoutingTrace
 
-from . import __version__
-from .coactivation import LayerCounts
-from .ordering import (
+from relayout import __version__
+from relayout.planning.coactivation import LayerCounts
+from relayout.planning.ordering import (
     LayerOrder,
     greedy_modularity_order,
     heat_order,
     louvain_order,
     random_order,
 )
-from .packing import PackOptions, pack_layout
-from .split import RULES, choose_resident, choose_resident_by_wait, segment_sizes
-from .training import TrainingSet, split_sessions, training_of_trace, training_rows
+from relayout.planning.packing import PackOptions, pack_layout
+from relayout.planning.split import RULES, choose_resident, choose_resident_by_wait, segment_sizes
+from relayout.planning.training import TrainingSet, split_sessions, training_of_trace, training_rows
 
 
 @dataclass
@@ -148,8 +148,8 @@ def make_plan(
     """Build a plan (JSON-ready dict). See the module doc for what it records.
 
     ``trace`` is one routing trace (its first ``train_fraction`` of sessions train), or the
-    :class:`~relayout.training.TrainingSet` of many pooled trace files
-    (:func:`relayout.training.pooled_training`, whose files were split by ``train_fraction``
+    :class:`~relayout.planning.training.TrainingSet` of many pooled trace files
+    (:func:`relayout.planning.training.pooled_training`, whose files were split by ``train_fraction``
     already). A vertical ``split`` is planned from one trace's rows only.
     """
     if method not in METHODS:

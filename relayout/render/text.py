@@ -3,7 +3,7 @@
 Each function takes the JSON-ready record a library function returned (a container report,
 trace statistics, a calibration profile, a STALL_TRACE report or comparison, a validation) and
 returns lines to print; nothing here computes a figure. The gate's answer is in
-:mod:`relayout.gate_text`.
+:mod:`relayout.render.gate`.
 """
 
 from __future__ import annotations

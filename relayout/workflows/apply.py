@@ -25,7 +25,7 @@ from replay.evaluation.evidence import recheck_fields
 from replay.formats.gatefile import GateRecord
 from replay.formats.planfile import Plan
 
-from . import __version__
+from relayout import __version__
 
 
 def output_files(plan: Plan) -> list[OutputFile]:

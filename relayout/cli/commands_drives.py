@@ -75,7 +75,7 @@ def cmd_drives(args) -> int:
     from replay.model.storage import DirectorySpec, Storage, StorageRecord
     from replay.formats.trace import load_trace
 
-    from .drive_plan import even_split_by_name, plan_drives, training_routing
+    from relayout.planning.drive_plan import even_split_by_name, plan_drives, training_routing
 
     drives = [parse_drive(t) for t in args.drive]
     names = [d.name for d in drives]

@@ -3,7 +3,7 @@
 A plan learns each layer's order from co-activation counts of *training* rows: the decode and
 verify forwards (prefill excluded) of the first ``train_fraction`` of a trace's sessions, in
 trace order; the rest are held out for replay. :class:`TrainingSet` holds those counts
-(:class:`~relayout.coactivation.PairCounts`) and which sessions they came from (names and routing
+(:class:`~relayout.planning.coactivation.PairCounts`) and which sessions they came from (names and routing
 fingerprints, which replay uses to keep training sessions out of its evidence).
 
 **Pooling.** Many trace files (a community's sessions from many machines) are pooled by
@@ -28,7 +28,7 @@ from containers.errors import InputError
 from replay.formats.planfile import PlanGeometry, PlanTraining
 from replay.model.routing import FORWARD_KINDS, RoutingTrace
 
-from .coactivation import PairCounts, count_pairs
+from relayout.planning.coactivation import PairCounts, count_pairs
 
 TRACE_SUFFIX = ".rt"
 """A directory given as a trace means every ``*.rt`` file directly in it."""

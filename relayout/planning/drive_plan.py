@@ -16,7 +16,7 @@ costs its bytes over a drive's rate, so an expert's stall value per byte is ``p`
   ``(load[l, d] + p b + sum_{e' on d} P[e, e'] b) / X_d`` (``X_d`` the drive's rate for
   expert-sized reads at the workers' depth), within each drive's capacity: a layer's loads then
   spread over the drives in proportion to their speed, co-activated experts apart.
-* Each drive's experts are packed into its own shards (:func:`relayout.packing.pack_groups`);
+* Each drive's experts are packed into its own shards (:func:`relayout.planning.packing.pack_groups`);
   the non-expert tensors go in the primary directory's first shards.
 """
 
@@ -32,7 +32,7 @@ from containers.shard_metadata import carried_metadata, container_stamps
 from replay.model.device import ArrayProfile
 from replay.model.storage import DirectorySpec, DriveSpec, Storage, StorageRecord
 
-from .packing import DEFAULT_ALIGNMENT, pack_groups
+from relayout.planning.packing import DEFAULT_ALIGNMENT, pack_groups
 
 EXPERT_READ_BYTES = 19 << 20
 """The read size a drive's rate is taken at for placement (bytes): about one expert's weights."""

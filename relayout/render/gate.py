@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from replay.colibri.engine_config import describe as describe_read_path
 
-from .render import human_bytes
+from relayout.render.text import human_bytes
 
 
 def format_gate(g) -> str:

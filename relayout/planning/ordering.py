@@ -9,7 +9,7 @@ order; they form a number of separate contiguous *runs*. For a set S in an order
 with C the co-activation count matrix. Minimising runs is therefore exactly maximising the
 co-activation weight between neighbours: a maximum-weight Hamiltonian path. The optimiser:
 
-1. Louvain communities (:mod:`relayout.louvain`, on the dense weight matrix) of the
+1. Louvain communities (:mod:`relayout.planning.louvain`, on the dense weight matrix) of the
    co-activation graph, resolution and seed given;
 2. communities chained greedily by the weight between them, each ordered internally by its
    Fiedler vector (spectral seriation);
@@ -20,7 +20,7 @@ Baselines: ``stock`` (the source's physical order), ``heat``, ``random`` and
 ``greedy-modularity`` (networkx greedy modularity communities on raw counts, greedy chain inside:
 the existing tool's method). Experts never seen in training go last, by heat (ties by id).
 
-Every method reads a layer's :class:`~relayout.coactivation.LayerCounts` (pair counts, heat,
+Every method reads a layer's :class:`~relayout.planning.coactivation.LayerCounts` (pair counts, heat,
 rows), never the rows themselves, so a plan can learn from counts pooled over many trace files.
 """
 
@@ -34,8 +34,8 @@ from numba import njit
 
 from replay.model.jit import LOOP
 
-from .coactivation import LayerCounts, coactivation_graph, weight_matrix
-from .louvain import louvain_partition, modularity
+from relayout.planning.coactivation import LayerCounts, coactivation_graph, weight_matrix
+from relayout.planning.louvain import louvain_partition, modularity
 
 
 def runs_per_token(experts: np.ndarray, order: np.ndarray) -> float:

@@ -211,7 +211,7 @@ def cmd_measure_engine(args) -> int:
     when there is a baseline)."""
     from replay.colibri.engine_metrics import engine_compare, engine_report
 
-    from .engine_render import format_engine_compare, format_engine_report
+    from relayout.render.engine import format_engine_compare, format_engine_report
 
     if not args.prompts:
         raise InputError(None, "measure --engine needs --prompts FILE")

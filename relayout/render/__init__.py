@@ -1,0 +1,2 @@
+"""Rendering: every text table, summary and sentence the command line prints.
+"""
