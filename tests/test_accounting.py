@@ -1,4 +1,4 @@
-"""Exact token accounting and figures that do not hide runs (issue #13): each test fails on the
+"""Exact token accounting and figures that do not hide runs: each test fails on the
 accounting before it (per-record counts ignored, control tokens used for both sides of a compare,
 calls ignored by the ROUTE_TRACE importer, prefill committing nothing, runs named alike)."""
 

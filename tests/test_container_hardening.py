@@ -1,4 +1,4 @@
-"""Hardening (issue #10): hostile headers, configs and manifests are one clean error, never a crash
+"""Hardening: hostile headers, configs and manifests are one clean error, never a crash
 or a hang; verify notices every manifest field and every non-tensor file; split containers say
 they need a split-aware runtime."""
 

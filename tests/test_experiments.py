@@ -1,4 +1,4 @@
-"""The seed's experiments replayed (issue 14 item 6): arms on the same held-out steps, tables a
+"""The proposal's experiments replayed: arms on the same held-out steps, tables a
 broken runner would get wrong."""
 
 from dataclasses import replace

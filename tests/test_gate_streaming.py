@@ -1,4 +1,4 @@
-"""The gate streams its trace (issue 15 item 2) and replays the plan's own pins (issue 14 item 4).
+"""The gate streams its trace and replays the plan's own pins.
 
 One implementation reads rows block by block for a trace in memory and for one streamed from its
 file; every figure the gate records must be the same from both, to the bit. A plan that carries a

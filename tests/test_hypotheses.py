@@ -1,4 +1,4 @@
-"""Seed hypotheses as tables (issue 14 item 6): verdicts a broken rule would get wrong."""
+"""The proposal's hypotheses as tables: verdicts a broken rule would get wrong."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Placement arms at equal RAM (issue 14 item 4) and the pin set in colibrì's PIN form."""
+"""Placement arms at equal RAM and the pin set in colibrì's PIN form."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""The model against what the runtime is known to do (issue 12 targets, FACTS section 2).
+"""The model against what the runtime is known to do.
 
 * colibrì's COALESCE change (pull request 1398 in JustVugg/colibri: one pread for experts
   contiguous in the same shard within a miss batch) measured decode 50.9 s -> 43.6 s on the stock

@@ -1,4 +1,4 @@
-"""S versus RAM for whole and split experts (issue 14 item 5)."""
+"""S versus RAM for whole and split experts."""
 
 import json
 

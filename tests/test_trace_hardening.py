@@ -1,4 +1,4 @@
-"""Hardening of trace import, the trace file and trace stats (issue #10).
+"""Hardening of trace import, the trace file and trace stats.
 
 Every bad input is one InputError (exit 2, one line, no traceback); nothing wraps on a narrowing
 cast; nothing allocates from an unchecked header value; a trace that imports always has stats.
