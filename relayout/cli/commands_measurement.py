@@ -30,7 +30,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_measure(args) -> int:
     if args.engine:
-        from relayout.workflows.engine_runs import cmd_measure_engine
+        from .commands_engine import cmd_measure_engine
 
         return cmd_measure_engine(args)
     if not args.trace:
@@ -82,7 +82,7 @@ def cmd_report(args) -> int:
     from replay.colibri.engine_output import looks_like_engine_output
 
     if any(looks_like_engine_output(p) for p in args.runs):
-        from relayout.render.engine import cmd_engine_report
+        from .commands_engine import cmd_engine_report
 
         return cmd_engine_report(args)
     from replay.physical.stallplots import write_plots
@@ -111,7 +111,7 @@ def cmd_compare(args) -> int:
     from replay.colibri.engine_output import looks_like_engine_output
 
     if any(looks_like_engine_output(p) for p in args.runs):
-        from relayout.render.engine import cmd_engine_compare
+        from .commands_engine import cmd_engine_compare
 
         return cmd_engine_compare(args)
     from replay.physical.stalltrace import compare

@@ -28,7 +28,6 @@ def add_measure(sub) -> None:
                                 "read path in Python and write a STALL_TRACE (--trace)", commands.cmd_measure)
     s.add_argument("--container", required=True, help="the container to read")
     s.add_argument("--trace", help="emulation: a relayout trace whose routing is replayed for real")
-    from relayout.workflows.engine_runs import engine_options
 
     engine_options(s)
     s.add_argument("--layout", metavar="PLAN.json", help="evaluate only sessions this plan did not train on")
@@ -67,3 +66,18 @@ def add_compare(sub) -> None:
     s.add_argument("runs", nargs="+", help="STALL_TRACE files, or colibrì arms (a directory of one container's runs, "
                                            "or output files); the first is the control")
     s.add_argument("--json", action="store_true", help="print JSON")
+
+
+def engine_options(c) -> None:
+    """``measure``'s options for running the real engine."""
+    g = c.add_argument_group("the real engine (measure --engine)")
+    g.add_argument("--engine", metavar="PATH", help="the colibrì binary: run it cold per prompt and repetition, keep its "
+                                                    "output, routing trace and record per run under -o DIR")
+    g.add_argument("--baseline", metavar="DIR", help="a second container (the stock one), run interleaved with "
+                                                     "--container as the control arm")
+    g.add_argument("--prompts", metavar="FILE", help="prompts, one per non-empty line (UTF-8)")
+    g.add_argument("--reps", type=int, default=3, help="repetitions of every prompt on every container")
+    g.add_argument("--runtime-env", metavar="'NAME=value ...'", default="",
+                   help="the run configuration in the engine's own variables, e.g. 'PIPE=1 DIRECT=1 CAP=4 CAP_RAISE=0'")
+    g.add_argument("--ngen", type=int, default=32, help="tokens generated per run (NGEN)")
+    g.add_argument("--timeout", type=float, help="kill a run after this many seconds (recorded as exit status -9)")

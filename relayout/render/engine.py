@@ -1,11 +1,6 @@
-"""``relayout report`` and ``relayout compare`` of colibrì runs: the engine's own measurements as text or JSON."""
+"""The text of ``relayout report`` and ``relayout compare`` of colibrì runs: the engine's own measurements."""
 
 from __future__ import annotations
-
-import json
-import sys
-
-from replay.colibri.engine_metrics import engine_compare, engine_report
 
 
 def _ms(x) -> str:
@@ -56,23 +51,3 @@ def format_engine_compare(c: dict) -> str:
             lines += [f"  {side} configuration: {k}" for k in x[f"{side}_configurations"]]
     lines += [f"warning: {w}" for w in c["warnings"]]
     return "\n".join(lines)
-
-
-def cmd_engine_report(args) -> int:
-    if getattr(args, "hypothesis", None) or getattr(args, "plots", None):
-        from containers.errors import InputError
-
-        raise InputError(None, "--hypothesis and --plots read STALL_TRACE files, not colibrì runs")
-    r = engine_report(args.runs)
-    print(json.dumps(r, indent=1) if args.json else format_engine_report(r))
-    return 0
-
-
-def cmd_engine_compare(args) -> int:
-    c = engine_compare(args.runs)
-    print(json.dumps(c, indent=1) if args.json else format_engine_compare(c))
-    if c["correctness_failures"]:
-        print(f"relayout: error: {len(c['correctness_failures'])} run(s) emitted different tokens (a correctness failure, "
-              "not noise)", file=sys.stderr)
-        return 2
-    return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,7 +30,6 @@ from pathlib import Path
 
 from containers.atomic import create_exclusive, fsync_dir, make_dirs, open_dir
 from containers.errors import InputError
-from replay.colibri.engine_config import env_words
 from replay.colibri.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
 
 FIXED_ENV = {"PROF": "1", "TOKENS": "1", "TEMP": "0"}
@@ -189,45 +187,3 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
         progress(f"[{i}/{len(plan)}] {arm.name} {path.name}: {status}, {ident.wall_s:.1f} s, load {ident.load_average:.2f}")
         done.append(path)
     return done
-
-
-def engine_options(c) -> None:
-    """``measure``'s options for running the real engine."""
-    g = c.add_argument_group("the real engine (measure --engine)")
-    g.add_argument("--engine", metavar="PATH", help="the colibrì binary: run it cold per prompt and repetition, keep its "
-                                                    "output, routing trace and record per run under -o DIR")
-    g.add_argument("--baseline", metavar="DIR", help="a second container (the stock one), run interleaved with "
-                                                     "--container as the control arm")
-    g.add_argument("--prompts", metavar="FILE", help="prompts, one per non-empty line (UTF-8)")
-    g.add_argument("--reps", type=int, default=3, help="repetitions of every prompt on every container")
-    g.add_argument("--runtime-env", metavar="'NAME=value ...'", default="",
-                   help="the run configuration in the engine's own variables, e.g. 'PIPE=1 DIRECT=1 CAP=4 CAP_RAISE=0'")
-    g.add_argument("--ngen", type=int, default=32, help="tokens generated per run (NGEN)")
-    g.add_argument("--timeout", type=float, help="kill a run after this many seconds (recorded as exit status -9)")
-
-
-def cmd_measure_engine(args) -> int:
-    """Run the engine per :func:`measure_engine`, then print the runs' report (and the comparison
-    when there is a baseline)."""
-    from replay.colibri.engine_metrics import engine_compare, engine_report
-
-    from relayout.render.engine import format_engine_compare, format_engine_report
-
-    if not args.prompts:
-        raise InputError(None, "measure --engine needs --prompts FILE")
-    if not args.output:
-        raise InputError(None, "measure --engine needs -o DIR (where the runs are kept)")
-    arms = ([EngineArm("baseline", Path(args.baseline))] if args.baseline else []) + [
-        EngineArm("container", Path(args.container))]
-    measure_engine(args.engine, arms, read_prompts(args.prompts), args.reps, env_words(args.runtime_env, strict=False),
-                   args.ngen, args.output, timeout_s=args.timeout)
-    dirs = [Path(args.output) / a.name for a in arms]
-    print(format_engine_report(engine_report(dirs)))
-    if args.baseline:
-        c = engine_compare(dirs)
-        print(format_engine_compare(c))
-        if c["correctness_failures"]:
-            print(f"relayout: error: {len(c['correctness_failures'])} run(s) emitted different tokens (a correctness "
-                  "failure, not noise)", file=sys.stderr)
-            return 2
-    return 0
