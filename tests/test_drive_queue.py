@@ -1,4 +1,4 @@
-"""Drives as queues (issue 12): queue depth turns into bandwidth, queue slots serialise, the
+"""Drives as queues: queue depth turns into bandwidth, queue slots serialise, the
 calibration fit recovers the model's own parameters."""
 
 import json
@@ -132,7 +132,7 @@ def test_a_profile_without_the_queue_fields_loads_with_the_documented_default(tm
 
 
 def test_shipped_profiles_model_a_queue_depth_dependent_drive():
-    """FACTS section 5: 4 KiB at QD1 about 67-80 us, 370-500 K IOPS at depth, 3.5 GB/s large reads at depth,
+    """The reference drive's published figures: 4 KiB at QD1 about 67-80 us, 370-500 K IOPS at depth, 3.5 GB/s large reads at depth,
     3-4 outstanding 128 KiB reads saturate a drive."""
     for name in ("single-nvme", "linux-md-raid0-4x", "mac-pro-2019-applraid-4x"):
         d = load_device(name).drive

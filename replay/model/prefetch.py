@@ -18,6 +18,8 @@ The table is :func:`replay.model.coupling.coupling_table`. How the loads are tim
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 from numba import njit
 
 from replay.model.config import PREFETCH_SOURCES
@@ -25,12 +27,27 @@ from replay.model.jit import HELPER
 
 ORACLE, COUPLED = PREFETCH_SOURCES.index("oracle"), PREFETCH_SOURCES.index("coupled")
 
+Selections = namedtuple("Selections", "sel_start sel_e sel_mult")
+"""Batch unions as :func:`predict_next` reads them (the fields of the same names of
+:class:`replay.model.unions.Instances`): instance ``i``'s experts are ``sel_e[sel_start[i]:
+sel_start[i + 1]]``, each selected by ``sel_mult`` positions."""
+
+PairTable = namedtuple("PairTable", "targets counts")
+"""The coupled source's pair table (:func:`replay.model.coupling.coupling_table`): ``targets``,
+``counts`` [L, E, T]."""
+
+Scratch = namedtuple("Scratch", "score touched")
+""":func:`predict_next`'s scratch arrays [E]: ``score`` (zeros on entry and on return) and ``touched``."""
+
 
 @njit(**HELPER)
-def predict_next(source, i, li, sel_start, sel_e, sel_mult, targets, counts, k, score, touched, out):
+def predict_next(source, i, li, union, pairs, k, scratch, out):
     """Fill ``out`` with up to ``k`` predicted experts of layer ``li + 1`` given instance ``i``
-    (layer ``li``), best first (ties: lower id first); returns how many. ``score`` [E] (zeros on
-    entry and on return) and ``touched`` are scratch."""
+    (layer ``li``) of the unions ``union`` (:data:`Selections`), best first (ties: lower id
+    first); returns how many. ``pairs``: the coupled source's :data:`PairTable`; ``scratch``:
+    :data:`Scratch`."""
+    sel_start, sel_e, sel_mult = union.sel_start, union.sel_e, union.sel_mult
+    targets, counts, score, touched = pairs.targets, pairs.counts, scratch.score, scratch.touched
     n_touched = 0
     if source == ORACLE:
         for j in range(sel_start[i + 1], sel_start[i + 2]):

@@ -52,6 +52,7 @@ def replay_steps(
     pinned: np.ndarray | None = None,
     split: SplitState | None = None,
     coupling: tuple | None = None,
+    *,
     chunk_forwards: int = DEFAULT_CHUNK_FORWARDS,
     blocks: Iterable[RowBlock] | None = None,
 ) -> StepReplay:

@@ -83,8 +83,8 @@ from containers.layout import WEIGHT_SLOTS, Layout, layout_from_container
 from replay.physical.buffers import read_buffer
 from replay.model.config import PREFETCH_SOURCES, RuntimeConfig, lru_capacities
 from replay.model.engine import SplitState, layout_arrays
-from replay.model.prefetch import predict_next
-from replay.model.readplan import SCALE, WEIGHT, new_plan, plan_layer
+from replay.model.prefetch import PairTable, Scratch, Selections, predict_next
+from replay.model.readplan import SCALE, WEIGHT, Coalescing, LayerPlace, new_plan, plan_layer
 from replay.physical.residency import open_residency
 from replay.physical.stalltrace import IO_FIELDS
 from replay.formats.trace import RoutingTrace
@@ -666,8 +666,9 @@ class _Prefetcher:
         sel_e = np.concatenate([union, next_union]).astype(np.int64)
         sel_mult = np.concatenate([mult, next_mult]).astype(np.int64)
         sel_start = np.array([0, len(union), len(sel_e)], dtype=np.int64)
-        return predict_next(self.source, 0, li, sel_start, sel_e, sel_mult, self.targets, self.counts, self.k,
-                           self.score, self.touched, self.out)
+        return predict_next(self.source, 0, li, Selections(sel_start=sel_start, sel_e=sel_e, sel_mult=sel_mult),
+                            PairTable(targets=self.targets, counts=self.counts), self.k,
+                            Scratch(score=self.score, touched=self.touched), self.out)
 
     def _load(self, reads, started, batch):
         with self.lock:
@@ -790,10 +791,12 @@ def layer_reads(lay, li: int, experts: list, skip: list, config: RuntimeConfig, 
     :func:`replay.model.engine.layout_arrays` of the layout; ``coalesce`` overrides ``config.coalesce``."""
     k = len(experts)
     plan = new_plan(k)
+    place = LayerPlace(keep=1.0, adjacent=lay.adjacent[li], pos_file=lay.pos_file[li], pos_off=lay.pos_off[li],
+                       wbytes=lay.wbytes[li], wloc=lay.wloc[li], sloc=lay.sloc[li])
+    policy = Coalescing(coalesce=bool(config.coalesce if coalesce is None else coalesce),
+                        gap_bytes=int(config.coalesce_gap_bytes), max_bytes=int(config.coalesce_max_bytes))
     n, _ = plan_layer(np.asarray(experts, dtype=np.int64), k, np.asarray(skip, dtype=np.bool_), np.zeros(k, dtype=np.bool_),
-                      1.0, lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
-                      bool(config.coalesce if coalesce is None else coalesce), int(config.coalesce_gap_bytes),
-                      int(config.coalesce_max_bytes), np.empty(max(k, 1), dtype=np.int64), plan)
+                      place, policy, np.empty(max(k, 1), dtype=np.int64), plan)
     return list(zip(*(a[:n].tolist() for a in plan)))
 
 
