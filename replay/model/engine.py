@@ -257,8 +257,29 @@ def simulate(
 ) -> tuple[InstanceResult, DeviceUsage]:
     """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``,
     with results per instance (memory grows with the instances; :func:`replay.model.streaming.replay_steps`
-    keeps per-step sums only). ``coupling``: see :class:`Replay`; ``chunk_forwards``: forwards
-    replayed per call of the compiled loop (the results do not depend on it).
+    keeps per-step sums only).
+
+    Parameters
+    ----------
+    trace : RoutingTrace
+        The routing trace.
+    forwards : bool array [F]
+        The forwards to replay.
+    layout, device, config : Layout, ArrayProfile, RuntimeConfig
+        Where the experts are, what reads them, how the runtime reads.
+    pinned : bool array [L, E], optional
+        The pinned store.
+    split : SplitState, optional
+        Resident top segments of a split plan.
+    coupling : optional
+        The learned prediction source (see :class:`Replay`).
+    chunk_forwards : int, keyword-only
+        Forwards replayed per call of the compiled loop (the results do not depend on it).
+
+    Returns
+    -------
+    (InstanceResult, DeviceUsage)
+        Per (forward, layer) instance, and the device's totals.
     """
     replay = Replay(layout, device, config, pinned, split, coupling)
     parts = [(inst.forward, inst.layer, replay.run(inst))
