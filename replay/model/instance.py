@@ -60,7 +60,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
     inst_fwd, inst_li, inst_session = inst.forward, inst.layer, inst.session
     I = len(inst.sel_start) - 1
     x = Inputs(inst, ram, table, lay, pol, dev)
-    miss, jobs, reads, drives, pending = work.miss, work.jobs, work.reads, work.drives, work.pending
+    jobs, reads, drives, pending = work.jobs, work.reads, work.drives, work.pending
     pilot = work.pilot
     pool = Pool(jobs, work.workers, pilot, drives, work.share)
     mfree, sfree, host, job_done, slots = drives.free, drives.small_free, drives.host, jobs.done, drives.slots

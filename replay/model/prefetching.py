@@ -144,7 +144,7 @@ def pilot_outcome(i, li, deadline, x, work, out):
     cache (:func:`replay.model.pagecache.undo`). Keeps the
     loaded experts first in ``pending.experts``, in load order (:func:`_record_load`); returns how
     many."""
-    ram, pending, jobs, pilot = x.ram, work.pending, work.jobs, work.pilot
+    lay, ram, pending, jobs, pilot = x.lay, x.ram, work.pending, work.jobs, work.pilot
     pf = out.prefetch
     pf_list = pending.experts
     first, started = pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT]
