@@ -94,6 +94,11 @@ def isotonic_bins(n: np.ndarray, y: np.ndarray) -> np.ndarray:
     Returns
     -------
     array [B] of probabilities in [0, 1].
+
+    Examples
+    --------
+    >>> isotonic_bins(np.array([2, 2, 0, 2]), np.array([0, 2, 0, 1])).tolist()
+    [0.0, 0.75, 0.75, 0.75]
     """
     full = np.flatnonzero(n > 0)
     out = np.zeros(len(n))
