@@ -61,7 +61,7 @@ def test_more_outstanding_requests_give_more_throughput_up_to_the_drive_limit():
     assert s[4] == pytest.approx(total / B, rel=1e-9)          # 4 x b1 = B: the limit
     assert s[8] == pytest.approx(total / B, rel=1e-9)          # no more than the limit
     assert s[1] > s[2] > s[4]
-    # the old model's assumption (one request at the full rate) is the case b_1 = B: depth buys nothing
+    # one request at the full rate is the case b_1 = B: depth buys nothing
     old = drive(0.0, None, B, 32)
     assert stall(old, E, list(range(E)), 1) == pytest.approx(stall(old, E, list(range(E)), 8), rel=1e-9)
 

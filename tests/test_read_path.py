@@ -31,7 +31,7 @@ def _plan(pos_off, nbytes, cap, gap=0, skip=None):
 
 
 def test_a_coalesced_read_never_exceeds_the_cap():
-    # four contiguous 60-byte experts, cap 100: no two fit, so four reads (the old model read 120 bytes once)
+    # four contiguous 60-byte experts, cap 100: no two fit, so four reads (never one read of 120 bytes)
     reads, jobs = _plan([0, 60, 120, 180], [60] * 4, cap=100)
     weights = [r for r in reads if r[5] == WEIGHT]
     assert [(off, n, a, b) for _, off, n, a, b, _, _ in weights] == [(0, 60, 0, 0), (60, 60, 1, 1), (120, 60, 2, 2),

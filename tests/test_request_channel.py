@@ -1,4 +1,4 @@
-"""Request channel time ``c`` (issue 12): each request a drive serves holds its data channel ``c``
+"""Request channel time ``c``: each request a drive serves holds its data channel ``c``
 seconds beyond its bytes. It bounds small-read IOPS at ``1 / c`` at depth, makes a read the
 system splits cost ``c`` per request, and so makes merging two reads into one that the system
 splits as often save only the command ``a``; the calibration fits it, and profiles without it

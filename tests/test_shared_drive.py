@@ -1,4 +1,4 @@
-"""Shared drives (issue 12): a drive whose channel is shared among the requests in it, so reads
+"""Shared drives: a drive whose channel is shared among the requests in it, so reads
 released together complete together and a later read slows those in flight; the calibration
 chooses the discipline from how concurrent reads completed and fits its equation."""
 
