@@ -8,7 +8,7 @@ of ``--sessions`` sessions; the first half trains, the second half is held out. 
 
 1. each prediction source's held-out Brier score and expected calibration error (every expert of
    every predicted layer is a candidate), the same for the coupled and persistence sources fused
-   (replay.model.predictors.learn_fused), and the late-need probability q's scores from a replay that
+   (replay.control.sources.learn_fused), and the late-need probability q's scores from a replay that
    observes without loading;
 2. the admission arms at equal budgets (Q = 6 queue slots, B = 6 experts' bytes per layer, the
    coupled source's probabilities for every policy; oracle: the true experts): S, the saving
@@ -35,13 +35,13 @@ import numpy as np
 from containers.geometry import load_geometry
 from relayout.planning.plan import source_from_geometry
 from relayout.traces.synth import synth_trace
-from replay.model.admission import admission_counts
+from replay.model.controller import admission_counts
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.model.engine import simulate
 from replay.evaluation.gate import run_layout
 from replay.evaluation.hypotheses import admission_table, arm_from_run, tail_table
-from replay.model.predictors import learn_fused, learn_source, reliability, score_source
+from replay.control.sources import learn_fused, learn_source, reliability, score_source
 
 
 def main() -> None:

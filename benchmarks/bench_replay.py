@@ -29,7 +29,7 @@ from replay.model.config import RuntimeConfig
 from replay.model.coupling import coupling_table
 from replay.model.device import load_device
 from replay.model.engine import simulate
-from replay.model.predictors import learn_source
+from replay.control.sources import learn_source
 from replay.formats.trace import save_trace
 
 RECORDS = Path(__file__).resolve().parent / "records"

@@ -8,12 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_predictors import layout, routing
 
-from replay.model.admission import _most_probable, _never_gains, _value, prefetcher_inputs
+from replay.model.admission import Valuation, _most_probable, _never_gains, _value
 from replay.model.config import RuntimeConfig
 from replay.model.device import ArrayProfile, DriveProfile
 from replay.model.engine import simulate
 from replay.model.metrics import step_table, summarize
-from replay.model.predictors import learn_source
+from replay.control.sources import learn_source
+from replay.model.controller import prefetcher_inputs
 
 POLICIES = ("probability", "per-byte", "deadline", "stall-value")
 LAT, BW = 1e-4, 1e9
@@ -197,10 +198,10 @@ def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes
                                                                                  p_victim, nbytes):
     """V(a) does not decrease with the need time, to the last bit (replay.model.admission._may_gain
     skips ordering the candidates when none is positive at need time inf)."""
-    bound = _value(p, np.inf, svc, t, routed, lam, rho, p_victim, nbytes, 2e9)
-    assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= bound
-    assert _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, 2e9) <= _value(
-        p, need + abs(need) * 1e-9 + 1e-12, svc, t, routed, lam, rho, p_victim, nbytes, 2e9)
+    v = Valuation(routed=routed, lam=lam, rho=rho, p_victim=p_victim, full_bandwidth=2e9)
+    bound = _value(p, np.inf, svc, t, nbytes, v)
+    assert _value(p, need, svc, t, nbytes, v) <= bound
+    assert _value(p, need, svc, t, nbytes, v) <= _value(p, need + abs(need) * 1e-9 + 1e-12, svc, t, nbytes, v)
 
 
 @settings(max_examples=500, deadline=None)
@@ -228,12 +229,13 @@ def test_stall_value_skips_ranking_only_when_no_load_of_the_pool_can_gain(t0, d,
     b = nbytes * (1 + more)
     p_edge = threshold(s, b) * (1 + offset if above else 1 - offset)
     pool_p = np.array([p_edge, dp * p_edge])
-    if _never_gains(pool_p, 2, t0, routed, k, p_victim, s_lo, s_hi, float(nbytes), F):
+    v = Valuation(routed=routed, lam=lam, rho=rho, p_victim=p_victim, full_bandwidth=F)
+    if _never_gains(pool_p, 2, t0, v, s_lo, s_hi, float(nbytes)):
         for p in pool_p:
-            assert _value(p, np.inf, s, t0, routed, lam, rho, p_victim, b, F) <= 0.0
+            assert _value(p, np.inf, s, t0, b, v) <= 0.0
     least = min(threshold(s_lo, nbytes), threshold(s_hi, nbytes))
     if p_edge <= least * (1 - 1e-5) and s_lo - d > 1e-3 * (t0 + routed + s_hi):
-        assert _never_gains(pool_p, 2, t0, routed, k, p_victim, s_lo, s_hi, float(nbytes), F)
+        assert _never_gains(pool_p, 2, t0, v, s_lo, s_hi, float(nbytes))
 
 
 @settings(max_examples=300, deadline=None)

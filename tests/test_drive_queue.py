@@ -1,4 +1,4 @@
-"""Drives as queues (issue 12): queue depth turns into bandwidth, queue slots serialise, the
+"""Drives as queues: queue depth turns into bandwidth, queue slots serialise, the
 calibration fit recovers the model's own parameters."""
 
 import json
@@ -61,7 +61,7 @@ def test_more_outstanding_requests_give_more_throughput_up_to_the_drive_limit():
     assert s[4] == pytest.approx(total / B, rel=1e-9)          # 4 x b1 = B: the limit
     assert s[8] == pytest.approx(total / B, rel=1e-9)          # no more than the limit
     assert s[1] > s[2] > s[4]
-    # the old model's assumption (one request at the full rate) is the case b_1 = B: depth buys nothing
+    # one request at the full rate is the case b_1 = B: depth buys nothing
     old = drive(0.0, None, B, 32)
     assert stall(old, E, list(range(E)), 1) == pytest.approx(stall(old, E, list(range(E)), 8), rel=1e-9)
 
@@ -132,7 +132,7 @@ def test_a_profile_without_the_queue_fields_loads_with_the_documented_default(tm
 
 
 def test_shipped_profiles_model_a_queue_depth_dependent_drive():
-    """FACTS section 5: 4 KiB at QD1 about 67-80 us, 370-500 K IOPS at depth, 3.5 GB/s large reads at depth,
+    """The reference drive's published figures: 4 KiB at QD1 about 67-80 us, 370-500 K IOPS at depth, 3.5 GB/s large reads at depth,
     3-4 outstanding 128 KiB reads saturate a drive."""
     for name in ("single-nvme", "linux-md-raid0-4x", "mac-pro-2019-applraid-4x"):
         d = load_device(name).drive

@@ -268,7 +268,7 @@ def test_buffered_weight_reads_are_served_again_from_the_page_cache():
     (A + 1M/B); forward 2's re-read of 0 comes from memory (1M at MEMORY_BANDWIDTH, no drive
     read); forward 3 reads 1, which evicts 0; forward 4's 0 goes to the drive again. O_DIRECT
     reads neither use nor fill the page cache."""
-    from replay.model.instance import MEMORY_BANDWIDTH
+    from replay.model.state import MEMORY_BANDWIDTH
 
     sizes = [MIB, MIB]
     cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=3 * MIB // 2, **BASE)

@@ -20,7 +20,8 @@ from replay.model.engine import (
     new_results,
     simulate,
 )
-from replay.model.predictors import RELIABILITY_BINS, learn_source
+from replay.control.sources import learn_source
+from replay.model.predictors import RELIABILITY_BINS
 from replay.model.routing import RoutingTrace
 
 NO_COMPUTE = dict(dense_seconds=0.0, compute_bytes_per_second=1e30)

@@ -6,13 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from containers.layout import Layout
-from replay.model.predictors import (
-    RELIABILITY_BINS,
-    isotonic_bins,
-    learn_source,
-    plot_reliability,
-    score_source,
-)
+from replay.control.sources import isotonic_bins, learn_source, plot_reliability, score_source
+from replay.model.predictors import RELIABILITY_BINS
 from replay.model.routing import RoutingTrace
 
 SOURCES = ("heat", "persistence", "coupled", "session", "oracle")

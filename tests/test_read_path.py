@@ -15,7 +15,7 @@ from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.model.engine import layout_arrays, simulate
-from replay.model.readplan import SCALE, WEIGHT, new_plan, plan_layer
+from replay.model.readplan import SCALE, WEIGHT, Coalescing, LayerPlace, new_plan, plan_layer
 
 
 def _plan(pos_off, nbytes, cap, gap=0, skip=None):
@@ -23,15 +23,17 @@ def _plan(pos_off, nbytes, cap, gap=0, skip=None):
     sloc = np.zeros((E, 3, 3), np.int64)
     sloc[:, :, 0], sloc[:, :, 1], sloc[:, :, 2] = 1, np.arange(E)[:, None] * 12 + np.arange(3) * 4, 4
     plan = new_plan(E)
+    place = LayerPlace(keep=1.0, adjacent=np.ones(E, bool), pos_file=np.zeros(E, np.int64),
+                       pos_off=np.asarray(pos_off, np.int64), wbytes=np.asarray(nbytes, np.int64),
+                       wloc=np.zeros((E, 3, 3), np.int64), sloc=sloc)
     n, jobs = plan_layer(np.arange(E, dtype=np.int64), E, np.zeros(E, bool) if skip is None else np.asarray(skip),
-                         np.zeros(E, bool), 1.0, np.ones(E, bool), np.zeros(E, np.int64), np.asarray(pos_off, np.int64),
-                         np.asarray(nbytes, np.int64), np.zeros((E, 3, 3), np.int64), sloc, True, gap, cap,
+                         np.zeros(E, bool), place, Coalescing(coalesce=True, gap_bytes=gap, max_bytes=cap),
                          np.empty(E, np.int64), plan)
     return [r for r in zip(*(a[:n].tolist() for a in plan))], jobs
 
 
 def test_a_coalesced_read_never_exceeds_the_cap():
-    # four contiguous 60-byte experts, cap 100: no two fit, so four reads (not one read of 120 bytes)
+    # four contiguous 60-byte experts, cap 100: no two fit, so four reads (never one read of 120 bytes)
     reads, jobs = _plan([0, 60, 120, 180], [60] * 4, cap=100)
     weights = [r for r in reads if r[5] == WEIGHT]
     assert [(off, n, a, b) for _, off, n, a, b, _, _ in weights] == [(0, 60, 0, 0), (60, 60, 1, 1), (120, 60, 2, 2),
@@ -86,10 +88,12 @@ def test_model_and_harness_issue_identical_read_lists(small_container, tmp_path,
         union = np.unique(trace.experts[rows][trace.experts[rows] >= 0])
         experts = union[np.argsort(lay.rank[li, union])]
         plan = new_plan(len(experts))
+        place = LayerPlace(keep=1.0, adjacent=lay.adjacent[li], pos_file=lay.pos_file[li], pos_off=lay.pos_off[li],
+                           wbytes=lay.wbytes[li], wloc=lay.wloc[li], sloc=lay.sloc[li])
+        policy = Coalescing(coalesce=config.coalesce, gap_bytes=config.coalesce_gap_bytes,
+                            max_bytes=config.coalesce_max_bytes)
         n, _ = plan_layer(experts.astype(np.int64), len(experts), np.zeros(len(experts), bool), np.zeros(len(experts), bool),
-                          1.0, lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li],
-                          lay.sloc[li], config.coalesce, config.coalesce_gap_bytes, config.coalesce_max_bytes,
-                          np.empty(len(experts), np.int64), plan)
+                          place, policy, np.empty(len(experts), np.int64), plan)
         expect = list(zip(*(a[:n].tolist() for a in plan)))
         assert planned[i] == expect
         # the harness performed exactly those reads (threads reorder them), buffered

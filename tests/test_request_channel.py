@@ -1,4 +1,4 @@
-"""Request channel time ``c`` (issue 12): each request a drive serves holds its data channel ``c``
+"""Request channel time ``c``: each request a drive serves holds its data channel ``c``
 seconds beyond its bytes. It bounds small-read IOPS at ``1 / c`` at depth, makes a read the
 system splits cost ``c`` per request, and so makes merging two reads into one that the system
 splits as often save only the command ``a``; the calibration fits it, and profiles without it
@@ -68,7 +68,7 @@ def test_small_reads_at_depth_are_bounded_by_one_request_per_c(service):
     assert rate == pytest.approx(want, rel=0.02)
     d = dev.drive
     assert float(queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots, s, 16, 0,
-                                  service == "shared", C)) == pytest.approx(want, rel=1e-9)
+                                  shared=service == "shared", request_channel_seconds=C)) == pytest.approx(want, rel=1e-9)
     # without c the same reads are bounded by the commands alone, far faster
     assert 64 * s / stall_of(drive(service, c=0.0, a=1e-7), [s / MIB] * 64, 16) > 4 * want
 
@@ -93,14 +93,14 @@ def test_the_fit_recovers_c_from_a_grid_the_model_generated(shared):
     depths = np.array([d for _ in SIZES for d in DEPTHS])
     m = 4 * MIB
     for a, b1, bw, Q, c in ((45e-6, 3.5e9, 3.5e9, 2, 16e-6), (70e-6, 1.5e9, 3.5e9, 64, 2e-6)):
-        x = queue_throughput(a, b1, bw, Q, sizes, depths, m, shared, c)
+        x = queue_throughput(a, b1, bw, Q, sizes, depths, m, shared=shared, request_channel_seconds=c)
         fit = fit_queue_model(sizes, depths, x, m, shared=shared)
         assert fit["max_abs_log_error"] < 1e-4
         assert fit["request_channel_seconds"] == pytest.approx(c, rel=0.02)
         assert fit["request_seconds"] == pytest.approx(a, rel=0.02)
         assert fit["bandwidth"] == pytest.approx(bw, rel=1e-3)
     # a grid made without c is fitted with a c too small to matter
-    x = queue_throughput(60e-6, 3e9, 3e9, 8, sizes, depths, m, shared)
+    x = queue_throughput(60e-6, 3e9, 3e9, 8, sizes, depths, m, shared=shared)
     fit = fit_queue_model(sizes, depths, x, m, shared=shared)
     assert fit["request_channel_seconds"] < 0.5e-6 and fit["max_abs_log_error"] < 1e-3
 

@@ -1,4 +1,4 @@
-"""Shared drives (issue 12): a drive whose channel is shared among the requests in it, so reads
+"""Shared drives: a drive whose channel is shared among the requests in it, so reads
 released together complete together and a later read slows those in flight; the calibration
 chooses the discipline from how concurrent reads completed and fits its equation."""
 
@@ -21,7 +21,7 @@ A, B = 1e-4, 1e9          # request cost (s) and channel rate (bytes/s) of the h
 UNIT = MIB / B            # s to move 1 MiB through the channel
 
 
-def drive(service, a=A, b1=B, bw=B, slots=32, members=1, chunk=0, rule="none", host=1e15, max_request=None):
+def drive(service, *, a=A, b1=B, bw=B, slots=32, members=1, chunk=0, rule="none", host=1e15, max_request=None):
     return ArrayProfile("q", DriveProfile("d", a, bw, slots, b1, max_request, service), members, chunk, rule, host,
                         read_ahead_bytes=0)
 

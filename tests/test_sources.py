@@ -14,10 +14,7 @@ from containers.errors import InputError
 from replay.model.config import RuntimeConfig
 from replay.model.engine import Replay
 from replay.model.metrics import step_table
-from replay.model.predictors import (
-    CALIBRATION_BINS,
-    FusedModel,
-    SourceModel,
+from replay.control.sources import (
     fit_fusion,
     fused_probability,
     learn_fused,
@@ -25,6 +22,7 @@ from replay.model.predictors import (
     reliability_of_cells,
     score_source,
 )
+from replay.model.predictors import CALIBRATION_BINS, FusedModel, SourceModel
 from replay.model.unions import chunk_instances, whole_forward_blocks
 
 EXPERT = 45056
@@ -79,7 +77,7 @@ def test_fusion_fits_the_training_sessions_at_least_as_well_as_each_source():
     assert fused.name == "heat+coupled" and fused.names == ("heat", "coupled")
 
     def log_loss(coef):
-        from replay.model.predictors import _cell_probabilities, _fused_cells
+        from replay.control.sources import _cell_probabilities, _fused_cells
 
         n, y = _fused_cells(fused.sources, tr, train, lay)
         q = np.clip(fused_probability(coef, _cell_probabilities(fused.sources, n.shape[1])), 1e-12, 1 - 1e-12)
@@ -231,7 +229,7 @@ def test_settings_of_several_sources_are_checked():
         RuntimeConfig(prefetch="heat+coupled", admission="probability", source_caps=(0.5, 1.5))
     with pytest.raises(InputError, match="observe"):
         RuntimeConfig(prefetch="heat+coupled", admission="observe", source_caps=(0.5, 0.5))
-    from replay.model.admission import prefetcher_inputs
+    from replay.model.controller import prefetcher_inputs
 
     with pytest.raises(InputError, match="fused probability learned"):
         prefetcher_inputs(RuntimeConfig(prefetch="heat+coupled", admission="probability"), layout(), None)

@@ -145,7 +145,7 @@ def test_model_and_harness_plan_the_same_bytes_for_split_misses(split_case, tmp_
     from containers.geometry import ExpertFormat
     from replay.model.engine import layout_arrays
     from replay.physical.read_jobs import SplitReads
-    from replay.model.readplan import WEIGHT, new_plan, plan_layer
+    from replay.model.readplan import WEIGHT, Coalescing, LayerPlace, new_plan, plan_layer
 
     root, src, tr, plan = split_case
     dst = tmp_path / "dst"
@@ -158,9 +158,10 @@ def test_model_and_harness_plan_the_same_bytes_for_split_misses(split_case, tmp_
         group = ExpertFormat.parse(plan.geometry.expert_formats[layer]).group is not None
         for e in range(plan.layout.n_experts):
             p = new_plan(1)
-            n, _ = plan_layer(np.array([e]), 1, np.zeros(1, bool), np.array([state.resident[li, e]]), 1 - state.top_fraction[li],
-                              lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
-                              False, 0, 1 << 30, np.empty(1, np.int64), p)
+            place = LayerPlace(keep=1 - state.top_fraction[li], adjacent=lay.adjacent[li], pos_file=lay.pos_file[li],
+                               pos_off=lay.pos_off[li], wbytes=lay.wbytes[li], wloc=lay.wloc[li], sloc=lay.sloc[li])
+            n, _ = plan_layer(np.array([e]), 1, np.zeros(1, bool), np.array([state.resident[li, e]]), place,
+                              Coalescing(coalesce=False, gap_bytes=0, max_bytes=1 << 30), np.empty(1, np.int64), p)
             model = [(int(p.kind[i]), int(p.length[i])) for i in range(n)]
             real = [(kind, length) for _, _, length, kind in seg.reads(li, e)]
             assert [x for x in model if x[0] == WEIGHT] == [x for x in real if x[0] == WEIGHT]

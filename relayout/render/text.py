@@ -500,7 +500,7 @@ def format_split_curve(curve) -> str:
 
 
 def format_reliability(scores) -> str:
-    """Prediction sources on held-out sessions (:class:`replay.model.predictors.Reliability`): each
+    """Prediction sources on held-out sessions (:class:`replay.control.sources.Reliability`): each
     one's candidates, base rate, Brier score and expected calibration error, beside the Brier score
     of a constant forecast at the base rate (a source below it has skill)."""
     lines = [f"  {'source':<28}{'candidates':>12}{'base rate':>11}{'Brier':>10}{'ECE':>9}{'Brier at base rate':>20}"]

@@ -75,7 +75,7 @@ def _no_pins(plan: Plan) -> np.ndarray:
 def learned_source(trace: RoutingTrace, plan: Plan, source: str, train: np.ndarray):
     """The prediction source ``source`` learned on the plan's training forwards ``train`` (several
     sources, ``"a+b"``: their :class:`replay.model.predictors.FusedModel`)."""
-    from replay.model.predictors import learn_fused, learn_source
+    from replay.control.sources import learn_fused, learn_source
 
     if source in ("none", "oracle"):
         return None
@@ -87,9 +87,9 @@ def learned_source(trace: RoutingTrace, plan: Plan, source: str, train: np.ndarr
 
 def predictor_scores(plan: Plan, trace: RoutingTrace, source: str) -> list:
     """Each source of ``source`` and (several sources) their fusion, learned on the plan's
-    training sessions and scored on its held-out ones (:class:`replay.model.predictors.Reliability`):
+    training sessions and scored on its held-out ones (:class:`replay.control.sources.Reliability`):
     the reader sees whether fusing helps."""
-    from replay.model.predictors import score_source
+    from replay.control.sources import score_source
 
     mask, train = _held_out(trace, plan)
     learned = learned_source(trace, plan, source, train)

@@ -1,112 +1,40 @@
-"""Prefetch admission under equal budgets (seed 5.3-5.4, E2) and the controller's feedback (5.8).
+"""Prefetch admission in the compiled model: which candidates a policy loads, under equal budgets.
 
-When layer L is routed, a prediction source (:mod:`replay.model.predictors`) gives each expert of layer
-L+1 a probability ``p``. The *candidates* are the source's ``prefetch_candidates`` most probable
-experts (ties: lower id first) not already in RAM (pinned or in the LRU) with
-``p >= prefetch_min_probability``; every
-policy chooses among the same candidates, under the same budgets: at most ``Q`` =
-``prefetch_experts`` loads (the prefetch queue slots) and ``B`` = ``prefetch_bytes`` speculative
-bytes per layer (0: only Q limits). Demand reads keep strict priority: a controlled prefetcher
-starts once the layer's demand loads are done (:mod:`replay.model.instance`; the runtime's plain top-K
-rule queues its loads at routing instead, as colibrì does). Policies, by what they rank on:
-
-* ``probability``: ``p``, highest first; ``per-byte``: ``p / b`` (``b`` the expert's bytes);
-* ``deadline``: the estimated need time, earliest first;
-* ``stall-value``: ``V(a) = (G - C_queue - C_pollution) / b`` (seed 5.3) with
-  ``G = q * P(ready <= need | queue) * dW``: ``q = p * lambda`` the late-need probability (5.2:
-  needed, and not otherwise ready in time; ``lambda`` the measured share of the layer's demand
-  misses whose load made the compute thread wait), ``dW = rho * s`` the stall the miss would
-  cause (``s`` the expert's estimated demand-load time, cold or page-cache warm, with or without
-  its scales; ``rho`` the layer's measured stall per late miss over its estimated load time),
-  ``P = min(1, max(0, (need - start) / s))`` for a load starting at ``start`` after the loads
-  admitted before it: 1 when it completes by its need time, else the share of it done by then
-  (a load still in flight when needed removes that share of the wait, so the deterministic
-  chance of finishing in time is refined to the share of the stall removed),
-  ``C_queue = (1 - p) * (b / F) * max(0, ready - routed) / s`` (a wrong load's bytes still to
-  transfer when the next layer's demand reads start, in the drives' channel time at the array's
-  full bandwidth ``F``: the share of the channel it takes from them) and ``C_pollution = (1 - p) * p_v * lambda * rho * s`` (a
-  wrong load evicting the LRU's oldest expert, of probability ``p_v``). Candidates are taken in
-  order of V at the prefetcher's start, each re-valued at its own start; none of value <= 0;
-* ``oracle``: the experts layer L+1 really needs, not in RAM, in need (issue) order: the
-  non-deployable bound.
-
-The estimated need time of a candidate is when the next layer is routed plus the expected
-matmuls the compute thread runs before it: those of the layer's resident experts (it runs them
-first; experts below the probability floor are left out) and of the candidates ahead of it in
-issue order, each weighted by its probability.
-
-Tail control (5.8): a load not started when the next layer is routed is dropped (its deadline
-passed); with ``cancel_stale``, a load the next layer was routed without also stops issuing its
-remaining reads (one already at the drives completes); with ``adaptive_budget`` the byte budget is
-at most what the drives can deliver between the prefetcher's start (after their backlog) and the
-next routing (a load is admitted while the bytes admitted before it fit in that window, so
-it is expected to start in time); with ``backoff`` a layer whose measured stall-conversion (:func:`record_outcome`)
-is not positive stops prefetching, probing once every :data:`BACKOFF_PROBE` forwards.
-
-Under ``top-k`` the list is the source's K best (the runtime's rule); a byte budget B, the
-adaptive budget and the per-source caps, when set, keep its loads that fit, in rank order (the
-experts already in RAM are skipped and charge nothing), and backoff applies as above.
-
-Several sources at once (``prefetch = "a+b"``, :mod:`replay.model.predictors`): every policy ranks on
-the fused probability; each candidate is charged to the source credited with it (the one whose
-own probability of it is highest, ties to the first listed). **Per-source caps** (``source_caps``
-``c_s``, seed 5.8's lossless tail control: no one source may take more than its share): the loads
-charged to source ``s`` in one layer are at most ``floor(c_s Q)`` and, with a byte budget, take
-at most ``c_s B`` bytes. A candidate the policy would have admitted (it fits the budgets, and
-under ``stall-value`` its value is positive) but whose source's cap it would exceed is skipped
-and counted apart (``capped``); later candidates may still be admitted. With no caps (or every
-share 1) a run is the same, to the bit, as without the machinery.
-
-Per instance the replay counts the candidates a policy rejected (``rejected``: candidates it did
-not admit, those skipped by a cap not included), those skipped by a cap (``capped``) and the loads
-cancelled (``cancelled``: dropped or cut). Where all experts have the same bytes (GLM-5.2),
-``per-byte`` ranks as ``probability`` does.
-
-References
-----------
-Seed sections 5.2-5.4 and 5.8; experiments E2 and E5.
+When layer L is routed, a prediction source (:mod:`replay.model.predictors`) gives each expert of
+layer L+1 a probability; :func:`choose` picks the candidates (the most probable experts not in
+RAM, above the probability floor) and admits them under the policy (``probability``,
+``per-byte``, ``deadline``, ``stall-value``'s V(a), ``oracle``) within the queue-slot, byte,
+adaptive and per-source budgets; :func:`admit_listed` applies those budgets to the top-K rule's
+list. The controller's state and feedback are :mod:`replay.model.controller`; docs/MODEL.md
+states the policies, V(a) and the tail controls in full. Units: bytes, seconds, bytes/s.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
-from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
-from containers.errors import InputError
-from containers.layout import Layout
-
-from replay.model.config import ADMISSION_POLICIES, RuntimeConfig
-from replay.model.jit import HELPER, STAGE
-from replay.model.pagecache import scales_cached, scales_settled
-from replay.model.predictors import (
-    CALIBRATION_BINS,
-    FusedModel,
-    SourceModel,
-    prediction_source,
-    untouched_probability,
+from replay.model.controller import (
+    ADMITTED,
+    CAP_BYTES,
+    CAP_SLOTS,
+    CAPPED,
+    CREDITED,
+    DEADLINE,
+    ORACLE_POLICY,
+    PER_BYTE,
+    PROBABILITY,
+    STALL_VALUE,
+    USED_BYTES,
+    USED_SLOTS,
+    LoadCosts,
+    load_seconds,
+    scales_in_cache,
 )
-
-TOP_K, PROBABILITY, PER_BYTE, DEADLINE, STALL_VALUE, ORACLE_POLICY, OBSERVE = (
-    ADMISSION_POLICIES.index(x) for x in ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe"))
-
-MEMORY_BANDWIDTH = 10e9
-"""Bytes/s of a page-cache read (as :data:`replay.model.instance.MEMORY_BANDWIDTH`)."""
-
-WARM_BUCKETS = 10_000
-"""As :data:`replay.model.instance.WARM_BUCKETS`: a weight read is warm when its page hash falls in the
-first ``page_cache_fraction`` of these."""
-
-FEEDBACK_WEIGHT = 0.1
-"""Weight of a new instance in the controller's running (exponentially weighted) measurements."""
-
-BACKOFF_PROBE = 16
-"""With backoff, a layer that stopped prefetching still prefetches once every this many forwards,
-so its measured stall-conversion can recover."""
-
-MAX_CANDIDATES = 64
+from replay.model.jit import HELPER, STAGE
+from replay.model.predictors import untouched_probability
 
 VALUE_MARGIN = 1e-9
 """Relative slack :func:`_never_gains` keeps: it decides only where rounding (about 1e-15
@@ -120,145 +48,42 @@ RANKED_POOL = 64
 """Up to this many candidates, the C most probable are found by counting, for each, the
 candidates ahead of it (branch-free, vectorised); beyond it, by insertion into a ranked list."""
 
-Control = namedtuple("Control", "late_frac cost_ratio gain probes cand key need svc order q_pending q_for waited "
-                                "pool pool_p svc_min svc_max bytes_min")
-"""The controller's state (:func:`new_control`). Per layer [L]: ``late_frac`` (lambda, the running
-share of demand misses that made the compute thread wait), ``cost_ratio`` (rho, running stall per
-late miss over its estimated load time), ``gain`` (running stall-conversion, s per instance, for
-backoff), ``probes`` (instances skipped by backoff); ``svc_min``, ``svc_max`` (s) and
-``bytes_min``: the shortest and longest estimated load time of one of the layer's experts, its
-scales read or not (:func:`load_seconds`), and the fewest bytes of one, NaN until the layer's
-first stall-valued admission (:func:`_load_range`). Scratch [64] over the candidates: ``cand``,
-``key``, ``need`` (estimated need time, s), ``svc`` (estimated load time, s), ``order``. For scoring q (policy
-``observe``): ``q_pending`` [E] (q of the layer being predicted), ``q_for`` [1] (its instance, -1
-none), ``waited`` [E] (scratch: the miss made the compute thread wait). Scratch [E] over the
-experts a policy considers: ``pool`` and their probabilities ``pool_p``."""
+Valuation = namedtuple("Valuation", "routed lam rho p_victim full_bandwidth")
+"""The terms of V(a) a layer's candidates share (:func:`_value`): when the next layer is routed
+(``routed``, s), lambda and rho (the layer's late share and cost ratio, :data:`replay.model.controller.Control`), the
+probability ``p_victim`` of the expert a wrong load would evict from the LRU, and the array's
+full bandwidth (bytes/s)."""
 
-Prefetcher = namedtuple("Prefetcher", "source control sources fusion charge")
-"""What the compiled prefetcher reads and keeps: ``source``, the
-:data:`replay.model.predictors.PredictionSource` the policy reads its probabilities from (with several
-sources, the holder of their fused probability); the :data:`Control`; ``sources``, the tuple of
-the sources that run (one source: ``(source,)``); the :data:`Fusion`; ``charge``: the same
-:data:`Fusion` when loads are charged to sources (caps, or several sources), else None (the
-admission then compiles without the charging code)."""
+Limits = namedtuple("Limits", "t0 window budget slots valued")
+"""What :func:`_admit` admits under: the first load's start ``t0`` (s), the ``window`` of bytes
+that can start before the next routing (inf: no adaptive budget), the byte ``budget``, the most
+loads ``slots``, and ``valued`` (only loads of positive V(a))."""
 
-Fusion = namedtuple("Fusion", "coef credit caps limits tally")
-"""Several sources and their caps (module doc). ``coef`` [S + 1]: the fusion's weights
-(:class:`replay.model.predictors.FusedModel`); ``credit`` [E]: the source each expert of the layer
-being predicted is charged to (0 with one source); ``caps`` (bool: the caps apply);
-``limits`` [4, S] per source: the most loads (floor(c_s Q)) and bytes (c_s B; inf without a
-byte budget) it may take per layer, then what the layer being predicted charged it so far
-(rows :data:`CAP_SLOTS`, :data:`CAP_BYTES`, :data:`USED_SLOTS`, :data:`USED_BYTES`);
-``tally`` [3, S] int64, totals over the replay per source while loads are charged to
-sources (caps, or several sources; ``Prefetcher.charge``): candidates a policy chose among
-credited to it, loads admitted, candidates skipped by its cap (rows :data:`CREDITED`,
-:data:`ADMITTED`, :data:`CAPPED`)."""
-
-CAP_SLOTS, CAP_BYTES, USED_SLOTS, USED_BYTES = range(4)
-CREDITED, ADMITTED, CAPPED = range(3)
-
-
-def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetcher:
-    """The :data:`Prefetcher` of a replay under ``config``: ``learned`` is the source learned on
-    training sessions (a :class:`replay.model.predictors.SourceModel`; for several sources, their
-    :class:`replay.model.predictors.FusedModel`), or, for ``coupled`` under ``top-k``, its
-    ``(targets, counts)`` pair table, or None for ``none`` and ``oracle``."""
-    L, E = len(layout.layers), layout.n_experts
-    kind = config.prefetch
-    names = config.sources
-    if len(names) > 1:
-        if not isinstance(learned, FusedModel):
-            raise InputError(None, f"the prefetch sources {kind!r} need their fused probability learned from training "
-                                   f"sessions (replay.model.predictors.learn_fused)")
-        if learned.names != names:
-            raise InputError(None, f"the learned sources are {learned.name!r}, the configuration asks for {kind!r}")
-        sources = tuple(prediction_source(m, layout) for m in learned.sources)
-        holder = prediction_source(None, layout, "fused")
-        fusion = new_fusion(config, E, learned.coef)
-        return Prefetcher(holder, new_control(L, E), sources, fusion, fusion)
-    if kind in ("none", "oracle"):                # they learn nothing: whatever was learned is not theirs
-        model = None
-    elif isinstance(learned, SourceModel):
-        if learned.name != kind:
-            raise InputError(None, f"the learned source is {learned.name!r}, the configuration asks for {kind!r}")
-        model = learned
-    elif kind == "coupled" and learned is not None and config.admission == "top-k":
-        targets, counts = learned
-        model = SourceModel("coupled", np.asarray(targets), np.asarray(counts), np.zeros((L, E)), np.zeros((L, E)),
-                            np.zeros((L, CALIBRATION_BINS)))
-    elif kind == "coupled" and learned is None:
-        raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
-    else:
-        raise InputError(None, f"the {kind} prefetch source under admission {config.admission!r} needs its probabilities "
-                               f"learned from training sessions (replay.model.predictors.learn_source)")
-    source = prediction_source(model, layout, kind)
-    fusion = new_fusion(config, E, np.array([0.0, 1.0]))
-    return Prefetcher(source, new_control(L, E), (source,), fusion, fusion if config.source_caps else None)
-
-
-def new_fusion(config: RuntimeConfig, E: int, coef: np.ndarray) -> Fusion:
-    """A fresh :data:`Fusion` for ``config``'s sources (weights ``coef``) and caps."""
-    S = max(len(config.sources), 1)
-    shares = np.asarray(config.source_caps or (1.0,) * S, dtype=np.float64)
-    slots = np.floor(shares * config.prefetch_experts + 1e-9).astype(np.int64)
-    nbytes = shares * config.prefetch_bytes if config.prefetch_bytes > 0 else np.full(S, np.inf)
-    return Fusion(np.ascontiguousarray(coef, dtype=np.float64), np.zeros(E, dtype=np.int64), bool(config.source_caps),
-                  np.stack([slots.astype(np.float64), nbytes, np.zeros(S), np.zeros(S)]), np.zeros((3, S), dtype=np.int64))
-
-
-def new_control(L: int, E: int) -> Control:
-    """A fresh controller for ``L`` layers of ``E`` experts: lambda = rho = 1 (every miss is
-    assumed late and to cost its load time until measured), gain slightly positive."""
-    return Control(np.ones(L), np.ones(L), np.full(L, 1e-9), np.zeros(L, dtype=np.int64),
-                   np.empty(MAX_CANDIDATES, dtype=np.int64), np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES),
-                   np.empty(MAX_CANDIDATES), np.empty(MAX_CANDIDATES, dtype=np.int64), np.zeros(E),
-                   np.full(1, -1, dtype=np.int64), np.zeros(E, dtype=np.bool_), np.empty(E, dtype=np.int64),
-                   np.empty(E), np.full(L, np.nan), np.full(L, np.nan), np.full(L, np.nan))
-
-
-@njit(**HELPER)
-def _scales_in_cache(pc, nl, e, lay):
-    return scales_settled(pc, nl, e) or scales_cached(pc, lay.sloc[nl, e])
-
-
-@njit(**HELPER)
-def load_seconds(nl, e, first, lay, pol, dev):
-    """Estimated time (s) to load expert ``e`` of layer ``nl`` alone: its weight bytes (the bottom
-    segment when its top is resident) from the drives, or from the page cache when its first
-    weight page is warm, plus its scales (three requests when the page cache does not hold all
-    of them, ``first``: :func:`replay.model.pagecache.scales_cached`; page-cache time otherwise). Each request costs its command and its channel
-    time, ``a + c``, beside its bytes at the array's rate."""
-    wb = lay.wbytes[nl, e] * (1.0 - lay.top_fraction[nl] if lay.top_resident[nl, e] else 1.0)
-    sb = lay.ebytes[nl, e] - lay.wbytes[nl, e]
-    rate = min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
-    a = dev.request_seconds + dev.request_channel
-    warm = False
-    if pol.warm_fraction > 0:
-        f, off = lay.pos_file[nl, e], lay.pos_off[nl, e]
-        if pol.direct:
-            off = (lay.bases[f] + off) // pol.alignment * pol.alignment - lay.bases[f]
-        warm = (f * 1_000_003 + off // 4096) % WARM_BUCKETS < pol.warm_fraction * WARM_BUCKETS
-    s = wb / MEMORY_BANDWIDTH if warm else a + wb / rate
-    if first:
-        s += 3 * a + sb / rate
-    else:
-        s += sb / MEMORY_BANDWIDTH
-    return s
+Ranked = namedtuple("Ranked", "order cand need svc")
+"""The candidates :func:`_admit` takes, [64] each: ``cand[order[:n]]`` in that order, each one's
+estimated need time ``need`` and load time ``svc`` (s)."""
 
 
 @njit(**STAGE)
-def choose(i, nl, start, routed, inst, src, n_touched, ram, lay, pol, dev, drives, ctl, charge, out_list, pf):
+def choose(i, nl, start, routed, x, work, n_touched, pf):
     """Admit prefetches for layer ``nl`` (instance ``i + 1``) under policy ``pol.admission``.
 
-    ``src.p`` [E]: the source's probabilities (``n_touched``: see
+    ``x``: the loop's :class:`replay.model.state.Inputs`; ``work``: its
+    :class:`replay.model.state.Work` (the drives' state; the admitted experts go into
+    ``work.pending.experts``, in load order). ``x.table.source.p`` [E]: the source's
+    probabilities (``n_touched``: see
     :func:`replay.model.predictors.next_layer_probabilities`; when the experts it does not list fall
     below the probability floor, only the listed ones are scanned); ``start``: when the prefetcher may start (s, instance
-    ``i``'s clock); ``routed``: when layer ``nl`` is routed; ``charge``: the credits and the
-    per-source caps (:data:`Fusion`), or None when loads are not charged to sources. Fills ``out_list`` with the admitted experts in load order
-    and returns how many; counts the rejected and the capped candidates in ``pf``. Under
+    ``i``'s clock); ``routed``: when layer ``nl`` is routed; ``x.table.charge``: the credits and
+    the per-source caps (:data:`replay.model.controller.Fusion`), or None when loads are not
+    charged to sources. Returns how many were admitted; counts the rejected and the capped
+    candidates in ``pf`` (the prefetch outputs). Under
     ``stall-value`` it returns before ranking the candidates when no expert of the pool may
     gain (:func:`_none_may_gain`; most calls on the benchmark's trace).
     """
+    inst, ram, lay, pol, dev = x.inst, x.ram, x.lay, x.pol, x.dev
+    src, ctl, charge = x.table.source, x.table.control, x.table.charge
+    drives, out_list = work.drives, work.pending.experts
     p = src.p
     E = len(p)
     lru = ram.lru
@@ -295,15 +120,15 @@ def choose(i, nl, start, routed, inst, src, n_touched, ram, lay, pol, dev, drive
     p_victim = 0.0
     if lru.capacity[nl] > 0 and lru.size[nl] >= lru.capacity[nl] and lru.oldest[nl] >= 0:
         p_victim = p[lru.oldest[nl]]
-    if policy == STALL_VALUE and _none_may_gain(nl, pool_p, considered, t0, routed, lam, rho, p_victim, lay, pol, dev,
-                                                ctl):
+    v = Valuation(routed, lam, rho, p_victim, dev.full_bandwidth)
+    costs = LoadCosts(ram.pages, lay, pol, dev)
+    if policy == STALL_VALUE and _none_may_gain(nl, pool_p, considered, t0, v, costs, ctl):
         _start_unranked(pool, pool_p, considered, C, p, cand, charge)
         _count(i, considered, 0, 0, pf.rejected, pf.capped)
         return 0
     nc = _most_probable(pool, pool_p, considered, C, oracle, p, cand)
     _start_layer(cand, nc, charge)
-    if policy == STALL_VALUE and not _may_gain(nl, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay,
-                                               pol, dev):
+    if policy == STALL_VALUE and not _may_gain(nl, cand, nc, p, t0, v, svc, costs):
         _count(i, considered, 0, 0, pf.rejected, pf.capped)
         return 0
     # need times: resident work first, then the candidates ahead in issue order (by probability)
@@ -313,7 +138,7 @@ def choose(i, nl, start, routed, inst, src, n_touched, ram, lay, pol, dev, drive
         e = cand[c]
         need[c] = t_need
         t_need += p[e] * seconds[e]
-        svc[c] = load_seconds(nl, e, not _scales_in_cache(ram.pages, nl, e, lay), lay, pol, dev)
+        svc[c] = load_seconds(nl, e, not scales_in_cache(ram.pages, nl, e, lay), lay, pol, dev)
     for c in range(nc):                          # the policy's order key (ascending is taken first)
         e = cand[c]
         if policy == PROBABILITY:
@@ -321,7 +146,7 @@ def choose(i, nl, start, routed, inst, src, n_touched, ram, lay, pol, dev, drive
         elif policy == PER_BYTE:
             key[c] = -p[e] / lay.ebytes[nl, e]
         elif policy == STALL_VALUE:
-            key[c] = -_value(p[e], need[c], svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e], dev.full_bandwidth)
+            key[c] = -_value(p[e], need[c], svc[c], t0, lay.ebytes[nl, e], v)
         elif policy == DEADLINE:
             key[c] = need[c]
         else:                                    # oracle: need order, as listed
@@ -330,9 +155,8 @@ def choose(i, nl, start, routed, inst, src, n_touched, ram, lay, pol, dev, drive
     for c in range(nc):
         order[c] = c
     _sort(order, nc, key)
-    n_out, n_capped = _admit(order, nc, cand, need, svc, p, lay.ebytes[nl], t0, routed, window, budget,
-                             pol.prefetch_experts, policy == STALL_VALUE, lam, rho, p_victim, dev.full_bandwidth,
-                             charge, out_list)
+    n_out, n_capped = _admit(nc, Ranked(order, cand, need, svc), p, lay.ebytes[nl],
+                             Limits(t0, window, budget, pol.prefetch_experts, policy == STALL_VALUE), v, charge, out_list)
     _count(i, considered, n_out, n_capped, pf.rejected, pf.capped)
     return n_out
 
@@ -375,39 +199,40 @@ def _most_probable(pool, pool_p, n, C, in_order, p, cand):
 
 
 @njit(**HELPER)
-def _may_gain(nl, cand, nc, p, t0, routed, lam, rho, p_victim, svc, ram, lay, pol, dev):
+def _may_gain(nl, cand, nc, p, t0, v, svc, costs):
     """Some candidate of ``cand[:nc]`` may have a positive V(a) when loaded from ``t0`` (s), the
     prefetcher's start: its V were it needed no sooner than its load completes (need time inf) is
     positive. No need time values it higher (V does not decrease with the need time, rounding
     included), and until a load is admitted every candidate is valued at ``t0``: when none may,
-    ``stall-value`` admits none, in whatever order it takes them. ``svc`` is scratch."""
+    ``stall-value`` admits none, in whatever order it takes them. ``v``: :data:`Valuation`;
+    ``costs``: :data:`replay.model.controller.LoadCosts`; ``svc`` is scratch."""
+    pages, lay, pol, dev = costs.pages, costs.lay, costs.pol, costs.dev
     for c in range(nc):
         e = cand[c]
-        svc[c] = load_seconds(nl, e, not _scales_in_cache(ram.pages, nl, e, lay), lay, pol, dev)
-        if not _value(p[e], np.inf, svc[c], t0, routed, lam, rho, p_victim, lay.ebytes[nl, e],
-                      dev.full_bandwidth) <= 0.0:
+        svc[c] = load_seconds(nl, e, not scales_in_cache(pages, nl, e, lay), lay, pol, dev)
+        if not _value(p[e], np.inf, svc[c], t0, lay.ebytes[nl, e], v) <= 0.0:
             return True
     return False
 
 
 @njit(**HELPER)
-def _none_may_gain(nl, pool_p, n, t0, routed, lam, rho, p_victim, lay, pol, dev, ctl):
+def _none_may_gain(nl, pool_p, n, t0, v, costs, ctl):
     """No expert of layer ``nl``'s pool (probabilities ``pool_p[:n]``) may have a positive V(a)
     loaded from ``t0`` (s), shown before ranking them (:func:`_never_gains` over the layer's
     range of load times and bytes, :func:`_load_range`): then :func:`_may_gain` is False for the
     candidates (a subset of the pool), so ``stall-value`` admits none. False: undecided."""
-    if t0 >= routed:
+    if t0 >= v.routed:
         return True                              # every V is 0 (_value): nothing can start in time
     if np.isnan(ctl.svc_min[nl]):
-        _load_range(nl, lay, pol, dev, ctl)
-    return _never_gains(pool_p, n, t0, routed, lam * rho, p_victim, ctl.svc_min[nl], ctl.svc_max[nl],
-                        ctl.bytes_min[nl], dev.full_bandwidth)
+        _load_range(nl, costs.lay, costs.pol, costs.dev, ctl)
+    return _never_gains(pool_p, n, t0, v, ctl.svc_min[nl], ctl.svc_max[nl], ctl.bytes_min[nl])
 
 
 @njit(**HELPER)
-def _never_gains(pool_p, n, t0, routed, k, p_victim, s_lo, s_hi, b_lo, full_bandwidth):
+def _never_gains(pool_p, n, t0, v, s_lo, s_hi, b_lo):
     """Whether every load of probability in ``pool_p[:n]``, load time (s) in [``s_lo``, ``s_hi``]
-    and at least ``b_lo`` bytes, started at ``t0 < routed`` (s) with ``k`` = lambda rho, has V(a)
+    and at least ``b_lo`` bytes, started at ``t0 < routed`` (s) under the :data:`Valuation` ``v``
+    (``k`` = lambda rho), has V(a)
     <= 0 at need time inf as :func:`_value` computes it. True only where that holds in exact
     arithmetic with a relative slack of :data:`VALUE_MARGIN`, so rounding cannot flip it; False
     (undecided) otherwise.
@@ -418,6 +243,7 @@ def _never_gains(pool_p, n, t0, routed, k, p_victim, s_lo, s_hi, b_lo, full_band
     with ``b``; in ``s`` it rises up to ``s = 2d`` and falls after, so over the range it is least
     at one end. ``d`` is taken larger by the slack, which covers the rounding of ``t0 + s -
     routed`` in :func:`_value`."""
+    routed, k, p_victim, full_bandwidth = v.routed, v.lam * v.rho, v.p_victim, v.full_bandwidth
     d = routed - t0 + VALUE_MARGIN * (abs(t0) + abs(routed) + s_hi)
     if not (s_lo > d and NORMAL_MIN <= k <= NORMAL_MAX
             and NORMAL_MIN <= b_lo / full_bandwidth * ((s_lo - d) / s_lo) <= NORMAL_MAX):
@@ -433,7 +259,7 @@ def _never_gains(pool_p, n, t0, routed, k, p_victim, s_lo, s_hi, b_lo, full_band
 @njit(**HELPER)
 def _load_range(nl, lay, pol, dev, ctl):
     """Fill ``ctl.svc_min``, ``ctl.svc_max`` (s) and ``ctl.bytes_min`` of layer ``nl``: the
-    shortest and longest :func:`load_seconds` of its experts, scales read or not, and the
+    shortest and longest :func:`replay.model.controller.load_seconds` of its experts, scales read or not, and the
     fewest bytes of one (they depend only on the layout, the read policy and the device)."""
     lo, hi, nbytes = np.inf, -np.inf, np.inf
     for e in range(lay.ebytes.shape[1]):
@@ -455,15 +281,17 @@ def _start_unranked(pool, pool_p, n, C, p, cand, fusion):
 
 
 @njit(**HELPER)
-def _admit(order, nc, cand, need, svc, p, ebytes, t0, routed, window, budget, slots, valued, lam, rho, p_victim,
-           full_bandwidth, charge, out_list):
-    """Take candidates ``cand[order[:nc]]`` in that order into ``out_list`` while they fit: at
-    most ``slots`` loads, ``budget`` bytes (of ``ebytes`` [E]) and, from the first one that would
-    start at ``t0`` + the admitted loads' times (``svc``, s) with ``window`` bytes admitted, none;
-    with ``valued``, only those of positive V(a) at their start; with a ``charge``
-    (:data:`Fusion`, the layer started with :func:`_start_layer`), each charged to its source
+def _admit(nc, ranked, p, ebytes, limits, v, charge, out_list):
+    """Take candidates ``cand[order[:nc]]`` (``ranked``: :data:`Ranked`) in that order into
+    ``out_list`` while they fit the :data:`Limits` ``limits``: at most ``slots`` loads,
+    ``budget`` bytes (of ``ebytes`` [E]) and, from the first one that would start at ``t0`` +
+    the admitted loads' times (``svc``, s) with ``window`` bytes admitted, none; with ``valued``,
+    only those of positive V(a) at their start (:data:`Valuation` ``v``); with a ``charge``
+    (:data:`replay.model.controller.Fusion`, the layer started with :func:`_start_layer`), each charged to its source
     (:func:`_charge`). Returns (loads admitted, candidates capped)."""
-    n_out, used, t, n_capped = 0, 0.0, t0, 0
+    order, cand, need, svc = ranked.order, ranked.cand, ranked.need, ranked.svc
+    window, budget, slots, valued = limits.window, limits.budget, limits.slots, limits.valued
+    n_out, used, t, n_capped = 0, 0.0, limits.t0, 0
     for r in range(nc):
         if n_out >= slots:
             break
@@ -474,7 +302,7 @@ def _admit(order, nc, cand, need, svc, p, ebytes, t0, routed, window, budget, sl
             break                                # it would start after the next layer is routed
         if used + nbytes > budget:
             continue
-        if valued and _value(p[e], need[c], svc[c], t, routed, lam, rho, p_victim, nbytes, full_bandwidth) <= 0.0:
+        if valued and _value(p[e], need[c], svc[c], t, nbytes, v) <= 0.0:
             continue
         if charge is not None:
             if not _charge(charge.credit[e], nbytes, charge):
@@ -487,12 +315,15 @@ def _admit(order, nc, cand, need, svc, p, ebytes, t0, routed, window, budget, sl
     return n_out, n_capped
 
 
-@njit(**HELPER)
-def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, ctl, charge, pf):
-    """Under ``top-k``: keep the loads of ``out_list[:n]`` (the rule's list, rank order) that fit
+@njit(**STAGE)
+def admit_listed(i, nl, start, routed, n, x, work, pf):
+    """Under ``top-k``: keep the loads of ``work.pending.experts[:n]`` (the rule's list, rank order) that fit
     the byte budget, the adaptive budget and the per-source caps (module doc), in order; the
     experts in RAM are skipped without charge. Returns how many are kept; counts the rejected
-    and the capped ones in ``pf``."""
+    and the capped ones in ``pf``. ``x``, ``work``: as :func:`choose`."""
+    ram, lay, pol, dev = x.ram, x.lay, x.pol, x.dev
+    ctl, charge = x.table.control, x.table.charge
+    drives, out_list = work.drives, work.pending.experts
     t0, window = _window(start, routed, pol.adaptive_budget, drives.free,
                          min(dev.full_bandwidth, dev.members * dev.stream_bandwidth))
     budget = float(pol.prefetch_bytes) if pol.prefetch_bytes > 0 else np.inf
@@ -504,8 +335,8 @@ def admit_listed(i, nl, start, routed, n, out_list, ram, lay, pol, dev, drives, 
             cand[nc], order[nc], svc[nc] = e, nc, 0.0
             nc += 1
     _start_layer(cand, nc, charge)
-    n_out, n_capped = _admit(order, nc, cand, svc, svc, svc, lay.ebytes[nl], t0, routed, window, budget, n,
-                             False, 0.0, 0.0, 0.0, 1.0, charge, out_list)     # (need, p: not read unless valued)
+    n_out, n_capped = _admit(nc, Ranked(order, cand, svc, svc), svc, lay.ebytes[nl], Limits(t0, window, budget, n, False),
+                             Valuation(routed, 0.0, 0.0, 0.0, 1.0), charge, out_list)     # (need, p: not read unless valued)
     _count(i, nc, n_out, n_capped, pf.rejected, pf.capped)
     return n_out
 
@@ -557,8 +388,10 @@ def _charge(s, nbytes, fusion):
 
 
 @njit(**HELPER)
-def _value(p, need, svc, t, routed, lam, rho, p_victim, nbytes, full_bandwidth):
-    """V(a) of seed 5.3 for a load starting at ``t`` (s); see the module docstring."""
+def _value(p, need, svc, t, nbytes, v):
+    """V(a) of a load of ``nbytes`` and probability ``p``, needed at ``need`` (s), taking ``svc``
+    (s), starting at ``t`` (s), under the :data:`Valuation` ``v`` (docs/MODEL.md states it)."""
+    routed, lam, rho, p_victim, full_bandwidth = v.routed, v.lam, v.rho, v.p_victim, v.full_bandwidth
     if t >= routed:
         return 0.0                               # would be dropped: it cannot start in time
     on_time = min(max((need - t) / svc, 0.0), 1.0) if svc > 0 else 1.0
@@ -586,65 +419,3 @@ def _sort(items, n, by):
             y -= 1
         items[y] = v
 
-
-@njit(**HELPER)
-def backed_off(nl, pol, ctl):
-    """With backoff, layer ``nl`` skips this prefetch (its stall-conversion is not positive and
-    this is not a probe)."""
-    if not pol.backoff or ctl.gain[nl] > 0:
-        return False
-    ctl.probes[nl] += 1
-    return ctl.probes[nl] % BACKOFF_PROBE != 0
-
-
-@njit(**HELPER)
-def record_demand(li, late, misses, wait, load_time, ctl):
-    """Instance of layer ``li`` had ``misses`` demand misses, ``late`` of them made the compute
-    thread wait, ``wait`` s in all, over ``load_time`` s of their estimated load times: update
-    lambda and rho."""
-    if misses > 0:
-        ctl.late_frac[li] += FEEDBACK_WEIGHT * (late / misses - ctl.late_frac[li])
-    if late > 0 and load_time > 0:
-        ctl.cost_ratio[li] += FEEDBACK_WEIGHT * (wait / load_time - ctl.cost_ratio[li])
-
-
-@njit(**HELPER)
-def record_outcome(li, saved, wasted, ctl):
-    """The prefetches made for an instance of layer ``li``: ``saved`` (s, the estimated stall the
-    timely used ones removed: rho x their load times) and ``wasted`` (s, drive time unused loads
-    still held when the layer was routed). Their difference is the instance's measured
-    stall-conversion, whose running mean decides backoff."""
-    ctl.gain[li] += FEEDBACK_WEIGHT * ((saved - wasted) - ctl.gain[li])
-
-
-@dataclass(frozen=True)
-class AdmissionCounts:
-    """What a policy did, per committed token (:func:`admission_counts`): ``loads`` (prefetch
-    loads completed or in flight at routing), ``rejected`` (candidates not admitted, those a
-    per-source cap skipped apart), ``capped`` (candidates skipped by a per-source cap),
-    ``cancelled`` (admitted loads dropped or cut), ``speculative_bytes`` (bytes the prefetcher
-    read, cut loads' reads included) and ``unused_bytes`` (of those loaded, bytes the layer did
-    not select); ``cancellation_rate``: cancelled over admitted (loads + cancelled), None when
-    nothing was admitted."""
-
-    loads: float
-    rejected: float
-    capped: float
-    cancelled: float
-    speculative_bytes: float
-    unused_bytes: float
-    cancellation_rate: float | None
-
-
-def admission_counts(steps) -> AdmissionCounts | None:
-    """The :class:`AdmissionCounts` of a replay's step table (:class:`replay.model.metrics.StepTable`);
-    None when no source ran."""
-    p = steps.prefetch
-    if p is None:
-        return None
-    tokens = max(float(steps.committed.sum()), 1e-12)
-    loads, cancelled = float(p["loads"].sum()), float(p["cancelled"].sum())
-    return AdmissionCounts(loads / tokens, float(p["rejected"].sum()) / tokens, float(p["capped"].sum()) / tokens,
-                           cancelled / tokens,
-                           float(p["issued"].sum()) / tokens, float(p["unused"].sum()) / tokens,
-                           cancelled / (loads + cancelled) if loads + cancelled else None)

@@ -36,7 +36,7 @@ ADMISSION_POLICIES = ("top-k", "probability", "per-byte", "deadline", "stall-val
 """How the prefetcher admits a source's candidates (:mod:`replay.model.admission`): ``top-k`` (the
 runtime's rule: the source's K best, in rank order), ``probability`` (highest probability first),
 ``per-byte`` (probability per byte), ``deadline`` (earliest estimated need first), ``stall-value``
-(seed 5.3's V(a)), ``oracle`` (the experts really needed, in need order: a bound, not deployable),
+(the expected stall a load saves, V(a), per byte), ``oracle`` (the experts really needed, in need order: a bound, not deployable),
 ``observe`` (load nothing; score the late-need probability q). The compiled model takes a policy
 as its index here."""
 

@@ -1,96 +1,11 @@
-"""Storage devices: an NVMe drive, a RAID-0 array of them, and how a read is split across members.
+"""Storage devices: an NVMe drive as a queue, a RAID-0 array of them, and how a read is split across members.
 
-A **drive** is a queue (issue 12). It holds at most ``Q = queue_slots`` requests at once; a
-request of ``s`` bytes that finds a free slot at time ``t0`` (s) is served in
-
-    l(s) = a + s / b_1                                   [s]
-
-with ``a = request_seconds`` (s: command, flash and completion latency) and
-``b_1 = stream_bandwidth`` (bytes/s: the rate one request streams at on its own), and it also
-passes the drive's data channel of rate ``B = bandwidth`` (bytes/s), shared first come first
-served by the requests in the drive, each entering it once its latency ``a`` has passed and
-holding it for its bytes plus ``c = request_channel_seconds`` (s: the drive's own work per
-request, which no other request's transfer overlaps):
-
-    channel_done = max(t0 + a, channel_free) + c + s / B
-    done         = max(t0 + l(s), channel_done)           [s]
-
-A request that finds all ``Q`` slots busy waits for the first to free. The operating system
-never sends the drive a request larger than ``m = max_request_bytes`` (Linux's
-``queue/max_sectors_kb``): a read of ``s`` bytes reaches the drive as ``k = ceil(s / m)``
-requests of ``s / k`` bytes, issued together. In steady state, ``q`` outstanding reads of ``s``
-bytes get the aggregate rate
-
-    X(s, q) = min(min(q k, Q) * p / (a + max(p / b_1, c + p / B)), p / (c + p / B))   [bytes/s]
-
-with ``p = s / k`` (:func:`queue_throughput`; ``relayout calibrate`` reads ``m`` from the system
-and fits ``a, b_1, B, Q, c`` to it; the system's split is ``k - 1`` requests of ``m`` bytes and one
-of the rest, so a split read's requests stream side by side in the time of its largest, ``m /
-b_1``: :func:`largest_request`), so throughput rises with queue depth and request size up to
-the drive's limit: one 4 KiB request costs about ``a + c``, ``Q / a`` and ``1 / c`` bound the
-IOPS at depth, and ``B / b_1`` outstanding large requests saturate the drive; one large read,
-split by the system, already reaches ``B`` when ``k`` requests do. ``c`` is why merging two
-reads into one saves less than a whole ``a + c`` when the merged read is split into as many
-requests as the two were: it saves the command ``a``, and ``c`` only for a request it removes
-while the channel, not the read's own stream, is the bottleneck (on this project's disk merging
-two 2.26 MiB reads, split in two when merged, saved 7-16 us less than merging two 2 MiB reads
-into one request, about one request's ``c``; docs/BENCHMARKS.md). Without ``stream_bandwidth``
-(a profile from before issue 12) ``b_1 = B``: one request streams at the drive's full rate, and
-with ``Q`` large and ``c = 0`` this is the old model (a request cost that overlaps, a transfer
-that does not). ``b_1`` above ``B`` is taken as ``B``. Without ``max_request_bytes`` a read is
-never split by the system (``k = 1``); without ``request_channel_seconds`` (a profile from
-before it was measured) ``c = 0``.
-
-**Service discipline** (``service``). The equations above are the ``in-order`` drive: its data
-channel serves requests first come first served, so reads released together complete one after
-another. A ``shared`` drive (``relayout calibrate`` finds one when 8 reads released together
-complete together, :func:`replay.physical.calibrate.completion_spread`) shares its channel fairly among
-the *reads* in it, whatever the number of requests the system split each into (processor
-sharing). A read holds one queue slot only for its latency ``a`` (the command), however many
-requests the system split it into; its bytes then enter the channel, as work of ``s + k c C``
-bytes (its bytes, and ``c`` of channel time for each of its ``k`` requests). While ``n`` reads
-are in the channel, each passes
-
-    r = min(b_1 w / r_max, L)                             [bytes of work/s]
-
-(``w = s + k c C`` its work, ``r_max`` its largest request: its own rate bounds its bytes, not its
-requests' channel time) with the level ``L`` set so that the rates add up to ``C = min(B, H / members)`` (the
-drive's rate, or its share of the host link ``H``): ``C / n`` when no read is held below it by
-its own rate, more when some are (water filling). A later arrival slows the reads already there,
-and reads released together complete together. (A read, not its requests, is the unit of the
-sharing and of the command, as this project's disk showed: a prefetch load of three 6.3 MB reads
-took the same share beside eight 18.9 MB demand reads as one 18.9 MB read did, and eight reads of
-five requests each entered the channel within 0.6 ms where a command per request on the fitted
-two slots would have spread them over 1.2 ms; docs/BENCHMARKS.md.) Its requests stream side by
-side, so its bytes pass at most at ``s b_1 / r`` for ``r`` its largest request's bytes
-(:func:`largest_request`; ``k b_1`` when the requests are equal). A read alone therefore takes
-``a + max(r / b_1, k c + s / C)``, and in steady state ``q`` outstanding reads of ``s`` bytes
-get
-
-    X(s, q) = min(q s / (a + max(min(s, m) / b_1, k c + s / B)), Q s / a, s / (k c + s / B))   [bytes/s]
-
-(the reads' own rate, the slots' command rate, the channel). The model
-(:mod:`replay.model.instance`) runs the reads a layer's workers and the prefetch thread have in flight
-together as such a shared channel; a read issued on its own (the controlled prefetcher's, one at a
-time) starts once the reads before it have left the channel.
-
-An **array** stripes a logical address space over ``members`` drives in chunks of
-``chunk_bytes``. Two splitting rules (FACTS section 5):
-
-* ``md`` (Linux md): a request is split at every chunk boundary; each piece is a member request.
-* ``apple`` (AppleRAID): each member gets one contiguous request covering all its pieces.
-* ``none``: a single drive.
-
-A member's share is then split again into requests of at most ``max_request_bytes``.
-
-A **host ceiling** (``host_bandwidth``, the PCIe slot or switch) caps the array's aggregate
-transfer rate. O_DIRECT reads are widened to ``direct_alignment`` boundaries. A
-``page_cache_fraction`` of expert reads can be declared warm (served from RAM).
-``read_ahead_bytes`` is the system's readahead maximum for the array (Linux ``read_ahead_kb`` x
-1024; default 128 KiB), which decides what the buffered scale reads bring into the page cache
-(:mod:`replay.model.pagecache`).
-
-Profiles are data: ``manifests/devices/*.json``.
+A drive is ``Q`` queue slots and one data channel (request latency ``a``, one request's stream
+rate ``b_1``, the channel's rate ``B`` and its per-request time ``c``), served in order or shared
+fairly among the reads in it; an array stripes a logical address space over its members by the
+``md``, ``apple`` or ``none`` rule behind a host link. Profiles are data
+(``manifests/devices/*.json``); docs/MODEL.md ("Drives and arrays") states the queue model, the
+service disciplines and the splitting rules. Units: bytes, seconds, bytes/s.
 """
 
 from __future__ import annotations
@@ -139,7 +54,7 @@ class DriveProfile:
 
     ``request_seconds`` a, ``bandwidth`` B (the drive's limit), ``queue_slots`` Q (requests served
     at once, default 32), ``stream_bandwidth`` b_1 (one request's own rate; ``None``, the default
-    for profiles written before issue 12, means ``B``), ``max_request_bytes`` m (bytes: the
+    for older profiles, means ``B``), ``max_request_bytes`` m (bytes: the
     largest request the operating system sends the drive, Linux ``max_sectors_kb`` x 1024;
     ``None`` means reads are not split), ``service`` (``in-order`` or ``shared``: the module
     docstring's service discipline; ``in-order`` for profiles written before it was measured),
@@ -176,7 +91,7 @@ SERVICES = ("in-order", "shared")
 """Service disciplines of a drive's data channel (the module docstring)."""
 
 
-def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth, max_request=0,
+def queue_throughput(request_seconds, stream_bandwidth, bandwidth, queue_slots, size, depth, max_request=0, *,
                      shared=False, request_channel_seconds=0.0):
     """Steady-state aggregate rate (bytes/s) of ``depth`` outstanding reads of ``size`` bytes on
     one drive, each reaching it as ``k = ceil(s / m)`` requests of ``p = s / k`` bytes
@@ -299,8 +214,8 @@ class ArrayProfile:
         Exact for a single drive; for an array it ignores how chunk boundaries split a read."""
         d = self.drive
         per_member = queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots,
-                                      size / self.members, depth, d.max_request, d.service == "shared",
-                                      d.request_channel_seconds)
+                                      size / self.members, depth, d.max_request, shared=d.service == "shared",
+                                      request_channel_seconds=d.request_channel_seconds)
         return float(min(self.members * per_member, self.host_bandwidth))
 
     def scaled(self, factor: float) -> "ArrayProfile":
@@ -417,7 +332,7 @@ def largest_request(nbytes: int, members: int, chunk: int, rule: int, max_reques
 
 @njit(**HELPER)
 def split_device(addr: int, length: int, dev, pieces: np.ndarray, nbytes: np.ndarray) -> None:
-    """:func:`split_read` for the compiled model's device ``dev`` (:data:`replay.model.instance.Device`):
+    """:func:`split_read` for the compiled model's device ``dev`` (:data:`replay.model.state.Device`):
     on independent drives (rule ``storage``) by its address map, else over the array's members."""
     if dev.rule == STORAGE:
         split_storage(addr, length, dev.seg_start, dev.seg_drive, dev.members, dev.max_request, pieces, nbytes)

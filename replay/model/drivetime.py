@@ -52,7 +52,8 @@ def _rate(profile, size, depth):
     """:meth:`ArrayProfile.steady_rate` over arrays of sizes and depths (bytes/s)."""
     d = profile.drive
     per = queue_throughput(d.request_seconds, d.request_bandwidth, d.bandwidth, d.queue_slots, size / profile.members,
-                           depth, d.max_request, d.service == "shared", d.request_channel_seconds)
+                           depth, d.max_request, shared=d.service == "shared",
+                           request_channel_seconds=d.request_channel_seconds)
     return np.minimum(profile.members * per, profile.host_bandwidth)
 
 

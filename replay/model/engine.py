@@ -1,87 +1,11 @@
-"""The timing model: replays routing through a layout on a device and measures stall.
+"""The timing model's Python driver: a replay of routing through a layout on a device, and its results.
 
-**Instances.** A (forward, layer) *instance* starts when the layer is routed. With demand loads
-only (colibrì's default) a layer cannot finish before every expert it needs has arrived, so when
-it ends the drives are idle and each instance is a small queueing problem of its own. The
-compiled loop in :mod:`replay.model.instance` walks the instances in time order and keeps the state
-that does carry over: the RAM tiers (pinned store, per-layer LRU, :mod:`replay.model.runtime`), the
-page cache under the buffered scale reads with the kernel's readahead state
-(:mod:`replay.model.pagecache`; each session starts with it empty), and, with a prefetch source, the
-drives.
-
-**One instance.** Time 0 is when routing is known. Every missing expert becomes a *job* for the
-reader pool (with ``coalesce``, experts contiguous in one file share a job, their one read never
-over ``coalesce_max_bytes``, as colibrì's COALESCE change reads them: pull request 1398 in
-``JustVugg/colibri``, one pread for the experts of a miss batch that are contiguous in the same
-shard; a pread returns when its whole span has arrived, so every expert of the span waits for
-all of it, and a long span of co-activated experts gives up overlap of compute with reads that
-separate reads would have had): its weight read(s) (one pread when the three weight tensors are
-byte-adjacent, three when not; O_DIRECT widens them to the device's alignment) and its three
-buffered scale preads, executed in order by one worker. A scale pread reaches the drive only
-when the page cache cannot serve it, as the readahead the kernel did for earlier ones decides. These reads are planned by
-:func:`replay.model.readplan.plan_layer`, the one function the harness (:mod:`replay.physical.measure`) also
-plans its real reads with. Workers take jobs
-in issue order (physical order); at each step the worker that is free earliest performs its next
-read, so reads reach the drives in time order. A read is split over the array's members
-(:func:`replay.model.device.split_read`), and each member is a queue (:mod:`replay.model.device`): at most
-``Q = queue_slots`` requests at once, a request of ``s`` bytes that gets a slot at ``t0`` done at
-
-    done = max(t0 + a + s / b_1,  max(t0 + a, channel_free) + c + s / B)      [s]
-
-(``a`` request_seconds, ``b_1`` the rate one request streams at, ``B`` the drive's bandwidth,
-``c`` the time each request holds the channel beyond its bytes, all per member), so ``q``
-outstanding requests get ``X(s, q) = min(min(q, Q) s / (a + max(s / b_1, c + s / B)), s / (c + s / B))``
-bytes/s: extra queue depth (more workers, a prefetch thread beside the demand loads) turns into
-bandwidth up to the drive's limit, as on real NVMe. Small reads (up to ``SMALL_READ_BYTES``) pass
-a channel of their own beside the large ones and delay them by their own channel time; the host
-link caps the aggregate rate the same way. That is the ``in-order`` drive. A ``shared`` one (the
-profile's ``service``, which ``relayout calibrate`` measures) shares its channel fairly among the
-reads in it (about ``C / n`` each of ``n``, counting ``c`` per request as channel work): the reader pool is then an event simulation
-(:func:`replay.model.instance._shared_pool`) in which a read issued later slows those in flight, so a
-layer's demand reads, released together, complete together.
-
-The compute thread first runs the resident experts' matmuls, then, in issue order, waits for
-each missing expert and runs its matmul. Stall is the time it waits, measured on that critical
-path, never summed per expert. With a split plan, a missing expert whose top segment is resident
-runs its top part at once and waits only for its bottom segment.
-
-**Prefetch** (``config.prefetch``, sources in :mod:`replay.model.prefetch`). When layer L is routed, the
-prefetcher predicts up to K experts of layer L+1 and loads those not in RAM one at a time on its
-own thread, until L+1 is routed: L+1 is routed when L's compute ends plus the dense time. Under
-the runtime's own rule (top-K, no controls: :func:`replay.model.instance.runtime_rule`) it queues them
-at once, before L's demand loads, as colibrì does (``couple_prefetch`` right after its router), so
-its reads share the drives with L's demand reads in one event order (:func:`replay.model.instance._reader_pool`);
-a controlled prefetcher (a byte or adaptive budget, caps, stale cancellation, backoff, or an
-admission policy other than top-K) keeps demand's strict priority (seed 5.3) and starts once L's
-demand loads are done. A load not started by the time L+1 is routed is dropped, one in flight
-completes, and L+1's demand reads are issued only once it has: colibrì's ``moe()`` waits for the
-pilot's load in flight on a layer at its start (the ``PILOT_REAL`` barrier on
-``g_pilot_inflight``; the harness, :mod:`replay.physical.measure`, does the same). Where colibrì differs:
-that wait holds its whole layer, the resident experts' matmuls included, where the model and the
-harness hold only the demand reads. Loads that completed
-enter L+1's LRU (or, with no cache, wait for L+1 alone); an expert still in flight makes L+1's
-compute thread wait for it instead of reading it again. A wrong prediction costs drive time and,
-with a cache, an LRU slot.
-
-**colibrì's read paths** (:mod:`replay.colibri.engine_config`; docs/ENGINE_MODEL.md is the specification,
-with references into the engine's source). A configuration given in the engine's variables runs
-its order: the union is met in routing order (``Instances.sel_order``: positions in order, each
-position's experts in the router's order), misses are issued in that order, and the compute
-thread runs the resident experts routed before a miss, then waits for it; after the layer the
-last ``min(k, cap)`` misses enter the LRU, the last first (``RuntimeConfig.routing_order``).
-``PIPE=1`` is the reader pool of ``PIPE_WORKERS`` (at most 16) threads; ``URING=1`` the batched
-queue (64 loads in flight); ``PIPE=0``, the engine's Linux default, loads the layer's misses on
-the OpenMP team (``workers`` threads, taking them in order) while the compute thread is blocked
-(``RuntimeConfig.blocking``): the stall is when the last miss arrives, and every matmul of the
-layer runs after it. The LRU holds the engine's cap (``RuntimeConfig.lru_experts``: CAP,
-CAP_RAISE, RAM_GB). Buffered weight reads go through a page cache of whole experts
-(:mod:`replay.model.weightcache`, ``RuntimeConfig.page_cache_bytes``). Not modelled: COLI_MMAP, the
-router pilot and page-cache hints (PILOT, COUPLE without PILOT_REAL), AUTOPIN's history, the
-loaders' spin-waits competing with the matmuls for cores, and (under URING) a load's reads
-being in flight together rather than one after another.
-
-The **oracle** replaces the drives by a stream at the array's full bandwidth with no per-request
-cost: the lower bound on stall that no layout can beat (for the misses left after prefetch).
+:class:`Replay` holds what the compiled loop (:mod:`replay.model.instance`) carries from chunk to
+chunk and feeds it consecutive chunks of whole forwards; :func:`simulate` replays a trace with
+results per instance; :func:`layout_arrays`, :func:`read_policy` and :func:`device_numbers` turn a
+layout, a configuration and a device into the compiled model's inputs; the result dataclasses
+declare every output once (:func:`output`). docs/MODEL.md ("The timing model") specifies the
+model. Units: bytes, seconds, bytes/s.
 """
 
 from __future__ import annotations
@@ -93,22 +17,15 @@ import numpy as np
 
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, Layout
 
-from replay.model.admission import prefetcher_inputs
 from replay.model.config import ADMISSION_POLICIES, RuntimeConfig, lru_capacities, source_index
+from replay.model.controller import prefetcher_inputs
 from replay.model.device import SPLIT_RULES, ArrayProfile
-from replay.model.instance import (
-    Device,
-    LayoutArrays,
-    PREFETCH_SLOTS,
-    RamTiers,
-    ReadPolicy,
-    new_work,
-    simulate_instances,
-)
+from replay.model.instance import simulate_instances
 from replay.model.jit import compile_notice
 from replay.model.pagecache import new_page_cache
 from replay.model.predictors import RELIABILITY_BINS
 from replay.model.runtime import new_lru
+from replay.model.state import PREFETCH_SLOTS, Device, LayoutArrays, RamTiers, ReadPolicy, new_work
 from replay.model.storage import StorageProfile
 from replay.model.weightcache import new_weight_cache
 from replay.model.routing import RoutingTrace
@@ -152,7 +69,7 @@ class PrefetchResult:
     ``loads``, ``issued``: experts and bytes the prefetcher loaded while the instance ran (for the
     next layer).
     ``required``: bytes of the instance's experts not already in RAM (misses and prefetched ones).
-    ``timely``: of those, the bytes ready before the compute thread needed them (seed 4.3: a
+    ``timely``: of those, the bytes ready before the compute thread needed them (a
     prefetch, or a demand load that finished early), as the STALL_TRACE analysis counts them.
     ``timely_n``, ``slack``: the timely prefetches and the sum of their lead slack (s).
     ``unused``: bytes prefetched for this layer that it did not select.
@@ -201,7 +118,7 @@ class InstanceResult:
 class DeviceUsage:
     """Totals over the whole replay, per member [M]: busy transfer seconds, requests, residence
     seconds; and [A] ``busy_seconds``, the time the array had at least one drive read outstanding
-    (s), as a measured run's drive time is read off its STALL_TRACE (:mod:`relayout.validate`)."""
+    (s), as a measured run's drive time is read off its STALL_TRACE (:mod:`relayout.workflows.validation`)."""
 
     transfer_seconds: np.ndarray = output("M")
     requests: np.ndarray = output("M", np.int64)
@@ -276,14 +193,14 @@ class Replay:
 
     Holds what the model carries from instance to instance, and so from chunk to chunk: the RAM
     tiers (pinned store, per-layer LRUs, the page cache under the scale reads), the drives' state and
-    the pending prefetches (:func:`replay.model.instance.new_work`), and the totals over the replay
+    the pending prefetches (:func:`replay.model.state.new_work`), and the totals over the replay
     (outputs without an ``"I"`` axis: ``expert_wait`` [L, E], the device usage [M]). Chunks must
     hold whole forwards, in time order (:func:`replay.model.unions.chunk_instances`); the replay is
     then the same, to the bit, whatever the chunks. Memory: the layout's [L, E] arrays and one
     chunk's instances and outputs.
 
     ``coupling`` is the prediction source learned from training sessions: a
-    :class:`replay.model.predictors.SourceModel` (:func:`replay.model.predictors.learn_source`), needed by
+    :class:`replay.model.predictors.SourceModel` (:func:`replay.control.sources.learn_source`), needed by
     every source but ``none`` and ``oracle`` under an admission policy other than ``top-k``; or,
     for ``coupled`` under ``top-k`` (the runtime's rule), just its ``(targets, counts)`` table
     (:func:`replay.model.coupling.coupling_table`).
@@ -294,11 +211,12 @@ class Replay:
         L, E = len(layout.layers), layout.n_experts
         self.config = config
         self.lay = layout_arrays(layout, config, split)
-        self.ram = RamTiers(np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
-                            new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0], config.lru_experts), E),
-                            new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
-                                           device.drive.max_request_bytes),
-                            new_weight_cache(0 if config.direct else config.page_cache_bytes, self.lay.wbytes))
+        self.ram = RamTiers(
+            pinned=np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
+            lru=new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0], config.lru_experts), E),
+            pages=new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
+                                 device.drive.max_request_bytes),
+            weights=new_weight_cache(0 if config.direct else config.page_cache_bytes, self.lay.wbytes))
         self.table = prefetcher_inputs(config, layout, coupling)
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device, layout)
@@ -334,12 +252,34 @@ def simulate(
     pinned: np.ndarray | None = None,
     split: SplitState | None = None,
     coupling: np.ndarray | None = None,
+    *,
     chunk_forwards: int = DEFAULT_CHUNK_FORWARDS,
 ) -> tuple[InstanceResult, DeviceUsage]:
     """Replay the forwards selected by mask ``forwards`` [F] through ``layout`` on ``device``,
     with results per instance (memory grows with the instances; :func:`replay.model.streaming.replay_steps`
-    keeps per-step sums only). ``coupling``: see :class:`Replay`; ``chunk_forwards``: forwards
-    replayed per call of the compiled loop (the results do not depend on it).
+    keeps per-step sums only).
+
+    Parameters
+    ----------
+    trace : RoutingTrace
+        The routing trace.
+    forwards : bool array [F]
+        The forwards to replay.
+    layout, device, config : Layout, ArrayProfile, RuntimeConfig
+        Where the experts are, what reads them, how the runtime reads.
+    pinned : bool array [L, E], optional
+        The pinned store.
+    split : SplitState, optional
+        Resident top segments of a split plan.
+    coupling : optional
+        The learned prediction source (see :class:`Replay`).
+    chunk_forwards : int, keyword-only
+        Forwards replayed per call of the compiled loop (the results do not depend on it).
+
+    Returns
+    -------
+    (InstanceResult, DeviceUsage)
+        Per (forward, layer) instance, and the device's totals.
     """
     replay = Replay(layout, device, config, pinned, split, coupling)
     parts = [(inst.forward, inst.layer, replay.run(inst))
@@ -371,22 +311,25 @@ def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | Non
         rank[li, np.lexsort((pos_off[li], pos_file[li]))] = np.arange(E)
     wbytes = wloc[:, :, :, 2].sum(axis=2)
     return LayoutArrays(
-        rank, _adjacent(wloc), pos_file, pos_off, wbytes, layout.expert_bytes().astype(np.int64),
-        wbytes / float(config.compute_bytes_per_second),
-        split.resident.astype(bool) if split is not None else np.zeros((L, E), dtype=bool),
-        np.asarray(split.top_fraction if split is not None else np.zeros(L), dtype=np.float64),
-        wloc, np.ascontiguousarray(layout.expert_loc[:, :, list(SCALE_SLOTS)], dtype=np.int64), file_bases(layout))
+        rank=rank, adjacent=_adjacent(wloc), pos_file=pos_file, pos_off=pos_off, wbytes=wbytes,
+        ebytes=layout.expert_bytes().astype(np.int64), seconds=wbytes / float(config.compute_bytes_per_second),
+        top_resident=split.resident.astype(bool) if split is not None else np.zeros((L, E), dtype=bool),
+        top_fraction=np.asarray(split.top_fraction if split is not None else np.zeros(L), dtype=np.float64),
+        wloc=wloc, sloc=np.ascontiguousarray(layout.expert_loc[:, :, list(SCALE_SLOTS)], dtype=np.int64),
+        bases=file_bases(layout))
 
 
 def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
     """How the runtime reads, as the compiled model takes it."""
-    return ReadPolicy(bool(config.coalesce), int(config.coalesce_gap_bytes), int(config.coalesce_max_bytes),
-                      bool(config.direct), int(device.direct_alignment), int(config.in_flight),
-                      float(device.page_cache_fraction), float(config.dense_seconds),
-                      source_index(config.prefetch), int(config.prefetch_experts),
-                      ADMISSION_POLICIES.index(config.admission), int(config.prefetch_bytes), int(config.prefetch_candidates),
-                      float(config.prefetch_min_probability), bool(config.cancel_stale), bool(config.adaptive_budget),
-                      bool(config.backoff), bool(config.blocking), bool(config.routing_order))
+    return ReadPolicy(coalesce=bool(config.coalesce), gap_bytes=int(config.coalesce_gap_bytes),
+                      span_bytes=int(config.coalesce_max_bytes), direct=bool(config.direct),
+                      alignment=int(device.direct_alignment), workers=int(config.in_flight),
+                      warm_fraction=float(device.page_cache_fraction), dense_seconds=float(config.dense_seconds),
+                      prefetch=source_index(config.prefetch), prefetch_experts=int(config.prefetch_experts),
+                      admission=ADMISSION_POLICIES.index(config.admission), prefetch_bytes=int(config.prefetch_bytes),
+                      candidates=int(config.prefetch_candidates), min_probability=float(config.prefetch_min_probability),
+                      cancel_stale=bool(config.cancel_stale), adaptive_budget=bool(config.adaptive_budget),
+                      backoff=bool(config.backoff), blocking=bool(config.blocking), routing_order=bool(config.routing_order))
 
 
 def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device:
@@ -402,10 +345,13 @@ def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device
     else:
         per = [np.full(M, float(x)) for x in (d.request_seconds, d.bandwidth, d.request_bandwidth, d.request_channel_seconds)]
         seg_start, seg_drive = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return Device(M, int(device.chunk_bytes), SPLIT_RULES.index(device.split_rule),
-                 float(d.request_seconds), float(d.bandwidth), int(d.queue_slots), float(device.host_bandwidth),
-                 float(device.full_bandwidth), float(d.request_bandwidth), int(d.max_request), d.service == "shared",
-                 float(d.request_channel_seconds), *per, seg_start, seg_drive)
+    return Device(members=M, chunk=int(device.chunk_bytes), rule=SPLIT_RULES.index(device.split_rule),
+                  request_seconds=float(d.request_seconds), bandwidth=float(d.bandwidth), queue_slots=int(d.queue_slots),
+                  host_bandwidth=float(device.host_bandwidth), full_bandwidth=float(device.full_bandwidth),
+                  stream_bandwidth=float(d.request_bandwidth), max_request=int(d.max_request),
+                  shared=d.service == "shared", request_channel=float(d.request_channel_seconds),
+                  m_request=per[0], m_bandwidth=per[1], m_stream=per[2], m_channel=per[3],
+                  seg_start=seg_start, seg_drive=seg_drive)
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PrefetchMetrics:
-    """Seed 4.3 for a modelled prefetch source (bytes per committed token, seconds)."""
+    """A modelled prefetch source's figures (bytes per committed token, seconds)."""
 
     prefetched_bytes_per_token: float
     timely_required_byte_recall: float | None

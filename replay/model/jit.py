@@ -1,27 +1,17 @@
 """How the replay model's compiled loops are built (numba, cached on disk after the first run).
 
-``LOOP`` is for the loops that walk a whole trace and allocate their working arrays once.
-``HELPER`` is for the small functions they call per instance or per read: these allocate
-nothing, so they are built without reference counting (``_nrt=False``, as numba builds its own
-string helpers); otherwise every call pays an atomic increment and decrement per array argument.
-``STAGE`` is for the stages of one instance the loop calls (the weight jobs, the read plan, the
-reader pool, the prefetcher and its admission, serving one read): numba inlines them into the
-loop, so a call does not pass the hundreds of machine words its grouped arguments flatten to
-(numba passes a named tuple of arrays field by field). An inlined stage is typed inside its
-caller, where a None argument's branches are not pruned: code that reads an optional argument
-(``if x is None``) goes in a ``HELPER`` that takes it. The replay benchmark models about
-1.4-1.5x the requests/s with them inlined (docs/BENCHMARKS.md); the first build takes about a
-second longer.
-``error_model="numpy"`` drops division-by-zero checks: every divisor is a validated size or rate.
-:func:`fetch_lines` asks the CPU to load an array row into its caches ahead of use (a hint that
-changes no value): the model's per-expert tables (layout, RAM tiers, the coupled pair table)
-together exceed the core's cache, so the loop fetches the next instance's rows while this one
-runs instead of waiting for each row in turn. :func:`trailing_zeros` is the CPU's count of
-trailing zero bits, so a division by a power of two can be a shift.
-
-The first run on a machine compiles them (10-75 s, depending on the machine and its load);
-later runs load the cached build in well under a second. :func:`compile_notice` says so while it
-happens and shows progress, so a first run is never a silent wait.
+``LOOP`` is for the loops that walk a whole trace and allocate their working arrays once;
+``HELPER`` for the small functions they call per instance or per read, built without reference
+counting (``_nrt=False``: they allocate nothing, so a call pays no atomic increment and decrement
+per array argument); ``STAGE`` for the stages of one instance, inlined into the loop so a call
+does not pass the hundreds of machine words its grouped arguments flatten to (an inlined stage is
+typed inside its caller, where a None argument's branches are not pruned: code that reads an
+optional argument goes in a ``HELPER`` that takes it). ``error_model="numpy"`` drops
+division-by-zero checks: every divisor is a validated size or rate. :func:`fetch_lines` asks the
+CPU to load an array row into its caches ahead of use (a hint that changes no value), and
+:func:`trailing_zeros` is the CPU's count of trailing zero bits. The first run on a machine
+compiles the model (10-75 s, depending on the machine and its load; later runs load the cached
+build in well under a second), and :func:`compile_notice` says so while it happens.
 """
 
 from __future__ import annotations

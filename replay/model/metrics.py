@@ -1,4 +1,4 @@
-"""Stall metrics (seed section 4): S, TPOT = C + S + O, step-stall tails, traffic, cache, drives.
+"""Stall metrics: S, TPOT = C + S + O, step-stall tails, traffic, cache, drives.
 
 ``S = total stall / committed tokens``: stall of rejected speculative positions is charged in the
 numerator, only committed tokens count in the denominator.
@@ -78,7 +78,7 @@ def step_table(trace: RoutingTrace, forwards: np.ndarray, inst: InstanceResult) 
 
 
 def summarize(steps: StepTable, usage: DeviceUsage, other_seconds_per_token: float) -> LayoutMetrics:
-    """Every seed 4.1-4.3 metric this replay can produce (seconds unless noted)."""
+    """Every stall, traffic, cache and prefetch figure this replay can produce (seconds unless noted)."""
     A = steps.committed.sum()
     S = steps.stall.sum() / A
     C = steps.compute.sum() / A
@@ -116,7 +116,7 @@ def drive_rate(usage: DeviceUsage, device: ArrayProfile) -> float | None:
 
 
 def _prefetch_metrics(p: dict | None, committed: float) -> PrefetchMetrics | None:
-    """Seed 4.3 for a modelled prefetch source: timely required-byte recall, unused prefetched
+    """The prefetch figures of a modelled prefetch source: timely required-byte recall, unused prefetched
     bytes (not selected by the layer they were loaded for) and mean lead slack."""
     if p is None:
         return None

@@ -1,72 +1,10 @@
 """The page cache under the runtime's buffered scale reads, with Linux's readahead.
 
-The runtime reads each expert's three scale tensors with buffered preads (FACTS section 2). The
-kernel serves such a pread from the page cache when every 4 KiB page it touches is there;
-otherwise the pread goes to the drive, and the kernel reads more pages than it asked for: its
-**readahead**, whose window depends on the reads before it on the same open file. The converter
-stores a layer's scales together, expert after expert, so the window of one expert's scales
-caches the start of the scales stored after it, and the experts first read in a session find
-their scales cached when they lie close together in that order (``docs/BENCHMARKS.md``, "The
-harness's own waits": an expert's second scale read starts a window of four times its size).
-This module decides, pread by pread, which of them reach the drive.
-
-**State** (:class:`PageCache`). Per page of each file's tracked extent: cached, and the
-readahead mark. Per open file, Linux's ``file_ra_state``: the window ``start``, ``size`` and
-``async_size`` (pages), ``prev_pos`` (the byte after the last byte read; -1 before any read)
-and the folio ``order``.
-The extent runs from a file's first page holding scale bytes minus the readahead maximum to its
-last such page plus the maximum, so every page a scale read touches, and every page the kernel
-looks at around one, is tracked. A page outside it counts as not cached.
-
-**A pread of bytes [o, o + n)** touches pages [i, j). From page i on, the cached pages up to the
-first marked folio form a batch; at the first page not cached the pread needs the drive
-(:func:`buffered_read` returns the pages it waits for) and the kernel's synchronous readahead
-for the rest of the request caches a window there. When the last folio of a batch carries the
-mark, the kernel starts the next window asynchronously; the pread waits for it only when it
-needs a page of it. Then ``prev_pos = o + n``.
-
-**Synchronous readahead** at page p for r pages, with readahead maximum M pages
-(``read_ahead_kb / 4``, raised to ``min(r, largest request)`` for a read larger than it, as the
-kernel's ``ractl_max_pages`` does) and ``P = prev_pos / 4096``:
-
-* p = 0, r > M, or p - P in {0, 1} (a sequential miss): a new window, start p, size
-  ``init(r)`` (r rounded up to a power of two, times 4 when at most M / 32, times 2 when at
-  most M / 4, else M), ``async_size = size - r`` (half the size when the size is at most r);
-* else, with h the cached pages right before p (at most M; doubled when they reach back to the
-  file's start): h <= r is a random read, exactly its r pages, no window, no mark; otherwise a
-  window at p of ``min(h + r, M)`` pages, ``async_size = 1``.
-
-A window reads the pages of [start, start + size) not yet cached (clipped at the end of the
-file), one by one, and marks the page ``start + size - async_size`` when it read it.
-
-**Asynchronous readahead** at a marked folio starting at page p (the mark is cleared): when p
-is where the window expects it (``start + size - async_size`` rounded down to the folio's
-size), the window moves on: ``start += size``, ``size = next(size)`` (times 4 below M / 16,
-times 2 up to M / 2, else M); else, with s the first page after p not cached (at most M on), a
-window at s of ``next(s - p + r)``. Its order grows by 2 (a synchronous window's is 0), its end
-is aligned down to ``2 ** min(order, log2 of M's lowest bit)`` pages, ``async_size = size``, and
-it is read in folios of up to ``2 ** order`` pages (:data:`MAX_FOLIO_ORDER`), each aligned to its
-size; the first carries the mark, on all its pages. Its pages count as cached at once.
-
-Units: pages of 4 KiB (:data:`PAGE_BYTES`) and bytes. A session starts with no page cached
-(:func:`start_session`: each replayed session starts cold, as the harness's do); the windows'
-state carries over, as an open file's does. Nothing is evicted: the scales of GLM-5.2 per-row
-are 0.8 GB in all. A marked folio is found as the run of marked pages around a page, so a
-mark left unread right before a new window's marked first folio joins it (two windows' marks
-read as one; the kernel keeps them apart). Not modelled: pages still being read when a later pread finds them (with
-scale reads back to back, ``benchmarks/scale_reads.py --gap-us 0``, the kernel sent no more of
-them to the drive than the model counts without such pages), the drive time of asynchronous
-windows, and other systems' readahead (macOS reads ahead by other rules).
-
-**Undo.** Prefetch loads that are planned and then dropped, or cut, must leave no trace:
-:func:`checkpoint` starts a log of every change, :func:`undo` reverts to a checkpoint.
-
-References
-----------
-Linux ``mm/readahead.c`` (``page_cache_sync_ra``, ``page_cache_async_ra``, ``page_cache_ra_order``,
-``get_init_ra_size``, ``get_next_ra_size``) and ``mm/filemap.c`` (``filemap_get_read_batch``,
-``filemap_get_pages``, ``filemap_read``), 6.16-6.19, checked against this project's disk with
-``benchmarks/scale_reads.py``.
+:func:`buffered_read` decides, pread by pread, which scale reads reach the drive and which pages
+the kernel's readahead brings in with them; :func:`checkpoint` and :func:`undo` let a dropped
+prefetch load leave no trace. docs/MODEL.md ("The page cache and readahead") states the rules,
+after Linux's ``mm/readahead.c`` and ``mm/filemap.c``. Units: pages of 4 KiB (:data:`PAGE_BYTES`)
+and bytes.
 """
 
 from __future__ import annotations

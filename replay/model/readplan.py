@@ -1,43 +1,10 @@
 """The read path: which preads one (forward, layer)'s missing experts cause, and in which jobs.
 
 One compiled function, :func:`plan_layer`, plans them for both the timing model
-(:mod:`replay.model.instance`, which calls it from its compiled loop) and the measurement harness
-(:mod:`replay.physical.measure`, which calls it from Python per layer and executes the reads it returns),
-so the two cannot disagree about what is read.
-
-**Input.** The layer's missing experts in issue order (the layer's physical order: file, then
-offset of the first weight byte, ``LayoutArrays.rank``), a flag per miss for a prefetch already in
-flight (nothing to read), a flag per miss for a resident top segment (only the bottom share
-``keep`` of its bytes is read, as one extent at the expert's place), the layer's layout arrays
-(:class:`replay.model.instance.LayoutArrays` fields for that layer) and the coalescing policy.
-
-**Output.** Reads [R] in issue order, filled into a :data:`ReadPlan`: ``file`` (index),
-``offset`` and ``length`` (bytes, as the layout places them: no O_DIRECT widening), ``first`` and
-``last`` (the misses it serves, positions in the issue order), ``kind`` (:data:`WEIGHT` or
-:data:`SCALE`) and ``job`` (the reader-pool job that carries it; jobs are numbered in issue
-order, and a job's reads are consecutive). Per miss, ``wlen`` gets its weight bytes.
-
-**Jobs.** Without coalescing every miss with something to read is one job: its weight read (one
-pread when its three weight tensors are byte-adjacent in one file, or only its bottom segment is
-read; else three, in slot order gate, up, down), then its three scale preads. With coalescing,
-a run of one-extent misses contiguous in one file shares one weight read (their span), and each
-miss's three scale preads follow as a job of their own, so other workers take them. A miss whose
-prefetch is in flight reads nothing and ends a run.
-
-**Coalescing cap.** Miss ``p`` joins the run of miss ``p - 1`` when both are one-extent, neither
-is in flight, they are in one file, the gap from the end of ``p - 1``'s bytes to ``p``'s start is
-``0 <= gap <= gap_bytes``, and the run's span from its first byte to the end of ``p``'s bytes
-(gaps included) stays ``<= max_bytes``. So a coalesced read (two or more experts) never exceeds
-``max_bytes``; a single expert larger than the cap is still read whole, on its own.
-
-**What each side adds.** The model widens O_DIRECT weight reads to the device's
-``direct_alignment`` in the array's logical address space (files start at 1 MiB boundaries,
-:data:`replay.model.engine.FILE_ALIGNMENT`, so for alignments dividing 1 MiB this is the same window as
-widening the file offset), decides which scale reads the page cache serves with the kernel's
-readahead (:mod:`replay.model.pagecache`), and treats a declared share of weight reads as page-cache
-hits. The harness widens O_DIRECT reads to
-4 KiB file offsets (its aligned buffers; the window may reach past the end of the file) and
-issues every read, scales always buffered.
+(:mod:`replay.model.demand` and :mod:`replay.model.prefetching`, from the compiled loop) and the
+measurement harness (:mod:`replay.physical.measure`, from Python per layer), so the two cannot
+disagree about what is read. docs/MODEL.md ("The read plan") states its input, output, jobs and
+coalescing cap, and what each side adds. Units: bytes.
 """
 
 from __future__ import annotations
@@ -58,6 +25,17 @@ ReadPlan = namedtuple("ReadPlan", "file offset length first last kind job")
 PLAN = dict(LOOP, inline="always")
 """Inlined into the model's loop (like its stages, :mod:`replay.model.jit`) and callable from Python."""
 
+LayerPlace = namedtuple("LayerPlace", "keep adjacent pos_file pos_off wbytes wloc sloc")
+"""Where one layer's experts are, as :func:`plan_layer` reads it: ``keep`` (the bottom share of
+an expert's bytes read when its top segment is resident, 0-1), then the layer's
+:class:`replay.model.state.LayoutArrays` rows: ``adjacent``, ``pos_file``, ``pos_off``,
+``wbytes`` [E], ``wloc``, ``sloc`` [E, 3, 3]. Build it by keyword in Python; the model's loop
+takes it from its layout arrays with :func:`layer_place`."""
+
+Coalescing = namedtuple("Coalescing", "coalesce gap_bytes max_bytes")
+"""The coalescing policy: ``coalesce`` (bool), the largest gap (bytes) a run may bridge and the
+most bytes one coalesced read may span."""
+
 
 def new_plan(k: int) -> ReadPlan:
     """A :data:`ReadPlan` large enough for ``k`` misses (at most three weight and three scale reads each)."""
@@ -66,15 +44,42 @@ def new_plan(k: int) -> ReadPlan:
 
 
 @njit(**PLAN)
-def plan_layer(experts, k, skip, top, keep, adjacent, pos_file, pos_off, wbytes, wloc, sloc, coalesce, gap_bytes,
-               max_bytes, wlen, plan):
-    """Plan the reads of the ``k`` misses ``experts[:k]`` (issue order); returns (reads, jobs).
+def layer_place(lay, li):
+    """The :data:`LayerPlace` of layer ``li`` of the layout arrays ``lay``
+    (:class:`replay.model.state.LayoutArrays`)."""
+    return LayerPlace(1.0 - lay.top_fraction[li], lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wbytes[li],
+                      lay.wloc[li], lay.sloc[li])
 
-    ``skip[p]``: miss ``p``'s prefetch is in flight; ``top[p]``: only its bottom share ``keep`` is
-    read. ``adjacent``, ``pos_file``, ``pos_off``, ``wbytes`` [E], ``wloc``, ``sloc`` [E, 3, 3]:
-    the layer's layout arrays. ``coalesce`` with ``gap_bytes`` and ``max_bytes``: the policy.
-    Fills ``wlen`` [k] and ``plan`` (:data:`ReadPlan`, from index 0).
+
+@njit(**PLAN)
+def plan_layer(experts, k, skip, top, place, policy, wlen, plan):
+    """Plan the reads of the ``k`` misses ``experts[:k]`` (issue order).
+
+    Parameters
+    ----------
+    experts : int64 array [>= k]
+        The misses, in issue order.
+    k : int
+        How many.
+    skip, top : bool arrays [>= k]
+        ``skip[p]``: miss ``p``'s prefetch is in flight (nothing to read); ``top[p]``: its top
+        segment is resident (only the bottom share ``place.keep`` is read).
+    place : LayerPlace
+        The layer's layout arrays.
+    policy : Coalescing
+        The coalescing policy.
+    wlen : int64 array [>= k]
+        Filled with each miss's weight bytes read.
+    plan : ReadPlan
+        Filled with the reads, from index 0.
+
+    Returns
+    -------
+    (reads, jobs) : the number of reads and of reader-pool jobs planned.
     """
+    keep, adjacent, pos_file, pos_off = place.keep, place.adjacent, place.pos_file, place.pos_off
+    wbytes, wloc, sloc = place.wbytes, place.wloc, place.sloc
+    coalesce, gap_bytes, max_bytes = policy.coalesce, policy.gap_bytes, policy.max_bytes
     for p in range(k):
         wlen[p] = np.int64(np.ceil(wbytes[experts[p]] * (keep if top[p] else 1.0)))
     n_reads, n_jobs = 0, 0
@@ -100,25 +105,27 @@ def plan_layer(experts, k, skip, top, keep, adjacent, pos_file, pos_off, wbytes,
         n_jobs += 1
         if one:
             last = experts[q - 1]
-            n_reads = _put(plan, n_reads, pos_file[e], pos_off[e], pos_off[last] + wlen[q - 1] - pos_off[e], p, q - 1,
+            n_reads = _put(plan, n_reads, (pos_file[e], pos_off[e], pos_off[last] + wlen[q - 1] - pos_off[e]), p, q - 1,
                            WEIGHT, job)
         else:
             for t in range(3):
-                n_reads = _put(plan, n_reads, wloc[e, t, 0], wloc[e, t, 1], wloc[e, t, 2], p, p, WEIGHT, job)
+                n_reads = _put(plan, n_reads, (wloc[e, t, 0], wloc[e, t, 1], wloc[e, t, 2]), p, p, WEIGHT, job)
         for r in range(p, q):
             if coalesce:
                 job = n_jobs
                 n_jobs += 1
             share = keep if top[r] else 1.0
             for t in range(3):
-                n_reads = _put(plan, n_reads, sloc[experts[r], t, 0], sloc[experts[r], t, 1],
-                               np.int64(np.ceil(sloc[experts[r], t, 2] * share)), r, r, SCALE, job)
+                n_reads = _put(plan, n_reads, (sloc[experts[r], t, 0], sloc[experts[r], t, 1],
+                                               np.int64(np.ceil(sloc[experts[r], t, 2] * share))), r, r, SCALE, job)
         p = q
     return n_reads, n_jobs
 
 
 @njit(**PLAN)
-def _put(plan, n, file, offset, length, first, last, kind, job):
-    plan.file[n], plan.offset[n], plan.length[n] = file, offset, length
+def _put(plan, n, extent, first, last, kind, job):
+    """Read ``n`` of ``plan``: ``extent`` (file, offset, length), the misses ``first`` to ``last``
+    it serves, its ``kind`` and ``job``; returns ``n + 1``."""
+    plan.file[n], plan.offset[n], plan.length[n] = extent
     plan.first[n], plan.last[n], plan.kind[n], plan.job[n] = first, last, kind, job
     return n + 1

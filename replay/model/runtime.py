@@ -1,6 +1,6 @@
 """The runtime's RAM tier for whole experts: an exact per-layer LRU, compiled.
 
-This follows the colibrì demand path (FACTS section 2): per MoE layer of a forward, route all
+This follows the colibrì demand path: per MoE layer of a forward, route all
 positions, take the batch union of unique experts, serve each from the pinned store, then from a
 per-layer LRU in RAM, and load the misses from storage.
 

@@ -52,6 +52,7 @@ def replay_steps(
     pinned: np.ndarray | None = None,
     split: SplitState | None = None,
     coupling: tuple | None = None,
+    *,
     chunk_forwards: int = DEFAULT_CHUNK_FORWARDS,
     blocks: Iterable[RowBlock] | None = None,
 ) -> StepReplay:
@@ -63,6 +64,26 @@ def replay_steps(
     (:meth:`replay.model.routing.TraceSource.row_blocks`, from memory or streamed from the file, as
     :func:`replay.evaluation.gate.run_layout` passes them), recut at forward boundaries. ``pinned``, ``split``,
     ``coupling``: as :func:`replay.model.engine.simulate`.
+
+    Parameters
+    ----------
+    trace : TraceSource
+        The forwards and, without ``blocks``, the rows.
+    forwards : bool array [F]
+        The forwards to replay.
+    layout, device, config : Layout, ArrayProfile, RuntimeConfig
+        As :func:`replay.model.engine.simulate`.
+    pinned, split, coupling : optional
+        As :func:`replay.model.engine.simulate`.
+    chunk_forwards : int, keyword-only
+        Forwards per chunk.
+    blocks : iterable of RowBlock, keyword-only
+        The trace's rows in consecutive blocks.
+
+    Returns
+    -------
+    StepReplay
+        The step table, the device totals and the per-expert waits.
     """
     replay = Replay(layout, device, config, pinned, split, coupling)
     fw = np.flatnonzero(forwards)

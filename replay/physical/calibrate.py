@@ -552,7 +552,7 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: boo
 
     def resid(theta, Q):
         a, b1, B, c = np.exp(np.clip(theta, *LOG_RANGE))
-        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok, max_request, shared, c)) - logx
+        return np.log(queue_throughput(a, b1, B, Q, s_ok, q_ok, max_request, shared=shared, request_channel_seconds=c)) - logx
 
     k = np.ceil(s_ok / max_request) if max_request > 0 else np.ones_like(s_ok)
     best = None
@@ -568,7 +568,7 @@ def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: boo
     r, Q = best
     a, b1, B, c = (float(v) for v in np.exp(np.clip(r.x, *LOG_RANGE)))
     b1 = min(b1, B)
-    fitted = queue_throughput(a, b1, B, Q, s, q, max_request, shared, c)
+    fitted = queue_throughput(a, b1, B, Q, s, q, max_request, shared=shared, request_channel_seconds=c)
     err = np.where(ok, fitted / np.where(ok, x, 1.0) - 1, np.nan)
     logerr = np.abs(np.log(fitted[ok] / x[ok]))
     worst = int(np.flatnonzero(ok)[np.argmax(logerr)])

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from replay.model.config import PREFETCH_SOURCES, RuntimeConfig
-from replay.model.prefetch import predict_next
+from replay.model.prefetch import PairTable, Scratch, Selections, predict_next
 from replay.physical.reader import IO_ZERO
 from replay.physical.stall_writer import StallTraceWriter, StepId
 
@@ -76,8 +76,9 @@ class Prefetcher:
         sel_e = np.concatenate([union, next_union]).astype(np.int64)
         sel_mult = np.concatenate([mult, next_mult]).astype(np.int64)
         sel_start = np.array([0, len(union), len(sel_e)], dtype=np.int64)
-        return predict_next(self.source, 0, li, sel_start, sel_e, sel_mult, self.targets, self.counts, self.k,
-                           self.score, self.touched, self.out)
+        return predict_next(self.source, 0, li, Selections(sel_start=sel_start, sel_e=sel_e, sel_mult=sel_mult),
+                            PairTable(targets=self.targets, counts=self.counts), self.k,
+                            Scratch(score=self.score, touched=self.touched), self.out)
 
     def _load(self, reads, started, batch):
         with self.lock:

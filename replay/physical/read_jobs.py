@@ -19,7 +19,7 @@ from containers.layout import WEIGHT_SLOTS, Layout
 
 from replay.model.config import RuntimeConfig
 from replay.model.engine import SplitState
-from replay.model.readplan import SCALE, WEIGHT, new_plan, plan_layer
+from replay.model.readplan import SCALE, WEIGHT, Coalescing, LayerPlace, new_plan, plan_layer
 from replay.physical.reader import IO_ZERO, IoTally
 
 
@@ -99,10 +99,12 @@ def layer_reads(lay, li: int, experts: list, skip: list, config: RuntimeConfig, 
     :func:`replay.model.engine.layout_arrays` of the layout; ``coalesce`` overrides ``config.coalesce``."""
     k = len(experts)
     plan = new_plan(k)
+    place = LayerPlace(keep=1.0, adjacent=lay.adjacent[li], pos_file=lay.pos_file[li], pos_off=lay.pos_off[li],
+                       wbytes=lay.wbytes[li], wloc=lay.wloc[li], sloc=lay.sloc[li])
+    policy = Coalescing(coalesce=bool(config.coalesce if coalesce is None else coalesce),
+                        gap_bytes=int(config.coalesce_gap_bytes), max_bytes=int(config.coalesce_max_bytes))
     n, _ = plan_layer(np.asarray(experts, dtype=np.int64), k, np.asarray(skip, dtype=np.bool_), np.zeros(k, dtype=np.bool_),
-                      1.0, lay.adjacent[li], lay.pos_file[li], lay.pos_off[li], lay.wbytes[li], lay.wloc[li], lay.sloc[li],
-                      bool(config.coalesce if coalesce is None else coalesce), int(config.coalesce_gap_bytes),
-                      int(config.coalesce_max_bytes), np.empty(max(k, 1), dtype=np.int64), plan)
+                      place, policy, np.empty(max(k, 1), dtype=np.int64), plan)
     return list(zip(*(a[:n].tolist() for a in plan)))
 
 

@@ -1,0 +1,412 @@
+"""The reader pool and the drives that serve its reads, in the compiled model.
+
+Workers (and the prefetch thread) take one instance's jobs in issue order and issue their reads
+in time order (:func:`reader_pool`); each read is split over the array's members and served by
+their queues, in order (:func:`serve_read`) or sharing each drive's channel fairly among the reads
+in it (:func:`shared_pool`, an event simulation): the queue model and service disciplines of
+:mod:`replay.model.device`. The drives' state is carried between instances in
+:class:`replay.model.state.Drives`. Units: bytes, seconds, bytes/s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from replay.model.device import largest_request, split_device
+from replay.model.jit import HELPER, STAGE
+from replay.model.state import MEMORY_BANDWIDTH, PILOT_END, PILOT_NEXT, PILOT_POS, SMALL_READ_BYTES
+
+
+@njit(**STAGE)
+def reader_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
+    """Event-ordered reader pool: ``jobs.done`` [n_jobs] gets each job's completion time (s).
+
+    Workers take jobs in issue order from ``start`` (s: the prefetch load in flight when the
+    layer was routed has completed, as colibrì's ``moe()`` waits for it) and run each job's reads
+    one after another; at every step the worker that is free earliest (lowest index on ties)
+    issues its next read, so reads reach the drives in time order. The prefetch thread
+    (``pilot``), when loads were queued at routing, is one more such reader with its own jobs: it
+    issues its next read when it is free first (it wins ties: its loads were queued before the
+    demand loads). Returns once every demand read is issued; the prefetch thread's remaining
+    reads are :func:`replay.model.prefetching.pilot_rest`'s. The drives' state (``drives``) is the caller's; ``usage``
+    (the device outputs) accumulates per member.
+    """
+    jobs, workers, pilot, drives = pool.jobs, pool.workers, pool.pilot, pool.drives
+    job_read, wfree, wjob, wpos = jobs.first_read, workers.free, workers.job, workers.pos
+    W = min(n_workers, n_jobs)
+    for w in range(W):
+        wfree[w], wjob[w], wpos[w] = start, -1, 0
+    next_job = 0
+    while True:
+        w, t = -1, np.inf
+        for v in range(W):
+            if (wjob[v] >= 0 or next_job < n_jobs) and wfree[v] < t:
+                w, t = v, wfree[v]
+        if w < 0:
+            return
+        if pilot.state[PILOT_NEXT] < pilot.state[PILOT_END] and pilot.free[0] <= t:
+            pilot_read(jobs, reads, pilot, dev, drives, usage)
+            continue
+        if wjob[w] < 0:
+            wjob[w], wpos[w] = next_job, 0
+            next_job += 1
+        job = wjob[w]
+        r = job_read[job] + wpos[w]
+        done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, usage)
+        wpos[w] += 1
+        if r + 1 == job_read[job + 1]:
+            done += jobs.tail[job]
+            jobs.done[job] = done
+            wjob[w] = -1
+        wfree[w] = done
+
+
+@njit(**HELPER)
+def pilot_read(jobs, reads, pilot, dev, drives, usage):
+    """The prefetch thread issues its next read at its free time; a load's last read (plus its
+    page-cache tail) completes the load's job."""
+    state = pilot.state
+    job = state[PILOT_NEXT]
+    r = jobs.first_read[job] + state[PILOT_POS]
+    done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], pilot.free[0], dev, drives, usage)
+    state[PILOT_POS] += 1
+    if r + 1 == jobs.first_read[job + 1]:
+        done += jobs.tail[job]
+        jobs.done[job] = done
+        state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
+    pilot.free[0] = done
+
+
+@njit(**STAGE)
+def serve_read(addr, n, warm, t, dev, drives, usage):
+    """Serve one read of ``n`` bytes at logical address ``addr`` issued at ``t`` (s); returns its
+    completion time (s).
+
+    The read is split over the members; a member's share is ``pieces`` requests, each served as
+    :mod:`replay.model.device` states: it takes the queue slot that frees first (at ``t`` or later:
+    ``t0``), its ``s`` bytes (the share over ``pieces``) pass the member's data channel at
+    ``bandwidth`` after its latency ``request_seconds``, holding it ``c`` more (``channel =
+    max(t0 + a, channel) + c + s / B``), and it completes at ``max(t0 + a + r / b_1, channel)``,
+    ``r`` the share's largest request (:func:`replay.model.device.largest_request`: the system's split
+    is not even, and the requests stream side by side). Small reads (up to ``SMALL_READ_BYTES``) use a channel
+    of their own beside the large transfers and delay them by their own channel time. The host
+    link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
+    A warm read costs memory time only. Bytes go into ``drives.member_bytes``, requests and
+    residence (s) into ``usage``, and the time the read keeps the array busy beyond the reads
+    before it (reads arrive in time order) into ``usage.busy_seconds``.
+    """
+    if warm:
+        return t + n / MEMORY_BANDWIDTH
+    if dev.shared:
+        return _serve_shared(addr, n, t, dev, drives, usage)
+    pieces, nbytes, mfree, sfree, host = drives.pieces, drives.nbytes, drives.free, drives.small_free, drives.host
+    slots = drives.slots
+    split_device(addr, n, dev, pieces, nbytes)
+    small = n <= SMALL_READ_BYTES
+    Q = dev.queue_slots
+    done = -np.inf
+    for m in range(dev.members):
+        drives.member_bytes[m] += nbytes[m]
+        usage.requests[m] += pieces[m]
+        if nbytes[m] > 0:
+            a = dev.m_request[m]
+            size = nbytes[m] / pieces[m]
+            xfer = dev.m_channel[m] + size / dev.m_bandwidth[m]
+            serve = a + largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request) / dev.m_stream[m]
+            chan = sfree[m] if small else mfree[m]
+            mdone = t
+            for _ in range(pieces[m]):
+                t0 = max(slots[m, drives.head[m]], t)     # the slot that frees first
+                chan = max(t0 + a, chan) + xfer
+                d = max(t0 + serve, chan)
+                _take_slot(slots[m], drives.head, m, Q, d)
+                mdone = max(mdone, d)
+            usage.residence_seconds[m] += mdone - t
+            if small:
+                mfree[m] += pieces[m] * dev.m_channel[m] + nbytes[m] / dev.m_bandwidth[m]
+                sfree[m] = chan
+            else:
+                mfree[m] = chan
+            done = max(done, mdone)
+    xfer = n / dev.host_bandwidth
+    if small:
+        hdone = max(host[1], t) + xfer
+        host[0] += xfer
+        host[1] = hdone
+    else:
+        hdone = max(host[0], t) + xfer
+        host[0] = hdone
+    done = max(done, hdone)
+    _count_busy(t, done, drives, usage)
+    return done
+
+
+@njit(**HELPER)
+def _serve_shared(addr, n, t, dev, drives, usage):
+    """:func:`serve_read` on shared drives (:mod:`replay.model.device`'s service discipline), for a read
+    issued on its own: on each member it holds the slot that frees first for the latency ``a``
+    (:func:`_command`), and from when it has passed it, and the member's channel is free of the
+    reads before it, it takes ``max(r / b_1, p c + s / C)`` for its ``p`` requests of ``s`` bytes
+    in all, the largest of ``r`` (:func:`replay.model.device.largest_request`; ``C``:
+    :func:`_channel_rate`). Returns its completion time (s)."""
+    pieces, nbytes, mfree = drives.pieces, drives.nbytes, drives.free
+    split_device(addr, n, dev, pieces, nbytes)
+    done = t
+    for m in range(dev.members):
+        drives.member_bytes[m] += nbytes[m]
+        usage.requests[m] += pieces[m]
+        if nbytes[m] > 0:
+            C = _channel_rate(dev, m)
+            entry = _command(m, t, dev, drives)
+            big = largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request)
+            mdone = max(entry, mfree[m]) + max(big / dev.m_stream[m], pieces[m] * dev.m_channel[m] + nbytes[m] / C)
+            mfree[m] = mdone
+            usage.residence_seconds[m] += mdone - t
+            done = max(done, mdone)
+    _count_busy(t, done, drives, usage)
+    return done
+
+
+@njit(**STAGE)
+def _count_busy(t, done, drives, usage):
+    """The array was busy from ``t`` to ``done`` (s): add to ``usage.busy_seconds`` what the
+    periods counted so far (``drives.busy``: until when) do not already cover; periods arrive in
+    order of their start."""
+    usage.busy_seconds[0] += max(done - max(t, drives.busy[0]), 0.0)
+    drives.busy[0] = max(drives.busy[0], done)
+
+
+@njit(**HELPER)
+def _channel_rate(dev, m):
+    """Shared member ``m``'s channel rate C (bytes/s): the drive's, or its even share of the host link."""
+    return min(dev.m_bandwidth[m], dev.host_bandwidth / dev.members)
+
+
+@njit(**HELPER)
+def _command(m, t, dev, drives):
+    """A read issued to shared member ``m`` at ``t`` (s) holds the slot that frees first for the
+    latency ``a`` (one command per read, however many requests the system split it into); returns
+    when it has passed it (s): the read's bytes enter the channel then."""
+    t0 = max(drives.slots[m, drives.head[m]], t)
+    _take_slot(drives.slots[m], drives.head, m, dev.queue_slots, t0 + dev.m_request[m])
+    return t0 + dev.m_request[m]
+
+
+@njit(**HELPER)
+def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
+    """The reader pool (:func:`reader_pool`: the same workers, jobs and prefetch thread) on shared
+    drives (:mod:`replay.model.device`'s service discipline), as an event simulation: a read's
+    completion depends on the reads issued after it, so it is known only when it happens.
+
+    Events, earliest first (on a tie: a read leaving a channel, then one entering, then an issue):
+    an issuer (a worker, or the prefetch thread when its next load is queued and it is free first)
+    issues its next read, which holds a command slot on each member for the latency ``a``
+    (:func:`_command`); its bytes there then enter the member's channel; the ``n``
+    reads in a channel share its rate ``C`` fairly, each passing ``min(cap, level)`` of its work
+    per s (its bytes and its requests' channel time, :func:`_shared_issue`; ``level`` such that
+    the rates add up to ``C``, or unbounded when the caps do not reach it:
+    :func:`_member_events`); a read completes when its work has left every member's channel,
+    its issuer is then free (after its job's page-cache tail, when it was the job's last read).
+    Runs until every demand job is done and the prefetch thread's read in flight, if any, has
+    completed (the prefetch thread issues no read after the last demand job: its remaining loads
+    are :func:`replay.model.prefetching.pilot_rest`'s). A channel serves nothing before the reads issued before the pool
+    have left it (``drives.free``), which then holds when this pool's last read left.
+    """
+    jobs, workers, pilot, drives, share = pool.jobs, pool.workers, pool.pilot, pool.drives, pool.share
+    job_read, wfree, wjob, wpos = jobs.first_read, workers.free, workers.job, workers.pos
+    rem, enter = share.rem, share.enter
+    W = min(n_workers, n_jobs)
+    P = len(share.parts) - 1                     # the prefetch thread's issuer index
+    M = dev.members
+    for w in range(W):
+        wfree[w], wjob[w], wpos[w] = start, -1, 0
+    for m in range(M):
+        share.clock[m], share.active[m] = max(start, drives.free[m]), 0
+        share.last[m] = drives.free[m]
+        share.next_done[m], share.next_enter[m] = np.inf, np.inf
+        for j in range(P + 1):
+            enter[m, j], rem[m, j] = np.inf, np.inf
+    share.busy[0] = 0.0
+    next_job, left, pilot_busy = 0, n_jobs, False
+    while True:
+        tc, mc, te, me = np.inf, -1, np.inf, -1  # the next read to leave a channel, and to enter one
+        for m in range(M):
+            if share.next_done[m] < tc:
+                tc, mc = share.next_done[m], m
+            if share.next_enter[m] < te:
+                te, me = share.next_enter[m], m
+        ti, w = np.inf, -1                       # the next issue
+        if left > 0:
+            for v in range(W):
+                if wfree[v] < ti and (wjob[v] >= 0 or next_job < n_jobs):
+                    w, ti = v, wfree[v]
+            if not pilot_busy and pilot.state[PILOT_NEXT] < pilot.state[PILOT_END] and pilot.free[0] <= ti:
+                w, ti = P, pilot.free[0]
+        if tc <= te and tc <= ti:
+            if tc == np.inf:
+                break
+            jc = share.done_by[mc]
+            _advance_channel(share, mc, tc)
+            rem[mc, jc] = np.inf
+            share.active[mc] -= 1
+            share.last[mc] = max(share.last[mc], tc)
+            usage.residence_seconds[mc] += tc - share.issued[jc]
+            _member_events(share, mc, _channel_rate(dev, mc))
+            share.parts[jc] -= 1
+            if share.parts[jc] == 0:
+                if jc == P:
+                    pilot_busy = False
+                left -= _shared_read_done(jc, P, tc, True, pool, usage)
+        elif te <= ti:
+            je = share.enter_by[me]
+            _advance_channel(share, me, te)
+            rem[me, je] = share.size[me, je]
+            share.active[me] += 1
+            enter[me, je] = np.inf
+            _member_events(share, me, _channel_rate(dev, me))
+        else:
+            if w == P:
+                r = job_read[pilot.state[PILOT_NEXT]] + pilot.state[PILOT_POS]
+            else:
+                if wjob[w] < 0:
+                    wjob[w], wpos[w] = next_job, 0
+                    next_job += 1
+                r = job_read[wjob[w]] + wpos[w]
+            if reads.warm[r] or not _shared_issue(w, r, ti, reads, dev, drives, usage, share):
+                left -= _shared_read_done(w, P, ti + reads.length[r] / MEMORY_BANDWIDTH, False, pool, usage)
+            else:
+                if w == P:
+                    pilot_busy = True
+                    pilot.free[0] = np.inf
+                else:
+                    wfree[w] = np.inf
+    for m in range(M):
+        drives.free[m] = share.last[m]
+
+
+@njit(**HELPER)
+def _member_events(share, m, C):
+    """Member ``m``'s fair share and next events in its present state (after each change to it).
+
+    The ``level`` is the fair share of ``C`` among the reads in the channel (water filling): a
+    read whose own rate ``cap`` is below it passes at its cap, the others at the level, and the
+    rates add up to ``C``; when every cap is below ``C / n`` together, they all pass at their caps
+    (level inf). Then: when the first read leaves the channel and which issuer's (the lowest on a
+    tie), and when the first waiting read enters it."""
+    n = share.active[m]
+    level = C / n if n > 0 else np.inf
+    for _ in range(n):                           # raise the level while capped reads leave it spare capacity
+        capped, spare = 0, C
+        for j in range(share.rem.shape[1]):
+            if share.rem[m, j] < np.inf and share.cap[m, j] < level:
+                capped += 1
+                spare -= share.cap[m, j]
+        new = spare / (n - capped) if capped < n else np.inf
+        if new <= level:
+            break
+        level = new
+    share.level[m] = level
+    td, jd, te, je = np.inf, -1, np.inf, -1
+    for j in range(share.rem.shape[1]):
+        if share.rem[m, j] < np.inf:
+            d = share.clock[m] + max(share.rem[m, j], 0.0) / min(share.cap[m, j], level)
+            if d < td:
+                td, jd = d, j
+        if share.enter[m, j] < te:
+            te, je = share.enter[m, j], j
+    share.next_done[m], share.done_by[m], share.next_enter[m], share.enter_by[m] = td, jd, te, je
+
+
+@njit(**HELPER)
+def _advance_channel(share, m, t):
+    """Bring member ``m``'s shared channel to time ``t`` (s): each read in it has passed
+    ``min(cap, level)`` of its work per s since ``clock``."""
+    if t > share.clock[m]:
+        dt = t - share.clock[m]
+        for j in range(share.rem.shape[1]):
+            if share.rem[m, j] < np.inf:
+                share.rem[m, j] -= dt * min(share.cap[m, j], share.level[m])
+        share.clock[m] = t
+
+
+@njit(**HELPER)
+def _shared_issue(j, r, t, reads, dev, drives, usage, share):
+    """Issuer ``j`` issues drive read ``r`` at ``t`` (s) in :func:`shared_pool`: split over the
+    members, on each it holds a command slot and waits to enter the channel. Returns
+    whether it reads any byte (an empty read completes at once)."""
+    pieces, nbytes = drives.pieces, drives.nbytes
+    split_device(reads.addr[r], reads.length[r], dev, pieces, nbytes)
+    share.issued[j] = t
+    parts = 0
+    for m in range(dev.members):
+        drives.member_bytes[m] += nbytes[m]
+        usage.requests[m] += pieces[m]
+        if nbytes[m] > 0:
+            C = _channel_rate(dev, m)
+            share.enter[m, j] = _command(m, t, dev, drives)
+            work = nbytes[m] + pieces[m] * dev.m_channel[m] * C    # its bytes and its requests' channel time
+            share.size[m, j] = work
+            big = largest_request(nbytes[m], dev.members, dev.chunk, dev.rule, dev.max_request)
+            share.cap[m, j] = dev.m_stream[m] * (work / big)   # its bytes in the time of its largest request
+            if share.enter[m, j] < share.next_enter[m]:
+                share.next_enter[m], share.enter_by[m] = share.enter[m, j], j
+            parts += 1
+    share.parts[j] = parts
+    if parts == 0:
+        return False
+    if share.busy[0] == 0:
+        share.busy[1] = t
+    share.busy[0] += 1
+    return True
+
+
+@njit(**HELPER)
+def _shared_read_done(j, P, d, drive, pool, usage):
+    """Issuer ``j``'s read completed at ``d`` (s; a ``drive`` read, or a warm one): the array's busy
+    time when it was the last drive read in flight, then the issuer's job as :func:`reader_pool`
+    and :func:`pilot_read` keep it (``pool``: :class:`replay.model.state.Pool`). Returns 1 when a
+    demand job completed, else 0."""
+    jobs, workers, pilot, drives, share = pool.jobs, pool.workers, pool.pilot, pool.drives, pool.share
+    if drive:
+        share.busy[0] -= 1
+        if share.busy[0] == 0:
+            _count_busy(share.busy[1], d, drives, usage)
+    if j == P:
+        state = pilot.state
+        job = state[PILOT_NEXT]
+        state[PILOT_POS] += 1
+        if jobs.first_read[job] + state[PILOT_POS] == jobs.first_read[job + 1]:
+            d += jobs.tail[job]
+            jobs.done[job] = d
+            state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
+        pilot.free[0] = d
+        return 0
+    job = workers.job[j]
+    workers.pos[j] += 1
+    last = jobs.first_read[job] + workers.pos[j] == jobs.first_read[job + 1]
+    if last:
+        d += jobs.tail[job]
+        jobs.done[job] = d
+        workers.job[j] = -1
+    workers.free[j] = d
+    return 1 if last else 0
+
+
+@njit(**HELPER)
+def _take_slot(ring, head, m, Q, done):
+    """Give member ``m``'s first-freeing queue slot (``ring[head[m]]``) to a request completing at
+    ``done`` (s), keeping ``ring`` [Q] sorted from ``head[m]`` on: the slot leaves the front and
+    re-enters at its place from the back (requests reach a drive in time order, so it is mostly
+    the back: one step)."""
+    h = head[m]
+    head[m] = h + 1 if h + 1 < Q else 0
+    p = h                                        # the back of the ring, now the free position
+    for _ in range(Q - 1):
+        prev = p - 1 if p > 0 else Q - 1
+        if ring[prev] <= done:
+            break
+        ring[p] = ring[prev]
+        p = prev
+    ring[p] = done
+
