@@ -79,6 +79,6 @@ def test_cli_split_curve(case, tmp_path):
                 "-o", tmp_path / "curve.json")
     assert r.returncode == 0, r.stderr
     rec = json.loads((tmp_path / "curve.json").read_text())
-    assert rec["format"] == "relayout.planning.split-curve" and len(rec["whole"]) == len(rec["split"]) == 2
+    assert rec["format"] == "relayout.split-curve" and len(rec["whole"]) == len(rec["split"]) == 2
     assert "whole experts" in r.stdout and "split" in r.stdout
     assert np.isfinite([p["stall_per_token_s"]["estimate"] for p in rec["split"]]).all()

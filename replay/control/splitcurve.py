@@ -107,7 +107,7 @@ class SplitCurve:
                     "train_stall_per_token_s": p.train_stall_per_token_s,
                     "stall_per_token_s": p.stall_per_token_s.to_json(), "ram_hit_rate": p.ram_hit_rate}
 
-        return {"format": "relayout.planning.split-curve", "device": self.device, "ratios": list(self.ratios),
+        return {"format": "relayout.split-curve", "device": self.device, "ratios": list(self.ratios),
                 "top_shares": list(self.top_shares), "training_sessions": self.training_sessions,
                 "held_out_sessions": self.held_out_sessions, "sufficient": self.sufficient, "sufficiency": self.sufficiency,
                 "candidate_replays": self.candidate_replays,

@@ -31,7 +31,7 @@ from containers.records import is_int, omitted_when_none
 
 from replay.formats.pinfile import PinRecord, pin_record_problems
 
-PLAN_FORMAT = "relayout.planning.plan"
+PLAN_FORMAT = "relayout.plan"
 PLAN_VERSION = 1
 METHODS = ("louvain", "greedy-modularity", "heat", "stock", "random")
 """The ordering methods a plan may record (:mod:`relayout.planning.ordering` implements them)."""
