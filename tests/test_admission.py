@@ -192,10 +192,11 @@ def test_a_probability_source_needs_its_learned_model():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.floats(0, 1), st.floats(-1e-2, 1e-2), st.floats(1e-6, 1e-2), st.floats(0, 1e-2), st.floats(0, 1e-2),
-       st.floats(0, 1), st.floats(0, 4), st.floats(0, 1), st.integers(1, 10**8))
-def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes(p, need, svc, t, routed, lam, rho,
-                                                                                 p_victim, nbytes):
+@given(p=st.floats(0, 1), need=st.floats(-1e-2, 1e-2), svc=st.floats(1e-6, 1e-2), t=st.floats(0, 1e-2),
+       routed=st.floats(0, 1e-2), lam=st.floats(0, 1), rho=st.floats(0, 4), p_victim=st.floats(0, 1),
+       nbytes=st.integers(1, 10**8))
+def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes(*, p, need, svc, t, routed,
+                                                                                 lam, rho, p_victim, nbytes):
     """V(a) does not decrease with the need time, to the last bit (replay.model.admission._may_gain
     skips ordering the candidates when none is positive at need time inf)."""
     v = Valuation(routed=routed, lam=lam, rho=rho, p_victim=p_victim, full_bandwidth=2e9)
@@ -205,11 +206,13 @@ def test_no_need_time_values_a_load_above_one_needed_no_sooner_than_it_completes
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.floats(0, 1e-2), st.floats(1e-6, 1e-2), st.floats(1e-3, 10), st.floats(0, 4), st.floats(0, 1),
-       st.floats(0, 1), st.floats(0.05, 1), st.floats(1e-9, 4), st.floats(0, 1), st.integers(10**5, 10**8),
-       st.floats(0, 1), st.sampled_from([0.0, 1e-15, 1e-12, 1e-9, 1e-6, 1e-3]), st.booleans())
-def test_stall_value_skips_ranking_only_when_no_load_of_the_pool_can_gain(t0, d, lo, spread, where, p_victim, lam, rho,
-                                                                         more, nbytes, dp, offset, above):
+@given(t0=st.floats(0, 1e-2), d=st.floats(1e-6, 1e-2), lo=st.floats(1e-3, 10), spread=st.floats(0, 4),
+       where=st.floats(0, 1), p_victim=st.floats(0, 1), lam=st.floats(0.05, 1), rho=st.floats(1e-9, 4),
+       more=st.floats(0, 1), nbytes=st.integers(10**5, 10**8), dp=st.floats(0, 1),
+       offset=st.sampled_from([0.0, 1e-15, 1e-12, 1e-9, 1e-6, 1e-3]), above=st.booleans())
+def test_stall_value_skips_ranking_only_when_no_load_of_the_pool_can_gain(*, t0, d, lo, spread, where,
+                                                                          p_victim, lam, rho, more, nbytes,
+                                                                          dp, offset, above):
     """replay.model.admission._never_gains (the stall-valued policy's exit before ranking candidates)
     against _value itself at need time inf, for loads at the very edge of gaining: a probability
     just above or below where V(a) = 0 for a load time anywhere in the layer's range (the
