@@ -15,7 +15,7 @@ import xxhash
 
 from .container import Container
 from .errors import InputError
-from .output_files import OutputFile
+from .output_files import OutputFile, tensor_specs
 from .sources import FileRange
 from .sparse import DataMap, data_map, is_zero
 
