@@ -1,4 +1,4 @@
-"""Prediction sources and admission policies on a synthetic GLM-5.2 trace (issue 14 items 1-3).
+"""Prediction sources and admission policies on a synthetic GLM-5.2 trace.
 
 Usage: python benchmarks/bench_admission.py [--tokens 4000] [--sessions 8] [--ram-gb 64]
        [--device mac-pro-2019-applraid-4x] [--dense-ms 1.0]

@@ -1,4 +1,4 @@
-"""Placement arms at equal RAM and splits as a curve (issue 14 items 4-5): replayed and measured.
+"""Placement arms at equal RAM and splits as a curve: replayed and measured.
 
 Usage: python benchmarks/bench_placement_split.py [--work /tmp/relayout-bench-d] [--tokens 2400] [--reps 5] [--skip-measure]
 

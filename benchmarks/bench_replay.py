@@ -35,7 +35,7 @@ from replay.formats.trace import save_trace
 RECORDS = Path(__file__).resolve().parent / "records"
 TARGET_LOADS_PER_S = 2e6
 STALL_VALUED_TARGET = 1.5e6
-"""Issue 14's target for the stall-valued policy with a 64 GB cache: modelled requests (expert loads) per second."""
+"""The stall-valued policy's target with a 64 GB cache: modelled requests (expert loads) per second."""
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The replay model's predictions in the regimes issue 12 names, on the shipped profiles.
+"""The replay model's predictions in the regimes it is meant for, on the shipped profiles.
 
 GLM-5.2 int4-row (19 MB experts), stock layout and a Louvain plan, a synthetic 120-token trace of
 12 sessions, RAM 8 GB (colibrì's COALESCE measurement ran at ``--ram 8``): S in ms per committed

@@ -1,4 +1,4 @@
-"""Model validation (issue 6): replay-predicted S against S measured on real reads, per cell.
+"""Model validation: replay-predicted S against S measured on real reads, per cell.
 
 Usage: python benchmarks/validate_model.py [--gb 2] [--work /tmp/relayout-bench] [--tokens 40]
 
