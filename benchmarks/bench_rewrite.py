@@ -10,8 +10,8 @@ interleaved repetitions:
 * a plain sequential read of SRC vs ``relayout manifest SRC`` (to another path);
 * peak RSS of the rewrite, for this container and one a quarter its size.
 The source is evicted from the page cache (posix_fadvise) before each timed pass. Every
-relayout figure is a whole command in a fresh process (its start-up included); the targets
-(issue 15): each ratio >= 0.95, as the median of the per-pair ratios.
+relayout figure is a whole command in a fresh process (its start-up included); the targets:
+each ratio >= 0.95, as the median of the per-pair ratios.
 """
 
 from __future__ import annotations
