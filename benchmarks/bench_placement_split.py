@@ -38,7 +38,7 @@ from relayout.planning.plan import (
     source_from_container,
     source_from_geometry,
 )
-from relayout.render.text import format_placement, format_split_curve
+from relayout.render.studies import format_placement, format_split_curve
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.physical.calibrate import calibrate
 from replay.model.config import RuntimeConfig

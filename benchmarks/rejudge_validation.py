@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from relayout.render.text import format_validation  # noqa: E402
+from relayout.render.validation import format_validation  # noqa: E402
 from relayout.workflows.validation.record import VALIDATION_VERSION, judge_record  # noqa: E402
 from relayout.workflows.validation.rules import DIAGNOSES  # noqa: E402
 from replay.model.device import load_device  # noqa: E402

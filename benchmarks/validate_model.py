@@ -25,7 +25,7 @@ from containers.container import MANIFEST_NAME, Container
 from containers.manifest import build_manifest, write_manifest
 from relayout.workflows.apply import apply_plan
 from relayout.planning.plan import make_plan, source_from_container
-from relayout.render.text import format_calibration
+from relayout.render.measurements import format_calibration
 from relayout.traces.synth import SynthParams, synth_trace
 from replay.physical.calibrate import calibrate
 from replay.model.config import RuntimeConfig

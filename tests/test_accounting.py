@@ -10,7 +10,7 @@ from conftest import run_cli, small_geometry
 
 from containers.container import Container
 from containers.errors import InputError
-from relayout.render.text import format_compare, format_report
+from relayout.render.measurements import format_compare, format_report
 from relayout.traces.importer import import_traces
 from relayout.traces.synth import synth_trace
 from replay.model.config import RuntimeConfig

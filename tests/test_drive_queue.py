@@ -201,7 +201,7 @@ def test_a_profile_with_a_bad_request_limit_is_refused(tmp_path, bad):
 
 
 def test_the_calibration_table_shows_each_cells_fit_error():
-    from relayout.render.text import format_calibration
+    from relayout.render.measurements import format_calibration
 
     sizes = [s for s in SIZES for _ in DEPTHS]
     depths = [d for _ in SIZES for d in DEPTHS]
@@ -225,7 +225,7 @@ def test_the_calibration_table_shows_each_cells_fit_error():
 
 
 def test_the_calibration_says_whether_concurrent_reads_completed_in_order():
-    from relayout.render.text import completion_sentence
+    from relayout.render.measurements import completion_sentence
 
     spread = {"depth": 8, "size": 16 << 20, "rounds": 5, "first_over_last": 0.99, "in_order": 0.125}
     shared = {"drive": {"service": "shared"}, "calibration": {"completion_spread": spread}}

@@ -156,7 +156,7 @@ def _merge_profile(predicted_us, measured_us):
 
 
 def test_the_merge_check_says_how_far_the_model_is_from_what_merging_saved():
-    from relayout.render.text import merge_sentence
+    from relayout.render.measurements import merge_sentence
 
     text, ratio = merge_sentence(_merge_profile(60, 40))
     assert ratio == pytest.approx(1.5) and "at 1.50 times what this disk saved" in text and "saved 40 us [35, 45]" in text
@@ -173,7 +173,7 @@ def test_the_merge_check_says_how_far_the_model_is_from_what_merging_saved():
 
 
 def test_a_validation_record_says_what_merging_saved_under_per_read_cost():
-    from relayout.render.text import merge_sentence
+    from relayout.render.measurements import merge_sentence
     from relayout.workflows.validation.record import judge_record
 
     with open(Path(__file__).resolve().parent.parent / "benchmarks" / "records" / "v53-2026-12-04.validation.json") as f:
@@ -191,7 +191,7 @@ def test_a_validation_record_says_what_merging_saved_under_per_read_cost():
 
 
 def test_validate_adds_what_merging_saved_after_the_measurement():
-    from relayout.render.text import merge_sentence
+    from relayout.render.measurements import merge_sentence
     from relayout.workflows.validation.run import merge_after_sentence
 
     merge = merge_sentence(_merge_profile(60, 40))

@@ -12,7 +12,7 @@ from pathlib import Path
 from containers.container import MANIFEST_NAME, Container
 from containers.manifest import build_manifest, check_container, write_manifest
 
-from relayout.render.text import format_inspect
+from relayout.render.containers import format_inspect
 from .output import print_rewrite_files, say, verify_and_report
 
 

@@ -13,7 +13,9 @@ import numpy as np
 
 from containers.errors import InputError
 
-from relayout.render.text import format_calibration, format_compare, format_hypotheses, format_measure, format_report
+from relayout.render.measurements import format_calibration, format_compare, format_measure, format_report
+
+from relayout.render.studies import format_hypotheses
 from .arguments import runtime_config
 
 

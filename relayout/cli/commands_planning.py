@@ -18,7 +18,11 @@ from containers.errors import InputError
 from containers.geometry import load_geometry
 from containers.synth import synth_container
 
-from relayout.render.text import format_stats, human_bytes, plan_summary
+from relayout.render.containers import plan_summary
+
+from relayout.render.traces import format_stats
+
+from relayout.render.units import human_bytes
 from .arguments import scaled_geometry
 from .output import say
 

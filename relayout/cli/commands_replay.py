@@ -13,7 +13,8 @@ from dataclasses import replace
 from containers.errors import InputError
 
 from relayout.render.gate import format_gate, format_sweep
-from relayout.render.text import format_hypotheses, format_placement, format_reliability, format_split_curve, human_bytes
+from relayout.render.studies import format_hypotheses, format_placement, format_reliability, format_split_curve
+from relayout.render.units import human_bytes
 from relayout.planning.replay_setup import (
     check_ram,
     hypothesis_regimes,

@@ -13,7 +13,7 @@ from .output import say
 def cmd_validate(args) -> int:
     import time
 
-    from relayout.render.text import format_validation
+    from relayout.render.validation import format_validation
     from ..workflows.validation.options import ValidateOptions, parse_list
     from ..workflows.validation.run import validate
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from containers.container import Container
 
-from relayout.render.text import format_rewrite_files, format_verify
+from relayout.render.containers import format_rewrite_files, format_verify
 
 
 def say(line: str) -> None:

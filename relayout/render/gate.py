@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from replay.colibri.engine_config import describe as describe_read_path
 
-from relayout.render.text import human_bytes
+from relayout.render.units import human_bytes
 
 
 def format_gate(g) -> str:

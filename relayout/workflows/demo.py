@@ -34,7 +34,9 @@ from replay.formats.trace import save_trace
 from relayout.workflows.apply import apply_plan, verify
 from relayout.render.gate import bottom_line
 from relayout.planning.plan import make_plan, source_from_container
-from relayout.render.text import completion_sentence, human_bytes, merge_sentence, plan_summary
+from relayout.render.containers import plan_summary
+from relayout.render.measurements import completion_sentence, merge_sentence
+from relayout.render.units import human_bytes
 from relayout.traces.stats import trace_stats
 from relayout.traces.synth import SynthParams, synth_trace
 

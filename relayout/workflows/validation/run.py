@@ -29,7 +29,7 @@ from replay.model.device import ArrayProfile
 from replay.model.figures import LayoutMetrics
 from replay.model.metrics import StepTable
 
-from relayout.render.text import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
+from relayout.render.measurements import MERGE_AGREES, completion_sentence, merge_sentence, small_page_warning
 
 from ..workdir import WorkDir
 from .diagnoses import at_harness_compute, at_run_speed, neighbour_scales, probed_drift
@@ -95,7 +95,7 @@ def step_order(m, fw: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
 @dataclass(frozen=True)
 class Calibrated:
     """The profile predicted on and where it came from; with a calibration, the profile's JSON,
-    where it was saved, and its sentences on sharing and merging (:mod:`relayout.render.text`)."""
+    where it was saved, and its sentences on sharing and merging (:mod:`relayout.render.measurements`)."""
 
     device: ArrayProfile
     source: str
@@ -252,7 +252,7 @@ def _measure(o: ValidateOptions, r: Replayer, *, fw: np.ndarray, reps: int, cont
 
 
 def merge_after_sentence(merge: tuple[str, float | None], after: dict) -> tuple[str, float | None]:
-    """The calibration's merge sentence (:func:`relayout.render.text.merge_sentence`) with what merging
+    """The calibration's merge sentence (:func:`relayout.render.measurements.merge_sentence`) with what merging
     saved again after the measurement (:func:`replay.physical.calibrate.merge_saving`): how far the per-read
     cost a coalescing saving rests on moved while the runs were measured."""
     us = 1e6

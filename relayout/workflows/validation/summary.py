@@ -225,10 +225,10 @@ def summarize_validation(cells: list[dict], comparisons: list[dict], drift: floa
     first_read : each layout's read-once rate; one below :data:`.rules.FIRST_READ_SLOW` of the
         fastest is named.
     sharing : how the calibration saw concurrent reads complete
-        (:func:`relayout.render.text.completion_sentence`), None with a given profile.
+        (:func:`relayout.render.measurements.completion_sentence`), None with a given profile.
     placement : the placement control's blocks (:func:`.rules.placement_difference`).
     merge : what merging two reads saved in the calibration against the profile's prediction
-        (:func:`relayout.render.text.merge_sentence`: its sentence and predicted / measured).
+        (:func:`relayout.render.measurements.merge_sentence`: its sentence and predicted / measured).
 
     Returns
     -------
