@@ -104,13 +104,17 @@ def _rewrite_cmd(setup, dst):
 
 
 @pytest.mark.slow
-def test_sigkill_at_20_random_points_then_resume_gives_identical_bytes(tmp_path):
-    """benchmarks/kill_resume.py kills rewrites while they write (100 kills there; 20 here)."""
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kill_resume.py"), "--kills", "20", "--mb", "12",
+def test_sigkill_at_random_points_then_resume_gives_identical_bytes(tmp_path):
+    """benchmarks/kill_resume.py SIGKILLs rewrites at random moments of their writing (8 kills of a
+    container of about 5 MB, five 1 MB output shards, here; docs/BENCHMARKS.md records 100 of 40 MB):
+    every kill leaves no DST or a complete one, every resume finishes to the uninterrupted rewrite's
+    bytes, and at least one kill lands mid-write, so a resume from a journal is exercised."""
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kill_resume.py"), "--kills", "8", "--mb", "5",
                           "--seed", "5", "--work", str(tmp_path), "--json"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     stats = json.loads(res.stdout)
-    assert stats["kills"] >= 20   # where each kill lands depends on timing; every one must resume exactly
+    assert stats["kills"] >= 8   # where each kill lands depends on timing; every one must resume exactly
+    assert stats["kills_mid_write"] >= 1
     assert stats["complete_looking_incomplete"] == 0 and stats["mismatched_results"] == 0 and stats["final_identical"]
 
 
