@@ -9,7 +9,7 @@ random moment of its writing phase (after ``DST.partial`` appears). After every 
 that ``DST`` either does not exist or is complete (verified against the source); each next run
 resumes. When a run finishes, its ``DST`` must be byte-identical to the reference; it is then
 removed and the killing goes on until ``--kills`` kills have landed. Prints the counts and exits
-non-zero on any failure. The test suite runs it with 8 kills of 5 MB; docs/BENCHMARKS.md records 100 of 40 MB.
+non-zero on any failure. The test suite runs it with 8 kills; docs/BENCHMARKS.md records 100.
 """
 
 from __future__ import annotations

@@ -105,11 +105,11 @@ def _rewrite_cmd(setup, dst):
 
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_gives_identical_bytes(tmp_path):
-    """benchmarks/kill_resume.py SIGKILLs rewrites at random moments of their writing (8 kills of a
-    container of about 5 MB, five 1 MB output shards, here; docs/BENCHMARKS.md records 100 of 40 MB):
-    every kill leaves no DST or a complete one, every resume finishes to the uninterrupted rewrite's
-    bytes, and at least one kill lands mid-write, so a resume from a journal is exercised."""
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kill_resume.py"), "--kills", "8", "--mb", "5",
+    """benchmarks/kill_resume.py SIGKILLs rewrites at random moments of their writing (8 kills here;
+    docs/BENCHMARKS.md records 100): every kill leaves no DST or a complete one, every resume
+    finishes to the uninterrupted rewrite's bytes, and at least one kill lands mid-write, so a
+    resume from a journal is exercised."""
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kill_resume.py"), "--kills", "8", "--mb", "12",
                           "--seed", "5", "--work", str(tmp_path), "--json"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     stats = json.loads(res.stdout)
