@@ -454,5 +454,6 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
                           len(units), probe.method, sufficient, why, replays, results, list(layout.layers))
 
 
-__all__ = ["ARMS", "ArmResult", "DEFAULT_PIN_SHARE", "PIN_SHARES", "PLACEMENT_FORMAT", "PinSet", "PlacementArmRecord", "PlacementStudy", "PlacementTable", "lrfu_value", "pins_by_value",
+__all__ = ["ARMS", "ArmResult", "DEFAULT_PIN_SHARE", "PIN_SHARES", "PLACEMENT_FORMAT", "PinSet", "PlacementArmRecord",
+           "PlacementStudy", "PlacementTable", "lrfu_value", "pins_by_value",
            "placement_arms", "selection_counts", "stall_value_pins", "training_forwards", "union_probability"]
