@@ -88,7 +88,9 @@ class CurvePoint:
 
 @dataclass(frozen=True)
 class SplitCurve:
-    """The whole-expert and split-expert curves over the same RAM budgets, and the search behind them."""
+    """The whole-expert and split-expert curves over the same RAM budgets, and the search behind them.
+
+    Its JSON (``relayout split-curve --json``) is ``format`` then these fields, in this order."""
 
     device: str
     ratios: tuple[float, ...]
