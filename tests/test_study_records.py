@@ -93,6 +93,12 @@ def test_a_split_curve_writes_its_format_first_and_the_curves_last():
     assert obj["format"] == "relayout.split-curve" and obj["ratios"] == [0.25]
     assert records.from_json(CurvePoint, obj["split"][0], "c.json") == point
 
+    import numpy as np
+
+    held = CurvePoint(**{**vars(point), "resident": np.ones((2, 4), dtype=bool)})
+    assert "resident" not in records.to_json(held)  # in memory only: the next step's split state
+    assert records.from_json(CurvePoint, records.to_json(held), "c.json").resident is None
+
 
 def test_a_hypothesis_table_names_its_arm_rows_as_json_does():
     row = ArmRow(arm="top-k", stall_per_token_s=Interval(0.1, 0.0, 0.2), p50_step_stall_s=0.1, p99_step_stall_s=0.3,

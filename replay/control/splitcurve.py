@@ -73,7 +73,8 @@ class CurvePoint:
     """One point of a curve: the RAM budget and how it is used (bytes), the split ratio (0 = whole
     experts) and FFN rows of a top, the resident tops, S on the training sessions, and on the
     held-out sessions S with its 95% interval (seconds per committed token) and the RAM hit rate
-    (union lookups served whole from RAM: pins or LRU; a resident top alone is not a hit)."""
+    (union lookups served whole from RAM: pins or LRU; a resident top alone is not a hit); in memory
+    only, ``resident`` [L, E] marks the experts whose tops are resident (None for whole experts)."""
 
     ram_bytes: int
     ratio: float
@@ -84,6 +85,7 @@ class CurvePoint:
     train_stall_per_token_s: float
     stall_per_token_s: Interval
     ram_hit_rate: float
+    resident: np.ndarray | None = records.not_written()
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,8 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
         return CurvePoint(ram_bytes=R, ratio=c.ratio, top_rows=c.top_rows, top_bytes=c.top_bytes, lru_bytes=c.lru_bytes,
                           resident_tops=0 if c.state is None else int(c.state.resident.sum()),
                           train_stall_per_token_s=c.train_stall, stall_per_token_s=Interval(*ev.interval()),
-                          ram_hit_rate=run.summary.ram_hit_rate), ev
+                          ram_hit_rate=run.summary.ram_hit_rate,
+                          resident=None if c.state is None else c.state.resident), ev
 
     sizes = {r: [segment_sizes(f, g.hidden_size, ffn, r) for f in fmts] for r in sorted(set(ratios) - {0.0})}
     whole_pts, split_pts = [], []
