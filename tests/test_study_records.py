@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,8 +93,6 @@ def test_a_split_curve_writes_its_format_first_and_the_curves_last():
                          "sufficient", "sufficiency", "candidate_replays", "whole", "split"]
     assert obj["format"] == "relayout.split-curve" and obj["ratios"] == [0.25]
     assert records.from_json(CurvePoint, obj["split"][0], "c.json") == point
-
-    import numpy as np
 
     held = CurvePoint(**{**vars(point), "resident": np.ones((2, 4), dtype=bool)})
     assert "resident" not in records.to_json(held)  # in memory only: the next step's split state
