@@ -86,7 +86,7 @@ def main() -> None:
             t = time.perf_counter()
             b = sweep(*sweep_args, executor=cluster)
             times["dask sweep"].append(time.perf_counter() - t)
-            identical_sweep &= json.dumps(a) == json.dumps(b)
+            identical_sweep &= json.dumps([c.to_json() for c in a]) == json.dumps([c.to_json() for c in b])
             t = time.perf_counter()
             ca = pooled_training(paths, geometry, 0.7, SerialExecutor())
             times["serial count"].append(time.perf_counter() - t)

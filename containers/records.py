@@ -4,7 +4,8 @@ A record is a (frozen) dataclass whose fields are ``str``, ``int``, ``float``, `
 record, ``list[...]``, ``tuple[...]`` (a JSON list of fixed length), ``dict[str, ...]``,
 ``dict[int, ...]`` (a JSON object keyed by decimal integers, such as layer numbers) or
 ``X | None``. :func:`to_json` turns it into plain JSON values (field names as keys, in field
-order; a field declared with :func:`omitted_when_none` is left out while it is None);
+order; a field declared with :func:`omitted_when_none` is left out while it is None, one declared
+with :func:`not_written` always);
 :func:`from_json` builds it from parsed JSON, checking every type on the way (an ``int`` is never
 a ``bool``, a ``float`` is finite), so a consumer reads attributes, never another package's dict
 by key.
@@ -50,10 +51,28 @@ def omitted_when_none():
     return dataclasses.field(default=None, metadata={OMIT_NONE: True})
 
 
+NOT_WRITTEN = "not_written"
+
+
+def not_written():
+    """A field held in memory only (an array a later step reuses): never in :func:`to_json`'s
+    object, and its default, None, when :func:`from_json` builds the record.
+
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Point:
+    ...     x: int
+    ...     cache: list | None = not_written()
+    >>> to_json(Point(1, [2, 3]))
+    {'x': 1}
+    """
+    return dataclasses.field(default=None, metadata={NOT_WRITTEN: True})
+
+
 def to_json(record) -> dict:
     """The record as JSON-ready values (nested records become objects, tuples lists, integer keys strings)."""
     return {f.name: _dump(getattr(record, f.name)) for f in dataclasses.fields(record)
-            if not (f.metadata.get(OMIT_NONE) and getattr(record, f.name) is None)}
+            if not f.metadata.get(NOT_WRITTEN)
+            and not (f.metadata.get(OMIT_NONE) and getattr(record, f.name) is None)}
 
 
 def _dump(value):
@@ -101,6 +120,8 @@ def _load(tp, obj, path: str):
         hints = typing.get_type_hints(tp)
         kwargs = {}
         for f in dataclasses.fields(tp):
+            if f.metadata.get(NOT_WRITTEN):
+                continue
             if f.name not in obj:
                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                     continue
@@ -145,4 +166,4 @@ def _load(tp, obj, path: str):
     raise TypeError(f"{path}: unsupported field type {tp!r}")
 
 
-__all__ = ["from_json", "is_int", "is_text", "omitted_when_none", "to_json"]
+__all__ = ["from_json", "is_int", "is_text", "not_written", "omitted_when_none", "to_json"]

@@ -94,9 +94,10 @@ def test_sweep_table_is_identical_on_dask_and_serial(cluster, sweep_case):
     args = (plan, tr, load_device("single-nvme"), RuntimeConfig(), [0.0, 0.05], [1, 4])
     serial = sweep(*args)
     dask = sweep(*args, executor=cluster)
-    assert len(serial) == 8 and [(c["ram_gb"], c["workers"], c["coalesce"]) for c in serial][:3] == [(0.0, 1, False), (0.0, 1, True), (0.0, 4, False)]
-    assert json.dumps(serial) == json.dumps(dask)  # bit for bit: floats printed at full precision
-    assert len({c["baseline_stall_s"] for c in serial}) > 1  # the cells differ: each ran its own config
+    assert len(serial) == 8 and [(c.ram_gb, c.workers, c.coalesce) for c in serial][:3] == [(0.0, 1, False), (0.0, 1, True), (0.0, 4, False)]
+    # bit for bit: floats printed at full precision
+    assert json.dumps([c.to_json() for c in serial]) == json.dumps([c.to_json() for c in dask])
+    assert len({c.baseline_stall_s for c in serial}) > 1  # the cells differ: each ran its own config
 
 
 def _files(tmp_path, n=3, tokens=300):

@@ -40,7 +40,7 @@ def test_h2_supported_when_stall_value_stalls_less_and_converts_bytes_better():
     t = admission_table(arms, "test")
     assert t.verdict == SUPPORTED, t.reason
     assert {c.against for c in t.comparisons} == {"probability", "per-byte"}          # never against the oracle
-    rows = {r.name: r for r in t.rows}
+    rows = {r.arm: r for r in t.rows}
     assert rows["stall-value"].eta_stall_s_per_byte > rows["probability"].eta_stall_s_per_byte > 0
     assert rows["none"].eta_stall_s_per_byte is None
     assert any("bound" in n for n in t.notes)

@@ -67,6 +67,7 @@ def _replay_sweep(args, plan, trace, device, config, baseline) -> int:
     """``replay --sweep``: the gate's regime map over RAM budgets x workers."""
     from containers.atomic import write_json_atomic
     from replay.evaluation.gate import sweep
+    from replay.formats.sweepfile import SWEEP_FORMAT, SweepTable
     from replay.execution import open_executor
 
     with open_executor(args.scheduler) as executor:
@@ -74,8 +75,8 @@ def _replay_sweep(args, plan, trace, device, config, baseline) -> int:
                       list(args.sweep_workers), args.threshold, baseline, min_sessions=args.min_sessions,
                       executor=executor)
     if args.output:
-        write_json_atomic(args.output, {"format": "relayout.sweep", "plan": plan.digest, "device": device.name, "cells": cells})
-    print(json.dumps(cells, indent=1) if args.json else format_sweep(cells))
+        write_json_atomic(args.output, SweepTable(SWEEP_FORMAT, plan.digest, device.name, cells).to_json())
+    print(json.dumps([c.to_json() for c in cells], indent=1) if args.json else format_sweep(cells))
     return 0
 
 

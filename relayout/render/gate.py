@@ -78,25 +78,26 @@ def _prefetch_line(runtime, b, p) -> str:
             f"  baseline: {one(b)}\n  plan:     {one(p)}")
 
 
-def format_sweep(cells: list[dict]) -> str:
+def format_sweep(cells: list) -> str:
+    """The sweep's table (``cells`` :class:`replay.formats.sweepfile.SweepCell`), stall in ms per committed token."""
     ms = 1e3
     head = (f"{'RAM GB':>7} {'workers':>7} {'coalesce':>8} {'stock S':>9} {'plan S':>9} {'oracle':>9} {'saved (95% CI) ms/token':>28} "
             f"{'% TPOT':>7}  verdict (after Holm)")
     lines = [head, "-" * len(head)]
     for c in cells:
-        s = c["saving"]
-        lines.append(f"{c['ram_gb']:>7g} {c['workers']:>7} {'on' if c['coalesce'] else 'off':>8} "
-                     f"{c['baseline_stall_s'] * ms:9.3f} {c['plan_stall_s'] * ms:9.3f} {c['oracle_stall_s'] * ms:9.3f} "
-                     f"{s['estimate'] * ms:9.3f} [{s['low'] * ms:7.3f},{s['high'] * ms:7.3f}] "
-                     f"{c['saving_fraction_of_tpot']['estimate']:7.1%}  {_sweep_verdict(c)}")
+        s = c.saving
+        lines.append(f"{c.ram_gb:>7g} {c.workers:>7} {'on' if c.coalesce else 'off':>8} "
+                     f"{c.baseline_stall_s * ms:9.3f} {c.plan_stall_s * ms:9.3f} {c.oracle_stall_s * ms:9.3f} "
+                     f"{s.estimate * ms:9.3f} [{s.low * ms:7.3f},{s.high * ms:7.3f}] "
+                     f"{c.saving_fraction_of_tpot.estimate:7.1%}  {_sweep_verdict(c)}")
     lines.append("S in ms per committed token; a pass must also hold after Holm's correction over the sufficient cells "
                  "(family-wise 2.5% one-sided), else it reads 'pass, not after Holm'")
     return "\n".join(lines)
 
-def _sweep_verdict(cell: dict) -> str:
-    if cell["verdict"] != "pass" or cell.get("holm_significant") is None:
-        return cell["verdict"]
-    return "pass" if cell["holm_significant"] else "pass, not after Holm"
+def _sweep_verdict(cell) -> str:
+    if cell.verdict != "pass" or cell.holm_significant is None:
+        return cell.verdict
+    return "pass" if cell.holm_significant else "pass, not after Holm"
 
 
 def held_out_notice(held, min_sessions: int) -> str:

@@ -93,9 +93,9 @@ def format_hypotheses(tables) -> str:
         for r in t.rows:
             s = r.stall_per_token_s
             ci = f"{s.estimate * 1e3:.3f} [{s.low * 1e3:.3f}, {s.high * 1e3:.3f}]"
-            out.append(f"  {r.name:<22}{ci:>28}{r.p50_step_stall_s * 1e3:>8.3f}{r.p99_step_stall_s * 1e3:>8.3f}"
+            out.append(f"  {r.arm:<22}{ci:>28}{r.p50_step_stall_s * 1e3:>8.3f}{r.p99_step_stall_s * 1e3:>8.3f}"
                        f"{r.speculative_bytes_per_token / 1e6:>9.2f}{opt(r.eta_stall_s_per_byte, '.4f', 1e9):>10}"
-                       f"{opt(r.ram_hit_rate, '.1%'):>9}{opt(r.timely_recall, '.1%'):>8}"
+                       f"{opt(r.ram_hit_rate, '.1%'):>9}{opt(r.timely_required_byte_recall, '.1%'):>8}"
                        f"{opt(r.unused_bytes_per_token, '.2f', 1e-6):>10}{opt(r.queue_depth, '.2f'):>6}")
         out += [f"  - {c.words}" for c in t.comparisons]
         out += [f"  note: {n}" for n in t.notes]

@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from containers import records
 from containers.errors import InputError
 from containers.layout import Layout
 
@@ -120,6 +121,54 @@ class ArmResult:
     saving_vs_frequency_s: Interval | None
 
 
+PLACEMENT_FORMAT = "relayout.placement"
+
+
+@dataclass(frozen=True)
+class PlacementArmRecord:
+    """One arm as ``relayout placement --json`` writes it: its pins as plan.json records them
+    (:class:`replay.formats.pinfile.PinRecord`'s fields), then the arm's share of RAM for pins and
+    its figures (as :class:`ArmResult`; an interval is None where it was not computed)."""
+
+    arm: str
+    ram_bytes: int
+    pin_bytes: int
+    lru_bytes: int
+    device: str
+    how: str
+    experts: list[tuple[int, int]]
+    pin_share: float
+    train_stall_per_token_s: float
+    train_ram_hit_rate: float
+    stall_per_token_s: Interval | None
+    ram_hit_rate: float
+    saving_vs_frequency_s: Interval | None
+
+
+@dataclass(frozen=True)
+class PlacementTable:
+    """``relayout placement --json``: the study's budget (bytes), device and evidence, and every arm."""
+
+    format: str
+    ram_bytes: int
+    pin_share: float
+    device: str
+    training_sessions: int
+    held_out_sessions: int
+    method: str
+    sufficient: bool
+    sufficiency: str
+    stall_value_replays: int
+    arms: list[PlacementArmRecord]
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+    @classmethod
+    def from_json(cls, obj, where: str | None) -> "PlacementTable":
+        return records.from_json(cls, obj, where, "placement table")
+
+
 @dataclass(frozen=True)
 class PlacementStudy:
     """Every arm at one RAM budget (bytes), on one device, and what the evidence allows."""
@@ -149,18 +198,20 @@ class PlacementStudy:
         return PinRecord(p.arm, self.ram_bytes, p.pin_bytes, p.lru_bytes, self.device, p.how,
                          [(self.layers[li], e) for li, e in p.ranking])
 
-    def to_json(self) -> dict:
-        def interval(x: Interval | None):
-            return None if x is None else x.to_json()
+    def record(self) -> PlacementTable:
+        """The study as its typed record (what ``to_json`` writes)."""
+        arms = [PlacementArmRecord(**vars(self.pin_record(a.pins.arm)), pin_share=a.pins.pin_share,
+                                   train_stall_per_token_s=a.train_stall_per_token_s,
+                                   train_ram_hit_rate=a.train_ram_hit_rate, stall_per_token_s=a.stall_per_token_s,
+                                   ram_hit_rate=a.ram_hit_rate, saving_vs_frequency_s=a.saving_vs_frequency_s)
+                for a in self.arms]
+        return PlacementTable(format=PLACEMENT_FORMAT, ram_bytes=self.ram_bytes, pin_share=self.pin_share,
+                              device=self.device, training_sessions=self.training_sessions,
+                              held_out_sessions=self.held_out_sessions, method=self.method, sufficient=self.sufficient,
+                              sufficiency=self.sufficiency, stall_value_replays=self.stall_value_replays, arms=arms)
 
-        return {"format": "relayout.placement", "ram_bytes": self.ram_bytes, "pin_share": self.pin_share,
-                "device": self.device, "training_sessions": self.training_sessions,
-                "held_out_sessions": self.held_out_sessions, "method": self.method, "sufficient": self.sufficient,
-                "sufficiency": self.sufficiency, "stall_value_replays": self.stall_value_replays,
-                "arms": [{**self.pin_record(a.pins.arm).to_json(), "pin_share": a.pins.pin_share,
-                          "train_stall_per_token_s": a.train_stall_per_token_s, "train_ram_hit_rate": a.train_ram_hit_rate,
-                          "stall_per_token_s": interval(a.stall_per_token_s), "ram_hit_rate": a.ram_hit_rate,
-                          "saving_vs_frequency_s": interval(a.saving_vs_frequency_s)} for a in self.arms]}
+    def to_json(self) -> dict:
+        return self.record().to_json()
 
 
 def training_forwards(trace: RoutingTrace, plan: Plan) -> np.ndarray:
@@ -403,5 +454,6 @@ def placement_arms(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config
                           len(units), probe.method, sufficient, why, replays, results, list(layout.layers))
 
 
-__all__ = ["ARMS", "ArmResult", "DEFAULT_PIN_SHARE", "PIN_SHARES", "PinSet", "PlacementStudy", "lrfu_value", "pins_by_value",
+__all__ = ["ARMS", "ArmResult", "DEFAULT_PIN_SHARE", "PIN_SHARES", "PLACEMENT_FORMAT", "PinSet", "PlacementArmRecord",
+           "PlacementStudy", "PlacementTable", "lrfu_value", "pins_by_value",
            "placement_arms", "selection_counts", "stall_value_pins", "training_forwards", "union_probability"]

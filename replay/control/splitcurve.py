@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from containers import records
 from containers.errors import InputError
 from containers.geometry import ExpertFormat
 
@@ -64,6 +65,7 @@ RATIOS = (0.125, 0.25, 0.375, 0.5)
 """Split ratios the search replays by default (besides r = 0, always a candidate)."""
 TOP_SHARES = (0.25, 0.5, 0.75, 1.0)
 """Shares of the RAM budget for resident tops the search replays by default."""
+SPLIT_CURVE_FORMAT = "relayout.split-curve"
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class CurvePoint:
     """One point of a curve: the RAM budget and how it is used (bytes), the split ratio (0 = whole
     experts) and FFN rows of a top, the resident tops, S on the training sessions, and on the
     held-out sessions S with its 95% interval (seconds per committed token) and the RAM hit rate
-    (union lookups served whole from RAM: pins or LRU; a resident top alone is not a hit)."""
+    (union lookups served whole from RAM: pins or LRU; a resident top alone is not a hit); in memory
+    only, ``resident`` [L, E] marks the experts whose tops are resident (None for whole experts)."""
 
     ram_bytes: int
     ratio: float
@@ -82,36 +85,28 @@ class CurvePoint:
     train_stall_per_token_s: float
     stall_per_token_s: Interval
     ram_hit_rate: float
-    resident: np.ndarray | None = None
+    resident: np.ndarray | None = records.not_written()
 
 
 @dataclass(frozen=True)
 class SplitCurve:
-    """The whole-expert and split-expert curves over the same RAM budgets, and the search behind them."""
+    """The whole-expert and split-expert curves over the same RAM budgets, and the search behind them.
+
+    Its JSON (``relayout split-curve --json``) is ``format`` then these fields, in this order."""
 
     device: str
     ratios: tuple[float, ...]
     top_shares: tuple[float, ...]
-    whole: list[CurvePoint]
-    split: list[CurvePoint]
     training_sessions: int
     held_out_sessions: int
     sufficient: bool
     sufficiency: str
     candidate_replays: int
+    whole: list[CurvePoint]
+    split: list[CurvePoint]
 
     def to_json(self) -> dict:
-        def point(p: CurvePoint) -> dict:
-            return {"ram_bytes": p.ram_bytes, "ratio": p.ratio, "top_rows": p.top_rows, "top_bytes": p.top_bytes,
-                    "lru_bytes": p.lru_bytes, "resident_tops": p.resident_tops,
-                    "train_stall_per_token_s": p.train_stall_per_token_s,
-                    "stall_per_token_s": p.stall_per_token_s.to_json(), "ram_hit_rate": p.ram_hit_rate}
-
-        return {"format": "relayout.split-curve", "device": self.device, "ratios": list(self.ratios),
-                "top_shares": list(self.top_shares), "training_sessions": self.training_sessions,
-                "held_out_sessions": self.held_out_sessions, "sufficient": self.sufficient, "sufficiency": self.sufficiency,
-                "candidate_replays": self.candidate_replays,
-                "whole": [point(p) for p in self.whole], "split": [point(p) for p in self.split]}
+        return {"format": SPLIT_CURVE_FORMAT, **records.to_json(self)}
 
 
 @dataclass(frozen=True)
@@ -176,9 +171,11 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
         run = run_layout("split" if c.state is not None else "whole", trace, held_mask, layout, device,
                          replace(config, ram_bytes=c.lru_bytes, pin_bytes=0), np.zeros((L, E), dtype=bool), c.state, coupling=coupling)
         ev = held_out_evidence(run, None, units, seed)
-        return CurvePoint(R, c.ratio, c.top_rows, c.top_bytes, c.lru_bytes,
-                          0 if c.state is None else int(c.state.resident.sum()), c.train_stall, Interval(*ev.interval()),
-                          run.summary.ram_hit_rate, None if c.state is None else c.state.resident), ev
+        return CurvePoint(ram_bytes=R, ratio=c.ratio, top_rows=c.top_rows, top_bytes=c.top_bytes, lru_bytes=c.lru_bytes,
+                          resident_tops=0 if c.state is None else int(c.state.resident.sum()),
+                          train_stall_per_token_s=c.train_stall, stall_per_token_s=Interval(*ev.interval()),
+                          ram_hit_rate=run.summary.ram_hit_rate,
+                          resident=None if c.state is None else c.state.resident), ev
 
     sizes = {r: [segment_sizes(f, g.hidden_size, ffn, r) for f in fmts] for r in sorted(set(ratios) - {0.0})}
     whole_pts, split_pts = [], []
@@ -206,7 +203,9 @@ def split_curve(plan: Plan, trace: RoutingTrace, device: ArrayProfile, config: R
         split_pts.append(point if best is whole else held_point(R, best)[0])
     ok, why = sufficiency(probe, min_sessions, verdict=False)
     n_train = len(np.unique(trace.fwd_session[train]))
-    return SplitCurve(device.name, tuple(ratios), tuple(top_shares), whole_pts, split_pts, n_train, len(units), ok, why, replays)
+    return SplitCurve(device=device.name, ratios=tuple(ratios), top_shares=tuple(top_shares), training_sessions=n_train,
+                      held_out_sessions=len(units), sufficient=ok, sufficiency=why, candidate_replays=replays,
+                      whole=whole_pts, split=split_pts)
 
 
-__all__ = ["CurvePoint", "RATIOS", "SplitCurve", "TOP_SHARES", "split_curve"]
+__all__ = ["CurvePoint", "RATIOS", "SPLIT_CURVE_FORMAT", "SplitCurve", "TOP_SHARES", "split_curve"]

@@ -54,6 +54,7 @@ from replay.formats.interval import Interval
 from replay.model.figures import LayoutMetrics
 from replay.model.metrics import session_sums, summarize
 from replay.formats.planfile import Plan
+from replay.formats.sweepfile import SweepCell
 from replay.model.streaming import replay_steps
 from replay.model.routing import TraceSource
 
@@ -316,7 +317,7 @@ def _reason(verdict: Verdict, ev: Evidence, tpot: float, threshold: float, headr
 
 def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeConfig, ram_gb: list[float],
           workers: list[int], threshold: float = DEFAULT_THRESHOLD, baseline: Plan | None = None, *,
-          min_sessions: int = MIN_SESSIONS, executor=None) -> list[dict]:
+          min_sessions: int = MIN_SESSIONS, executor=None) -> list[SweepCell]:
     """The regime map: the gate over RAM budgets x workers x coalescing.
 
     Many cells test many hypotheses: each cell's one-sided bootstrap p-value of "saving below the
@@ -336,8 +337,8 @@ def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeC
 
     Returns
     -------
-    One row per cell (:func:`sweep_cell`) with its ``ram_gb`` and ``holm_significant`` (None
-    where the cell's evidence did not suffice).
+    One :class:`replay.formats.sweepfile.SweepCell` per cell (:func:`sweep_cell`), with
+    ``holm_significant`` None where the cell's evidence did not suffice.
     """
     from replay.execution import SerialExecutor
 
@@ -345,27 +346,24 @@ def sweep(plan: Plan, trace: TraceSource, device: ArrayProfile, config: RuntimeC
     grid = [(ram, replace(config, ram_bytes=int(ram * 1e9), workers=w, coalesce=co, batched=False))
             for ram in ram_gb for w in workers for co in (False, True)]
     shared = [None if x is None else executor.share(x) for x in (plan, trace, device, baseline)]
-    rows = executor.map(sweep_cell, [(*shared, cfg, threshold, min_sessions) for _, cfg in grid], desc="sweep cells")
-    cells = [{"ram_gb": ram, **row} for (ram, _), row in zip(grid, rows)]
-    judged = [i for i, c in enumerate(cells) if c["sufficient"]]
-    rejected = holm([cells[i]["p_below_threshold"] for i in judged], SWEEP_ALPHA)
-    for c in cells:
-        c["holm_significant"] = None
+    cells = executor.map(sweep_cell, [(*shared, cfg, threshold, min_sessions, ram) for ram, cfg in grid], desc="sweep cells")
+    judged = [i for i, c in enumerate(cells) if c.sufficient]
+    rejected = holm([cells[i].p_below_threshold for i in judged], SWEEP_ALPHA)
+    cells = list(cells)
     for i, r in zip(judged, rejected):
-        cells[i]["holm_significant"] = bool(r and cells[i]["verdict"] == "pass")
+        cells[i] = replace(cells[i], holm_significant=bool(r and cells[i].verdict == "pass"))
     return cells
 
 
 def sweep_cell(plan: Plan, trace: TraceSource, device: ArrayProfile, baseline: Plan | None, config: RuntimeConfig,
-               threshold: float, min_sessions: int) -> dict:
-    """One cell of :func:`sweep`: the gate at ``config``, as the sweep table's row without its RAM
-    budget (stall and TPOT in seconds per committed token)."""
+               threshold: float, min_sessions: int, ram_gb: float) -> SweepCell:
+    """One cell of :func:`sweep`: the gate at ``config`` (whose RAM budget is ``ram_gb`` GB), as
+    the sweep table's row before Holm's correction (``holm_significant`` None)."""
     g = compare(plan, trace, device, config, baseline, threshold, min_sessions=min_sessions)
-    return {"workers": config.workers, "coalesce": config.coalesce, "verdict": g.verdict,
-            "baseline_stall_s": g.baseline_metrics.stall_per_token_s,
-            "plan_stall_s": g.plan_metrics.stall_per_token_s,
-            "oracle_stall_s": g.headroom.oracle_stall_s,
-            "saving": records.to_json(g.saving_per_token_s),
-            "saving_fraction_of_tpot": records.to_json(g.saving_fraction_of_tpot),
-            "tpot_s": g.threshold.tpot_s, "p_below_threshold": g.evidence.p_below_threshold,
-            "sufficient": g.evidence.sufficient, "pins": g.pins.source}
+    return SweepCell(ram_gb=ram_gb, workers=config.workers, coalesce=config.coalesce, verdict=g.verdict,
+                     baseline_stall_s=g.baseline_metrics.stall_per_token_s,
+                     plan_stall_s=g.plan_metrics.stall_per_token_s,
+                     oracle_stall_s=g.headroom.oracle_stall_s,
+                     saving=g.saving_per_token_s, saving_fraction_of_tpot=g.saving_fraction_of_tpot,
+                     tpot_s=g.threshold.tpot_s, p_below_threshold=g.evidence.p_below_threshold,
+                     sufficient=g.evidence.sufficient, pins=g.pins.source, holm_significant=None)

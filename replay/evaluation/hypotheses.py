@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from containers import records
 from containers.errors import InputError
 
 from replay.evaluation import evidence
@@ -254,14 +255,14 @@ class ArmRow:
     the step stall per committed token (s), eta_stall (s per byte, against the ``none`` arm), and
     the figures of :class:`ArmSteps`."""
 
-    name: str
+    arm: str
     stall_per_token_s: Interval
     p50_step_stall_s: float
     p99_step_stall_s: float
     speculative_bytes_per_token: float
     eta_stall_s_per_byte: float | None
     ram_hit_rate: float | None
-    timely_recall: float | None
+    timely_required_byte_recall: float | None
     unused_bytes_per_token: float | None
     queue_depth: float | None
 
@@ -294,19 +295,27 @@ class HypothesisTable:
 
     def to_json(self) -> dict:
         h = self.hypothesis
+        return records.to_json(HypothesisTableRecord(
+            hypothesis=h.key, claim=h.claim, falsifier=h.falsifier, regime=self.regime, verdict=self.verdict,
+            sufficiency=self.sufficiency, reason=self.reason, notes=self.notes, arms=self.rows,
+            comparisons=self.comparisons))
 
-        def row(r: ArmRow) -> dict:
-            return {"arm": r.name, "stall_per_token_s": r.stall_per_token_s.to_json(), "p50_step_stall_s": r.p50_step_stall_s,
-                    "p99_step_stall_s": r.p99_step_stall_s, "speculative_bytes_per_token": r.speculative_bytes_per_token,
-                    "eta_stall_s_per_byte": r.eta_stall_s_per_byte, "ram_hit_rate": r.ram_hit_rate,
-                    "timely_required_byte_recall": r.timely_recall, "unused_bytes_per_token": r.unused_bytes_per_token,
-                    "queue_depth": r.queue_depth}
 
-        return {"hypothesis": h.key, "claim": h.claim, "falsifier": h.falsifier, "regime": self.regime,
-                "verdict": self.verdict, "sufficiency": self.sufficiency, "reason": self.reason, "notes": self.notes,
-                "arms": [row(r) for r in self.rows],
-                "comparisons": [{"test": c.test, "against": c.against, "what": c.what, "difference": c.difference.to_json(),
-                                 "p_value": c.p_value, "holds": c.holds, "words": c.words} for c in self.comparisons]}
+@dataclass(frozen=True)
+class HypothesisTableRecord:
+    """A :class:`HypothesisTable` as JSON writes it: the hypothesis's key, claim and falsifier, then
+    the table's regime, verdict and reasons, its arms' rows and its comparisons."""
+
+    hypothesis: str
+    claim: str
+    falsifier: str
+    regime: str
+    verdict: str
+    sufficiency: str
+    reason: str
+    notes: list[str]
+    arms: list[ArmRow]
+    comparisons: list[Comparison]
 
 
 # ------------------------------------------------------------------------------- resampling
@@ -388,8 +397,11 @@ def rows_for(arms: dict[str, ArmSteps], seed: int = 0) -> list[ArmRow]:
         eta = None
         if none is not None and name != "none" and spec > 0:
             eta = (none.stall_per_token_s - a.stall_per_token_s) / spec
-        rows.append(ArmRow(name, stall_interval(a, seed), float(np.quantile(s, 0.5)), float(np.quantile(s, 0.99)), spec,
-                           eta, a.ram_hit_rate, a.timely_recall, a.unused_bytes_per_token, a.queue_depth))
+        rows.append(ArmRow(arm=name, stall_per_token_s=stall_interval(a, seed), p50_step_stall_s=float(np.quantile(s, 0.5)),
+                           p99_step_stall_s=float(np.quantile(s, 0.99)), speculative_bytes_per_token=spec,
+                           eta_stall_s_per_byte=eta, ram_hit_rate=a.ram_hit_rate,
+                           timely_required_byte_recall=a.timely_recall, unused_bytes_per_token=a.unused_bytes_per_token,
+                           queue_depth=a.queue_depth))
     return rows
 
 
@@ -454,7 +466,7 @@ def admission_table(arms: dict[str, ArmSteps], regime: str, min_sessions: int = 
     if "none" not in arms:
         raise InputError(None, "H2 needs the 'none' arm (no prefetch): eta_stall is measured against it")
     comparisons = _lower_stall_comparisons(h, arms, seed)
-    rows = {r.name: r for r in rows_for(arms, seed)}
+    rows = {r.arm: r for r in rows_for(arms, seed)}
     eta_t = rows[h.test_arm].eta_stall_s_per_byte
     extra = []
     for c in comparisons:
@@ -549,7 +561,7 @@ def tail_table(arms: dict[str, ArmSteps], regime: str, min_sessions: int = MIN_S
     return _table(h, regime, arms, comparisons, min_sessions, seed, notes=notes)
 
 
-__all__ = ["ALPHA", "ArmRow", "ArmSteps", "Comparison", "HYPOTHESES", "Hypothesis", "HypothesisTable", "INSUFFICIENT",
+__all__ = ["ALPHA", "ArmRow", "ArmSteps", "Comparison", "HYPOTHESES", "Hypothesis", "HypothesisTable", "HypothesisTableRecord", "INSUFFICIENT",
            "MATERIAL_SHARE", "MEDIAN_TOLERANCE", "measured_arms", "measured_curve", "measured_table", "SPLIT_ARM", "NOT_SUPPORTED", "SUPPORTED", "admission_table", "arm_from_measured", "arm_from_run",
            "placement_table", "quantile_difference", "rows_for", "saving", "split_table", "stall_interval", "sufficiency",
            "tail_table"]
