@@ -125,18 +125,11 @@ PLACEMENT_FORMAT = "relayout.placement"
 
 
 @dataclass(frozen=True)
-class PlacementArmRecord:
+class PlacementArmRecord(PinRecord):
     """One arm as ``relayout placement --json`` writes it: its pins as plan.json records them
-    (:class:`replay.formats.pinfile.PinRecord`'s fields), then the arm's share of RAM for pins and
-    its figures (as :class:`ArmResult`; an interval is None where it was not computed)."""
+    (the :class:`replay.formats.pinfile.PinRecord` fields, first), then the arm's share of RAM for
+    pins and its figures (as :class:`ArmResult`; an interval is None where it was not computed)."""
 
-    arm: str
-    ram_bytes: int
-    pin_bytes: int
-    lru_bytes: int
-    device: str
-    how: str
-    experts: list[tuple[int, int]]
     pin_share: float
     train_stall_per_token_s: float
     train_ram_hit_rate: float
