@@ -8,6 +8,7 @@ from containers.jsonfile import shipped_names
 from replay.model.config import PREFETCH_SOURCES
 
 import relayout.cli.commands_workflows as commands
+from relayout.workflows.validation.engine import DEFAULT_CAPS, DEFAULT_READ_PATHS
 
 from . import options as opt
 from .arguments import command
@@ -37,11 +38,28 @@ def add_validate(sub) -> None:
     s.add_argument("--coalesce", action="store_true", help="coalesce adjacent experts' reads (colibrì's COALESCE), "
                                                          "measured and modelled alike: where the order of experts matters")
     s.add_argument("--seed", type=opt.seed, default=0, help="seed of the synthetic container, trace and plans")
-    s.add_argument("-o", "--output", default="validation.json", help="the record to write (a calibrated profile is saved "
-                                                                     "next to it as NAME.device.json)")
+    s.add_argument("-o", "--output", help="the record to write (a calibrated profile is saved next to it as "
+                                          "NAME.device.json) (default: validation.json; with --engine "
+                                          "PATH/validation-engine.json)")
     s.add_argument("--plots", metavar="DIR", help="write a predicted vs measured S scatter (needs the 'plots' extra: matplotlib)")
     s.add_argument("--keep", action="store_true", help="keep the work directory (PATH/relayout-validate: containers, "
                                                       "plans, STALL_TRACEs)")
+    e = s.add_argument_group("against the real colibrì engine (validate --engine; PATH is then the validation's own "
+                             "directory, resumable: runs, plans, rewritten containers and the record are kept there)")
+    e.add_argument("--engine", metavar="BINARY", help="the colibrì binary: measure its S per layout and cell and judge the "
+                                                     "model's prediction of each run (needs --container, --prompts, "
+                                                     "--train-prompts)")
+    e.add_argument("--prompts", metavar="FILE", help="the measured prompts, one per line (held out: none may be a "
+                                                    "training prompt)")
+    e.add_argument("--train-prompts", metavar="FILE", help="prompts whose routing trains the plans, one per line")
+    e.add_argument("--read-paths", default=";".join(DEFAULT_READ_PATHS),
+                   help="the engine's read paths measured, ';'-separated, each in its own variables")
+    e.add_argument("--caps", default=",".join(map(str, DEFAULT_CAPS)),
+                   help="experts per layer the engine's LRU holds (CAP, with CAP_RAISE=0 AUTOPIN=0), one cell each")
+    e.add_argument("--ngen", type=opt.count, default=24, help="tokens generated per run (NGEN)")
+    e.add_argument("--engine-env", default="", metavar="'NAME=value ...'",
+                   help="more engine variables for every run, e.g. 'COLI_NO_OMP_TUNE=1'")
+    e.add_argument("--timeout", type=opt.number(0.0, 1e6, lo_open=True), help="kill a run after this many seconds")
 
 
 def add_demo(sub) -> None:

@@ -51,3 +51,34 @@ def format_engine_compare(c: dict) -> str:
             lines += [f"  {side} configuration: {k}" for k in x[f"{side}_configurations"]]
     lines += [f"warning: {w}" for w in c["warnings"]]
     return "\n".join(lines)
+
+
+def format_engine_validation(rec) -> str:
+    """``validate --engine``'s table (an :class:`relayout.workflows.validation.engine_record.EngineValidationRecord`):
+    per cell and layout the engine's S with its interval against the model's, then each layout's
+    saving against stock and the two decisions, then the verdict in words. Milliseconds per
+    committed token."""
+    ms = 1e3
+    lines = [f"the model against the colibrì engine ({rec.engine}) on {rec.container}: {rec.prompts} held-out prompts x "
+             f"{rec.reps} repetitions per layout and cell, cold, NGEN={rec.ngen}; device {rec.device} ({rec.device_source})",
+             f"plans trained on {len(rec.training_sessions)} recorded session(s) of other prompts",
+             "S = the engine's expert wait per committed token (its PROFILE line, decode window); predicted = the model "
+             "replaying each run's own routing with the configuration it printed; ms per committed token", ""]
+    head = f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     loads"
+    lines.append(head)
+    for c in rec.cells:
+        for a in c.arms:
+            m = a.measured_s
+            lines.append(f"{c.name:26} {a.arm:9} {m.estimate * ms:9.3f} [{m.low * ms:8.3f}, {m.high * ms:8.3f}] "
+                         f"{a.predicted_s * ms:8.3f} {a.ratio:6.2f}  {a.agreement:10} "
+                         f"{'equal' if a.loads_agree else 'DIFFER'}")
+    lines += ["", f"{'cell':26} {'layout':9} {'measured saving [95% CI]':>28} {'predicted':>10}  {'judged':17} "
+                  "gate / measured A/B decision"]
+    for c in rec.cells:
+        for s in c.savings:
+            m = s.measured
+            both = f"{s.gate_decision} / {s.measured_decision}" + ("" if s.decisions_agree else "  (DIFFER)")
+            lines.append(f"{c.name:26} {s.layout:9} {m.estimate * ms:+8.3f} [{m.low * ms:+8.3f}, {m.high * ms:+8.3f}] "
+                         f"{s.predicted.estimate * ms:+10.3f}  {s.agreement:17} {both}")
+    lines += ["", f"verdict: the model {rec.verdict} against the engine (+/-{rec.tolerance:.0%} on S). {rec.summary}"]
+    return "\n".join(lines)

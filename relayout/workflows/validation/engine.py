@@ -1,0 +1,311 @@
+"""``relayout validate --engine``: the replay model against the real colibrì engine, cell by cell.
+
+In the validation's directory PATH (its marker :data:`MARKER` records what it made there):
+
+1. **Training routing.** The engine runs every training prompt once on the stock container with
+   ``ROUTE_TRACE`` (``train/``); the recorded sessions train the plans (``plan-<layout>.json``),
+   which are rewritten into containers (``layout-<layout>/``, a plan's container kept while its
+   plan is unchanged). The measured prompts are others: every measured session is held out.
+2. **Measurement.** Per cell (a read path of ``--read-paths`` x an LRU cap of ``--caps``, with
+   ``CAP_RAISE=0 AUTOPIN=0`` and ``--engine-env``), every layout runs every measured prompt
+   ``--reps`` times, cold, layouts interleaved (:func:`relayout.workflows.engine_runs.measure_engine`;
+   ``cells/<cell>/<layout>/pPP-rRR``). A run directory under its final name is complete, and a
+   second invocation on the same inputs keeps it: the validation resumes.
+3. **Prediction.** Each run's own routing (its ``route-trace.txt``) is replayed through the model
+   with the configuration the run printed (``[PROF] config``, the OpenMP team, the matmul rate,
+   the memory the run found; :func:`relayout.planning.replay_setup.runtime_config`) on the layout
+   of the container it ran and the device profile (``--device``, else the disk calibrated on the
+   stock container's largest file), and its stall over the decode forwards is the predicted wait.
+4. **Judging** (:mod:`.engine_record`): predicted against measured S per layout and cell, the
+   predicted saving against the measured one, the gate's rule on both, a verdict in words.
+
+Seconds and bytes in the record; prompts are text, one per line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from containers.atomic import write_json_atomic
+from containers.errors import InputError
+
+from ..engine_runs import EngineArm, measure_engine, read_prompts
+from ..workdir import WorkDir
+from .engine_record import (ENGINE_VALIDATION_FORMAT, ENGINE_VALIDATION_VERSION, CellResult, EngineValidationRecord,
+                            RunResult, arm_result, saving_result, summarize)
+from .rules import TOLERANCE
+
+DEFAULT_READ_PATHS = ("PIPE=0", "PIPE=1", "URING=1")
+"""colibrì's read paths measured by default: its Linux default, the loader pool, io_uring (all buffered)."""
+DEFAULT_CAPS = (4, 12)
+"""Experts per layer the engine's LRU holds in the two default cells (``CAP``)."""
+CELL_VARIABLES = "CAP_RAISE=0 AUTOPIN=0"
+"""Held in every cell: the cap as given (not raised to the RAM), no automatic pins."""
+MARKER = ".relayout-validate-engine"
+SETUP_NAME = "setup.json"
+RECORD_NAME = "validation-engine.json"
+DEVICE_NAME = "device.json"
+LAYOUTS = ("stock", "louvain", "random", "frequency", "heat")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineValidateOptions:
+    """What ``validate --engine`` was asked. Paths as given; ``ngen`` tokens per run."""
+
+    path: Path
+    engine: Path
+    container: Path
+    prompts: Path
+    train_prompts: Path
+    layouts: tuple[str, ...] = ("stock", "louvain", "random")
+    read_paths: tuple[str, ...] = DEFAULT_READ_PATHS
+    caps: tuple[int, ...] = DEFAULT_CAPS
+    reps: int = 3
+    ngen: int = 24
+    engine_env: str = ""
+    device: str | None = None
+    output: Path | None = None
+    seed: int = 0
+    timeout_s: float | None = None
+
+
+def cell_env(read_path: str, cap: int, engine_env: str = "") -> str:
+    """The engine variables of one cell: the read path, ``CAP``, :data:`CELL_VARIABLES` and the extra ones."""
+    return " ".join(w for w in (read_path, f"CAP={cap}", CELL_VARIABLES, engine_env) if w)
+
+
+def cell_name(read_path: str, cap: int) -> str:
+    """A cell's directory name: ``PIPE=1 DIRECT=1`` at cap 4 is ``pipe-1_direct-1-cap4``."""
+    return "_".join(w.lower().replace("=", "-") for w in read_path.split()) + f"-cap{cap}"
+
+
+def check_options(o: EngineValidateOptions) -> tuple[list[str], list[str]]:
+    """Everything checkable before the engine runs; returns the measured and the training prompts.
+
+    Raises
+    ------
+    InputError
+        An engine that is not an executable file, a container directory without safetensors files,
+        unreadable or overlapping prompt files, a layout not known or stock not first, a read path
+        the model does not run, a cap below 1, fewer than 2 repetitions.
+    """
+    from replay.colibri.engine_config import env_words, model_config, parse_runtime_env
+    from replay.model.config import RuntimeConfig
+
+    from ..engine_runs import container_files
+
+    if not (o.engine.is_file() and os.access(o.engine, os.X_OK)):
+        raise InputError(o.engine, "not an executable file (the colibrì engine binary)")
+    if not o.container.is_dir():
+        raise InputError(o.container, "not a directory (a colibrì container)")
+    container_files(o.container)
+    bad = [m for m in o.layouts if m not in LAYOUTS]
+    if bad or not o.layouts or o.layouts[0] != "stock" or len(set(o.layouts)) != len(o.layouts) or len(o.layouts) < 2:
+        raise InputError(None, f"--layouts must start with stock, the baseline, and name another of {', '.join(LAYOUTS)} "
+                               f"once each (got {','.join(o.layouts)})")
+    if o.reps < 2:
+        raise InputError(None, f"--reps must be at least 2 (an interval over runs), got {o.reps}")
+    if not o.caps or any(c < 1 for c in o.caps):
+        raise InputError(None, "--caps must be experts per layer, each at least 1")
+    env_words(o.engine_env, "--engine-env", strict=False)
+    for rp in o.read_paths:
+        cfg = parse_runtime_env(cell_env(rp, o.caps[0], o.engine_env), "--read-paths")
+        model_config(cfg, RuntimeConfig(), o.caps[0])          # refuses what the model does not run, naming it
+    prompts, train = read_prompts(o.prompts), read_prompts(o.train_prompts)
+    shared = set(prompts) & set(train)
+    if shared:
+        raise InputError(o.prompts, f"{len(shared)} prompt(s) are also training prompts ({o.train_prompts}); the measured "
+                                    "prompts must be held out")
+    return prompts, train
+
+
+def _digest(path: Path) -> str:
+    return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+
+
+def _check_setup(work: WorkDir, o: EngineValidateOptions) -> None:
+    """Record the inputs the runs in PATH rest on; refuse a PATH holding runs of other inputs."""
+    setup = {"engine": str(o.engine.resolve()), "container": str(o.container.resolve()), "ngen": o.ngen,
+             "prompts": _digest(o.prompts), "train_prompts": _digest(o.train_prompts), "seed": o.seed}
+    path = work.path / SETUP_NAME
+    if path.is_file() and work.paths.get(SETUP_NAME):
+        from containers.jsonfile import parse_json
+
+        old = parse_json(path.read_bytes())
+        if old != setup:
+            changed = ", ".join(k for k in setup if not isinstance(old, dict) or old.get(k) != setup[k])
+            raise InputError(work.path, f"holds a validation of other inputs ({changed} differ); give a new directory")
+        return
+    write_json_atomic(work.claim(SETUP_NAME), setup)
+
+
+def _reused(work: WorkDir, name: str) -> Path:
+    """``name`` in the work directory: kept when a previous run made it (its complete runs are reused), else claimed."""
+    if os.path.lexists(work.path / name) and name in work.paths:
+        return work.path / name
+    return work.claim(name)
+
+
+def _source_manifest(work: WorkDir, src: Path, notify) -> Path:
+    from containers.container import MANIFEST_NAME, Container
+    from containers.manifest import build_manifest, write_manifest
+
+    if (src / MANIFEST_NAME).is_file():
+        return src / MANIFEST_NAME
+    path = work.path / "source-manifest.json"
+    if path.is_file() and "source-manifest.json" in work.paths:
+        return path
+    notify(f"{src} has no {MANIFEST_NAME}: hashing it once (kept in {work.path}; the source is not modified)")
+    write_manifest(build_manifest(Container.open(src)), work.claim("source-manifest.json"))
+    return path
+
+
+def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list[str], notify) -> tuple[dict, list[str]]:
+    """Record the training routing, plan every layout from it and rewrite the plans.
+
+    Returns
+    -------
+    ``({layout: container directory}, training session names)``.
+    """
+    from containers.jsonfile import read_bytes
+    from relayout.planning.plan import make_plan, source_from_container
+    from relayout.traces.importer import import_traces
+    from replay.colibri.engine_config import env_words
+    from replay.colibri.engine_output import ROUTE_FILE
+    from replay.formats.planfile import load_plan, save_plan
+
+    from ..apply import apply_plan
+
+    train_dir = _reused(work, "train")
+    notify(f"recording the routing of {len(train_prompts)} training prompt(s) on {o.container} ({train_dir})")
+    runs = measure_engine(o.engine, [EngineArm("train", o.container)], train_prompts, 1,
+                          env_words(cell_env(o.read_paths[0], o.caps[0], o.engine_env), strict=False), o.ngen, train_dir,
+                          timeout_s=o.timeout_s, progress=notify)
+    traces = [r / ROUTE_FILE for r in runs if (r / ROUTE_FILE).is_file() and (r / ROUTE_FILE).stat().st_size]
+    if len(traces) < 2:
+        raise InputError(train_dir, "fewer than 2 training runs recorded their routing (ROUTE_TRACE): nothing to plan from")
+    trace, _ = import_traces(traces)
+    manifest = _source_manifest(work, o.container, notify)
+    source = source_from_container(o.container, manifest)
+    dirs = {"stock": o.container}
+    sessions: list[str] = []
+    for method in o.layouts[1:]:
+        plan_dict = make_plan(trace, source, method, train_fraction=1.0, seed=o.seed, progress=False)
+        plan_name, layout_name = f"plan-{method}.json", f"layout-{method}"
+        plan_path, layout_dir = work.path / plan_name, work.path / layout_name
+        tmp = work.path / f".{plan_name}.new"
+        save_plan(plan_dict, tmp)
+        same = (plan_path.is_file() and plan_name in work.paths and layout_name in work.paths and layout_dir.is_dir()
+                and read_bytes(plan_path) == read_bytes(tmp))
+        if same:
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, work.claim(plan_name))
+            notify(f"rewriting {o.container} by the {method} plan into {layout_dir}")
+            apply_plan(o.container, load_plan(plan_path), work.claim(layout_name, layout_name + ".partial"), None, force=True,
+                       manifest_path=manifest, progress=False)
+        sessions = list(load_plan(plan_path).training.sessions) if not sessions else sessions
+        dirs[method] = layout_dir
+    return dirs, sessions
+
+
+def predict_run(run_dir: Path, layout, device) -> tuple[float, int, int]:
+    """The model's wait over a colibrì run's decode forwards (every forward but the first, the
+    prefill), replaying the run's own routing with the configuration it printed.
+
+    Returns
+    -------
+    ``(predicted wait in seconds, expert loads over the decode forwards, decode forwards)``.
+    """
+    from relayout.planning.replay_setup import RuntimeRequest, runtime_config
+    from relayout.traces.importer import import_traces
+    from replay.colibri.engine_output import ROUTE_FILE
+    from replay.model.engine import simulate
+
+    trace, _ = import_traces([run_dir / ROUTE_FILE])
+    config = runtime_config(RuntimeRequest(coalesce_max_mb=268.435456, dense_ms=0.0, colibri_run=True,
+                                           runtime_env_from=str(run_dir)), layout)
+    inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config)
+    decode = inst.forward != inst.forward.min()
+    return float(inst.stall[decode].sum()), int(inst.misses[decode].sum()), int(len(np.unique(inst.forward[decode])))
+
+
+def _device(o: EngineValidateOptions, work: WorkDir, notify):
+    from replay.model.device import load_device
+
+    if o.device:
+        return load_device(o.device), f"given: {o.device}"
+    from replay.physical.calibrate import calibrate
+
+    from .prepare import calibration_target
+
+    target = calibration_target(o.container, o.path)
+    notify(f"calibrating the disk on {target} (read only when it is the container's file)")
+    path = work.claim(DEVICE_NAME)
+    write_json_atomic(path, calibrate(target, name=f"calibrated-{o.path.resolve().name or 'disk'}"))
+    return load_device(str(path)), f"calibrated on {target}, saved as {path}"
+
+
+def _run_results(arm: str, arm_dir: Path, layout, device, notify) -> list[RunResult]:
+    from replay.colibri.engine_metrics import run_metrics
+    from replay.colibri.engine_output import read_runs
+
+    out = []
+    for run in read_runs(arm_dir):
+        ident = run.identity
+        if ident is None or ident.returncode != 0:
+            notify(f"{run.source}: engine exit status {ident.returncode if ident else '?'}: left out")
+            continue
+        m = run_metrics(run, arm, "")
+        wait, loads, _ = predict_run(Path(run.source), layout, device)
+        io = run.output.expert_io
+        out.append(RunResult(run.source, arm, ident.prompt, ident.repetition, m.committed_tokens, m.wait_s, wait,
+                             (m.tpot_ms or 0.0) / 1e3, io.loads if io is not None else -1, loads, ident.returncode))
+    if len(out) < 2:
+        raise InputError(arm_dir, f"only {len(out)} complete run(s) of {arm}: an interval needs at least 2")
+    return out
+
+
+def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationRecord:
+    """Run the module's four steps and write the record (``o.output``, else PATH/:data:`RECORD_NAME`)."""
+    from containers.container import Container
+    from containers.layout import layout_from_container
+    from replay.colibri.engine_config import env_words
+
+    prompts, train = check_options(o)
+    work = WorkDir.open(o.path, MARKER, "validate --engine")
+    try:
+        _check_setup(work, o)
+        dirs, sessions = prepare_layouts(o, work, train, notify)
+        device, device_source = _device(o, work, notify)
+        layouts = {m: layout_from_container(Container.open(d)) for m, d in dirs.items()}
+        cells_dir = _reused(work, "cells")
+        cells, all_runs = [], []
+        for rp in o.read_paths:
+            for cap in o.caps:
+                name, env = cell_name(rp, cap), cell_env(rp, cap, o.engine_env)
+                notify(f"cell {name}: {env}")
+                measure_engine(o.engine, [EngineArm(m, Path(dirs[m])) for m in o.layouts], prompts, o.reps,
+                               env_words(env, strict=False), o.ngen, cells_dir / name, timeout_s=o.timeout_s,
+                               progress=notify)
+                runs = {m: _run_results(m, cells_dir / name / m, layouts[m], device, notify) for m in o.layouts}
+                all_runs += [r for m in o.layouts for r in runs[m]]
+                cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in o.layouts],
+                                        [saving_result(m, runs["stock"], runs[m]) for m in o.layouts[1:]]))
+        agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)
+        record = EngineValidationRecord(
+            format=ENGINE_VALIDATION_FORMAT, version=ENGINE_VALIDATION_VERSION, engine=str(o.engine),
+            container=str(o.container), device=device.name, device_source=device_source,
+            layouts={m: str(d) for m, d in dirs.items()}, training_sessions=sessions, prompts=len(prompts), reps=o.reps,
+            ngen=o.ngen, tolerance=TOLERANCE, cells=cells, runs=all_runs, cells_agree=agree, cells_disagree=disagree,
+            cells_unresolved=unresolved, decisions_agree=decided, decisions=decisions, verdict=verdict, summary=summary)
+        out = o.output or work.claim(RECORD_NAME)
+        write_json_atomic(out, record.to_json())
+        return record
+    finally:
+        work.seal()

@@ -1,0 +1,211 @@
+"""The record of ``relayout validate --engine`` and its judging rules: the model's S against the colibrì engine's.
+
+One cell is a read path and an LRU cap in the engine's own variables (``PIPE=1 CAP=4``); in it
+every layout (stock first, the baseline) ran the same held-out prompts, cold, repetitions
+interleaved. Per run the engine measured its S (the decode window's expert wait per committed
+token, its ``PROFILE:`` line) and the model predicted it from the run's own recorded routing and
+printed configuration (:class:`RunResult`). Judged here, all pure functions:
+
+- per layout (:class:`ArmResult`): the predicted S (summed predicted wait over summed tokens)
+  against the measured S and its 95% interval over runs (Student t), with
+  :func:`.rules.cell_agreement` at the ``+/-`` :data:`.rules.TOLERANCE` band: ``agrees``,
+  ``unresolved`` or ``disagrees``;
+- per layout against stock (:class:`SavingResult`): the saving with one unit per prompt (its
+  repetitions pooled), measured and predicted; the prediction judged against the measured
+  interval (:func:`.rules.judge_saving`), and the gate's rule (:func:`replay.evaluation.evidence.judge`
+  at :data:`.rules.GATE_THRESHOLD` of the measured stock TPOT) applied once to the predicted
+  units (the gate's decision) and once to the measured units (the measured A/B's decision).
+
+S and savings in seconds per committed token in the record; the text shows milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from containers import records
+
+from replay.evaluation.evidence import MIN_SESSIONS, judge, session_evidence
+from replay.evaluation.stats import repetition_interval
+from replay.formats.interval import Interval
+
+from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over_repetitions
+
+ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
+ENGINE_VALIDATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One engine run and the model's prediction of it: waits in seconds over the decode window."""
+
+    run: str                   # the run's directory
+    arm: str                   # the layout it ran
+    prompt: int
+    repetition: int
+    committed_tokens: int
+    measured_wait_s: float     # the engine's PROFILE decode wait
+    predicted_wait_s: float    # the model's stall over the same forwards
+    tpot_s: float              # the engine's decode wall time per committed token
+    measured_loads: int        # the engine's expert loads (its [PROF] expert I/O line; -1 when not printed)
+    predicted_loads: int       # the model's LRU misses over the decode forwards
+    returncode: int
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """One layout in one cell: measured S with its interval over runs, predicted S, and how they stand."""
+
+    arm: str
+    runs: int
+    measured_s: Interval
+    predicted_s: float
+    ratio: float               # predicted / measured S
+    agreement: str             # agrees, unresolved or disagrees (rules.cell_agreement)
+    loads_agree: bool          # the model's expert loads equal the engine's in every run that printed them
+
+
+@dataclass(frozen=True)
+class SavingResult:
+    """One layout against stock in one cell, one unit per prompt (its repetitions pooled)."""
+
+    layout: str
+    prompts: int
+    measured: Interval         # s/token, Student t over prompts
+    predicted: Interval        # s/token, Student t over prompts
+    agreement: str             # rules.judge_saving
+    sign_agrees: bool | None   # None where the measured interval includes zero
+    words: str
+    need_s: float              # the saving the gate asks for: GATE_THRESHOLD x measured stock TPOT
+    gate_decision: str         # pass, fail or insufficient on the predicted units
+    measured_decision: str     # the same rule on the measured units
+    decisions_agree: bool
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One read path x cap: its engine variables and every layout's figures."""
+
+    name: str
+    env: str
+    arms: list[ArmResult]
+    savings: list[SavingResult]
+
+
+@dataclass(frozen=True)
+class EngineValidationRecord:
+    """``relayout validate --engine``'s record (``validation-engine.json``)."""
+
+    format: str
+    version: int
+    engine: str
+    container: str
+    device: str
+    device_source: str
+    layouts: dict[str, str]            # layout -> the container directory it ran
+    training_sessions: list[str]
+    prompts: int
+    reps: int
+    ngen: int
+    tolerance: float
+    cells: list[CellResult]
+    runs: list[RunResult]
+    cells_agree: int
+    cells_disagree: int
+    cells_unresolved: int
+    decisions_agree: int
+    decisions: int
+    verdict: str                       # holds, does not hold, or unresolved
+    summary: str
+
+    def to_json(self) -> dict:
+        return records.to_json(self)
+
+    @classmethod
+    def from_json(cls, obj, where: str = "engine validation record") -> "EngineValidationRecord":
+        rec = records.from_json(cls, obj, where)
+        if rec.format != ENGINE_VALIDATION_FORMAT or rec.version != ENGINE_VALIDATION_VERSION:
+            from containers.errors import InputError
+
+            raise InputError(where, f"not a {ENGINE_VALIDATION_FORMAT} version {ENGINE_VALIDATION_VERSION} record")
+        return rec
+
+
+def arm_result(arm: str, runs: list[RunResult]) -> ArmResult:
+    """Measured S (pooled wait over pooled tokens, its interval over the runs' own S) against predicted S."""
+    tokens = sum(r.committed_tokens for r in runs)
+    measured = sum(r.measured_wait_s for r in runs) / tokens
+    iv = repetition_interval([r.measured_wait_s / r.committed_tokens for r in runs], unit="run")
+    half = (iv.high - iv.low) / 2
+    m = Interval(measured, measured - half, measured + half, "run", len(runs), "Student t")
+    predicted = sum(r.predicted_wait_s for r in runs) / tokens
+    loads = all(r.measured_loads == r.predicted_loads for r in runs if r.measured_loads >= 0)
+    return ArmResult(arm, len(runs), m, predicted, predicted / measured if measured > 0 else float("inf"),
+                     cell_agreement(predicted, measured, m.low, m.high), loads)
+
+
+def _per_prompt(runs: list[RunResult], what: str) -> dict[int, tuple[float, int]]:
+    """Per prompt: the runs' summed ``what`` (seconds) and committed tokens, repetitions pooled."""
+    out: dict[int, tuple[float, int]] = {}
+    for r in runs:
+        w, t = out.get(r.prompt, (0.0, 0))
+        out[r.prompt] = (w + getattr(r, what), t + r.committed_tokens)
+    return out
+
+
+def _interval(values: list[float]) -> Interval:
+    iv = repetition_interval(values, unit="prompt")
+    return Interval(iv.estimate, iv.low, iv.high, "prompt", len(values), "Student t")
+
+
+def saving_result(layout: str, stock: list[RunResult], new: list[RunResult], min_sessions: int = MIN_SESSIONS) -> SavingResult:
+    """``layout``'s saving against stock over the prompts both ran, measured and predicted.
+
+    Parameters
+    ----------
+    layout : the layout's name.
+    stock, new : the two arms' runs in one cell.
+    min_sessions : prompts (held-out sessions) the gate's rule needs for a decision.
+
+    Returns
+    -------
+    :class:`SavingResult`; ``need_s`` is :data:`.rules.GATE_THRESHOLD` of the stock arm's measured TPOT.
+    """
+    prompts = sorted(set(r.prompt for r in stock) & set(r.prompt for r in new))
+    tpot = float(np.mean([r.tpot_s for r in stock]))
+    need = GATE_THRESHOLD * tpot
+    figures = {}
+    for what in ("measured_wait_s", "predicted_wait_s"):
+        a, b = _per_prompt(stock, what), _per_prompt(new, what)
+        tokens = np.array([a[p][1] for p in prompts], dtype=float)
+        base = np.array([a[p][0] for p in prompts])
+        plan = np.array([b[p][0] / b[p][1] for p in prompts]) * tokens    # the layout's wait at stock's token count
+        figures[what] = (list((base - plan) / tokens), judge(session_evidence(base, plan, tokens), need, min_sessions).verdict)
+    measured, predicted = _interval(figures["measured_wait_s"][0]), _interval(figures["predicted_wait_s"][0])
+    j = judge_saving(predicted.estimate, over_repetitions(figures["measured_wait_s"][0]))
+    gate, meas = figures["predicted_wait_s"][1], figures["measured_wait_s"][1]
+    return SavingResult(layout, len(prompts), measured, predicted, j["agreement"], j["sign_agrees"], j["words"], need,
+                        gate, meas, gate == meas)
+
+
+def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, str]:
+    """Counts over every layout of every cell and the verdict: ``(agree, disagree, unresolved,
+    decisions agreeing, decisions, verdict, summary in words)``."""
+    arms = [a for c in cells for a in c.arms]
+    agree = sum(a.agreement == "agrees" for a in arms)
+    disagree = sum(a.agreement == "disagrees" for a in arms)
+    unresolved = len(arms) - agree - disagree
+    savings = [s for c in cells for s in c.savings]
+    decided = sum(s.decisions_agree for s in savings)
+    verdict = "does not hold" if disagree else "holds" if agree == len(arms) else "unresolved"
+    worst = max(arms, key=lambda a: abs(np.log(a.ratio)) if a.ratio > 0 and np.isfinite(a.ratio) else np.inf)
+    sign_cases = [s for s in savings if s.sign_agrees is not None]
+    summary = (f"the model's S is within +/-{TOLERANCE:.0%} of the engine's in {agree} of {len(arms)} layout-cells "
+               f"({disagree} ruled out, {unresolved} unresolved); the farthest is {worst.arm} in "
+               f"{next(c.name for c in cells if worst in c.arms)} (predicted/measured {worst.ratio:.2f}). "
+               f"The predicted saving has the measured sign in {sum(s.sign_agrees for s in sign_cases)} of the "
+               f"{len(sign_cases)} comparisons whose measured interval excludes zero; the gate's decision equals the "
+               f"measured A/B's in {decided} of {len(savings)}.")
+    return agree, disagree, unresolved, decided, len(savings), verdict, summary

@@ -1,0 +1,170 @@
+"""``relayout validate --engine``: the judging of model against engine, the record, the refusals
+before anything runs, and (with ``RELAYOUT_COLIBRI_ENGINE`` and ``RELAYOUT_COLIBRI_FIXTURE`` set,
+docs/ENGINE.md) a whole validation against the real engine."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from containers.errors import InputError
+from relayout.workflows.validation.engine import EngineValidateOptions, cell_env, cell_name, check_options
+from relayout.workflows.validation.engine_record import (EngineValidationRecord, RunResult, arm_result, saving_result,
+                                                         summarize, CellResult)
+
+
+def _run(arm, prompt, rep, measured, predicted, tokens=20, tpot=0.010, loads=(30, 30)):
+    return RunResult(f"/runs/{arm}/p{prompt:02d}-r{rep:02d}", arm, prompt, rep, tokens, measured, predicted, tpot,
+                     loads[0], loads[1], 0)
+
+
+def _arm(arm, per_prompt, scale=1.0, prompts=6, reps=2, jitter=0.002):
+    """Runs whose measured wait is ``per_prompt(p)`` s (+/- jitter by repetition) and predicted ``scale`` times it."""
+    return [_run(arm, p, r, per_prompt(p) + (jitter if r else -jitter), scale * per_prompt(p))
+            for p in range(prompts) for r in range(reps)]
+
+
+def test_a_model_that_predicts_the_engine_holds_and_one_at_half_is_ruled_out():
+    runs = _arm("stock", lambda p: 0.1 + 0.01 * p)
+    good, half = arm_result("stock", runs), arm_result("stock", _arm("stock", lambda p: 0.1 + 0.01 * p, scale=0.5))
+    assert good.agreement == "agrees" and abs(good.ratio - 1) < 1e-9 and good.loads_agree
+    assert half.agreement == "disagrees" and abs(half.ratio - 0.5) < 1e-9
+    assert good.measured_s.low < good.measured_s.estimate < good.measured_s.high and good.runs == 12
+    unequal = arm_result("stock", runs[:-1] + [_run("stock", 5, 1, 0.15, 0.15, loads=(31, 30))])
+    assert not unequal.loads_agree
+
+
+def test_savings_are_judged_per_prompt_and_the_gates_rule_is_applied_to_both_sides():
+    stock = _arm("stock", lambda p: 0.2 + 0.01 * p)
+    better = _arm("louvain", lambda p: 0.1 + 0.01 * p)                   # saves 0.1 s per 20 tokens: 5 ms/token
+    s = saving_result("louvain", stock, better)
+    assert s.prompts == 6 and abs(s.measured.estimate - 0.005) < 1e-9 and abs(s.predicted.estimate - 0.005) < 1e-9
+    assert s.agreement == "agrees" and s.sign_agrees is True
+    assert abs(s.need_s - 0.05 * 0.010) < 1e-12                           # 5% of the measured stock TPOT
+    assert s.gate_decision == s.measured_decision == "pass" and s.decisions_agree
+    # predicted to lose where the engine measured a clear saving: the sign and the decision differ
+    wrong = [RunResult(r.run, r.arm, r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, 0.3, r.tpot_s,
+                       r.measured_loads, r.predicted_loads, 0) for r in better]
+    w = saving_result("louvain", stock, wrong)
+    assert w.sign_agrees is False and w.gate_decision == "fail" and w.measured_decision == "pass" and not w.decisions_agree
+    assert w.agreement == "disagrees" and "CONTRADICTS" in w.words
+    # four prompts are too few held-out sessions for the gate's rule: insufficient on both sides
+    few = saving_result("louvain", [r for r in stock if r.prompt < 4], [r for r in better if r.prompt < 4])
+    assert few.gate_decision == few.measured_decision == "insufficient"
+
+
+def test_no_saving_is_a_result_the_validation_can_give():
+    stock = _arm("stock", lambda p: 0.2 + 0.01 * p)
+    same = _arm("random", lambda p: 0.2 + 0.01 * p, jitter=0.004)
+    s = saving_result("random", stock, same)
+    assert s.measured.low < 0 < s.measured.high and s.sign_agrees is None
+    assert s.gate_decision == "fail" and s.measured_decision == "fail" and s.decisions_agree
+
+
+def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
+    stock = _arm("stock", lambda p: 0.2 + 0.01 * p)
+    new = _arm("louvain", lambda p: 0.1 + 0.01 * p)
+    ok = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm_result("stock", stock), arm_result("louvain", new)],
+                    [saving_result("louvain", stock, new)])
+    agree, disagree, unresolved, decided, decisions, verdict, words = summarize([ok])
+    assert (agree, disagree, decided, decisions, verdict) == (2, 0, 1, 1, "holds")
+    off = CellResult("pipe-1-cap4", cell_env("PIPE=1", 4), [arm_result("stock", _arm("stock", lambda p: 0.2, scale=0.5))],
+                     [])
+    *_, verdict2, words2 = summarize([ok, off])
+    assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
+    rec = EngineValidationRecord(format="relayout-engine-validation", version=1, engine="colibri", container="m",
+                                 device="d", device_source="given", layouts={"stock": "m"}, training_sessions=["a"],
+                                 prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[ok, off], runs=stock + new,
+                                 cells_agree=agree, cells_disagree=1, cells_unresolved=0, decisions_agree=1, decisions=1,
+                                 verdict=verdict2, summary=words2)
+    assert EngineValidationRecord.from_json(rec.to_json()) == rec
+    with pytest.raises(InputError, match="version"):
+        EngineValidationRecord.from_json({**rec.to_json(), "version": 99})
+    with pytest.raises(InputError):
+        EngineValidationRecord.from_json({**rec.to_json(), "cells_agree": True})
+
+
+def test_cells_are_named_and_configured_in_the_engines_words():
+    assert cell_name("PIPE=1 DIRECT=1", 4) == "pipe-1_direct-1-cap4"
+    assert cell_env("URING=1", 12, "COLI_NO_OMP_TUNE=1") == "URING=1 CAP=12 CAP_RAISE=0 AUTOPIN=0 COLI_NO_OMP_TUNE=1"
+
+
+def _engine(tmp_path: Path) -> Path:
+    script = tmp_path / "engine.sh"
+    script.write_text("#!/bin/sh\necho ran >> '%s'\n" % (tmp_path / "calls.txt"))
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def _options(tmp_path: Path, **kw) -> EngineValidateOptions:
+    c = tmp_path / "model"
+    c.mkdir(exist_ok=True)
+    (c / "out-00000.safetensors").write_bytes(b"\0" * 64)
+    (tmp_path / "held.txt").write_text("one\ntwo\n")
+    (tmp_path / "train.txt").write_text("three\nfour\n")
+    base = dict(path=tmp_path / "v", engine=_engine(tmp_path), container=c, prompts=tmp_path / "held.txt",
+                train_prompts=tmp_path / "train.txt")
+    return EngineValidateOptions(**{**base, **kw})
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"layouts": ("louvain", "stock")}, "must start with stock"),
+    ({"layouts": ("stock",)}, "must start with stock"),
+    ({"reps": 1}, "--reps must be at least 2"),
+    ({"caps": (0,)}, "--caps"),
+    ({"read_paths": ("COLI_MMAP=1",)}, "COLI_MMAP=1"),
+    ({"read_paths": ("PIPE=3",)}, "PIPE must be 0 or 1"),
+])
+def test_what_cannot_be_validated_is_refused_before_the_engine_runs(tmp_path, change, says):
+    o = _options(tmp_path, **change)
+    with pytest.raises(InputError, match=says):
+        check_options(o)
+    assert not (tmp_path / "calls.txt").exists() and not o.path.exists()
+
+
+def test_measured_prompts_must_be_held_out(tmp_path):
+    o = _options(tmp_path)
+    (tmp_path / "held.txt").write_text("one\nfour\n")
+    with pytest.raises(InputError, match="also training prompts"):
+        check_options(o)
+
+
+def test_emulation_options_with_engine_are_one_line_errors(tmp_path):
+    o = _options(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    base = [sys.executable, "-m", "relayout", "validate", str(o.path), "--engine", str(o.engine), "--container",
+            str(o.container), "--prompts", str(o.prompts), "--train-prompts", str(o.train_prompts)]
+    for extra, says in ((["--gb", "2"], "--gb"), (["--keep"], "--keep")):
+        res = subprocess.run(base + extra, capture_output=True, text=True, env=env)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, "-m", "relayout", "validate", str(o.path), "--prompts", str(o.prompts)],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "--prompts belong to validate --engine" in res.stderr
+    assert not o.path.exists() and not (tmp_path / "calls.txt").exists()
+
+
+ENGINE = os.environ.get("RELAYOUT_COLIBRI_ENGINE")
+FIXTURE = os.environ.get("RELAYOUT_COLIBRI_FIXTURE")
+
+
+@pytest.mark.skipif(not (ENGINE and FIXTURE), reason="set RELAYOUT_COLIBRI_ENGINE (a colibrì binary) and "
+                                                      "RELAYOUT_COLIBRI_FIXTURE (a model it runs, docs/ENGINE.md)")
+def test_a_whole_validation_against_the_real_engine_resumes_and_counts_loads_as_the_engine(tmp_path):
+    (tmp_path / "held.txt").write_text("".join(f"Held-out prompt number {i} about rivers.\n" for i in range(5)))
+    (tmp_path / "train.txt").write_text("".join(f"Training prompt {i}: the history of bridges.\n" for i in range(4)))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "relayout", "validate", str(tmp_path / "v"), "--engine", ENGINE, "--container", FIXTURE,
+            "--prompts", str(tmp_path / "held.txt"), "--train-prompts", str(tmp_path / "train.txt"), "--layouts",
+            "stock,random", "--read-paths", "PIPE=1", "--caps", "4", "--reps", "2", "--ngen", "6",
+            "--engine-env", "COLI_NO_OMP_TUNE=1", "--device", "single-nvme"]
+    res = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert res.returncode in (0, 1), res.stderr
+    rec = EngineValidationRecord.from_json(__import__("json").loads((tmp_path / "v" / "validation-engine.json").read_text()))
+    assert len(rec.runs) == 2 * 5 * 2 and all(a.loads_agree for c in rec.cells for a in c.arms)
+    assert rec.cells[0].savings[0].prompts == 5 and "verdict: the model" in res.stdout
+    again = subprocess.run(argv, capture_output=True, text=True, env=env)      # resumes: every run kept
+    assert again.returncode == res.returncode and again.stderr.count("kept (complete)") == 20 + 4
