@@ -187,3 +187,14 @@ def test_legends_sit_outside_the_data():
     legend = ax.get_legend().get_window_extent(renderer)
     assert legend.x0 >= ax.get_window_extent(renderer).x1
     plt.close(fig)
+
+
+def test_one_repetition_per_configuration_gives_no_interval(tmp_path):
+    """One pair cannot say how much a saving varies: the text says insufficient and how to pass repetitions."""
+    from relayout.render.measurements import format_compare
+
+    def config(name, late):
+        return write(tmp_path / f"{name}.jsonl", [step(0, run=name), expert(0, 3, 1, 0, late, 0, run=name)])
+
+    text = format_compare(compare([config("ctl", 1000), config("new", 500)]))
+    assert "insufficient, one paired repetition" in text and "95% CI" not in text and "cat " in text

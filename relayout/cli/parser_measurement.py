@@ -64,7 +64,9 @@ def add_compare(sub) -> None:
     """``compare``."""
     s = command(sub, "compare", "paired comparison of STALL_TRACE files or of colibrì runs (first = control)", commands.cmd_compare)
     s.add_argument("runs", nargs="+", help="STALL_TRACE files, or colibrì arms (a directory of one container's runs, "
-                                           "or output files); the first is the control")
+                                           "or output files); the first is the control. A STALL_TRACE file is one "
+                                           "configuration: its runs (repetitions; concatenate several runs' files) pair "
+                                           "by order with the other files' runs, and an interval needs at least 2 pairs")
     s.add_argument("--json", action="store_true", help="print JSON")
 
 

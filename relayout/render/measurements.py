@@ -172,7 +172,10 @@ def format_compare(c: dict) -> str:
         lines.append(f"{x['treatment']} vs {c['control']} ({x['pairs']} paired repetitions, {a0} vs {a1} committed tokens): "
                      f"S {x['control_stall_per_committed_token_ns'] / 1e6:.3f} -> "
                      f"{x['treatment_stall_per_committed_token_ns'] / 1e6:.3f} ms/token; saved {s['estimate'] / 1e6:.3f} ms "
-                     f"[95% CI {s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}], effect size d = {'n/a' if d is None else f'{d:.2f}'}")
+                     + (f"[95% CI {s['low'] / 1e6:.3f}, {s['high'] / 1e6:.3f}], effect size d = {'n/a' if d is None else f'{d:.2f}'}"
+                        if x["pairs"] >= 2 else
+                        "[interval: insufficient, one paired repetition: put each configuration's repetitions in its "
+                        "file (runs of one configuration concatenated, e.g. cat run1.jsonl run2.jsonl > arm.jsonl)]"))
     for w in c.get("warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
