@@ -75,8 +75,8 @@ def choose(i, nl, start, routed, x, work, n_touched, pf):
     :func:`replay.model.predictors.next_layer_probabilities`; when the experts it does not list fall
     below the probability floor, only the listed ones are scanned); ``start``: when the prefetcher may start (s, instance
     ``i``'s clock); ``routed``: when layer ``nl`` is routed; ``x.table.charge``: the credits and
-    the per-source caps (:data:`replay.model.controller.Fusion`), or None when loads are not
-    charged to sources. Returns how many were admitted; counts the rejected and the capped
+    the per-source caps (:data:`replay.model.controller.Fusion`; ``charged`` False when loads are not
+    charged to sources). Returns how many were admitted; counts the rejected and the capped
     candidates in ``pf`` (the prefetch outputs). Under
     ``stall-value`` it returns before ranking the candidates when no expert of the pool may
     gain (:func:`_none_may_gain`; most calls on the benchmark's trace).
@@ -274,8 +274,8 @@ def _load_range(nl, lay, pol, dev, ctl):
 def _start_unranked(pool, pool_p, n, C, p, cand, fusion):
     """:func:`_start_layer` for the ``C`` most probable experts of ``pool[:n]`` (probabilities
     ``pool_p``), ranked (:func:`_most_probable`, into ``cand``) only when loads are charged to
-    sources (``fusion`` not None)."""
-    if fusion is None:
+    sources (``fusion.charged``)."""
+    if not fusion.charged:
         return
     _start_layer(cand, _most_probable(pool, pool_p, n, C, False, p, cand), fusion)
 
@@ -286,9 +286,10 @@ def _admit(nc, ranked, p, ebytes, limits, v, charge, out_list):
     ``out_list`` while they fit the :data:`Limits` ``limits``: at most ``slots`` loads,
     ``budget`` bytes (of ``ebytes`` [E]) and, from the first one that would start at ``t0`` +
     the admitted loads' times (``svc``, s) with ``window`` bytes admitted, none; with ``valued``,
-    only those of positive V(a) at their start (:data:`Valuation` ``v``); with a ``charge``
-    (:data:`replay.model.controller.Fusion`, the layer started with :func:`_start_layer`), each charged to its source
-    (:func:`_charge`). Returns (loads admitted, candidates capped)."""
+    only those of positive V(a) at their start (:data:`Valuation` ``v``); when loads are charged to
+    sources (``charge.charged``, a :data:`replay.model.controller.Fusion`, the layer started with
+    :func:`_start_layer`), each charged to its source (:func:`_charge`). Returns (loads admitted,
+    candidates capped)."""
     order, cand, need, svc = ranked.order, ranked.cand, ranked.need, ranked.svc
     window, budget, slots, valued = limits.window, limits.budget, limits.slots, limits.valued
     n_out, used, t, n_capped = 0, 0.0, limits.t0, 0
@@ -304,7 +305,7 @@ def _admit(nc, ranked, p, ebytes, limits, v, charge, out_list):
             continue
         if valued and _value(p[e], need[c], svc[c], t, nbytes, v) <= 0.0:
             continue
-        if charge is not None:
+        if charge.charged:
             if not _charge(charge.credit[e], nbytes, charge):
                 n_capped += 1
                 continue
@@ -344,8 +345,8 @@ def admit_listed(i, nl, start, routed, n, x, work, pf):
 @njit(**HELPER)
 def _start_layer(cand, n, fusion):
     """A layer's prefetch begins: nothing charged to any source yet; count its candidates
-    ``cand[:n]`` by credited source (nothing when loads are not charged to sources: ``fusion`` None)."""
-    if fusion is None:
+    ``cand[:n]`` by credited source (nothing when loads are not charged to sources: not ``fusion.charged``)."""
+    if not fusion.charged:
         return
     for s in range(fusion.limits.shape[1]):
         fusion.limits[USED_SLOTS, s] = 0.0

@@ -20,7 +20,7 @@ from numba import njit
 from containers.errors import InputError
 from containers.layout import Layout
 
-from replay.model.config import ADMISSION_POLICIES, RuntimeConfig
+from replay.model.config import ADMISSION_POLICIES, MAX_SOURCES, RuntimeConfig
 from replay.model.jit import HELPER
 from replay.model.pagecache import scales_cached, scales_settled
 from replay.model.predictors import CALIBRATION_BINS, FusedModel, SourceModel, prediction_source
@@ -57,15 +57,18 @@ experts a policy considers: ``pool`` and their probabilities ``pool_p``."""
 Prefetcher = namedtuple("Prefetcher", "source control sources fusion charge")
 """What the compiled prefetcher reads and keeps: ``source``, the
 :data:`replay.model.predictors.PredictionSource` the policy reads its probabilities from (with several
-sources, the holder of their fused probability); the :data:`Control`; ``sources``, the tuple of
-the sources that run (one source: ``(source,)``); the :data:`Fusion`; ``charge``: the same
-:data:`Fusion` when loads are charged to sources (caps, or several sources), else None (the
-admission then compiles without the charging code)."""
+sources, the holder of their fused probability); the :data:`Control`; ``sources``, a tuple of
+:data:`replay.model.config.MAX_SOURCES` sources, the ones that run first (one source:
+``(source, ...)``), the rest empty sources that observe nothing; the :data:`Fusion`; ``charge``:
+the same :data:`Fusion` (``charge.charged`` says whether loads are charged to sources: caps, or
+several sources). Every configuration passes the compiled loop arguments of one type, so the
+loop is compiled once, whatever the prefetch sources and caps."""
 
-Fusion = namedtuple("Fusion", "coef credit caps limits tally")
+Fusion = namedtuple("Fusion", "coef credit caps charged limits tally")
 """Several sources and their caps (module doc). ``coef`` [S + 1]: the fusion's weights
-(:class:`replay.model.predictors.FusedModel`); ``credit`` [E]: the source each expert of the layer
-being predicted is charged to (0 with one source); ``caps`` (bool: the caps apply);
+(:class:`replay.model.predictors.FusedModel`; S sources run); ``credit`` [E]: the source each expert
+of the layer being predicted is charged to (0 with one source); ``caps`` (bool: the caps apply);
+``charged`` (bool: loads are charged to sources, caps or several sources);
 ``limits`` [4, S] per source: the most loads (floor(c_s Q)) and bytes (c_s B; inf without a
 byte budget) it may take per layer, then what the layer being predicted charged it so far
 (rows :data:`CAP_SLOTS`, :data:`CAP_BYTES`, :data:`USED_SLOTS`, :data:`USED_BYTES`);
@@ -98,9 +101,9 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
                                    f"sessions (replay.control.sources.learn_fused)")
         if learned.names != names:
             raise InputError(None, f"the learned sources are {learned.name!r}, the configuration asks for {kind!r}")
-        sources = tuple(prediction_source(m, layout) for m in learned.sources)
+        sources = _padded([prediction_source(m, layout) for m in learned.sources], layout)
         holder = prediction_source(None, layout, "fused")
-        fusion = new_fusion(config, E, learned.coef)
+        fusion = new_fusion(config, E, learned.coef, charged=True)
         return Prefetcher(source=holder, control=new_control(L, E), sources=sources, fusion=fusion, charge=fusion)
     if kind in ("none", "oracle"):                # they learn nothing: whatever was learned is not theirs
         model = None
@@ -118,19 +121,25 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
         raise InputError(None, f"the {kind} prefetch source under admission {config.admission!r} needs its probabilities "
                                f"learned from training sessions (replay.control.sources.learn_source)")
     source = prediction_source(model, layout, kind)
-    fusion = new_fusion(config, E, np.array([0.0, 1.0]))
-    return Prefetcher(source=source, control=new_control(L, E), sources=(source,), fusion=fusion,
-                      charge=fusion if config.source_caps else None)
+    fusion = new_fusion(config, E, np.array([0.0, 1.0]), charged=bool(config.source_caps))
+    return Prefetcher(source=source, control=new_control(L, E), sources=_padded([source], layout), fusion=fusion,
+                      charge=fusion)
 
 
-def new_fusion(config: RuntimeConfig, E: int, coef: np.ndarray) -> Fusion:
-    """A fresh :data:`Fusion` for ``config``'s sources (weights ``coef``) and caps."""
+def _padded(sources: list, layout: Layout) -> tuple:
+    """``sources`` followed by empty sources (which observe nothing) up to :data:`MAX_SOURCES`."""
+    return tuple(sources + [prediction_source(None, layout, "none") for _ in range(MAX_SOURCES - len(sources))])
+
+
+def new_fusion(config: RuntimeConfig, E: int, coef: np.ndarray, charged: bool) -> Fusion:
+    """A fresh :data:`Fusion` for ``config``'s sources (weights ``coef``) and caps; ``charged``:
+    loads are charged to sources."""
     S = max(len(config.sources), 1)
     shares = np.asarray(config.source_caps or (1.0,) * S, dtype=np.float64)
     slots = np.floor(shares * config.prefetch_experts + 1e-9).astype(np.int64)
     nbytes = shares * config.prefetch_bytes if config.prefetch_bytes > 0 else np.full(S, np.inf)
     return Fusion(coef=np.ascontiguousarray(coef, dtype=np.float64), credit=np.zeros(E, dtype=np.int64),
-                  caps=bool(config.source_caps),
+                  caps=bool(config.source_caps), charged=bool(charged),
                   limits=np.stack([slots.astype(np.float64), nbytes, np.zeros(S), np.zeros(S)]),
                   tally=np.zeros((3, S), dtype=np.int64))
 

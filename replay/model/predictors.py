@@ -206,7 +206,7 @@ def observe_sources(sources, li, forward, session, sel_e, a, b):
 @njit(**HELPER)
 def fused_probabilities(sources, holder, coef, credit, i, nl, inst):
     """Fill ``holder.p`` [E] with the fused probability of each expert of layer ``nl`` (module
-    doc; ``coef`` [S + 1]) from the sources of the tuple ``sources``, and ``credit`` [E] with
+    doc; ``coef`` [S + 1]) from the first S sources of the tuple ``sources``, and ``credit`` [E] with
     the source credited with it: the highest own probability, ties to the first listed.
     ``holder.raw`` is scratch (the sources' best probability so far)."""
     p, best = holder.p, holder.raw
@@ -214,7 +214,7 @@ def fused_probabilities(sources, holder, coef, credit, i, nl, inst):
     for e in range(E):
         p[e] = coef[0]
         best[e] = -1.0
-    for s in range(len(sources)):
+    for s in range(len(coef) - 1):
         src = sources[s]
         next_layer_probabilities(src, i, nl, inst)
         w = coef[s + 1]
