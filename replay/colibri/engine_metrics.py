@@ -31,12 +31,15 @@ import numpy as np
 
 from containers.errors import InputError
 
+from replay.colibri.engine_config import EngineConfig
 from replay.colibri.engine_output import EngineRun, read_runs
 from replay.physical.stalltrace import paired_ratio_saving
 from replay.evaluation.stats import repetition_interval
 
-RUNTIME_VARIABLES = ("PIPE", "PIPE_WORKERS", "URING", "DIRECT", "COLI_MMAP", "CAP", "CAP_RAISE", "RAM_GB", "PIN",
-                     "PIN_GB", "AUTOPIN", "COUPLE", "COUPLE_K", "COUPLE_D", "PILOT_REAL", "PILOT_K", "DRAFT", "MTP")
+RUNTIME_VARIABLES = tuple(f.name for f in fields(EngineConfig)) + ("DRAFT", "MTP", "COLI_MODEL_DIRS", "COLI_MODEL_MIRROR",
+                                                                  "COLI_DISK_WEIGHTS")
+"""The variables a run's configuration label shows when set: the read path's (:class:`EngineConfig`),
+speculative decoding's and the drives'."""
 
 
 @dataclass(frozen=True)
