@@ -265,17 +265,16 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
 
 def test_buffered_weight_reads_are_served_again_from_the_page_cache():
     """Buffered weights, no LRU, a page cache of 1.5 MiB: forward 1 reads expert 0 from the drive
-    (A + 1M/B); forward 2's re-read of 0 comes from memory (1M at MEMORY_BANDWIDTH, no drive
-    read); forward 3 reads 1, which evicts 0; forward 4's 0 goes to the drive again. O_DIRECT
-    reads neither use nor fill the page cache."""
-    from replay.model.state import MEMORY_BANDWIDTH
-
+    (A + 1M/B); forward 2's re-read of 0 comes from memory (1M copied at the profile's
+    memory_bandwidth, 10e9 when it does not give one; no drive read); forward 3 reads 1, which
+    evicts 0; forward 4's 0 goes to the drive again. O_DIRECT reads neither use nor fill the page
+    cache."""
     sizes = [MIB, MIB]
     cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=3 * MIB // 2, **BASE)
     inst = run([[0], [0], [1], [0]], sizes, cfg)
     assert list(inst.drive_reads) == [1, 0, 1, 1]
     assert inst.stall[0] == pytest.approx(A + MIB / B, rel=1e-12)
-    assert inst.stall[1] == pytest.approx(MIB / MEMORY_BANDWIDTH, rel=1e-12)
+    assert inst.stall[1] == pytest.approx(MIB / 10e9, rel=1e-12)
     assert inst.stall[3] == pytest.approx(A + MIB / B, rel=1e-12)
     direct = run([[0], [0]], sizes, RuntimeConfig(workers=1, page_cache_bytes=4 * MIB, **dict(BASE, direct=True)))
     assert list(direct.drive_reads) == [1, 1]
