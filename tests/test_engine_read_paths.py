@@ -394,3 +394,35 @@ def test_an_engine_configuration_bounds_copies_by_the_runs_cores():
     assert model_config(cfg, RuntimeConfig(), facts.cap, facts.omp_threads, cores=facts.cores).cpu_cores == 2
     assert model_config(cfg, RuntimeConfig(), facts.cap).cpu_cores == (os.cpu_count() or 1)
     assert RuntimeConfig().cpu_cores == 0
+
+
+def test_the_prefetch_threads_copies_take_a_core_too():
+    """Two layers of two 1 MiB experts; each forward routes expert 0 in both, with the oracle
+    prefetch (queued when a layer is routed, ahead of its demand loads) and no LRU. Forward 2 finds
+    every expert in the page cache: when layer 3 is routed the prefetch thread's load of layer 4's
+    expert 0 and layer 3's demand miss are both copies of c = 1 MiB / rate. On one core the
+    prefetch thread's copy goes first (its load was queued first): layer 3 waits 2c; not bounded, c."""
+    E = 2
+    loc = np.zeros((2, E, 6, 3), dtype=np.int64)
+    off = 4096
+    for li in range(2):
+        for e in range(E):
+            for slot in range(3):
+                n = MIB // 4 if slot < 2 else MIB - 2 * (MIB // 4)
+                loc[li, e, slot] = (0, off, n)
+                off += n
+    lay = Layout(["f.safetensors"], [off], [3, 4], E, loc, 4096)
+    F = 2
+    trace = RoutingTrace(
+        layers=np.array([3, 4], dtype=np.int16), n_experts=E, top_k=1, geometry="test", sessions=["s0"],
+        row_forward=np.repeat(np.arange(F, dtype=np.int32), 2), row_layer=np.tile(np.array([3, 4], np.int16), F),
+        row_position=np.zeros(2 * F, np.int32), experts=np.zeros((2 * F, 1), dtype=np.int16),
+        gates=np.full((2 * F, 1), np.nan, dtype=np.float32), fwd_session=np.zeros(F, np.int32),
+        fwd_kind=np.zeros(F, np.int8), fwd_evaluated=np.ones(F, np.int32), fwd_committed=np.ones(F, np.int32))
+    c = MIB / RATE
+    for cores, expect in ((0, c), (1, 2 * c)):
+        cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=8 * MIB, prefetch="oracle", cpu_cores=cores,
+                            lru_experts=0, **dict(BASE, compute_bytes_per_second=1e12))
+        inst, _ = simulate(trace, np.ones(F, bool), lay, copying(), cfg)
+        assert list(inst.drive_reads) == [1, 0, 0, 0]
+        assert inst.stall[2] == pytest.approx(expect, rel=1e-12), cores
