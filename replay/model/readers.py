@@ -33,7 +33,7 @@ def reader_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
     event of the worker at its reads' end. The prefetch thread
     (``pilot``), when loads were queued at routing, is one more such reader with its own jobs: it
     issues its next read when it is free first (it wins ties: its loads were queued before the
-    demand loads). Returns once every demand job is done; the prefetch thread's remaining
+    demand loads). Returns once every demand job's completion is known; the prefetch thread's remaining
     reads are :func:`replay.model.prefetching.pilot_rest`'s. The drives' state (``drives``) is the caller's; ``usage``
     (the device outputs) accumulates per member.
     """
@@ -132,9 +132,10 @@ def serve_read(addr, n, warm, t, dev, drives, usage):
     is not even, and the requests stream side by side). Small reads (up to ``SMALL_READ_BYTES``) use a channel
     of their own beside the large transfers and delay them by their own channel time. The host
     link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
-    A warm read is a copy from the page cache only (:func:`copy_done`). Bytes go into ``drives.member_bytes``, requests and
-    residence (s) into ``usage``, and the time the read keeps the array busy beyond the reads
-    before it (reads arrive in time order) into ``usage.busy_seconds``.
+    A warm read is a copy from the page cache only (:func:`copy_done`). Bytes go into
+    ``drives.member_bytes``, requests and residence (s) into ``usage``, and the time the read
+    keeps the array busy beyond the reads before it (reads arrive in time order) into
+    ``usage.busy_seconds``.
     """
     if warm:
         return copy_done(t, n / dev.memory_bandwidth, drives.copies)

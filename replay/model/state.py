@@ -173,9 +173,9 @@ Load = namedtuple("Load", "expert n_plan nbytes done")
 @njit(**LOOP)
 def new_work(K, E, W, M, Q, C):
     """Working arrays for batch unions of up to ``K`` experts out of ``E``, ``W`` workers, ``M``
-    array members of ``Q`` queue slots and ``C`` copy slots (0: not bounded; a job has at most three weight reads or one span, and three
-    scale reads; the prefetch thread's queued loads, up to :data:`PREFETCH_SLOTS` of at most eight
-    reads each, follow the demand jobs)."""
+    array members of ``Q`` queue slots and ``C`` cores for copies (0: copies not bounded). A job
+    has at most three weight reads or one span, and three scale reads; the prefetch thread's
+    queued loads, up to :data:`PREFETCH_SLOTS` of at most eight reads each, follow the demand jobs."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K), np.zeros(K), np.zeros(K, np.bool_))
