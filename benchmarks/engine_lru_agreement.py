@@ -45,7 +45,7 @@ def main(runs: Path, container: Path) -> None:
             cfg, facts = config_from_run(run)
             cells = []
             for routed in (True, False):
-                mc = model_config(cfg, RuntimeConfig(), facts.cap, facts.omp_threads)
+                mc = model_config(cfg, RuntimeConfig(), facts.cap, facts.omp_threads, cores=facts.cores)
                 if not routed:
                     mc = RuntimeConfig(**{**mc.to_json(), "routing_order": False, "runtime_changes": []})
                 inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, mc)

@@ -3,6 +3,8 @@ batched queue, routing order and the LRU promotion, each against a stall compute
 run configuration in the engine's own variables (replay.colibri.engine_config)."""
 
 import json
+import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,12 +34,15 @@ def drive():
     return ArrayProfile("q", DriveProfile("d", A, 1e15, 32, B), 1, 0, "none", 1e15, read_ahead_bytes=0)
 
 
-def layout(E, wbytes):
-    """One file; expert e's three weights adjacent (one read of wbytes[e]) and empty scales."""
+def layout(E, wbytes, sbytes=None):
+    """One file; expert e's three weights adjacent (one read of wbytes[e]), then its three scales
+    (sbytes[e] bytes in all; empty by default)."""
+    sbytes = sbytes or [0] * E
     loc = np.zeros((1, E, 6, 3), dtype=np.int64)
     off = 4096
     for e in range(E):
-        for slot, n in enumerate([wbytes[e] // 4, wbytes[e] // 4, wbytes[e] - 2 * (wbytes[e] // 4), 0, 0, 0]):
+        w, sc = wbytes[e], sbytes[e]
+        for slot, n in enumerate([w // 4, w // 4, w - 2 * (w // 4), sc // 3, sc // 3, sc - 2 * (sc // 3)]):
             loc[0, e, slot] = (0, off, n)
             off += n
     return Layout(["f.safetensors"], [off], [3], E, loc, 4096)
@@ -56,9 +61,10 @@ def forwards(routes, E):
         fwd_kind=np.zeros(F, np.int8), fwd_evaluated=np.ones(F, np.int32), fwd_committed=np.ones(F, np.int32))
 
 
-def run(routes, wbytes, config):
+def run(routes, wbytes, config, device=None, sbytes=None):
     E = len(wbytes)
-    inst, _ = simulate(forwards(routes, E), np.ones(len(routes), bool), layout(E, wbytes), drive(), config)
+    inst, _ = simulate(forwards(routes, E), np.ones(len(routes), bool), layout(E, wbytes, sbytes), device or drive(),
+                       config)
     return inst
 
 
@@ -206,14 +212,14 @@ def test_cap_for_ram_lowers_and_raises_the_cap_as_the_engine_does():
 def test_a_runs_effective_configuration_is_read_from_its_output(tmp_path):
     out = tmp_path / "run.txt"
     out.write_text(
-        "[PROF] machine: Intel | 2 cores (2 omp threads) | RAM 8.0 GB total, 6.0 GB available | backend CPU\n"
+        "[PROF] machine: Intel | 8 cores (2 omp threads) | RAM 8.0 GB total, 6.0 GB available | backend CPU\n"
         "[PROF] config: RAM_GB=auto 5.3 CTX=4096 | expert cache cap 4/layer (up to 0.0 GB) | pinned 0 (0.0 GB) | "
         "DRAFT=0 PIPE=1 DIRECT=1 MMAP=0 IDOT=1 DSA=off PILOT=0 CACHE_ROUTE=0\n"
         "[URING] queued expert I/O active (depth=512, workers=8, DIRECT=1)\n"
         "P0-EXEC: routed CPU 1.500s / 7.10 GB/s (120 row) | routed GPU critical 0.000s\n")
     cfg, facts = config_from_run(out)
     assert (cfg.PIPE, cfg.DIRECT, cfg.URING, cfg.PIPE_WORKERS, cfg.RAM_GB) == (1, 1, 1, 8, 0.0)
-    assert (facts.cap, facts.pinned, facts.omp_threads) == (4, 0, 2)
+    assert (facts.cap, facts.pinned, facts.omp_threads, facts.cores) == (4, 0, 2, 8)
     assert facts.matmul_bytes_per_second == pytest.approx(7.1e9)
     (tmp_path / "bare.txt").write_text("PROFILE: expert-disk 1.0s service / 0.5s wait\n")
     with pytest.raises(InputError, match="PROF"):
@@ -265,17 +271,16 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
 
 def test_buffered_weight_reads_are_served_again_from_the_page_cache():
     """Buffered weights, no LRU, a page cache of 1.5 MiB: forward 1 reads expert 0 from the drive
-    (A + 1M/B); forward 2's re-read of 0 comes from memory (1M at MEMORY_BANDWIDTH, no drive
-    read); forward 3 reads 1, which evicts 0; forward 4's 0 goes to the drive again. O_DIRECT
-    reads neither use nor fill the page cache."""
-    from replay.model.state import MEMORY_BANDWIDTH
-
+    (A + 1M/B); forward 2's re-read of 0 comes from memory (1M copied at the profile's
+    memory_bandwidth, 10e9 when it does not give one; no drive read); forward 3 reads 1, which
+    evicts 0; forward 4's 0 goes to the drive again. O_DIRECT reads neither use nor fill the page
+    cache."""
     sizes = [MIB, MIB]
     cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=3 * MIB // 2, **BASE)
     inst = run([[0], [0], [1], [0]], sizes, cfg)
     assert list(inst.drive_reads) == [1, 0, 1, 1]
     assert inst.stall[0] == pytest.approx(A + MIB / B, rel=1e-12)
-    assert inst.stall[1] == pytest.approx(MIB / MEMORY_BANDWIDTH, rel=1e-12)
+    assert inst.stall[1] == pytest.approx(MIB / 10e9, rel=1e-12)
     assert inst.stall[3] == pytest.approx(A + MIB / B, rel=1e-12)
     direct = run([[0], [0]], sizes, RuntimeConfig(workers=1, page_cache_bytes=4 * MIB, **dict(BASE, direct=True)))
     assert list(direct.drive_reads) == [1, 1]
@@ -294,3 +299,130 @@ def test_the_union_is_met_in_routing_order():
     order = routing_order(row_start, rows, experts, sel_start, sel_e, 8)
     assert list(sel_e) == [1, 5, 7, 2, 3]
     assert [int(sel_e[j]) for j in order] == [5, 1, 7, 3, 2]
+
+
+# ------------------------------------------------------------------------ page-cache copies
+
+RATE = 2e9                        # the test profile's memory_bandwidth: one thread's copy rate (bytes/s)
+
+
+def copying(service="in-order", rate=RATE):
+    """The test drive (:func:`drive`) with its channel ``service`` and the copy rate ``rate``."""
+    d = drive()
+    return replace(d, drive=replace(d.drive, service=service), memory_bandwidth=rate)
+
+
+def test_a_page_cache_hit_is_copied_at_the_profiles_memory_bandwidth():
+    """A re-read the page cache serves takes its bytes over the profile's memory_bandwidth: 1 MiB
+    at 10e9 and at 2.5e9 bytes/s, the time 1 / rate. A profile declaring every weight read warm
+    (page_cache_fraction 1) copies the first read too, at the same rate."""
+    cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=2 * MIB, **BASE)
+    for rate in (10e9, 2.5e9):
+        inst = run([[0], [0]], [MIB, MIB], cfg, copying(rate=rate))
+        assert list(inst.drive_reads) == [1, 0]
+        assert inst.stall[1] == pytest.approx(MIB / rate, rel=1e-12)
+        warm = run([[0]], [MIB, MIB], cfg, replace(copying(rate=rate), page_cache_fraction=1.0))
+        assert list(warm.drive_reads) == [0]
+        assert warm.stall[0] == pytest.approx(MIB / rate, rel=1e-12)
+
+
+MODES = {"pipe0": dict(workers=4, blocking=True), "pipe1": dict(workers=4), "uring": dict(batched=True)}
+
+
+@pytest.mark.parametrize("service", ["in-order", "shared"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_page_cache_copies_run_at_most_one_per_core(mode, service):
+    """Forward 1 reads experts 0, 1, 2 (1, 2, 3 MiB) from the drive into the page cache; forward 2's
+    misses are all page-cache hits: copies of 1, 2, 3 u (u = 1 MiB at memory_bandwidth), issued at
+    once on four readers (PIPE=0's team, PIPE=1's pool) or 64 (URING). Not bounded (cpu_cores 0,
+    as before the bound existed): done at 1, 2, 3 u. Two cores: the third waits for the first
+    core to free: 1, 2, 4 u. One core: in turn, 1, 3, 6 u. PIPE=0 waits for the last; PIPE=1 and
+    URING for each in routing order, its matmul (at 1e12 bytes/s) between."""
+    u = MIB / RATE
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    fast = dict(BASE, compute_bytes_per_second=1e12)
+    for cores, ready in ((0, [1, 2, 3]), (2, [1, 2, 4]), (1, [1, 3, 6])):
+        cfg = RuntimeConfig(routing_order=True, page_cache_bytes=8 * MIB, cpu_cores=cores, **MODES[mode], **fast)
+        inst = run([[0, 1, 2], [0, 1, 2]], sizes, cfg, copying(service))
+        assert list(inst.drive_reads) == [3, 0]
+        if mode == "pipe0":
+            expect = ready[-1] * u
+        else:
+            t, expect = 0.0, 0.0
+            for r, n in zip(ready, sizes):
+                wait = max(r * u - t, 0.0)
+                expect += wait
+                t += wait + n / 1e12
+        assert inst.stall[1] == pytest.approx(expect, rel=1e-12), (cores, ready)
+
+
+@pytest.mark.parametrize("service", ["in-order", "shared"])
+def test_a_copy_takes_its_core_when_its_reads_are_done(service):
+    """PIPE=0 on a team of 2, one core. Forward 2 misses expert 0 (4 MiB of weights, too large for
+    the 2 MiB page cache: read from the drive, done at A + 4M/B; then its 192 KiB of scales, cached
+    since forward 1, copied) and expert 1 (1 MiB, all in the page cache: a copy from 0). The core
+    copies expert 1's weights first (ready at 0) and expert 0's scales when its weight read is done:
+    stall A + 4M/B + 192K/rate, not delayed by expert 1's copy (as it would be were copies given
+    their core in the order the readers issue their jobs)."""
+    sizes, scales = [4 * MIB, MIB], [3 * 64 * 1024, 0]
+    cfg = RuntimeConfig(workers=2, blocking=True, routing_order=True, page_cache_bytes=2 * MIB, cpu_cores=1, **BASE)
+    inst = run([[0, 1], [0, 1]], sizes, cfg, copying(service), scales)
+    assert inst.drive_reads[1] == 1
+    assert inst.stall[1] == pytest.approx(A + 4 * MIB / B + 3 * 64 * 1024 / RATE, rel=1e-12)
+    unbounded = run([[0, 1], [0, 1]], sizes, replace(cfg, cpu_cores=0), copying(service), scales)
+    assert unbounded.stall[1] == pytest.approx(inst.stall[1], rel=1e-12)
+
+
+def test_the_copy_rate_and_the_cores_are_checked():
+    with pytest.raises(InputError, match="cores"):
+        RuntimeConfig(cpu_cores=-1)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "fast"):
+        with pytest.raises(InputError, match="memory_bandwidth"):
+            copying(rate=bad)
+    assert "memory_bandwidth" not in drive().to_json()                 # the default: profiles as they were
+    assert copying(rate=4.9e9).to_json()["memory_bandwidth"] == 4.9e9
+
+
+def test_an_engine_configuration_bounds_copies_by_the_runs_cores():
+    """A recorded run's ``[PROF] machine`` line gives its machine's cores (2 here); the model's
+    engine configuration bounds the copies by them, else by this machine's cores. relayout's own
+    read path does not bound them."""
+    from conftest import REPO
+
+    cfg, facts = config_from_run(REPO / "tests/data/engine/stock-louvain/container/p00-r00")
+    assert (facts.cores, facts.omp_threads) == (2, 2)
+    assert model_config(cfg, RuntimeConfig(), facts.cap, facts.omp_threads, cores=facts.cores).cpu_cores == 2
+    assert model_config(cfg, RuntimeConfig(), facts.cap).cpu_cores == (os.cpu_count() or 1)
+    assert RuntimeConfig().cpu_cores == 0
+
+
+def test_the_prefetch_threads_copies_take_a_core_too():
+    """Two layers of two 1 MiB experts; each forward routes expert 0 in both, with the oracle
+    prefetch (queued when a layer is routed, ahead of its demand loads) and no LRU. Forward 2 finds
+    every expert in the page cache: when layer 3 is routed the prefetch thread's load of layer 4's
+    expert 0 and layer 3's demand miss are both copies of c = 1 MiB / rate. On one core the
+    prefetch thread's copy goes first (its load was queued first): layer 3 waits 2c; not bounded, c."""
+    E = 2
+    loc = np.zeros((2, E, 6, 3), dtype=np.int64)
+    off = 4096
+    for li in range(2):
+        for e in range(E):
+            for slot in range(3):
+                n = MIB // 4 if slot < 2 else MIB - 2 * (MIB // 4)
+                loc[li, e, slot] = (0, off, n)
+                off += n
+    lay = Layout(["f.safetensors"], [off], [3, 4], E, loc, 4096)
+    F = 2
+    trace = RoutingTrace(
+        layers=np.array([3, 4], dtype=np.int16), n_experts=E, top_k=1, geometry="test", sessions=["s0"],
+        row_forward=np.repeat(np.arange(F, dtype=np.int32), 2), row_layer=np.tile(np.array([3, 4], np.int16), F),
+        row_position=np.zeros(2 * F, np.int32), experts=np.zeros((2 * F, 1), dtype=np.int16),
+        gates=np.full((2 * F, 1), np.nan, dtype=np.float32), fwd_session=np.zeros(F, np.int32),
+        fwd_kind=np.zeros(F, np.int8), fwd_evaluated=np.ones(F, np.int32), fwd_committed=np.ones(F, np.int32))
+    c = MIB / RATE
+    for cores, expect in ((0, c), (1, 2 * c)):
+        cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=8 * MIB, prefetch="oracle", cpu_cores=cores,
+                            lru_experts=0, **dict(BASE, compute_bytes_per_second=1e12))
+        inst, _ = simulate(trace, np.ones(F, bool), lay, copying(), cfg)
+        assert list(inst.drive_reads) == [1, 0, 0, 0]
+        assert inst.stall[2] == pytest.approx(expect, rel=1e-12), cores

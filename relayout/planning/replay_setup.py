@@ -126,7 +126,8 @@ def runtime_config(request: RuntimeRequest, layout=None):
     lru, page = memory_terms(cfg, facts, layout, base.pin_bytes) if layout is not None else (-1, 0)
     if request.page_cache_gb is None:
         base = replace(base, page_cache_bytes=page)
-    return model_config(cfg, base, lru, facts.omp_threads if facts else None, base.pin_bytes)
+    return model_config(cfg, base, lru, facts.omp_threads if facts else None, base.pin_bytes,
+                        facts.cores if facts else None)
 
 
 def routed_bytes(plan) -> int:

@@ -102,15 +102,16 @@ class RunFacts:
     """What a run's output says beyond its variables: the LRU cap it resolved (experts per layer),
     the experts it pinned, its OpenMP team's width, its expert matmuls' rate (bytes of weights
     per second, from the last ``P0-EXEC`` line: weight bytes per expert call over the calls'
-    seconds, the model's per-position rate where each call has one row, as in decode) and the
-    memory available when it started (bytes, the ``[PROF] machine`` line); None where the output
-    does not say."""
+    seconds, the model's per-position rate where each call has one row, as in decode), the
+    memory available when it started (bytes) and the machine's cores (the ``[PROF] machine``
+    line); None where the output does not say."""
 
     cap: int | None = None
     pinned: int | None = None
     omp_threads: int | None = None
     matmul_bytes_per_second: float | None = None
     available_bytes: float | None = None
+    cores: int | None = None
 
 
 _INT = re.compile(r"[0-9]+\Z")
@@ -247,7 +248,8 @@ def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfi
 
 _CONFIG_LINE = re.compile(r"\[PROF\] config: RAM_GB=(auto )?([0-9.]+) CTX=\d+ \| expert cache cap (\d+)/layer .*?"
                           r"\| pinned (\d+) .*?PIPE=(\d) DIRECT=(\d) MMAP=(\d) .*?PILOT=(\d)")
-_MACHINE_LINE = re.compile(r"\[PROF\] machine: .*\((\d+) omp threads\) \| RAM [0-9.]+ GB total, ([0-9.]+) GB available")
+_MACHINE_LINE = re.compile(r"\[PROF\] machine: .*\| (\d+) cores \((\d+) omp threads\) \| RAM [0-9.]+ GB total, "
+                           r"([0-9.]+) GB available")
 _URING_LINE = re.compile(r"\[URING\] queued expert I/O active \(depth=\d+, workers=(\d+)")
 _EXEC_LINE = re.compile(r"P0-EXEC: routed CPU ([0-9.]+)s / ([0-9.]+) GB/s")
 
@@ -259,9 +261,10 @@ RUN_FILES = ("stdout.txt", "stderr.txt")
 def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     """The effective configuration a colibrì run printed (its stdout and stderr in one file, or a
     directory holding :data:`RUN_FILES`; run with ``PROF=1``): the ``[PROF] config`` line (RAM_GB, cap, pins, PIPE, DIRECT, MMAP, PILOT),
-    the ``[PROF] machine`` line (the OpenMP team), the ``[URING]`` line (URING=1 and its workers,
-    the smaller of PIPE_WORKERS and 64) and the ``P0-EXEC`` line (the matmul rate). Variables the
-    output does not show keep the engine's defaults. The cap the run resolved is in ``RunFacts``.
+    the ``[PROF] machine`` line (the machine's cores, the OpenMP team, the memory available), the
+    ``[URING]`` line (URING=1 and its workers, the smaller of PIPE_WORKERS and 64) and the
+    ``P0-EXEC`` line (the matmul rate). Variables the output does not show keep the engine's
+    defaults. The cap the run resolved, and the rest the output says, are in ``RunFacts``.
     Raises :class:`InputError` when the file has no ``[PROF] config`` line."""
     p = Path(path)
     files = [p / n for n in RUN_FILES if (p / n).is_file()] if p.is_dir() else [p]
@@ -283,8 +286,8 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     mt = _MACHINE_LINE.search(text)
     ex = ([None] + list(_EXEC_LINE.finditer(text)))[-1]
     rate = float(ex.group(2)) * 1e9 if ex and float(ex.group(2)) > 0 else None
-    return cfg, RunFacts(int(cap), int(pinned), int(mt.group(1)) if mt else None, rate,
-                         float(mt.group(2)) * 1e9 if mt else None)
+    return cfg, RunFacts(int(cap), int(pinned), int(mt.group(2)) if mt else None, rate,
+                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None)
 
 
 def engine_cap(cfg: EngineConfig, n_experts: int, row_bytes: float, resident_bytes: float, widest_expert_bytes: float,
@@ -349,7 +352,7 @@ def not_modelled(cfg: EngineConfig) -> list[str]:
 
 
 def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_threads: int | None = None,
-                 pin_bytes: int = 0) -> RuntimeConfig:
+                 pin_bytes: int = 0, cores: int | None = None) -> RuntimeConfig:
     """The model's configuration for a colibrì run under ``cfg``: its read path named as the engine
     runs it, the rest (compute model, dense time, relayout-only policies) from ``base``.
 
@@ -357,8 +360,10 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     ``OMP_NUM_THREADS``, else this machine's cores). PIPE=1: PIPE_WORKERS loader threads (at most
     16), the compute thread waiting per expert. URING=1: up to 64 loads in flight, waits per
     expert. DIRECT=1: O_DIRECT weight reads (scales stay buffered). Misses in routing order. The
-    LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). Raises
-    :class:`InputError` for what the model does not run (:func:`not_modelled`).
+    LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). The
+    page-cache copies run at most ``cores`` at once (``RuntimeConfig.cpu_cores``: the cores of the
+    machine the run printed, else this machine's). Raises :class:`InputError` for what the model
+    does not run (:func:`not_modelled`).
     """
     missing = not_modelled(cfg)
     if missing:
@@ -371,7 +376,8 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     else:
         workers, batched, blocking = team, False, True
     return replace(base, workers=workers, batched=batched, blocking=blocking, direct=bool(cfg.DIRECT), routing_order=True,
-                   lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), engine_env=cfg.to_env() or "(defaults)")
+                   lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=int(cores or os.cpu_count() or 1),
+                   engine_env=cfg.to_env() or "(defaults)")
 
 
 def describe(config: RuntimeConfig) -> str:
@@ -388,6 +394,8 @@ def describe(config: RuntimeConfig) -> str:
         head += (f"; page cache for weights {config.page_cache_bytes / 1e9:g} GB" if config.page_cache_bytes else
                  "; no page cache for weights (every buffered weight read reaches the drive; --page-cache-gb)")
     head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
+    if config.cpu_cores:
+        head += f"; page-cache copies at most {config.cpu_cores} at once (the cores)"
     if config.runtime_changes:
         head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
     return head

@@ -69,6 +69,7 @@ class RuntimeConfig:
     blocking: bool = False             # colibrì PIPE=0: a layer's misses load as one batch on `workers` threads (the OpenMP team), the compute thread blocked until all are in
     routing_order: bool = False        # misses issued, waited for and promoted into the LRU in routing order, hits computed between them in that order (colibrì's moe()); False: physical order, resident matmuls first
     page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.model.weightcache), bytes; 0: every buffered weight read reaches the drive
+    cpu_cores: int = 0                 # the machine's cores: at most this many page-cache copies run at once (replay.model.readers); 0 = not bounded
     lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
     engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.colibri.engine_config); "" = relayout's own read path
     runtime_changes: list[str] = field(default_factory=list)  # what of this configuration the public colibrì does not run (RUNTIME_CHANGES), set from the fields
@@ -79,6 +80,8 @@ class RuntimeConfig:
             raise InputError(None, f"--workers must be 1-{limit} (got {self.workers})")
         if self.page_cache_bytes < 0:
             raise InputError(None, f"the page cache for weights must be >= 0 bytes (got {self.page_cache_bytes})")
+        if isinstance(self.cpu_cores, bool) or not isinstance(self.cpu_cores, int) or not 0 <= self.cpu_cores <= MAX_TEAM:
+            raise InputError(None, f"the machine's cores must be a whole number of 0-{MAX_TEAM} (got {self.cpu_cores!r})")
         if self.lru_experts < -1:
             raise InputError(None, f"the LRU's experts per layer must be >= 0 (got {self.lru_experts})")
         object.__setattr__(self, "runtime_changes", runtime_changes(self))

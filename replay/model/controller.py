@@ -24,7 +24,7 @@ from replay.model.config import ADMISSION_POLICIES, MAX_SOURCES, RuntimeConfig
 from replay.model.jit import HELPER
 from replay.model.pagecache import scales_cached, scales_settled
 from replay.model.predictors import CALIBRATION_BINS, FusedModel, SourceModel, prediction_source
-from replay.model.state import MEMORY_BANDWIDTH, WARM_BUCKETS
+from replay.model.state import WARM_BUCKETS
 
 TOP_K, PROBABILITY, PER_BYTE, DEADLINE, STALL_VALUE, ORACLE_POLICY, OBSERVE = (
     ADMISSION_POLICIES.index(x) for x in ("top-k", "probability", "per-byte", "deadline", "stall-value", "oracle", "observe"))
@@ -166,7 +166,8 @@ def load_seconds(nl, e, first, lay, pol, dev):
     """Estimated time (s) to load expert ``e`` of layer ``nl`` alone: its weight bytes (the bottom
     segment when its top is resident) from the drives, or from the page cache when its first
     weight page is warm, plus its scales (three requests when the page cache does not hold all
-    of them, ``first``: :func:`replay.model.pagecache.scales_cached`; page-cache time otherwise). Each request costs its command and its channel
+    of them, ``first``: :func:`replay.model.pagecache.scales_cached`; page-cache time otherwise).
+    What the page cache serves is copied at the device's ``memory_bandwidth``. Each request costs its command and its channel
     time, ``a + c``, beside its bytes at the array's rate."""
     wb = lay.wbytes[nl, e] * (1.0 - lay.top_fraction[nl] if lay.top_resident[nl, e] else 1.0)
     sb = lay.ebytes[nl, e] - lay.wbytes[nl, e]
@@ -178,11 +179,11 @@ def load_seconds(nl, e, first, lay, pol, dev):
         if pol.direct:
             off = (lay.bases[f] + off) // pol.alignment * pol.alignment - lay.bases[f]
         warm = (f * 1_000_003 + off // 4096) % WARM_BUCKETS < pol.warm_fraction * WARM_BUCKETS
-    s = wb / MEMORY_BANDWIDTH if warm else a + wb / rate
+    s = wb / dev.memory_bandwidth if warm else a + wb / rate
     if first:
         s += 3 * a + sb / rate
     else:
-        s += sb / MEMORY_BANDWIDTH
+        s += sb / dev.memory_bandwidth
     return s
 
 

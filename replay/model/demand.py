@@ -16,7 +16,7 @@ from replay.model.jit import HELPER, STAGE
 from replay.model.pagecache import PAGE_BYTES, buffered_read, cached_read, note_settled, scales_settled
 from replay.model.readplan import SCALE, WEIGHT, Coalescing, layer_place, plan_layer
 from replay.model.runtime import lru_add, lru_touch
-from replay.model.state import MEMORY_BANDWIDTH, WARM_BUCKETS
+from replay.model.state import WARM_BUCKETS
 from replay.model.weightcache import wc_add, wc_hit
 
 
@@ -131,8 +131,9 @@ def plan_reads(i, li, k, x, work, res):
     enter it. Reads, the reads that reach the drives, and bytes read
     (O_DIRECT-widened weights, whole scales) go into ``res`` (the instance outputs).
     """
-    lay, pol, pages, weights = x.lay, x.pol, x.ram.pages, x.ram.weights
+    lay, pol, dev, pages, weights = x.lay, x.pol, x.dev, x.ram.pages, x.ram.weights
     miss, plan, jobs, reads = work.miss, work.plan, work.jobs, work.reads
+    copy_rate = dev.memory_bandwidth
     miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
     for p in range(k):
         skip[p] = miss.ready[p] >= 0
@@ -148,7 +149,7 @@ def plan_reads(i, li, k, x, work, res):
     for r in range(n_plan):
         if plan.job[r] != job:
             if job >= 0:
-                job_tail[job] = wtail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
+                job_tail[job] = wtail + (warm_scales / copy_rate if has_warm_scales else 0.0)
                 n_reads = close_job(job, job_read, n_reads, reads)
             job = plan.job[r]
             job_read[job] = n_reads
@@ -159,10 +160,10 @@ def plan_reads(i, li, k, x, work, res):
             for m in range(a, plan.last[r] + 1):
                 cached = cached and miss.cached[m]
             if cached:
-                wtail += n / MEMORY_BANDWIDTH
+                wtail += n / copy_rate
             else:
                 queued = n_reads
-                n_reads, wtail, n = weight_read(f, plan.offset[r], n, bases, pol, n_reads, wtail, reads)
+                n_reads, wtail, n = weight_read(f, plan.offset[r], n, bases, pol, copy_rate, n_reads, wtail, reads)
                 drive_reads += n_reads - queued
             for m in range(a, plan.last[r] + 1):
                 wjob[m] = job
@@ -182,7 +183,7 @@ def plan_reads(i, li, k, x, work, res):
                 has_warm_scales = True
         read_bytes += n
     if job >= 0:
-        job_tail[job] = wtail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0)
+        job_tail[job] = wtail + (warm_scales / copy_rate if has_warm_scales else 0.0)
         n_reads = close_job(job, job_read, n_reads, reads)
     job_read[n_jobs] = n_reads
     for p in range(k):
@@ -195,16 +196,17 @@ def plan_reads(i, li, k, x, work, res):
 
 
 @njit(**HELPER)
-def weight_read(file, off, n, bases, pol, n_reads, wtail, reads):
+def weight_read(file, off, n, bases, pol, copy_rate, n_reads, wtail, reads):
     """Queue one weight read of ``n`` bytes at ``off`` in ``file`` (O_DIRECT widens it); a warm one
-    adds its memory time to ``wtail`` instead. Returns the new read count, tail (s) and bytes read."""
+    adds its copy time (at ``copy_rate``, bytes/s) to ``wtail`` instead. Returns the new read
+    count, tail (s) and bytes read."""
     addr = bases[file] + off
     if pol.direct:
         end = -(-(addr + n) // pol.alignment) * pol.alignment
         addr = addr // pol.alignment * pol.alignment
         n = end - addr
     if pol.warm_fraction > 0 and (file * 1_000_003 + off // 4096) % WARM_BUCKETS < pol.warm_fraction * WARM_BUCKETS:
-        return n_reads, wtail + n / MEMORY_BANDWIDTH, n
+        return n_reads, wtail + n / copy_rate, n
     reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = addr, n, False
     return n_reads + 1, wtail, n
 

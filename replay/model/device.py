@@ -144,7 +144,11 @@ def read_alone_seconds(drive: DriveProfile, size: int) -> float:
 
 @dataclass(frozen=True)
 class ArrayProfile:
-    """A RAID-0 array (or a single drive) behind a host link."""
+    """A RAID-0 array (or a single drive) behind a host link, and the machine's copy rate.
+
+    ``memory_bandwidth`` (bytes/s): the rate one thread copies a buffered read that the page cache
+    serves into its read buffer (a page-cache hit's rate), written by ``relayout calibrate``;
+    10e9 when a profile does not give it."""
 
     name: str
     drive: DriveProfile
@@ -156,6 +160,7 @@ class ArrayProfile:
     page_cache_fraction: float = 0.0
     description: str = ""
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
+    memory_bandwidth: float = 10e9
 
     def __post_init__(self):
         for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
@@ -202,6 +207,10 @@ class ArrayProfile:
             raise InputError(self.name, f"request_channel_seconds is {c!r}, not a finite number >= 0")
         if self.drive.service not in SERVICES:
             raise InputError(self.name, f"unknown drive service {self.drive.service!r} (choose {', '.join(SERVICES)})")
+        mb = self.memory_bandwidth
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or not 0 < mb <= MAX_RATE:
+            raise InputError(self.name, f"memory_bandwidth is {mb!r}, not a finite number of bytes/s above 0 and at most "
+                                        f"{_plain(MAX_RATE)}")
 
     @property
     def full_bandwidth(self) -> float:
@@ -231,14 +240,17 @@ class ArrayProfile:
         return replace(self, drive=drive, host_bandwidth=self.host_bandwidth * factor)
 
     def to_json(self) -> dict:
-        """The profile as JSON; a drive without request channel time (``c = 0``) and a profile
-        with Linux's default readahead (128 KiB) are written without the field, as profiles were
-        before it existed, so that their digests stay what they were."""
+        """The profile as JSON; a drive without request channel time (``c = 0``), a profile
+        with Linux's default readahead (128 KiB) and one with the default copy rate (10e9 bytes/s)
+        are written without the field, as profiles were before it existed, so that their digests
+        stay what they were."""
         obj = asdict(self)
         if not self.drive.request_channel_seconds:
             del obj["drive"]["request_channel_seconds"]
         if self.read_ahead_bytes == DEFAULT_READ_AHEAD_BYTES:
             del obj["read_ahead_bytes"]
+        if self.memory_bandwidth == 10e9:
+            del obj["memory_bandwidth"]
         return obj
 
     def digest(self) -> str:

@@ -221,7 +221,7 @@ class Replay:
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device, layout)
         # a batch union holds at most E experts: working arrays for that serve every chunk
-        self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots)
+        self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots, config.cpu_cores)
         self.totals = new_results(0, L, E, device.members)
 
     def run(self, inst: Instances) -> Results:
@@ -351,7 +351,7 @@ def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device
                   stream_bandwidth=float(d.request_bandwidth), max_request=int(d.max_request),
                   shared=d.service == "shared", request_channel=float(d.request_channel_seconds),
                   m_request=per[0], m_bandwidth=per[1], m_stream=per[2], m_channel=per[3],
-                  seg_start=seg_start, seg_drive=seg_drive)
+                  seg_start=seg_start, seg_drive=seg_drive, memory_bandwidth=float(device.memory_bandwidth))
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

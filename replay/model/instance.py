@@ -122,6 +122,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
                     slots[m, q] = 0.0
             host[0], host[1] = 0.0, 0.0
             drives.busy[0] = 0.0
+            drives.copies[:] = 0.0
             continue
         next_at = end + pol.dense_seconds      # the next layer is routed then: later loads are dropped
         pf_n = 0
@@ -143,6 +144,8 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
                 slots[m, q] = max(slots[m, q] - next_at, 0.0)
         host[0], host[1] = max(host[0] - next_at, 0.0), max(host[1] - next_at, 0.0)
         drives.busy[0] = max(drives.busy[0] - next_at, 0.0)
+        for c in range(len(drives.copies)):
+            drives.copies[c] = max(drives.copies[c] - next_at, 0.0)
     for m in range(dev.members):
         usage.transfer_seconds[m] = drives.member_bytes[m] / dev.m_bandwidth[m]
 

@@ -26,10 +26,10 @@ from replay.model.predictors import (
     next_layer_probabilities,
 )
 from replay.model.prefetch import COUPLED, ORACLE, PairTable, Scratch, Selections, predict_next
-from replay.model.readers import pilot_read, serve_read
+from replay.model.readers import copy_done, pilot_read, serve_read
 from replay.model.readplan import WEIGHT, Coalescing, layer_place, plan_layer
 from replay.model.runtime import lru_add
-from replay.model.state import MEMORY_BANDWIDTH, PILOT_END, PILOT_FIRST, PILOT_NEXT, PILOT_POS, Load
+from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, PILOT_POS, Load
 from replay.model.weightcache import wc_add, wc_hit
 
 
@@ -102,6 +102,7 @@ def _plan_load(li, e, x, work, n_reads):
     it holds them; they enter it when the load completes (:func:`_record_load`)."""
     lay, pol, pages, weights = x.lay, x.pol, x.ram.pages, x.ram.weights
     plan, single, reads = work.plan, work.single, work.reads
+    copy_rate = x.dev.memory_bandwidth
     single.expert[0], single.top[0] = e, lay.top_resident[li, e]
     n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, layer_place(lay, li), Coalescing(False, 0, 1),
                            single.wlen, plan)
@@ -112,16 +113,16 @@ def _plan_load(li, e, x, work, n_reads):
     for r in range(n_plan):
         f, nb = plan.file[r], plan.length[r]
         if plan.kind[r] == WEIGHT and cached:
-            tail += nb / MEMORY_BANDWIDTH
+            tail += nb / copy_rate
         elif plan.kind[r] == WEIGHT:
-            n_reads, tail, nb = weight_read(f, plan.offset[r], nb, bases, pol, n_reads, tail, reads)
+            n_reads, tail, nb = weight_read(f, plan.offset[r], nb, bases, pol, copy_rate, n_reads, tail, reads)
         else:
             n_reads, queued = scale_read(f, plan.offset[r], nb, settled, pages, bases, n_reads, reads)
             if not queued:
                 warm_scales += nb
                 has_warm_scales = True
         total += nb
-    return n_plan, n_reads, tail + (warm_scales / MEMORY_BANDWIDTH if has_warm_scales else 0.0), total
+    return n_plan, n_reads, tail + (warm_scales / copy_rate if has_warm_scales else 0.0), total
 
 
 @njit(**STAGE)
@@ -262,7 +263,7 @@ def controlled_prefetch(i, li, start, deadline, x, work, out):
             continue
         stop_logging(ram.pages)
         note_settled(ram.pages, li, e, lay.sloc[li, e])
-        t += tail
+        t = copy_done(t, tail, drives.copies)
         loaded = _record_load(i, li, Load(e, n_plan, total, t), deadline, x, work, out, loaded)
     return loaded
 

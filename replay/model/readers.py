@@ -4,7 +4,9 @@ Workers (and the prefetch thread) take one instance's jobs in issue order and is
 in time order (:func:`reader_pool`); each read is split over the array's members and served by
 their queues, in order (:func:`serve_read`) or sharing each drive's channel fairly among the reads
 in it (:func:`shared_pool`, an event simulation): the queue model and service disciplines of
-:mod:`replay.model.device`. The drives' state is carried between instances in
+:mod:`replay.model.device`. What the page cache serves is a copy into the reader's buffer, CPU
+work at the device's ``memory_bandwidth`` per thread, at most one per core at once
+(:func:`copy_done`). The drives' state and the cores' copies are carried between instances in
 :class:`replay.model.state.Drives`. Units: bytes, seconds, bytes/s.
 """
 
@@ -15,7 +17,7 @@ from numba import njit
 
 from replay.model.device import largest_request, split_device
 from replay.model.jit import HELPER, STAGE
-from replay.model.state import MEMORY_BANDWIDTH, PILOT_END, PILOT_NEXT, PILOT_POS, SMALL_READ_BYTES
+from replay.model.state import PILOT_END, PILOT_NEXT, PILOT_POS, SMALL_READ_BYTES
 
 
 @njit(**STAGE)
@@ -25,10 +27,13 @@ def reader_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
     Workers take jobs in issue order from ``start`` (s: the prefetch load in flight when the
     layer was routed has completed, as colibrì's ``moe()`` waits for it) and run each job's reads
     one after another; at every step the worker that is free earliest (lowest index on ties)
-    issues its next read, so reads reach the drives in time order. The prefetch thread
+    issues its next read, so reads reach the drives in time order. After a job's last read the
+    worker copies what the page cache served (the job's ``tail``, :func:`copy_done`); when the
+    copies are bounded by the cores, that copy takes its core in time order too, as one more
+    event of the worker at its reads' end. The prefetch thread
     (``pilot``), when loads were queued at routing, is one more such reader with its own jobs: it
     issues its next read when it is free first (it wins ties: its loads were queued before the
-    demand loads). Returns once every demand read is issued; the prefetch thread's remaining
+    demand loads). Returns once every demand job's completion is known; the prefetch thread's remaining
     reads are :func:`replay.model.prefetching.pilot_rest`'s. The drives' state (``drives``) is the caller's; ``usage``
     (the device outputs) accumulates per member.
     """
@@ -53,29 +58,64 @@ def reader_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
             next_job += 1
         job = wjob[w]
         r = job_read[job] + wpos[w]
-        done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, usage)
-        wpos[w] += 1
-        if r + 1 == job_read[job + 1]:
+        if r == job_read[job + 1]:               # its reads are done: its copies take a core
+            done = copy_done(t, jobs.tail[job], drives.copies)
+        else:
+            done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, usage)
+            wpos[w] += 1
+            if r + 1 < job_read[job + 1] or copy_waits(jobs.tail[job], drives.copies):
+                wfree[w] = done
+                continue
             done += jobs.tail[job]
-            jobs.done[job] = done
-            wjob[w] = -1
+        jobs.done[job] = done
+        wjob[w] = -1
         wfree[w] = done
 
 
 @njit(**HELPER)
 def pilot_read(jobs, reads, pilot, dev, drives, usage):
-    """The prefetch thread issues its next read at its free time; a load's last read (plus its
-    page-cache tail) completes the load's job."""
+    """The prefetch thread issues its next read at its free time; a load's last read, then its
+    page-cache copies (its job's ``tail``, :func:`copy_done`: when they wait for a core, as the
+    thread's next step), complete the load's job."""
     state = pilot.state
     job = state[PILOT_NEXT]
     r = jobs.first_read[job] + state[PILOT_POS]
-    done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], pilot.free[0], dev, drives, usage)
-    state[PILOT_POS] += 1
-    if r + 1 == jobs.first_read[job + 1]:
+    if r == jobs.first_read[job + 1]:            # its reads are done: its copies take a core
+        done = copy_done(pilot.free[0], jobs.tail[job], drives.copies)
+    else:
+        done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], pilot.free[0], dev, drives, usage)
+        state[PILOT_POS] += 1
+        if r + 1 < jobs.first_read[job + 1] or copy_waits(jobs.tail[job], drives.copies):
+            pilot.free[0] = done
+            return
         done += jobs.tail[job]
-        jobs.done[job] = done
-        state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
+    jobs.done[job] = done
+    state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
     pilot.free[0] = done
+
+
+@njit(**HELPER)
+def copy_waits(seconds, copies):
+    """A copy of ``seconds`` (s) takes one of the cores ``copies`` (their free times, s; empty:
+    copies are not bounded), so it is timed as an event of its own, in time order with the reads."""
+    return len(copies) > 0 and seconds > 0.0
+
+
+@njit(**HELPER)
+def copy_done(ready, seconds, copies):
+    """When a copy of ``seconds`` (s: its bytes over the device's ``memory_bandwidth``), ready at
+    ``ready`` (s), is done. Copies are CPU work: with ``copies`` [C] (when each of the machine's
+    ``C`` cores frees, s) it takes the core that frees first, from ``max(ready, free)`` on, and
+    holds it until done; with none (``C`` = 0, copies not bounded) it starts at ``ready``."""
+    if not copy_waits(seconds, copies):
+        return ready + seconds
+    c = 0
+    for q in range(1, len(copies)):
+        if copies[q] < copies[c]:
+            c = q
+    done = max(ready, copies[c]) + seconds
+    copies[c] = done
+    return done
 
 
 @njit(**STAGE)
@@ -92,12 +132,13 @@ def serve_read(addr, n, warm, t, dev, drives, usage):
     is not even, and the requests stream side by side). Small reads (up to ``SMALL_READ_BYTES``) use a channel
     of their own beside the large transfers and delay them by their own channel time. The host
     link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
-    A warm read costs memory time only. Bytes go into ``drives.member_bytes``, requests and
-    residence (s) into ``usage``, and the time the read keeps the array busy beyond the reads
-    before it (reads arrive in time order) into ``usage.busy_seconds``.
+    A warm read is a copy from the page cache only (:func:`copy_done`). Bytes go into
+    ``drives.member_bytes``, requests and residence (s) into ``usage``, and the time the read
+    keeps the array busy beyond the reads before it (reads arrive in time order) into
+    ``usage.busy_seconds``.
     """
     if warm:
-        return t + n / MEMORY_BANDWIDTH
+        return copy_done(t, n / dev.memory_bandwidth, drives.copies)
     if dev.shared:
         return _serve_shared(addr, n, t, dev, drives, usage)
     pieces, nbytes, mfree, sfree, host = drives.pieces, drives.nbytes, drives.free, drives.small_free, drives.host
@@ -207,7 +248,8 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
     per s (its bytes and its requests' channel time, :func:`_shared_issue`; ``level`` such that
     the rates add up to ``C``, or unbounded when the caps do not reach it:
     :func:`_member_events`); a read completes when its work has left every member's channel,
-    its issuer is then free (after its job's page-cache tail, when it was the job's last read).
+    its issuer is then free (after its job's page-cache copies, when it was the job's last read;
+    when they wait for a core, :func:`copy_done`, they are the issuer's next event).
     Runs until every demand job is done and the prefetch thread's read in flight, if any, has
     completed (the prefetch thread issues no read after the last demand job: its remaining loads
     are :func:`replay.model.prefetching.pilot_rest`'s). A channel serves nothing before the reads issued before the pool
@@ -267,14 +309,19 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
             _member_events(share, me, _channel_rate(dev, me))
         else:
             if w == P:
-                r = job_read[pilot.state[PILOT_NEXT]] + pilot.state[PILOT_POS]
+                job = pilot.state[PILOT_NEXT]
+                r = job_read[job] + pilot.state[PILOT_POS]
             else:
                 if wjob[w] < 0:
                     wjob[w], wpos[w] = next_job, 0
                     next_job += 1
-                r = job_read[wjob[w]] + wpos[w]
-            if reads.warm[r] or not _shared_issue(w, r, ti, reads, dev, drives, usage, share):
-                left -= _shared_read_done(w, P, ti + reads.length[r] / MEMORY_BANDWIDTH, False, pool, usage)
+                job = wjob[w]
+                r = job_read[job] + wpos[w]
+            if r == job_read[job + 1]:           # its reads are done: its copies take a core
+                left -= _shared_job_done(w, P, copy_done(ti, jobs.tail[job], drives.copies), pool)
+            elif reads.warm[r] or not _shared_issue(w, r, ti, reads, dev, drives, usage, share):
+                d = copy_done(ti, reads.length[r] / dev.memory_bandwidth, drives.copies)
+                left -= _shared_read_done(w, P, d, False, pool, usage)
             else:
                 if w == P:
                     pilot_busy = True
@@ -365,32 +412,46 @@ def _shared_issue(j, r, t, reads, dev, drives, usage, share):
 def _shared_read_done(j, P, d, drive, pool, usage):
     """Issuer ``j``'s read completed at ``d`` (s; a ``drive`` read, or a warm one): the array's busy
     time when it was the last drive read in flight, then the issuer's job as :func:`reader_pool`
-    and :func:`pilot_read` keep it (``pool``: :class:`replay.model.state.Pool`). Returns 1 when a
-    demand job completed, else 0."""
+    and :func:`pilot_read` keep it (``pool``: :class:`replay.model.state.Pool`): after its last
+    read, its copies (at once, or as the issuer's next event when they wait for a core). Returns
+    1 when a demand job completed, else 0."""
     jobs, workers, pilot, drives, share = pool.jobs, pool.workers, pool.pilot, pool.drives, pool.share
     if drive:
         share.busy[0] -= 1
         if share.busy[0] == 0:
             _count_busy(share.busy[1], d, drives, usage)
     if j == P:
-        state = pilot.state
-        job = state[PILOT_NEXT]
-        state[PILOT_POS] += 1
-        if jobs.first_read[job] + state[PILOT_POS] == jobs.first_read[job + 1]:
-            d += jobs.tail[job]
-            jobs.done[job] = d
-            state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
+        job = pilot.state[PILOT_NEXT]
+        pilot.state[PILOT_POS] += 1
+        last = jobs.first_read[job] + pilot.state[PILOT_POS] == jobs.first_read[job + 1]
+    else:
+        job = workers.job[j]
+        workers.pos[j] += 1
+        last = jobs.first_read[job] + workers.pos[j] == jobs.first_read[job + 1]
+    if not last or copy_waits(jobs.tail[job], drives.copies):
+        if j == P:
+            pilot.free[0] = d
+        else:
+            workers.free[j] = d
+        return 0
+    return _shared_job_done(j, P, d + jobs.tail[job], pool)
+
+
+@njit(**HELPER)
+def _shared_job_done(j, P, d, pool):
+    """Issuer ``j``'s job completed at ``d`` (s), its copies included: the issuer is free then.
+    Returns 1 when it was a demand job, else 0."""
+    jobs, workers, pilot = pool.jobs, pool.workers, pool.pilot
+    if j == P:
+        job = pilot.state[PILOT_NEXT]
+        jobs.done[job] = d
+        pilot.state[PILOT_NEXT], pilot.state[PILOT_POS] = job + 1, 0
         pilot.free[0] = d
         return 0
-    job = workers.job[j]
-    workers.pos[j] += 1
-    last = jobs.first_read[job] + workers.pos[j] == jobs.first_read[job + 1]
-    if last:
-        d += jobs.tail[job]
-        jobs.done[job] = d
-        workers.job[j] = -1
+    jobs.done[workers.job[j]] = d
+    workers.job[j] = -1
     workers.free[j] = d
-    return 1 if last else 0
+    return 1
 
 
 @njit(**HELPER)

@@ -15,9 +15,6 @@ from numba import njit
 from replay.model.jit import LOOP
 from replay.model.readplan import ReadPlan
 
-MEMORY_BANDWIDTH = 10e9
-"""Bytes/s for reads served from the OS page cache."""
-
 SMALL_READ_BYTES = 256 * 1024
 """Reads up to this size queue among themselves, beside the large transfers, as a drive's internal
 parallelism serves them (their transfer time still delays the large transfers)."""
@@ -62,7 +59,7 @@ resident work first)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "
-                               "m_channel seg_start seg_drive")
+                               "m_channel seg_start seg_drive memory_bandwidth")
 """A :class:`replay.model.device.ArrayProfile` as plain numbers (:func:`replay.model.engine.device_numbers`):
 ``members``, ``chunk`` (stripe bytes), ``rule`` (an index into ``SPLIT_RULES``); per drive
 ``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
@@ -74,7 +71,8 @@ each request holds the channel beyond its bytes); ``host_bandwidth`` and
 ``m_request`` a, ``m_bandwidth`` B, ``m_stream`` b_1, ``m_channel`` c (the drive's figures on
 every member of an array; each drive's own on independent drives); ``seg_start``, ``seg_drive``
 the address map of independent drives (rule ``storage``: :func:`replay.model.device.split_storage`;
-empty otherwise)."""
+empty otherwise); ``memory_bandwidth`` (bytes/s one thread copies a page-cache hit into its read
+buffer at)."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru pages weights")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
@@ -103,7 +101,8 @@ this one, s); ``cached`` (its weights are in the page cache: :mod:`replay.model.
 
 Jobs = namedtuple("Jobs", "first_read tail done")
 """The reader pool's jobs [2K]: ``first_read`` [2K+1] (each job's first read; one past the
-last), ``tail`` (page-cache time after its reads, s), ``done`` (its completion time, s)."""
+last), ``tail`` (its page-cache copies after its reads, s: one copy on one core,
+:func:`replay.model.readers.copy_done`), ``done`` (its completion time, s)."""
 
 Reads = namedtuple("Reads", "addr length warm")
 """Queued preads [R]: logical address and length (bytes), and ``warm`` (served from RAM)."""
@@ -111,14 +110,16 @@ Reads = namedtuple("Reads", "addr length warm")
 Workers = namedtuple("Workers", "free job pos")
 """The reader pool [W]: each worker's free time (s), its job (-1 idle) and next read in it."""
 
-Drives = namedtuple("Drives", "free small_free host busy pieces nbytes member_bytes slots head")
-"""The drives' state, carried between instances when a prefetch source runs. Per member [M]:
+Drives = namedtuple("Drives", "free small_free host busy pieces nbytes member_bytes slots head copies")
+"""The drives' state, and the cores' copies, carried between instances when a prefetch source runs. Per member [M]:
 the large-transfer and small-read channels' free times (s); ``host`` [2]: the host link's large
 and small channels' free times (s); ``busy`` [1]: until when the array has a read outstanding
 (s); ``pieces``, ``nbytes`` [M]: one read's split (scratch);
 ``member_bytes`` [M]: bytes each member transferred over the whole replay; ``slots`` [M, Q]:
 when each of a member's queue slots frees (s), a ring sorted by that time from ``head`` [M]
-(the slot that frees first) on, so a request takes its slot in one step (:func:`replay.model.readers._take_slot`)."""
+(the slot that frees first) on, so a request takes its slot in one step (:func:`replay.model.readers._take_slot`).
+``copies`` [C]: when each of the machine's ``C`` copy slots (its cores, ``RuntimeConfig.cpu_cores``)
+frees (s); empty: copies are not bounded (:func:`replay.model.readers.copy_done`)."""
 
 Prefetched = namedtuple("Prefetched", "ready nbytes experts score touched")
 """Prefetches made for the next instance. Per expert [E]: ``ready`` (in the next instance's
@@ -170,11 +171,11 @@ Load = namedtuple("Load", "expert n_plan nbytes done")
 
 
 @njit(**LOOP)
-def new_work(K, E, W, M, Q):
-    """Working arrays for batch unions of up to ``K`` experts out of ``E``, ``W`` workers and ``M``
-    array members of ``Q`` queue slots (a job has at most three weight reads or one span, and three
-    scale reads; the prefetch thread's queued loads, up to :data:`PREFETCH_SLOTS` of at most eight
-    reads each, follow the demand jobs)."""
+def new_work(K, E, W, M, Q, C):
+    """Working arrays for batch unions of up to ``K`` experts out of ``E``, ``W`` workers, ``M``
+    array members of ``Q`` queue slots and ``C`` cores for copies (0: copies not bounded). A job
+    has at most three weight reads or one span, and three scale reads; the prefetch thread's
+    queued loads, up to :data:`PREFETCH_SLOTS` of at most eight reads each, follow the demand jobs."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K), np.zeros(K), np.zeros(K, np.bool_))
@@ -184,7 +185,7 @@ def new_work(K, E, W, M, Q):
     reads = Reads(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.bool_))
     workers = Workers(np.empty(W), np.empty(W, np.int64), np.empty(W, np.int64))
     drives = Drives(np.zeros(M), np.zeros(M), np.zeros(2), np.zeros(1), np.empty(M, np.int64), np.empty(M, np.int64),
-                    np.zeros(M, np.int64), np.zeros((M, Q)), np.zeros(M, np.int64))
+                    np.zeros(M, np.int64), np.zeros((M, Q)), np.zeros(M, np.int64), np.zeros(C))
     pending = Prefetched(np.full(E, np.inf), np.zeros(E, np.int64), np.empty(PREFETCH_SLOTS, np.int64),
                          np.zeros(E, np.int64), np.empty(E, np.int64))
     R = max(6 * K, 6)
