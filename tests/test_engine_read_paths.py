@@ -426,3 +426,17 @@ def test_the_prefetch_threads_copies_take_a_core_too():
         inst, _ = simulate(trace, np.ones(F, bool), lay, copying(), cfg)
         assert list(inst.drive_reads) == [1, 0, 0, 0]
         assert inst.stall[2] == pytest.approx(expect, rel=1e-12), cores
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_oracle_takes_page_cache_hits_for_free_so_it_bounds_the_stall(mode):
+    """Forward 2's misses are page-cache hits copied at 1e9 bytes/s, slower than the drive's
+    stream, and in parallel: streamed through the oracle's one channel at the drive's rate they
+    would put the bound above the stall of a path that never touches the drive. The oracle
+    charges them nothing (no layout changes them), and stays at or below the stall in every instance."""
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    cfg = RuntimeConfig(routing_order=True, page_cache_bytes=8 * MIB, **MODES[mode], **BASE)
+    inst = run([[0, 1, 2], [0, 1, 2]], sizes, cfg, copying(rate=1e9))
+    assert list(inst.drive_reads) == [3, 0]
+    assert (inst.oracle_stall <= inst.stall + 1e-15).all()
+    assert inst.oracle_stall[1] == 0.0 and inst.oracle_stall[0] > 0.0

@@ -241,13 +241,14 @@ def compute_thread(i, li, k, resident, x, work, out):
     """The compute thread runs resident work, then, in issue order, waits for each missing expert
     and runs its matmul (only the bottom part when its top is resident). Stall is the time it
     waits, on that critical path. The oracle's thread does the same with bytes streaming at the
-    array's full bandwidth with no per-request cost. Returns when the layer's compute ends (s).
+    array's full bandwidth with no per-request cost, page-cache hits free
+    (:func:`_oracle_seconds`). Returns when the layer's compute ends (s).
 
     Under ``pol.routing_order`` it runs the union in routing order instead: before each miss the
     resident work routed before it (``miss.pre``), the rest after the last miss. Under
     ``pol.blocking`` (colibrì's PIPE=0) it first waits until every miss has arrived (the whole
     wait is charged to the miss that arrived last), then runs all the layer's matmuls; its oracle
-    waits for all the bytes streamed at full bandwidth."""
+    waits for all the bytes streamed at full bandwidth (:func:`_oracle_seconds`)."""
     lay, pol, dev, miss, jobs = x.lay, x.pol, x.dev, work.miss, work.jobs
     if pol.blocking:
         return _blocked_compute(i, li, k, resident, x, work, out)
@@ -282,8 +283,8 @@ def compute_thread(i, li, k, resident, x, work, out):
         t = t + wait + comp
         stall += wait
         expert_wait[miss_e[p]] += wait
-        streamed += miss.wlen[p] + (miss.sbytes[p] if miss.first[p] else 0)
-        wait = max(streamed / dev.full_bandwidth - t_oracle, 0.0)
+        streamed += _oracle_seconds(miss, p, dev)
+        wait = max(streamed - t_oracle, 0.0)
         t_oracle = t_oracle + wait + comp
         oracle += wait
     res.stall[i] = stall
@@ -291,6 +292,18 @@ def compute_thread(i, li, k, resident, x, work, out):
     if routed:
         t += max(resident - done_pre, 0.0)
     return t
+
+
+@njit(**HELPER)
+def _oracle_seconds(miss, p, dev):
+    """The oracle's time for miss ``p``'s bytes from the drives (s): its weights (unless the page
+    cache holds them) and its scales read for the first time, at the array's full bandwidth with
+    no per-request cost. Weights the page cache serves cost the oracle nothing: their copies
+    overlap in the read path, and no layout changes them, so the bound stays at or below every
+    layout's stall."""
+    scales = miss.sbytes[p] if miss.first[p] else 0
+    weights = 0 if miss.cached[p] else miss.wlen[p]
+    return (weights + scales) / dev.full_bandwidth
 
 
 @njit(**STAGE)
@@ -318,11 +331,11 @@ def _blocked_compute(i, li, k, resident, x, work, out):
             ready_all, last = max(ready, 0.0), p
         miss.wait[p] = 0.0
         comps += miss_comp[p] * keep_top if miss.top[p] else miss_comp[p]
-        streamed += miss.wlen[p] + (miss.sbytes[p] if miss.first[p] else 0)
+        streamed += _oracle_seconds(miss, p, dev)
     if last >= 0:
         miss.wait[last] = ready_all
         res.expert_wait[li, miss_e[last]] += ready_all
     res.stall[i] = ready_all
-    res.oracle_stall[i] = streamed / dev.full_bandwidth
+    res.oracle_stall[i] = streamed
     return ready_all + resident + comps
 
