@@ -28,12 +28,13 @@ def print_rewrite_files(dst, manifest: dict) -> None:
         print(f"  {line}")
 
 
-def verify_and_report(src, dst, full: bool, as_json: bool) -> int:
-    """Verify ``dst`` against ``src`` (bytes too with ``full``), print the report (JSON with
-    ``as_json``) and return the exit status: 0, or 2 when verify found a problem."""
+def verify_and_report(src, dst, full: bool, as_json: bool, dirs: list[str] | None = None) -> int:
+    """Verify ``dst`` against ``src`` (bytes too with ``full``; ``dirs``: the split directories after
+    ``dst``, ``None`` for those its manifest records), print the report (JSON with ``as_json``) and
+    return the exit status: 0, or 2 when verify found a problem."""
     from relayout.workflows.apply import verify
 
-    problems, summary = verify(src, dst, full)
+    problems, summary = verify(src, dst, full, dirs=dirs)
     if as_json:
         print(json.dumps(summary, indent=1))
     else:
