@@ -181,7 +181,7 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
     -------
     The run directories, in schedule order.
     """
-    engine = Path(engine)
+    engine = Path(os.path.abspath(engine))
     if not (engine.is_file() and os.access(engine, os.X_OK)):
         raise InputError(engine, "not an executable file (the colibrì engine binary)")
     if reps < 1 or ngen < 1:
@@ -190,7 +190,8 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
         if not arm.container.is_dir():
             raise InputError(arm.container, "not a directory (a colibrì container)")
         container_files(arm.container)
-    out_dir = make_dirs(out_dir)
+    out_dir = make_dirs(os.path.abspath(out_dir))    # the engine runs in the run's directory: paths given to it are absolute
+    arms = [EngineArm(a.name, Path(os.path.abspath(a.container)), a.env) for a in arms]
     done = []
     plan = schedule(arms, len(prompts), reps)
     for i, (arm, p, rep) in enumerate(plan, 1):
