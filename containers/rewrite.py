@@ -249,7 +249,8 @@ def _check_free_space(src: Container, dests: Destinations, todo: list[OutputFile
     """Refuse before any byte is written when a volume lacks room for what is left to write in it.
 
     Per volume (``st_dev``): the bytes the remaining files of every directory on it allocate
-    (the primary's also the files around the tensors), plus :data:`SPACE_MARGIN`.
+    (the primary's also the files around the tensors), plus :data:`SPACE_MARGIN`; a volume of
+    split directories with nothing left to write is not asked for the margin.
     """
     need: dict[int, list] = {}
     for i, d in enumerate(dests.all):
@@ -257,6 +258,8 @@ def _check_free_space(src: Container, dests: Destinations, todo: list[OutputFile
         entry = need.setdefault(os.fstat(d.fd).st_dev, [d, 0])
         entry[1] += bytes_to_allocate(src, mine, sources) + (others_bytes if i == 0 else 0)
     for d, n in need.values():
+        if n == 0 and d is not dests.primary:
+            continue
         free = shutil.disk_usage(d.partial).free
         if free < n + SPACE_MARGIN:
             raise InputError(d.partial, f"needs {(n + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")

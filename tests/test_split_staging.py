@@ -137,6 +137,24 @@ def test_an_existing_or_uncreatable_directory_is_refused_before_any_write(staged
     assert sorted(os.listdir(tmp_path)) == ["c", "file"]
 
 
+def test_a_split_directory_without_room_is_refused_before_writing(staged, tmp_path):
+    """The free space is checked per volume: a split directory on a 1 MB tmpfs is named, though
+    the primary's volume has room, and nothing is renamed into place."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        split = [(str(tmp_path / "b"), staged["per_dir"][1]), (str(mnt / "c"), staged["per_dir"][2])]
+        with pytest.raises(InputError, match="GB free") as exc:
+            apply_plan(staged["src"], load_plan(staged["plan_path"]), tmp_path / "a", None, force=True, progress=False, split=split)
+        assert str(mnt / "c.partial") in str(exc.value)
+        assert not any((p / n).exists() for p, n in [(tmp_path, "a"), (tmp_path, "b"), (mnt, "c")])
+        assert [p.name for p in mnt.iterdir()] == ["c.partial"] and os.listdir(mnt / "c.partial") == [SPLIT_MARK]
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
 def test_a_split_directory_of_another_rewrite_is_not_taken(staged, tmp_path):
     plan = load_plan(staged["plan_path"])
     split = _split(tmp_path, staged["per_dir"])

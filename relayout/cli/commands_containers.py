@@ -77,7 +77,7 @@ def cmd_rewrite(args) -> int:
         print(f"  {d}: {len(shards)} shard(s) of the split")
     if split:
         print(f"  engine variables: SNAP={args.out} COLI_MODEL_DIRS={';'.join(d for d, _ in split)}")
-    print_rewrite_files(args.out, m)
+    print_rewrite_files(args.out, m, [d for d, _ in split])
     if args.verify:
         return verify_and_report(args.src, args.out, False, False, [d for d, _ in split])
     return 0

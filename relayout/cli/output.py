@@ -19,11 +19,12 @@ def say(line: str) -> None:
     print(f"relayout: {line}", file=sys.stderr)
 
 
-def print_rewrite_files(dst, manifest: dict) -> None:
-    """The rewrite's summary of the files around the tensors, one indented line each."""
+def print_rewrite_files(dst, manifest: dict, dirs: list[str] = ()) -> None:
+    """The rewrite's summary of the files around the tensors, one indented line each (``dirs``:
+    the split directories after ``dst``, whose shards' stamps count too)."""
     from containers.model_index import INDEX_NAME
 
-    c = Container.open(dst)
+    c = Container.open(dst, dirs)
     for line in format_rewrite_files(manifest, len(c.stamps), (Path(dst) / INDEX_NAME).is_file()):
         print(f"  {line}")
 
