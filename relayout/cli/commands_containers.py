@@ -67,6 +67,8 @@ def cmd_rewrite(args) -> int:
 
         record, _ = load_storage(args.storage)
         split = split_of_storage(record, plan, args.dirs, args.storage)
+        if record.mirrors:
+            say(f"{args.storage} also describes {len(record.mirrors)} mirror(s): stage them after the rewrite with relayout mirror stage")
     elif args.dirs:
         raise InputError(None, "--dirs needs --storage (the description naming each directory's shards)")
     m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=say, gate_path=args.gate, split=split)
