@@ -16,6 +16,9 @@ This module makes sure that nothing else can be hit on the way:
   destination fail at once instead of mixing its files in.
 * The final rename never replaces anything: ``renameat2(RENAME_NOREPLACE)`` on Linux, else a
   check immediately before ``rename``.
+* A rewrite over several directories (:mod:`containers.split_destination`) stopped between its
+  renames reopens a directory it already renamed with :meth:`Destination.open_published`: a real
+  directory, locked, apart from the source, holding the rewrite's own mark.
 """
 
 from __future__ import annotations

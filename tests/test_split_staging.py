@@ -12,7 +12,7 @@ import pytest
 import xxhash
 from conftest import REPO, run_cli, small_geometry, source_with_manifest, tree_state
 
-from containers.container import MANIFEST_NAME, Container
+from containers.container import MANIFEST_NAME
 from containers.errors import InputError
 from containers.multidir import check_split
 from containers.split_destination import SPLIT_MARK
