@@ -251,12 +251,27 @@ class Container:
     """colibrì's format stamps of all shards, ``{tensor name: format name}`` (:mod:`containers.shard_metadata`)."""
 
     @classmethod
-    def open(cls, root: str | Path) -> "Container":
-        """Parse and index the container at ``root``; raises :class:`InputError` on bad input."""
+    def open(cls, root: str | Path, dirs: list[str | Path] = ()) -> "Container":
+        """Parse and index the container at ``root``; raises :class:`InputError` on bad input.
+
+        ``dirs``: a model split over several directories (``COLI_MODEL_DIRS``), ``root`` being the
+        primary: the shards are collected as colibrì collects them
+        (:func:`containers.multidir.check_split`), the other files from ``root`` only; a shard
+        name in two directories or a tensor in two shards is an error.
+        """
         root = Path(root)
         if not root.is_dir():
             raise InputError(root, "is not a directory" if root.exists() else "no such directory")
-        files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+        if dirs:
+            from .multidir import check_split
+
+            found = check_split([root, *dirs], content=False)
+            if found.problems:
+                more = f" (and {len(found.problems) - 1} more)" if len(found.problems) > 1 else ""
+                raise InputError(root, f"as split over {len(dirs) + 1} directories: {found.problems[0]}{more}")
+            files = sorted(found.shards.values())
+        else:
+            files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
         if not files:
             raise InputError(root, "no *.safetensors files")
         if len(files) > MAX_FILES:

@@ -16,6 +16,9 @@ This module makes sure that nothing else can be hit on the way:
   destination fail at once instead of mixing its files in.
 * The final rename never replaces anything: ``renameat2(RENAME_NOREPLACE)`` on Linux, else a
   check immediately before ``rename``.
+* A rewrite over several directories (:mod:`containers.split_destination`) stopped between its
+  renames reopens a directory it already renamed with :meth:`Destination.open_published`: a real
+  directory, locked, apart from the source, holding the rewrite's own mark.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .errors import InputError
 RENAME_NOREPLACE = 1
 
 
-def _lexists(path: Path) -> bool:
+def lexists(path: Path) -> bool:
     try:
         os.lstat(path)
         return True
@@ -45,7 +48,7 @@ def _lexists(path: Path) -> bool:
         raise InputError(path, describe_os_error(exc)) from None
 
 
-def _nested(a: Path, b: Path) -> bool:
+def nested(a: Path, b: Path) -> bool:
     """``a`` is ``b`` or lies inside it (resolved paths)."""
     return a == b or b in a.parents
 
@@ -58,11 +61,13 @@ class Destination:
     done); the caller checks that they are for this rewrite.
     """
 
-    def __init__(self, dst: Path, partial: Path, fd: int, resumed: bool):
+    def __init__(self, dst: Path, partial: Path, fd: int, resumed: bool, published: bool = False):
         self.dst = dst
         self.partial = partial
         self.fd = fd
         self.resumed = resumed
+        self.published = published
+        """``partial`` is ``dst`` itself, renamed there by an earlier run of this rewrite (:meth:`open_published`)."""
 
     @classmethod
     @contextlib.contextmanager
@@ -86,15 +91,7 @@ class Destination:
                                           "remove it or choose another destination") from None
             raise InputError(partial, describe_os_error(exc)) from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise InputError(partial, "another relayout rewrite is writing this destination now; wait for it "
-                                          "or choose another destination") from None
-            src_st = os.stat(source_root)
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino):
-                raise InputError(partial, "is the source container itself; choose another destination")
+            _lock_apart(fd, partial, source_root)
             if not created:
                 names = [n for n in os.listdir(fd) if not TEMP_NAME.match(n)]
                 if names and not any(n in names for n in own_names):
@@ -103,6 +100,37 @@ class Destination:
             yield cls(dst, partial, fd, resumed=not created)
         finally:
             os.close(fd)
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_published(cls, dst: str | os.PathLike, source_root: str | os.PathLike, own_names: tuple[str, ...]):
+        """``dst`` itself, already renamed from ``DST.partial`` by an earlier run of the same rewrite.
+
+        For a rewrite over several directories stopped between its final renames. ``dst`` must be
+        a real directory (never a link) apart from the source, holding one of ``own_names`` (the
+        caller checks it is this rewrite's); it is locked as ``DST.partial`` would be, and
+        :meth:`publish` leaves it where it is.
+        """
+        dst = Path(os.path.abspath(dst))
+        _check_apart(dst, Path(source_root))
+        try:
+            fd = os.open(dst, os.O_RDONLY | DIRECTORY | NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise InputError(dst, "already exists and is not a directory relayout created; choose a new destination") from None
+            raise InputError(dst, describe_os_error(exc)) from None
+        try:
+            _lock_apart(fd, dst, source_root)
+            if not any(n in os.listdir(fd) for n in own_names):
+                raise InputError(dst, "already exists; choose a new destination")
+            yield cls(dst, dst, fd, resumed=True, published=True)
+        finally:
+            os.close(fd)
+
+    @property
+    def created(self) -> bool:
+        """``DST.partial`` was made by this run (not resumed, not published)."""
+        return not self.resumed
 
     # ------------------------------------------------------------------ files inside DST.partial
     def names(self) -> list[str]:
@@ -146,6 +174,8 @@ class Destination:
         its place is refused, not published).
         """
         self.sync()
+        if self.published:
+            return
         st, ours = os.lstat(self.partial), os.fstat(self.fd)
         if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (ours.st_dev, ours.st_ino):
             raise InputError(self.partial, "was replaced while the rewrite ran; nothing was published")
@@ -157,12 +187,26 @@ class Destination:
             os.close(parent)
 
 
+def _lock_apart(fd: int, where: Path, source_root: str | os.PathLike) -> None:
+    """Lock the opened directory ``fd`` exclusively (a second rewrite fails at once) and refuse it
+    when it is the source itself."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise InputError(where, "another relayout rewrite is writing this destination now; wait for it "
+                                "or choose another destination") from None
+    src_st = os.stat(source_root)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino):
+        raise InputError(where, "is the source container itself; choose another destination")
+
+
 def check_new_destination(dst: str | os.PathLike, source_root: str | os.PathLike) -> Path:
     """``dst`` as an absolute path, after checking it does not exist in any form and lies apart
     from the source; raises :class:`InputError` naming the path otherwise. Writes nothing, so a
     command can check before long work what the rewrite would refuse after it."""
     dst = Path(os.path.abspath(dst))
-    if _lexists(dst):
+    if lexists(dst):
         raise InputError(dst, "already exists; choose a new destination")
     _check_apart(dst, Path(source_root))
     return dst
@@ -172,7 +216,7 @@ def _check_apart(dst: Path, source_root: Path) -> None:
     src = source_root.resolve()
     real_parent = dst.parent.resolve()
     for candidate in (real_parent / dst.name, real_parent / (dst.name + ".partial")):
-        if _nested(candidate, src) or _nested(src, candidate):
+        if nested(candidate, src) or nested(src, candidate):
             raise InputError(dst, f"the destination and the source {src} may not be the same or nested in each other")
 
 
@@ -204,9 +248,9 @@ def rename_noreplace(old: Path, new: Path) -> None:
                                   f"{old}: move it yourself once you have checked {new}")
         if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
             raise InputError(new, describe_os_error(OSError(err, os.strerror(err))))
-    if _lexists(new):
+    if lexists(new):
         raise InputError(new, f"appeared while relayout wrote it; the finished result is kept at {old}")
     os.rename(old, new)
 
 
-__all__ = ["Destination", "rename_noreplace"]
+__all__ = ["Destination", "check_new_destination", "lexists", "nested", "rename_noreplace"]

@@ -36,6 +36,11 @@ is byte-identical to the source's, plus its checksum manifest.
   rewrite's manifest and no journal (stopped between the last two steps) takes the manifest's
   file digests as its journal, re-hashes every file, writes again any that does not match, and
   finishes.
+* A layout split over drives (``split``: shard names per directory of ``COLI_MODEL_DIRS``) is
+  written with each shard straight into its directory's ``.partial``, everything else into
+  ``DST.partial``; one journal (in ``DST.partial``) covers every directory, the free space is
+  checked per volume, and the directories are renamed only after every file in all of them is
+  done, the primary last (:mod:`containers.split_destination`).
 * Temp files have unpredictable names and are created exclusively
   (:func:`~containers.atomic.create_temp`); every source file is read with ``pread`` or
   ``copy_file_range``, so a source truncated under a running rewrite is an error naming it.
@@ -57,6 +62,7 @@ from .atomic import TEMP_NAME, describe_os_error, fsync_fd, write_at
 from .copying import ReadAhead, Sources, WRITEBACK_BYTES, bytes_to_allocate, copy_range, start_writeback, write_stream
 from .container import MANIFEST_NAME, Container
 from .destination import Destination
+from .split_destination import Destinations, split_directories
 from .errors import InputError
 from .hashing import Range, file_digest, gap_digest, hash_file, hash_range, segments
 from .manifest import (
@@ -151,7 +157,7 @@ def _finished_files(dest: Destination, identity: dict) -> dict[str, dict]:
                                 "directory to start over")
     names = [f["name"] for f in files if f.get("kind") == "safetensors"]
     if (rw.get("source_fingerprint") != identity["source_fingerprint"] or rw.get("plan_digest") != identity["plan_digest"]
-            or names != identity["files"]):
+            or names != identity["files"] or rw.get("split_dirs") != identity.get("split")):
         raise InputError(dest.partial, "holds a finished rewrite of another plan or source; remove it to start over")
     return {f["name"]: {"size": f.get("size"), "xxh3_128": f.get("xxh3_128")} for f in files}
 
@@ -165,26 +171,37 @@ def rewrite_container(
     progress: bool = True,
     notify: Callable[[str], None] | None = None,
     plan_path: str | None = None,
+    split: list[tuple[str | os.PathLike, list[str]]] = (),
 ) -> dict:
     """Write the new container at ``dst``; returns its manifest. See the module doc.
 
     ``notify`` receives one-line messages for the user (what a resumed run resumes);
-    ``plan_path`` names the plan in the error that lists the file list's problems.
+    ``plan_path`` names the plan in the error that lists the file list's problems. ``split``
+    places shards in other directories, ``(directory, shard names)`` in ``COLI_MODEL_DIRS``
+    order: each is written straight into its directory, the rest and every other file into
+    ``dst`` (:mod:`containers.split_destination`); the manifest, in ``dst``, records them
+    (``rewrite.split_dirs``).
     """
     require_valid_output_files(src, files, plan_path)
     new_index = _regenerated_index(src, files)
     names = [f.name for f in files]
-    with Destination.open(dst, src.root, (JOURNAL_NAME, MANIFEST_NAME)) as dest:
-        for stray in dest.names():
-            if TEMP_NAME.match(stray):      # a dead run's (we hold the lock)
-                dest.unlink(stray)
-        identity = {"source_fingerprint": source_manifest["fingerprint"], "files": names,
-                    "plan_digest": provenance.get("plan_digest")}
+    split_dirs = split_directories(list(split), names)
+    identity = {"source_fingerprint": source_manifest["fingerprint"], "files": names,
+                "plan_digest": provenance.get("plan_digest")}
+    if split_dirs:
+        identity["split"] = [d.to_json() for d in split_dirs]
+        provenance = {**provenance, "split_dirs": identity["split"]}
+    with Destinations.open(dst, src.root, (JOURNAL_NAME, MANIFEST_NAME), split_dirs, identity) as dests:
+        dest = dests.primary
+        for d in dests.all:
+            for stray in d.names():
+                if TEMP_NAME.match(stray):      # a dead run's (we hold the lock)
+                    d.unlink(stray)
         runtime = _runtime_files(src, dest)
         carried = [src.root / r.name for r in runtime if r.action == CARRIED and (src.root / r.name) not in src.other_files]
         journal = _Journal.open(dest, identity)
         if journal.files:
-            _recheck_done(src, dest, journal, files, src.other_files + carried, notify, progress)
+            _recheck_done(src, dests, journal, files, src.other_files + carried, notify, progress)
         journal.save()
 
         others = list(src.other_files) + carried
@@ -192,15 +209,12 @@ def rewrite_container(
         todo_others = [p for p in others if p.name not in journal.files]
         with Sources() as sources:
             logical = sum(f.size for f in todo) + sum(p.stat().st_size for p in todo_others)
-            need = bytes_to_allocate(src, todo, sources) + sum(p.stat().st_size for p in todo_others)
-            free = shutil.disk_usage(dest.partial).free
-            if free < need + SPACE_MARGIN:
-                raise InputError(dest.partial, f"needs {(need + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")
+            _check_free_space(src, dests, todo, sum(p.stat().st_size for p in todo_others), sources)
 
             src_tensors = source_manifest["tensors"]
 
             def finish(w: _Written) -> None:
-                journal.files[w.of.name], journal.tensor_digests[w.of.name] = _finish_file(w, dest, src, src_tensors)
+                journal.files[w.of.name], journal.tensor_digests[w.of.name] = _finish_file(w, dests.of(w.of.name), src, src_tensors)
                 journal.save()
 
             with progress_bar(total=logical, unit="B", unit_scale=True, desc="rewrite", enabled=progress) as bar, \
@@ -210,7 +224,7 @@ def rewrite_container(
                 # file i is fsynced, checked, renamed and journaled while file i+1 is being copied
                 pending = None
                 for of in todo:
-                    written = _copy_file(src, of, dest, pool, sources, bar.update, hints)
+                    written = _copy_file(src, of, dests.of(of.name), pool, sources, bar.update, hints)
                     if pending is not None:
                         pending.result()
                     pending = finisher.submit(finish, written)
@@ -227,13 +241,33 @@ def rewrite_container(
         manifest["runtime_files"] = runtime_record(runtime, journal.files)
         _write_json(dest, MANIFEST_NAME, manifest)
         dest.unlink(JOURNAL_NAME)
-        dest.publish()
+        dests.publish()
     return manifest
 
 
-def _recheck_done(src: Container, dest: Destination, journal: _Journal, files: list[OutputFile], others: list[Path],
+def _check_free_space(src: Container, dests: Destinations, todo: list[OutputFile], others_bytes: int, sources: Sources) -> None:
+    """Refuse before any byte is written when a volume lacks room for what is left to write in it.
+
+    Per volume (``st_dev``): the bytes the remaining files of every directory on it allocate
+    (the primary's also the files around the tensors), plus :data:`SPACE_MARGIN`; a volume of
+    split directories with nothing left to write is not asked for the margin.
+    """
+    need: dict[int, list] = {}
+    for i, d in enumerate(dests.all):
+        mine = [of for of in todo if dests.of(of.name) is d]
+        entry = need.setdefault(os.fstat(d.fd).st_dev, [d, 0])
+        entry[1] += bytes_to_allocate(src, mine, sources) + (others_bytes if i == 0 else 0)
+    for d, n in need.values():
+        if n == 0 and d is not dests.primary:
+            continue
+        free = shutil.disk_usage(d.partial).free
+        if free < n + SPACE_MARGIN:
+            raise InputError(d.partial, f"needs {(n + SPACE_MARGIN) / 1e9:.2f} GB free, {free / 1e9:.2f} GB available")
+
+
+def _recheck_done(src: Container, dests: Destinations, journal: _Journal, files: list[OutputFile], others: list[Path],
                   notify: Callable[[str], None] | None, progress: bool) -> None:
-    """Re-hash every journaled file; keep only those whose size and digest match the journal.
+    """Re-hash every journaled file in its directory; keep only those whose size and digest match the journal.
 
     The tensor digests of the kept files are taken from this re-hash.
     """
@@ -244,6 +278,7 @@ def _recheck_done(src: Container, dest: Destination, journal: _Journal, files: l
     with progress_bar(total=total, unit="B", unit_scale=True, desc="re-check written files", enabled=progress) as bar:
         for name in list(journal.files):
             entry = journal.files[name]
+            dest = dests.of(name)
             st = dest.lstat(name) if name in known else None
             ok = st is not None and dest.is_regular(name) and st.st_size == entry.get("size")
             if ok:
@@ -265,7 +300,7 @@ def _recheck_done(src: Container, dest: Destination, journal: _Journal, files: l
     if notify is not None:
         left = len(files) + len(others) - kept
         what = "a finished rewrite stopped before its final rename: " if journal.finished else ""
-        notify(f"resuming {dest.partial}: {what}{kept} file(s) already written and re-hashed intact, {left} to write")
+        notify(f"resuming {dests.primary.partial}: {what}{kept} file(s) already written and re-hashed intact, {left} to write")
 
 
 @dataclass

@@ -20,7 +20,11 @@ Checks, each reported as one line naming what is wrong:
   each in DST with the bytes recorded; that SRC's copy changed since (the runtime updates them as
   it runs) is a note in the summary, not a problem;
 * the runtime's constraints: each expert's three weight tensors byte-adjacent in one file, and
-  the probe experts (expert 0 of the first MoE layer and of each MTP layer) present.
+  the probe experts (expert 0 of the first MoE layer and of each MTP layer) present;
+* a DST split over several directories (``COLI_MODEL_DIRS``) is read as colibrì reads it: shards
+  collected from the primary and each split directory (a shard name in two of them, or a tensor
+  in two shards, is an error), metadata from the primary only; the checks above then hold across
+  the directories.
 
 A DST whose experts are stored as split segments is equal to SRC and consistent, but the stock
 runtime cannot load it: the summary says so (``needs_split_runtime``, ``split_experts``) rather
@@ -56,10 +60,19 @@ def _source_manifest(src: Container, progress: bool) -> dict:
     return fresh
 
 
-def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, full: bool = False, progress: bool = True) -> tuple[list[str], dict]:
-    """Compare DST to SRC; returns (problems, summary). An empty list means identical."""
+def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, full: bool = False, progress: bool = True,
+                      dirs: list[str | os.PathLike] | None = None) -> tuple[list[str], dict]:
+    """Compare DST to SRC; returns (problems, summary). An empty list means identical.
+
+    ``dirs``: DST is split over several directories, DST the primary and ``dirs`` the others in
+    ``COLI_MODEL_DIRS`` order; its shards are taken as colibrì takes them (every tensor once
+    among them). ``None``: the directories DST's manifest records for a split rewrite
+    (``rewrite.split_dirs``), else none.
+    """
     src = Container.open(src_dir)
-    dst = Container.open(dst_dir)
+    if dirs is None:
+        dirs = _recorded_split_dirs(Path(dst_dir) / MANIFEST_NAME)
+    dst = Container.open(dst_dir, dirs)
     problems: list[str] = []
     src_m = _source_manifest(src, progress)
     dst_m = build_manifest(dst, progress=progress)
@@ -103,13 +116,23 @@ def verify_containers(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, fu
         problems.append(f"DST: {len(off_path)} experts are not one read (weights not byte-adjacent), e.g. {off_path[0]}")
     split_experts = sum(1 for e in dst.experts.values() if e.split)
     summary = {
-        "src": str(src.root), "dst": str(dst.root), "tensors": len(dt), "split_tensors": len(segments), "files": len(dst.files),
+        "src": str(src.root), "dst": str(dst.root), "split_dirs": [str(d) for d in dirs], "tensors": len(dt), "split_tensors": len(segments), "files": len(dst.files),
         "split_experts": split_experts, "needs_split_runtime": split_experts > 0, "format_stamps": len(src.stamps),
         "runtime_files": runtime, "runtime_file_notes": notes,
         "full_byte_compare": full, "src_content_fingerprint": src_m["content_fingerprint"],
         "dst_content_fingerprint": dst_m["content_fingerprint"], "problems": problems,
     }
     return problems, summary
+
+
+def _recorded_split_dirs(manifest_path: Path) -> list[str]:
+    """The split directories a split rewrite recorded in DST's manifest (none when it records none)."""
+    if not manifest_path.is_file():
+        return []
+    recorded = load_manifest(manifest_path).get("rewrite", {}).get("split_dirs")
+    if not isinstance(recorded, list) or not all(isinstance(d, dict) and isinstance(d.get("path"), str) for d in recorded):
+        return []
+    return [d["path"] for d in recorded]
 
 
 def _compare_other_files(src_m: dict, dst_m: dict) -> list[str]:

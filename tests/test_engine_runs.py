@@ -165,3 +165,33 @@ def test_the_real_engine_measured_cold_twice_agrees_with_itself(tmp_path):
         assert o.expert_io.loads > 0 and Path(run.route_trace).stat().st_size > 0
         assert run.identity.cold.startswith("cold")
     assert "S (expert wait per committed token)" in res.stdout
+
+
+def test_each_arm_gets_its_own_variables_and_its_split_directories_are_dropped_cold(tmp_path, monkeypatch):
+    """A split layout per arm (``--baseline-env`` / ``--container-env``): the engine gets the arm's
+    ``COLI_MODEL_DIRS`` over the common variables, with absolute paths though the command was given
+    relative ones (the engine runs in the run's directory), and the split directories' shards are
+    evicted with the container's before each run."""
+    from relayout.workflows import engine_runs
+    from relayout.workflows.engine_runs import model_files
+
+    script = tmp_path / "engine.sh"
+    script.write_text("#!/bin/sh\n"
+                      f"cat '{RECORDED / 'stdout.txt'}'\ncat '{RECORDED / 'stderr.txt'}' >&2\n"
+                      f"cp '{RECORDED / 'route-trace.txt'}' \"$ROUTE_TRACE\"\n"
+                      f"echo \"$SNAP|$COLI_MODEL_DIRS|$CAP\" >> '{tmp_path / 'calls.txt'}'\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    even, planned = _container(tmp_path / "even"), _container(tmp_path / "planned")
+    slow_even, slow_planned = _container(tmp_path / "slow-even"), _container(tmp_path / "slow-planned")
+    dropped = []
+    real_models = model_files
+    monkeypatch.setattr(engine_runs, "model_files", lambda c, env: dropped.append(real_models(c, env)) or dropped[-1])
+    monkeypatch.chdir(tmp_path)
+    arms = [EngineArm("baseline", Path("even"), {"COLI_MODEL_DIRS": str(slow_even)}),
+            EngineArm("container", Path("planned"), {"COLI_MODEL_DIRS": f" {slow_planned} ;", "CAP": "8"})]
+    measure_engine(Path("engine.sh"), arms, ["p"], 1, {"CAP": "4"}, 3, "runs", progress=lambda _: None)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert calls == [f"{even}|{slow_even}|4", f"{planned}| {slow_planned} ;|8"]
+    assert dropped == [[even / "out-00000.safetensors", slow_even / "out-00000.safetensors"],
+                       [planned / "out-00000.safetensors", slow_planned / "out-00000.safetensors"]]
+    assert json.loads((tmp_path / "runs" / "container" / "p00-r00" / RUN_FILE).read_text())["env"]["COLI_MODEL_DIRS"] == f" {slow_planned} ;"

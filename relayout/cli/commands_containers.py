@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from containers.container import MANIFEST_NAME, Container
+from containers.errors import InputError
 from containers.manifest import build_manifest, check_container, write_manifest
 
 from relayout.render.containers import format_inspect
@@ -58,15 +59,31 @@ def cmd_rewrite(args) -> int:
 
     plan = load_plan(args.layout)
     gate = load_gate(args.gate) if args.gate else None
-    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=say, gate_path=args.gate)
+    split = []
+    if args.storage:
+        from replay.model.storage import load_storage
+
+        from relayout.workflows.apply import split_of_storage
+
+        record, _ = load_storage(args.storage)
+        split = split_of_storage(record, plan, args.dirs, args.storage)
+        if record.mirrors:
+            say(f"{args.storage} also describes {len(record.mirrors)} mirror(s): stage them after the rewrite with relayout mirror stage")
+    elif args.dirs:
+        raise InputError(None, "--dirs needs --storage (the description naming each directory's shards)")
+    m = apply_plan(args.src, plan, args.out, gate, args.force, args.manifest, notify=say, gate_path=args.gate, split=split)
     forced = " (gate overridden with --force; recorded in the manifest)" if m["rewrite"]["forced"] else ""
     print(f"wrote {args.out}: {len(m['files'])} files, {len(m['tensors'])} tensors, content fingerprint "
           f"{m['content_fingerprint']} (source {m['rewrite']['source_content_fingerprint']}){forced}")
-    print_rewrite_files(args.out, m)
+    for d, shards in split:
+        print(f"  {d}: {len(shards)} shard(s) of the split")
+    if split:
+        print(f"  engine variables: SNAP={args.out} COLI_MODEL_DIRS={';'.join(d for d, _ in split)}")
+    print_rewrite_files(args.out, m, [d for d, _ in split])
     if args.verify:
-        return verify_and_report(args.src, args.out, False, False)
+        return verify_and_report(args.src, args.out, False, False, [d for d, _ in split])
     return 0
 
 
 def cmd_verify(args) -> int:
-    return verify_and_report(args.src, args.dst, args.full, args.json)
+    return verify_and_report(args.src, args.dst, args.full, args.json, args.dirs)

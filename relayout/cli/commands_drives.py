@@ -171,6 +171,14 @@ def cmd_drives(args) -> int:
               "to be relied on (record more sessions)")
     if args.out:
         print(f"wrote {args.out}/{'plan' if plan_in else 'layout'}.json and {args.out}/storage.json")
+        if plan_in is not None:
+            dirs = [where[f"dir:{i}"] for i in range(len(plan.storage.dirs))]
+            print(f"gate and stage it (each shard written into its drive's directory): relayout replay --layout "
+                  f"{args.out}/plan.json --storage {args.out}/storage.json --trace TRACE -o gate.json, then relayout rewrite "
+                  f"SRC --layout {args.out}/plan.json --gate gate.json --storage {args.out}/storage.json --out {dirs[0]}"
+                  + (f" --dirs {' '.join(dirs[1:])}" if dirs[1:] else "")
+                  + (f"; then relayout mirror stage {' '.join(dirs)} --storage {args.out}/storage.json --to <mirror dir>"
+                     if plan.storage.mirrors else ""))
     print("engine variables: " + " ".join(f"{k}={v}" for k, v in env.items()))
     return 0
 

@@ -24,8 +24,11 @@ def cmd_measure_engine(args) -> int:
         raise InputError(None, "measure --engine needs --prompts FILE")
     if not args.output:
         raise InputError(None, "measure --engine needs -o DIR (where the runs are kept)")
-    arms = ([EngineArm("baseline", Path(args.baseline))] if args.baseline else []) + [
-        EngineArm("container", Path(args.container))]
+    if args.baseline_env and not args.baseline:
+        raise InputError(None, "--baseline-env needs --baseline")
+    arms = ([EngineArm("baseline", Path(args.baseline), env_words(args.baseline_env, "--baseline-env", strict=False))]
+            if args.baseline else []) + [
+        EngineArm("container", Path(args.container), env_words(args.container_env, "--container-env", strict=False))]
     measure_engine(args.engine, arms, read_prompts(args.prompts), args.reps, env_words(args.runtime_env, strict=False),
                    args.ngen, args.output, timeout_s=args.timeout)
     dirs = [Path(args.output) / a.name for a in arms]

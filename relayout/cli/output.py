@@ -19,21 +19,23 @@ def say(line: str) -> None:
     print(f"relayout: {line}", file=sys.stderr)
 
 
-def print_rewrite_files(dst, manifest: dict) -> None:
-    """The rewrite's summary of the files around the tensors, one indented line each."""
+def print_rewrite_files(dst, manifest: dict, dirs: list[str] = ()) -> None:
+    """The rewrite's summary of the files around the tensors, one indented line each (``dirs``:
+    the split directories after ``dst``, whose shards' stamps count too)."""
     from containers.model_index import INDEX_NAME
 
-    c = Container.open(dst)
+    c = Container.open(dst, dirs)
     for line in format_rewrite_files(manifest, len(c.stamps), (Path(dst) / INDEX_NAME).is_file()):
         print(f"  {line}")
 
 
-def verify_and_report(src, dst, full: bool, as_json: bool) -> int:
-    """Verify ``dst`` against ``src`` (bytes too with ``full``), print the report (JSON with
-    ``as_json``) and return the exit status: 0, or 2 when verify found a problem."""
+def verify_and_report(src, dst, full: bool, as_json: bool, dirs: list[str] | None = None) -> int:
+    """Verify ``dst`` against ``src`` (bytes too with ``full``; ``dirs``: the split directories after
+    ``dst``, ``None`` for those its manifest records), print the report (JSON with ``as_json``) and
+    return the exit status: 0, or 2 when verify found a problem."""
     from relayout.workflows.apply import verify
 
-    problems, summary = verify(src, dst, full)
+    problems, summary = verify(src, dst, full, dirs=dirs)
     if as_json:
         print(json.dumps(summary, indent=1))
     else:

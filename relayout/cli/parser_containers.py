@@ -35,6 +35,11 @@ def add_rewrite(sub) -> None:
     s.add_argument("--layout", required=True, metavar="PLAN.json", help="the plan to write")
     s.add_argument("--gate", help="gate.json from relayout replay")
     s.add_argument("--verify", action="store_true", help="verify DST against SRC afterwards")
+    s.add_argument("--storage", metavar="STORAGE.json", help="write each shard straight into the directory of its drive, as "
+                                                              "this description (relayout drives --out) splits them: its "
+                                                              "first directory's shards and every other file into DST")
+    s.add_argument("--dirs", nargs="+", default=[], metavar="DIR", help="with --storage: the directories of its split after "
+                                                                        "the primary, in its order (COLI_MODEL_DIRS)")
     rewrite_options(s, src_flag=False)
 
 
@@ -44,6 +49,9 @@ def add_verify(sub) -> None:
     s.add_argument("src", help="the source container")
     s.add_argument("dst", help="the rewritten container")
     s.add_argument("--full", action="store_true", help="also compare bytes, not only xxh3-128")
+    s.add_argument("--dirs", nargs="+", metavar="DIR", help="DST is split: its other directories in COLI_MODEL_DIRS order, "
+                                                            "read as the engine reads them (default: those DST's manifest "
+                                                            "records for a split rewrite)")
     s.add_argument("--json", action="store_true", help="print JSON")
 
 

@@ -81,5 +81,9 @@ def engine_options(c) -> None:
     g.add_argument("--reps", type=int, default=3, help="repetitions of every prompt on every container")
     g.add_argument("--runtime-env", metavar="'NAME=value ...'", default="",
                    help="the run configuration in the engine's own variables, e.g. 'PIPE=1 DIRECT=1 CAP=4 CAP_RAISE=0'")
+    g.add_argument("--baseline-env", metavar="'NAME=value ...'", default="",
+                   help="variables for the --baseline arm only, over --runtime-env (e.g. its own COLI_MODEL_DIRS)")
+    g.add_argument("--container-env", metavar="'NAME=value ...'", default="",
+                   help="variables for the --container arm only, over --runtime-env (e.g. its own COLI_MODEL_DIRS)")
     g.add_argument("--ngen", type=int, default=32, help="tokens generated per run (NGEN)")
     g.add_argument("--timeout", type=float, help="kill a run after this many seconds (recorded as exit status -9)")

@@ -87,7 +87,8 @@ def format_verify(src, dst, problems: list[str], summary: dict, full: bool) -> s
         return "\n".join(problems[:VERIFY_LISTED] + ([f"... and {more} more problem(s) (--json lists every one)"] if more > 0 else []))
     how = "byte for byte and by xxh3-128" if full else "by xxh3-128"
     split = f", {summary['split_tensors']} split tensors reassembled exactly from their segments" if summary["split_tensors"] else ""
-    lines = [f"verified {dst}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold"]
+    where = f" (split: {dst} then {', '.join(summary['split_dirs'])}, each tensor once among them)" if summary.get("split_dirs") else ""
+    lines = [f"verified {dst}{where}: {summary['tensors']} tensors identical to {src} {how}{split}; runtime constraints hold"]
     if summary.get("format_stamps"):
         lines.append(f"format stamps: all {summary['format_stamps']} of {src} in {dst}, each in the shard holding its tensor")
     lines += [f"note: {n}" for n in summary.get("runtime_file_notes", [])]

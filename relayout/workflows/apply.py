@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from containers.container import MANIFEST_NAME, Container
-from containers.destination import check_new_destination
+from containers.split_destination import check_new_destinations, split_directories
 from containers.errors import InputError
 from containers.hashing import digest_of
 from containers.layout import SLOTS, slot_name
@@ -105,12 +105,13 @@ def check_gate(gate: GateRecord | None, plan: Plan, fingerprint: str, force: boo
 
 
 def preflight(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
-              manifest_path: str | os.PathLike | None = None) -> tuple[Container, dict]:
+              manifest_path: str | os.PathLike | None = None, split: list[tuple[str, list[str]]] = ()) -> tuple[Container, dict]:
     """What a rewrite of ``src_dir`` into ``dst`` would refuse, checked before any long work.
 
     Returns the opened source and its manifest; raises :class:`InputError` naming the file when
     the plan was made for a geometry or another container (saying which), the source is not
-    clean, or ``dst`` exists or is not apart from the source. Writes nothing.
+    clean, or ``dst`` (or a directory of ``split``, as :func:`rewrite_container` takes it) exists
+    or is not apart from the source. Writes nothing.
     """
     if plan.source_kind != "container":
         raise InputError(plan.path, "this plan was made for a geometry, not a container; plan against the container to rewrite it")
@@ -122,27 +123,66 @@ def preflight(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike,
         raise InputError(src_dir, f"this is not the container the plan was made for: the plan is for {made_for} "
                                   f"(fingerprint {str(plan.source_fingerprint)[:12]}...), this one is "
                                   f"{manifest['fingerprint'][:12]}...")
-    check_new_destination(dst, src.root)
+    check_new_destinations(dst, split_directories(list(split), plan.layout.files), src.root)
     return src, manifest
 
 
 def apply_plan(src_dir: str | os.PathLike, plan: Plan, dst: str | os.PathLike, gate: GateRecord | None = None,
                force: bool = False, manifest_path: str | os.PathLike | None = None, progress: bool = True,
                notify=None, *, gate_path: str | os.PathLike | None = None,
-               checked: tuple[Container, dict] | None = None) -> dict:
+               checked: tuple[Container, dict] | None = None, split: list[tuple[str, list[str]]] = ()) -> dict:
     """Check everything, rewrite ``src_dir`` into ``dst`` following ``plan``; returns the new manifest.
 
     ``gate_path`` names the gate's file in errors (the gate is rechecked before any byte is
     written). ``checked`` is what :func:`preflight` returned for the same arguments, when the
-    caller ran it before long work (the source is then not hashed twice).
+    caller ran it before long work (the source is then not hashed twice). ``split``: shards
+    written into other directories (:func:`split_of_storage`), as :func:`rewrite_container` takes it.
     """
-    src, manifest = checked if checked is not None else preflight(src_dir, plan, dst, manifest_path)
+    src, manifest = checked if checked is not None else preflight(src_dir, plan, dst, manifest_path, split)
     provenance = check_gate(gate, plan, manifest["fingerprint"], force, None if gate_path is None else str(gate_path))
-    return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress, notify, plan.path)
+    return rewrite_container(src, output_files(plan), dst, manifest, provenance, progress, notify, plan.path, split)
 
 
-def verify(src_dir, dst_dir, full: bool = False, progress: bool = True) -> tuple[list[str], dict]:
-    problems, summary = verify_containers(src_dir, dst_dir, full, progress)
+def split_of_storage(storage, plan: Plan, dirs: list[str], where: str | os.PathLike | None = None) -> list[tuple[str, list[str]]]:
+    """The shards of each split directory after the primary, from a storage description.
+
+    Parameters
+    ----------
+    storage
+        A :class:`replay.model.storage.StorageRecord` (``relayout drives --out``): its ``dirs``,
+        the primary first, name the shards each directory holds.
+    plan
+        The plan being written; every file of its layout must be in exactly one of ``storage.dirs``.
+    dirs
+        The directories of ``storage.dirs[1:]``, in that order (the value of ``COLI_MODEL_DIRS``).
+    where
+        The description's file, named in errors.
+
+    Returns
+    -------
+    list of (directory, shard names)
+        For :func:`apply_plan`'s ``split``; the shards of ``storage.dirs[0]`` stay in the primary.
+    """
+    if len(dirs) != len(storage.dirs) - 1:
+        raise InputError(where, f"splits the shards over {len(storage.dirs)} directories: give the {len(storage.dirs) - 1} "
+                                f"after the primary with --dirs (got {len(dirs)})")
+    listed = [s for d in storage.dirs for s in d.shards]
+    files = set(plan.layout.files)
+    twice = sorted({s for s in listed if listed.count(s) > 1})
+    if twice:
+        raise InputError(where, f"places shard {twice[0]} in two directories")
+    missing = sorted(files - set(listed))
+    if missing:
+        raise InputError(where, f"places no shard {missing[0]} of the plan (made for another layout?)")
+    extra = sorted(set(listed) - files)
+    if extra:
+        raise InputError(where, f"places shard {extra[0]}, which the plan does not write (made for another layout?)")
+    return [(d, list(spec.shards)) for d, spec in zip(dirs, storage.dirs[1:])]
+
+
+def verify(src_dir, dst_dir, full: bool = False, progress: bool = True, dirs: list[str] | None = None) -> tuple[list[str], dict]:
+    """:func:`containers.verify.verify_containers`, with the rewrite's provenance in the summary."""
+    problems, summary = verify_containers(src_dir, dst_dir, full, progress, dirs)
     rec = Path(dst_dir) / MANIFEST_NAME
     if rec.exists():
         m = load_manifest(rec)
@@ -151,4 +191,4 @@ def verify(src_dir, dst_dir, full: bool = False, progress: bool = True) -> tuple
     return problems, summary
 
 
-__all__ = ["apply_plan", "check_gate", "output_files", "preflight", "source_manifest", "verify"]
+__all__ = ["apply_plan", "check_gate", "output_files", "preflight", "source_manifest", "split_of_storage", "verify"]

@@ -2,8 +2,10 @@
 
 Each run is one engine process in text mode (``PROMPT=<one line of the prompts file>``): the
 container's safetensors files are evicted from the page cache just before it starts
-(:func:`replay.physical.measure.drop_cache`), the engine runs with the runtime configuration given in its
-own terms (``--runtime-env "PIPE=1 DIRECT=1 CAP=4"``) plus ``PROF=1`` (its profile lines),
+(:func:`replay.physical.measure.drop_cache`; a split layout's and its mirrors' too, from the
+directories ``COLI_MODEL_DIRS`` and ``COLI_MODEL_MIRROR`` name), the engine runs with the runtime
+configuration given in its own terms (``--runtime-env "PIPE=1 DIRECT=1 CAP=4"``, and an arm's own
+variables over them, ``--baseline-env`` / ``--container-env``) plus ``PROF=1`` (its profile lines),
 ``TOKENS=1`` (its output token ids), ``TEMP=0`` (greedy, so two containers' outputs must agree
 token for token; a ``TEMP`` in ``--runtime-env`` wins), ``NGEN`` and ``ROUTE_TRACE`` (its routing,
 for the replay model). Repetitions interleave the arms: per repetition and prompt the baseline and
@@ -24,7 +26,7 @@ import contextlib
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -38,10 +40,13 @@ _OURS = (STDOUT_FILE, STDERR_FILE, ROUTE_FILE, RUN_FILE)
 
 @dataclass(frozen=True)
 class EngineArm:
-    """A container measured: ``name`` is the arm's directory under the output (``baseline`` or ``container``)."""
+    """A container measured: ``name`` is the arm's directory under the output (``baseline`` or
+    ``container``); ``env``: the engine's variables for this arm only, over the runs' common ones
+    (a split layout's ``COLI_MODEL_DIRS``, say)."""
 
     name: str
     container: Path
+    env: dict = field(default_factory=dict)
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -62,6 +67,19 @@ def container_files(container: Path) -> list[Path]:
     files = sorted(p for p in container.glob("*.safetensors") if p.is_file())
     if not files:
         raise InputError(container, "no .safetensors files: not a colibrì container directory")
+    return files
+
+
+def model_files(container: Path, env: dict) -> list[Path]:
+    """The shards the engine may read: the container's, and those of the split and mirror
+    directories ``env`` names (``COLI_MODEL_DIRS``, ``COLI_MODEL_MIRROR`` or ``SNAP_MIRROR``: lists
+    separated by ``;`` or ``,``, entries trimmed, as the engine reads them)."""
+    files = container_files(container)
+    for var in ("COLI_MODEL_DIRS", "COLI_MODEL_MIRROR", "SNAP_MIRROR"):
+        for entry in env.get(var, "").replace(",", ";").split(";"):
+            d = Path(entry.strip())
+            if entry.strip() and d.is_dir():
+                files += sorted(p for p in d.glob("*.safetensors") if p.is_file())
     return files
 
 
@@ -109,13 +127,13 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
         out_fd, err_fd = create_exclusive(dir_fd, STDOUT_FILE), create_exclusive(dir_fd, STDERR_FILE)
     finally:
         os.close(dir_fd)
-    set_env = {**FIXED_ENV, **runtime_env, "SNAP": str(arm.container), "PROMPT": prompt, "NGEN": str(ngen),
+    set_env = {**FIXED_ENV, **runtime_env, **arm.env, "SNAP": str(arm.container), "PROMPT": prompt, "NGEN": str(ngen),
                "ROUTE_TRACE": str(partial / ROUTE_FILE)}
     env = {**os.environ, **set_env}
     argv = [str(engine)]
     from replay.physical.measure import drop_cache        # the harness's module compiles the model: loaded only to run
 
-    cold = drop_cache(container_files(arm.container))
+    cold = drop_cache(model_files(arm.container, set_env))
     load = os.getloadavg()[0]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t0 = time.monotonic()
@@ -163,7 +181,7 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
     -------
     The run directories, in schedule order.
     """
-    engine = Path(engine)
+    engine = Path(os.path.abspath(engine))
     if not (engine.is_file() and os.access(engine, os.X_OK)):
         raise InputError(engine, "not an executable file (the colibrì engine binary)")
     if reps < 1 or ngen < 1:
@@ -172,7 +190,8 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
         if not arm.container.is_dir():
             raise InputError(arm.container, "not a directory (a colibrì container)")
         container_files(arm.container)
-    out_dir = make_dirs(out_dir)
+    out_dir = make_dirs(os.path.abspath(out_dir))    # the engine runs in the run's directory: paths given to it are absolute
+    arms = [EngineArm(a.name, Path(os.path.abspath(a.container)), a.env) for a in arms]
     done = []
     plan = schedule(arms, len(prompts), reps)
     for i, (arm, p, rep) in enumerate(plan, 1):
