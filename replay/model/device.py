@@ -26,6 +26,8 @@ from replay.model.jit import HELPER, LOOP, trailing_zeros
 
 DEFAULT_READ_AHEAD_BYTES = 128 * 1024
 """Linux's default readahead maximum, ``read_ahead_kb`` 128 (bytes)."""
+DEFAULT_MEMORY_BANDWIDTH = 10e9
+"""The page-cache copy rate a profile that does not give one has (bytes/s, one thread)."""
 
 MAX_MEMBERS = 256
 """The most drives an array profile may stripe over."""
@@ -144,7 +146,13 @@ def read_alone_seconds(drive: DriveProfile, size: int) -> float:
 
 @dataclass(frozen=True)
 class ArrayProfile:
-    """A RAID-0 array (or a single drive) behind a host link."""
+    """A RAID-0 array (or a single drive) behind a host link.
+
+    ``read_ahead_bytes``: the system's readahead maximum (bytes). ``memory_bandwidth``: the rate
+    (bytes/s) at which one thread copies a buffered read that the page cache serves into its read
+    buffer (a page-cache hit's rate; ``relayout calibrate`` measures it, 10e9 where a profile does
+    not give it).
+    """
 
     name: str
     drive: DriveProfile
@@ -156,6 +164,7 @@ class ArrayProfile:
     page_cache_fraction: float = 0.0
     description: str = ""
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
+    memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
 
     def __post_init__(self):
         for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
@@ -189,6 +198,9 @@ class ArrayProfile:
         r = self.read_ahead_bytes
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 1 << 30:
             raise InputError(self.name, f"read_ahead_bytes is {r!r}, not an integer of 0 to 1 GiB")
+        mb = self.memory_bandwidth
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or not 0 < mb <= MAX_RATE:
+            raise InputError(self.name, f"memory_bandwidth is {mb!r}, not a finite number of bytes/s above 0 and at most {MAX_RATE:g}")
         if self.drive.request_seconds < 0 or self.drive.bandwidth <= 0 or self.host_bandwidth <= 0 or self.drive.queue_slots < 1:
             raise InputError(self.name, "request cost must be >= 0, bandwidths and queue slots positive")
         b1 = self.drive.stream_bandwidth
@@ -231,14 +243,17 @@ class ArrayProfile:
         return replace(self, drive=drive, host_bandwidth=self.host_bandwidth * factor)
 
     def to_json(self) -> dict:
-        """The profile as JSON; a drive without request channel time (``c = 0``) and a profile
-        with Linux's default readahead (128 KiB) are written without the field, as profiles were
-        before it existed, so that their digests stay what they were."""
+        """The profile as JSON; a drive without request channel time (``c = 0``), a profile
+        with Linux's default readahead (128 KiB) and one with the default page-cache copy rate
+        (10e9 bytes/s) are written without the field, as profiles were before it existed, so that
+        their digests stay what they were."""
         obj = asdict(self)
         if not self.drive.request_channel_seconds:
             del obj["drive"]["request_channel_seconds"]
         if self.read_ahead_bytes == DEFAULT_READ_AHEAD_BYTES:
             del obj["read_ahead_bytes"]
+        if self.memory_bandwidth == DEFAULT_MEMORY_BANDWIDTH:
+            del obj["memory_bandwidth"]
         return obj
 
     def digest(self) -> str:
