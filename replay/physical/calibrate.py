@@ -432,9 +432,10 @@ def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = 
         resident = None
         residency = open_residency([fd], [path])
         if residency is not None:
-            held = residency[0].cached_run(0, region)
-            resident = held / region
-            residency[0].close()
+            try:
+                resident = residency[0].cached_run(0, region) / region
+            finally:
+                residency[0].close()
     except OSError as exc:
         raise InputError(path, f"read failed: {exc.strerror or exc}") from None
     finally:
