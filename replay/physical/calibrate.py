@@ -502,21 +502,23 @@ def buffer_request_limit(system_bytes: int | None, small_pages: dict | None, hug
     smaller of it and ``max_segments`` pages, unless ``transparent_hugepage`` is ``always``
     (then such buffers are huge pages too).
     """
-    system = f"the system's max_sectors_kb, {system_bytes // 1024} KiB" if system_bytes else "no limit the system gives"
+    system = "the system's max_sectors_kb" if system_bytes else "no limit the system gives"
     if huge_pages:
-        return system_bytes, f"{system}: huge-page buffers"
+        return system_bytes, f"{system}; huge-page buffers do not lower it"
     if not direct:
-        return system_bytes, f"{system}: reads through the page cache, whose pages, not the buffer's, make the requests"
+        return system_bytes, f"{system}; reads through the page cache, whose pages, not the buffer's, make the requests"
     if small_pages is None:
-        return system_bytes, f"{system}: the system does not say max_segments"
+        return system_bytes, f"{system}; max_segments unknown"
     mode = small_pages.get("transparent_hugepage")
     if mode == "always":
-        return system_bytes, f"{system}: transparent_hugepage=always makes the engine's buffers huge pages too"
-    pages = small_pages["bytes"]
+        return system_bytes, f"{system}; transparent_hugepage=always makes the engine's buffers huge pages too"
+    pages, segments = small_pages["bytes"], small_pages["max_segments"]
     if system_bytes and system_bytes <= pages:
-        return system_bytes, f"{system}: no more than {small_pages['max_segments']} base pages"
-    return pages, (f"{small_pages['max_segments']} segments of {small_pages['page_bytes'] // 1024} KiB base pages "
-                   f"with transparent_hugepage={mode or 'unknown'}, below {system}")
+        return system_bytes, f"{system}, no more than {segments} base pages"
+    return pages, (f"{segments} segments of {small_pages['page_bytes'] // 1024} KiB base pages with "
+                   f"transparent_hugepage={mode or 'unknown'}"
+                   + (f", below the system's max_sectors_kb of {system_bytes // 1024} KiB" if system_bytes
+                      else "; the system gives no other limit"))
 
 
 BUFFER_REASONS = {
