@@ -23,7 +23,7 @@ def cmd_calibrate(args) -> int:
     from containers.atomic import write_json_atomic
     from replay.physical.calibrate import calibrate
 
-    profile = calibrate(args.path, args.size_mb, args.seconds, args.name)
+    profile = calibrate(args.path, args.size_mb, args.seconds, args.name, buffers=args.buffers)
     write_json_atomic(args.output, profile)
     print(format_calibration(profile))
     print(f"wrote {args.output} (use it as --device {args.output})")

@@ -5,6 +5,7 @@ their functions are in :mod:`relayout.cli.commands_measurement`.
 from __future__ import annotations
 
 from replay.evaluation.evidence import MIN_SESSIONS
+from replay.physical.buffers import BUFFER_KINDS
 
 import relayout.cli.commands_measurement as commands
 
@@ -20,6 +21,10 @@ def add_calibrate(sub) -> None:
     s.add_argument("--size-mb", type=opt.integer(64, 1 << 30), default=1024, help="test file size when PATH is a directory, MiB (>= 64)")
     s.add_argument("--seconds", type=opt.number(0.05, 60.0), default=0.4, help="time per (request size, queue depth) cell (0.05-60)")
     s.add_argument("--name", help="profile name (default: from PATH)")
+    s.add_argument("--buffers", choices=BUFFER_KINDS, default="engine",
+                   help="read into buffers as colibri's (engine: no huge pages asked for, so with O_DIRECT a request is "
+                        "at most max_segments base pages unless transparent_hugepage is always) or the relayout "
+                        "harness's (huge-pages: MADV_HUGEPAGE, requests up to max_sectors_kb); default: engine")
 
 
 def add_measure(sub) -> None:

@@ -6,8 +6,12 @@ from __future__ import annotations
 def small_page_warning(profile: dict) -> str | None:
     """The sentence saying that buffers of scattered pages reach the calibrated device in smaller
     requests than the profile assumes (:func:`replay.physical.calibrate.small_page_request_limit`), or None
-    when they do not, or the system does not say."""
-    d, small = profile["drive"], profile.get("calibration", {}).get("small_page_request_limit")
+    when they do not, the system does not say, or the calibration read into such buffers itself
+    (``calibration.buffers.kind`` ``engine``; a profile that does not say read into huge pages)."""
+    cal = profile.get("calibration", {})
+    d, small = profile["drive"], cal.get("small_page_request_limit")
+    if cal.get("buffers", {}).get("kind", "huge-pages") != "huge-pages":
+        return None
     if not small or not d.get("max_request_bytes") or small["bytes"] >= d["max_request_bytes"]:
         return None
     return (f"read into buffers of scattered {small['page_bytes'] // 1024} KiB pages, a request here is at most "
@@ -16,6 +20,41 @@ def small_page_warning(profile: dict) -> str | None:
             "posix_memalign, no MADV_HUGEPAGE) gets them only with transparent_hugepage=always (here: "
             f"{small['transparent_hugepage'] or 'unknown'}), and may then read slower, and unevenly from run to run, "
             "than this profile predicts")
+
+
+def buffers_sentence(profile: dict) -> str | None:
+    """Which read buffers the calibration read into and the request limit that gave its fit
+    (:func:`replay.physical.calibrate.buffer_request_limit`), in words; None for a profile that
+    does not say."""
+    cal = profile.get("calibration", {})
+    b, limit = cal.get("buffers"), cal.get("request_limit")
+    if not b or not limit:
+        return None
+    size = f"{limit['bytes'] // 1024} KiB" if limit["bytes"] else "unlimited"
+    return f"read buffers: {b['kind']}, {b['what']}; requests of at most {size}: {limit['reason']}"
+
+
+def copy_sentence(profile: dict) -> str | None:
+    """The page-cache copy rates (:func:`replay.physical.calibrate.page_cache_copy`) in words: one
+    thread's (the profile's ``memory_bandwidth``) and several threads' together, against the
+    cores; None when not measured."""
+    c = profile.get("calibration", {}).get("page_cache_copy")
+    if not c:
+        return None
+    first, *more = c["rates"]
+    text = (f"page-cache hits ({c['read_bytes'] / 2**20:g} MiB buffered reads over {c['region_bytes'] / 2**20:g} MiB held "
+            f"in the page cache) copied at {first['bytes_per_second'] / 1e9:.2f} GB/s on {first['threads']} thread"
+            f"{'s' if first['threads'] != 1 else ''} (memory_bandwidth)")
+    if more:
+        text += "; together " + ", ".join(
+            f"{r['threads']} threads {r['bytes_per_second'] / 1e9:.2f} GB/s (x{r['bytes_per_second'] / first['bytes_per_second']:.2f})"
+            for r in more)
+    if c.get("cores"):
+        text += f", on {c['cores']} core{'s' if c['cores'] != 1 else ''}"
+    if c.get("resident_fraction") is not None and c["resident_fraction"] < 1:
+        text += (f"; only {c['resident_fraction']:.0%} of the region was in the page cache afterwards: some reads "
+                 "waited for the drive, so these rates are low")
+    return text
 
 
 MERGE_AGREES = 0.25
@@ -35,7 +74,8 @@ def merge_sentence(profile: dict) -> tuple[str, float | None] | None:
     us = 1e6
     saved, low, high, predicted = (m["saving_seconds"], m["saving_low_seconds"], m["saving_high_seconds"],
                                    m["predicted_saving_seconds"])
-    head = (f"merging two back-to-back {m['size'] / 2**20:g} MiB reads into one saved {saved * us:.0f} us "
+    size = f"{m['size'] / 2**20:g} MiB" if m["size"] % 2**20 == 0 else f"{m['size'] / 1024:g} KiB"
+    head = (f"merging two back-to-back {size} reads into one saved {saved * us:.0f} us "
             f"[{low * us:.0f}, {high * us:.0f}] (median of {m['pairs']} pairs), the profile predicts {predicted * us:.0f} us")
     ratio = predicted / saved if saved > 0 else None
     if high <= 0:
@@ -98,9 +138,15 @@ def format_calibration(profile: dict) -> str:
         w = fit["worst_cell"]
         lines.append(f"fit error |log(fitted/measured)|: RMS {fit['rms_log_error']:.2f}, worst {fit['max_abs_log_error']:.2f} "
                      f"({w['size']} B at QD {w['depth']}: {w['error']:+.0%})")
+    buffers = buffers_sentence(profile)
+    if buffers:
+        lines.append(buffers)
     warning = small_page_warning(profile)
     if warning:
         lines.append(warning)
+    copy = copy_sentence(profile)
+    if copy:
+        lines.append(copy)
     spread = completion_sentence(profile)
     if spread:
         lines.append(spread[0])

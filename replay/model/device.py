@@ -26,6 +26,8 @@ from replay.model.jit import HELPER, LOOP, trailing_zeros
 
 DEFAULT_READ_AHEAD_BYTES = 128 * 1024
 """Linux's default readahead maximum, ``read_ahead_kb`` 128 (bytes)."""
+DEFAULT_MEMORY_BANDWIDTH = 10e9
+"""The page-cache copy rate a profile that does not give one has (bytes/s, one thread)."""
 
 MAX_MEMBERS = 256
 """The most drives an array profile may stripe over."""
@@ -144,11 +146,13 @@ def read_alone_seconds(drive: DriveProfile, size: int) -> float:
 
 @dataclass(frozen=True)
 class ArrayProfile:
-    """A RAID-0 array (or a single drive) behind a host link, and the machine's copy rate.
+    """A RAID-0 array (or a single drive) behind a host link.
 
-    ``memory_bandwidth`` (bytes/s): the rate one thread copies a buffered read that the page cache
-    serves into its read buffer (a page-cache hit's rate), written by ``relayout calibrate``;
-    10e9 when a profile does not give it."""
+    ``read_ahead_bytes``: the system's readahead maximum (bytes). ``memory_bandwidth``: the rate
+    (bytes/s) at which one thread copies a buffered read that the page cache serves into its read
+    buffer (a page-cache hit's rate; ``relayout calibrate`` measures it, 10e9 where a profile does
+    not give it).
+    """
 
     name: str
     drive: DriveProfile
@@ -160,7 +164,7 @@ class ArrayProfile:
     page_cache_fraction: float = 0.0
     description: str = ""
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
-    memory_bandwidth: float = 10e9
+    memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
 
     def __post_init__(self):
         for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
@@ -241,15 +245,15 @@ class ArrayProfile:
 
     def to_json(self) -> dict:
         """The profile as JSON; a drive without request channel time (``c = 0``), a profile
-        with Linux's default readahead (128 KiB) and one with the default copy rate (10e9 bytes/s)
-        are written without the field, as profiles were before it existed, so that their digests
-        stay what they were."""
+        with Linux's default readahead (128 KiB) and one with the default page-cache copy rate
+        (10e9 bytes/s) are written without the field, as profiles were before it existed, so that
+        their digests stay what they were."""
         obj = asdict(self)
         if not self.drive.request_channel_seconds:
             del obj["drive"]["request_channel_seconds"]
         if self.read_ahead_bytes == DEFAULT_READ_AHEAD_BYTES:
             del obj["read_ahead_bytes"]
-        if self.memory_bandwidth == 10e9:
+        if self.memory_bandwidth == DEFAULT_MEMORY_BANDWIDTH:
             del obj["memory_bandwidth"]
         return obj
 

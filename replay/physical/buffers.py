@@ -20,6 +20,12 @@ stretch of a mapping: a buffer starting at a chance offset within one had its fi
 partial stretches in small pages (about 11% of the buffers' memory, and a start offset anywhere
 in 0-2 MiB, so again a speed that differed from buffer to buffer). Each buffer therefore starts
 on a huge-page boundary and is a whole number of huge pages.
+
+A runtime that does not ask for huge pages reads into small pages: colibrì's buffers come from
+``posix_memalign`` without ``MADV_HUGEPAGE``, so they are huge pages only where
+``transparent_hugepage`` is ``always``. ``read_buffer(n, huge_pages=False)`` is such a buffer
+(private anonymous memory, page-aligned, touched, nothing requested), the kind ``relayout
+calibrate --buffers engine`` measures the drive through (:data:`BUFFER_KINDS`).
 """
 
 from __future__ import annotations
@@ -42,12 +48,25 @@ def huge_page_bytes() -> int:
 
 HUGE_PAGE = huge_page_bytes()
 
+BUFFER_KINDS = ("engine", "huge-pages")
+"""The read buffers calibration can read into: ``engine``, as colibrì's (no huge pages asked
+for: ``read_buffer(n, huge_pages=False)``); ``huge-pages``, the relayout harness's
+(``read_buffer(n)``)."""
 
-def read_buffer(nbytes: int) -> memoryview:
+
+def read_buffer(nbytes: int, huge_pages: bool = True) -> memoryview:
     """A writable buffer of at least ``nbytes`` bytes (a whole number of pages, at least one),
-    private anonymous memory starting on a huge-page boundary, with transparent huge pages
-    requested over whole huge pages, every page touched so that no timed read faults one in."""
+    private anonymous memory, every page touched so that no timed read faults one in.
+
+    ``huge_pages`` (the harness's buffers): starting on a huge-page boundary, with transparent
+    huge pages requested over whole huge pages. Otherwise (a runtime's buffers that ask for
+    nothing, as colibrì's ``posix_memalign`` ones): page-aligned, no advice given, so the system
+    backs it with huge pages only where ``transparent_hugepage`` is ``always``."""
     n = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    if not huge_pages:
+        mem = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mem[:] = bytes(n)
+        return memoryview(mem)
     span = -(-n // HUGE_PAGE) * HUGE_PAGE
     mem = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):

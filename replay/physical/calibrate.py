@@ -23,8 +23,16 @@ drive is fitted with its own steady-state equation (:func:`replay.model.device.q
 read holding one slot, for the command only). What merging two reads into one saves is then measured directly
 (:func:`merge_saving`: two back-to-back reads against one of their joint size) and reported beside
 what the fitted model predicts for it, which is what coalescing's gain rests on; the fit does not
-use it. The request size a buffer of scattered small pages gets
-(:func:`small_page_request_limit`) is measured and reported beside the fit, which does not use it.
+use it. The page-cache copy rate (:func:`page_cache_copy`: buffered reads the page cache serves,
+copied into read buffers by one thread, and by 2 and 4 at once) is measured last; its one-thread
+rate is the profile's ``memory_bandwidth``.
+
+The reads land in buffers of the kind asked for (:data:`replay.physical.buffers.BUFFER_KINDS`):
+``engine``, as colibrì's (``posix_memalign``, no huge pages asked for), or ``huge-pages``, the
+relayout harness's. Under O_DIRECT a buffer of scattered base pages caps a request at
+``max_segments`` pages (:func:`small_page_request_limit`), so with ``engine`` buffers the request
+limit the fit uses and the profile gives is the smaller of that and the system's
+``max_sectors_kb``, unless ``transparent_hugepage`` is ``always`` (:func:`buffer_request_limit`).
 
 PATH may be a file (read only) or a directory (a test file is written there under an
 unpredictable name, created exclusively, fsynced, and removed however the calibration ends).
@@ -45,7 +53,8 @@ import numpy as np
 from containers.atomic import create_temp, describe_os_error, fsync_fd, open_dir, remove_temps
 from containers.errors import InputError
 
-from replay.physical.buffers import read_buffer
+from replay.physical.buffers import BUFFER_KINDS, read_buffer
+from replay.physical.residency import open_residency
 from replay.model.device import DEFAULT_READ_AHEAD_BYTES, DriveProfile, queue_throughput, read_alone_seconds
 
 SIZES = (4096, 65536, 524288, 4 * 1024 * 1024, 32 * 1024 * 1024)
@@ -93,13 +102,16 @@ MIN_CELL_SECONDS = 0.05
 MAX_CELL_SECONDS = 60.0
 
 
-def _cell(path: Path, size: int, depth: int, seconds: float, seed: int) -> Cell:
+def _cell(path: Path, size: int, depth: int, seconds: float, seed: int, huge_pages: bool = True) -> Cell:
+    """``depth`` threads reading ``size`` bytes at random aligned offsets of ``path`` for
+    ``seconds``, page cache bypassed, each into its own buffer (:func:`read_buffer` of the kind
+    ``huge_pages`` says)."""
     fd, direct = _open(path)
     if not direct:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     file_size = os.fstat(fd).st_size
     slots = max(1, (file_size - size) // ALIGN)
-    bufs = [read_buffer(size) for _ in range(depth)]
+    bufs = [read_buffer(size, huge_pages) for _ in range(depth)]
     stop = time.perf_counter() + seconds
     lat: list[float] = []
     lock = threading.Lock()
@@ -133,7 +145,7 @@ SPREAD_ROUNDS = 5
 
 
 def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: int = SPREAD_READ_BYTES,
-                      rounds: int = SPREAD_ROUNDS) -> dict:
+                      rounds: int = SPREAD_ROUNDS, huge_pages: bool = True) -> dict:
     """How the device serves concurrent reads: ``depth`` threads released together each read
     ``size`` bytes (fewer if the file is small) at their own aligned offset, ``rounds`` times
     (page cache bypassed as :func:`calibrate` does it). Per round, the time from the first read's
@@ -144,7 +156,8 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
     itself among them (``shared``) completes them together: near 1 (this project's virtio disk:
     0.98-0.99). :func:`drive_service` turns it into the profile's discipline. A layer's demand
     reads are such a batch: in order, the compute thread works on the first experts while the
-    later ones arrive; shared, it cannot.
+    later ones arrive; shared, it cannot. ``huge_pages``: the kind of read buffer
+    (:func:`replay.physical.buffers.read_buffer`).
 
     Returns ``depth``, ``size`` (bytes), ``rounds``, ``first_over_last`` (median over the rounds)
     and ``in_order`` (``1 / depth``, what an in-order drive gives, latency aside).
@@ -155,7 +168,7 @@ def completion_spread(path: str | os.PathLike, depth: int = SPREAD_DEPTH, size: 
         size = min(size, file_size // depth // ALIGN * ALIGN)
         if size <= 0:
             raise InputError(Path(path), f"too small for {depth} concurrent reads")
-        bufs = [read_buffer(size) for _ in range(depth)]
+        bufs = [read_buffer(size, huge_pages) for _ in range(depth)]
         bases = (file_size - depth * size) // ALIGN + 1      # aligned places for a round's reads
         ratios, failed = [], []
         for r in range(rounds):
@@ -199,7 +212,7 @@ request (large reads, as expert reads are: Qwen3-30B-A3B's are 2.4 MB, GLM-5.2's
 
 
 def merge_timings(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, lone: bool = False,
-                  gaps_us=(), seed: int = 0) -> dict:
+                  gaps_us=(), seed: int = 0, huge_pages: bool = True) -> dict:
     """Seconds of reads on the device holding ``path`` (read only, page cache bypassed as
     :func:`calibrate` does it), ``pairs`` repetitions, the kinds in random order within each, each
     read at a random aligned offset: ``"pair"``, two reads of ``size`` bytes (aligned down to 4 KiB)
@@ -207,6 +220,7 @@ def merge_timings(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, 
     read of ``2 size`` bytes (the two merged); with ``lone``, ``"one"``, a single read of ``size``;
     for each ``g`` in ``gaps_us``, ``("gap", g)``: two reads of ``size`` with the second issued
     ``g`` us after the first completed (the thread busy meanwhile; the gap not counted).
+    ``huge_pages``: the kind of read buffer (:func:`replay.physical.buffers.read_buffer`).
 
     Returns each kind's seconds per repetition (numpy arrays, paired by index) and ``size``.
     """
@@ -219,7 +233,7 @@ def merge_timings(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, 
         file_size = os.fstat(fd).st_size
         if file_size < 2 * size + ALIGN:
             raise InputError(path, f"too small for a {2 * size}-byte merged read")
-        first, second = read_buffer(2 * size), read_buffer(size)
+        first, second = read_buffer(2 * size, huge_pages), read_buffer(size, huge_pages)
         rng = np.random.default_rng(seed)
 
         def offset(n: int) -> int:
@@ -262,10 +276,11 @@ def median_interval(x: np.ndarray, seed: int = 0, draws: int = 1000) -> tuple[fl
     return float(np.median(x)), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
 
 
-def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, seed: int = 0) -> dict:
+def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, seed: int = 0,
+                 huge_pages: bool = True) -> dict:
     """What merging two reads into one saves on the device holding ``path``, measured the way a
     loader thread reads (:func:`merge_timings`: two back-to-back reads of ``size`` bytes against
-    one of ``2 size``, ``pairs`` times).
+    one of ``2 size``, ``pairs`` times, into read buffers of the kind ``huge_pages`` says).
 
     The queue model (:mod:`replay.model.device`) predicts the saving from the fitted parameters:
     ``2 l(s) - l(2 s)`` for lone reads (:func:`replay.model.device.read_alone_seconds`), the command ``a``
@@ -277,7 +292,7 @@ def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, s
     ``saving_seconds`` (the median of the paired differences) with its 95% bootstrap interval
     ``saving_low_seconds``, ``saving_high_seconds``.
     """
-    t = merge_timings(path, size, pairs, seed=seed)
+    t = merge_timings(path, size, pairs, seed=seed, huge_pages=huge_pages)
     saving, low, high = median_interval(t["pair"] - t["merged"], seed)
     return {"size": t["size"], "pairs": pairs, "pair_seconds": float(np.median(t["pair"])),
             "merged_seconds": float(np.median(t["merged"])), "saving_seconds": saving,
@@ -287,16 +302,18 @@ def merge_saving(path: str | os.PathLike, size: int, pairs: int = MERGE_PAIRS, s
 PROBE_SECONDS = 1.0
 
 
-def probe_rate(path: str | os.PathLike, size: int, depth: int, seconds: float = PROBE_SECONDS, seed: int = 0) -> float:
+def probe_rate(path: str | os.PathLike, size: int, depth: int, seconds: float = PROBE_SECONDS, seed: int = 0,
+               huge_pages: bool = True) -> float:
     """The disk's rate now (bytes/s): ``depth`` outstanding random aligned reads of ``size`` bytes
     of the file at ``path`` (only read, page cache bypassed as :func:`calibrate` does it) for
-    ``seconds``. One cell of the calibration grid, to follow a disk whose speed drifts
-    (``relayout validate``). The file must hold at least ``size`` bytes plus one alignment unit.
+    ``seconds``, into read buffers of the kind ``huge_pages`` says. One cell of the calibration
+    grid, to follow a disk whose speed drifts (``relayout validate``). The file must hold at least
+    ``size`` bytes plus one alignment unit.
     """
     path = Path(path)
     if path.stat().st_size < size + ALIGN:
         raise InputError(path, f"too small for a {size}-byte probe read")
-    return _cell(path, size, depth, seconds, seed).throughput
+    return _cell(path, size, depth, seconds, seed, huge_pages).throughput
 
 
 READ_ONCE_BYTES = 4 * 1024 * 1024
@@ -361,19 +378,176 @@ def read_once(paths: list, progress=None) -> tuple[int, float]:
             os.close(fd)
 
 
-def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0.4, name: str | None = None) -> dict:
+COPY_READ_BYTES = 2 * 1024 * 1024
+"""The size of each buffered read :func:`page_cache_copy` times (bytes): an expert-sized read."""
+COPY_REGION_BYTES = 256 * 1024 * 1024
+"""The most of the file :func:`page_cache_copy` reads from (bytes): far more than a CPU's caches
+hold, so the bytes come from memory, as a runtime's page-cache hits over a large model do."""
+COPY_DESTINATION_BYTES = 32 * 1024 * 1024
+"""Each copying thread's read buffers together (bytes): reads land in them in turn, so that the
+destination is not a CPU-cached buffer either."""
+COPY_THREADS = (1, 2, 4)
+"""The thread counts :func:`page_cache_copy` measures (the first gives ``memory_bandwidth``)."""
+
+
+def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = True,
+                    threads: tuple[int, ...] = COPY_THREADS, size: int = COPY_READ_BYTES,
+                    region: int = COPY_REGION_BYTES) -> dict:
+    """How fast buffered reads that the page cache serves are copied into read buffers.
+
+    The first ``region`` bytes of ``path`` (only read; at most its size, whole reads of ``size``)
+    are read once buffered, which brings them into the page cache; then, for each count ``n`` in
+    ``threads``, ``n`` threads released together each issue buffered preads of ``size`` bytes
+    through the region (each from its own place, in file order, round and round) into their own
+    buffers (:func:`replay.physical.buffers.read_buffer` of the kind ``huge_pages`` says,
+    :data:`COPY_DESTINATION_BYTES` a thread, used in turn) for ``seconds``.
+
+    Parameters
+    ----------
+    path : the file to read.
+    seconds : time per thread count (s).
+    huge_pages : read into the harness's huge-page buffers (True) or buffers as colibrì's (False).
+    threads : the thread counts, the first the one whose rate is ``bytes_per_second``.
+    size : bytes per read.
+    region : bytes of the file read from, at most.
+
+    Returns
+    -------
+    ``read_bytes``, ``region_bytes``, ``seconds``, ``rates`` (per count: ``threads``,
+    ``bytes_per_second`` all threads together and ``per_thread_Bps``, bytes/s), ``bytes_per_second``
+    (the first count's aggregate rate), ``cores`` (CPUs this process may run on) and
+    ``resident_fraction`` (of the region's pages in the page cache after the measurement, None
+    where the system does not say: below 1, some reads waited for the drive and the rates are low).
+    """
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        region = min(region, os.fstat(fd).st_size) // size * size
+        if region <= 0:
+            raise InputError(path, f"too small for a {size}-byte page-cache read")
+        bufs = [read_buffer(max(COPY_DESTINATION_BYTES, size), huge_pages) for _ in range(max(threads))]
+        for off in range(0, region, size):                     # into the page cache
+            os.preadv(fd, [bufs[0][:size]], off)
+        rates = [_copy_rate(fd, n, seconds, size, region, bufs) for n in threads]
+        resident = None
+        residency = open_residency([fd], [path])
+        if residency is not None:
+            try:
+                resident = residency[0].cached_run(0, region) / region
+            finally:
+                residency[0].close()
+    except OSError as exc:
+        raise InputError(path, f"read failed: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count()
+    return {"read_bytes": size, "region_bytes": region, "seconds": seconds,
+            "rates": [{"threads": n, "bytes_per_second": r, "per_thread_Bps": r / n} for n, r in zip(threads, rates)],
+            "bytes_per_second": rates[0], "cores": cores, "resident_fraction": resident}
+
+
+def _copy_rate(fd: int, n: int, seconds: float, size: int, region: int, bufs: list) -> float:
+    """Bytes/s that ``n`` threads together copy with buffered preads of ``size`` bytes from the
+    first ``region`` bytes of ``fd`` into ``bufs[k]`` (thread k's, used ``size`` bytes at a
+    time in turn) in ``seconds`` (:func:`page_cache_copy`)."""
+    started: list[float] = []
+    gate = threading.Barrier(n, action=lambda: started.append(time.perf_counter()))
+    copied = [0] * n
+    ended = [0.0] * n
+    failed: list[OSError] = []
+    reads = region // size
+
+    def worker(k: int) -> None:
+        slots = len(bufs[k]) // size
+        i, slot = k * reads // n, 0
+        gate.wait()
+        stop = started[0] + seconds
+        while time.perf_counter() < stop:
+            try:
+                copied[k] += os.preadv(fd, [bufs[k][slot * size:(slot + 1) * size]], (i % reads) * size)
+            except OSError as exc:
+                failed.append(exc)
+                break
+            i, slot = i + 1, (slot + 1) % slots
+        ended[k] = time.perf_counter()
+
+    pool = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    if failed:
+        raise failed[0]
+    return sum(copied) / (max(ended) - started[0])
+
+
+def buffer_request_limit(system_bytes: int | None, small_pages: dict | None, huge_pages: bool,
+                         direct: bool) -> tuple[int | None, str]:
+    """The largest request (bytes, None for no known limit) calibration's reads reach the drive
+    in, and why.
+
+    Parameters
+    ----------
+    system_bytes : the system's limit (:func:`system_max_request_bytes`), None where unknown.
+    small_pages : :func:`small_page_request_limit`'s answer (None where unknown).
+    huge_pages : the reads land in huge-page buffers (the harness's) rather than colibrì's kind.
+    direct : the reads bypass the page cache with O_DIRECT (only then does the buffer shape a request).
+
+    Returns
+    -------
+    ``(bytes, reason)``: the system's limit, or with base-page buffers read with O_DIRECT the
+    smaller of it and ``max_segments`` pages, unless ``transparent_hugepage`` is ``always``
+    (then such buffers are huge pages too).
+    """
+    system = "the system's max_sectors_kb" if system_bytes else "no limit the system gives"
+    if huge_pages:
+        return system_bytes, f"{system}; huge-page buffers do not lower it"
+    if not direct:
+        return system_bytes, f"{system}; reads through the page cache, whose pages, not the buffer's, make the requests"
+    if small_pages is None:
+        return system_bytes, f"{system}; max_segments unknown"
+    mode = small_pages.get("transparent_hugepage")
+    if mode == "always":
+        return system_bytes, f"{system}; transparent_hugepage=always makes the engine's buffers huge pages too"
+    pages, segments = small_pages["bytes"], small_pages["max_segments"]
+    if system_bytes and system_bytes <= pages:
+        return system_bytes, f"{system}, no more than {segments} base pages"
+    return pages, (f"{segments} segments of {small_pages['page_bytes'] // 1024} KiB base pages with "
+                   f"transparent_hugepage={mode or 'unknown'}"
+                   + (f", below the system's max_sectors_kb of {system_bytes // 1024} KiB" if system_bytes
+                      else "; the system gives no other limit"))
+
+
+BUFFER_REASONS = {
+    "engine": "as colibrì's (posix_memalign, no huge pages asked for: huge pages only where transparent_hugepage "
+              "is always)",
+    "huge-pages": "the relayout harness's (transparent huge pages asked for with MADV_HUGEPAGE), not colibrì's",
+}
+"""What each kind of read buffer (:data:`replay.physical.buffers.BUFFER_KINDS`) is, in words."""
+
+
+def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0.4, name: str | None = None,
+              buffers: str = "huge-pages") -> dict:
     """Measure and fit; returns a device profile (JSON-ready) with the measurements attached.
 
     ``size_mb`` (MiB, >= 64) sizes the test file written in a directory ``target``; ``seconds``
-    (0.05-60) is the time spent on each (request size, queue depth) cell.
+    (0.05-60) is the time spent on each (request size, queue depth) cell and on each thread count
+    of the page-cache copy; ``buffers`` (:data:`replay.physical.buffers.BUFFER_KINDS`) the read
+    buffers: ``huge-pages`` (the default here), those of the relayout harness that ``relayout
+    validate`` measures with; ``engine``, colibrì's kind (``relayout calibrate``'s default).
     """
+    if buffers not in BUFFER_KINDS:
+        raise InputError(None, f"--buffers must be one of {', '.join(BUFFER_KINDS)}, got {buffers!r}")
     if not MIN_CELL_SECONDS <= seconds <= MAX_CELL_SECONDS:
         raise InputError(None, f"--seconds must be between {MIN_CELL_SECONDS} and {MAX_CELL_SECONDS} (time per cell), got {seconds}")
     if size_mb < 64:
         raise InputError(None, f"--size-mb must be at least 64 (the largest test read is 32 MiB), got {size_mb}")
     target = Path(target)
     with _test_file(target, size_mb * 1024 * 1024) as path:
-        return _calibrate(path, target, seconds, name)
+        return _calibrate(path, target, seconds, name, buffers)
 
 
 @contextlib.contextmanager
@@ -402,15 +576,19 @@ def _test_file(target: Path, size: int):
         raise InputError(target, "no such file or directory")
 
 
-def _calibrate(path: Path, target: Path, seconds: float, name: str | None) -> dict:
-    """:func:`calibrate` on the file ``path`` (``target``: what the user named)."""
-    _, direct = _open(path)
-    max_request = system_max_request_bytes(path)        # while the test file exists
+def _calibrate(path: Path, target: Path, seconds: float, name: str | None, buffers: str) -> dict:
+    """:func:`calibrate` on the file ``path`` (``target``: what the user named) into ``buffers``."""
+    fd, direct = _open(path)
+    os.close(fd)
+    huge = buffers == "huge-pages"
+    system_request = system_max_request_bytes(path)        # while the test file exists
     read_ahead = system_read_ahead_bytes(path)
     page_limit = small_page_request_limit(path)
-    cells = [_cell(path, s, d, seconds, i) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
-    spread = completion_spread(path)
-    merge = merge_saving(path, min(max_request or MERGE_BYTES, MERGE_BYTES) // 2)   # merged: one request
+    max_request, limit_reason = buffer_request_limit(system_request, page_limit, huge, direct)
+    cells = [_cell(path, s, d, seconds, i, huge) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
+    spread = completion_spread(path, huge_pages=huge)
+    merge = merge_saving(path, min(max_request or MERGE_BYTES, MERGE_BYTES) // 2, huge_pages=huge)   # merged: one request
+    copy = page_cache_copy(path, seconds, huge)
     service = drive_service(spread)
     fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells],
                           max_request or 0, shared=service == "shared")
@@ -419,9 +597,11 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None) -> di
     fitted = DriveProfile("fitted", a, bandwidth, slots, b1, max_request, service, c)
     merge["predicted_saving_seconds"] = 2 * read_alone_seconds(fitted, merge["size"]) - read_alone_seconds(fitted, 2 * merge["size"])
     control = "O_DIRECT (page cache bypassed)" if direct else "posix_fadvise DONTNEED before each cell (O_DIRECT unavailable)"
+    limit = f"{max_request // 1024} KiB" if max_request else "none known"
     return {
         "name": name or f"calibrated-{target.name or 'device'}",
-        "description": f"Calibrated on {path} ({os.stat(target).st_dev:#x}); cache control: {control}; readahead "
+        "description": f"Calibrated on {path} ({os.stat(target).st_dev:#x}); cache control: {control}; read buffers: "
+                       f"{buffers}, {BUFFER_REASONS[buffers]}; largest request {limit} ({limit_reason}); readahead "
                        + (f"{read_ahead // 1024} KiB (queue/read_ahead_kb)." if read_ahead is not None
                           else "unknown, Linux's default 128 KiB assumed."),
         "members": 1,
@@ -431,11 +611,14 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None) -> di
         "direct_alignment": ALIGN,
         "page_cache_fraction": 0.0,
         "read_ahead_bytes": read_ahead if read_ahead is not None else DEFAULT_READ_AHEAD_BYTES,
+        "memory_bandwidth": copy["bytes_per_second"],
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
                   "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service,
                   "request_channel_seconds": c},
         "calibration": {
             "cache_control": control,
+            "buffers": {"kind": buffers, "what": BUFFER_REASONS[buffers]},
+            "request_limit": {"bytes": max_request, "system_bytes": system_request, "reason": limit_reason},
             "cells": [{"size": c.size, "depth": c.depth, "requests": c.requests, "mean_latency_s": c.mean_latency,
                        "throughput_Bps": c.throughput, "iops": c.iops, "fitted_Bps": f["fitted_Bps"], "error": f["error"]}
                       for c, f in zip(cells, fit["cells"])],
@@ -443,6 +626,7 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None) -> di
             "small_page_request_limit": page_limit,
             "completion_spread": spread,
             "merge": merge,
+            "page_cache_copy": copy,
         },
     }
 
@@ -482,9 +666,10 @@ def small_page_request_limit(path: str | os.PathLike) -> dict | None:
     """The largest request (bytes) reaching the block device holding ``path`` when the reading
     buffer is made of scattered base pages: one segment per page, so Linux ``queue/max_segments``
     x the page size. It binds when below :func:`system_max_request_bytes`, as on a virtio disk
-    (254 x 4 KiB, about 1 MiB, against 4 MiB): calibration and the harness read into huge-page
-    buffers (:func:`replay.physical.buffers.read_buffer`), a runtime whose buffers are not (colibrì's,
-    ``posix_memalign`` without ``MADV_HUGEPAGE``) does not reach the larger size. Returns
+    (254 x 4 KiB, about 1 MiB, against 4 MiB): the harness reads into huge-page buffers
+    (:func:`replay.physical.buffers.read_buffer`), a runtime whose buffers are not (colibrì's,
+    ``posix_memalign`` without ``MADV_HUGEPAGE``) does not reach the larger size
+    (:func:`buffer_request_limit`). Returns
     ``max_segments``, ``page_bytes``, ``bytes`` and the transparent huge page mode
     (``transparent_hugepage``: ``always`` backs such buffers with huge pages, ``madvise`` only
     when asked), or ``None`` where the system does not say."""

@@ -245,9 +245,9 @@ def _device(o: EngineValidateOptions, work: WorkDir, notify):
     from .prepare import calibration_target
 
     target = calibration_target(o.container, o.path)
-    notify(f"calibrating the disk on {target} (read only when it is the container's file)")
+    notify(f"calibrating the disk on {target} into read buffers as colibrì's (read only when it is the container's file)")
     path = work.claim(DEVICE_NAME)
-    write_json_atomic(path, calibrate(target, name=f"calibrated-{o.path.resolve().name or 'disk'}"))
+    write_json_atomic(path, calibrate(target, name=f"calibrated-{o.path.resolve().name or 'disk'}", buffers="engine"))
     return load_device(str(path)), f"calibrated on {target}, saved as {path}"
 
 
