@@ -13,8 +13,8 @@ from conftest import REPO
 
 from containers.errors import InputError
 from relayout.workflows.validation.engine import EngineValidateOptions, cell_env, cell_name, check_options
-from relayout.workflows.validation.engine_record import (EngineValidationRecord, RunResult, arm_result, saving_result,
-                                                         summarize, CellResult)
+from relayout.workflows.validation.engine_record import (CellResult, EngineValidationRecord, RunResult, arm_result,
+                                                         placement_bound, saving_result, summarize)
 
 
 def _run(arm, prompt, rep, measured, predicted, tokens=20, tpot=0.010, loads=(30, 30)):
@@ -65,15 +65,32 @@ def test_no_saving_is_a_result_the_validation_can_give():
     assert s.gate_decision == "fail" and s.measured_decision == "fail" and s.decisions_agree
 
 
+def test_a_saving_no_larger_than_placement_is_not_held_against_the_model():
+    """Stock runs 0.2 ms/token slower than its byte-identical fresh copy (placement), and a layout
+    saves as much while the model predicts nothing: outside the measured interval, but within what
+    placement alone moves, so neither confirmed nor ruled out. Without the control it is ruled out."""
+    stock = _arm("stock", lambda p: 0.2 + 0.01 * p, jitter=0.0005)
+    copy = _arm("stock-copy", lambda p: 0.196 + 0.01 * p, jitter=0.0005)
+    layout = [RunResult(r.run, "random", r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, stock[k].predicted_wait_s,
+                        r.tpot_s, r.measured_loads, r.predicted_loads, 0) for k, r in enumerate(_arm("random", lambda p: 0.196 + 0.01 * p, jitter=0.0005))]
+    control = saving_result("stock-copy", stock, copy)
+    bound = placement_bound(control)
+    assert control.measured.low > 0 and abs(bound - control.measured.high) < 1e-12
+    assert saving_result("random", stock, layout).agreement == "disagrees"
+    judged = saving_result("random", stock, layout, placement_s=bound)
+    assert judged.agreement == "within placement" and "placement" in judged.words
+
+
 def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
     stock = _arm("stock", lambda p: 0.2 + 0.01 * p)
     new = _arm("louvain", lambda p: 0.1 + 0.01 * p)
+    control = saving_result("stock-copy", stock, _arm("stock-copy", lambda p: 0.2 + 0.01 * p))
     ok = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm_result("stock", stock), arm_result("louvain", new)],
-                    [saving_result("louvain", stock, new)])
+                    control.measured, placement_bound(control), [saving_result("louvain", stock, new)])
     agree, disagree, unresolved, decided, decisions, verdict, words = summarize([ok])
     assert (agree, disagree, decided, decisions, verdict) == (2, 0, 1, 1, "holds")
     off = CellResult("pipe-1-cap4", cell_env("PIPE=1", 4), [arm_result("stock", _arm("stock", lambda p: 0.2, scale=0.5))],
-                     [])
+                     control.measured, 0.0, [])
     *_, verdict2, words2 = summarize([ok, off])
     assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
     rec = EngineValidationRecord(format="relayout-engine-validation", version=1, engine="colibri", container="m",
@@ -154,6 +171,8 @@ FIXTURE = os.environ.get("RELAYOUT_COLIBRI_FIXTURE")
 @pytest.mark.skipif(not (ENGINE and FIXTURE), reason="set RELAYOUT_COLIBRI_ENGINE (a colibrì binary) and "
                                                       "RELAYOUT_COLIBRI_FIXTURE (a model it runs, docs/ENGINE.md)")
 def test_a_whole_validation_against_the_real_engine_resumes_and_counts_loads_as_the_engine(tmp_path):
+    """Stock, its placement control and a random layout, one cell, 5 held-out prompts x 2: every
+    run's expert loads as the model counts them equal the engine's; run again, every run is kept."""
     (tmp_path / "held.txt").write_text("".join(f"Held-out prompt number {i} about rivers.\n" for i in range(5)))
     (tmp_path / "train.txt").write_text("".join(f"Training prompt {i}: the history of bridges.\n" for i in range(4)))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -164,7 +183,7 @@ def test_a_whole_validation_against_the_real_engine_resumes_and_counts_loads_as_
     res = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert res.returncode in (0, 1), res.stderr
     rec = EngineValidationRecord.from_json(__import__("json").loads((tmp_path / "v" / "validation-engine.json").read_text()))
-    assert len(rec.runs) == 2 * 5 * 2 and all(a.loads_agree for c in rec.cells for a in c.arms)
+    assert len(rec.runs) == 3 * 5 * 2 and all(a.loads_agree for c in rec.cells for a in c.arms)
     assert rec.cells[0].savings[0].prompts == 5 and "verdict: the model" in res.stdout
     again = subprocess.run(argv, capture_output=True, text=True, env=env)      # resumes: every run kept
-    assert again.returncode == res.returncode and again.stderr.count("kept (complete)") == 20 + 4
+    assert again.returncode == res.returncode and again.stderr.count("kept (complete)") == 30 + 4

@@ -75,6 +75,9 @@ def format_engine_validation(rec) -> str:
     lines += ["", f"{'cell':26} {'layout':9} {'measured saving [95% CI]':>28} {'predicted':>10}  {'judged':17} "
                   "gate / measured A/B decision"]
     for c in rec.cells:
+        p = c.placement
+        lines.append(f"{c.name:26} {'placement':9} {p.estimate * ms:+8.3f} [{p.low * ms:+8.3f}, {p.high * ms:+8.3f}] "
+                     f"{'':>10}  (stock less its fresh copy: what placement alone moves)")
         for s in c.savings:
             m = s.measured
             both = f"{s.gate_decision} / {s.measured_decision}" + ("" if s.decisions_agree else "  (DIFFER)")

@@ -5,7 +5,9 @@ In the validation's directory PATH (its marker :data:`MARKER` records what it ma
 1. **Training routing.** The engine runs every training prompt once on the stock container with
    ``ROUTE_TRACE`` (``train/``); the recorded sessions train the plans (``plan-<layout>.json``),
    which are rewritten into containers (``layout-<layout>/``, a plan's container kept while its
-   plan is unchanged). The measured prompts are others: every measured session is held out.
+   plan is unchanged), with one more rewrite of the stock plan, the placement control
+   (``layout-stock-copy/``: stock's bytes in stock's order in a fresh file). The measured prompts
+   are others: every measured session is held out.
 2. **Measurement.** Per cell (a read path of ``--read-paths`` x an LRU cap of ``--caps``, with
    ``CAP_RAISE=0 AUTOPIN=0`` and ``--engine-env``), every layout runs every measured prompt
    ``--reps`` times, cold, layouts interleaved (:func:`relayout.workflows.engine_runs.measure_engine`;
@@ -36,8 +38,8 @@ from containers.errors import InputError
 
 from ..engine_runs import EngineArm, measure_engine, read_prompts
 from ..workdir import WorkDir
-from .engine_record import (ENGINE_VALIDATION_FORMAT, ENGINE_VALIDATION_VERSION, CellResult, EngineValidationRecord,
-                            RunResult, arm_result, saving_result, summarize)
+from .engine_record import (ENGINE_VALIDATION_FORMAT, ENGINE_VALIDATION_VERSION, PLACEMENT_COPY, CellResult,
+                            EngineValidationRecord, RunResult, arm_result, placement_bound, saving_result, summarize)
 from .rules import TOLERANCE
 
 DEFAULT_READ_PATHS = ("PIPE=0", "PIPE=1", "URING=1")
@@ -194,9 +196,10 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
     source = source_from_container(o.container, manifest)
     dirs = {"stock": o.container}
     sessions: list[str] = []
-    for method in o.layouts[1:]:
+    for arm in [PLACEMENT_COPY] + list(o.layouts[1:]):
+        method = "stock" if arm == PLACEMENT_COPY else arm
         plan_dict = make_plan(trace, source, method, train_fraction=1.0, seed=o.seed, progress=False)
-        plan_name, layout_name = f"plan-{method}.json", f"layout-{method}"
+        plan_name, layout_name = f"plan-{arm}.json", f"layout-{arm}"
         plan_path, layout_dir = work.path / plan_name, work.path / layout_name
         tmp = work.path / f".{plan_name}.new"
         save_plan(plan_dict, tmp)
@@ -206,11 +209,12 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
             os.unlink(tmp)
         else:
             os.replace(tmp, work.claim(plan_name))
-            notify(f"rewriting {o.container} by the {method} plan into {layout_dir}")
+            notify(f"rewriting {o.container} by the {method} plan into {layout_dir}"
+                   + (" (the placement control)" if arm == PLACEMENT_COPY else ""))
             apply_plan(o.container, load_plan(plan_path), work.claim(layout_name, layout_name + ".partial"), None, force=True,
                        manifest_path=manifest, progress=False)
         sessions = list(load_plan(plan_path).training.sessions) if not sessions else sessions
-        dirs[method] = layout_dir
+        dirs[arm] = layout_dir
     return dirs, sessions
 
 
@@ -285,18 +289,22 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
         device, device_source = _device(o, work, notify)
         layouts = {m: layout_from_container(Container.open(d)) for m, d in dirs.items()}
         cells_dir = _reused(work, "cells")
+        arms = ["stock", PLACEMENT_COPY] + list(o.layouts[1:])
         cells, all_runs = [], []
         for rp in o.read_paths:
             for cap in o.caps:
                 name, env = cell_name(rp, cap), cell_env(rp, cap, o.engine_env)
                 notify(f"cell {name}: {env}")
-                measure_engine(o.engine, [EngineArm(m, Path(dirs[m])) for m in o.layouts], prompts, o.reps,
+                measure_engine(o.engine, [EngineArm(m, Path(dirs[m])) for m in arms], prompts, o.reps,
                                env_words(env, strict=False), o.ngen, cells_dir / name, timeout_s=o.timeout_s,
                                progress=notify)
-                runs = {m: _run_results(m, cells_dir / name / m, layouts[m], device, notify) for m in o.layouts}
-                all_runs += [r for m in o.layouts for r in runs[m]]
-                cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in o.layouts],
-                                        [saving_result(m, runs["stock"], runs[m]) for m in o.layouts[1:]]))
+                runs = {m: _run_results(m, cells_dir / name / m, layouts[m], device, notify) for m in arms}
+                all_runs += [r for m in arms for r in runs[m]]
+                control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
+                bound = placement_bound(control)
+                cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured, bound,
+                                        [saving_result(m, runs["stock"], runs[m], placement_s=bound)
+                                         for m in o.layouts[1:]]))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)
         record = EngineValidationRecord(
             format=ENGINE_VALIDATION_FORMAT, version=ENGINE_VALIDATION_VERSION, engine=str(o.engine),

@@ -10,9 +10,13 @@ printed configuration (:class:`RunResult`). Judged here, all pure functions:
   against the measured S and its 95% interval over runs (Student t), with
   :func:`.rules.cell_agreement` at the ``+/-`` :data:`.rules.TOLERANCE` band: ``agrees``,
   ``unresolved`` or ``disagrees``;
+- the placement control (:data:`PLACEMENT_COPY`, the stock plan rewritten: the same bytes in the
+  same order in a fresh file) against stock: how far where a file lies moves the engine's S
+  (:func:`placement_bound`);
 - per layout against stock (:class:`SavingResult`): the saving with one unit per prompt (its
   repetitions pooled), measured and predicted; the prediction judged against the measured
-  interval (:func:`.rules.judge_saving`), and the gate's rule (:func:`replay.evaluation.evidence.judge`
+  interval and the placement bound (:func:`.rules.judge_saving`: ``within placement`` when the
+  measurement cannot tell it from placement), and the gate's rule (:func:`replay.evaluation.evidence.judge`
   at :data:`.rules.GATE_THRESHOLD` of the measured stock TPOT) applied once to the predicted
   units (the gate's decision) and once to the measured units (the measured A/B's decision).
 
@@ -35,6 +39,8 @@ from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over
 
 ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
 ENGINE_VALIDATION_VERSION = 1
+PLACEMENT_COPY = "stock-copy"
+"""The placement control's arm: the stock plan rewritten, byte for byte stock's tensors in stock's order."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class SavingResult:
     prompts: int
     measured: Interval         # s/token, Student t over prompts
     predicted: Interval        # s/token, Student t over prompts
-    agreement: str             # rules.judge_saving
+    agreement: str             # rules.judge_saving: agrees, unresolved, within placement or disagrees
     sign_agrees: bool | None   # None where the measured interval includes zero
     words: str
     need_s: float              # the saving the gate asks for: GATE_THRESHOLD x measured stock TPOT
@@ -91,6 +97,8 @@ class CellResult:
     name: str
     env: str
     arms: list[ArmResult]
+    placement: Interval        # s/token: stock's S less the placement control's, Student t over prompts
+    placement_bound_s: float   # how far placement alone moves S here (the interval's larger end in size)
     savings: list[SavingResult]
 
 
@@ -160,7 +168,8 @@ def _interval(values: list[float]) -> Interval:
     return Interval(iv.estimate, iv.low, iv.high, "prompt", len(values), "Student t")
 
 
-def saving_result(layout: str, stock: list[RunResult], new: list[RunResult], min_sessions: int = MIN_SESSIONS) -> SavingResult:
+def saving_result(layout: str, stock: list[RunResult], new: list[RunResult], min_sessions: int = MIN_SESSIONS,
+                  placement_s: float | None = None) -> SavingResult:
     """``layout``'s saving against stock over the prompts both ran, measured and predicted.
 
     Parameters
@@ -168,6 +177,7 @@ def saving_result(layout: str, stock: list[RunResult], new: list[RunResult], min
     layout : the layout's name.
     stock, new : the two arms' runs in one cell.
     min_sessions : prompts (held-out sessions) the gate's rule needs for a decision.
+    placement_s : the placement bound (s/token, :func:`placement_bound`), or None.
 
     Returns
     -------
@@ -184,10 +194,16 @@ def saving_result(layout: str, stock: list[RunResult], new: list[RunResult], min
         plan = np.array([b[p][0] / b[p][1] for p in prompts]) * tokens    # the layout's wait at stock's token count
         figures[what] = (list((base - plan) / tokens), judge(session_evidence(base, plan, tokens), need, min_sessions).verdict)
     measured, predicted = _interval(figures["measured_wait_s"][0]), _interval(figures["predicted_wait_s"][0])
-    j = judge_saving(predicted.estimate, over_repetitions(figures["measured_wait_s"][0]))
+    j = judge_saving(predicted.estimate, over_repetitions(figures["measured_wait_s"][0]), placement_s=placement_s)
     gate, meas = figures["predicted_wait_s"][1], figures["measured_wait_s"][1]
     return SavingResult(layout, len(prompts), measured, predicted, j["agreement"], j["sign_agrees"], j["words"], need,
                         gate, meas, gate == meas)
+
+
+def placement_bound(control: SavingResult) -> float:
+    """How far placement alone moves S (s/token): the larger end, in size, of the measured interval
+    of stock against the placement control."""
+    return max(abs(control.measured.low), abs(control.measured.high))
 
 
 def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, str]:
@@ -199,6 +215,7 @@ def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, st
     unresolved = len(arms) - agree - disagree
     savings = [s for c in cells for s in c.savings]
     decided = sum(s.decisions_agree for s in savings)
+    placed = sum(s.agreement == "within placement" for s in savings)
     verdict = "does not hold" if disagree else "holds" if agree == len(arms) else "unresolved"
     worst = max(arms, key=lambda a: abs(np.log(a.ratio)) if a.ratio > 0 and np.isfinite(a.ratio) else np.inf)
     sign_cases = [s for s in savings if s.sign_agrees is not None]
@@ -206,6 +223,7 @@ def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, st
                f"({disagree} ruled out, {unresolved} unresolved); the farthest is {worst.arm} in "
                f"{next(c.name for c in cells if worst in c.arms)} (predicted/measured {worst.ratio:.2f}). "
                f"The predicted saving has the measured sign in {sum(s.sign_agrees for s in sign_cases)} of the "
-               f"{len(sign_cases)} comparisons whose measured interval excludes zero; the gate's decision equals the "
-               f"measured A/B's in {decided} of {len(savings)}.")
+               f"{len(sign_cases)} comparisons whose measured interval excludes zero ({placed} of the {len(savings)} "
+               f"measured savings cannot be told from placement: two byte-identical copies of stock differ by as much); "
+               f"the gate's decision equals the measured A/B's in {decided} of {len(savings)}.")
     return agree, disagree, unresolved, decided, len(savings), verdict, summary
