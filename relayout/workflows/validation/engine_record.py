@@ -218,12 +218,14 @@ def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, st
     placed = sum(s.agreement == "within placement" for s in savings)
     verdict = "does not hold" if disagree else "holds" if agree == len(arms) else "unresolved"
     worst = max(arms, key=lambda a: abs(np.log(a.ratio)) if a.ratio > 0 and np.isfinite(a.ratio) else np.inf)
-    sign_cases = [s for s in savings if s.sign_agrees is not None]
+    sign_cases = [s for s in savings if s.sign_agrees is not None and s.agreement != "within placement"]
+    placed_differ = sum(not s.decisions_agree and s.agreement == "within placement" for s in savings)
     summary = (f"the model's S is within +/-{TOLERANCE:.0%} of the engine's in {agree} of {len(arms)} layout-cells "
                f"({disagree} ruled out, {unresolved} unresolved); the farthest is {worst.arm} in "
                f"{next(c.name for c in cells if worst in c.arms)} (predicted/measured {worst.ratio:.2f}). "
                f"The predicted saving has the measured sign in {sum(s.sign_agrees for s in sign_cases)} of the "
-               f"{len(sign_cases)} comparisons whose measured interval excludes zero ({placed} of the {len(savings)} "
-               f"measured savings cannot be told from placement: two byte-identical copies of stock differ by as much); "
-               f"the gate's decision equals the measured A/B's in {decided} of {len(savings)}.")
+               f"{len(sign_cases)} comparisons whose measured interval excludes zero and that placement does not explain "
+               f"({placed} of the {len(savings)} measured savings cannot be told from placement: two byte-identical copies "
+               f"of stock differ by as much); the gate's decision equals the measured A/B's in {decided} of {len(savings)}"
+               + (f" ({placed_differ} of the differing within placement)" if placed_differ else "") + ".")
     return agree, disagree, unresolved, decided, len(savings), verdict, summary
