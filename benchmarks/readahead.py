@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from replay.physical.calibrate import system_read_ahead_bytes
+from replay.physical.request_limits import system_read_ahead_bytes
 from replay.physical.measure import drop_cache
 from replay.physical.residency import PAGE_BYTES as PAGE
 from replay.physical.residency import FileResidency, residency_visible

@@ -33,7 +33,7 @@ import numpy as np
 
 from containers.container import Container
 from containers.layout import SCALE_SLOTS, WEIGHT_SLOTS, layout_from_container
-from replay.physical.calibrate import system_max_request_bytes, system_read_ahead_bytes
+from replay.physical.request_limits import system_max_request_bytes, system_read_ahead_bytes
 from replay.physical.measure import drop_cache
 from replay.model.pagecache import buffered_read, new_page_cache, start_session
 from replay.physical.residency import open_residency, residency_visible

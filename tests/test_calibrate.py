@@ -14,6 +14,7 @@ import pytest
 from containers.errors import InputError
 from replay.model.device import DEFAULT_MEMORY_BANDWIDTH, ArrayProfile, load_device
 from replay.physical import calibrate as cal
+from replay.physical import copy_rate, request_limits
 from replay.physical.buffers import HUGE_PAGE, read_buffer
 
 MIB = 1 << 20
@@ -71,7 +72,7 @@ def test_an_engine_buffer_is_page_aligned_touched_and_asks_for_no_huge_pages():
     (None, None, False, True, None),
 ])
 def test_the_request_limit_follows_the_buffers(system, small, huge, direct, expect):
-    limit, reason = cal.buffer_request_limit(system, small, huge, direct)
+    limit, reason = request_limits.buffer_request_limit(system, small, huge, direct)
     assert limit == expect and reason
     if expect == 254 * 4096 and system:
         assert "254 segments" in reason and "transparent_hugepage=madvise" in reason
@@ -82,7 +83,7 @@ def test_the_page_cache_copy_rate_is_measured_on_a_real_file_and_leaves_it_as_it
     data = np.random.default_rng(1).integers(0, 256, 9 * MIB, dtype=np.uint8).tobytes()
     f.write_bytes(data)
     before = f.stat()
-    c = cal.page_cache_copy(f, 0.05, huge_pages=False, threads=(1, 2))
+    c = copy_rate.page_cache_copy(f, 0.05, huge_pages=False, threads=(1, 2))
     assert c["read_bytes"] == 2 * MIB and c["region_bytes"] == 8 * MIB    # whole reads within the file
     assert [r["threads"] for r in c["rates"]] == [1, 2]
     assert all(r["bytes_per_second"] > 0 and math.isclose(r["per_thread_Bps"], r["bytes_per_second"] / r["threads"])
@@ -93,7 +94,7 @@ def test_the_page_cache_copy_rate_is_measured_on_a_real_file_and_leaves_it_as_it
     tiny = tmp_path / "tiny.bin"
     tiny.write_bytes(b"x" * 4096)
     with pytest.raises(InputError, match="tiny.bin.*too small"):
-        cal.page_cache_copy(tiny, 0.05)
+        copy_rate.page_cache_copy(tiny, 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +111,11 @@ def profiles(tmp_path_factory):
             asked.append(huge_pages)
             return real(nbytes, huge_pages)
 
-        cal.read_buffer = spy
+        cal.read_buffer = copy_rate.read_buffer = spy
         try:
             out[kind] = (cal.calibrate(d, size_mb=64, seconds=0.05, name=f"t-{kind}", buffers=kind), asked, d)
         finally:
-            cal.read_buffer = real
+            cal.read_buffer = copy_rate.read_buffer = real
     return out
 
 
@@ -126,9 +127,9 @@ def test_the_profile_records_the_buffers_read_into_and_the_request_limit_they_gi
     c = profile["calibration"]
     assert c["buffers"]["kind"] == kind and f"read buffers: {kind}" in profile["description"]
     direct = c["cache_control"].startswith("O_DIRECT")
-    system = cal.system_max_request_bytes(d)
-    small = cal.small_page_request_limit(d)
-    expect, reason = cal.buffer_request_limit(system, small, huge, direct)
+    system = request_limits.system_max_request_bytes(d)
+    small = request_limits.small_page_request_limit(d)
+    expect, reason = request_limits.buffer_request_limit(system, small, huge, direct)
     assert c["request_limit"] == {"bytes": expect, "system_bytes": system, "reason": reason}
     # the limit the fit used is the drive's
     assert profile["drive"]["max_request_bytes"] == c["fit"]["max_request_bytes"] == expect
@@ -144,7 +145,7 @@ def test_the_profile_records_the_buffers_read_into_and_the_request_limit_they_gi
 def test_the_page_cache_copy_rate_is_the_profiles_memory_bandwidth_and_loads(profiles, kind, tmp_path):
     profile, _, _ = profiles[kind]
     copy = profile["calibration"]["page_cache_copy"]
-    assert [r["threads"] for r in copy["rates"]] == list(cal.COPY_THREADS)
+    assert [r["threads"] for r in copy["rates"]] == list(copy_rate.COPY_THREADS)
     assert profile["memory_bandwidth"] == copy["rates"][0]["bytes_per_second"] > 0
     assert copy["region_bytes"] == 64 * MIB                  # the whole 64 MiB test file, in the page cache
     p = tmp_path / "device.json"

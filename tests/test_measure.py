@@ -13,7 +13,8 @@ from conftest import page_cache_evicts, run_cli, small_geometry
 from containers.container import Container
 from containers.errors import InputError
 from relayout.traces.synth import synth_trace
-from replay.physical.calibrate import calibrate, system_read_ahead_bytes
+from replay.physical.calibrate import calibrate
+from replay.physical.request_limits import system_read_ahead_bytes
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
 from replay.physical.measure import Arm, drop_cache, measure, measure_interleaved
@@ -313,16 +314,16 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
     assert dev.name == "test-disk" and dev.drive.bandwidth > 0 and dev.drive.queue_slots >= 1
     assert len(profile["calibration"]["cells"]) == 20
     assert not list(tmp_path.glob(".relayout-calibrate-*")), "the test file is removed"
-    from replay.physical.calibrate import system_max_request_bytes
+    from replay.physical.request_limits import system_max_request_bytes
 
     # read while the test file existed: the system's request limit of the disk under tmp_path
     assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(tmp_path)
-    from replay.physical.calibrate import system_read_ahead_bytes
+    from replay.physical.request_limits import system_read_ahead_bytes
 
     # and its readahead maximum, which the page cache model uses (Linux's default where unknown)
     assert dev.read_ahead_bytes == (system_read_ahead_bytes(tmp_path) if system_read_ahead_bytes(tmp_path) is not None
                                     else 128 * 1024)
-    from replay.physical.calibrate import small_page_request_limit
+    from replay.physical.request_limits import small_page_request_limit
 
     spread = profile["calibration"]["completion_spread"]          # 8 reads of 8 MiB fit the 64 MiB file
     assert spread["depth"] == 8 and spread["size"] == 8 << 20 and 0 < spread["first_over_last"] <= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def small_page_warning(profile: dict) -> str | None:
     """The sentence saying that buffers of scattered pages reach the calibrated device in smaller
-    requests than the profile assumes (:func:`replay.physical.calibrate.small_page_request_limit`), or None
+    requests than the profile assumes (:func:`replay.physical.request_limits.small_page_request_limit`), or None
     when they do not, the system does not say, or the calibration read into such buffers itself
     (``calibration.buffers.kind`` ``engine``; a profile that does not say read into huge pages)."""
     cal = profile.get("calibration", {})
@@ -24,7 +24,7 @@ def small_page_warning(profile: dict) -> str | None:
 
 def buffers_sentence(profile: dict) -> str | None:
     """Which read buffers the calibration read into and the request limit that gave its fit
-    (:func:`replay.physical.calibrate.buffer_request_limit`), in words; None for a profile that
+    (:func:`replay.physical.request_limits.buffer_request_limit`), in words; None for a profile that
     does not say."""
     cal = profile.get("calibration", {})
     b, limit = cal.get("buffers"), cal.get("request_limit")
@@ -35,7 +35,7 @@ def buffers_sentence(profile: dict) -> str | None:
 
 
 def copy_sentence(profile: dict) -> str | None:
-    """The page-cache copy rates (:func:`replay.physical.calibrate.page_cache_copy`) in words: one
+    """The page-cache copy rates (:func:`replay.physical.copy_rate.page_cache_copy`) in words: one
     thread's (the profile's ``memory_bandwidth``) and several threads' together, against the
     cores; None when not measured."""
     c = profile.get("calibration", {}).get("page_cache_copy")

@@ -54,7 +54,9 @@ from containers.atomic import create_temp, describe_os_error, fsync_fd, open_dir
 from containers.errors import InputError
 
 from replay.physical.buffers import BUFFER_KINDS, read_buffer
-from replay.physical.residency import open_residency
+from replay.physical.copy_rate import page_cache_copy
+from replay.physical.request_limits import (BUFFER_REASONS, buffer_request_limit, small_page_request_limit,
+                                            system_max_request_bytes, system_read_ahead_bytes)
 from replay.model.device import DEFAULT_READ_AHEAD_BYTES, DriveProfile, queue_throughput, read_alone_seconds
 
 SIZES = (4096, 65536, 524288, 4 * 1024 * 1024, 32 * 1024 * 1024)
@@ -378,157 +380,6 @@ def read_once(paths: list, progress=None) -> tuple[int, float]:
             os.close(fd)
 
 
-COPY_READ_BYTES = 2 * 1024 * 1024
-"""The size of each buffered read :func:`page_cache_copy` times (bytes): an expert-sized read."""
-COPY_REGION_BYTES = 256 * 1024 * 1024
-"""The most of the file :func:`page_cache_copy` reads from (bytes): far more than a CPU's caches
-hold, so the bytes come from memory, as a runtime's page-cache hits over a large model do."""
-COPY_DESTINATION_BYTES = 32 * 1024 * 1024
-"""Each copying thread's read buffers together (bytes): reads land in them in turn, so that the
-destination is not a CPU-cached buffer either."""
-COPY_THREADS = (1, 2, 4)
-"""The thread counts :func:`page_cache_copy` measures (the first gives ``memory_bandwidth``)."""
-
-
-def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = True,
-                    threads: tuple[int, ...] = COPY_THREADS, size: int = COPY_READ_BYTES,
-                    region: int = COPY_REGION_BYTES) -> dict:
-    """How fast buffered reads that the page cache serves are copied into read buffers.
-
-    The first ``region`` bytes of ``path`` (only read; at most its size, whole reads of ``size``)
-    are read once buffered, which brings them into the page cache; then, for each count ``n`` in
-    ``threads``, ``n`` threads released together each issue buffered preads of ``size`` bytes
-    through the region (each from its own place, in file order, round and round) into their own
-    buffers (:func:`replay.physical.buffers.read_buffer` of the kind ``huge_pages`` says,
-    :data:`COPY_DESTINATION_BYTES` a thread, used in turn) for ``seconds``.
-
-    Parameters
-    ----------
-    path : the file to read.
-    seconds : time per thread count (s).
-    huge_pages : read into the harness's huge-page buffers (True) or buffers as colibrì's (False).
-    threads : the thread counts, the first the one whose rate is ``bytes_per_second``.
-    size : bytes per read.
-    region : bytes of the file read from, at most.
-
-    Returns
-    -------
-    ``read_bytes``, ``region_bytes``, ``seconds``, ``rates`` (per count: ``threads``,
-    ``bytes_per_second`` all threads together and ``per_thread_Bps``, bytes/s), ``bytes_per_second``
-    (the first count's aggregate rate), ``cores`` (CPUs this process may run on) and
-    ``resident_fraction`` (of the region's pages in the page cache after the measurement, None
-    where the system does not say: below 1, some reads waited for the drive and the rates are low).
-    """
-    path = Path(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        region = min(region, os.fstat(fd).st_size) // size * size
-        if region <= 0:
-            raise InputError(path, f"too small for a {size}-byte page-cache read")
-        bufs = [read_buffer(max(COPY_DESTINATION_BYTES, size), huge_pages) for _ in range(max(threads))]
-        for off in range(0, region, size):                     # into the page cache
-            os.preadv(fd, [bufs[0][:size]], off)
-        rates = [_copy_rate(fd, n, seconds, size, region, bufs) for n in threads]
-        resident = None
-        residency = open_residency([fd], [path])
-        if residency is not None:
-            try:
-                resident = residency[0].cached_run(0, region) / region
-            finally:
-                residency[0].close()
-    except OSError as exc:
-        raise InputError(path, f"read failed: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count()
-    return {"read_bytes": size, "region_bytes": region, "seconds": seconds,
-            "rates": [{"threads": n, "bytes_per_second": r, "per_thread_Bps": r / n} for n, r in zip(threads, rates)],
-            "bytes_per_second": rates[0], "cores": cores, "resident_fraction": resident}
-
-
-def _copy_rate(fd: int, n: int, seconds: float, size: int, region: int, bufs: list) -> float:
-    """Bytes/s that ``n`` threads together copy with buffered preads of ``size`` bytes from the
-    first ``region`` bytes of ``fd`` into ``bufs[k]`` (thread k's, used ``size`` bytes at a
-    time in turn) in ``seconds`` (:func:`page_cache_copy`)."""
-    started: list[float] = []
-    gate = threading.Barrier(n, action=lambda: started.append(time.perf_counter()))
-    copied = [0] * n
-    ended = [0.0] * n
-    failed: list[OSError] = []
-    reads = region // size
-
-    def worker(k: int) -> None:
-        slots = len(bufs[k]) // size
-        i, slot = k * reads // n, 0
-        gate.wait()
-        stop = started[0] + seconds
-        while time.perf_counter() < stop:
-            try:
-                copied[k] += os.preadv(fd, [bufs[k][slot * size:(slot + 1) * size]], (i % reads) * size)
-            except OSError as exc:
-                failed.append(exc)
-                break
-            i, slot = i + 1, (slot + 1) % slots
-        ended[k] = time.perf_counter()
-
-    pool = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-    if failed:
-        raise failed[0]
-    return sum(copied) / (max(ended) - started[0])
-
-
-def buffer_request_limit(system_bytes: int | None, small_pages: dict | None, huge_pages: bool,
-                         direct: bool) -> tuple[int | None, str]:
-    """The largest request (bytes, None for no known limit) calibration's reads reach the drive
-    in, and why.
-
-    Parameters
-    ----------
-    system_bytes : the system's limit (:func:`system_max_request_bytes`), None where unknown.
-    small_pages : :func:`small_page_request_limit`'s answer (None where unknown).
-    huge_pages : the reads land in huge-page buffers (the harness's) rather than colibrì's kind.
-    direct : the reads bypass the page cache with O_DIRECT (only then does the buffer shape a request).
-
-    Returns
-    -------
-    ``(bytes, reason)``: the system's limit, or with base-page buffers read with O_DIRECT the
-    smaller of it and ``max_segments`` pages, unless ``transparent_hugepage`` is ``always``
-    (then such buffers are huge pages too).
-    """
-    system = "the system's max_sectors_kb" if system_bytes else "no limit the system gives"
-    if huge_pages:
-        return system_bytes, f"{system}; huge-page buffers do not lower it"
-    if not direct:
-        return system_bytes, f"{system}; reads through the page cache, whose pages, not the buffer's, make the requests"
-    if small_pages is None:
-        return system_bytes, f"{system}; max_segments unknown"
-    mode = small_pages.get("transparent_hugepage")
-    if mode == "always":
-        return system_bytes, f"{system}; transparent_hugepage=always makes the engine's buffers huge pages too"
-    pages, segments = small_pages["bytes"], small_pages["max_segments"]
-    if system_bytes and system_bytes <= pages:
-        return system_bytes, f"{system}, no more than {segments} base pages"
-    return pages, (f"{segments} segments of {small_pages['page_bytes'] // 1024} KiB base pages with "
-                   f"transparent_hugepage={mode or 'unknown'}"
-                   + (f", below the system's max_sectors_kb of {system_bytes // 1024} KiB" if system_bytes
-                      else "; the system gives no other limit"))
-
-
-BUFFER_REASONS = {
-    "engine": "as colibrì's (posix_memalign, no huge pages asked for: huge pages only where transparent_hugepage "
-              "is always)",
-    "huge-pages": "the relayout harness's (transparent huge pages asked for with MADV_HUGEPAGE), not colibrì's",
-}
-"""What each kind of read buffer (:data:`replay.physical.buffers.BUFFER_KINDS`) is, in words."""
-
-
 def calibrate(target: str | os.PathLike, size_mb: int = 1024, seconds: float = 0.4, name: str | None = None,
               buffers: str = "huge-pages") -> dict:
     """Measure and fit; returns a device profile (JSON-ready) with the measurements attached.
@@ -644,67 +495,6 @@ def drive_service(spread: dict) -> str:
     measurement shows: ``shared`` when the first of the reads released together completed nearer
     the last (ratio 1) than an in-order drive's ``1 / depth``, else ``in-order``."""
     return "shared" if spread["first_over_last"] >= (1 + spread["in_order"]) / 2 else "in-order"
-
-
-def system_max_request_bytes(path: str | os.PathLike) -> int | None:
-    """The largest request (bytes) the system sends the block device holding ``path``: Linux
-    ``queue/max_sectors_kb`` x 1024 (a partition's is its disk's). ``None`` where the system does
-    not say (not Linux, no block device behind the file system, unreadable)."""
-    kb = _queue_attribute(path, "max_sectors_kb")
-    return kb * 1024 if kb else None
-
-
-def system_read_ahead_bytes(path: str | os.PathLike) -> int | None:
-    """The readahead maximum (bytes) of the block device holding ``path``: Linux
-    ``queue/read_ahead_kb`` x 1024 (0 when readahead is off). ``None`` where the system does not
-    say."""
-    kb = _queue_value(path, "read_ahead_kb")
-    return kb * 1024 if kb is not None else None
-
-
-def small_page_request_limit(path: str | os.PathLike) -> dict | None:
-    """The largest request (bytes) reaching the block device holding ``path`` when the reading
-    buffer is made of scattered base pages: one segment per page, so Linux ``queue/max_segments``
-    x the page size. It binds when below :func:`system_max_request_bytes`, as on a virtio disk
-    (254 x 4 KiB, about 1 MiB, against 4 MiB): the harness reads into huge-page buffers
-    (:func:`replay.physical.buffers.read_buffer`), a runtime whose buffers are not (colibrì's,
-    ``posix_memalign`` without ``MADV_HUGEPAGE``) does not reach the larger size
-    (:func:`buffer_request_limit`). Returns
-    ``max_segments``, ``page_bytes``, ``bytes`` and the transparent huge page mode
-    (``transparent_hugepage``: ``always`` backs such buffers with huge pages, ``madvise`` only
-    when asked), or ``None`` where the system does not say."""
-    segments = _queue_attribute(path, "max_segments")
-    if not segments:
-        return None
-    try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        mode = None
-    return {"max_segments": segments, "page_bytes": mmap.PAGESIZE, "bytes": segments * mmap.PAGESIZE,
-            "transparent_hugepage": mode}
-
-
-def _queue_attribute(path: str | os.PathLike, name: str) -> int | None:
-    """A positive integer from ``queue/NAME`` of the block device holding ``path`` (a partition's is
-    its disk's), or ``None``."""
-    value = _queue_value(path, name)
-    return value if value else None
-
-
-def _queue_value(path: str | os.PathLike, name: str) -> int | None:
-    """The integer >= 0 in ``queue/NAME`` of the block device holding ``path`` (a partition's is
-    its disk's), or ``None``."""
-    try:
-        dev = os.stat(path).st_dev
-        node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
-        for d in (node, node.parent):
-            f = d / "queue" / name
-            if f.is_file():
-                value = int(f.read_text().strip())
-                return value if value >= 0 else None
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def fit_queue_model(sizes, depths, throughput, max_request: int = 0, shared: bool = False) -> dict:
