@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,13 @@ from containers.synth import synth_container
 from replay.model.routing import RoutingTrace
 
 REPO = Path(__file__).resolve().parent.parent
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # A suite started in the background of a non-interactive shell (`cmd &`) inherits Ctrl-C
+    # ignored, and so would every relayout it starts (an ignored signal stays ignored across exec):
+    # the tests that send SIGINT would then test nothing. A handler is reset on exec, so the
+    # commands start with Ctrl-C at its default, as from a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 FUZZ_SCALE = float(os.environ.get("RELAYOUT_FUZZ_SCALE", "1"))
 """Multiplies every fuzz test's example count: ``RELAYOUT_FUZZ_SCALE=10 pytest -k fuzz`` is a long run."""
