@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from containers.errors import InputError
-from relayout.workflows.validation.engine import DEFAULT_CAPS, DEFAULT_READ_PATHS
 
 from .output import say
 
@@ -23,18 +22,13 @@ def cmd_validate(args) -> int:
     t0 = time.perf_counter()
     if args.engine:
         return _validate_engine(args)
-    given = [f"--{n.replace('_', '-')}" for n in ENGINE_ONLY if getattr(args, n) not in (None, "")
-             and getattr(args, n) != ENGINE_DEFAULTS.get(n)]
-    if given:
-        raise InputError(None, f"{', '.join(given)} belong to validate --engine (give --engine BINARY)")
+    _refuse(args, ENGINE_ONLY, "belong to validate --engine (give --engine BINARY)")
+    given = _given(args, {"gb": None, "minutes": None, "tokens": None, "reps": None, "workers": None,
+                          "ram": lambda x: parse_list(x, "--ram", float), "prefetch": lambda x: parse_list(x, "--prefetch")})
     opts = ValidateOptions(
         path=Path(args.path), output=Path(args.output or "validation.json"), device=args.device,
-        container=Path(args.container) if args.container else None, gb=args.gb, minutes=args.minutes,
-        tokens=args.tokens, reps=args.reps, layouts=parse_list(args.layouts, "--layouts"),
-        ram=parse_list(args.ram, "--ram", float), prefetch=parse_list(args.prefetch, "--prefetch"),
-        workers=args.workers, coalesce=args.coalesce, plots=Path(args.plots) if args.plots else None, keep=args.keep,
-        seed=args.seed,
-    )
+        container=Path(args.container) if args.container else None, layouts=parse_list(args.layouts, "--layouts"),
+        coalesce=args.coalesce, plots=Path(args.plots) if args.plots else None, keep=args.keep, seed=args.seed, **given)
     record = validate(opts, notify=say)
     print(format_validation(record))
     print(f"\nwrote {opts.output}" + "".join(f", {p}" for p in record["plots"])
@@ -44,9 +38,22 @@ def cmd_validate(args) -> int:
 
 
 ENGINE_ONLY = ("prompts", "train_prompts", "read_paths", "caps", "ngen", "engine_env", "timeout")
-ENGINE_DEFAULTS = {"read_paths": ";".join(DEFAULT_READ_PATHS), "caps": ",".join(map(str, DEFAULT_CAPS)), "ngen": 24}
-EMULATION_ONLY = {"gb": 1.0, "minutes": None, "tokens": None, "ram": "0,0.25", "prefetch": "none", "workers": 8,
-                  "coalesce": False, "plots": None, "keep": False}
+"""``validate``'s options for the real engine (``None`` when not given)."""
+EMULATION_ONLY = ("gb", "minutes", "tokens", "ram", "prefetch", "workers", "coalesce", "plots", "keep")
+"""``validate``'s options for its emulation (``None`` or False when not given)."""
+
+
+def _refuse(args, names: tuple[str, ...], why: str) -> None:
+    """One error naming the options of ``names`` that were given (not None or False)."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]
+    if given:
+        raise InputError(None, f"{', '.join(given)} {why}")
+
+
+def _given(args, parsers: dict) -> dict:
+    """The options of ``parsers`` that were given, each through its parser (None: as given); the
+    options records supply the defaults of the others."""
+    return {n: (f(getattr(args, n)) if f else getattr(args, n)) for n, f in parsers.items() if getattr(args, n) is not None}
 
 
 def _validate_engine(args) -> int:
@@ -55,19 +62,17 @@ def _validate_engine(args) -> int:
     from ..workflows.validation.engine import EngineValidateOptions, validate_engine
     from ..workflows.validation.options import parse_list
 
-    given = [f"--{n}" for n, default in EMULATION_ONLY.items() if getattr(args, n) != default]
-    if given:
-        raise InputError(None, f"{', '.join(given)} belong to validate's emulation, not to validate --engine")
+    _refuse(args, EMULATION_ONLY, "belong to validate's emulation, not to validate --engine")
     for name in ("container", "prompts", "train_prompts"):
         if not getattr(args, name):
             raise InputError(None, f"validate --engine needs --{name.replace('_', '-')}")
+    given = _given(args, {"reps": None, "ngen": None, "engine_env": None,
+                          "read_paths": lambda x: tuple(w.strip() for w in x.split(";") if w.strip()),
+                          "caps": lambda x: parse_list(x, "--caps", int)})
     opts = EngineValidateOptions(
         path=Path(args.path), engine=Path(args.engine), container=Path(args.container), prompts=Path(args.prompts),
-        train_prompts=Path(args.train_prompts), layouts=tuple(parse_list(args.layouts, "--layouts")),
-        read_paths=tuple(w.strip() for w in args.read_paths.split(";") if w.strip()),
-        caps=tuple(parse_list(args.caps, "--caps", int)), reps=args.reps or 3, ngen=args.ngen,
-        engine_env=args.engine_env, device=args.device, output=Path(args.output) if args.output else None,
-        seed=args.seed, timeout_s=args.timeout)
+        train_prompts=Path(args.train_prompts), layouts=tuple(parse_list(args.layouts, "--layouts")), device=args.device,
+        output=Path(args.output) if args.output else None, seed=args.seed, timeout_s=args.timeout, **given)
     record = validate_engine(opts, notify=say)
     print(format_engine_validation(record))
     print(f"\nwrote {opts.output or Path(args.path) / 'validation-engine.json'}")

@@ -195,7 +195,6 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
     manifest = _source_manifest(work, o.container, notify)
     source = source_from_container(o.container, manifest)
     dirs = {"stock": o.container}
-    sessions: list[str] = []
     for arm in [PLACEMENT_COPY] + list(o.layouts[1:]):
         method = "stock" if arm == PLACEMENT_COPY else arm
         plan_dict = make_plan(trace, source, method, train_fraction=1.0, seed=o.seed, progress=False)
@@ -213,9 +212,8 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
                    + (" (the placement control)" if arm == PLACEMENT_COPY else ""))
             apply_plan(o.container, load_plan(plan_path), work.claim(layout_name, layout_name + ".partial"), None, force=True,
                        manifest_path=manifest, progress=False)
-        sessions = list(load_plan(plan_path).training.sessions) if not sessions else sessions
         dirs[arm] = layout_dir
-    return dirs, sessions
+    return dirs, list(load_plan(work.path / f"plan-{PLACEMENT_COPY}.json").training.sessions)
 
 
 def predict_run(run_dir: Path, layout, device) -> tuple[float, int, int]:
@@ -232,8 +230,12 @@ def predict_run(run_dir: Path, layout, device) -> tuple[float, int, int]:
     from replay.model.engine import simulate
 
     trace, _ = import_traces([run_dir / ROUTE_FILE])
-    config = runtime_config(RuntimeRequest(coalesce_max_mb=268.435456, dense_ms=0.0, colibri_run=True,
-                                           runtime_env_from=str(run_dir)), layout)
+    from replay.model.config import RuntimeConfig
+
+    # no coalescing under an engine configuration; the dense work precedes routing, so it never
+    # overlaps the layer's loads: it does not change the wait
+    config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
+                                           colibri_run=True, runtime_env_from=str(run_dir)), layout)
     inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config)
     decode = inst.forward != inst.forward.min()
     return float(inst.stall[decode].sum()), int(inst.misses[decode].sum()), int(len(np.unique(inst.forward[decode])))
