@@ -90,10 +90,11 @@ def test_the_page_cache_copy_rate_is_measured_on_a_real_file_and_leaves_it_as_it
                for r in c["rates"])
     assert c["bytes_per_second"] == c["rates"][0]["bytes_per_second"]
     assert c["resident_fraction"] in (None, 1.0) and c["cores"] >= 1
+    assert c["unaligned_shift"] == copy_rate.UNALIGNED_SHIFT and c["unaligned_bytes_per_second"] > 0
     assert f.read_bytes() == data and f.stat().st_mtime_ns == before.st_mtime_ns
     tiny = tmp_path / "tiny.bin"
     tiny.write_bytes(b"x" * 4096)
-    with pytest.raises(InputError, match="tiny.bin.*too small"):
+    with pytest.raises(InputError, match="tiny.bin.*too small for two"):
         copy_rate.page_cache_copy(tiny, 0.05)
 
 
@@ -152,6 +153,7 @@ def test_the_page_cache_copy_rate_is_the_profiles_memory_bandwidth_and_loads(pro
     p.write_text(json.dumps(profile))
     dev = load_device(str(p))
     assert dev.memory_bandwidth == profile["memory_bandwidth"]
+    assert dev.unaligned_memory_bandwidth == profile["unaligned_memory_bandwidth"] == copy["unaligned_bytes_per_second"] > 0
     back = tmp_path / "again.json"
     back.write_text(json.dumps(dev.to_json()))
     assert load_device(str(back)) == dev and load_device(str(back)).digest() == dev.digest()
@@ -183,7 +185,9 @@ def test_the_copy_sentence_gives_each_thread_counts_rate():
          "cores": 2, "resident_fraction": 1.0}
     text = copy_sentence({"calibration": {"page_cache_copy": c}})
     assert "5.00 GB/s on 1 thread" in text and "2 threads 6.00 GB/s (x1.20)" in text and "4 threads 6.20 GB/s (x1.24)" in text
-    assert "on 2 cores" in text and "waited" not in text
+    assert "on 2 cores" in text and "waited" not in text and "cache line" not in text
+    text = copy_sentence({"calibration": {"page_cache_copy": {**c, "unaligned_shift": 8, "unaligned_bytes_per_second": 4e9}}})
+    assert "reads starting 8 B into a cache line 4.00 GB/s on 1 thread (x0.80: unaligned_memory_bandwidth)" in text
     text = copy_sentence({"calibration": {"page_cache_copy": {**c, "resident_fraction": 0.5}}})
     assert "only 50% of the region" in text
     assert copy_sentence({"calibration": {}}) is None

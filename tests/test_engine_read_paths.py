@@ -12,7 +12,7 @@ import pytest
 from containers.errors import InputError
 from containers.layout import Layout
 from replay.model.config import RuntimeConfig
-from replay.model.device import ArrayProfile, DriveProfile
+from replay.model.device import ArrayProfile, DriveProfile, load_device
 from replay.model.engine import simulate
 from replay.colibri.engine_config import (
     EngineConfig,
@@ -34,12 +34,12 @@ def drive():
     return ArrayProfile("q", DriveProfile("d", A, 1e15, 32, B), 1, 0, "none", 1e15, read_ahead_bytes=0)
 
 
-def layout(E, wbytes, sbytes=None):
-    """One file; expert e's three weights adjacent (one read of wbytes[e]), then its three scales
-    (sbytes[e] bytes in all; empty by default)."""
+def layout(E, wbytes, sbytes=None, start=4096):
+    """One file; from byte ``start`` on, expert e's three weights adjacent (one read of wbytes[e]),
+    then its three scales (sbytes[e] bytes in all; empty by default)."""
     sbytes = sbytes or [0] * E
     loc = np.zeros((1, E, 6, 3), dtype=np.int64)
-    off = 4096
+    off = start
     for e in range(E):
         w, sc = wbytes[e], sbytes[e]
         for slot, n in enumerate([w // 4, w // 4, w - 2 * (w // 4), sc // 3, sc // 3, sc - 2 * (sc // 3)]):
@@ -61,9 +61,9 @@ def forwards(routes, E):
         fwd_kind=np.zeros(F, np.int8), fwd_evaluated=np.ones(F, np.int32), fwd_committed=np.ones(F, np.int32))
 
 
-def run(routes, wbytes, config, device=None, sbytes=None):
+def run(routes, wbytes, config, device=None, sbytes=None, start=4096):
     E = len(wbytes)
-    inst, _ = simulate(forwards(routes, E), np.ones(len(routes), bool), layout(E, wbytes, sbytes), device or drive(),
+    inst, _ = simulate(forwards(routes, E), np.ones(len(routes), bool), layout(E, wbytes, sbytes, start), device or drive(),
                        config)
     return inst
 
@@ -326,6 +326,23 @@ def test_a_page_cache_hit_is_copied_at_the_profiles_memory_bandwidth():
         assert warm.stall[0] == pytest.approx(MIB / rate, rel=1e-12)
 
 
+def test_a_page_cache_hit_off_the_cache_line_is_copied_at_the_unaligned_rate():
+    """The kernel copies a page-cache hit into a page-aligned buffer more slowly when the read
+    does not start on a cache line (64 B). Expert 0's re-read (1 MiB of weights, then three 64 B
+    scales) from file offset 4096 or 4160 (cache lines) takes its bytes over memory_bandwidth; from
+    4112 or 4104 (16 and 8 B into a line), over unaligned_memory_bandwidth; a profile without the
+    unaligned rate copies both at memory_bandwidth."""
+    cfg = RuntimeConfig(workers=1, routing_order=True, page_cache_bytes=2 * MIB, **BASE)
+    both = replace(copying(rate=4e9), unaligned_memory_bandwidth=2.5e9)
+    n = MIB + 192
+    for start, rate in ((4096, 4e9), (4160, 4e9), (4112, 2.5e9), (4104, 2.5e9)):
+        inst = run([[0], [0]], [MIB, MIB], cfg, both, sbytes=[192, 192], start=start)
+        assert inst.drive_reads[1] == 0
+        assert inst.stall[1] == pytest.approx(n / rate, rel=1e-12), start
+        plain = run([[0], [0]], [MIB, MIB], cfg, copying(rate=4e9), sbytes=[192, 192], start=start)
+        assert plain.stall[1] == pytest.approx(n / 4e9, rel=1e-12)
+
+
 MODES = {"pipe0": dict(workers=4, blocking=True), "pipe1": dict(workers=4), "uring": dict(batched=True)}
 
 
@@ -373,14 +390,21 @@ def test_a_copy_takes_its_core_when_its_reads_are_done(service):
     assert unbounded.stall[1] == pytest.approx(inst.stall[1], rel=1e-12)
 
 
-def test_the_copy_rate_and_the_cores_are_checked():
+def test_the_copy_rate_and_the_cores_are_checked(tmp_path):
     with pytest.raises(InputError, match="cores"):
         RuntimeConfig(cpu_cores=-1)
     for bad in (0, -1.0, float("inf"), float("nan"), True, "fast"):
         with pytest.raises(InputError, match="memory_bandwidth"):
             copying(rate=bad)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "fast"):
+        with pytest.raises(InputError, match="unaligned_memory_bandwidth"):
+            replace(copying(), unaligned_memory_bandwidth=bad)
     assert "memory_bandwidth" not in drive().to_json()                 # the default: profiles as they were
+    assert "unaligned_memory_bandwidth" not in drive().to_json()
     assert copying(rate=4.9e9).to_json()["memory_bandwidth"] == 4.9e9
+    both = replace(copying(rate=4.9e9), unaligned_memory_bandwidth=3.5e9)
+    (tmp_path / "both.json").write_text(json.dumps(both.to_json()))
+    assert load_device(str(tmp_path / "both.json")) == both
 
 
 def test_an_engine_configuration_bounds_copies_by_the_runs_cores():

@@ -65,20 +65,34 @@ def test_no_saving_is_a_result_the_validation_can_give():
     assert s.gate_decision == "fail" and s.measured_decision == "fail" and s.decisions_agree
 
 
+def _predicting(runs, like):
+    """``runs`` with the predicted waits of ``like`` (run for run)."""
+    return [RunResult(r.run, r.arm, r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, o.predicted_wait_s,
+                      r.tpot_s, r.measured_loads, r.predicted_loads, 0) for r, o in zip(runs, like)]
+
+
 def test_a_saving_no_larger_than_placement_is_not_held_against_the_model():
-    """Stock runs 0.2 ms/token slower than its byte-identical fresh copy (placement), and a layout
-    saves as much while the model predicts nothing: outside the measured interval, but within what
-    placement alone moves, so neither confirmed nor ruled out. Without the control it is ruled out."""
+    """Stock runs 0.2 ms/token slower than its rewrite (the placement control) while the model
+    predicts the two alike, and a layout saves as much while the model predicts nothing: outside
+    the measured interval, but within what placement moves, so neither confirmed nor ruled out.
+    Without the control it is ruled out. When the model does predict the control's saving (the
+    rewrite's alignment), placement is only what is left beyond that prediction, and the same
+    layout saving is ruled out again."""
     stock = _arm("stock", lambda p: 0.2 + 0.01 * p, jitter=0.0005)
-    copy = _arm("stock-copy", lambda p: 0.196 + 0.01 * p, jitter=0.0005)
-    layout = [RunResult(r.run, "random", r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, stock[k].predicted_wait_s,
-                        r.tpot_s, r.measured_loads, r.predicted_loads, 0) for k, r in enumerate(_arm("random", lambda p: 0.196 + 0.01 * p, jitter=0.0005))]
-    control = saving_result("stock-copy", stock, copy)
+    measured_copy = _arm("stock-copy", lambda p: 0.196 + 0.01 * p, jitter=0.0005)
+    layout = _predicting(_arm("random", lambda p: 0.196 + 0.01 * p, jitter=0.0005), stock)
+    control = saving_result("stock-copy", stock, _predicting(measured_copy, stock))
     bound = placement_bound(control)
-    assert control.measured.low > 0 and abs(bound - control.measured.high) < 1e-12
+    assert abs(control.predicted.estimate) < 1e-15 and control.measured.low > 0 and abs(bound - control.measured.high) < 1e-12
     assert saving_result("random", stock, layout).agreement == "disagrees"
     judged = saving_result("random", stock, layout, placement_s=bound)
     assert judged.agreement == "within placement" and "placement" in judged.words
+    explained = saving_result("stock-copy", stock, measured_copy)           # the model predicts what was measured
+    small = placement_bound(explained)
+    assert explained.predicted.estimate > 0 and small < bound / 4
+    assert abs(small - max(explained.predicted.estimate - explained.measured.low,
+                           explained.measured.high - explained.predicted.estimate)) < 1e-12
+    assert saving_result("random", stock, layout, placement_s=small).agreement == "disagrees"
 
 
 def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
@@ -86,14 +100,15 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
     new = _arm("louvain", lambda p: 0.1 + 0.01 * p)
     control = saving_result("stock-copy", stock, _arm("stock-copy", lambda p: 0.2 + 0.01 * p))
     ok = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm_result("stock", stock), arm_result("louvain", new)],
-                    control.measured, placement_bound(control), [saving_result("louvain", stock, new)])
+                    control.measured, control.predicted.estimate, placement_bound(control),
+                    [saving_result("louvain", stock, new)])
     agree, disagree, unresolved, decided, decisions, verdict, words = summarize([ok])
     assert (agree, disagree, decided, decisions, verdict) == (2, 0, 1, 1, "holds")
     off = CellResult("pipe-1-cap4", cell_env("PIPE=1", 4), [arm_result("stock", _arm("stock", lambda p: 0.2, scale=0.5))],
-                     control.measured, 0.0, [])
+                     control.measured, 0.0, 0.0, [])
     *_, verdict2, words2 = summarize([ok, off])
     assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
-    rec = EngineValidationRecord(format="relayout-engine-validation", version=1, engine="colibri", container="m",
+    rec = EngineValidationRecord(format="relayout-engine-validation", version=2, engine="colibri", container="m",
                                  device="d", device_source="given", layouts={"stock": "m"}, training_sessions=["a"],
                                  prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[ok, off], runs=stock + new,
                                  cells_agree=agree, cells_disagree=1, cells_unresolved=0, decisions_agree=1, decisions=1,

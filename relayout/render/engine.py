@@ -77,7 +77,8 @@ def format_engine_validation(rec) -> str:
     for c in rec.cells:
         p = c.placement
         lines.append(f"{c.name:26} {'placement':9} {p.estimate * ms:+8.3f} [{p.low * ms:+8.3f}, {p.high * ms:+8.3f}] "
-                     f"{'':>10}  (stock less its fresh copy: what placement alone moves)")
+                     f"{c.placement_predicted_s * ms:+10.3f}  (stock less its rewrite; beyond the prediction, "
+                     f"placement moves S up to {c.placement_bound_s * ms:.3f})")
         for s in c.savings:
             m = s.measured
             both = f"{s.gate_decision} / {s.measured_decision}" + ("" if s.decisions_agree else "  (DIFFER)")

@@ -36,8 +36,9 @@ def buffers_sentence(profile: dict) -> str | None:
 
 def copy_sentence(profile: dict) -> str | None:
     """The page-cache copy rates (:func:`replay.physical.copy_rate.page_cache_copy`) in words: one
-    thread's (the profile's ``memory_bandwidth``) and several threads' together, against the
-    cores; None when not measured."""
+    thread's (the profile's ``memory_bandwidth``), several threads' together, against the cores,
+    and one thread's for reads off the cache line (``unaligned_memory_bandwidth``); None when not
+    measured."""
     c = profile.get("calibration", {}).get("page_cache_copy")
     if not c:
         return None
@@ -51,6 +52,10 @@ def copy_sentence(profile: dict) -> str | None:
             for r in more)
     if c.get("cores"):
         text += f", on {c['cores']} core{'s' if c['cores'] != 1 else ''}"
+    if c.get("unaligned_bytes_per_second"):
+        u = c["unaligned_bytes_per_second"]
+        text += (f"; reads starting {c['unaligned_shift']} B into a cache line {u / 1e9:.2f} GB/s on 1 thread "
+                 f"(x{u / first['bytes_per_second']:.2f}: unaligned_memory_bandwidth)")
     if c.get("resident_fraction") is not None and c["resident_fraction"] < 1:
         text += (f"; only {c['resident_fraction']:.0%} of the region was in the page cache afterwards: some reads "
                  "waited for the drive, so these rates are low")

@@ -21,6 +21,7 @@ from containers.errors import InputError
 from containers.layout import Layout
 
 from replay.model.config import ADMISSION_POLICIES, MAX_SOURCES, RuntimeConfig
+from replay.model.device import copy_seconds
 from replay.model.jit import HELPER
 from replay.model.pagecache import scales_cached, scales_settled
 from replay.model.predictors import CALIBRATION_BINS, FusedModel, SourceModel, prediction_source
@@ -167,23 +168,25 @@ def load_seconds(nl, e, first, lay, pol, dev):
     segment when its top is resident) from the drives, or from the page cache when its first
     weight page is warm, plus its scales (three requests when the page cache does not hold all
     of them, ``first``: :func:`replay.model.pagecache.scales_cached`; page-cache time otherwise).
-    What the page cache serves is copied at the device's ``memory_bandwidth``. Each request costs its command and its channel
+    What the page cache serves is copied at the device's copy rate for where it starts
+    (:func:`replay.model.device.copy_seconds`). Each request costs its command and its channel
     time, ``a + c``, beside its bytes at the array's rate."""
     wb = lay.wbytes[nl, e] * (1.0 - lay.top_fraction[nl] if lay.top_resident[nl, e] else 1.0)
     sb = lay.ebytes[nl, e] - lay.wbytes[nl, e]
     rate = min(dev.full_bandwidth, dev.members * dev.stream_bandwidth)
     a = dev.request_seconds + dev.request_channel
     warm = False
+    off = lay.pos_off[nl, e]
     if pol.warm_fraction > 0:
-        f, off = lay.pos_file[nl, e], lay.pos_off[nl, e]
+        f = lay.pos_file[nl, e]
         if pol.direct:
             off = (lay.bases[f] + off) // pol.alignment * pol.alignment - lay.bases[f]
         warm = (f * 1_000_003 + off // 4096) % WARM_BUCKETS < pol.warm_fraction * WARM_BUCKETS
-    s = wb / dev.memory_bandwidth if warm else a + wb / rate
+    s = copy_seconds(wb, off, dev) if warm else a + wb / rate
     if first:
         s += 3 * a + sb / rate
     else:
-        s += sb / dev.memory_bandwidth
+        s += copy_seconds(sb, lay.sloc[nl, e, 0, 1], dev)
     return s
 
 

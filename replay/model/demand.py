@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from replay.model.device import copy_seconds
 from replay.model.jit import HELPER, STAGE
 from replay.model.pagecache import PAGE_BYTES, buffered_read, cached_read, note_settled, scales_settled
 from replay.model.readplan import SCALE, WEIGHT, Coalescing, layer_place, plan_layer
@@ -133,7 +134,6 @@ def plan_reads(i, li, k, x, work, res):
     """
     lay, pol, dev, pages, weights = x.lay, x.pol, x.dev, x.ram.pages, x.ram.weights
     miss, plan, jobs, reads = work.miss, work.plan, work.jobs, work.reads
-    copy_rate = dev.memory_bandwidth
     miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
     for p in range(k):
         skip[p] = miss.ready[p] >= 0
@@ -144,26 +144,26 @@ def plan_reads(i, li, k, x, work, res):
     bases = lay.bases
     job_read, job_tail = jobs.first_read, jobs.tail
     n_reads, read_bytes, drive_reads = 0, 0, 0
-    job, wtail, warm_scales, has_warm_scales = -1, 0.0, 0, False
+    job, wtail, scale_tail = -1, 0.0, 0.0
     settled = False
     for r in range(n_plan):
         if plan.job[r] != job:
             if job >= 0:
-                job_tail[job] = wtail + (warm_scales / copy_rate if has_warm_scales else 0.0)
+                job_tail[job] = wtail + scale_tail
                 n_reads = close_job(job, job_read, n_reads, reads)
             job = plan.job[r]
             job_read[job] = n_reads
-            wtail, warm_scales, has_warm_scales = 0.0, 0, False
+            wtail, scale_tail = 0.0, 0.0
         f, n, a = plan.file[r], plan.length[r], plan.first[r]
         if plan.kind[r] == WEIGHT:
             cached = True
             for m in range(a, plan.last[r] + 1):
                 cached = cached and miss.cached[m]
             if cached:
-                wtail += n / copy_rate
+                wtail += copy_seconds(n, plan.offset[r], dev)
             else:
                 queued = n_reads
-                n_reads, wtail, n = weight_read(f, plan.offset[r], n, bases, pol, copy_rate, n_reads, wtail, reads)
+                n_reads, wtail, n = weight_read(f, plan.offset[r], n, bases, pol, dev, n_reads, wtail, reads)
                 drive_reads += n_reads - queued
             for m in range(a, plan.last[r] + 1):
                 wjob[m] = job
@@ -179,11 +179,10 @@ def plan_reads(i, li, k, x, work, res):
                 drive_reads += 1
                 miss.first[a] = True
             else:
-                warm_scales += n
-                has_warm_scales = True
+                scale_tail += copy_seconds(n, plan.offset[r], dev)
         read_bytes += n
     if job >= 0:
-        job_tail[job] = wtail + (warm_scales / copy_rate if has_warm_scales else 0.0)
+        job_tail[job] = wtail + scale_tail
         n_reads = close_job(job, job_read, n_reads, reads)
     job_read[n_jobs] = n_reads
     for p in range(k):
@@ -196,17 +195,17 @@ def plan_reads(i, li, k, x, work, res):
 
 
 @njit(**HELPER)
-def weight_read(file, off, n, bases, pol, copy_rate, n_reads, wtail, reads):
+def weight_read(file, off, n, bases, pol, dev, n_reads, wtail, reads):
     """Queue one weight read of ``n`` bytes at ``off`` in ``file`` (O_DIRECT widens it); a warm one
-    adds its copy time (at ``copy_rate``, bytes/s) to ``wtail`` instead. Returns the new read
-    count, tail (s) and bytes read."""
+    adds its copy time (:func:`replay.model.device.copy_seconds` on the device ``dev``) to ``wtail``
+    instead. Returns the new read count, tail (s) and bytes read."""
     addr = bases[file] + off
     if pol.direct:
         end = -(-(addr + n) // pol.alignment) * pol.alignment
         addr = addr // pol.alignment * pol.alignment
         n = end - addr
     if pol.warm_fraction > 0 and (file * 1_000_003 + off // 4096) % WARM_BUCKETS < pol.warm_fraction * WARM_BUCKETS:
-        return n_reads, wtail + n / copy_rate, n
+        return n_reads, wtail + copy_seconds(n, addr, dev), n
     reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = addr, n, False
     return n_reads + 1, wtail, n
 

@@ -28,6 +28,9 @@ DEFAULT_READ_AHEAD_BYTES = 128 * 1024
 """Linux's default readahead maximum, ``read_ahead_kb`` 128 (bytes)."""
 DEFAULT_MEMORY_BANDWIDTH = 10e9
 """The page-cache copy rate a profile that does not give one has (bytes/s, one thread)."""
+COPY_ALIGNMENT = 64
+"""A page-cache hit whose file offset is a multiple of this many bytes (a cache line) is copied at
+``memory_bandwidth``, any other at ``unaligned_memory_bandwidth`` (:func:`copy_seconds`)."""
 
 MAX_MEMBERS = 256
 """The most drives an array profile may stripe over."""
@@ -48,6 +51,17 @@ SPLIT_RULES = ("none", "md", "apple", "storage")
 drives, an address map saying which drive serves each byte (:mod:`replay.model.storage`)."""
 APPLE = SPLIT_RULES.index("apple")
 STORAGE = SPLIT_RULES.index("storage")
+
+
+@njit(**HELPER)
+def copy_seconds(n, offset, dev):
+    """Seconds one thread takes to copy ``n`` bytes the page cache serves from file offset
+    ``offset`` (bytes; any address whose files start on cache lines) into a page-aligned read
+    buffer: at the compiled device's ``memory_bandwidth`` when ``offset`` starts a cache line
+    (:data:`COPY_ALIGNMENT`), else at its ``unaligned_memory_bandwidth``."""
+    if offset % COPY_ALIGNMENT == 0:
+        return n / dev.memory_bandwidth
+    return n / dev.unaligned_memory_bandwidth
 
 
 @dataclass(frozen=True)
@@ -150,8 +164,11 @@ class ArrayProfile:
 
     ``read_ahead_bytes``: the system's readahead maximum (bytes). ``memory_bandwidth``: the rate
     (bytes/s) at which one thread copies a buffered read that the page cache serves into its read
-    buffer (a page-cache hit's rate; ``relayout calibrate`` measures it, 10e9 where a profile does
-    not give it).
+    buffer when the read starts on a cache line (its file offset a multiple of
+    :data:`COPY_ALIGNMENT`; a page-cache hit's rate; ``relayout calibrate`` measures it, 10e9 where
+    a profile does not give it). ``unaligned_memory_bandwidth``: the same for a read starting
+    elsewhere in a cache line, as safetensors tensors usually do (the kernel's copy into a
+    page-aligned buffer is then slower; None: as ``memory_bandwidth``).
     """
 
     name: str
@@ -165,6 +182,7 @@ class ArrayProfile:
     description: str = ""
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
     memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
+    unaligned_memory_bandwidth: float | None = None
 
     def __post_init__(self):
         for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
@@ -215,6 +233,16 @@ class ArrayProfile:
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or not 0 < mb <= MAX_RATE:
             raise InputError(self.name, f"memory_bandwidth is {mb!r}, not a finite number of bytes/s above 0 and at most "
                                         f"{_plain(MAX_RATE)}")
+        ub = self.unaligned_memory_bandwidth
+        if ub is not None and (isinstance(ub, bool) or not isinstance(ub, (int, float)) or not math.isfinite(ub)
+                               or not 0 < ub <= MAX_RATE):
+            raise InputError(self.name, f"unaligned_memory_bandwidth is {ub!r}, not a finite number of bytes/s above 0 "
+                                        f"and at most {_plain(MAX_RATE)} (or null: as memory_bandwidth)")
+
+    @property
+    def unaligned_copy_rate(self) -> float:
+        """Bytes/s one thread copies a page-cache hit that does not start on a cache line."""
+        return self.memory_bandwidth if self.unaligned_memory_bandwidth is None else float(self.unaligned_memory_bandwidth)
 
     @property
     def full_bandwidth(self) -> float:
@@ -246,8 +274,8 @@ class ArrayProfile:
     def to_json(self) -> dict:
         """The profile as JSON; a drive without request channel time (``c = 0``), a profile
         with Linux's default readahead (128 KiB) and one with the default page-cache copy rate
-        (10e9 bytes/s) are written without the field, as profiles were before it existed, so that
-        their digests stay what they were."""
+        (10e9 bytes/s) or none for unaligned copies are written without the field, as profiles were
+        before it existed, so that their digests stay what they were."""
         obj = asdict(self)
         if not self.drive.request_channel_seconds:
             del obj["drive"]["request_channel_seconds"]
@@ -255,6 +283,8 @@ class ArrayProfile:
             del obj["read_ahead_bytes"]
         if self.memory_bandwidth == DEFAULT_MEMORY_BANDWIDTH:
             del obj["memory_bandwidth"]
+        if self.unaligned_memory_bandwidth is None:
+            del obj["unaligned_memory_bandwidth"]
         return obj
 
     def digest(self) -> str:

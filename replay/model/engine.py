@@ -351,7 +351,8 @@ def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device
                   stream_bandwidth=float(d.request_bandwidth), max_request=int(d.max_request),
                   shared=d.service == "shared", request_channel=float(d.request_channel_seconds),
                   m_request=per[0], m_bandwidth=per[1], m_stream=per[2], m_channel=per[3],
-                  seg_start=seg_start, seg_drive=seg_drive, memory_bandwidth=float(device.memory_bandwidth))
+                  seg_start=seg_start, seg_drive=seg_drive, memory_bandwidth=float(device.memory_bandwidth),
+                  unaligned_memory_bandwidth=device.unaligned_copy_rate)
 
 
 def _adjacent(wloc: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from numba import njit
 from replay.model.admission import admit_listed, choose
 from replay.model.controller import OBSERVE, TOP_K, backed_off, load_seconds, record_demand, record_outcome
 from replay.model.demand import close_job, is_selected, scale_read, weight_read
+from replay.model.device import copy_seconds
 from replay.model.jit import HELPER, STAGE
 from replay.model.pagecache import checkpoint, note_settled, scales_settled, stop_logging, undo
 from replay.model.predictors import (
@@ -102,27 +103,26 @@ def _plan_load(li, e, x, work, n_reads):
     it holds them; they enter it when the load completes (:func:`_record_load`)."""
     lay, pol, pages, weights = x.lay, x.pol, x.ram.pages, x.ram.weights
     plan, single, reads = work.plan, work.single, work.reads
-    copy_rate = x.dev.memory_bandwidth
+    dev = x.dev
     single.expert[0], single.top[0] = e, lay.top_resident[li, e]
     n_plan, _ = plan_layer(single.expert, 1, single.skip, single.top, layer_place(lay, li), Coalescing(False, 0, 1),
                            single.wlen, plan)
     bases = lay.bases
-    tail, warm_scales, has_warm_scales, total = 0.0, 0, False, 0
+    tail, scale_tail, total = 0.0, 0.0, 0
     settled = scales_settled(pages, li, e)
     cached = wc_hit(weights, li, e)
     for r in range(n_plan):
         f, nb = plan.file[r], plan.length[r]
         if plan.kind[r] == WEIGHT and cached:
-            tail += nb / copy_rate
+            tail += copy_seconds(nb, plan.offset[r], dev)
         elif plan.kind[r] == WEIGHT:
-            n_reads, tail, nb = weight_read(f, plan.offset[r], nb, bases, pol, copy_rate, n_reads, tail, reads)
+            n_reads, tail, nb = weight_read(f, plan.offset[r], nb, bases, pol, dev, n_reads, tail, reads)
         else:
             n_reads, queued = scale_read(f, plan.offset[r], nb, settled, pages, bases, n_reads, reads)
             if not queued:
-                warm_scales += nb
-                has_warm_scales = True
+                scale_tail += copy_seconds(nb, plan.offset[r], dev)
         total += nb
-    return n_plan, n_reads, tail + (warm_scales / copy_rate if has_warm_scales else 0.0), total
+    return n_plan, n_reads, tail + scale_tail, total
 
 
 @njit(**STAGE)

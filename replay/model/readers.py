@@ -5,8 +5,9 @@ in time order (:func:`reader_pool`); each read is split over the array's members
 their queues, in order (:func:`serve_read`) or sharing each drive's channel fairly among the reads
 in it (:func:`shared_pool`, an event simulation): the queue model and service disciplines of
 :mod:`replay.model.device`. What the page cache serves is a copy into the reader's buffer, CPU
-work at the device's ``memory_bandwidth`` per thread, at most one per core at once
-(:func:`copy_done`). The drives' state and the cores' copies are carried between instances in
+work at the device's copy rate per thread (``memory_bandwidth``, or ``unaligned_memory_bandwidth``
+for a read that does not start on a cache line: :func:`replay.model.device.copy_seconds`), at most
+one per core at once (:func:`copy_done`). The drives' state and the cores' copies are carried between instances in
 :class:`replay.model.state.Drives`. Units: bytes, seconds, bytes/s.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from replay.model.device import largest_request, split_device
+from replay.model.device import copy_seconds, largest_request, split_device
 from replay.model.jit import HELPER, STAGE
 from replay.model.state import PILOT_END, PILOT_NEXT, PILOT_POS, SMALL_READ_BYTES
 
@@ -132,13 +133,14 @@ def serve_read(addr, n, warm, t, dev, drives, usage):
     is not even, and the requests stream side by side). Small reads (up to ``SMALL_READ_BYTES``) use a channel
     of their own beside the large transfers and delay them by their own channel time. The host
     link (``drives.host``: large, small channel free times) caps the aggregate rate the same way.
-    A warm read is a copy from the page cache only (:func:`copy_done`). Bytes go into
+    A warm read is a copy from the page cache only (:func:`copy_done`, at
+    :func:`replay.model.device.copy_seconds`). Bytes go into
     ``drives.member_bytes``, requests and residence (s) into ``usage``, and the time the read
     keeps the array busy beyond the reads before it (reads arrive in time order) into
     ``usage.busy_seconds``.
     """
     if warm:
-        return copy_done(t, n / dev.memory_bandwidth, drives.copies)
+        return copy_done(t, copy_seconds(n, addr, dev), drives.copies)
     if dev.shared:
         return _serve_shared(addr, n, t, dev, drives, usage)
     pieces, nbytes, mfree, sfree, host = drives.pieces, drives.nbytes, drives.free, drives.small_free, drives.host
@@ -320,7 +322,7 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
             if r == job_read[job + 1]:           # its reads are done: its copies take a core
                 left -= _shared_job_done(w, P, copy_done(ti, jobs.tail[job], drives.copies), pool)
             elif reads.warm[r] or not _shared_issue(w, r, ti, reads, dev, drives, usage, share):
-                d = copy_done(ti, reads.length[r] / dev.memory_bandwidth, drives.copies)
+                d = copy_done(ti, copy_seconds(reads.length[r], reads.addr[r], dev), drives.copies)
                 left -= _shared_read_done(w, P, d, False, pool, usage)
             else:
                 if w == P:

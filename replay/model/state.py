@@ -59,7 +59,7 @@ resident work first)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "
-                               "m_channel seg_start seg_drive memory_bandwidth")
+                               "m_channel seg_start seg_drive memory_bandwidth unaligned_memory_bandwidth")
 """A :class:`replay.model.device.ArrayProfile` as plain numbers (:func:`replay.model.engine.device_numbers`):
 ``members``, ``chunk`` (stripe bytes), ``rule`` (an index into ``SPLIT_RULES``); per drive
 ``request_seconds`` a (s), ``bandwidth`` B (bytes/s), ``queue_slots`` Q and ``stream_bandwidth``
@@ -71,8 +71,9 @@ each request holds the channel beyond its bytes); ``host_bandwidth`` and
 ``m_request`` a, ``m_bandwidth`` B, ``m_stream`` b_1, ``m_channel`` c (the drive's figures on
 every member of an array; each drive's own on independent drives); ``seg_start``, ``seg_drive``
 the address map of independent drives (rule ``storage``: :func:`replay.model.device.split_storage`;
-empty otherwise); ``memory_bandwidth`` (bytes/s one thread copies a page-cache hit into its read
-buffer at)."""
+empty otherwise); ``memory_bandwidth`` and ``unaligned_memory_bandwidth`` (bytes/s one thread
+copies a page-cache hit into its read buffer at, when the hit starts on a cache line and when not:
+:func:`replay.model.device.copy_seconds`)."""
 
 RamTiers = namedtuple("RamTiers", "pinned lru pages weights")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),

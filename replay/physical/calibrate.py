@@ -25,7 +25,8 @@ read holding one slot, for the command only). What merging two reads into one sa
 what the fitted model predicts for it, which is what coalescing's gain rests on; the fit does not
 use it. The page-cache copy rate (:func:`page_cache_copy`: buffered reads the page cache serves,
 copied into read buffers by one thread, and by 2 and 4 at once) is measured last; its one-thread
-rate is the profile's ``memory_bandwidth``.
+rate is the profile's ``memory_bandwidth``, and one thread's rate for reads that start inside a
+cache line, as most safetensors tensors do, its ``unaligned_memory_bandwidth``.
 
 The reads land in buffers of the kind asked for (:data:`replay.physical.buffers.BUFFER_KINDS`):
 ``engine``, as colibrì's (``posix_memalign``, no huge pages asked for), or ``huge-pages``, the
@@ -463,6 +464,7 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None, buffe
         "page_cache_fraction": 0.0,
         "read_ahead_bytes": read_ahead if read_ahead is not None else DEFAULT_READ_AHEAD_BYTES,
         "memory_bandwidth": copy["bytes_per_second"],
+        "unaligned_memory_bandwidth": copy["unaligned_bytes_per_second"],
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
                   "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service,
                   "request_channel_seconds": c},

@@ -26,6 +26,10 @@ COPY_DESTINATION_BYTES = 32 * 1024 * 1024
 destination is not a CPU-cached buffer either."""
 COPY_THREADS = (1, 2, 4)
 """The thread counts :func:`page_cache_copy` measures (the first gives ``memory_bandwidth``)."""
+UNALIGNED_SHIFT = 8
+"""Bytes past a page boundary at which :func:`page_cache_copy`'s unaligned reads start (inside a
+cache line, as a safetensors tensor's data usually starts: the profile's
+``unaligned_memory_bandwidth``)."""
 
 
 def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = True,
@@ -38,7 +42,9 @@ def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = 
     ``threads``, ``n`` threads released together each issue buffered preads of ``size`` bytes
     through the region (each from its own place, in file order, round and round) into their own
     buffers (:func:`replay.physical.buffers.read_buffer` of the kind ``huge_pages`` says,
-    :data:`COPY_DESTINATION_BYTES` a thread, used in turn) for ``seconds``.
+    :data:`COPY_DESTINATION_BYTES` a thread, used in turn) for ``seconds``. Then one thread does
+    the same with every read starting :data:`UNALIGNED_SHIFT` bytes later, off the cache line (the
+    kernel's copy into a page-aligned buffer is slower then).
 
     Parameters
     ----------
@@ -53,20 +59,24 @@ def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = 
     -------
     ``read_bytes``, ``region_bytes``, ``seconds``, ``rates`` (per count: ``threads``,
     ``bytes_per_second`` all threads together and ``per_thread_Bps``, bytes/s), ``bytes_per_second``
-    (the first count's aggregate rate), ``cores`` (CPUs this process may run on) and
+    (the first count's aggregate rate), ``unaligned_shift`` and ``unaligned_bytes_per_second`` (one
+    thread, reads off the cache line, bytes/s), ``cores`` (CPUs this process may run on) and
     ``resident_fraction`` (of the region's pages in the page cache after the measurement, None
     where the system does not say: below 1, some reads waited for the drive and the rates are low).
     """
     path = Path(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        region = min(region, os.fstat(fd).st_size) // size * size
-        if region <= 0:
-            raise InputError(path, f"too small for a {size}-byte page-cache read")
+        file_size = os.fstat(fd).st_size
+        region = min(region, file_size) // size * size
+        if region < 2 * size:
+            raise InputError(path, f"too small for two {size}-byte page-cache reads")
         bufs = [read_buffer(max(COPY_DESTINATION_BYTES, size), huge_pages) for _ in range(max(threads))]
         for off in range(0, region, size):                     # into the page cache
             os.preadv(fd, [bufs[0][:size]], off)
         rates = [_copy_rate(fd, n, seconds, size, region, bufs) for n in threads]
+        shifted = region if region + UNALIGNED_SHIFT <= file_size else region - size
+        unaligned = _copy_rate(fd, 1, seconds, size, shifted, bufs, UNALIGNED_SHIFT)
         resident = None
         residency = open_residency([fd], [path])
         if residency is not None:
@@ -84,13 +94,15 @@ def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = 
         cores = os.cpu_count()
     return {"read_bytes": size, "region_bytes": region, "seconds": seconds,
             "rates": [{"threads": n, "bytes_per_second": r, "per_thread_Bps": r / n} for n, r in zip(threads, rates)],
-            "bytes_per_second": rates[0], "cores": cores, "resident_fraction": resident}
+            "bytes_per_second": rates[0], "unaligned_shift": UNALIGNED_SHIFT, "unaligned_bytes_per_second": unaligned,
+            "cores": cores, "resident_fraction": resident}
 
 
-def _copy_rate(fd: int, n: int, seconds: float, size: int, region: int, bufs: list) -> float:
+def _copy_rate(fd: int, n: int, seconds: float, size: int, region: int, bufs: list, shift: int = 0) -> float:
     """Bytes/s that ``n`` threads together copy with buffered preads of ``size`` bytes from the
-    first ``region`` bytes of ``fd`` into ``bufs[k]`` (thread k's, used ``size`` bytes at a
-    time in turn) in ``seconds`` (:func:`page_cache_copy`)."""
+    first ``region`` bytes of ``fd`` (each read ``shift`` bytes past a multiple of ``size``) into
+    ``bufs[k]`` (thread k's, used ``size`` bytes at a time in turn) in ``seconds``
+    (:func:`page_cache_copy`)."""
     started: list[float] = []
     gate = threading.Barrier(n, action=lambda: started.append(time.perf_counter()))
     copied = [0] * n
@@ -105,7 +117,7 @@ def _copy_rate(fd: int, n: int, seconds: float, size: int, region: int, bufs: li
         stop = started[0] + seconds
         while time.perf_counter() < stop:
             try:
-                copied[k] += os.preadv(fd, [bufs[k][slot * size:(slot + 1) * size]], (i % reads) * size)
+                copied[k] += os.preadv(fd, [bufs[k][slot * size:(slot + 1) * size]], (i % reads) * size + shift)
             except OSError as exc:
                 failed.append(exc)
                 break

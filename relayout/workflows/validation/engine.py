@@ -6,7 +6,8 @@ In the validation's directory PATH (its marker :data:`MARKER` records what it ma
    ``ROUTE_TRACE`` (``train/``); the recorded sessions train the plans (``plan-<layout>.json``),
    which are rewritten into containers (``layout-<layout>/``, a plan's container kept while its
    plan is unchanged), with one more rewrite of the stock plan, the placement control
-   (``layout-stock-copy/``: stock's bytes in stock's order in a fresh file). The measured prompts
+   (``layout-stock-copy/``: stock's tensors in stock's order in fresh files, each expert aligned to
+   4 KiB as every rewrite aligns it). The measured prompts
    are others: every measured session is held out.
 2. **Measurement.** Per cell (a read path of ``--read-paths`` x an LRU cap of ``--caps``, with
    ``CAP_RAISE=0 AUTOPIN=0`` and ``--engine-env``), every layout runs every measured prompt
@@ -304,7 +305,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                 all_runs += [r for m in arms for r in runs[m]]
                 control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
                 bound = placement_bound(control)
-                cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured, bound,
+                cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured,
+                                        control.predicted.estimate, bound,
                                         [saving_result(m, runs["stock"], runs[m], placement_s=bound)
                                          for m in o.layouts[1:]]))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)

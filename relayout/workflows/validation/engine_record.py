@@ -10,9 +10,11 @@ printed configuration (:class:`RunResult`). Judged here, all pure functions:
   against the measured S and its 95% interval over runs (Student t), with
   :func:`.rules.cell_agreement` at the ``+/-`` :data:`.rules.TOLERANCE` band: ``agrees``,
   ``unresolved`` or ``disagrees``;
-- the placement control (:data:`PLACEMENT_COPY`, the stock plan rewritten: the same bytes in the
-  same order in a fresh file) against stock: how far where a file lies moves the engine's S
-  (:func:`placement_bound`);
+- the placement control (:data:`PLACEMENT_COPY`, the stock plan rewritten: stock's tensors in
+  stock's order in fresh files, each expert aligned to 4 KiB as every rewrite aligns it) against
+  stock: the model predicts what the alignment changes (page-cache copies that start on a cache
+  line are faster); how far the measured saving lies beyond that prediction is how far where a
+  file lies moves the engine's S (:func:`placement_bound`);
 - per layout against stock (:class:`SavingResult`): the saving with one unit per prompt (its
   repetitions pooled), measured and predicted; the prediction judged against the measured
   interval and the placement bound (:func:`.rules.judge_saving`: ``within placement`` when the
@@ -38,9 +40,10 @@ from replay.formats.interval import Interval
 from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over_repetitions
 
 ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
-ENGINE_VALIDATION_VERSION = 1
+ENGINE_VALIDATION_VERSION = 2
 PLACEMENT_COPY = "stock-copy"
-"""The placement control's arm: the stock plan rewritten, byte for byte stock's tensors in stock's order."""
+"""The placement control's arm: the stock plan rewritten, stock's tensors in stock's order, each expert
+aligned to 4 KiB."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ class CellResult:
     env: str
     arms: list[ArmResult]
     placement: Interval        # s/token: stock's S less the placement control's, Student t over prompts
-    placement_bound_s: float   # how far placement alone moves S here (the interval's larger end in size)
+    placement_predicted_s: float   # s/token: the model's saving for the placement control (its alignment)
+    placement_bound_s: float   # how far placement moves S beyond that prediction here (the interval's farther end)
     savings: list[SavingResult]
 
 
@@ -201,9 +205,11 @@ def saving_result(layout: str, stock: list[RunResult], new: list[RunResult], min
 
 
 def placement_bound(control: SavingResult) -> float:
-    """How far placement alone moves S (s/token): the larger end, in size, of the measured interval
-    of stock against the placement control."""
-    return max(abs(control.measured.low), abs(control.measured.high))
+    """How far placement moves S beyond what the model predicts for the placement control (s/token):
+    the end of the measured interval of stock against the control farther from the control's
+    predicted saving, as a distance from it."""
+    p = control.predicted.estimate
+    return max(abs(control.measured.low - p), abs(control.measured.high - p))
 
 
 def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, str]:
@@ -225,7 +231,7 @@ def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, st
                f"{next(c.name for c in cells if worst in c.arms)} (predicted/measured {worst.ratio:.2f}). "
                f"The predicted saving has the measured sign in {sum(s.sign_agrees for s in sign_cases)} of the "
                f"{len(sign_cases)} comparisons whose measured interval excludes zero and that placement does not explain "
-               f"({placed} of the {len(savings)} measured savings cannot be told from placement: two byte-identical copies "
-               f"of stock differ by as much); the gate's decision equals the measured A/B's in {decided} of {len(savings)}"
+               f"({placed} of the {len(savings)} measured savings cannot be told from placement: stock and its rewrite "
+               f"differ by as much beyond what the model predicts for the rewrite); the gate's decision equals the measured A/B's in {decided} of {len(savings)}"
                + (f" ({placed_differ} of the differing within placement)" if placed_differ else "") + ".")
     return agree, disagree, unresolved, decided, len(savings), verdict, summary
