@@ -354,7 +354,8 @@ def test_page_cache_copies_run_at_most_one_per_core(mode, service):
     once on four readers (PIPE=0's team, PIPE=1's pool) or 64 (URING). Not bounded (cpu_cores 0,
     as before the bound existed): done at 1, 2, 3 u. Two cores: the third waits for the first
     core to free: 1, 2, 4 u. One core: in turn, 1, 3, 6 u. PIPE=0 waits for the last; PIPE=1 and
-    URING for each in routing order, its matmul (at 1e12 bytes/s) between."""
+    URING for each in routing order, its matmul (at 1e12 bytes/s) between, and no layer ends
+    before its matmuls plus its copies over the cores (test_matmuls_and_copies_share_the_cores)."""
     u = MIB / RATE
     sizes = [MIB, 2 * MIB, 3 * MIB]
     fast = dict(BASE, compute_bytes_per_second=1e12)
@@ -370,7 +371,27 @@ def test_page_cache_copies_run_at_most_one_per_core(mode, service):
                 wait = max(r * u - t, 0.0)
                 expect += wait
                 t += wait + n / 1e12
+            if cores:                                # matmuls and copies share the cores
+                expect += max(sum(sizes) / 1e12 + 6 * u / cores - t, 0.0)
         assert inst.stall[1] == pytest.approx(expect, rel=1e-12), (cores, ready)
+
+
+@pytest.mark.parametrize("mode", ["pipe1", "uring"])
+def test_matmuls_and_copies_share_the_cores(mode):
+    """PIPE=1 and URING on C cores: the matmuls run on a team as wide as the machine, so a layer
+    whose misses are page-cache hits (copies of 1, 2, 3 u, u = 1 MiB at memory_bandwidth; matmuls
+    of 2, 4, 6 u at 1e9 bytes/s) ends no earlier than its 12 u of matmuls plus its 6 u of copies
+    over C. Two cores: copies done at 1, 2, 4 u, the thread waits 1 u and would end at 13 u; it
+    ends at 15 u instead, 2 u more wait at the last miss: 3 u. One core (1, 3, 6 u): 1 u, then
+    18 - 13 = 5 u more: 6 u. With copies not bounded (C = 0, relayout's own read path) only the
+    1 u wait for the first copy remains."""
+    u = MIB / RATE
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    for cores, expect in ((2, 3 * u), (1, 6 * u), (0, u)):
+        cfg = RuntimeConfig(routing_order=True, page_cache_bytes=8 * MIB, cpu_cores=cores, **MODES[mode], **BASE)
+        inst = run([[0, 1, 2], [0, 1, 2]], sizes, cfg, copying())
+        assert list(inst.drive_reads) == [3, 0]
+        assert inst.stall[1] == pytest.approx(expect, rel=1e-12), cores
 
 
 @pytest.mark.parametrize("service", ["in-order", "shared"])

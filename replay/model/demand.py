@@ -236,12 +236,18 @@ def close_job(job, job_read, n_reads, reads):
 
 
 @njit(**STAGE)
-def compute_thread(i, li, k, resident, x, work, out):
+def compute_thread(i, li, k, resident, n_jobs, x, work, out):
     """The compute thread runs resident work, then, in issue order, waits for each missing expert
     and runs its matmul (only the bottom part when its top is resident). Stall is the time it
     waits, on that critical path. The oracle's thread does the same with bytes streaming at the
     array's full bandwidth with no per-request cost, page-cache hits free
     (:func:`_oracle_seconds`). Returns when the layer's compute ends (s).
+
+    When copies are bounded by the machine's ``C`` cores (``RuntimeConfig.cpu_cores``, an engine
+    configuration), the matmuls run on an OpenMP team as wide as the machine, so they and the
+    ``n_jobs`` demand jobs' page-cache copies (``jobs.tail``) share the cores: the layer ends no
+    earlier than its compute time plus its copies' time over ``C``, and the compute thread waits
+    for the difference at its last miss (:func:`_shared_cores`).
 
     Under ``pol.routing_order`` it runs the union in routing order instead: before each miss the
     resident work routed before it (``miss.pre``), the rest after the last miss. Under
@@ -286,11 +292,36 @@ def compute_thread(i, li, k, resident, x, work, out):
         wait = max(streamed - t_oracle, 0.0)
         t_oracle = t_oracle + wait + comp
         oracle += wait
-    res.stall[i] = stall
-    res.oracle_stall[i] = oracle
     if routed:
         t += max(resident - done_pre, 0.0)
+    extra = _shared_cores(t, resident, k, n_jobs, keep_top, work)
+    if extra > 0.0:
+        miss.wait[k - 1] += extra
+        expert_wait[miss_e[k - 1]] += extra
+        stall += extra
+        t += extra
+    res.stall[i] = stall
+    res.oracle_stall[i] = oracle
     return t
+
+
+@njit(**HELPER)
+def _shared_cores(end, resident, k, n_jobs, keep_top, work):
+    """How much later than ``end`` (s) a layer's compute ends because its matmuls and its demand
+    jobs' page-cache copies share the machine's cores (:func:`compute_thread`): the layer's compute
+    (``resident`` and every miss's matmul) plus the copies over the ``C`` cores, less ``end``, at
+    least 0; 0 when copies are not bounded by cores (``C`` = 0)."""
+    cores = len(work.drives.copies)
+    if cores == 0:
+        return 0.0
+    miss, jobs = work.miss, work.jobs
+    busy = resident
+    for p in range(k):
+        busy += miss.comp[p] * keep_top if miss.top[p] else miss.comp[p]
+    copies = 0.0
+    for j in range(n_jobs):
+        copies += jobs.tail[j]
+    return max(busy + copies / cores - end, 0.0)
 
 
 @njit(**HELPER)

@@ -110,7 +110,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
                 shared_pool(n_jobs, pol.workers, pilot_free, pool, reads, dev, usage)
             else:
                 reader_pool(n_jobs, pol.workers, pilot_free, pool, reads, dev, usage)
-            end = compute_thread(i, li, k, resident, x, work, out)
+            end = compute_thread(i, li, k, resident, n_jobs, x, work, out)
             for j in range(n_jobs):
                 out.prefetch.demand_done[i] = max(out.prefetch.demand_done[i], job_done[j])
         if learning:
