@@ -143,6 +143,7 @@ def test_the_page_cache_copy_rate_is_the_profiles_memory_bandwidth_and_loads(pro
     assert load_device(str(back)) == dev and load_device(str(back)).digest() == dev.digest()
 
 
+@pytest.mark.slow
 def test_the_small_page_warning_appears_only_for_a_huge_page_calibration(profiles):
     from relayout.render.measurements import format_calibration, small_page_warning
 
