@@ -396,7 +396,7 @@ def test_a_failed_write_of_a_side_file_resumes_with_the_index_and_stamps_intact(
     assert res.returncode == 2 and "Traceback" not in res.stderr and ".coli_kv" in res.stderr, res.stderr
     partial = tmp_path / "dst.partial"
     assert not dst.exists() and (partial / INDEX_NAME).is_file() and not (partial / ".coli_kv").exists()
-    res = subprocess.run([sys.executable, "-m", "relayout", *cmd], env=env, capture_output=True, text=True)
+    res = cli(*cmd)
     assert res.returncode == 0, res.stderr
     assert "already written and re-hashed intact" in res.stderr + res.stdout
     assert (dst / ".coli_kv").read_bytes() == (src / ".coli_kv").read_bytes()

@@ -129,7 +129,7 @@ def test_write_failure_is_clean_and_resumable(setup, tmp_path):
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1 and "resume" in res.stderr
     assert not dst.exists() and (tmp_path / "dst.partial").exists()
-    res = subprocess.run(_rewrite_cmd(setup, dst), env=env, capture_output=True, text=True)
+    res = cli(*_rewrite_cmd(setup, dst)[3:])
     assert res.returncode == 0, res.stderr
     assert verify(setup["src"], dst, progress=False)[0] == []
 
@@ -153,8 +153,7 @@ def test_truncated_source_is_a_clean_error(setup, tmp_path):
     shard = sorted(src.glob("out-0*.safetensors"))[0]
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size - 100)
-    res = subprocess.run(_rewrite_cmd({**setup, "src": src}, tmp_path / "dst"), env=dict(os.environ, PYTHONPATH=str(REPO)),
-                         capture_output=True, text=True)
+    res = cli(*_rewrite_cmd({**setup, "src": src}, tmp_path / "dst")[3:])
     assert res.returncode == 2 and shard.name in res.stderr and "Traceback" not in res.stderr
 
 
