@@ -95,6 +95,32 @@ def small_container(tmp_path_factory):
     assert tree_state(out) == before, "a test modified the shared read-only source container"
 
 
+@pytest.fixture(scope="session")
+def calibrations(tmp_path_factory):
+    """One short calibration per buffer kind (``engine``, ``huge-pages``) on a 64 MiB test file (the
+    smallest, with the shortest cells calibrate accepts), with every read buffer it asked for
+    recorded (``huge_pages`` of each call): kind -> (profile, asked, the directory calibrated)."""
+    from replay.physical import calibrate as cal
+    from replay.physical import copy_rate
+
+    out = {}
+    for kind in ("engine", "huge-pages"):
+        d = tmp_path_factory.mktemp(kind)
+        asked = []
+        real = cal.read_buffer
+
+        def spy(nbytes, huge_pages=True):
+            asked.append(huge_pages)
+            return real(nbytes, huge_pages)
+
+        cal.read_buffer = copy_rate.read_buffer = spy
+        try:
+            out[kind] = (cal.calibrate(d, size_mb=64, seconds=0.05, name=f"t-{kind}", buffers=kind), asked, d)
+        finally:
+            cal.read_buffer = copy_rate.read_buffer = real
+    return out
+
+
 @pytest.fixture
 def container_copy(small_container, tmp_path):
     """A private copy of the small container that a test may damage."""
@@ -107,6 +133,24 @@ def run_cli(*args, cwd=None):
     """Run ``python -m relayout ARGS`` in a subprocess; returns CompletedProcess."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "relayout", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def cli(*args, cwd=None):
+    """Run the command line's ``main(ARGS)`` in this process, its stdout and stderr captured; returns
+    a CompletedProcess as :func:`run_cli` does. For tests of what a command does and says; a test
+    of a real process (signals, start-up, the entry point) uses :func:`run_cli`."""
+    import contextlib
+    import io
+
+    from relayout.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main([str(a) for a in args])
+        except SystemExit as exc:
+            status = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["relayout", *map(str, args)], status, out.getvalue(), err.getvalue())
 
 
 def tree_state(root: Path) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli, small_geometry
+from conftest import cli, small_geometry
 
 from containers.container import Container
 from containers.errors import InputError
@@ -85,7 +85,7 @@ def test_count_problems_name_the_line(tmp_path, records, line, words):
     with pytest.raises(InputError) as exc:
         report([p])
     assert str(exc.value).startswith(f"{p}:{line}:") and words in str(exc.value)
-    res = run_cli("report", p)
+    res = cli("report", p)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and f"bad.jsonl:{line}:" in res.stderr
 
 
@@ -134,7 +134,7 @@ def test_report_json_is_the_published_record_only(tmp_path):
     assert m.step_stall.tolist() == [900] and m.layer_stall == {3: 900}
     assert out["runs"][0]["compute_per_committed_token_ns"] == 3000 and out["runs"][0]["other_per_committed_token_ns"] == 1000
     assert out["runs"][0]["tpot_ns"] == 4900
-    res = run_cli("report", p, "--json")
+    res = cli("report", p, "--json")
     assert res.returncode == 0 and json.loads(res.stdout) == json.loads(json.dumps(out))
     assert "n/a (no prefetch)" in format_report(out)
 

@@ -98,28 +98,13 @@ def test_the_page_cache_copy_rate_is_measured_on_a_real_file_and_leaves_it_as_it
         copy_rate.page_cache_copy(tiny, 0.05)
 
 
-@pytest.fixture(scope="module")
-def profiles(tmp_path_factory):
-    """One short calibration per buffer kind on a 64 MiB test file, with every read buffer it
-    asked for recorded (``huge_pages`` of each call)."""
-    out = {}
-    for kind in ("engine", "huge-pages"):
-        d = tmp_path_factory.mktemp(kind)
-        asked = []
-        real = cal.read_buffer
-
-        def spy(nbytes, huge_pages=True):
-            asked.append(huge_pages)
-            return real(nbytes, huge_pages)
-
-        cal.read_buffer = copy_rate.read_buffer = spy
-        try:
-            out[kind] = (cal.calibrate(d, size_mb=64, seconds=0.05, name=f"t-{kind}", buffers=kind), asked, d)
-        finally:
-            cal.read_buffer = copy_rate.read_buffer = real
-    return out
+@pytest.fixture
+def profiles(calibrations):
+    """The session's calibrations, one per buffer kind (conftest's ``calibrations``)."""
+    return calibrations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["engine", "huge-pages"])
 def test_the_profile_records_the_buffers_read_into_and_the_request_limit_they_give(profiles, kind):
     profile, asked, d = profiles[kind]
@@ -142,6 +127,7 @@ def test_the_profile_records_the_buffers_read_into_and_the_request_limit_they_gi
     assert merge["size"] == min(expect or cal.MERGE_BYTES, cal.MERGE_BYTES) // 2 // 4096 * 4096
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["engine", "huge-pages"])
 def test_the_page_cache_copy_rate_is_the_profiles_memory_bandwidth_and_loads(profiles, kind, tmp_path):
     profile, _, _ = profiles[kind]
@@ -159,6 +145,7 @@ def test_the_page_cache_copy_rate_is_the_profiles_memory_bandwidth_and_loads(pro
     assert load_device(str(back)) == dev and load_device(str(back)).digest() == dev.digest()
 
 
+@pytest.mark.slow
 def test_the_small_page_warning_appears_only_for_a_huge_page_calibration(profiles):
     from relayout.render.measurements import format_calibration, small_page_warning
 

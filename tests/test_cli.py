@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import cli, run_cli
 
 from replay.physical.stalltrace import report
 
@@ -31,18 +31,18 @@ def test_demo_runs(tmp_path):
 
 
 def test_unknown_geometry_is_one_line(tmp_path):
-    res = run_cli("synth", "container", tmp_path / "x", "--geometry", "nope")
+    res = cli("synth", "container", tmp_path / "x", "--geometry", "nope")
     assert res.returncode == 2 and "unknown geometry" in res.stderr and res.stderr.count("\n") == 1
     assert not (tmp_path / "x").exists()
 
 
 def test_synth_refuses_existing_output(small_container):
-    res = run_cli("synth", "container", small_container, "--geometry", "glm-5.2-int4-row")
+    res = cli("synth", "container", small_container, "--geometry", "glm-5.2-int4-row")
     assert res.returncode == 2 and "already exists" in res.stderr
 
 
 def test_manifest_of_missing_dir(tmp_path):
-    res = run_cli("manifest", tmp_path / "nope")
+    res = cli("manifest", tmp_path / "nope")
     assert res.returncode == 2 and "no such directory" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -51,7 +51,7 @@ def test_demo_never_deletes_what_it_did_not_make(tmp_path):
     (work / "source").mkdir(parents=True)
     (work / "source" / "mine.txt").write_text("user data")
     (work / "plan.json").write_text("{}")
-    res = run_cli("demo", "--dir", work)
+    res = cli("demo", "--dir", work)
     assert res.returncode == 2 and "not a previous demo's directory" in res.stderr and res.stderr.count("\n") == 1
     assert (work / "source" / "mine.txt").read_text() == "user data" and (work / "plan.json").read_text() == "{}"
 
@@ -66,7 +66,7 @@ def test_output_paths_under_a_file_are_one_line_errors(tmp_path, small_container
         ("calibrate", tmp_path, "-o", tmp_path / "d.json", "--seconds", 0),
     ]
     for args in cases:
-        res = run_cli(*args)
+        res = cli(*args)
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, (args, res.stderr)
     assert blocker.read_text() == "{}"
 
@@ -102,8 +102,8 @@ def test_the_demo_says_in_words_when_measurement_contradicts_prediction():
 
 
 def test_trace_stats_text_has_no_python_reprs(tmp_path):
-    res = run_cli("synth", "trace", tmp_path / "t.rt", "--geometry", "qwen3-30b-a3b", "--moe-layers", 2, "--experts", 16,
-                  "--tokens", 100, "--sessions", 2)
+    res = cli("synth", "trace", tmp_path / "t.rt", "--geometry", "qwen3-30b-a3b", "--moe-layers", 2, "--experts", 16,
+              "--tokens", 100, "--sessions", 2)
     assert res.returncode == 0, res.stderr
-    out = run_cli("trace", "stats", tmp_path / "t.rt").stdout
+    out = cli("trace", "stats", tmp_path / "t.rt").stdout
     assert "None" not in out and "{" not in out and "(100 decode)" in out and "n/a" in out

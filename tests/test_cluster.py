@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -185,17 +185,17 @@ def test_trace_paths_expand_dirs_and_globs_and_refuse_nothing_or_twice(tmp_path)
 def test_pooled_plan_cli_and_replay_holds_out_each_files_tail(tmp_path):
     paths = _files(tmp_path, n=3, tokens=400)
     geo = ["--geometry", "glm-5.2-int4-row", "--moe-layers", 3, "--experts", 32, "--hidden", 256, "--ffn", 64, "--vocab", 64]
-    res = run_cli("plan", "--trace", paths[0], "--trace", str(tmp_path / "pool" / "t[12].rt"), *geo, "--scheduler", "none",
-                  "-o", tmp_path / "p.json")
+    res = cli("plan", "--trace", paths[0], "--trace", str(tmp_path / "pool" / "t[12].rt"), *geo, "--scheduler", "none",
+              "-o", tmp_path / "p.json")
     assert res.returncode == 0, res.stderr
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["training"]["trace"] == paths and len(plan["training"]["trace_fingerprint"]) == 3
     assert len(plan["training"]["sessions"]) == 3 * 3 and len(plan["training"]["held_out_sessions"]) == 3
-    res = run_cli("plan", "--trace", str(tmp_path / "pool"), *geo, "--split-ratio", 0.25, "--split-ram-gb", 1,
-                  "--scheduler", "none", "-o", tmp_path / "q.json")
+    res = cli("plan", "--trace", str(tmp_path / "pool"), *geo, "--split-ratio", 0.25, "--split-ram-gb", 1,
+              "--scheduler", "none", "-o", tmp_path / "q.json")
     assert res.returncode == 2 and "single --trace" in res.stderr and "Traceback" not in res.stderr
-    res = run_cli("replay", "--layout", tmp_path / "p.json", "--trace", paths[1], "--device", "single-nvme", "--json",
-                  "--min-sessions", 1)
+    res = cli("replay", "--layout", tmp_path / "p.json", "--trace", paths[1], "--device", "single-nvme", "--json",
+              "--min-sessions", 1)
     assert res.returncode == 0, res.stderr
     gate = json.loads(res.stdout)
     assert len(gate["trace"]["sessions_evaluated"]) == 1  # the file's held-out tail; its training sessions excluded by content

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import fuzz_examples, run_cli, small_geometry
+from conftest import cli, fuzz_examples, small_geometry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,7 +123,7 @@ def test_a_source_with_a_malformed_stamp_map_is_refused(tmp_path):
     synth_container(src, small_geometry(**GEOMETRY), seed=1, progress=False)
     shard = sorted(src.glob("out-0*.safetensors"))[1]
     restamp(shard, {"format": "pt", STAMP_KEY: '{"model.norm.weight": 4}'})
-    r = run_cli("inspect", src)
+    r = cli("inspect", src)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and shard.name in r.stderr and "is not a string" in r.stderr
 
@@ -396,7 +396,7 @@ def test_a_failed_write_of_a_side_file_resumes_with_the_index_and_stamps_intact(
     assert res.returncode == 2 and "Traceback" not in res.stderr and ".coli_kv" in res.stderr, res.stderr
     partial = tmp_path / "dst.partial"
     assert not dst.exists() and (partial / INDEX_NAME).is_file() and not (partial / ".coli_kv").exists()
-    res = subprocess.run([sys.executable, "-m", "relayout", *cmd], env=env, capture_output=True, text=True)
+    res = cli(*cmd)
     assert res.returncode == 0, res.stderr
     assert "already written and re-hashed intact" in res.stderr + res.stdout
     assert (dst / ".coli_kv").read_bytes() == (src / ".coli_kv").read_bytes()
@@ -430,7 +430,7 @@ def test_ssd_cache_grammar(text, device):
 
 
 def test_rewrite_summary_says_what_was_done_per_file(stamped, tmp_path):
-    r = run_cli("rewrite", stamped["src"], "--layout", stamped["plan"].path, "--out", tmp_path / "dst", "--force")
+    r = cli("rewrite", stamped["src"], "--layout", stamped["plan"].path, "--out", tmp_path / "dst", "--force")
     assert r.returncode == 0, r.stderr
     assert f"format stamps (colibri.fmt): {MAX_STAMPS} carried" in r.stdout
     assert "model.safetensors.index.json: regenerated" in r.stdout

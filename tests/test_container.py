@@ -4,7 +4,7 @@ import json
 import struct
 
 import pytest
-from conftest import run_cli, small_geometry, tree_state
+from conftest import cli, small_geometry, tree_state
 
 from containers.container import Container, expert_tensor_name, infer_format
 from containers.errors import InputError
@@ -128,7 +128,7 @@ def test_expert_missing_a_tensor_is_a_problem_and_inspect_exits_2(container_copy
     assert any("4.5 is missing" in p and victim in p for p in c.problems)
     with pytest.raises(InputError, match="missing"):
         c.require_clean()
-    res = run_cli("inspect", container_copy)
+    res = cli("inspect", container_copy)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
@@ -138,7 +138,7 @@ def test_unknown_dtype_gives_one_line_exit_2_and_leaves_files_untouched(containe
     name = next(iter(read_header(shard).tensors))
     _rewrite_header(shard, lambda h: h[name].__setitem__("dtype", "Q8"))
     before = tree_state(container_copy)
-    res = run_cli("inspect", container_copy)
+    res = cli("inspect", container_copy)
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "unknown dtype" in res.stderr and shard.name in res.stderr
     assert "Traceback" not in res.stderr
@@ -149,5 +149,5 @@ def test_truncated_shard_is_named(container_copy):
     shard = sorted(container_copy.glob("out-0*.safetensors"))[1]
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size - 10)
-    res = run_cli("inspect", container_copy)
+    res = cli("inspect", container_copy)
     assert res.returncode == 2 and shard.name in res.stderr and "truncated" in res.stderr

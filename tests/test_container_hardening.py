@@ -7,7 +7,7 @@ import struct
 import time
 
 import pytest
-from conftest import fuzz_examples, run_cli
+from conftest import cli, fuzz_examples
 
 from containers.container import Container
 from containers.errors import InputError
@@ -99,7 +99,7 @@ def test_bad_headers_fail_inspect_manifest_and_verify_in_one_line(small_containe
     replace_header(shard, mutate)
     args = {"inspect": ["inspect", container_copy], "manifest": ["manifest", container_copy],
             "verify": ["verify", small_container, container_copy]}[command]
-    assert_one_line_exit_2(run_cli(*args), shard.name)
+    assert_one_line_exit_2(cli(*args), shard.name)
 
 
 def test_leading_zero_or_non_ascii_layer_numbers_are_not_experts(container_copy):
@@ -158,7 +158,7 @@ def test_implausible_config_numbers_are_one_line_errors_fast(container_copy, cha
     assert "config.json" in msg and "\n" not in msg and len(msg) < 300, msg
     for w in words:
         assert w in msg, msg
-    assert_one_line_exit_2(run_cli("inspect", container_copy), "config.json")
+    assert_one_line_exit_2(cli("inspect", container_copy), "config.json")
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a":' * 50_000 + "1" + "}" * 50_000, "\xff\xfe{}", "{} x", ""],
@@ -169,7 +169,7 @@ def test_unparsable_config_is_an_error_naming_config_json(container_copy, text):
     with pytest.raises(InputError, match="config.json") as exc:
         Container.open(container_copy)
     assert "\n" not in str(exc.value)
-    assert_one_line_exit_2(run_cli("inspect", container_copy), "config.json")
+    assert_one_line_exit_2(cli("inspect", container_copy), "config.json")
 
 
 def test_config_far_from_the_tensors_is_problems_not_work(container_copy):
@@ -260,7 +260,7 @@ def test_rewrites_verify_clean_and_say_whether_they_need_a_split_runtime(rewritt
 def test_malformed_dst_manifest_is_one_line_naming_the_key(rewritten, tmp_path, mutate, words):
     dst = _copy(rewritten["dst"], tmp_path)
     _edit_manifest(dst, mutate)
-    res = run_cli("verify", rewritten["src"], dst)
+    res = cli("verify", rewritten["src"], dst)
     if not words:
         assert res.returncode == 0, res.stderr
         return
@@ -285,12 +285,12 @@ def test_verify_compares_every_non_tensor_file_with_src(rewritten, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     (dst / "tokenizer.json").unlink()
     (dst / "notes.txt").write_text("extra")
-    assert run_cli("manifest", dst).returncode == 0
+    assert cli("manifest", dst).returncode == 0
     problems, _ = verify_containers(rewritten["src"], dst, progress=False)
     assert "file config.json: content differs from SRC's (xxh3-128)" in problems
     assert "file tokenizer.json: in SRC but missing from DST" in problems
     assert "file notes.txt: in DST but not in SRC" in problems
-    res = run_cli("verify", rewritten["src"], dst)
+    res = cli("verify", rewritten["src"], dst)
     assert res.returncode == 2 and "config.json" in res.stdout and "tokenizer.json" in res.stdout
 
 
@@ -684,7 +684,7 @@ def test_a_remade_manifest_of_a_split_container_keeps_its_segment_map(rewritten,
     assert build_manifest(Container.open(rewritten["split"]), progress=False)["segments"] == recorded["segments"]
     assert "segments" not in build_manifest(Container.open(rewritten["dst"]), progress=False)
     dst = _copy(rewritten["split"], tmp_path)
-    assert run_cli("manifest", dst).returncode == 0
+    assert cli("manifest", dst).returncode == 0
     assert "rewrite" not in load_manifest(dst / MANIFEST_NAME)
     problems, summary = verify_containers(rewritten["src"], dst, progress=False)
     assert problems == [] and summary["split_tensors"] == len(recorded["segments"]) and summary["needs_split_runtime"]

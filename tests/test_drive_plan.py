@@ -17,7 +17,7 @@ from replay.model.drivetime import expert_table, session_stall
 from replay.model.storage import DriveSpec, Storage
 from replay.formats.trace import save_trace
 
-from conftest import run_cli, small_geometry
+from conftest import cli, small_geometry
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +149,10 @@ def test_command(tmp_path, model):
     gpath = tmp_path / "g.json"
     gpath.write_text(json.dumps(g.to_json()))
     save_trace(trace, tmp_path / "t.rt")
-    bad = run_cli("drives", tmp_path / "t.rt", "--geometry", gpath, "--drive", "a")
+    bad = cli("drives", tmp_path / "t.rt", "--geometry", gpath, "--drive", "a")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "NAME=PROFILE" in bad.stderr
-    ok = run_cli("drives", tmp_path / "t.rt", "--geometry", gpath, "--drive", "a=single-nvme", "--drive",
-                 "b=single-nvme,speed=0.5", "--out", tmp_path / "plan", "--path", "a=/mnt/a", "--path", "b=/mnt/b")
+    ok = cli("drives", tmp_path / "t.rt", "--geometry", gpath, "--drive", "a=single-nvme", "--drive",
+             "b=single-nvme,speed=0.5", "--out", tmp_path / "plan", "--path", "a=/mnt/a", "--path", "b=/mnt/b")
     assert ok.returncode == 0, ok.stderr
     assert "COLI_MODEL_DIRS=/mnt/b" in ok.stdout and "SNAP=/mnt/a" in ok.stdout
     assert "insufficient: 2 held-out session(s)" in ok.stdout                # 4 sessions: 2 held out

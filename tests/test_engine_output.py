@@ -2,15 +2,12 @@
 storage-bound fixture of docs/ENGINE.md) drive the reader, report and compare."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, fuzz_examples
+from conftest import REPO, cli, fuzz_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,9 +33,7 @@ MERGED = DATA / "merged-no-prof.log"
 
 
 def _cli(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "relayout", *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=REPO)
+    return cli(*args, cwd=REPO)
 
 
 def _profile_numbers(line: str) -> list[float]:

@@ -229,7 +229,7 @@ def test_a_runs_effective_configuration_is_read_from_its_output(tmp_path):
 # ------------------------------------------------------------------------ the command line
 
 def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
-    from conftest import run_cli
+    from conftest import cli
 
     from containers.geometry import load_geometry
     from relayout.planning.plan import make_plan, source_from_geometry
@@ -243,12 +243,12 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
     save_trace(tr, tmp_path / "t.rt")
     common = ["replay", "--layout", tmp_path / "p.json", "--trace", tmp_path / "t.rt", "--device", "single-nvme",
               "--min-sessions", 1]
-    res = run_cli(*common, "--json")
+    res = cli(*common, "--json")
     assert res.returncode == 0, res.stderr
     rt = json.loads(res.stdout)["runtime"]
     assert rt["blocking"] and rt["routing_order"] and not rt["direct"] and rt["engine_env"] == "(defaults)"
-    res = run_cli(*common, "--json", "--runtime-env", "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0 SNAP=/m",
-                  "--coalesce")
+    res = cli(*common, "--json", "--runtime-env", "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0 SNAP=/m",
+              "--coalesce")
     assert res.returncode == 0, res.stderr
     import jsonschema
     from conftest import REPO
@@ -258,13 +258,13 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
     assert (rt["blocking"], rt["workers"], rt["direct"], rt["lru_experts"]) == (False, 2, True, 3)
     assert rt["engine_env"] == "PIPE=1 PIPE_WORKERS=2 DIRECT=1 CAP=3 CAP_RAISE=0"
     assert any("1398" in c for c in rt["runtime_changes"])
-    res = run_cli(*common, "--runtime-env", "PIPE=1", "--compute-gbps", 7)
+    res = cli(*common, "--runtime-env", "PIPE=1", "--compute-gbps", 7)
     assert res.returncode == 0 and "read path: colibrì PIPE=1" in res.stdout and "7 GB/s" in res.stdout
-    res = run_cli(*common, "--workers", 2)                       # relayout's own read path, as before
+    res = cli(*common, "--workers", 2)                       # relayout's own read path, as before
     assert res.returncode == 0 and "relayout's read path: 2 loader workers" in res.stdout
     for bad, word in [(["--runtime-env", "PIPE=3"], "PIPE must be 0 or 1"), (["--runtime-env", "NOPE=1"], "NOPE"),
                       (["--runtime-env", "PIPE=1", "--workers", 2], "--workers")]:
-        res = run_cli(*common, *bad)
+        res = cli(*common, *bad)
         assert res.returncode == 2 and word in res.stderr and "Traceback" not in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, cli
 
 from containers.errors import InputError
 from relayout.workflows.engine_runs import EngineArm, measure_engine, schedule
@@ -123,21 +123,16 @@ def test_a_failing_engine_is_recorded_and_reported(tmp_path):
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     c = _container(tmp_path / "c")
-    res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--engine", str(tmp_path / "nope"), "--container",
-                          str(c), "--prompts", str(tmp_path / "p.txt"), "-o", str(tmp_path / "o")],
-                         capture_output=True, text=True, env=env)
+    res = cli("measure", "--engine", tmp_path / "nope", "--container", c, "--prompts", tmp_path / "p.txt", "-o", tmp_path / "o")
     assert res.returncode == 2 and res.stderr.count("\n") == 1
-    res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--container", str(c)],
-                         capture_output=True, text=True, env=env)
+    res = cli("measure", "--container", c)
     assert res.returncode == 2 and "--trace" in res.stderr and "--engine" in res.stderr
     engine = _stand_in_engine(tmp_path)
     (tmp_path / "p.txt").write_text("a prompt\n")
     for bad, says in (("PIPE=2", "PIPE must be 0 or 1"), ("PROMPT='unbalanced", "cannot split")):
-        res = subprocess.run([sys.executable, "-m", "relayout", "measure", "--engine", str(engine), "--container", str(c),
-                              "--prompts", str(tmp_path / "p.txt"), "-o", str(tmp_path / "o"), "--runtime-env", bad],
-                             capture_output=True, text=True, env=env)
+        res = cli("measure", "--engine", engine, "--container", c, "--prompts", tmp_path / "p.txt", "-o", tmp_path / "o",
+                  "--runtime-env", bad)
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr, res.stderr
         assert not (tmp_path / "o").exists() and not (tmp_path / "calls.txt").exists()     # nothing run
 

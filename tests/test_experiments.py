@@ -109,14 +109,14 @@ def test_a_compute_bound_host_supports_no_hypothesis(case):
 def test_cli_policy_prints_h2_and_sweep_writes_every_hypothesis(case, tmp_path):
     import json
 
-    from conftest import run_cli
+    from conftest import cli
 
     from replay.formats.trace import save_trace
 
     plan, tr = case
     save_trace(tr, tmp_path / "t.rt")
     common = ["--layout", plan.path, "--trace", tmp_path / "t.rt", "--device", DEVICE, "--workers", 2, "--prefetch-experts", 4]
-    r = run_cli("replay", *common, "--policy", "probability,deadline", "--prefetch-budget-mb", 4.8, "-o", tmp_path / "h2.json")
+    r = cli("replay", *common, "--policy", "probability,deadline", "--prefetch-budget-mb", 4.8, "-o", tmp_path / "h2.json")
     assert r.returncode == 0, r.stderr
     assert "H2 at RAM 0 GB, B = 4.8 MB per layer" in r.stdout
     assert "Falsifier" in r.stdout or "SUPPORTED" in r.stdout
@@ -124,18 +124,18 @@ def test_cli_policy_prints_h2_and_sweep_writes_every_hypothesis(case, tmp_path):
     assert [t["hypothesis"] for t in rec["tables"]] == ["H2"]
     assert [a["arm"] for a in rec["tables"][0]["arms"]] == ["none", "probability", "deadline", "stall-value"]
     ram_gb = 0.3 * plan.layout.expert_bytes()[:, 0].sum() * plan.layout.n_experts / 1e9
-    r = run_cli("replay", *common, "--policy", "probability", "--sweep", "--sweep-ram", f"{ram_gb}", "--sweep-budgets-mb", "4.8",
-                "--scheduler", "none", "--json")
+    r = cli("replay", *common, "--policy", "probability", "--sweep", "--sweep-ram", f"{ram_gb}", "--sweep-budgets-mb", "4.8",
+            "--scheduler", "none", "--json")
     assert r.returncode == 0, r.stderr
     assert [t["hypothesis"] for t in json.loads(r.stdout)["tables"]] == ["H2", "H3a", "H3b", "H5"]
-    r = run_cli("replay", *common, "--hypotheses", "H9")
+    r = cli("replay", *common, "--hypotheses", "H9")
     assert r.returncode == 2 and "unknown hypothesis 'H9'" in r.stderr
 
 
 def test_cli_policy_over_two_sources_scores_them_and_their_fusion(case, tmp_path):
     import json
 
-    from conftest import run_cli
+    from conftest import cli
 
     from replay.formats.trace import save_trace
 
@@ -143,8 +143,8 @@ def test_cli_policy_over_two_sources_scores_them_and_their_fusion(case, tmp_path
     save_trace(tr, tmp_path / "t.rt")
     common = ["--layout", plan.path, "--trace", tmp_path / "t.rt", "--device", DEVICE, "--workers", 2, "--prefetch-experts", 4,
               "--prefetch-budget-mb", 4.8]
-    r = run_cli("replay", *common, "--prefetch", "coupled+persistence", "--policy", "probability",
-                "--hypotheses", "H2,H5", "--source-caps", "0.75,0.25", "-o", tmp_path / "h.json")
+    r = cli("replay", *common, "--prefetch", "coupled+persistence", "--policy", "probability",
+            "--hypotheses", "H2,H5", "--source-caps", "0.75,0.25", "-o", tmp_path / "h.json")
     assert r.returncode == 0, r.stderr
     assert "prediction sources on the held-out sessions (coupled+persistence" in r.stdout
     assert "H5 at RAM 0 GB, B = 4.8 MB per layer, arm judged: source-caps" in r.stdout
@@ -152,7 +152,7 @@ def test_cli_policy_over_two_sources_scores_them_and_their_fusion(case, tmp_path
     assert [p["source"] for p in rec["predictors"]] == ["coupled", "persistence", "coupled+persistence"]
     assert len({p["candidates"] for p in rec["predictors"]}) == 1
     assert [t["hypothesis"] for t in rec["tables"]] == ["H2", "H5", "H5"]
-    r = run_cli("replay", *common, "--prefetch", "coupled+oracle", "--policy", "probability")
+    r = cli("replay", *common, "--prefetch", "coupled+oracle", "--policy", "probability")
     assert r.returncode == 2 and "not none or oracle" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("replay", *common, "--prefetch", "coupled+persistence", "--policy", "probability", "--source-caps", "0.5")
+    r = cli("replay", *common, "--prefetch", "coupled+persistence", "--policy", "probability", "--source-caps", "0.5")
     assert r.returncode == 2 and "one per source" in r.stderr

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, cli
 
 from containers.atomic import TEMP_NAME, atomic_output, temp_name, write_json_atomic
 from containers.errors import InputError
@@ -96,16 +96,16 @@ def test_cli_output_onto_a_symlink_or_fifo_is_one_line_exit_2(tmp_path):
     fifo = tmp_path / "f.rt"
     os.mkfifo(fifo)
     for out in (link, fifo):
-        res = run_cli("synth", "trace", out, "--geometry", "glm-5.2-int4-g64", "--moe-layers", 2, "--experts", 16,
-                      "--tokens", 50, "--sessions", 2)
+        res = cli("synth", "trace", out, "--geometry", "glm-5.2-int4-g64", "--moe-layers", 2, "--experts", 16,
+                  "--tokens", 50, "--sessions", 2)
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and str(out) in res.stderr, res.stderr
     assert victim.read_text() == "precious\n" and link.is_symlink() and stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def test_cli_output_to_dev_null_leaves_it_a_device():
     st = os.lstat(os.devnull)
-    res = run_cli("synth", "trace", os.devnull, "--geometry", "glm-5.2-int4-g64", "--moe-layers", 2, "--experts", 16,
-                  "--tokens", 50, "--sessions", 2)
+    res = cli("synth", "trace", os.devnull, "--geometry", "glm-5.2-int4-g64", "--moe-layers", 2, "--experts", 16,
+              "--tokens", 50, "--sessions", 2)
     assert res.returncode == 0, res.stderr
     after = os.lstat(os.devnull)
     assert stat.S_ISCHR(after.st_mode) and after.st_rdev == st.st_rdev and after.st_ino == st.st_ino

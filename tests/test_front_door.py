@@ -11,7 +11,7 @@ from relayout.planning.training import held_out_advice, sessions_needed, split_s
 from replay.evaluation.evidence import HeldOut
 from replay.formats.gatefile import load_gate
 
-from conftest import run_cli, source_with_manifest, small_geometry
+from conftest import cli, small_geometry, source_with_manifest
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.625, 0.7, 0.8, 0.9])
@@ -41,11 +41,11 @@ def planned(tmp_path_factory):
     a = source_with_manifest(root / "a", g, seed=1)
     b = source_with_manifest(root / "b", g, seed=2)
     trace = root / "t.rt"
-    res = run_cli("synth", "trace", trace, "--geometry", "glm-5.2-int4-g64", "--moe-layers", 3, "--experts", 16,
-                  "--tokens", 600, "--sessions", 12)
+    res = cli("synth", "trace", trace, "--geometry", "glm-5.2-int4-g64", "--moe-layers", 3, "--experts", 16,
+              "--tokens", 600, "--sessions", 12)
     assert res.returncode == 0, res.stderr
     plan = root / "plan.json"
-    res = run_cli("plan", "--trace", trace, "--container", a, "-o", plan)
+    res = cli("plan", "--trace", trace, "--container", a, "-o", plan)
     assert res.returncode == 0, res.stderr
     assert "learning from the first 8 of 12 sessions; 4 held out" in res.stderr
     assert "record 3 more" in res.stderr
@@ -55,8 +55,8 @@ def planned(tmp_path_factory):
 def test_plan_for_another_container_is_refused_before_the_replay(planned):
     root, a, b, trace, plan = planned
     gate = root / "gate-other.json"
-    res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--container", b,
-                  "--out", root / "dst-other", "-o", gate)
+    res = cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--container", b,
+              "--out", root / "dst-other", "-o", gate)
     assert res.returncode == 2
     assert f"the plan is for {a} " in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not gate.exists(), "the replay ran (and wrote its gate) before the mismatch was found"
@@ -68,8 +68,8 @@ def test_existing_destination_is_refused_before_the_replay(planned):
     dst = root / "taken"
     dst.mkdir()
     gate = root / "gate-taken.json"
-    res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--container", a,
-                  "--out", dst, "-o", gate)
+    res = cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--container", a,
+              "--out", dst, "-o", gate)
     assert res.returncode == 2 and "already exists" in res.stderr
     assert not gate.exists()
 
@@ -77,7 +77,7 @@ def test_existing_destination_is_refused_before_the_replay(planned):
 def test_replay_ends_with_a_bottom_line_for_each_verdict(planned):
     root, a, b, trace, plan = planned
     gate = root / "gate.json"
-    res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "-o", gate)
+    res = cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "-o", gate)
     assert res.returncode == 0, res.stderr
     assert "the verdict will rest on 4 held-out sessions" in res.stdout
     last = res.stdout.strip().splitlines()[-1]
@@ -100,7 +100,7 @@ def test_replay_ends_with_a_bottom_line_for_each_verdict(planned):
 
 def test_ram_beyond_the_routed_experts_is_refused(planned):
     root, a, b, trace, plan = planned
-    res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--ram-gb", 100000)
+    res = cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--ram-gb", 100000)
     assert res.returncode == 2 and "--ram-gb 100000 is more than all" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
@@ -108,8 +108,8 @@ def test_ram_beyond_the_routed_experts_is_refused(planned):
 def test_sweep_budgets_come_from_the_model(planned):
     root, a, b, trace, plan = planned
     out = root / "sweep.json"
-    res = run_cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--sweep", "--sweep-workers", 8,
-                  "--scheduler", "none", "--ram-gb", 0.001, "-o", out)
+    res = cli("replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--sweep", "--sweep-workers", 8,
+              "--scheduler", "none", "--ram-gb", 0.001, "-o", out)
     assert res.returncode == 0, res.stderr
     cells = json.loads(out.read_text())["cells"]
     budgets = sorted({c["ram_gb"] for c in cells})
@@ -123,16 +123,16 @@ def test_sweep_budgets_come_from_the_model(planned):
 
 def test_verify_against_the_wrong_source_is_bounded(planned):
     root, a, b, trace, plan = planned
-    res = run_cli("verify", a, b)
+    res = cli("verify", a, b)
     assert res.returncode == 2
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 21 and lines[-1].startswith("... and ") and "more problem(s)" in lines[-1]
-    full = run_cli("verify", a, b, "--json")
+    full = cli("verify", a, b, "--json")
     assert len(json.loads(full.stdout)["problems"]) == int(lines[-1].split()[2]) + 20
 
 
 def test_a_missing_directory_is_named_as_missing(tmp_path):
-    res = run_cli("inspect", tmp_path / "nowhere")
+    res = cli("inspect", tmp_path / "nowhere")
     assert res.returncode == 2 and "no such directory" in res.stderr
 
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import cli
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
@@ -85,12 +85,12 @@ def test_the_record_rechecks_from_itself_and_an_edit_is_caught(case, tmp_path):
     g = record.to_json()
     path = tmp_path / "gate.json"
     path.write_text(json.dumps(g))
-    res = run_cli("gate", "--recheck", path)
+    res = cli("gate", "--recheck", path)
     assert res.returncode == 0 and "matches its evidence" in res.stdout, res.stdout + res.stderr
     edited = json.loads(json.dumps(g))
     edited["evidence"]["units"]["plan_stall_s"][0] *= 3          # one session's stall made worse
     path.write_text(json.dumps(edited))
-    res = run_cli("gate", "--recheck", path)
+    res = cli("gate", "--recheck", path)
     assert res.returncode == 2 and "does not match its own evidence" in res.stderr and "interval recomputed" in res.stdout
     edited = json.loads(json.dumps(g))
     edited["threshold"]["seconds_per_token"] = 1.0               # a bar no layout passes, verdict left as pass
@@ -142,15 +142,15 @@ def test_rewrite_refuses_an_insufficient_gate_and_replay_says_so_in_its_status(c
     plan, tr = case["plan"], case["trace"]
     n = len(plan.training_sessions)
     save_trace(tr.subset(list(range(n)) + [n, n + 1]), tmp_path / "two.rt")
-    res = run_cli("replay", "--layout", case["root"] / "louvain.json", "--trace", tmp_path / "two.rt",
-                  "--device", "mac-pro-2019-applraid-4x", "--workers", 1, "--coalesce", "--strict")
+    res = cli("replay", "--layout", case["root"] / "louvain.json", "--trace", tmp_path / "two.rt",
+              "--device", "mac-pro-2019-applraid-4x", "--workers", 1, "--coalesce", "--strict")
     assert res.returncode == 4 and "verdict: INSUFFICIENT" in res.stdout, res.stdout + res.stderr
     save_trace(tr, tmp_path / "all.rt")
-    res = run_cli("replay", "--layout", case["root"] / "louvain.json", "--trace", tmp_path / "all.rt",
-                  "--device", "mac-pro-2019-applraid-4x", "--workers", 1, "--coalesce", "--threshold", 0.9, "--strict")
+    res = cli("replay", "--layout", case["root"] / "louvain.json", "--trace", tmp_path / "all.rt",
+              "--device", "mac-pro-2019-applraid-4x", "--workers", 1, "--coalesce", "--threshold", 0.9, "--strict")
     assert res.returncode == 3 and "verdict: FAIL" in res.stdout
-    res = run_cli("replay", "--layout", case["root"] / "louvain.json", "--trace", tmp_path / "all.rt",
-                  "--device", "mac-pro-2019-applraid-4x", "--workers", 1, "--coalesce")
+    res = cli("replay", "--layout", case["root"] / "louvain.json", "--trace", tmp_path / "all.rt",
+              "--device", "mac-pro-2019-applraid-4x", "--workers", 1, "--coalesce")
     assert res.returncode == 0 and "verdict: PASS" in res.stdout
 
 

@@ -10,7 +10,7 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import cli
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
@@ -214,7 +214,7 @@ def test_replay_from_the_command_line_streams_the_file_and_records_the_plan_pins
     hot = [(int(layer), e) for layer in plan.layout.layers for e in range(8)]
     pinned = pinned_plan(case, "cli.json", hot)
     common = ["replay", "--layout", str(pinned.path), "--trace", str(case["path"]), "--device", DEVICE, "--workers", "2"]
-    res = run_cli(*common, "-o", tmp_path / "gate.json")
+    res = cli(*common, "-o", tmp_path / "gate.json")
     assert res.returncode == 0, res.stderr
     gate = json.loads((tmp_path / "gate.json").read_text())
     assert gate["pins"]["source"] == "plan" and gate["pins"]["experts"] == len(hot)
@@ -222,8 +222,8 @@ def test_replay_from_the_command_line_streams_the_file_and_records_the_plan_pins
     assert gate["trace"]["fingerprint"] == case["trace"].fingerprint()
     config = _runtime_config(build_parser().parse_args(common))          # the CLI's runtime defaults
     assert gate == compare(pinned, load_trace(case["path"]), load_device(DEVICE), config).to_json()
-    res = run_cli(*common, "--pin-gb", "1")
+    res = cli(*common, "--pin-gb", "1")
     assert res.returncode == 2 and "drop --pin-gb" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     (tmp_path / "text.txt").write_text("0 0 3 5:0.5000\n")
-    res = run_cli("replay", "--layout", plan.path, "--trace", tmp_path / "text.txt", "--device", DEVICE)
+    res = cli("replay", "--layout", plan.path, "--trace", tmp_path / "text.txt", "--device", DEVICE)
     assert res.returncode == 2 and "not a relayout trace" in res.stderr and len(res.stderr.strip().splitlines()) == 1

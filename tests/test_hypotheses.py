@@ -148,7 +148,7 @@ def _measured(path, run, configuration, late_ns, requests=6, steps_per=6):
 
 
 def test_report_judges_h5_from_measured_runs_like_a_replay(tmp_path):
-    from conftest import run_cli
+    from conftest import cli
 
     rng = np.random.default_rng(3)
     late = rng.integers(1_000_000, 3_000_000, size=(6, 6))
@@ -164,14 +164,14 @@ def test_report_judges_h5_from_measured_runs_like_a_replay(tmp_path):
     t = measured_table("H5", report([path]).runs, {"stock-prefetch": "default", "budgeted": "tail-control"})
     assert t.verdict == SUPPORTED, t.reason
     assert t.comparisons[0].difference.estimate == pytest.approx(0.040 - 0.003, rel=1e-6)   # p99: the 40 ms tail, cut to 3 ms
-    r = run_cli("report", path, "--hypothesis", "H5", "--arm", "default=stock-prefetch", "--arm", "tail-control=budgeted")
+    r = cli("report", path, "--hypothesis", "H5", "--arm", "default=stock-prefetch", "--arm", "tail-control=budgeted")
     assert r.returncode == 0 and "H5 at measured runs" in r.stdout and "SUPPORTED" in r.stdout
-    r = run_cli("report", path, "--hypothesis", "H5")
+    r = cli("report", path, "--hypothesis", "H5")
     assert r.returncode != 0 and "needs the 'default' arm" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_report_judges_h3b_from_measured_whole_and_split_runs(tmp_path):
-    from conftest import run_cli
+    from conftest import cli
 
     rng = np.random.default_rng(5)
     whole_8 = rng.integers(4_000_000, 6_000_000, size=(6, 6))
@@ -182,7 +182,7 @@ def test_report_judges_h3b_from_measured_whole_and_split_runs(tmp_path):
     _measured(path, "w16", "whole-16", whole_16)
     _measured(path, "s16", "split-16", whole_16)                  # and nothing at 16 GB
     arms = ["--arm", "whole@8=whole-8", "--arm", "split@8=split-8", "--arm", "whole@16=whole-16", "--arm", "split@16=split-16"]
-    r = run_cli("report", path, "--hypothesis", "H3b", *arms, "--json")
+    r = cli("report", path, "--hypothesis", "H3b", *arms, "--json")
     assert r.returncode == 0, r.stderr
     import json
 
@@ -191,8 +191,8 @@ def test_report_judges_h3b_from_measured_whole_and_split_runs(tmp_path):
     by = {c["test"]: c for c in t["comparisons"]}
     assert by["split @ 8 GB"]["difference"]["estimate"] == pytest.approx(0.002, rel=1e-9)
     assert by["split @ 16 GB"]["difference"]["estimate"] == 0 and not by["split @ 16 GB"]["holds"]
-    r = run_cli("report", path, "--hypothesis", "H3b", *arms[:6])        # split@16 left unnamed: arm 'split-16'
+    r = cli("report", path, "--hypothesis", "H3b", *arms[:6])        # split@16 left unnamed: arm 'split-16'
     assert r.returncode != 0 and "is not whole@GB or split@GB" in r.stderr and "Traceback" not in r.stderr
     _measured(path, "w32", "whole-32", whole_16)
-    r = run_cli("report", path, "--hypothesis", "H3b", *arms, "--arm", "whole@32=whole-32")
+    r = cli("report", path, "--hypothesis", "H3b", *arms, "--arm", "whole@32=whole-32")
     assert r.returncode != 0 and "at 32 GB has no split@ run" in r.stderr

@@ -4,7 +4,7 @@ import json
 
 import jsonschema
 import xxhash
-from conftest import REPO, run_cli, tree_state
+from conftest import REPO, cli, tree_state
 
 from containers.container import MANIFEST_NAME, Container
 from containers.hashing import Range, file_digest, hash_file
@@ -61,15 +61,15 @@ def test_check_names_the_flipped_tensor(container_copy):
     assert any(p.startswith(f"tensor {name} ") for p in problems)
     assert any(p.startswith(f"file {t['file']}") for p in problems)
     assert len([p for p in problems if p.startswith("tensor")]) == 1
-    res = run_cli("manifest", "--check", container_copy)
+    res = cli("manifest", "--check", container_copy)
     assert res.returncode == 2 and name in res.stdout
 
 
 def test_manifest_cli_writes_into_dir_and_touches_nothing_else(container_copy):
     before = tree_state(container_copy)
-    res = run_cli("manifest", container_copy)
+    res = cli("manifest", container_copy)
     assert res.returncode == 0, res.stderr
     after = tree_state(container_copy)
     assert set(after) - set(before) == {MANIFEST_NAME}
     assert all(after[k] == v for k, v in before.items())
-    assert run_cli("manifest", "--check", container_copy).returncode == 0
+    assert cli("manifest", "--check", container_copy).returncode == 0

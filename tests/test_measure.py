@@ -8,12 +8,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import page_cache_evicts, run_cli, small_geometry
+from conftest import cli, page_cache_evicts, small_geometry
 
 from containers.container import Container
 from containers.errors import InputError
 from relayout.traces.synth import synth_trace
-from replay.physical.calibrate import calibrate
 from replay.physical.request_limits import system_read_ahead_bytes
 from replay.model.config import RuntimeConfig
 from replay.model.device import load_device
@@ -306,22 +305,23 @@ def test_tracing_can_be_switched_off(small_container, trace_for, tmp_path):
     assert res.path is None and not (tmp_path / "x.jsonl").exists()
 
 
-def test_calibration_fits_a_loadable_profile(tmp_path):
-    profile = calibrate(tmp_path, size_mb=64, seconds=0.05, name="test-disk")  # the shortest cell calibrate accepts
+@pytest.mark.slow
+def test_calibration_fits_a_loadable_profile(calibrations, tmp_path):
+    profile, _, target = calibrations["huge-pages"]      # calibrate's default buffers
     path = tmp_path / "device.json"
     path.write_text(json.dumps(profile))
     dev = load_device(str(path))
-    assert dev.name == "test-disk" and dev.drive.bandwidth > 0 and dev.drive.queue_slots >= 1
+    assert dev.name == "t-huge-pages" and dev.drive.bandwidth > 0 and dev.drive.queue_slots >= 1
     assert len(profile["calibration"]["cells"]) == 20
-    assert not list(tmp_path.glob(".relayout-calibrate-*")), "the test file is removed"
+    assert not list(target.glob(".relayout-calibrate-*")), "the test file is removed"
     from replay.physical.request_limits import system_max_request_bytes
 
-    # read while the test file existed: the system's request limit of the disk under tmp_path
-    assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(tmp_path)
+    # read while the test file existed: the system's request limit of the disk calibrated
+    assert profile["drive"]["max_request_bytes"] == system_max_request_bytes(target)
     from replay.physical.request_limits import system_read_ahead_bytes
 
     # and its readahead maximum, which the page cache model uses (Linux's default where unknown)
-    assert dev.read_ahead_bytes == (system_read_ahead_bytes(tmp_path) if system_read_ahead_bytes(tmp_path) is not None
+    assert dev.read_ahead_bytes == (system_read_ahead_bytes(target) if system_read_ahead_bytes(target) is not None
                                     else 128 * 1024)
     from replay.physical.request_limits import small_page_request_limit
 
@@ -332,7 +332,7 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
 
     # the discipline the spread shows is the profile's, and the fit is of that discipline's equation
     assert dev.drive.service == drive_service(spread) == profile["calibration"]["fit"]["service"]
-    limit = small_page_request_limit(tmp_path)
+    limit = small_page_request_limit(target)
     assert profile["calibration"]["small_page_request_limit"] == limit
     if limit is not None:                                 # one segment per page of the reading buffer
         assert limit["bytes"] == limit["max_segments"] * limit["page_bytes"] > 0
@@ -354,15 +354,15 @@ def test_calibration_fits_a_loadable_profile(tmp_path):
 def test_measure_and_report_cli(small_container, trace_for, tmp_path):
     t = tmp_path / "t.rt"
     save_trace(trace_for, t)
-    res = run_cli("measure", "--container", small_container, "--trace", t, "--tokens", 10, "--workers", 1,
-                  "--dense-ms", 0, "-o", tmp_path / "m.jsonl")
+    res = cli("measure", "--container", small_container, "--trace", t, "--tokens", 10, "--workers", 1,
+              "--dense-ms", 0, "-o", tmp_path / "m.jsonl")
     assert res.returncode == 0, res.stderr
     assert "S = " in res.stdout and "cold" in res.stdout
     assert res.stdout.startswith("emulation: ") and "not the colibrì engine" in res.stdout
-    res = run_cli("report", tmp_path / "m.jsonl")
+    res = cli("report", tmp_path / "m.jsonl")
     assert res.returncode == 0 and "pooled S" in res.stdout
     (tmp_path / "bad.jsonl").write_text('{"record": "step", "run_id": "r"}\n')
-    res = run_cli("report", tmp_path / "bad.jsonl")
+    res = cli("report", tmp_path / "bad.jsonl")
     assert res.returncode == 2 and "bad.jsonl:1" in res.stderr
 
 

@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, cli
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
@@ -92,13 +92,13 @@ def test_bad_atlas_is_one_input_error(tmp_path, monkeypatch, arg, problem):
 
 
 def test_cli_fits_a_shipped_atlas_by_name(tmp_path):
-    res = run_cli("synth", "trace", tmp_path / "t.rt", "--geometry", "glm-5.2-int4-row", "--moe-layers", 2, "--tokens", 20,
-                  "--sessions", 1, "--fit", "glm-5.2")
+    res = cli("synth", "trace", tmp_path / "t.rt", "--geometry", "glm-5.2-int4-row", "--moe-layers", 2, "--tokens", 20,
+              "--sessions", 1, "--fit", "glm-5.2")
     assert res.returncode == 0, res.stderr
     assert "lift median" in res.stdout and (tmp_path / "t.rt").is_file()
-    res = run_cli("synth", "trace", tmp_path / "u.rt", "--geometry", "glm-5.2-int4-row", "--fit", "qwen3-30b-a3b")
+    res = cli("synth", "trace", tmp_path / "u.rt", "--geometry", "glm-5.2-int4-row", "--fit", "qwen3-30b-a3b")
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "128 experts" in res.stderr
-    res = run_cli("synth", "trace", tmp_path / "u.rt", "--geometry", "glm-5.2-int4-row", "--fit", tmp_path / "none.json")
+    res = cli("synth", "trace", tmp_path / "u.rt", "--geometry", "glm-5.2-int4-row", "--fit", tmp_path / "none.json")
     assert res.returncode == 2 and res.stderr == f"relayout: error: {tmp_path / 'none.json'}: no such file\n"
 
 
@@ -119,10 +119,10 @@ def test_deeply_nested_json_is_invalid_json_not_a_crash(tmp_path):
     with pytest.raises(InputError, match=r"geometry.json: not a valid geometry \(nested too deeply\)"):
         load_shipped("geometries", str(tmp_path / "geometry.json"), "geometry")
     # and on the command line: one line, exit 2
-    res = run_cli("synth", "container", tmp_path / "c", "--geometry", tmp_path / "geometry.json")
+    res = cli("synth", "container", tmp_path / "c", "--geometry", tmp_path / "geometry.json")
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "nested too deeply" in res.stderr, res.stderr
     lines.write_text("\n" + DEEP + "\n")
-    res = run_cli("report", lines)
+    res = cli("report", lines)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "run.jsonl:2: not JSON" in res.stderr, res.stderr
 
 

@@ -5,7 +5,7 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from conftest import REPO, make_trace, run_cli
+from conftest import REPO, cli, make_trace
 
 from containers.errors import InputError
 from containers.geometry import load_geometry
@@ -158,9 +158,9 @@ def test_placement_refuses_a_split_plan_and_no_ram(case):
 
 def test_cli_placement_writes_the_pin_file_and_the_pinned_plan(case, tmp_path):
     plan, _, d = case
-    r = run_cli("placement", "--layout", d / "plan.json", "--trace", d / "t.rt", "--device", "single-nvme", "--ram-gb", "0.02",
-                "--workers", "2", "--arms", "lru,frequency,stall-value", "--pin-file", tmp_path / "PIN.txt",
-                "--plan-out", tmp_path / "pinned.json", "-o", tmp_path / "arms.json")
+    r = cli("placement", "--layout", d / "plan.json", "--trace", d / "t.rt", "--device", "single-nvme", "--ram-gb", "0.02",
+            "--workers", "2", "--arms", "lru,frequency,stall-value", "--pin-file", tmp_path / "PIN.txt",
+            "--plan-out", tmp_path / "pinned.json", "-o", tmp_path / "arms.json")
     assert r.returncode == 0, r.stderr
     assert "stall-value" in r.stdout and "PIN_GB=" in r.stdout
     pinned = load_plan(tmp_path / "pinned.json").pins
@@ -168,6 +168,6 @@ def test_cli_placement_writes_the_pin_file_and_the_pinned_plan(case, tmp_path):
     assert [tuple(map(int, x.split()[:2])) for x in lines] == pinned.experts
     arms = json.loads((tmp_path / "arms.json").read_text())
     assert [a["arm"] for a in arms["arms"]] == ["lru", "frequency", "stall-value"]
-    bad = run_cli("placement", "--layout", d / "plan.json", "--trace", d / "t.rt", "--device", "single-nvme", "--ram-gb", "0.02",
-                  "--pin-gb", "1")
+    bad = cli("placement", "--layout", d / "plan.json", "--trace", d / "t.rt", "--device", "single-nvme", "--ram-gb", "0.02",
+              "--pin-gb", "1")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--pin-gb" in bad.stderr

@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from conftest import REPO, run_cli, small_geometry, source_with_manifest, tree_state
+from conftest import REPO, cli, small_geometry, source_with_manifest, tree_state
 
 from containers.container import Container
 from containers.errors import InputError
@@ -94,7 +94,7 @@ def test_a_crafted_output_name_is_refused_before_anything_is_created(base, tmp_p
 def test_the_cli_refuses_an_escaping_name_in_one_line_and_writes_nothing(base, tmp_path):
     path = _tampered(base, tmp_path, _rename_first_file("/" + "../" * 30 + "tmp/relayout-abs-escape.safetensors"))
     before = _listing(tmp_path)
-    res = run_cli("rewrite", base["src"], "--layout", path, "--out", tmp_path / "dst", "--force")
+    res = cli("rewrite", base["src"], "--layout", path, "--out", tmp_path / "dst", "--force")
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert "is a path, not a plain file name" in res.stderr
     assert _listing(tmp_path) == before and not any(os.path.lexists(p) for p in ESCAPE_TARGETS)
@@ -132,7 +132,7 @@ def test_the_rewriter_checks_the_file_list_itself(base):
 ], ids=range(12))
 def test_a_crafted_plan_field_is_one_clean_error(base, tmp_path, edit, words):
     path = _tampered(base, tmp_path, edit)
-    res = run_cli("rewrite", base["src"], "--layout", path, "--out", tmp_path / "dst", "--force")
+    res = cli("rewrite", base["src"], "--layout", path, "--out", tmp_path / "dst", "--force")
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert words in res.stderr and "tampered.json" in res.stderr
     assert not (tmp_path / "dst").exists() and not (tmp_path / "dst.partial").exists()
@@ -270,7 +270,7 @@ def test_a_crafted_gate_or_device_profile_is_one_clean_error(base, tmp_path):
     gate = tmp_path / "gate.json"
     gate.write_text(json.dumps({"format": "relayout.gate", "version": 1, "verdict": "pass", "plan": None, "reason": 3,
                                 "evidence": {}}))
-    res = run_cli("rewrite", base["src"], "--layout", base["plan_path"], "--out", tmp_path / "dst", "--gate", gate)
+    res = cli("rewrite", base["src"], "--layout", base["plan_path"], "--out", tmp_path / "dst", "--gate", gate)
     assert res.returncode == 2 and "malformed gate record: gate record.reason is 3, not a string" in res.stderr, res.stderr
     assert res.stderr.count("\n") == 1 and not (tmp_path / "dst").exists()
     shipped = load_device("single-nvme").to_json()

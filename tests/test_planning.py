@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli, small_geometry
+from conftest import cli, small_geometry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -183,11 +183,11 @@ def test_split_plan_respects_budget_and_rules_differ(planning_setup):
 def test_plan_cli_on_geometry(tmp_path):
     t = tmp_path / "t.rt"
     save_trace(synth_trace(list(range(3, 6)), 16, 8, 300, 3, seed=1, geometry="glm-5.2-int4-row"), t)
-    res = run_cli("plan", "--trace", t, "--geometry", "glm-5.2-int4-row", "--moe-layers", 3, "--experts", 16,
-                  "--hidden", 256, "--ffn", 64, "--vocab", 64, "-o", tmp_path / "p.json")
+    res = cli("plan", "--trace", t, "--geometry", "glm-5.2-int4-row", "--moe-layers", 3, "--experts", 16,
+              "--hidden", 256, "--ffn", 64, "--vocab", 64, "-o", tmp_path / "p.json")
     assert res.returncode == 0, res.stderr
     assert "training runs/token" in res.stdout
-    res = run_cli("plan", "--trace", t, "-o", tmp_path / "q.json")
+    res = cli("plan", "--trace", t, "-o", tmp_path / "q.json")
     assert res.returncode == 2 and "exactly one of" in res.stderr
 
 

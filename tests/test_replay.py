@@ -561,8 +561,8 @@ def test_the_models_lru_takes_misses_in_physical_order_as_the_harness_does(tmp_p
     from replay.model.engine import layout_arrays
     from replay.model.unions import chunk_instances, whole_forward_blocks
 
-    g = load_geometry("glm-5.2-int4-row")
-    tr = synth_trace(g.moe_layers[:3], 256, 8, 400, 2, seed=11, geometry=g.name)
+    g = load_geometry("glm-5.2-int4-row").scaled(moe_layers=3)       # GLM's first three MoE layers, its experts
+    tr = synth_trace(g.moe_layers, 256, 8, 400, 2, seed=11, geometry=g.name)
     src = source_from_geometry(g)
     save_plan(make_plan(tr, src, "random", progress=False), tmp_path / "plan.json")
     plan = load_plan(tmp_path / "plan.json")

@@ -87,6 +87,7 @@ def test_merging_two_reads_saves_the_command_and_only_the_requests_it_removes(se
         assert apart - merged == pytest.approx(A + removed * C, rel=1e-6), m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_fit_recovers_c_from_a_grid_the_model_generated(shared):
     sizes = np.array([s for s in SIZES for _ in DEPTHS])

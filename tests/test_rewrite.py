@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_cli, small_geometry, source_with_manifest, tree_state
+from conftest import REPO, cli, small_geometry, source_with_manifest, tree_state
 
 from containers.container import MANIFEST_NAME, Container
 from containers.errors import InputError
@@ -94,7 +94,7 @@ def test_flipped_byte_in_dst_is_named_by_verify(setup, tmp_path):
         fh.write(bytes([b[0] ^ 0x80]))
     problems, _ = verify(setup["src"], dst, progress=False)
     assert any(p.startswith(f"tensor {name} ") for p in problems)
-    res = run_cli("verify", setup["src"], dst)
+    res = cli("verify", setup["src"], dst)
     assert res.returncode == 2 and name in res.stdout
 
 
@@ -129,7 +129,7 @@ def test_write_failure_is_clean_and_resumable(setup, tmp_path):
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1 and "resume" in res.stderr
     assert not dst.exists() and (tmp_path / "dst.partial").exists()
-    res = subprocess.run(_rewrite_cmd(setup, dst), env=env, capture_output=True, text=True)
+    res = cli(*_rewrite_cmd(setup, dst)[3:])
     assert res.returncode == 0, res.stderr
     assert verify(setup["src"], dst, progress=False)[0] == []
 
@@ -153,31 +153,30 @@ def test_truncated_source_is_a_clean_error(setup, tmp_path):
     shard = sorted(src.glob("out-0*.safetensors"))[0]
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size - 100)
-    res = subprocess.run(_rewrite_cmd({**setup, "src": src}, tmp_path / "dst"), env=dict(os.environ, PYTHONPATH=str(REPO)),
-                         capture_output=True, text=True)
+    res = cli(*_rewrite_cmd({**setup, "src": src}, tmp_path / "dst")[3:])
     assert res.returncode == 2 and shard.name in res.stderr and "Traceback" not in res.stderr
 
 
 def test_headline_replay_command_rewrites_on_pass(setup, tmp_path):
-    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
-                  "--workers", 1, "--coalesce", "--container", setup["src"], "--out", tmp_path / "dst", "-o", tmp_path / "gate.json")
+    res = cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+              "--workers", 1, "--coalesce", "--container", setup["src"], "--out", tmp_path / "dst", "-o", tmp_path / "gate.json")
     assert res.returncode == 0, res.stderr
     assert "verdict: PASS" in res.stdout and "verified" in res.stdout
-    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
-                  "--workers", 1, "--coalesce", "--threshold", 0.9, "--container", setup["src"], "--out", tmp_path / "dst2")
+    res = cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+              "--workers", 1, "--coalesce", "--threshold", 0.9, "--container", setup["src"], "--out", tmp_path / "dst2")
     assert res.returncode == 3 and "not rewritten" in res.stdout and not (tmp_path / "dst2").exists()   # 3: failed, not rewritten
 
 
 def test_replay_with_a_prefetch_source_reports_its_metrics(setup):
-    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
-                  "--prefetch", "coupled", "--prefetch-experts", 4, "--json")
+    res = cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+              "--prefetch", "coupled", "--prefetch-experts", 4, "--json")
     assert res.returncode == 0, res.stderr
     g = json.loads(res.stdout)
     assert g["runtime"]["prefetch"] == "coupled" and g["runtime"]["prefetch_experts"] == 4
     m = g["baseline_metrics"]["prefetch"]
     assert m["prefetched_bytes_per_token"] > 0 and 0 <= m["timely_required_byte_recall"] <= 1
-    res = run_cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
-                  "--prefetch-experts", 0)
+    res = cli("replay", "--layout", setup["plan_path"], "--trace", setup["trace"], "--device", "linux-md-raid0-4x",
+              "--prefetch-experts", 0)
     assert res.returncode != 0 and "--prefetch-experts" in res.stderr and "from 1 to 64" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -204,12 +203,12 @@ def test_a_forged_gate_is_refused_before_a_byte_is_written(setup, tmp_path):
     path.write_text(json.dumps(forged))
     dst = tmp_path / "dst"
     for extra in ([], ["--force"]):
-        res = run_cli("rewrite", setup["src"], "--layout", setup["plan_path"], "--out", dst, "--gate", path, *extra)
+        res = cli("rewrite", setup["src"], "--layout", setup["plan_path"], "--out", dst, "--gate", path, *extra)
         assert res.returncode == 2, res.stderr
         assert "verdict" in res.stderr and str(path) in res.stderr and res.stderr.count("\n") == 1, res.stderr
         assert not dst.exists() and not (tmp_path / "dst.partial").exists()
     honest = tmp_path / "failing.json"
     honest.write_text(json.dumps(setup["failing"].to_json()))
-    res = run_cli("rewrite", setup["src"], "--layout", setup["plan_path"], "--out", dst, "--gate", honest, "--force")
+    res = cli("rewrite", setup["src"], "--layout", setup["plan_path"], "--out", dst, "--gate", honest, "--force")
     assert res.returncode == 0, res.stderr
     assert json.loads((dst / MANIFEST_NAME).read_text())["rewrite"]["forced"] is True

@@ -100,6 +100,7 @@ def _drive(root, src, plan, dst, kill_at, sig="SIGKILL"):
     return res, log
 
 
+@pytest.mark.slow
 def test_a_kill_before_every_step_of_finalisation_resumes_to_identical_bytes(planned, tmp_path):
     root, src, plan = planned
     ref = tmp_path / "ref"
@@ -131,6 +132,7 @@ def test_a_kill_before_every_step_of_finalisation_resumes_to_identical_bytes(pla
     assert {"journal", "journal+manifest", "+manifest", "published"} <= states, states
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_call_of_a_rewrite_is_one_line_and_status_130(planned, tmp_path):
     """SIGINT at 12 calls spread over the whole rewrite and at each call of its finalisation: one
     line, status 130, no DST unless it is complete; the next run finishes to identical bytes."""

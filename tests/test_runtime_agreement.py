@@ -43,13 +43,20 @@ def test_coalescing_the_stock_layout_has_the_runtimes_sign(glm, profile):
     assert S[True] < S[False], S
 
 
+@pytest.fixture(scope="module")
+def glm_plan(glm, tmp_path_factory):
+    """The planned layout of the whole GLM container for the ``glm`` trace, through its file."""
+    g, trace, source = glm
+    path = tmp_path_factory.mktemp("glm-plan") / "plan.json"
+    save_plan(make_plan(trace, source, progress=False), path)
+    return load_plan(path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("profile", RAID_PROFILES)
-def test_reordering_whole_glm_experts_at_8_workers_has_no_headroom_on_raid(glm, tmp_path, profile):
+def test_reordering_whole_glm_experts_at_8_workers_has_no_headroom_on_raid(glm, glm_plan, profile):
     g, trace, source = glm
-    path = tmp_path / "plan.json"
-    save_plan(make_plan(trace, source, progress=False), path)
-    gate = compare(load_plan(path), trace, load_device(profile), RuntimeConfig(workers=8), min_sessions=3).to_json()
+    gate = compare(glm_plan, trace, load_device(profile), RuntimeConfig(workers=8), min_sessions=3).to_json()
     assert gate["verdict"] != "pass"
     assert "No headroom" in gate["reason"], gate["reason"]
     assert abs(gate["saving_fraction_of_tpot"]["estimate"]) < 0.02

@@ -139,6 +139,7 @@ def test_the_shared_equation_differs_from_the_in_order_one_where_slots_bind():
     assert float(queue_throughput(a, b1, bw, Q, s, 8)) == pytest.approx(Q * s / (a + s / b1))
 
 
+@pytest.mark.slow
 def test_the_calibration_chooses_the_discipline_it_measured_and_fits_its_equation():
     assert drive_service({"first_over_last": 0.99, "in_order": 0.125}) == "shared"
     assert drive_service({"first_over_last": 0.13, "in_order": 0.125}) == "in-order"

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import xxhash
-from conftest import run_cli, small_geometry
+from conftest import cli, small_geometry
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -154,8 +154,8 @@ def test_sparse_rewrite_stays_sparse_and_verifies(sparse_pipeline):
     problems, summary = verify(src, dst, progress=False)
     assert problems == [] and summary["src_content_fingerprint"] == summary["dst_content_fingerprint"]
     # the rewrite's digests are the ones a fresh hash of DST gives (holes hashed as zeros)
-    assert run_cli("manifest", str(dst), "--check").returncode == 0
-    assert run_cli("inspect", str(dst)).returncode == 0
+    assert cli("manifest", str(dst), "--check").returncode == 0
+    assert cli("inspect", str(dst)).returncode == 0
 
 
 def test_verify_catches_a_flip_in_data_and_in_a_hole(sparse_pipeline, tmp_path):
@@ -223,10 +223,10 @@ def test_offsets_beyond_4_gib_are_hashed_recorded_and_checked(tmp_path):
     m = build_manifest(c, progress=False)
     write_manifest(m, src / MANIFEST_NAME)
     assert m["tensors"][far.entry.name]["offset"] == far.entry.begin
-    assert run_cli("manifest", "--check", str(src)).returncode == 0
+    assert cli("manifest", "--check", str(src)).returncode == 0
     path = c.files[far.file]
     with open(path, "r+b") as fh:               # one byte in the far tensor's hole
         fh.seek(far.entry.begin + far.nbytes - 3)
         fh.write(b"\x01")
-    res = run_cli("manifest", "--check", str(src))
+    res = cli("manifest", "--check", str(src))
     assert res.returncode == 2 and f"tensor {far.entry.name} ({path.name}): hash differs" in res.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -378,13 +378,13 @@ def test_runtime_output_lines(tmp_path):
 
 def test_cli_import_with_runtime_output(tmp_path):
     out = tmp_path / "d.rt"
-    res = run_cli("trace", "import", DATA / "draft3.route", "--runtime-output", DATA / "draft3.stdout", "-o", out)
+    res = cli("trace", "import", DATA / "draft3.route", "--runtime-output", DATA / "draft3.stdout", "-o", out)
     assert res.returncode == 0, res.stderr
-    stats = run_cli("trace", "stats", out)
+    stats = cli("trace", "stats", out)
     assert stats.returncode == 0
     assert "17 decode forwards (colibrì's count: the prefill excluded) per 20 tokens" in stats.stdout, stats.stdout
     assert "runtime output in 1 of 1 sessions" in stats.stdout and "6 of 20 committed tokens (4 forwards)" in stats.stdout
-    bad = run_cli("trace", "import", DATA / "draft3.route", "--runtime-output", DATA / "mtp.stdout", "-o", tmp_path / "x.rt")
+    bad = cli("trace", "import", DATA / "draft3.route", "--runtime-output", DATA / "mtp.stdout", "-o", tmp_path / "x.rt")
     assert bad.returncode == 2 and "mtp.stdout" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr and not (tmp_path / "x.rt").exists()
 
@@ -476,9 +476,9 @@ def test_split_every_n_tokens(tmp_path):
         f = int(np.flatnonzero(cum == e)[0])
         assert e // 6 > (cum[f - 1] // 6 if f else 0)
     assert tr.meta["session_counts"]["mtp.route#2"]["piece"] == "2 of 4"
-    res = run_cli("trace", "import", DATA / "mtp.route", "--split", "0", "-o", tmp_path / "o.rt")
+    res = cli("trace", "import", DATA / "mtp.route", "--split", "0", "-o", tmp_path / "o.rt")
     assert res.returncode == 2 and "--split" in res.stderr and not (tmp_path / "o.rt").exists()
-    res = run_cli("trace", "import", DATA / "mtp.route", "--split", "prefill", "-o", tmp_path / "o.rt")
+    res = cli("trace", "import", DATA / "mtp.route", "--split", "prefill", "-o", tmp_path / "o.rt")
     assert res.returncode == 0 and "1 session(s)" in res.stdout
 
 

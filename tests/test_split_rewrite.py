@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from conftest import run_cli, small_geometry, source_with_manifest
+from conftest import cli, small_geometry, source_with_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -89,11 +89,11 @@ def test_a_split_container_says_plainly_it_needs_a_split_aware_runtime(split_cas
     root, src, tr, plan = split_case
     dst = tmp_path / "dst"
     apply_plan(src, plan, dst, None, force=True, progress=False)
-    res = run_cli("verify", src, dst, "--full")
+    res = cli("verify", src, dst, "--full")
     assert res.returncode == 0 and "only a split-aware runtime can load it" in res.stdout, res.stdout + res.stderr
-    res = run_cli("inspect", dst)
+    res = cli("inspect", dst)
     assert "NEEDS A SPLIT-AWARE RUNTIME: 48 experts" in res.stdout, res.stdout
-    assert "SPLIT-AWARE" not in run_cli("inspect", src).stdout
+    assert "SPLIT-AWARE" not in cli("inspect", src).stdout
 
 
 def test_measure_reads_a_split_container_as_the_plan_says(split_case, tmp_path):
@@ -133,8 +133,8 @@ def test_measure_reads_a_split_container_as_the_plan_says(split_case, tmp_path):
         measure(c, tr, mask, cfg, None, progress=False)
     with pytest.raises(InputError, match="not implemented"):
         measure(c, tr, mask, RuntimeConfig(workers=2, coalesce=True), None, progress=False, split=(plan.layout, state))
-    res = run_cli("measure", "--container", dst, "--trace", root / "t.rt", "--layout", root / "plan.json", "--buffered",
-                  "--tokens", "5", "--workers", "2", "-o", tmp_path / "cli.jsonl")
+    res = cli("measure", "--container", dst, "--trace", root / "t.rt", "--layout", root / "plan.json", "--buffered",
+              "--tokens", "5", "--workers", "2", "-o", tmp_path / "cli.jsonl")
     assert res.returncode == 0, res.stderr
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import xxhash
-from conftest import REPO, run_cli, small_geometry, source_with_manifest, tree_state
+from conftest import REPO, cli, small_geometry, source_with_manifest, tree_state
 
 from containers.container import MANIFEST_NAME
 from containers.errors import InputError
@@ -92,15 +92,15 @@ def test_a_split_rewrite_puts_each_shard_in_its_directory_and_verifies_as_the_en
 
 
 def test_the_rewrite_command_stages_a_storage_description_and_verifies(staged, tmp_path):
-    r = run_cli("rewrite", staged["src"], "--layout", staged["plan_path"], "--out", tmp_path / "a", "--force",
-                "--storage", staged["root"] / "storage.json", "--dirs", tmp_path / "b", tmp_path / "c", "--verify")
+    r = cli("rewrite", staged["src"], "--layout", staged["plan_path"], "--out", tmp_path / "a", "--force",
+            "--storage", staged["root"] / "storage.json", "--dirs", tmp_path / "b", tmp_path / "c", "--verify")
     assert r.returncode == 0, r.stderr
     assert f"COLI_MODEL_DIRS={tmp_path / 'b'};{tmp_path / 'c'}" in r.stdout and "each tensor once" in r.stdout
-    r = run_cli("verify", staged["src"], tmp_path / "a", "--dirs", tmp_path / "b", tmp_path / "c")
+    r = cli("verify", staged["src"], tmp_path / "a", "--dirs", tmp_path / "b", tmp_path / "c")
     assert r.returncode == 0 and "verified" in r.stdout, r.stdout + r.stderr
     # the wrong number of directories for the description: one line, nothing written
-    r = run_cli("rewrite", staged["src"], "--layout", staged["plan_path"], "--out", tmp_path / "x", "--force",
-                "--storage", staged["root"] / "storage.json", "--dirs", tmp_path / "y")
+    r = cli("rewrite", staged["src"], "--layout", staged["plan_path"], "--out", tmp_path / "x", "--force",
+            "--storage", staged["root"] / "storage.json", "--dirs", tmp_path / "y")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "give the 2" in r.stderr
     assert not (tmp_path / "x.partial").exists() and not (tmp_path / "y.partial").exists()
 
@@ -123,8 +123,8 @@ def test_an_existing_or_uncreatable_directory_is_refused_before_any_write(staged
     assert sorted(os.listdir(tmp_path)) == ["c", "file"]
     # the same through the command: one line, status 2
     rec = json.loads((staged["root"] / "storage.json").read_text())
-    r = run_cli("rewrite", staged["src"], "--layout", staged["plan_path"], "--out", tmp_path / "a", "--force",
-                "--storage", staged["root"] / "storage.json", "--dirs", tmp_path / "b", tmp_path / "file" / "d")
+    r = cli("rewrite", staged["src"], "--layout", staged["plan_path"], "--out", tmp_path / "a", "--force",
+            "--storage", staged["root"] / "storage.json", "--dirs", tmp_path / "b", tmp_path / "file" / "d")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path)) == ["c", "file"] and len(rec["dirs"]) == 3
     # directories nested in each other, or a shard placed twice, are refused before anything exists
@@ -198,6 +198,7 @@ with open(log, "w") as fh:
 """
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_step_leaves_nothing_looking_complete_and_resumes_to_identical_bytes(staged, tmp_path):
     """SIGKILL before call K (counted os calls; no timing) for K spread over the whole rewrite and
     every K of its finalisation: no directory appears before every file of every directory is

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import cli
 
 from containers.errors import InputError
 from containers.geometry import ExpertFormat, load_geometry
@@ -74,9 +74,9 @@ def test_split_curve_rejects_bad_searches(case):
 def test_cli_split_curve(case, tmp_path):
     plan, _, d = case
     eb = plan.layout.expert_bytes()[:, 0].sum()
-    r = run_cli("split-curve", "--layout", d / "plan.json", "--trace", d / "t.rt", "--device", "single-nvme",
-                "--ram-gb", f"{0.6 * eb / 1e9:.6f},{3 * eb / 1e9:.6f}", "--workers", "2", "--ratios", "0.25,0.5",
-                "-o", tmp_path / "curve.json")
+    r = cli("split-curve", "--layout", d / "plan.json", "--trace", d / "t.rt", "--device", "single-nvme",
+            "--ram-gb", f"{0.6 * eb / 1e9:.6f},{3 * eb / 1e9:.6f}", "--workers", "2", "--ratios", "0.25,0.5",
+            "-o", tmp_path / "curve.json")
     assert r.returncode == 0, r.stderr
     rec = json.loads((tmp_path / "curve.json").read_text())
     assert rec["format"] == "relayout.split-curve" and len(rec["whole"]) == len(rec["split"]) == 2

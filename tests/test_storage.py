@@ -308,7 +308,7 @@ def test_stage_mirror_copies_checks_and_resumes(small_container, tmp_path):
 def test_mirror_command(small_container, tmp_path):
     import shutil
 
-    from conftest import run_cli
+    from conftest import cli
 
     files = sorted(p.name for p in small_container.glob("*.safetensors"))
     a, b = tmp_path / "a", tmp_path / "b"
@@ -318,14 +318,14 @@ def test_mirror_command(small_container, tmp_path):
     rec = StorageRecord([DriveSpec("x", "single-nvme"), DriveSpec("y", "single-nvme")],
                         [DirectorySpec("x", files[0::2]), DirectorySpec("y", files[1::2])], [DirectorySpec("y", files[:1])])
     (tmp_path / "s.json").write_text(json.dumps(rec.to_json()))
-    r = run_cli("mirror", "stage", a, b, "--storage", tmp_path / "s.json", "--to", tmp_path / "m")
+    r = cli("mirror", "stage", a, b, "--storage", tmp_path / "s.json", "--to", tmp_path / "m")
     assert r.returncode == 0 and "staged 1 shard(s)" in r.stdout, r.stderr
-    r = run_cli("mirror", "check", a, b, "--mirror", tmp_path / "m")
+    r = cli("mirror", "check", a, b, "--mirror", tmp_path / "m")
     assert r.returncode == 0 and r.stdout.strip().endswith("OK")
     (tmp_path / "m" / files[0]).write_bytes(b"x")
-    r = run_cli("mirror", "check", a, b, "--mirror", tmp_path / "m")
+    r = cli("mirror", "check", a, b, "--mirror", tmp_path / "m")
     assert r.returncode == 1 and "bytes, the shard" in r.stdout
-    r = run_cli("mirror", "stage", a, b, "--storage", tmp_path / "s.json", "--to", tmp_path / "m")
+    r = cli("mirror", "stage", a, b, "--storage", tmp_path / "s.json", "--to", tmp_path / "m")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "exists and differs" in r.stderr
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 import zstandard
-from conftest import ROUTE, fuzz_examples, run_cli
+from conftest import ROUTE, cli, fuzz_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -119,7 +119,7 @@ def test_one_large_id_is_refused_not_allocated(tmp_path):
     p = write(tmp_path, "big.route", "0 0 3 1:0.5 40000:0.5\n1 0 4 3:0.5 4:0.5\n2 0 3 1:0.5 2:0.5\n3 0 4 1:0.5 2:0.5\n")
     msg = refused([p], "expert id 40000")
     assert msg.startswith(f"{p}:1:") and "4096" in msg
-    one_line_error(run_cli("trace", "import", p, "-o", tmp_path / "o.rt"), "big.route:1", "4096")
+    one_line_error(cli("trace", "import", p, "-o", tmp_path / "o.rt"), "big.route:1", "4096")
     # with a geometry the geometry's count bounds ids instead
     p = write(tmp_path, "g.route", "0 0 3 1:0.5 300:0.5\n")
     refused([p], "expert id 300 >= 256", n_experts=256, geometry="glm-5.2-int4-row")
@@ -133,8 +133,8 @@ def test_wrong_geometry_is_refused(tmp_path):
     p = write(tmp_path, "glm.route", "\n".join(lines) + "\n")
     msg = refused([p], "not a routed layer of geometry qwen3-30b-a3b", n_experts=128, geometry="qwen3-30b-a3b")
     assert msg.startswith(f"{p}:46:")  # layer 48 is the first outside 0..47
-    one_line_error(run_cli("trace", "import", p, "--geometry", "qwen3-30b-a3b", "-o", tmp_path / "o.rt"), "layer 48")
-    assert run_cli("trace", "import", p, "--geometry", "glm-5.2-int4-row", "-o", tmp_path / "o.rt").returncode == 0
+    one_line_error(cli("trace", "import", p, "--geometry", "qwen3-30b-a3b", "-o", tmp_path / "o.rt"), "layer 48")
+    assert cli("trace", "import", p, "--geometry", "glm-5.2-int4-row", "-o", tmp_path / "o.rt").returncode == 0
     # explicit routed layers (a geometry file the importer cannot look up by name)
     refused([p], "layer 3 is not a routed layer", n_experts=256, geometry="custom", routed_layers=range(40, 50))
 
@@ -169,7 +169,7 @@ def test_stats_never_index_error_on_duplicated_rows(tmp_path):
     p = write_rt(tmp_path / "d.rt", header, arrays)
     with pytest.raises(InputError, match="appears twice|not sorted|forward order"):
         load_trace(p)
-    one_line_error(run_cli("trace", "stats", p))
+    one_line_error(cli("trace", "stats", p))
 
 
 # ------------------------------------------------------------------ 5: MBLT torn tail only at the end
@@ -181,7 +181,7 @@ def test_mblt_damage_mid_file_is_an_error_torn_tail_is_not(tmp_path):
     p = write(tmp_path, "dmg.mblt", bytes(data))
     msg = refused([p], "damaged mid-file")
     assert msg.startswith(f"{p}:record 3") and "byte 68" in msg
-    one_line_error(run_cli("trace", "import", p, "-o", tmp_path / "o.rt"), "record 3", "byte 68")
+    one_line_error(cli("trace", "import", p, "-o", tmp_path / "o.rt"), "record 3", "byte 68")
     torn = mblt_bytes(MBLT_RECORDS) + struct.pack("<III", 0, 2, 5) + b"\x01\x00\x00\x00\x02\x00"
     tr, warn = import_traces([write(tmp_path, "torn.mblt", torn)])
     assert any("torn" in w for w in warn) and tr.n_rows == 8
@@ -251,7 +251,7 @@ def test_stall_false_required_is_skipped_and_overflow_inputs_are_errors(tmp_path
     refused([p], "finite number")
     p = write(tmp_path, "deep.jsonl", '{"step": ' + "[" * 100000 + "]" * 100000 + "}\n")
     refused([p], "deep.jsonl:1: not JSON")
-    one_line_error(run_cli("trace", "import", p, "-o", tmp_path / "o.rt"), "deep.jsonl:1")
+    one_line_error(cli("trace", "import", p, "-o", tmp_path / "o.rt"), "deep.jsonl:1")
 
 
 def test_stall_import_and_report_share_one_reader(tmp_path):
@@ -321,7 +321,7 @@ def test_bit_flips_in_a_trace_file_are_detected(tmp_path):
         with pytest.raises(InputError, match=str(p)):
             load_trace(p)
     p.write_bytes(bytes(bad))
-    one_line_error(run_cli("trace", "stats", p), "t.rt")
+    one_line_error(cli("trace", "stats", p), "t.rt")
     p.write_bytes(data[:20] + bytes([data[20] ^ 4]) + data[21:])
     with pytest.raises(InputError, match="checksum mismatch"):
         load_trace(p)

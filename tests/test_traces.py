@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 import zstandard
-from conftest import ROUTE, run_cli
+from conftest import ROUTE, cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,7 +120,7 @@ def test_malformed_route_line_names_file_and_line(tmp_path):
     with pytest.raises(InputError) as exc:
         import_traces([p])
     assert str(exc.value).startswith(f"{p}:9:")
-    res = run_cli("trace", "import", p, "-o", tmp_path / "o.rt")
+    res = cli("trace", "import", p, "-o", tmp_path / "o.rt")
     assert res.returncode == 2 and f"{p.name}:9" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "o.rt").exists()
 
@@ -212,7 +212,7 @@ def test_coli_usage_is_heat_only_and_says_so(tmp_path):
     assert load_trace(out).heat_only
     with pytest.raises(InputError, match="heat only"):
         write_coli_pairs(tr, tmp_path / "p")
-    assert "no co-activation" in run_cli("trace", "stats", out).stdout
+    assert "no co-activation" in cli("trace", "stats", out).stdout
 
 
 def test_trace_file_round_trip_and_corruption(tmp_path):

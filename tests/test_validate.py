@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli, small_geometry, source_with_manifest, tree_state
+from conftest import cli, small_geometry, source_with_manifest, tree_state
 
 from relayout.workflows.validation.diagnoses import at_harness_compute, normalized_saving, speed_normalized_savings
 from relayout.workflows.validation.record import VALIDATION_FORMAT, VALIDATION_VERSION, judge_record
@@ -31,8 +31,8 @@ def disk(tmp_path_factory):
 
 
 def _validate(disk, out, *extra):
-    return run_cli("validate", disk, "--container", disk / "src", "--device", "single-nvme", "--reps", 2, "--tokens", 8,
-                   "--ram", "0", "--prefetch", "none", "--layouts", "stock,louvain", "-o", out, *extra)
+    return cli("validate", disk, "--container", disk / "src", "--device", "single-nvme", "--reps", 2, "--tokens", 8,
+               "--ram", "0", "--prefetch", "none", "--layouts", "stock,louvain", "-o", out, *extra)
 
 
 def _check_record(v: dict) -> None:
@@ -148,6 +148,7 @@ def _check_record(v: dict) -> None:
                                  "insufficient": "INSUFFICIENT on this disk: 2 repetition(s) per cell"}[s["verdict"]])
 
 
+@pytest.mark.slow
 def test_validate_record_source_untouched_work_dir_removed(disk, tmp_path):
     before = tree_state(disk / "src")
     out = tmp_path / "validation.json"
@@ -162,6 +163,7 @@ def test_validate_record_source_untouched_work_dir_removed(disk, tmp_path):
     assert not list(tmp_path.glob("*.device.json"))   # --device given: nothing calibrated
 
 
+@pytest.mark.slow
 def test_validate_keep_and_plots(disk, tmp_path):
     pytest.importorskip("matplotlib")
     before = tree_state(disk / "src")
@@ -193,10 +195,11 @@ def test_validate_keep_and_plots(disk, tmp_path):
         shutil.rmtree(disk / WORK_NAME, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
     out = tmp_path / "validation.json"
-    r = run_cli("validate", disk, "--container", disk / "src", "--device", "single-nvme", "--reps", 2, "--tokens", 8,
-                "--ram", "0", "--prefetch", "none,oracle", "--layouts", "stock,louvain", "-o", out)
+    r = cli("validate", disk, "--container", disk / "src", "--device", "single-nvme", "--reps", 2, "--tokens", 8,
+            "--ram", "0", "--prefetch", "none,oracle", "--layouts", "stock,louvain", "-o", out)
     assert r.returncode == 0, r.stderr
     v = json.loads(out.read_text())
     cells = {(c["layout"], c["prefetch"]): c for c in v["cells"]}
@@ -217,6 +220,7 @@ def test_validate_compares_each_prefetch_source_with_none(disk, tmp_path):
     assert "prefetch saving vs no prefetch" in r.stdout and "of the measured one in" in v["summary"]["text"]
 
 
+@pytest.mark.slow
 def test_validate_coalesces_in_the_model_and_the_measured_runs_alike(disk, tmp_path):
     from containers.container import Container
     from relayout.workflows.validation.prepare import validation_trace
@@ -293,16 +297,16 @@ def test_validate_refuses_a_foreign_work_dir(disk, tmp_path):
     (["--minutes", "1", "--tokens", "8", "--reps", "2"], "--minutes"),
 ])
 def test_validate_bad_arguments_are_one_line(disk, tmp_path, bad, says):
-    r = run_cli("validate", disk, "--container", disk / "src", "--device", "single-nvme", "-o", tmp_path / "v.json", *bad)
+    r = cli("validate", disk, "--container", disk / "src", "--device", "single-nvme", "-o", tmp_path / "v.json", *bad)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("relayout: error: ") and r.stderr.count("\n") == 1 and says in r.stderr
     assert not (disk / WORK_NAME).exists() and not (tmp_path / "v.json").exists()
 
 
 def test_validate_bad_paths_are_one_line(disk, tmp_path):
-    r = run_cli("validate", tmp_path / "missing", "--device", "single-nvme")
+    r = cli("validate", tmp_path / "missing", "--device", "single-nvme")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a directory" in r.stderr
-    r = run_cli("validate", disk, "--device", "no-such-profile", "--container", disk / "src", "-o", tmp_path / "v.json")
+    r = cli("validate", disk, "--device", "no-such-profile", "--container", disk / "src", "-o", tmp_path / "v.json")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert not (disk / WORK_NAME).exists()
 
