@@ -105,19 +105,16 @@ MIN_CELL_SECONDS = 0.05
 MAX_CELL_SECONDS = 60.0
 
 
-def _cell(path: Path, size: int, depth: int, seconds: float, seed: int, huge_pages: bool = True,
-          bufs: list | None = None) -> Cell:
+def _cell(path: Path, size: int, depth: int, seconds: float, seed: int, huge_pages: bool = True) -> Cell:
     """``depth`` threads reading ``size`` bytes at random aligned offsets of ``path`` for
-    ``seconds``, page cache bypassed, each into its own buffer: ``bufs[k]`` (at least ``size``
-    bytes, one per thread) when given, else a new :func:`read_buffer` of the kind ``huge_pages``
-    says."""
+    ``seconds``, page cache bypassed, each into its own buffer (:func:`read_buffer` of the kind
+    ``huge_pages`` says)."""
     fd, direct = _open(path)
     if not direct:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     file_size = os.fstat(fd).st_size
     slots = max(1, (file_size - size) // ALIGN)
-    if bufs is None:
-        bufs = [read_buffer(size, huge_pages) for _ in range(depth)]
+    bufs = [read_buffer(size, huge_pages) for _ in range(depth)]
     stop = time.perf_counter() + seconds
     lat: list[float] = []
     lock = threading.Lock()
@@ -440,9 +437,7 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None, buffe
     read_ahead = system_read_ahead_bytes(path)
     page_limit = small_page_request_limit(path)
     max_request, limit_reason = buffer_request_limit(system_request, page_limit, huge, direct)
-    bufs = [read_buffer(max(SIZES), huge) for _ in range(max(DEPTHS))]     # made (and touched) once for every cell
-    cells = [_cell(path, s, d, seconds, i, huge, bufs) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
-    del bufs
+    cells = [_cell(path, s, d, seconds, i, huge) for i, (s, d) in enumerate((s, d) for s in SIZES for d in DEPTHS)]
     spread = completion_spread(path, huge_pages=huge)
     merge = merge_saving(path, min(max_request or MERGE_BYTES, MERGE_BYTES) // 2, huge_pages=huge)   # merged: one request
     copy = page_cache_copy(path, seconds, huge)
