@@ -24,8 +24,13 @@ on a huge-page boundary and is a whole number of huge pages.
 A runtime that does not ask for huge pages reads into small pages: colibrì's buffers come from
 ``posix_memalign`` without ``MADV_HUGEPAGE``, so they are huge pages only where
 ``transparent_hugepage`` is ``always``. ``read_buffer(n, huge_pages=False)`` is such a buffer
-(private anonymous memory, page-aligned, touched, nothing requested), the kind ``relayout
-calibrate --buffers engine`` measures the drive through (:data:`BUFFER_KINDS`).
+(private anonymous memory, page-aligned, nothing requested), the kind ``relayout calibrate
+--buffers engine`` measures the drive through (:data:`BUFFER_KINDS`). Its pages are faulted in
+a shuffled order, so that none lie physically next to each other by the chance of a fresh
+allocation: a fresh region touched in order is often backed by contiguous pages, whose segments
+the block layer merges into requests larger than colibrì's long-lived slabs get (calibrations of
+the fixture's disk through such buffers fitted 1.3-2.9 GB/s within two hours, while the engine's
+O_DIRECT reads ran at about 1.45 GB/s on two days: ``docs/BENCHMARKS.md``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 from pathlib import Path
+
+import numpy as np
 
 PAGE = 4096
 """Alignment of every buffer and of O_DIRECT offsets and lengths (bytes)."""
@@ -65,7 +72,8 @@ def read_buffer(nbytes: int, huge_pages: bool = True) -> memoryview:
     n = max(PAGE, -(-nbytes // PAGE) * PAGE)
     if not huge_pages:
         mem = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mem[:] = bytes(n)
+        for page in np.random.default_rng(n).permutation(n // PAGE):
+            mem[int(page) * PAGE] = 0                  # faulted in a shuffled order: physically scattered
         return memoryview(mem)
     span = -(-n // HUGE_PAGE) * HUGE_PAGE
     mem = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
