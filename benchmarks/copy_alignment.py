@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from replay.physical.buffers import read_buffer  # noqa: E402
-from replay.physical.copy_rate import COPY_DESTINATION_BYTES, COPY_READ_BYTES, COPY_REGION_BYTES, _copy_rate  # noqa: E402
+from replay.physical.copy_rate import COPY_DESTINATION_BYTES, COPY_READ_BYTES, COPY_REGION_BYTES, timed_copy_rate  # noqa: E402
 
 SHIFTS = (0, 8, 16, 32, 64, 4096 + 8)
 """Bytes past a 2 MiB boundary at which the timed reads start."""
@@ -49,7 +49,7 @@ def main() -> None:
         rates: dict[int, list[float]] = {s: [] for s in SHIFTS}
         for r in range(a.rounds):
             for s in SHIFTS:
-                rates[s].append(_copy_rate(fd, 1, a.seconds, size, region, bufs, s))
+                rates[s].append(timed_copy_rate(fd, 1, a.seconds, size, region, bufs, s))
             print(f"round {r + 1}: " + "  ".join(f"+{s} B {rates[s][-1] / 1e9:.2f}" for s in SHIFTS), flush=True)
     finally:
         os.close(fd)

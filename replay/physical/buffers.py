@@ -72,8 +72,8 @@ def read_buffer(nbytes: int, huge_pages: bool = True) -> memoryview:
     n = max(PAGE, -(-nbytes // PAGE) * PAGE)
     if not huge_pages:
         mem = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        for page in np.random.default_rng(n).permutation(n // PAGE):
-            mem[int(page) * PAGE] = 0                  # faulted in a shuffled order: physically scattered
+        pages = np.frombuffer(mem, dtype=np.uint8)
+        pages[np.random.default_rng(n).permutation(n // PAGE) * PAGE] = 0   # faulted in a shuffled order: scattered
         return memoryview(mem)
     span = -(-n // HUGE_PAGE) * HUGE_PAGE
     mem = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

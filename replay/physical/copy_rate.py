@@ -74,9 +74,9 @@ def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = 
         bufs = [read_buffer(max(COPY_DESTINATION_BYTES, size), huge_pages) for _ in range(max(threads))]
         for off in range(0, region, size):                     # into the page cache
             os.preadv(fd, [bufs[0][:size]], off)
-        rates = [_copy_rate(fd, n, seconds, size, region, bufs) for n in threads]
+        rates = [timed_copy_rate(fd, n, seconds, size, region, bufs) for n in threads]
         shifted = region if region + UNALIGNED_SHIFT <= file_size else region - size
-        unaligned = _copy_rate(fd, 1, seconds, size, shifted, bufs, UNALIGNED_SHIFT)
+        unaligned = timed_copy_rate(fd, 1, seconds, size, shifted, bufs, UNALIGNED_SHIFT)
         resident = None
         residency = open_residency([fd], [path])
         if residency is not None:
@@ -98,7 +98,7 @@ def page_cache_copy(path: str | os.PathLike, seconds: float, huge_pages: bool = 
             "cores": cores, "resident_fraction": resident}
 
 
-def _copy_rate(fd: int, n: int, seconds: float, size: int, region: int, bufs: list, shift: int = 0) -> float:
+def timed_copy_rate(fd: int, n: int, seconds: float, size: int, region: int, bufs: list, shift: int = 0) -> float:
     """Bytes/s that ``n`` threads together copy with buffered preads of ``size`` bytes from the
     first ``region`` bytes of ``fd`` (each read ``shift`` bytes past a multiple of ``size``) into
     ``bufs[k]`` (thread k's, used ``size`` bytes at a time in turn) in ``seconds``
