@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import replay
-from replay import CACHE_PREFIX, STALE_SECONDS, compiled_cache_dir, source_digest
+from replay.compiled import CACHE_PREFIX, STALE_SECONDS, compiled_cache_dir, source_digest
 
 
 def _copy_of_replay(tmp_path: Path) -> Path:
