@@ -9,9 +9,10 @@ typed inside its caller, where a None argument's branches are not pruned: code t
 optional argument goes in a ``HELPER`` that takes it). ``error_model="numpy"`` drops
 division-by-zero checks: every divisor is a validated size or rate. :func:`fetch_lines` asks the
 CPU to load an array row into its caches ahead of use (a hint that changes no value), and
-:func:`trailing_zeros` is the CPU's count of trailing zero bits. The first run on a machine
-compiles the model (10-75 s, depending on the machine and its load; later runs load the cached
-build in well under a second), and :func:`compile_notice` says so while it happens.
+:func:`trailing_zeros` is the CPU's count of trailing zero bits. Where the build shipped with the
+package does not fit (:mod:`replay.compiled`: other numba, CPython or sources), the first run on a
+machine compiles the model (one to two minutes on 2 idle cores; later runs load the cached build
+in well under a second), and :func:`compile_notice` says so while it happens.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class _CompileProgress(event.Listener):
         if not self.enabled:
             return
         if self.bar is None:
-            print("relayout: compiling the replay model with numba, once on this machine (typically 10-75 s; "
+            print("relayout: compiling the replay model with numba, once on this machine (up to 1-2 minutes on 2 cores; "
                   "cached for later runs)", file=sys.stderr, flush=True)
             self.bar = progress_bar(desc="compile", unit=" functions", bar_format="{desc}: {n} functions compiled, {elapsed} elapsed")
             self.heartbeat = Heartbeat(self.bar, 1.0 if is_terminal() else LOG_INTERVAL_S)
