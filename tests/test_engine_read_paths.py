@@ -16,6 +16,8 @@ from replay.model.device import ArrayProfile, DriveProfile, load_device
 from replay.model.engine import simulate
 from replay.colibri.engine_config import (
     EngineConfig,
+    aligned_copy_fraction,
+    at_engine_copy_rate,
     config_from_run,
     describe,
     engine_cap,
@@ -224,6 +226,47 @@ def test_a_runs_effective_configuration_is_read_from_its_output(tmp_path):
     (tmp_path / "bare.txt").write_text("PROFILE: expert-disk 1.0s service / 0.5s wait\n")
     with pytest.raises(InputError, match="PROF"):
         config_from_run(tmp_path / "bare.txt")
+
+
+DISK_CLASS = ("[PROF] DISK-CLASS (recency split): cold 175 x 0.31 GB @ 6.22 GB/s-thread, wall 0.0s @ 8.21 GB/s-wall, "
+              "avg-conc 1.3 (direct {cd}/175) | warm 278 x 0.49 GB @ {rate} GB/s-thread, wall 0.0s @ 11.06 GB/s-wall, "
+              "avg-conc 1.4 (direct {wd}/278) | disk-busy 0.1s (37% of window)\n")
+CONFIG = ("[PROF] config: RAM_GB=auto 20.9 CTX=4096 | expert cache cap 4/layer (up to 0.0 GB) | pinned 0 (0.0 GB) | "
+          "DRAFT=0 PIPE=0 DIRECT=0 MMAP=0 IDOT=1 DSA=off PILOT=0 CACHE_ROUTE=0\n")
+
+
+def test_a_runs_warm_read_rate_is_taken_only_when_every_warm_read_was_buffered(tmp_path):
+    """The DISK-CLASS line's warm rate (GB/s per thread) is the run's page-cache copy rate when
+    none of those reads was O_DIRECT; a DIRECT read among them, or a run without the line, says
+    nothing of copies."""
+    out = tmp_path / "run.txt"
+    for cd, wd, rate, want in ((0, 0, "7.84", 7.84e9), (175, 0, "7.84", 7.84e9), (0, 3, "7.84", None),
+                               (0, 0, "0.00", None)):
+        out.write_text(CONFIG + DISK_CLASS.format(cd=cd, wd=wd, rate=rate))
+        _, facts = config_from_run(out)
+        assert facts.warm_read_bytes_per_second == (pytest.approx(want) if want else None), (cd, wd, rate)
+    out.write_text(CONFIG)
+    assert config_from_run(out)[1].warm_read_bytes_per_second is None
+
+
+def test_the_engines_copy_rate_moves_both_rates_by_one_factor_for_the_container_it_read():
+    """A stock container whose experts start off the cache line copies at the unaligned rate;
+    told the engine copied it at 3e9 bytes/s, the unaligned rate becomes 3e9 and the aligned one
+    keeps the calibrated ratio (4/2.5), so an aligned rewrite is predicted faster by as much. A
+    half-aligned container moves both so that its byte-weighted mean time per byte is 1/3e9.
+    A warm rate no faster than the drives is a drive rate: the profile stays as it was."""
+    both = replace(copying(rate=4e9), unaligned_memory_bandwidth=2.5e9, host_bandwidth=1e9)
+    off = layout(2, [MIB, MIB], start=4112)
+    assert aligned_copy_fraction(off) == 0.0 and aligned_copy_fraction(layout(2, [MIB, MIB])) == 1.0
+    moved = at_engine_copy_rate(both, 3e9, off)
+    assert moved.unaligned_memory_bandwidth == pytest.approx(3e9)
+    assert moved.memory_bandwidth == pytest.approx(3e9 * 4 / 2.5)
+    assert "3.00 GB/s" in moved.name
+    half = layout(2, [MIB, MIB], start=4096)
+    half.expert_loc[0, 1, :, 1] += 16                       # expert 1 off the line
+    mixed = at_engine_copy_rate(both, 3e9, half)
+    assert 0.5 / mixed.memory_bandwidth + 0.5 / mixed.unaligned_memory_bandwidth == pytest.approx(1 / 3e9)
+    assert at_engine_copy_rate(both, both.host_bandwidth, off) is both
 
 
 # ------------------------------------------------------------------------ the command line

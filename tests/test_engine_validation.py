@@ -101,14 +101,14 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
     control = saving_result("stock-copy", stock, _arm("stock-copy", lambda p: 0.2 + 0.01 * p))
     ok = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm_result("stock", stock), arm_result("louvain", new)],
                     control.measured, control.predicted.estimate, placement_bound(control),
-                    [saving_result("louvain", stock, new)])
+                    [saving_result("louvain", stock, new)], 8.6e9)
     agree, disagree, unresolved, decided, decisions, verdict, words = summarize([ok])
     assert (agree, disagree, decided, decisions, verdict) == (2, 0, 1, 1, "holds")
     off = CellResult("pipe-1-cap4", cell_env("PIPE=1", 4), [arm_result("stock", _arm("stock", lambda p: 0.2, scale=0.5))],
-                     control.measured, 0.0, 0.0, [])
+                     control.measured, 0.0, 0.0, [], 0.0)
     *_, verdict2, words2 = summarize([ok, off])
     assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
-    rec = EngineValidationRecord(format="relayout-engine-validation", version=2, engine="colibri", container="m",
+    rec = EngineValidationRecord(format="relayout-engine-validation", version=3, engine="colibri", container="m",
                                  device="d", device_source="given", layouts={"stock": "m"}, training_sessions=["a"],
                                  prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[ok, off], runs=stock + new,
                                  cells_agree=agree, cells_disagree=1, cells_unresolved=0, decisions_agree=1, decisions=1,

@@ -119,12 +119,28 @@ def _colibri_run_options(r) -> None:
     r.add_argument("--runtime-env-from", metavar="RUN.txt",
                    help="model the configuration a colibrì run printed (a file of its stdout+stderr with PROF=1, or a "
                         "directory of stdout.txt and stderr.txt: the [PROF] "
-                        "config line, its LRU cap, OpenMP team and, unless --compute-gbps, its matmul rate); "
+                        "config line, its LRU cap, OpenMP team, the rate its threads copied page-cache hits (its DISK-CLASS "
+                        "line's warm reads, when all buffered) and, unless --compute-gbps, its matmul rate); "
                         "--runtime-env adds to it")
     r.add_argument("--page-cache-gb", type=opt.gigabytes,
                    help="memory the kernel keeps expert weights in under buffered reads (DIRECT=0), GB (default: "
                         "what a --runtime-env-from run left of its available memory, else 0: every buffered weight "
                         "read reaches the drive)")
+
+
+def engine_device(args, device, layout):
+    """``device`` with page-cache copies at the rate the ``--runtime-env-from`` run's threads
+    measured for their buffered warm reads, on ``layout`` (the container that run read), when it
+    printed one (:func:`replay.colibri.engine_config.at_engine_copy_rate`); else ``device``."""
+    source = getattr(args, "runtime_env_from", None)
+    if not source or layout is None or not hasattr(device, "unaligned_memory_bandwidth"):
+        return device
+    from replay.colibri.engine_config import at_engine_copy_rate, config_from_run
+
+    _, facts = config_from_run(source)
+    if not facts.warm_read_bytes_per_second:
+        return device
+    return at_engine_copy_rate(device, facts.warm_read_bytes_per_second, layout)
 
 
 def runtime_config(args, layout=None):

@@ -63,7 +63,12 @@ def format_engine_validation(rec) -> str:
              f"{rec.reps} repetitions per layout and cell, cold, NGEN={rec.ngen}; device {rec.device} ({rec.device_source})",
              f"plans trained on {len(rec.training_sessions)} recorded session(s) of other prompts",
              "S = the engine's expert wait per committed token (its PROFILE line, decode window); predicted = the model "
-             "replaying each run's own routing with the configuration it printed; ms per committed token", ""]
+             "replaying each run's own routing with the configuration it printed; ms per committed token"]
+    rates = [f"{c.name} {c.copy_rate / 1e9:.2f}" for c in rec.cells if c.copy_rate > 0]
+    if rates:
+        lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of its "
+                     "DISK-CLASS warm reads, GB/s; the device's calibrated rates elsewhere): " + ", ".join(rates))
+    lines.append("")
     head = f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     loads"
     lines.append(head)
     for c in rec.cells:

@@ -103,8 +103,10 @@ class RunFacts:
     the experts it pinned, its OpenMP team's width, its expert matmuls' rate (bytes of weights
     per second, from the last ``P0-EXEC`` line: weight bytes per expert call over the calls'
     seconds, the model's per-position rate where each call has one row, as in decode), the
-    memory available when it started (bytes) and the machine's cores (the ``[PROF] machine``
-    line); None where the output does not say."""
+    memory available when it started (bytes), the machine's cores (the ``[PROF] machine``
+    line) and the rate one of its threads read experts it had read recently when every such read
+    was buffered (bytes/s per thread, the ``[PROF] DISK-CLASS`` line's warm class: page-cache
+    copies, as the engine copies them); None where the output does not say."""
 
     cap: int | None = None
     pinned: int | None = None
@@ -112,6 +114,7 @@ class RunFacts:
     matmul_bytes_per_second: float | None = None
     available_bytes: float | None = None
     cores: int | None = None
+    warm_read_bytes_per_second: float | None = None
 
 
 _INT = re.compile(r"[0-9]+\Z")
@@ -252,6 +255,8 @@ _MACHINE_LINE = re.compile(r"\[PROF\] machine: .*\| (\d+) cores \((\d+) omp thre
                            r"([0-9.]+) GB available")
 _URING_LINE = re.compile(r"\[URING\] queued expert I/O active \(depth=\d+, workers=(\d+)")
 _EXEC_LINE = re.compile(r"P0-EXEC: routed CPU ([0-9.]+)s / ([0-9.]+) GB/s")
+_DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold .*?\| warm (\d+) x [0-9.]+ GB @ ([0-9.]+) "
+                              r"GB/s-thread, .*?\(direct (\d+)/(\d+)\)")
 
 
 RUN_FILES = ("stdout.txt", "stderr.txt")
@@ -262,8 +267,9 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     """The effective configuration a colibrì run printed (its stdout and stderr in one file, or a
     directory holding :data:`RUN_FILES`; run with ``PROF=1``): the ``[PROF] config`` line (RAM_GB, cap, pins, PIPE, DIRECT, MMAP, PILOT),
     the ``[PROF] machine`` line (the machine's cores, the OpenMP team, the memory available), the
-    ``[URING]`` line (URING=1 and its workers, the smaller of PIPE_WORKERS and 64) and the
-    ``P0-EXEC`` line (the matmul rate). Variables the output does not show keep the engine's
+    ``[URING]`` line (URING=1 and its workers, the smaller of PIPE_WORKERS and 64), the
+    ``P0-EXEC`` line (the matmul rate) and the ``[PROF] DISK-CLASS`` line (the warm reads' rate
+    per thread, when they were all buffered). Variables the output does not show keep the engine's
     defaults. The cap the run resolved, and the rest the output says, are in ``RunFacts``.
     Raises :class:`InputError` when the file has no ``[PROF] config`` line."""
     p = Path(path)
@@ -286,8 +292,50 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     mt = _MACHINE_LINE.search(text)
     ex = ([None] + list(_EXEC_LINE.finditer(text)))[-1]
     rate = float(ex.group(2)) * 1e9 if ex and float(ex.group(2)) > 0 else None
+    dc = ([None] + list(_DISK_CLASS_LINE.finditer(text)))[-1]
+    warm = (float(dc.group(2)) * 1e9 if dc and int(dc.group(1)) > 0 and int(dc.group(3)) == 0
+            and float(dc.group(2)) > 0 else None)
     return cfg, RunFacts(int(cap), int(pinned), int(mt.group(2)) if mt else None, rate,
-                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None)
+                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None, warm)
+
+
+def aligned_copy_fraction(layout) -> float:
+    """The share of an expert's bytes (weights and scales, every expert of ``layout``, a
+    :class:`containers.layout.Layout`) that start on a cache line, so copy at the aligned rate
+    (:data:`replay.model.device.COPY_ALIGNMENT`)."""
+    from replay.model.device import COPY_ALIGNMENT
+
+    loc = layout.expert_loc
+    nbytes = loc[..., 2].astype(float)
+    total = nbytes.sum()
+    return float((nbytes * (loc[..., 1] % COPY_ALIGNMENT == 0)).sum() / total) if total > 0 else 1.0
+
+
+def at_engine_copy_rate(device, warm_read_bytes_per_second: float, layout):
+    """``device`` (an :class:`replay.model.device.ArrayProfile`) with its page-cache copy rates
+    scaled so that the container ``layout`` the engine ran copies, on average over its bytes, at
+    the rate the engine measured for its own buffered warm reads (bytes/s per thread,
+    :attr:`RunFacts.warm_read_bytes_per_second`). Both rates move by one factor, so the aligned and
+    unaligned rates keep the ratio the calibration measured and a rewrite with other alignments
+    is predicted at it.
+
+    The engine's warm class is the experts it read recently, which the page cache usually still
+    holds; when that rate is no faster than the drives (``host_bandwidth``) those reads reached
+    the drives, it says nothing of copies, and ``device`` is returned as it is.
+
+    The calibration times one Python thread copying whole buffers; colibrì's threads copy six
+    tensors per expert, two at a time on a 2-core machine, beside its own work, and on the
+    machine of docs/BENCHMARKS.md ("The engine's own copy rate") the two differed by a quarter."""
+    if warm_read_bytes_per_second <= device.host_bandwidth:
+        return device
+    aligned = aligned_copy_fraction(layout)
+    unaligned_rate = device.unaligned_memory_bandwidth or device.memory_bandwidth
+    per_byte = aligned / device.memory_bandwidth + (1.0 - aligned) / unaligned_rate
+    factor = warm_read_bytes_per_second * per_byte
+    return replace(device, name=f"{device.name}, page-cache copies at the engine's {warm_read_bytes_per_second / 1e9:.2f} GB/s",
+                   memory_bandwidth=device.memory_bandwidth * factor,
+                   unaligned_memory_bandwidth=(None if device.unaligned_memory_bandwidth is None
+                                               else device.unaligned_memory_bandwidth * factor))
 
 
 def engine_cap(cfg: EngineConfig, n_experts: int, row_bytes: float, resident_bytes: float, widest_expert_bytes: float,

@@ -258,6 +258,23 @@ def _device(o: EngineValidateOptions, work: WorkDir, notify):
     return load_device(str(path)), f"calibrated on {target}, saved as {path}"
 
 
+def cell_copy_rate(stock_dir: Path) -> float:
+    """The median over a cell's stock runs of the rate the engine read warm experts at, all reads
+    buffered (bytes/s per thread, :attr:`replay.colibri.engine_config.RunFacts.warm_read_bytes_per_second`);
+    0.0 when no run said (DIRECT=1, URING=1, no ``PROF=1``)."""
+    from replay.colibri.engine_config import config_from_run
+    from replay.colibri.engine_output import read_runs
+
+    rates = []
+    for run in read_runs(stock_dir):
+        if run.identity is None or run.identity.returncode != 0:
+            continue
+        _, facts = config_from_run(Path(run.source))
+        if facts.warm_read_bytes_per_second:
+            rates.append(facts.warm_read_bytes_per_second)
+    return float(np.median(rates)) if rates else 0.0
+
+
 def _run_results(arm: str, arm_dir: Path, layout, device, notify) -> list[RunResult]:
     from replay.colibri.engine_metrics import run_metrics
     from replay.colibri.engine_output import read_runs
@@ -282,7 +299,7 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
     """Run the module's four steps and write the record (``o.output``, else PATH/:data:`RECORD_NAME`)."""
     from containers.container import Container
     from containers.layout import layout_from_container
-    from replay.colibri.engine_config import env_words
+    from replay.colibri.engine_config import at_engine_copy_rate, env_words
 
     prompts, train = check_options(o)
     work = WorkDir.open(o.path, MARKER, "validate --engine")
@@ -301,14 +318,17 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                 measure_engine(o.engine, [EngineArm(m, Path(dirs[m])) for m in arms], prompts, o.reps,
                                env_words(env, strict=False), o.ngen, cells_dir / name, timeout_s=o.timeout_s,
                                progress=notify)
-                runs = {m: _run_results(m, cells_dir / name / m, layouts[m], device, notify) for m in arms}
+                copy_rate = cell_copy_rate(cells_dir / name / "stock")
+                cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
+                copy_rate = copy_rate if cell_device is not device else 0.0    # warm reads no faster than the drives
+                runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify) for m in arms}
                 all_runs += [r for m in arms for r in runs[m]]
                 control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
                 bound = placement_bound(control)
                 cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured,
                                         control.predicted.estimate, bound,
                                         [saving_result(m, runs["stock"], runs[m], placement_s=bound)
-                                         for m in o.layouts[1:]]))
+                                         for m in o.layouts[1:]], copy_rate))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)
         record = EngineValidationRecord(
             format=ENGINE_VALIDATION_FORMAT, version=ENGINE_VALIDATION_VERSION, engine=str(o.engine),

@@ -6,6 +6,9 @@ interleaved. Per run the engine measured its S (the decode window's expert wait 
 token, its ``PROFILE:`` line) and the model predicted it from the run's own recorded routing and
 printed configuration (:class:`RunResult`). Judged here, all pure functions:
 
+- the model copies page-cache hits at the rate the engine measured for its own buffered warm
+  reads in the cell's stock runs (their median, :attr:`CellResult.copy_rate`;
+  :func:`replay.colibri.engine_config.at_engine_copy_rate`), the same rate for every layout;
 - per layout (:class:`ArmResult`): the predicted S (summed predicted wait over summed tokens)
   against the measured S and its 95% interval over runs (Student t), with
   :func:`.rules.cell_agreement` at the ``+/-`` :data:`.rules.TOLERANCE` band: ``agrees``,
@@ -40,7 +43,7 @@ from replay.formats.interval import Interval
 from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over_repetitions
 
 ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
-ENGINE_VALIDATION_VERSION = 2
+ENGINE_VALIDATION_VERSION = 3
 PLACEMENT_COPY = "stock-copy"
 """The placement control's arm: the stock plan rewritten, stock's tensors in stock's order, each expert
 aligned to 4 KiB."""
@@ -104,6 +107,7 @@ class CellResult:
     placement_predicted_s: float   # s/token: the model's saving for the placement control (its alignment)
     placement_bound_s: float   # how far placement moves S beyond that prediction here (the interval's farther end)
     savings: list[SavingResult]
+    copy_rate: float           # bytes/s per thread: page-cache copies as the engine measured them in this cell's stock runs (median; 0: none said)
 
 
 @dataclass(frozen=True)
