@@ -2,6 +2,7 @@
 before anything runs, and (with ``RELAYOUT_COLIBRI_ENGINE`` and ``RELAYOUT_COLIBRI_FIXTURE`` set,
 docs/ENGINE.md) a whole validation against the real engine."""
 
+import json
 import os
 import stat
 import subprocess
@@ -101,13 +102,15 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
     control = saving_result("stock-copy", stock, _arm("stock-copy", lambda p: 0.2 + 0.01 * p))
     ok = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm_result("stock", stock), arm_result("louvain", new)],
                     control.measured, control.predicted.estimate, placement_bound(control),
-                    [saving_result("louvain", stock, new)], 8.6e9)
+                    [saving_result("louvain", stock, new)], 8.6e9, [1.0e9, 1.1e9], 1.05)
     agree, disagree, unresolved, decided, decisions, verdict, words = summarize([ok])
     assert (agree, disagree, decided, decisions, verdict) == (2, 0, 1, 1, "holds")
     off = CellResult("pipe-1-cap4", cell_env("PIPE=1", 4), [arm_result("stock", _arm("stock", lambda p: 0.2, scale=0.5))],
-                     control.measured, 0.0, 0.0, [], 0.0)
+                     control.measured, 0.0, 0.0, [], 0.0, [2.0e9, 1.6e9], 1.8)
     *_, verdict2, words2 = summarize([ok, off])
     assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
+    assert "disk ran beyond" in words2 and "pipe-1-cap4 (1.80x)" in words2 and "pipe-0-cap4 (" not in words2
+    assert "disk ran beyond" not in words                   # 1.05x: within the tolerance
     rec = EngineValidationRecord(format="relayout-engine-validation", version=3, engine="colibri", container="m",
                                  device="d", device_source="given", layouts={"stock": "m"}, training_sessions=["a"],
                                  prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[ok, off], runs=stock + new,
@@ -202,3 +205,22 @@ def test_a_whole_validation_against_the_real_engine_resumes_and_counts_loads_as_
     assert rec.cells[0].savings[0].prompts == 5 and "verdict: the model" in res.stdout
     again = subprocess.run(argv, capture_output=True, text=True, env=env)      # resumes: every run kept
     assert again.returncode == res.returncode and again.stderr.count("kept (complete)") == 30 + 4
+
+
+def test_a_cells_disk_probe_brackets_its_runs_and_is_kept_for_a_resumed_cell(tmp_path):
+    """The probe reads the file before and after the cell's runs (real O_DIRECT or buffered reads
+    of a small file), writes both rates beside the runs, and a second pass over the same cell
+    takes the kept rates instead of probing a disk whose runs are long over."""
+    from relayout.workflows.validation.engine import DISK_PROBE_NAME, probe_cell
+
+    data = tmp_path / "f.bin"
+    data.write_bytes(os.urandom(4 << 20))
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    order = []
+    rates = probe_cell(cell, (data, 1 << 20), lambda: order.append("runs"))
+    assert order == ["runs"] and len(rates) == 2 and all(r > 0 for r in rates)
+    kept = json.loads((cell / DISK_PROBE_NAME).read_text())
+    assert kept["rates_Bps"] == rates and kept["read_bytes"] == 1 << 20
+    assert probe_cell(cell, (data, 1 << 20), lambda: order.append("again")) == rates and order == ["runs", "again"]
+    assert probe_cell(tmp_path / "none", (None, 0), lambda: order.append("unprobed")) == []

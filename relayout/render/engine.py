@@ -64,6 +64,11 @@ def format_engine_validation(rec) -> str:
              f"plans trained on {len(rec.training_sessions)} recorded session(s) of other prompts",
              "S = the engine's expert wait per committed token (its PROFILE line, decode window); predicted = the model "
              "replaying each run's own routing with the configuration it printed; ms per committed token"]
+    probes = [f"{c.name} {c.disk_probe[0] / 1e9:.2f} -> {c.disk_probe[1] / 1e9:.2f} ({c.disk_scale:.2f}x)"
+              for c in rec.cells if c.disk_probe]
+    if probes:
+        lines.append("the disk probed before and after each cell (one expert-sized O_DIRECT read at a time, GB/s; "
+                     "x the profile's rate for the same reads): " + ", ".join(probes))
     rates = [f"{c.name} {c.copy_rate / 1e9:.2f}" for c in rec.cells if c.copy_rate > 0]
     if rates:
         lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of its "

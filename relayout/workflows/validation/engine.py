@@ -22,6 +22,11 @@ In the validation's directory PATH (its marker :data:`MARKER` records what it ma
 4. **Judging** (:mod:`.engine_record`): predicted against measured S per layout and cell, the
    predicted saving against the measured one, the gate's rule on both, a verdict in words.
 
+Around each cell's runs the disk is probed (:func:`probe_cell`: O_DIRECT reads of one expert's
+size from the stock container's largest file, one at a time, before and after, kept in
+``cells/<cell>/disk-probe.json``) and set against the rate the device profile gives the same
+reads: a cell whose disk ran far from the profile's speed is named in the verdict.
+
 Seconds and bytes in the record; prompts are text, one per line.
 """
 
@@ -34,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from containers.atomic import write_json_atomic
+from containers.atomic import make_dirs, write_json_atomic
 from containers.errors import InputError
 
 from ..engine_runs import EngineArm, measure_engine, read_prompts
@@ -258,6 +263,36 @@ def _device(o: EngineValidateOptions, work: WorkDir, notify):
     return load_device(str(path)), f"calibrated on {target}, saved as {path}"
 
 
+DISK_PROBE_NAME = "disk-probe.json"
+PROBE_DEPTH = 1
+"""Reads the disk probe keeps in flight: one, so the probe follows the disk, not a read path."""
+
+
+def probe_cell(cell_dir: Path, probe: tuple, measure) -> list[float]:
+    """The disk's rate before and after a cell's runs (bytes/s; :func:`replay.physical.calibrate.probe_rate`
+    on ``probe`` = (file, read bytes)), ``measure()`` running the cell in between; a cell probed
+    before (its ``disk-probe.json``) keeps its probes and is not measured again here. ``[]`` when
+    there is no probe file."""
+    from containers.jsonfile import parse_json
+    from replay.physical.calibrate import probe_rate
+
+    kept = cell_dir / DISK_PROBE_NAME
+    if kept.is_file():
+        measure()
+        rates = parse_json(kept.read_bytes()).get("rates_Bps")
+        if isinstance(rates, list) and len(rates) == 2 and all(isinstance(r, (int, float)) and r > 0 for r in rates):
+            return [float(r) for r in rates]
+    probe_file, size = probe
+    if probe_file is None:
+        measure()
+        return []
+    before = probe_rate(probe_file, size, PROBE_DEPTH, huge_pages=False)
+    measure()
+    rates = [before, probe_rate(probe_file, size, PROBE_DEPTH, seed=1, huge_pages=False)]
+    write_json_atomic(kept, {"file": str(probe_file), "read_bytes": size, "depth": PROBE_DEPTH, "rates_Bps": rates})
+    return rates
+
+
 def cell_copy_rate(stock_dir: Path) -> float:
     """The median over a cell's stock runs of the rate the engine read warm experts at, all reads
     buffered (bytes/s per thread, :attr:`replay.colibri.engine_config.RunFacts.warm_read_bytes_per_second`);
@@ -301,6 +336,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
     from containers.layout import layout_from_container
     from replay.colibri.engine_config import at_engine_copy_rate, env_words
 
+    from .prepare import probe_target
+
     prompts, train = check_options(o)
     work = WorkDir.open(o.path, MARKER, "validate --engine")
     try:
@@ -308,6 +345,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
         dirs, sessions = prepare_layouts(o, work, train, notify)
         device, device_source = _device(o, work, notify)
         layouts = {m: layout_from_container(Container.open(d)) for m, d in dirs.items()}
+        probe = probe_target(o.container, layouts["stock"])
+        profile_rate = device.steady_rate(probe[1], PROBE_DEPTH) if probe[0] is not None else 0.0
         cells_dir = _reused(work, "cells")
         arms = ["stock", PLACEMENT_COPY] + list(o.layouts[1:])
         cells, all_runs = [], []
@@ -315,9 +354,11 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
             for cap in o.caps:
                 name, env = cell_name(rp, cap), cell_env(rp, cap, o.engine_env)
                 notify(f"cell {name}: {env}")
-                measure_engine(o.engine, [EngineArm(m, Path(dirs[m])) for m in arms], prompts, o.reps,
-                               env_words(env, strict=False), o.ngen, cells_dir / name, timeout_s=o.timeout_s,
-                               progress=notify)
+                make_dirs(cells_dir / name)
+                rates = probe_cell(cells_dir / name, probe, lambda: measure_engine(
+                    o.engine, [EngineArm(m, Path(dirs[m])) for m in arms], prompts, o.reps, env_words(env, strict=False),
+                    o.ngen, cells_dir / name, timeout_s=o.timeout_s, progress=notify))
+                disk_scale = float(np.mean(rates)) / profile_rate if rates else 0.0
                 copy_rate = cell_copy_rate(cells_dir / name / "stock")
                 cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
                 copy_rate = copy_rate if cell_device is not device else 0.0    # warm reads no faster than the drives
@@ -328,7 +369,7 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                 cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured,
                                         control.predicted.estimate, bound,
                                         [saving_result(m, runs["stock"], runs[m], placement_s=bound)
-                                         for m in o.layouts[1:]], copy_rate))
+                                         for m in o.layouts[1:]], copy_rate, rates, disk_scale))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)
         record = EngineValidationRecord(
             format=ENGINE_VALIDATION_FORMAT, version=ENGINE_VALIDATION_VERSION, engine=str(o.engine),

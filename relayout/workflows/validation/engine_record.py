@@ -9,6 +9,9 @@ printed configuration (:class:`RunResult`). Judged here, all pure functions:
 - the model copies page-cache hits at the rate the engine measured for its own buffered warm
   reads in the cell's stock runs (their median, :attr:`CellResult.copy_rate`;
   :func:`replay.colibri.engine_config.at_engine_copy_rate`), the same rate for every layout;
+- the disk probed around each cell's runs against the profile's rate for the same reads
+  (:attr:`CellResult.disk_scale`): a cell whose disk ran beyond the tolerance from the profile
+  is named in the summary;
 - per layout (:class:`ArmResult`): the predicted S (summed predicted wait over summed tokens)
   against the measured S and its 95% interval over runs (Student t), with
   :func:`.rules.cell_agreement` at the ``+/-`` :data:`.rules.TOLERANCE` band: ``agrees``,
@@ -108,6 +111,8 @@ class CellResult:
     placement_bound_s: float   # how far placement moves S beyond that prediction here (the interval's farther end)
     savings: list[SavingResult]
     copy_rate: float           # bytes/s per thread: page-cache copies as the engine measured them in this cell's stock runs (median; 0: none said)
+    disk_probe: list[float]    # bytes/s: the disk probed before and after the cell's runs (empty: not probed)
+    disk_scale: float          # the probes' mean over the profile's rate for the same reads (0: not probed)
 
 
 @dataclass(frozen=True)
@@ -238,4 +243,8 @@ def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, st
                f"({placed} of the {len(savings)} measured savings cannot be told from placement: stock and its rewrite "
                f"differ by as much beyond what the model predicts for the rewrite); the gate's decision equals the measured A/B's in {decided} of {len(savings)}"
                + (f" ({placed_differ} of the differing within placement)" if placed_differ else "") + ".")
+    drifted = [f"{c.name} ({c.disk_scale:.2f}x)" for c in cells if c.disk_probe and abs(c.disk_scale - 1) > TOLERANCE]
+    if drifted:
+        summary += (f" The disk ran beyond +/-{TOLERANCE:.0%} of the profile's speed during {', '.join(drifted)}: "
+                    "there a ratio says as much about the disk that day as about the model.")
     return agree, disagree, unresolved, decided, len(savings), verdict, summary
