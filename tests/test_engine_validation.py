@@ -117,6 +117,12 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
                                  cells_agree=agree, cells_disagree=1, cells_unresolved=0, decisions_agree=1, decisions=1,
                                  verdict=verdict2, summary=words2)
     assert EngineValidationRecord.from_json(rec.to_json()) == rec
+    from relayout.render.engine import engine_validation_bottom_line
+
+    bottom = engine_validation_bottom_line(rec, "v.json")
+    assert bottom.startswith("Bottom line: the model does not hold against colibrì")
+    assert "taken as the engine's for PIPE=0." in bottom and "Do not take them as the engine's for PIPE=1:" in bottom
+    assert "Record: v.json." in bottom
     with pytest.raises(InputError, match="version"):
         EngineValidationRecord.from_json({**rec.to_json(), "version": 99})
     with pytest.raises(InputError):

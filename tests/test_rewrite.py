@@ -212,3 +212,7 @@ def test_a_forged_gate_is_refused_before_a_byte_is_written(setup, tmp_path):
     res = cli("rewrite", setup["src"], "--layout", setup["plan_path"], "--out", dst, "--gate", honest, "--force")
     assert res.returncode == 0, res.stderr
     assert json.loads((dst / MANIFEST_NAME).read_text())["rewrite"]["forced"] is True
+    bottom = res.stdout.strip().splitlines()[-1]                # the answer in words: where, how checked, what next
+    assert bottom.startswith(f"Bottom line: {dst} is the relaid container (the gate overridden with --force)")
+    assert f"SNAP={dst} " in bottom and f"--baseline {setup['src']} --container {dst}" in bottom
+    assert f"relayout verify {setup['src']} {dst} --full" in bottom

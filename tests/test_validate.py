@@ -160,6 +160,8 @@ def test_validate_record_source_untouched_work_dir_removed(disk, tmp_path):
     assert tree_state(disk / "src") == before
     assert not (disk / WORK_NAME).exists()
     assert v["summary"]["text"] in r.stdout and "pred/meas" in r.stdout and "total time" in r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith(f"Bottom line: the model {v['summary']['verdict']} on this disk; ")
+    assert r.stdout.strip().endswith(f"Record: {out}.")
     assert not list(tmp_path.glob("*.device.json"))   # --device given: nothing calibrated
 
 

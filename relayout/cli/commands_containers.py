@@ -80,9 +80,25 @@ def cmd_rewrite(args) -> int:
     if split:
         print(f"  engine variables: SNAP={args.out} COLI_MODEL_DIRS={';'.join(d for d, _ in split)}")
     print_rewrite_files(args.out, m, [d for d, _ in split])
-    if args.verify:
-        return verify_and_report(args.src, args.out, False, False, [d for d, _ in split])
-    return 0
+    status = verify_and_report(args.src, args.out, False, False, [d for d, _ in split]) if args.verify else 0
+    if status == 0:
+        print("\n" + rewrite_bottom_line(args.src, args.out, [d for d, _ in split], bool(m["rewrite"]["forced"]),
+                                          args.verify))
+    return status
+
+
+def rewrite_bottom_line(src: str, out: str, dirs: list[str], forced: bool, verified: bool) -> str:
+    """The rewrite's answer in words: where the new container is, how far it was checked, and
+    how to run and measure it against the source."""
+    engine = f"SNAP={out}" + (f" COLI_MODEL_DIRS={';'.join(dirs)}" if dirs else "")
+    checked = ("every source tensor was hashed against the source's manifest as it was copied, and verify "
+               "found the new files whole" if verified else
+               "every source tensor was hashed against the source's manifest as it was copied; "
+               f"`relayout verify {src} {out} --full` checks every byte again")
+    return (f"Bottom line: {out} is the relaid container{' (the gate overridden with --force)' if forced else ''}; "
+            f"{checked}. Run colibrì with {engine} and the settings you measured with, then measure it against "
+            f"the source: relayout measure --engine PATH/TO/colibri --baseline {src} --container {out} "
+            f"--prompts prompts.txt --reps 3 -o runs, and relayout compare runs/baseline runs/container.")
 
 
 def cmd_verify(args) -> int:

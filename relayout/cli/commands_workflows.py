@@ -15,7 +15,7 @@ from .output import say
 def cmd_validate(args) -> int:
     import time
 
-    from relayout.render.validation import format_validation
+    from relayout.render.validation import format_validation, validation_bottom_line
     from ..workflows.validation.options import ValidateOptions, parse_list
     from ..workflows.validation.run import validate
 
@@ -34,6 +34,7 @@ def cmd_validate(args) -> int:
     print(f"\nwrote {opts.output}" + "".join(f", {p}" for p in record["plots"])
           + (f"; work directory kept: {record['work_dir']}" if record["work_dir"] else ""))
     print(f"total time {time.perf_counter() - t0:.1f} s")
+    print("\n" + validation_bottom_line(record, str(opts.output)))
     return 0
 
 
@@ -58,7 +59,7 @@ def _given(args, parsers: dict) -> dict:
 
 def _validate_engine(args) -> int:
     """``validate --engine``: :func:`relayout.workflows.validation.engine.validate_engine`, then its table."""
-    from relayout.render.engine import format_engine_validation
+    from relayout.render.engine import engine_validation_bottom_line, format_engine_validation
     from ..workflows.validation.engine import EngineValidateOptions, validate_engine
     from ..workflows.validation.options import parse_list
 
@@ -74,8 +75,10 @@ def _validate_engine(args) -> int:
         train_prompts=Path(args.train_prompts), layouts=tuple(parse_list(args.layouts, "--layouts")), device=args.device,
         output=Path(args.output) if args.output else None, seed=args.seed, timeout_s=args.timeout, **given)
     record = validate_engine(opts, notify=say)
+    where = opts.output or Path(args.path) / "validation-engine.json"
     print(format_engine_validation(record))
-    print(f"\nwrote {opts.output or Path(args.path) / 'validation-engine.json'}")
+    print(f"\nwrote {where}")
+    print("\n" + engine_validation_bottom_line(record, str(where)))
     return 0 if record.verdict != "does not hold" else 1
 
 

@@ -96,3 +96,30 @@ def format_engine_validation(rec) -> str:
                          f"{s.predicted.estimate * ms:+10.3f}  {s.agreement:17} {both}")
     lines += ["", f"verdict: the model {rec.verdict} against the engine (+/-{rec.tolerance:.0%} on S). {rec.summary}"]
     return "\n".join(lines)
+
+
+def engine_validation_bottom_line(rec, record_path: str) -> str:
+    """``validate --engine``'s answer in words (an :class:`relayout.workflows.validation.engine_record.EngineValidationRecord`):
+    the verdict, the read paths whose predictions can be taken as the engine's and those that
+    cannot, and where the record is."""
+    def read_path(cell) -> str:
+        return " ".join(w for w in cell.env.split() if not w.startswith(("CAP=", "CAP_RAISE=", "AUTOPIN=")))
+
+    paths: dict[str, set] = {}
+    for c in rec.cells:
+        paths.setdefault(read_path(c), set()).update(a.agreement for a in c.arms)
+    held = [p for p, a in paths.items() if a == {"agrees"}]
+    failed = [p for p, a in paths.items() if "disagrees" in a]
+    open_ = [p for p in paths if p not in held and p not in failed]
+    parts = [f"Bottom line: the model {rec.verdict} against colibrì on this machine ({rec.cells_agree} of "
+             f"{sum(len(c.arms) for c in rec.cells)} layout-cells within +/-{rec.tolerance:.0%})."]
+    if held:
+        parts.append(f"Its predictions can be taken as the engine's for {', '.join(held)}.")
+    if open_:
+        parts.append(f"For {', '.join(open_)} the measurement could not tell: more repetitions would.")
+    if failed:
+        parts.append(f"Do not take them as the engine's for {', '.join(failed)}: there the gate's ms/token are the "
+                     "model's, not the engine's, and a rewrite's worth is for relayout measure --engine to show.")
+    parts.append(f"The gate's decision equals the measured A/B's in {rec.decisions_agree} of {rec.decisions}. "
+                 f"Record: {record_path}.")
+    return " ".join(parts)

@@ -107,3 +107,21 @@ def format_validation(v: dict) -> str:
             lines += _diagnoses(x)
     lines += ["", v["summary"]["text"]]
     return "\n".join(lines)
+
+
+VALIDATION_ADVICE = {
+    "holds": "the gate's predictions on this profile can be taken as this disk's, within the band above; plan and "
+             "replay with it",
+    "does not hold": "do not rest a rewrite on the gate's ms/token for this disk: calibrate it again (relayout "
+                     "calibrate), and measure a rewrite before trusting it (relayout measure)",
+    "insufficient": "too few repetitions to judge: run it again with more (--reps) or longer ones (--minutes); it "
+                    "resumes in the same directory",
+    "inconclusive": "the measurements could not tell: more repetitions (--reps) or longer ones (--minutes) would",
+}
+"""What each verdict of ``relayout validate`` means for the user, in words."""
+
+
+def validation_bottom_line(record: dict, output: str) -> str:
+    """``validate``'s answer in words: the verdict, what to do about it, where the record is."""
+    verdict = record["summary"]["verdict"]
+    return f"Bottom line: the model {verdict} on this disk; {VALIDATION_ADVICE[verdict]}. Record: {output}."
