@@ -194,6 +194,11 @@ def test_each_engine_mode_maps_onto_its_read_path():
     u = model_config(parse_runtime_env("URING=1"), base, 4)
     assert u.batched and u.in_flight == 64 and not u.blocking
     assert any("1398" in c for c in u.runtime_changes) and "NEEDS A RUNTIME CHANGE" in describe(u)
+    plain = RuntimeConfig()                       # buffered PIPE=1 and URING are labelled lower bounds, the rest not
+    assert "A LOWER BOUND" in describe(u) and "A LOWER BOUND" in describe(model_config(parse_runtime_env("PIPE=1"), plain, 4))
+    for env in ("PIPE=0", "PIPE=1 DIRECT=1", "URING=1 DIRECT=1"):
+        assert "LOWER BOUND" not in describe(model_config(parse_runtime_env(env), plain, 4)), env
+    assert "LOWER BOUND" not in describe(RuntimeConfig(workers=8))
     with pytest.raises(InputError, match="COLI_MMAP"):
         model_config(parse_runtime_env("COLI_MMAP=1"), base, 4)
 

@@ -444,6 +444,10 @@ def describe(config: RuntimeConfig) -> str:
     head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
     if config.cpu_cores:
         head += f"; page-cache copies at most {config.cpu_cores} at once (the cores)"
+    if config.engine_env and not config.blocking and not config.direct:
+        head += (" | A LOWER BOUND: measured against colibrì on a 2-core machine, buffered PIPE=1 and URING=1 waited "
+                 "more than the model predicts (docs/BENCHMARKS.md), their threads contending for the cores in ways "
+                 "it does not model")
     if config.runtime_changes:
         head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
     return head
