@@ -180,9 +180,11 @@ def install_prebuilt(here: Path, archive: Path = PREBUILT) -> int:
     """
     if not archive.is_file():
         return 0
+    from importlib.metadata import PackageNotFoundError
+
     try:
         marker = here / f"prebuilt-{numba_version()}-{python_tag()}.json"
-    except Exception:                          # numba not installed: nothing can use the build
+    except PackageNotFoundError:               # numba not installed: nothing can use the build
         return 0
     if marker.exists():
         return 0
