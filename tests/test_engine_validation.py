@@ -214,19 +214,32 @@ def test_a_whole_validation_against_the_real_engine_resumes_and_counts_loads_as_
 
 
 def test_a_cells_disk_probe_brackets_its_runs_and_is_kept_for_a_resumed_cell(tmp_path):
-    """The probe reads the file before and after the cell's runs (real O_DIRECT or buffered reads
-    of a small file), writes both rates beside the runs, and a second pass over the same cell
-    takes the kept rates instead of probing a disk whose runs are long over."""
+    """The probe reads the file before and after the cell's runs (real reads of a small file),
+    writes both rates beside the runs, and a second pass over the same cell takes the kept rates
+    instead of probing a disk whose runs are long over; a cell whose runs were all made before,
+    unprobed, gets no probe at all."""
     from relayout.workflows.validation.engine import DISK_PROBE_NAME, probe_cell
+    from replay.colibri.engine_output import RUN_FILE
 
     data = tmp_path / "f.bin"
     data.write_bytes(os.urandom(4 << 20))
     cell = tmp_path / "cell"
     cell.mkdir()
     order = []
-    rates = probe_cell(cell, (data, 1 << 20), lambda: order.append("runs"))
-    assert order == ["runs"] and len(rates) == 2 and all(r > 0 for r in rates)
+
+    def one_run(name):
+        def run():
+            order.append(name)
+            (cell / "stock" / name).mkdir(parents=True)
+            (cell / "stock" / name / RUN_FILE).write_text("{}")
+        return run
+
+    rates = probe_cell(cell, (data, 1 << 20), one_run("p00-r00"))
+    assert order == ["p00-r00"] and len(rates) == 2 and all(r > 0 for r in rates)
     kept = json.loads((cell / DISK_PROBE_NAME).read_text())
     assert kept["rates_Bps"] == rates and kept["read_bytes"] == 1 << 20
-    assert probe_cell(cell, (data, 1 << 20), lambda: order.append("again")) == rates and order == ["runs", "again"]
+    assert probe_cell(cell, (data, 1 << 20), lambda: order.append("again")) == rates and order[-1] == "again"
+    (cell / DISK_PROBE_NAME).unlink()                       # runs made earlier, never probed: no probe now
+    assert probe_cell(cell, (data, 1 << 20), lambda: order.append("resumed")) == []
+    assert not (cell / DISK_PROBE_NAME).exists()
     assert probe_cell(tmp_path / "none", (None, 0), lambda: order.append("unprobed")) == []

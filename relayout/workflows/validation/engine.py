@@ -42,6 +42,8 @@ import numpy as np
 from containers.atomic import make_dirs, write_json_atomic
 from containers.errors import InputError
 
+from replay.colibri.engine_output import RUN_FILE
+
 from ..engine_runs import EngineArm, measure_engine, read_prompts
 from ..workdir import WorkDir
 from .engine_record import (ENGINE_VALIDATION_FORMAT, ENGINE_VALIDATION_VERSION, PLACEMENT_COPY, CellResult,
@@ -270,9 +272,10 @@ PROBE_DEPTH = 1
 
 def probe_cell(cell_dir: Path, probe: tuple, measure) -> list[float]:
     """The disk's rate before and after a cell's runs (bytes/s; :func:`replay.physical.calibrate.probe_rate`
-    on ``probe`` = (file, read bytes)), ``measure()`` running the cell in between; a cell probed
-    before (its ``disk-probe.json``) keeps its probes and is not measured again here. ``[]`` when
-    there is no probe file."""
+    on ``probe`` = (file, read bytes)), ``measure()`` running the cell in between, kept in the
+    cell's ``disk-probe.json``. A cell probed before keeps its probes; one whose runs were all
+    made before, unprobed, gets none (``[]``: a probe now says nothing of the disk then), as
+    does a cell with no probe file."""
     from containers.jsonfile import parse_json
     from replay.physical.calibrate import probe_rate
 
@@ -286,8 +289,11 @@ def probe_cell(cell_dir: Path, probe: tuple, measure) -> list[float]:
     if probe_file is None:
         measure()
         return []
+    made_before = set(cell_dir.glob(f"*/*/{RUN_FILE}"))
     before = probe_rate(probe_file, size, PROBE_DEPTH, huge_pages=False)
     measure()
+    if set(cell_dir.glob(f"*/*/{RUN_FILE}")) == made_before:
+        return []
     rates = [before, probe_rate(probe_file, size, PROBE_DEPTH, seed=1, huge_pages=False)]
     write_json_atomic(kept, {"file": str(probe_file), "read_bytes": size, "depth": PROBE_DEPTH, "rates_Bps": rates})
     return rates
