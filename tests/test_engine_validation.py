@@ -167,6 +167,16 @@ def test_what_cannot_be_validated_is_refused_before_the_engine_runs(tmp_path, ch
     assert not (tmp_path / "calls.txt").exists() and not o.path.exists()
 
 
+def test_the_engine_env_passes_variables_the_model_does_not_read_and_read_paths_stay_strict(tmp_path):
+    """``--engine-env`` carries what the engine or its OpenMP runtime reads and the model does not
+    (``OMP_WAIT_POLICY``): accepted; the same word in a read path, which names a cell's read path in
+    the model's terms, is refused."""
+    prompts, train = check_options(_options(tmp_path, engine_env="COLI_NO_OMP_TUNE=1 OMP_WAIT_POLICY=PASSIVE"))
+    assert prompts and train
+    with pytest.raises(InputError, match="OMP_WAIT_POLICY"):
+        check_options(_options(tmp_path, read_paths=("PIPE=1 OMP_WAIT_POLICY=PASSIVE",)))
+
+
 def test_measured_prompts_must_be_held_out(tmp_path):
     o = _options(tmp_path)
     (tmp_path / "held.txt").write_text("one\nfour\n")

@@ -122,9 +122,9 @@ def check_options(o: EngineValidateOptions) -> tuple[list[str], list[str]]:
         raise InputError(None, f"--reps must be at least 2 (an interval over runs), got {o.reps}")
     if not o.caps or any(c < 1 for c in o.caps):
         raise InputError(None, "--caps must be experts per layer, each at least 1")
-    env_words(o.engine_env, "--engine-env", strict=False)
+    env_words(o.engine_env, "--engine-env", strict=False)       # passed to the engine as given (OMP_WAIT_POLICY, ...)
     for rp in o.read_paths:
-        cfg = parse_runtime_env(cell_env(rp, o.caps[0], o.engine_env), "--read-paths")
+        cfg = parse_runtime_env(cell_env(rp, o.caps[0]), "--read-paths")
         model_config(cfg, RuntimeConfig(), o.caps[0])          # refuses what the model does not run, naming it
     prompts, train = read_prompts(o.prompts), read_prompts(o.train_prompts)
     shared = set(prompts) & set(train)
