@@ -445,9 +445,10 @@ def describe(config: RuntimeConfig) -> str:
     if config.cpu_cores:
         head += f"; page-cache copies at most {config.cpu_cores} at once (the cores)"
     if config.engine_env and not config.blocking and not config.direct:
-        head += (" | A LOWER BOUND: measured against colibrì on a 2-core machine, buffered PIPE=1 and URING=1 waited "
-                 "more than the model predicts (docs/BENCHMARKS.md), their threads contending for the cores in ways "
-                 "it does not model")
+        head += (" | A LOWER BOUND: on a 2-core machine colibrì's buffered PIPE=1 and URING=1 waited more than the model "
+                 "predicts while its OpenMP team spun between matmuls (its default OMP_WAIT_POLICY=active, or "
+                 "libgomp's own spin), taking cores from the copies; with OMP_WAIT_POLICY=PASSIVE URING=1 agreed "
+                 "(docs/BENCHMARKS.md)")
     if config.runtime_changes:
         head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
     return head
