@@ -23,11 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from containers.container import Container  # noqa: E402
+from containers.jsonfile import parse_json  # noqa: E402
 from containers.layout import layout_from_container  # noqa: E402
 from relayout.workflows.validation.engine import predict_run  # noqa: E402
 from replay.colibri.engine_output import read_run  # noqa: E402
 from replay.model.device import load_device  # noqa: E402
-from containers.jsonfile import parse_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

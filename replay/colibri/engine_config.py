@@ -329,8 +329,7 @@ def at_engine_copy_rate(device, warm_read_bytes_per_second: float, layout):
     if warm_read_bytes_per_second <= device.host_bandwidth:
         return device
     aligned = aligned_copy_fraction(layout)
-    unaligned_rate = device.unaligned_memory_bandwidth or device.memory_bandwidth
-    per_byte = aligned / device.memory_bandwidth + (1.0 - aligned) / unaligned_rate
+    per_byte = aligned / device.memory_bandwidth + (1.0 - aligned) / device.unaligned_copy_rate
     factor = warm_read_bytes_per_second * per_byte
     return replace(device, name=f"{device.name}, page-cache copies at the engine's {warm_read_bytes_per_second / 1e9:.2f} GB/s",
                    memory_bandwidth=device.memory_bandwidth * factor,

@@ -280,11 +280,10 @@ def probe_cell(cell_dir: Path, probe: tuple, measure) -> list[float]:
     from replay.physical.calibrate import probe_rate
 
     kept = cell_dir / DISK_PROBE_NAME
-    if kept.is_file():
+    rates = parse_json(kept.read_bytes()).get("rates_Bps") if kept.is_file() else None
+    if isinstance(rates, list) and len(rates) == 2 and all(isinstance(r, (int, float)) and r > 0 for r in rates):
         measure()
-        rates = parse_json(kept.read_bytes()).get("rates_Bps")
-        if isinstance(rates, list) and len(rates) == 2 and all(isinstance(r, (int, float)) and r > 0 for r in rates):
-            return [float(r) for r in rates]
+        return [float(r) for r in rates]
     probe_file, size = probe
     if probe_file is None:
         measure()
