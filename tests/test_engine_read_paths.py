@@ -23,6 +23,9 @@ from replay.colibri.engine_config import (
     engine_cap,
     model_config,
     parse_runtime_env,
+    team_bound,
+    team_held_cores,
+    team_spin_iterations,
 )
 from replay.model.routing import RoutingTrace
 
@@ -194,11 +197,11 @@ def test_each_engine_mode_maps_onto_its_read_path():
     u = model_config(parse_runtime_env("URING=1"), base, 4)
     assert u.batched and u.in_flight == 64 and not u.blocking
     assert any("1398" in c for c in u.runtime_changes) and "NEEDS A RUNTIME CHANGE" in describe(u)
-    plain = RuntimeConfig()                       # buffered PIPE=1 and URING are labelled lower bounds, the rest not
-    assert "A LOWER BOUND" in describe(u) and "A LOWER BOUND" in describe(model_config(parse_runtime_env("PIPE=1"), plain, 4))
-    for env in ("PIPE=0", "PIPE=1 DIRECT=1", "URING=1 DIRECT=1"):
-        assert "LOWER BOUND" not in describe(model_config(parse_runtime_env(env), plain, 4)), env
-    assert "LOWER BOUND" not in describe(RuntimeConfig(workers=8))
+    plain = RuntimeConfig()                       # the line says when the team keeps cores from the copies
+    held = model_config(parse_runtime_env("PIPE=1"), plain, 4, omp_threads=2, cores=2)
+    assert held.team_held_cores == 1 and "less the 1 the OpenMP team keeps from them" in describe(held)
+    free = model_config(parse_runtime_env("PIPE=1 COLI_NO_OMP_TUNE=1"), plain, 4, omp_threads=2, cores=2)
+    assert free.team_held_cores == 0 and "copies at most 2 at once (the cores)" in describe(free)
     with pytest.raises(InputError, match="COLI_MMAP"):
         model_config(parse_runtime_env("COLI_MMAP=1"), base, 4)
 
@@ -440,6 +443,92 @@ def test_matmuls_and_copies_share_the_cores(mode):
         inst = run([[0, 1, 2], [0, 1, 2]], sizes, cfg, copying())
         assert list(inst.drive_reads) == [3, 0]
         assert inst.stall[1] == pytest.approx(expect, rel=1e-12), cores
+
+
+@pytest.mark.parametrize("mode", ["pipe1", "uring"])
+def test_cores_the_team_keeps_take_the_copies_off_the_matmuls(mode):
+    """The layer of test_matmuls_and_copies_share_the_cores (copies of 1, 2, 3 u; matmuls of 2, 4,
+    6 u) when the OpenMP team keeps cores from the copies (a bound team on C cores keeps C - 1).
+    Two cores, one kept: the copies run one at a time (done at 1, 3, 6 u) and only while the
+    compute thread waits: the layer ends at its 12 u of matmuls plus 6 u of copies, 18 u, where
+    it would end at 13 u: 1 u + 5 u = 6 u of wait, against 3 u when no core is kept. Four cores,
+    three kept: the same 6 u, against 1.5 u (copies on four cores: 1 u, then 12 + 6/4 - 13 u)."""
+    u = MIB / RATE
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    for cores, held, expect in ((2, 1, 6 * u), (2, 0, 3 * u), (4, 3, 6 * u), (4, 0, 1.5 * u)):
+        cfg = RuntimeConfig(routing_order=True, page_cache_bytes=8 * MIB, cpu_cores=cores, team_held_cores=held,
+                            **MODES[mode], **BASE)
+        inst = run([[0, 1, 2], [0, 1, 2]], sizes, cfg, copying())
+        assert list(inst.drive_reads) == [3, 0]
+        assert inst.stall[1] == pytest.approx(expect, rel=1e-12), (cores, held)
+    for bad in (2, -1, True):
+        with pytest.raises(InputError, match="keeps from copies"):
+            RuntimeConfig(cpu_cores=2, team_held_cores=bad)
+    with pytest.raises(InputError, match="keeps from copies"):
+        RuntimeConfig(team_held_cores=1)                 # copies not bounded by cores: nothing to keep
+
+
+def test_how_the_openmp_team_waits_and_where_it_runs_follow_the_engine_and_libgomp():
+    """colibrì's hot-thread tuning (unless COLI_NO_OMP_TUNE is given, with any value) sets
+    OMP_WAIT_POLICY=active, GOMP_SPINCOUNT=200000 and OMP_PROC_BIND=close where the user did not;
+    libgomp takes GOMP_SPINCOUNT first, else spins without end under ACTIVE, not at all under
+    PASSIVE, 300000 iterations otherwise; OMP_PLACES implies binding."""
+    spin = lambda env: team_spin_iterations(parse_runtime_env(env))
+    assert spin("") == 200000 and spin("OMP_WAIT_POLICY=PASSIVE") == 200000    # the tuning still sets the count
+    assert spin("COLI_NO_OMP_TUNE=1") == 300000 and spin("COLI_NO_OMP_TUNE=0") == 300000   # presence, as the engine
+    assert spin("COLI_NO_OMP_TUNE=1 OMP_WAIT_POLICY=passive") == 0
+    assert spin("COLI_NO_OMP_TUNE=1 OMP_WAIT_POLICY=ACTIVE") == float("inf")
+    assert spin("GOMP_SPINCOUNT=2k") == 2000 and spin("GOMP_SPINCOUNT=infinite") == float("inf")
+    bound = lambda env: team_bound(parse_runtime_env(env))
+    assert bound("") and not bound("COLI_NO_OMP_TUNE=1") and not bound("OMP_PROC_BIND=false")
+    assert bound("COLI_NO_OMP_TUNE=1 OMP_PROC_BIND=spread,close") and bound("COLI_NO_OMP_TUNE=1 OMP_PLACES=cores")
+    for bad, word in [("OMP_WAIT_POLICY=sometimes", "OMP_WAIT_POLICY"), ("GOMP_SPINCOUNT=lots", "GOMP_SPINCOUNT"),
+                      ("OMP_PROC_BIND=sideways", "OMP_PROC_BIND"), ("OMP_PLACES=", "OMP_PLACES")]:
+        with pytest.raises(InputError, match=word):
+            parse_runtime_env(bad)
+
+
+def test_the_cores_the_team_keeps_from_the_copies():
+    """A bound team (colibrì's default) keeps every core but the main thread's: the loaders and
+    io-wq workers inherit its one core. Not bound: URING=1's one io-wq copier is left one core
+    by a spinning team; PIPE=1's loaders share every core; a parked team keeps none; PIPE=0
+    loads on the team itself; a team wider than the cores spins only briefly."""
+    held = lambda env, team=2, cores=2: team_held_cores(parse_runtime_env(env), team, cores)
+    assert held("PIPE=1") == 1 and held("URING=1") == 1 and held("PIPE=1", 8, 8) == 7
+    assert held("PIPE=1 COLI_NO_OMP_TUNE=1") == 0 and held("URING=1 COLI_NO_OMP_TUNE=1") == 1
+    assert held("URING=1 COLI_NO_OMP_TUNE=1", 4, 8) == 3 and held("URING=1 COLI_NO_OMP_TUNE=1", 4, 2) == 0
+    assert held("URING=1 COLI_NO_OMP_TUNE=1 OMP_WAIT_POLICY=PASSIVE") == 0
+    assert held("") == 0 and held("COLI_NO_OMP_TUNE=1") == 0
+    m = model_config(parse_runtime_env("URING=1"), RuntimeConfig(), 4, omp_threads=2, cores=2)
+    assert (m.cpu_cores, m.team_held_cores, m.copy_cores) == (2, 1, 1)
+
+
+def test_a_runs_openmp_settings_come_from_its_output_and_its_recorded_environment(tmp_path):
+    """Without the engine's ``[OMP] hot-thread tuning`` line the tuning did not run
+    (COLI_NO_OMP_TUNE); a measured run's directory adds the OpenMP variables its environment set."""
+    from conftest import REPO
+
+    out = tmp_path / "run.txt"
+    out.write_text(CONFIG)
+    assert config_from_run(out)[0].COLI_NO_OMP_TUNE == 1
+    out.write_text("[OMP] hot-thread tuning: re-exec once (COLI_NO_OMP_TUNE=1 to skip)\n" + CONFIG)
+    cfg = config_from_run(out)[0]
+    assert cfg.COLI_NO_OMP_TUNE == 0 and team_bound(cfg) and team_spin_iterations(cfg) == 200000
+    src = REPO / "tests/data/engine/stock-louvain/container/p00-r00"
+    run_dir = tmp_path / "p00-r00"
+    run_dir.mkdir()
+    for name in ("stdout.txt", "stderr.txt"):
+        (run_dir / name).write_bytes((src / name).read_bytes())
+    ident = json.loads((src / "engine-run.json").read_text())
+    assert config_from_run(src)[0].OMP_WAIT_POLICY == ""
+    ident["env"]["OMP_WAIT_POLICY"] = "passive"
+    (run_dir / "engine-run.json").write_text(json.dumps(ident))
+    cfg = config_from_run(run_dir)[0]
+    assert (cfg.COLI_NO_OMP_TUNE, cfg.OMP_WAIT_POLICY, team_spin_iterations(cfg)) == (1, "PASSIVE", 0)
+    ident["env"]["OMP_WAIT_POLICY"] = "lazy"
+    (run_dir / "engine-run.json").write_text(json.dumps(ident))
+    with pytest.raises(InputError, match="OMP_WAIT_POLICY"):
+        config_from_run(run_dir)
 
 
 @pytest.mark.parametrize("service", ["in-order", "shared"])

@@ -103,6 +103,24 @@ def test_runs_are_kept_per_arm_prompt_and_repetition_and_resumed(tmp_path):
     assert c["comparisons"][0]["pairs"] == 4 and c["correctness_failures"] == []
 
 
+def test_the_openmp_variables_a_run_inherits_are_recorded_with_it(tmp_path, monkeypatch):
+    """An OMP_WAIT_POLICY exported in the shell changes how the engine's team waits: the run's
+    record keeps it (the model reads it back), and a variable the run sets itself wins."""
+    from replay.colibri.engine_config import config_from_run
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    monkeypatch.setenv("UNRELATED_SHELL_VARIABLE", "x")
+    engine = _stand_in_engine(tmp_path)
+    out = tmp_path / "runs"
+    dirs = measure_engine(engine, [EngineArm("baseline", _container(tmp_path / "stock"))], ["p"], 1,
+                          {"PIPE": "1", "GOMP_SPINCOUNT": "0"}, 5, out)
+    env = json.loads((dirs[0] / RUN_FILE).read_text())["env"]
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "0" and "UNRELATED_SHELL_VARIABLE" not in env
+    cfg, _ = config_from_run(dirs[0])
+    assert (cfg.OMP_WAIT_POLICY, cfg.GOMP_SPINCOUNT) == ("PASSIVE", "0")
+
+
 def test_a_partial_directory_holding_foreign_files_is_left_alone(tmp_path):
     engine = _stand_in_engine(tmp_path)
     arms = [EngineArm("container", _container(tmp_path / "c"))]

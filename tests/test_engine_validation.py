@@ -168,13 +168,17 @@ def test_what_cannot_be_validated_is_refused_before_the_engine_runs(tmp_path, ch
 
 
 def test_the_engine_env_passes_variables_the_model_does_not_read_and_read_paths_stay_strict(tmp_path):
-    """``--engine-env`` carries what the engine or its OpenMP runtime reads and the model does not
-    (``OMP_WAIT_POLICY``): accepted; the same word in a read path, which names a cell's read path in
-    the model's terms, is refused."""
-    prompts, train = check_options(_options(tmp_path, engine_env="COLI_NO_OMP_TUNE=1 OMP_WAIT_POLICY=PASSIVE"))
+    """``--engine-env`` carries what the engine reads and the model does not (``DRAFT``): accepted,
+    and a variable the model reads (``OMP_WAIT_POLICY``) is checked as the model reads it; a read
+    path, which names a cell's read path in the model's terms, refuses a variable the model does
+    not read."""
+    prompts, train = check_options(_options(tmp_path, engine_env="COLI_NO_OMP_TUNE=1 OMP_WAIT_POLICY=PASSIVE DRAFT=0"))
     assert prompts and train
+    check_options(_options(tmp_path, read_paths=("PIPE=1 OMP_WAIT_POLICY=PASSIVE",)))
     with pytest.raises(InputError, match="OMP_WAIT_POLICY"):
-        check_options(_options(tmp_path, read_paths=("PIPE=1 OMP_WAIT_POLICY=PASSIVE",)))
+        check_options(_options(tmp_path, engine_env="OMP_WAIT_POLICY=lazy"))
+    with pytest.raises(InputError, match="DRAFT"):
+        check_options(_options(tmp_path, read_paths=("PIPE=1 DRAFT=0",)))
 
 
 def test_measured_prompts_must_be_held_out(tmp_path):

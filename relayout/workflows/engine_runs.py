@@ -150,7 +150,10 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
             f.flush()
             os.fsync(f.fileno())
     wall = time.monotonic() - t0
-    recorded_env = {k: v for k, v in set_env.items() if k != "ROUTE_TRACE"}
+    from replay.colibri.engine_config import INHERITED_TEAM_VARIABLES
+
+    inherited = {k: os.environ[k] for k in INHERITED_TEAM_VARIABLES if k in os.environ and k not in set_env}
+    recorded_env = {**inherited, **{k: v for k, v in set_env.items() if k != "ROUTE_TRACE"}}
     recorded_env["ROUTE_TRACE"] = ROUTE_FILE
     identity = RunIdentity(arm=arm.name, container=str(arm.container), prompt=prompt_index, repetition=repetition,
                            env=recorded_env, argv=argv, cold=cold, returncode=code, wall_s=wall, load_average=load,

@@ -21,18 +21,27 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from containers.errors import InputError
+from containers.jsonfile import parse_json, read_bytes
 
+from replay.colibri.engine_output import RUN_FILE, RunIdentity
 from replay.model.config import RuntimeConfig
 
 FLAGS = ("PIPE", "URING", "DIRECT", "COLI_MMAP", "CAP_RAISE", "AUTOPIN", "PILOT", "PILOT_REAL", "COLI_PIPE_BLOCK")
 """Variables that are 0 or 1."""
 
-NO_READ_EFFECT = ("SNAP", "COLI_MODEL", "PROMPT", "COLI_PROMPT", "NGEN", "PROF", "TOKENS", "ROUTE_TRACE", "COLI_NO_OMP_TUNE",
+NO_READ_EFFECT = ("SNAP", "COLI_MODEL", "PROMPT", "COLI_PROMPT", "NGEN", "PROF", "TOKENS", "ROUTE_TRACE",
                   "STATS", "SEED", "TEMP", "COLI_TEMP", "CTX", "REF", "SERVE")
 """Variables a run's environment may carry that do not change how experts are read: accepted and ignored."""
 
 PIPE_POOL_MAX = 16
 """colibrì's pthread loader pool holds at most this many workers (``pipe_init`` clamps PIPE_WORKERS)."""
+
+TUNED_SPIN_COUNT = "200000"
+"""The ``GOMP_SPINCOUNT`` colibrì sets, with ``OMP_WAIT_POLICY=active``, unless the user set them or
+``COLI_NO_OMP_TUNE`` is given (``main``'s hot-thread tuning, Linux CPU builds)."""
+
+LIBGOMP_SPIN_COUNT = 300000.0
+"""libgomp's spin iterations when neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT`` is set."""
 
 URING_LOADS = 64
 """Loads one io_uring submission holds (colibrì's ``URING_LOAD_MAX``): the model's batched queue depth."""
@@ -53,6 +62,12 @@ class EngineConfig:
     ``PIN`` a pin file or ``auto`` ("" none), ``PIN_GB`` its budget (-1 = ``all``). ``COUPLE`` a
     coupling file ("" none). ``PILOT_K`` 0 = not given (6 under PILOT_REAL, else 8).
     ``OMP_NUM_THREADS`` 0 = not given (the OpenMP team is as wide as the machine's cores).
+    ``OMP_WAIT_POLICY`` ``ACTIVE``, ``PASSIVE`` or "" (not given), ``GOMP_SPINCOUNT`` a count
+    (libgomp's ``k``/``M``/``G``/``T`` suffixes allowed) or ``infinite`` ("" not given), and
+    ``COLI_NO_OMP_TUNE`` 1 when given with any value (the engine tests its presence): how long
+    the team's idle threads spin between regions (:func:`team_spin_iterations`).
+    ``OMP_PROC_BIND`` (libgomp's values, a comma list) and ``OMP_PLACES`` ("" not given): whether
+    the team is bound to cores (:func:`team_bound`).
     """
 
     PIPE: int = 0
@@ -74,6 +89,11 @@ class EngineConfig:
     PILOT_REAL: int = 0
     PILOT_K: int = 0
     OMP_NUM_THREADS: int = 0
+    OMP_WAIT_POLICY: str = ""
+    GOMP_SPINCOUNT: str = ""
+    COLI_NO_OMP_TUNE: int = 0
+    OMP_PROC_BIND: str = ""
+    OMP_PLACES: str = ""
 
     def to_env(self) -> str:
         """The variables that differ from the engine's defaults, as ``NAME=VALUE`` words ("" for the defaults)."""
@@ -118,6 +138,8 @@ class RunFacts:
 
 
 _INT = re.compile(r"[0-9]+\Z")
+_SPIN_COUNT = re.compile(r"\s*([0-9]+\s*[kKmMgGtT]?|infinite|infinity)\s*\Z")
+_SPIN_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _FLOAT = re.compile(r"[0-9]+(\.[0-9]*)?\Z|\.[0-9]+\Z")
 
 
@@ -126,6 +148,26 @@ def _value(name: str, text: str, where: str):
         if text not in ("0", "1"):
             raise InputError(where, f"{name} must be 0 or 1 (got {text!r})")
         return int(text)
+    if name == "COLI_NO_OMP_TUNE":
+        return 1
+    if name == "OMP_WAIT_POLICY":
+        if text.upper() not in ("ACTIVE", "PASSIVE"):
+            raise InputError(where, f"OMP_WAIT_POLICY must be ACTIVE or PASSIVE (got {text!r})")
+        return text.upper()
+    if name == "OMP_PROC_BIND":
+        items = [w.strip().lower() for w in text.split(",")]
+        if not all(w in ("true", "false", "master", "primary", "close", "spread") for w in items):
+            raise InputError(where, f"OMP_PROC_BIND must be true, false, or a list of primary, master, close, spread "
+                                    f"(got {text!r})")
+        return ",".join(items)
+    if name == "OMP_PLACES":
+        if not text.strip():
+            raise InputError(where, "OMP_PLACES needs a place list (got an empty value)")
+        return text
+    if name == "GOMP_SPINCOUNT":
+        if not _SPIN_COUNT.match(text):
+            raise InputError(where, f"GOMP_SPINCOUNT must be a whole number (with k, M, G or T) or infinite (got {text!r})")
+        return text
     if name in ("PIN", "COUPLE"):
         if not text:
             raise InputError(where, f"{name} needs a file (got an empty value)")
@@ -259,6 +301,15 @@ _DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold .*?\
                               r"GB/s-thread, .*?\(direct (\d+)/(\d+)\)")
 
 
+_TUNING_LINE = re.compile(r"\[OMP\] hot-thread tuning: re-exec")
+
+OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND", "OMP_PLACES")
+"""The OpenMP variables a run's recorded environment gives the model (how the team waits, and where it runs)."""
+
+INHERITED_TEAM_VARIABLES = OPENMP_VARIABLES + ("COLI_NO_OMP_TUNE", "OMP_NUM_THREADS")
+"""Variables a run inherits from the shell that change how its OpenMP team runs: ``relayout measure
+--engine`` records them with the run's own."""
+
 RUN_FILES = ("stdout.txt", "stderr.txt")
 """A run directory's output files (as ``relayout measure --engine`` keeps them)."""
 
@@ -269,9 +320,12 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     the ``[PROF] machine`` line (the machine's cores, the OpenMP team, the memory available), the
     ``[URING]`` line (URING=1 and its workers, the smaller of PIPE_WORKERS and 64), the
     ``P0-EXEC`` line (the matmul rate) and the ``[PROF] DISK-CLASS`` line (the warm reads' rate
-    per thread, when they were all buffered). Variables the output does not show keep the engine's
-    defaults. The cap the run resolved, and the rest the output says, are in ``RunFacts``.
-    Raises :class:`InputError` when the file has no ``[PROF] config`` line."""
+    per thread, when they were all buffered). How the OpenMP team waits: ``COLI_NO_OMP_TUNE=1``
+    when the output lacks the engine's ``[OMP] hot-thread tuning`` line, and, from a run directory
+    ``relayout measure --engine`` made, the :data:`OPENMP_VARIABLES` its recorded environment set.
+    Variables the output does not show keep the engine's defaults. The cap the run resolved, and
+    the rest the output says, are in ``RunFacts``. Raises :class:`InputError` when the file has
+    no ``[PROF] config`` line."""
     p = Path(path)
     files = [p / n for n in RUN_FILES if (p / n).is_file()] if p.is_dir() else [p]
     if not files:
@@ -286,6 +340,12 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     auto, ram, cap, pinned, pipe, direct, mmap, pilot = m.groups()
     cfg = EngineConfig(PIPE=int(pipe), DIRECT=int(direct), COLI_MMAP=int(mmap), PILOT=int(pilot), CAP=int(cap),
                        CAP_RAISE=0, RAM_GB=0.0 if auto else float(ram))
+    if not _TUNING_LINE.search(text):
+        cfg = replace(cfg, COLI_NO_OMP_TUNE=1)
+    if p.is_dir() and (p / RUN_FILE).is_file():
+        where = str(p / RUN_FILE)
+        env = RunIdentity.from_json(parse_json(read_bytes(p / RUN_FILE)), where).env
+        cfg = replace(cfg, **{k: _value(k, str(env[k]), where) for k in OPENMP_VARIABLES if k in env})
     u = _URING_LINE.search(text)
     if u:
         cfg = replace(cfg, URING=1, PIPE=1, PIPE_WORKERS=max(1, min(int(u.group(1)), 64)))
@@ -398,6 +458,76 @@ def not_modelled(cfg: EngineConfig) -> list[str]:
     return out
 
 
+def team_spin_iterations(cfg: EngineConfig) -> float:
+    """How many iterations libgomp's idle OpenMP threads spin after a parallel region before they
+    sleep (``inf``: they never sleep), under ``cfg``.
+
+    colibrì's hot-thread tuning (Linux, unless ``COLI_NO_OMP_TUNE`` is given) sets
+    ``OMP_WAIT_POLICY=active`` and ``GOMP_SPINCOUNT=200000`` where the user did not. libgomp then
+    takes ``GOMP_SPINCOUNT`` when set, else spins without end under ``ACTIVE``, not at all under
+    ``PASSIVE``, and 300000 iterations when neither is set.
+
+    References
+    ----------
+    colibrì ``main`` (the ``COLI_OMP_TUNED`` re-exec); libgomp ``env.c`` (``initialize_env``).
+    """
+    tuned = not cfg.COLI_NO_OMP_TUNE
+    count = cfg.GOMP_SPINCOUNT or (TUNED_SPIN_COUNT if tuned else "")
+    policy = cfg.OMP_WAIT_POLICY or ("ACTIVE" if tuned else "")
+    if count:
+        text = count.strip().lower()
+        if text.startswith("infinit"):
+            return float("inf")
+        digits = text.rstrip("kmgt").strip()
+        return float(digits) * _SPIN_SUFFIX[text[len(text.rstrip("kmgt")):]]
+    if policy == "ACTIVE":
+        return float("inf")
+    return 0.0 if policy == "PASSIVE" else LIBGOMP_SPIN_COUNT
+
+
+def team_bound(cfg: EngineConfig) -> bool:
+    """Whether libgomp binds the OpenMP team's threads to places under ``cfg``: ``OMP_PROC_BIND``
+    other than ``false``, or ``OMP_PLACES`` given, or neither given and colibrì's hot-thread tuning
+    on (it sets ``OMP_PROC_BIND=close``). A bound process's main thread is bound from its start
+    (libgomp's constructor), so every thread it starts later (PIPE=1's loaders, URING=1's io-wq
+    workers) inherits that one core.
+
+    References
+    ----------
+    colibrì ``main`` (the hot-thread tuning, and its note on the inherited affinity mask);
+    libgomp ``env.c`` (``initialize_env``: ``OMP_PLACES`` implies binding).
+    """
+    if cfg.OMP_PROC_BIND:
+        return cfg.OMP_PROC_BIND.split(",")[0] != "false"
+    return bool(cfg.OMP_PLACES) or not cfg.COLI_NO_OMP_TUNE
+
+
+def team_held_cores(cfg: EngineConfig, team: int, cores: int) -> int:
+    """Cores the OpenMP team (``team`` threads on ``cores`` cores) keeps from the page-cache copies
+    of PIPE=1's loaders or URING=1's io-wq workers (:attr:`RuntimeConfig.team_held_cores`).
+
+    - A bound team (:func:`team_bound`, colibrì's default): the loaders and io-wq workers inherit
+      the main thread's one core, so they copy on that core only: ``cores - 1``.
+    - URING=1, a team not bound whose idle threads spin between regions
+      (:func:`team_spin_iterations` above 0, on a team no wider than the cores: libgomp spins only
+      briefly otherwise): the spinners' ``team - 1`` cores. io-wq adds a worker only when one
+      blocks, so the page-cache hits, which never block, are copied by one worker, which the
+      spinning team leaves one core.
+    - Otherwise 0: PIPE=1's loaders share every core with the team (measured no slower with the
+      team spinning than parked: docs/BENCHMARKS.md), and a team that sleeps between regions
+      leaves its cores to them.
+
+    PIPE=0 loads on the team itself: 0.
+    """
+    if not cfg.PIPE:
+        return 0
+    if team_bound(cfg):
+        return cores - 1
+    if cfg.URING and team <= cores and team_spin_iterations(cfg) > 0:
+        return min(team, cores) - 1
+    return 0
+
+
 def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_threads: int | None = None,
                  pin_bytes: int = 0, cores: int | None = None) -> RuntimeConfig:
     """The model's configuration for a colibrì run under ``cfg``: its read path named as the engine
@@ -409,8 +539,9 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     expert. DIRECT=1: O_DIRECT weight reads (scales stay buffered). Misses in routing order. The
     LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). The
     page-cache copies run at most ``cores`` at once (``RuntimeConfig.cpu_cores``: the cores of the
-    machine the run printed, else this machine's). Raises :class:`InputError` for what the model
-    does not run (:func:`not_modelled`).
+    machine the run printed, else this machine's), less those the OpenMP team keeps from them
+    (:func:`team_held_cores`). Raises :class:`InputError` for what the model does not run
+    (:func:`not_modelled`).
     """
     missing = not_modelled(cfg)
     if missing:
@@ -422,9 +553,10 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
         workers, batched, blocking = max(1, min(cfg.PIPE_WORKERS, PIPE_POOL_MAX)), False, False
     else:
         workers, batched, blocking = team, False, True
+    cpu_cores = int(cores or os.cpu_count() or 1)
     return replace(base, workers=workers, batched=batched, blocking=blocking, direct=bool(cfg.DIRECT), routing_order=True,
-                   lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=int(cores or os.cpu_count() or 1),
-                   engine_env=cfg.to_env() or "(defaults)")
+                   lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=cpu_cores,
+                   team_held_cores=team_held_cores(cfg, team, cpu_cores), engine_env=cfg.to_env() or "(defaults)")
 
 
 def describe(config: RuntimeConfig) -> str:
@@ -442,12 +574,9 @@ def describe(config: RuntimeConfig) -> str:
                  "; no page cache for weights (every buffered weight read reaches the drive; --page-cache-gb)")
     head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
     if config.cpu_cores:
-        head += f"; page-cache copies at most {config.cpu_cores} at once (the cores)"
-    if config.engine_env and not config.blocking and not config.direct:
-        head += (" | A LOWER BOUND: on a 2-core machine colibrì's buffered PIPE=1 and URING=1 waited more than the model "
-                 "predicts while its OpenMP team spun between matmuls (its default OMP_WAIT_POLICY=active, or "
-                 "libgomp's own spin), taking cores from the copies; with OMP_WAIT_POLICY=PASSIVE URING=1 agreed "
-                 "(docs/BENCHMARKS.md)")
+        head += f"; page-cache copies at most {config.copy_cores} at once"
+        head += (f" (the {config.cpu_cores} cores less the {config.team_held_cores} the OpenMP team keeps from them; "
+                 "beside the matmuls only on the cores those leave)" if config.team_held_cores else " (the cores)")
     if config.runtime_changes:
         head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
     return head

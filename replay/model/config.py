@@ -70,6 +70,7 @@ class RuntimeConfig:
     routing_order: bool = False        # misses issued, waited for and promoted into the LRU in routing order, hits computed between them in that order (colibrì's moe()); False: physical order, resident matmuls first
     page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.model.weightcache), bytes; 0: every buffered weight read reaches the drive
     cpu_cores: int = 0                 # the machine's cores: at most this many page-cache copies run at once (replay.model.readers); 0 = not bounded
+    team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
     lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
     engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.colibri.engine_config); "" = relayout's own read path
     runtime_changes: list[str] = field(default_factory=list)  # what of this configuration the public colibrì does not run (RUNTIME_CHANGES), set from the fields
@@ -82,6 +83,10 @@ class RuntimeConfig:
             raise InputError(None, f"the page cache for weights must be >= 0 bytes (got {self.page_cache_bytes})")
         if isinstance(self.cpu_cores, bool) or not isinstance(self.cpu_cores, int) or not 0 <= self.cpu_cores <= MAX_TEAM:
             raise InputError(None, f"the machine's cores must be a whole number of 0-{MAX_TEAM} (got {self.cpu_cores!r})")
+        if (isinstance(self.team_held_cores, bool) or not isinstance(self.team_held_cores, int)
+                or not 0 <= self.team_held_cores < max(self.cpu_cores, 1)):
+            raise InputError(None, f"the cores the OpenMP team keeps from copies must be a whole number below the "
+                                   f"machine's {self.cpu_cores} cores (got {self.team_held_cores!r})")
         if self.lru_experts < -1:
             raise InputError(None, f"the LRU's experts per layer must be >= 0 (got {self.lru_experts})")
         object.__setattr__(self, "runtime_changes", runtime_changes(self))
@@ -109,6 +114,12 @@ class RuntimeConfig:
             raise InputError(None, f"--prefetch-min-probability must be in [0, 1] (got {self.prefetch_min_probability})")
         if self.compute_bytes_per_second <= 0 or self.dense_seconds < 0:
             raise InputError(None, "compute model needs a positive rate and non-negative dense time")
+
+    @property
+    def copy_cores(self) -> int:
+        """Cores page-cache copies can run on at once: the machine's less those the OpenMP team
+        keeps from them; 0 = copies not bounded."""
+        return self.cpu_cores - self.team_held_cores if self.cpu_cores else 0
 
     @property
     def in_flight(self) -> int:

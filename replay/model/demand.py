@@ -246,8 +246,8 @@ def compute_thread(i, li, k, resident, n_jobs, x, work, out):
     When copies are bounded by the machine's ``C`` cores (``RuntimeConfig.cpu_cores``, an engine
     configuration), the matmuls run on an OpenMP team as wide as the machine, so they and the
     ``n_jobs`` demand jobs' page-cache copies (``jobs.tail``) share the cores: the layer ends no
-    earlier than its compute time plus its copies' time over ``C``, and the compute thread waits
-    for the difference at its last miss (:func:`_shared_cores`).
+    earlier than its compute time plus its copies' time over the cores they can have, and the
+    compute thread waits for the difference at its last miss (:func:`_shared_cores`).
 
     Under ``pol.routing_order`` it runs the union in routing order instead: before each miss the
     resident work routed before it (``miss.pre``), the rest after the last miss. Under
@@ -294,7 +294,7 @@ def compute_thread(i, li, k, resident, n_jobs, x, work, out):
         oracle += wait
     if routed:
         t += max(resident - done_pre, 0.0)
-    extra = _shared_cores(t, resident, k, n_jobs, keep_top, work)
+    extra = _shared_cores(t, resident, k, n_jobs, keep_top, pol.team_held_cores, work)
     if extra > 0.0:
         miss.wait[k - 1] += extra
         expert_wait[miss_e[k - 1]] += extra
@@ -306,13 +306,22 @@ def compute_thread(i, li, k, resident, n_jobs, x, work, out):
 
 
 @njit(**HELPER)
-def _shared_cores(end, resident, k, n_jobs, keep_top, work):
+def _shared_cores(end, resident, k, n_jobs, keep_top, held, work):
     """How much later than ``end`` (s) a layer's compute ends because its matmuls and its demand
-    jobs' page-cache copies share the machine's cores (:func:`compute_thread`): the layer's compute
-    (``resident`` and every miss's matmul) plus the copies over the ``C`` cores, less ``end``, at
-    least 0; 0 when copies are not bounded by cores (``C`` = 0)."""
-    cores = len(work.drives.copies)
-    if cores == 0:
+    jobs' page-cache copies share the machine's cores (:func:`compute_thread`); 0 when copies are
+    not bounded by cores.
+
+    ``busy`` is the layer's compute (``resident`` and every miss's matmul, s) and ``copies`` its
+    copies' time on one core (s). When the OpenMP team keeps no core from the copies (``held``
+    0), the matmuls and the copies share the ``C`` cores: the layer ends no earlier than ``busy +
+    copies / C``. When it keeps ``held`` cores (``RuntimeConfig.team_held_cores``), the copies run
+    on the ``C' = C - held`` cores it leaves (``len(work.drives.copies)``), one of which the
+    compute thread's matmuls take while it computes: ``C' - 1`` cores while it computes and
+    ``C'`` while it waits, so the layer ends no earlier than ``busy + max(copies - (C' - 1)
+    busy, 0) / C'`` (with ``C'`` = 1: the matmuls, then the copies).
+    """
+    slots = len(work.drives.copies)
+    if slots == 0:
         return 0.0
     miss, jobs = work.miss, work.jobs
     busy = resident
@@ -321,7 +330,9 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, work):
     copies = 0.0
     for j in range(n_jobs):
         copies += jobs.tail[j]
-    return max(busy + copies / cores - end, 0.0)
+    if held == 0:
+        return max(busy + copies / slots - end, 0.0)
+    return max(busy + max(copies - (slots - 1) * busy, 0.0) / slots - end, 0.0)
 
 
 @njit(**HELPER)

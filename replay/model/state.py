@@ -43,7 +43,8 @@ address in the array's logical address space."""
 
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
-                                      "min_probability cancel_stale adaptive_budget backoff blocking routing_order")
+                                      "min_probability cancel_stale adaptive_budget backoff blocking routing_order "
+                                      "team_held_cores")
 """How the runtime reads (:func:`replay.model.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
@@ -55,7 +56,9 @@ and ``prefetch_experts`` (its K, or the queue-slot budget Q); ``admission`` (an 
 compute thread waits for all of a layer's demand loads before its first matmul) and
 ``routing_order`` (misses issued, waited for and promoted into the LRU in routing order, hits
 computed between them in that order, as colibrì's ``moe()`` does; else physical order with the
-resident work first)."""
+resident work first); ``team_held_cores`` (cores the OpenMP team keeps from page-cache copies:
+when not 0, copies run only on the cores it leaves, and beside the matmuls only on those the
+matmuls leave, :func:`replay.model.demand.compute_thread`)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "
