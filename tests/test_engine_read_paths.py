@@ -20,6 +20,7 @@ from replay.colibri.engine_config import (
     at_engine_copy_rate,
     config_from_run,
     describe,
+    engine_copy_rate,
     engine_cap,
     model_config,
     parse_runtime_env,
@@ -255,6 +256,33 @@ def test_a_runs_warm_read_rate_is_taken_only_when_every_warm_read_was_buffered(t
         assert facts.warm_read_bytes_per_second == (pytest.approx(want) if want else None), (cd, wd, rate)
     out.write_text(CONFIG)
     assert config_from_run(out)[1].warm_read_bytes_per_second is None
+
+
+def test_a_runs_copy_rate_is_a_decode_loads_bytes_over_its_thread_time(tmp_path):
+    """A buffered run's decode PROFILE line's service over its expert I/O line's loads is one
+    decode load's thread time; the copy rate is the container's mean expert over it. URING=1 does
+    not time its loads (service 0) and DIRECT=1 reads weights from the drives: the warm reads'
+    rate then, when there is one."""
+    decode = ("PROFILE: expert-disk 0.500s service / 0.300s wait | expert-matmul 0.2s | attention 0.0s (including kvb "
+              "0.0s) | lm_head 0.0s | other 0.0s\n"
+              "PROFILE: expert-disk {svc}s service / 0.058s wait | expert-matmul 0.069s | attention 0.004s (including "
+              "kvb 0.000s) | lm_head 0.000s | other 0.025s\n"
+              "[PROF] expert I/O: 0.802 GB fetched (33.4 MB/token, 5.12 GB/s over the run) | hit 17.9% (0 pin + 99 "
+              "lru / 400 load) | 23.0 loads/token | 0.1s read service / 0.1s felt wait\n")
+    lay = layout(4, [3 * MIB] * 4, [96 * 1024] * 4)
+    mean = 3 * MIB + 96 * 1024
+    out = tmp_path / "run.txt"
+    out.write_text(CONFIG + decode.format(svc="0.080") + DISK_CLASS.format(cd=0, wd=0, rate="9.00"))
+    cfg, facts = config_from_run(out)
+    assert facts.decode_load_seconds == pytest.approx(0.080 / 400)
+    assert engine_copy_rate(cfg, facts, lay) == pytest.approx(mean / (0.080 / 400))
+    out.write_text(CONFIG.replace("DIRECT=0", "DIRECT=1") + decode.format(svc="0.080") +
+                   DISK_CLASS.format(cd=0, wd=0, rate="9.00"))
+    assert engine_copy_rate(*config_from_run(out), lay) == pytest.approx(9e9)
+    out.write_text(CONFIG + decode.format(svc="0.000") + "[URING] queued expert I/O active (depth=512, workers=8, "
+                   "buffered)\n")
+    cfg, facts = config_from_run(out)
+    assert facts.decode_load_seconds is None and engine_copy_rate(cfg, facts, lay) == 0.0
 
 
 def test_the_engines_copy_rate_moves_both_rates_by_one_factor_for_the_container_it_read():

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 
 from containers.errors import InputError
-from relayout.workflows.validation.engine import EngineValidateOptions, cell_env, cell_name, check_options
+from relayout.workflows.validation.engine import (EngineValidateOptions, cell_copy_rates, cell_env, cell_name,
+                                                  check_options)
 from relayout.workflows.validation.engine_record import (CellResult, EngineValidationRecord, RunResult, arm_result,
                                                          placement_bound, saving_result, summarize)
 
@@ -102,16 +103,16 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
     control = saving_result("stock-copy", stock, _arm("stock-copy", lambda p: 0.2 + 0.01 * p))
     ok = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm_result("stock", stock), arm_result("louvain", new)],
                     control.measured, control.predicted.estimate, placement_bound(control),
-                    [saving_result("louvain", stock, new)], 8.6e9, [1.0e9, 1.1e9], 1.05)
+                    [saving_result("louvain", stock, new)], 8.6e9, "its stock runs", [1.0e9, 1.1e9], 1.05)
     agree, disagree, unresolved, decided, decisions, verdict, words = summarize([ok])
     assert (agree, disagree, decided, decisions, verdict) == (2, 0, 1, 1, "holds")
     off = CellResult("pipe-1-cap4", cell_env("PIPE=1", 4), [arm_result("stock", _arm("stock", lambda p: 0.2, scale=0.5))],
-                     control.measured, 0.0, 0.0, [], 0.0, [2.0e9, 1.6e9], 1.8)
+                     control.measured, 0.0, 0.0, [], 0.0, "", [2.0e9, 1.6e9], 1.8)
     *_, verdict2, words2 = summarize([ok, off])
     assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
     assert "disk ran beyond" in words2 and "pipe-1-cap4 (1.80x)" in words2 and "pipe-0-cap4 (" not in words2
     assert "disk ran beyond" not in words                   # 1.05x: within the tolerance
-    rec = EngineValidationRecord(format="relayout-engine-validation", version=3, engine="colibri", container="m",
+    rec = EngineValidationRecord(format="relayout-engine-validation", version=4, engine="colibri", container="m",
                                  device="d", device_source="given", layouts={"stock": "m"}, training_sessions=["a"],
                                  prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[ok, off], runs=stock + new,
                                  cells_agree=agree, cells_disagree=1, cells_unresolved=0, decisions_agree=1, decisions=1,
@@ -179,6 +180,16 @@ def test_the_engine_env_passes_variables_the_model_does_not_read_and_read_paths_
         check_options(_options(tmp_path, engine_env="OMP_WAIT_POLICY=lazy"))
     with pytest.raises(InputError, match="DRAFT"):
         check_options(_options(tmp_path, read_paths=("PIPE=1 DRAFT=0",)))
+
+
+def test_a_cell_whose_runs_time_no_load_takes_the_other_cells_copy_rate():
+    """URING=1 and DIRECT=1 cells measure no copy rate: they take the median of the cells that do,
+    and say so; with none measured, none is used (the device's rates)."""
+    rates = cell_copy_rates({"pipe-0-cap4": 8e9, "pipe-1-cap4": 9e9, "pipe-1-cap12": 10e9, "uring-1-cap4": 0.0})
+    assert rates["pipe-1-cap4"] == (9e9, "its stock runs")
+    assert rates["uring-1-cap4"] == (9e9, "the median of cells pipe-0-cap4, pipe-1-cap4, pipe-1-cap12")
+    assert cell_copy_rates({"uring-1-cap4": 0.0, "uring-1-cap12": 0.0}) == {"uring-1-cap4": (0.0, ""),
+                                                                            "uring-1-cap12": (0.0, "")}
 
 
 def test_measured_prompts_must_be_held_out(tmp_path):

@@ -130,17 +130,17 @@ def _colibri_run_options(r) -> None:
 
 def engine_device(args, device, layout):
     """``device`` with page-cache copies at the rate the ``--runtime-env-from`` run's threads
-    measured for their buffered warm reads, on ``layout`` (the container that run read), when it
-    printed one (:func:`replay.colibri.engine_config.at_engine_copy_rate`); else ``device``."""
+    copied at (:func:`replay.colibri.engine_config.engine_copy_rate`), on ``layout`` (the
+    container that run read), when it printed one (:func:`replay.colibri.engine_config.at_engine_copy_rate`);
+    else ``device``."""
     source = getattr(args, "runtime_env_from", None)
     if not source or layout is None or not hasattr(device, "unaligned_memory_bandwidth"):
         return device
-    from replay.colibri.engine_config import at_engine_copy_rate, config_from_run
+    from replay.colibri.engine_config import at_engine_copy_rate, config_from_run, engine_copy_rate
 
-    _, facts = config_from_run(source)
-    if not facts.warm_read_bytes_per_second:
-        return device
-    return at_engine_copy_rate(device, facts.warm_read_bytes_per_second, layout)
+    cfg, facts = config_from_run(source)
+    rate = engine_copy_rate(cfg, facts, layout)
+    return at_engine_copy_rate(device, rate, layout) if rate else device
 
 
 def runtime_config(args, layout=None):

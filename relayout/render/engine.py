@@ -69,10 +69,13 @@ def format_engine_validation(rec) -> str:
     if probes:
         lines.append("the disk probed before and after each cell (one expert-sized O_DIRECT read at a time, GB/s; "
                      "x the profile's rate for the same reads): " + ", ".join(probes))
-    rates = [f"{c.name} {c.copy_rate / 1e9:.2f}" for c in rec.cells if c.copy_rate > 0]
+    rates = [f"{c.name} {c.copy_rate / 1e9:.2f}" + ("" if c.copy_rate_source == "its stock runs" else
+                                                    f" ({c.copy_rate_source}: its runs do not time their loads)")
+             for c in rec.cells if c.copy_rate > 0]
     if rates:
-        lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of its "
-                     "DISK-CLASS warm reads, GB/s; the device's calibrated rates elsewhere): " + ", ".join(rates))
+        lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of a "
+                     "decode load's bytes over its thread time, else of the DISK-CLASS warm reads, GB/s; the "
+                     "device's calibrated rates where no cell measured one): " + ", ".join(rates))
     lines.append("")
     head = f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     loads"
     lines.append(head)

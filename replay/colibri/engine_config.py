@@ -23,7 +23,7 @@ from pathlib import Path
 from containers.errors import InputError
 from containers.jsonfile import parse_json, read_bytes
 
-from replay.colibri.engine_output import RUN_FILE, RunIdentity
+from replay.colibri.engine_output import RUN_FILE, RunIdentity, parse_engine_output
 from replay.model.config import RuntimeConfig
 
 FLAGS = ("PIPE", "URING", "DIRECT", "COLI_MMAP", "CAP_RAISE", "AUTOPIN", "PILOT", "PILOT_REAL", "COLI_PIPE_BLOCK")
@@ -124,9 +124,12 @@ class RunFacts:
     per second, from the last ``P0-EXEC`` line: weight bytes per expert call over the calls'
     seconds, the model's per-position rate where each call has one row, as in decode), the
     memory available when it started (bytes), the machine's cores (the ``[PROF] machine``
-    line) and the rate one of its threads read experts it had read recently when every such read
-    was buffered (bytes/s per thread, the ``[PROF] DISK-CLASS`` line's warm class: page-cache
-    copies, as the engine copies them); None where the output does not say."""
+    line), the rate one of its threads read experts it had read recently when every such read
+    was buffered (bytes/s per thread, the ``[PROF] DISK-CLASS`` line's warm class, over the whole
+    run: page-cache copies, as the engine copies them) and the thread time of one decode load (s:
+    the decode ``PROFILE`` line's ``service`` over the ``[PROF] expert I/O`` line's loads; the
+    engine times each load whole, ``expert_load``; not under URING=1, which does not time them);
+    None where the output does not say."""
 
     cap: int | None = None
     pinned: int | None = None
@@ -135,6 +138,7 @@ class RunFacts:
     available_bytes: float | None = None
     cores: int | None = None
     warm_read_bytes_per_second: float | None = None
+    decode_load_seconds: float | None = None
 
 
 _INT = re.compile(r"[0-9]+\Z")
@@ -355,8 +359,29 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     dc = ([None] + list(_DISK_CLASS_LINE.finditer(text)))[-1]
     warm = (float(dc.group(2)) * 1e9 if dc and int(dc.group(1)) > 0 and int(dc.group(3)) == 0
             and float(dc.group(2)) > 0 else None)
+    out = parse_engine_output(text, str(p)) if "PROFILE: expert-disk" in text else None
+    load = (out.decode.service_s / out.expert_io.loads if out is not None and out.decode is not None
+            and out.expert_io is not None and out.expert_io.loads > 0 and out.decode.service_s > 0 and not cfg.URING
+            else None)
     return cfg, RunFacts(int(cap), int(pinned), int(mt.group(2)) if mt else None, rate,
-                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None, warm)
+                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None, warm, load)
+
+
+def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
+    """The rate one of a run's threads copied page-cache hits at (bytes/s per thread), by the run's
+    own measurements; 0.0 when it gives none.
+
+    With buffered weights, a decode load's bytes (the mean expert of ``layout``, the container
+    the run read: weights and scales) over its thread time (:attr:`RunFacts.decode_load_seconds`):
+    in a decode the page cache serves nearly every load (each prompt's prefill read the experts),
+    and the time is the engine's whole load, in the window S is taken over. Else the
+    ``[PROF] DISK-CLASS`` warm class's rate (:attr:`RunFacts.warm_read_bytes_per_second`, the
+    whole run). A decode whose loads mostly reach the drives gives a rate no faster than the
+    drives, which :func:`at_engine_copy_rate` sets aside.
+    """
+    if not cfg.DIRECT and facts.decode_load_seconds:
+        return float(layout.expert_bytes().astype(float).mean()) / facts.decode_load_seconds
+    return facts.warm_read_bytes_per_second or 0.0
 
 
 def aligned_copy_fraction(layout) -> float:

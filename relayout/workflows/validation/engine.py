@@ -298,21 +298,39 @@ def probe_cell(cell_dir: Path, probe: tuple, measure) -> list[float]:
     return rates
 
 
-def cell_copy_rate(stock_dir: Path) -> float:
-    """The median over a cell's stock runs of the rate the engine read warm experts at, all reads
-    buffered (bytes/s per thread, :attr:`replay.colibri.engine_config.RunFacts.warm_read_bytes_per_second`);
-    0.0 when no run said (DIRECT=1, URING=1, no ``PROF=1``)."""
-    from replay.colibri.engine_config import config_from_run
+def cell_copy_rate(stock_dir: Path, layout) -> float:
+    """The median over a cell's stock runs (on ``layout``, the stock container) of the rate the
+    engine's threads copied page-cache hits at (bytes/s per thread,
+    :func:`replay.colibri.engine_config.engine_copy_rate`: a decode load's bytes over its thread
+    time, else the warm reads' rate); 0.0 when no run said (DIRECT=1, URING=1, no ``PROF=1``)."""
+    from replay.colibri.engine_config import config_from_run, engine_copy_rate
     from replay.colibri.engine_output import read_runs
 
     rates = []
     for run in read_runs(stock_dir):
         if run.identity is None or run.identity.returncode != 0:
             continue
-        _, facts = config_from_run(Path(run.source))
-        if facts.warm_read_bytes_per_second:
-            rates.append(facts.warm_read_bytes_per_second)
+        rate = engine_copy_rate(*config_from_run(Path(run.source)), layout)
+        if rate:
+            rates.append(rate)
     return float(np.median(rates)) if rates else 0.0
+
+
+def cell_copy_rates(own: dict[str, float]) -> dict[str, tuple[float, str]]:
+    """Each cell's page-cache copy rate (bytes/s per thread) and where it comes from, given the
+    rate each cell's own stock runs measured (``own``, by cell name; 0.0 where they measured none
+    or one no faster than the drives).
+
+    A cell with its own rate takes it (``"its stock runs"``). A cell without one (URING=1 does not
+    time its loads; DIRECT=1 reads weights from the drives) takes the median of the other cells'
+    (``"the median of cells ..."``): the same kernel copies page-cache pages into the engine's
+    buffers in every read path, on the same machine and container, in the same validation. With
+    no cell measuring one, 0.0 and ``""`` (the device profile's rates).
+    """
+    have = {n: r for n, r in own.items() if r > 0}
+    borrowed = float(np.median(list(have.values()))) if have else 0.0
+    source = f"the median of cells {', '.join(have)}" if have else ""
+    return {n: (r, "its stock runs") if r > 0 else (borrowed, source) for n, r in own.items()}
 
 
 def _run_results(arm: str, arm_dir: Path, layout, device, notify) -> list[RunResult]:
@@ -354,27 +372,32 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
         profile_rate = device.steady_rate(probe[1], PROBE_DEPTH) if probe[0] is not None else 0.0
         cells_dir = _reused(work, "cells")
         arms = ["stock", PLACEMENT_COPY] + list(o.layouts[1:])
-        cells, all_runs = [], []
+        measured = []
         for rp in o.read_paths:
             for cap in o.caps:
                 name, env = cell_name(rp, cap), cell_env(rp, cap, o.engine_env)
                 notify(f"cell {name}: {env}")
                 make_dirs(cells_dir / name)
-                rates = probe_cell(cells_dir / name, probe, lambda: measure_engine(
+                probes = probe_cell(cells_dir / name, probe, lambda: measure_engine(
                     o.engine, [EngineArm(m, Path(dirs[m])) for m in arms], prompts, o.reps, env_words(env, strict=False),
                     o.ngen, cells_dir / name, timeout_s=o.timeout_s, progress=notify))
-                disk_scale = float(np.mean(rates)) / profile_rate if rates else 0.0
-                copy_rate = cell_copy_rate(cells_dir / name / "stock")
-                cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
-                copy_rate = copy_rate if cell_device is not device else 0.0    # warm reads no faster than the drives
-                runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify) for m in arms}
-                all_runs += [r for m in arms for r in runs[m]]
-                control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
-                bound = placement_bound(control)
-                cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured,
-                                        control.predicted.estimate, bound,
-                                        [saving_result(m, runs["stock"], runs[m], placement_s=bound)
-                                         for m in o.layouts[1:]], copy_rate, rates, disk_scale))
+                own = cell_copy_rate(cells_dir / name / "stock", layouts["stock"])
+                own = own if at_engine_copy_rate(device, own, layouts["stock"]) is not device else 0.0
+                measured.append((name, env, probes, own))
+        copy_rates = cell_copy_rates({name: own for name, _, _, own in measured})
+        cells, all_runs = [], []
+        for name, env, probes, _ in measured:
+            copy_rate, copy_source = copy_rates[name]
+            cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
+            runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify) for m in arms}
+            all_runs += [r for m in arms for r in runs[m]]
+            control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
+            bound = placement_bound(control)
+            cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured,
+                                    control.predicted.estimate, bound,
+                                    [saving_result(m, runs["stock"], runs[m], placement_s=bound)
+                                     for m in o.layouts[1:]], copy_rate, copy_source, probes,
+                                    float(np.mean(probes)) / profile_rate if probes else 0.0))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)
         record = EngineValidationRecord(
             format=ENGINE_VALIDATION_FORMAT, version=ENGINE_VALIDATION_VERSION, engine=str(o.engine),

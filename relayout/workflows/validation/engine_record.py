@@ -6,9 +6,11 @@ interleaved. Per run the engine measured its S (the decode window's expert wait 
 token, its ``PROFILE:`` line) and the model predicted it from the run's own recorded routing and
 printed configuration (:class:`RunResult`). Judged here, all pure functions:
 
-- the model copies page-cache hits at the rate the engine measured for its own buffered warm
-  reads in the cell's stock runs (their median, :attr:`CellResult.copy_rate`;
-  :func:`replay.colibri.engine_config.at_engine_copy_rate`), the same rate for every layout;
+- the model copies page-cache hits at the rate the engine's threads measured in the cell's stock
+  runs (their median, :attr:`CellResult.copy_rate`; :func:`replay.colibri.engine_config.engine_copy_rate`,
+  :func:`replay.colibri.engine_config.at_engine_copy_rate`), or, in a cell whose runs do not
+  measure one (URING=1, DIRECT=1), the median of the other cells' (:attr:`CellResult.copy_rate_source`),
+  the same rate for every layout;
 - the disk probed around each cell's runs against the profile's rate for the same reads
   (:attr:`CellResult.disk_scale`): a cell whose disk ran beyond the tolerance from the profile
   is named in the summary;
@@ -46,7 +48,7 @@ from replay.formats.interval import Interval
 from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over_repetitions
 
 ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
-ENGINE_VALIDATION_VERSION = 3
+ENGINE_VALIDATION_VERSION = 4
 PLACEMENT_COPY = "stock-copy"
 """The placement control's arm: the stock plan rewritten, stock's tensors in stock's order, each expert
 aligned to 4 KiB."""
@@ -110,7 +112,8 @@ class CellResult:
     placement_predicted_s: float   # s/token: the model's saving for the placement control (its alignment)
     placement_bound_s: float   # how far placement moves S beyond that prediction here (the interval's farther end)
     savings: list[SavingResult]
-    copy_rate: float           # bytes/s per thread: page-cache copies as the engine measured them in this cell's stock runs (median; 0: none said)
+    copy_rate: float           # bytes/s per thread: page-cache copies as the engine measured them (median; 0: none said: the device's rates)
+    copy_rate_source: str      # whose runs measured copy_rate: "its stock runs", "the median of cells ...", "" (none)
     disk_probe: list[float]    # bytes/s: the disk probed before and after the cell's runs (empty: not probed)
     disk_scale: float          # the probes' mean over the profile's rate for the same reads (0: not probed)
 
