@@ -496,6 +496,27 @@ def test_cores_the_team_keeps_take_the_copies_off_the_matmuls(mode):
         RuntimeConfig(team_held_cores=1)                 # copies not bounded by cores: nothing to keep
 
 
+def test_one_copying_thread_copies_one_at_a_time_on_any_number_of_cores():
+    """URING=1's page-cache hits are copied by one io-wq worker (``copy_threads`` 1): on two cores
+    the copies of 1, 2, 3 u (matmuls nearly free) are done at 1, 3, 6 u, one after another, where
+    two copying threads finish them at 1, 2, 4 u: 6 u of wait against 4 u. The cores still bound
+    the layer as before (busy + copies / 2 = 3 u, below both)."""
+    u = MIB / RATE
+    sizes = [MIB, 2 * MIB, 3 * MIB]
+    fast = dict(BASE, compute_bytes_per_second=1e12)
+    for threads, expect in ((1, 6 * u), (0, 4 * u)):
+        cfg = RuntimeConfig(routing_order=True, page_cache_bytes=8 * MIB, cpu_cores=2, copy_threads=threads,
+                            **MODES["uring"], **fast)
+        assert cfg.copy_slots == (threads or 2)
+        inst = run([[0, 1, 2], [0, 1, 2]], sizes, cfg, copying())
+        overlap = (sizes[0] + sizes[1]) / 1e12            # the first two matmuls run before the next waits
+        assert inst.stall[1] == pytest.approx(expect - overlap, rel=1e-12), threads
+    m = model_config(parse_runtime_env("URING=1 COLI_NO_OMP_TUNE=1 OMP_WAIT_POLICY=PASSIVE"), RuntimeConfig(), 4,
+                     omp_threads=2, cores=2)
+    assert (m.copy_threads, m.copy_slots, m.copy_cores) == (1, 1, 2)
+    assert model_config(parse_runtime_env("PIPE=1"), RuntimeConfig(), 4, omp_threads=2, cores=2).copy_threads == 0
+
+
 def test_how_the_openmp_team_waits_and_where_it_runs_follow_the_engine_and_libgomp():
     """colibrì's hot-thread tuning (unless COLI_NO_OMP_TUNE is given, with any value) sets
     OMP_WAIT_POLICY=active, GOMP_SPINCOUNT=200000 and OMP_PROC_BIND=close where the user did not;

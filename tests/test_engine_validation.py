@@ -183,13 +183,14 @@ def test_the_engine_env_passes_variables_the_model_does_not_read_and_read_paths_
 
 
 def test_a_cell_whose_runs_time_no_load_takes_the_other_cells_copy_rate():
-    """URING=1 and DIRECT=1 cells measure no copy rate: they take the median of the cells that do,
-    and say so; with none measured, none is used (the device's rates)."""
-    rates = cell_copy_rates({"pipe-0-cap4": 8e9, "pipe-1-cap4": 9e9, "pipe-1-cap12": 10e9, "uring-1-cap4": 0.0})
+    """URING=1 and DIRECT=1 cells measure no copy rate: they take the median of the cells that do
+    with as many copies at once, and say so; with none such, none is used (the device's rates)."""
+    rates = cell_copy_rates({"pipe-0-cap4": (8e9, 2), "pipe-1-cap4": (9e9, 1), "pipe-1-cap12": (10e9, 1),
+                             "uring-1-cap4": (0.0, 1), "pipe-0_direct-1-cap4": (0.0, 2), "uring-1-cap12": (0.0, 3)})
     assert rates["pipe-1-cap4"] == (9e9, "its stock runs")
-    assert rates["uring-1-cap4"] == (9e9, "the median of cells pipe-0-cap4, pipe-1-cap4, pipe-1-cap12")
-    assert cell_copy_rates({"uring-1-cap4": 0.0, "uring-1-cap12": 0.0}) == {"uring-1-cap4": (0.0, ""),
-                                                                            "uring-1-cap12": (0.0, "")}
+    assert rates["uring-1-cap4"] == (9.5e9, "the median of cells pipe-1-cap4, pipe-1-cap12")
+    assert rates["pipe-0_direct-1-cap4"] == (8e9, "the median of cells pipe-0-cap4")
+    assert rates["uring-1-cap12"] == (0.0, "")
 
 
 def test_measured_prompts_must_be_held_out(tmp_path):

@@ -43,6 +43,11 @@ TUNED_SPIN_COUNT = "200000"
 LIBGOMP_SPIN_COUNT = 300000.0
 """libgomp's spin iterations when neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT`` is set."""
 
+URING_COPY_THREADS = 1
+"""io-wq threads that copy URING=1's page-cache hits: io-wq starts another worker only when one
+blocks, and a read the page cache serves does not (docs/ENGINE_MODEL.md, "Who copies, on which
+cores")."""
+
 URING_LOADS = 64
 """Loads one io_uring submission holds (colibrì's ``URING_LOAD_MAX``): the model's batched queue depth."""
 
@@ -581,7 +586,8 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     cpu_cores = int(cores or os.cpu_count() or 1)
     return replace(base, workers=workers, batched=batched, blocking=blocking, direct=bool(cfg.DIRECT), routing_order=True,
                    lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=cpu_cores,
-                   team_held_cores=team_held_cores(cfg, team, cpu_cores), engine_env=cfg.to_env() or "(defaults)")
+                   team_held_cores=team_held_cores(cfg, team, cpu_cores), copy_threads=URING_COPY_THREADS if cfg.URING else 0,
+                   engine_env=cfg.to_env() or "(defaults)")
 
 
 def describe(config: RuntimeConfig) -> str:
@@ -599,9 +605,14 @@ def describe(config: RuntimeConfig) -> str:
                  "; no page cache for weights (every buffered weight read reaches the drive; --page-cache-gb)")
     head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
     if config.cpu_cores:
-        head += f"; page-cache copies at most {config.copy_cores} at once"
-        head += (f" (the {config.cpu_cores} cores less the {config.team_held_cores} the OpenMP team keeps from them; "
-                 "beside the matmuls only on the cores those leave)" if config.team_held_cores else " (the cores)")
+        head += f"; page-cache copies at most {config.copy_slots} at once"
+        if config.team_held_cores:
+            head += (f" (the {config.cpu_cores} cores less the {config.team_held_cores} the OpenMP team keeps from them; "
+                     "beside the matmuls only on the cores those leave)")
+        elif config.copy_threads and config.copy_threads < config.copy_cores:
+            head += f" (URING's io-wq copies on {config.copy_threads} thread, beside the matmuls on {config.cpu_cores} cores)"
+        else:
+            head += " (the cores)"
     if config.runtime_changes:
         head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
     return head

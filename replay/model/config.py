@@ -71,6 +71,7 @@ class RuntimeConfig:
     page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.model.weightcache), bytes; 0: every buffered weight read reaches the drive
     cpu_cores: int = 0                 # the machine's cores: at most this many page-cache copies run at once (replay.model.readers); 0 = not bounded
     team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
+    copy_threads: int = 0              # threads that copy page-cache hits, when fewer than the readers (URING=1's one io-wq worker): 0 = every reader copies its own
     lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
     engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.colibri.engine_config); "" = relayout's own read path
     runtime_changes: list[str] = field(default_factory=list)  # what of this configuration the public colibrì does not run (RUNTIME_CHANGES), set from the fields
@@ -87,6 +88,8 @@ class RuntimeConfig:
                 or not 0 <= self.team_held_cores < max(self.cpu_cores, 1)):
             raise InputError(None, f"the cores the OpenMP team keeps from copies must be a whole number below the "
                                    f"machine's {self.cpu_cores} cores (got {self.team_held_cores!r})")
+        if isinstance(self.copy_threads, bool) or not isinstance(self.copy_threads, int) or not 0 <= self.copy_threads <= MAX_TEAM:
+            raise InputError(None, f"the copying threads must be a whole number of 0-{MAX_TEAM} (got {self.copy_threads!r})")
         if self.lru_experts < -1:
             raise InputError(None, f"the LRU's experts per layer must be >= 0 (got {self.lru_experts})")
         object.__setattr__(self, "runtime_changes", runtime_changes(self))
@@ -120,6 +123,12 @@ class RuntimeConfig:
         """Cores page-cache copies can run on at once: the machine's less those the OpenMP team
         keeps from them; 0 = copies not bounded."""
         return self.cpu_cores - self.team_held_cores if self.cpu_cores else 0
+
+    @property
+    def copy_slots(self) -> int:
+        """Page-cache copies that run at once: the cores copies may use (:attr:`copy_cores`), at
+        most ``copy_threads`` when given; 0 = copies not bounded."""
+        return min(self.copy_cores, self.copy_threads) if self.copy_cores and self.copy_threads else self.copy_cores
 
     @property
     def in_flight(self) -> int:

@@ -294,7 +294,7 @@ def compute_thread(i, li, k, resident, n_jobs, x, work, out):
         oracle += wait
     if routed:
         t += max(resident - done_pre, 0.0)
-    extra = _shared_cores(t, resident, k, n_jobs, keep_top, pol.team_held_cores, work)
+    extra = _shared_cores(t, resident, k, n_jobs, keep_top, pol.team_held_cores, pol.copy_cores, work)
     if extra > 0.0:
         miss.wait[k - 1] += extra
         expert_wait[miss_e[k - 1]] += extra
@@ -306,23 +306,24 @@ def compute_thread(i, li, k, resident, n_jobs, x, work, out):
 
 
 @njit(**HELPER)
-def _shared_cores(end, resident, k, n_jobs, keep_top, held, work):
+def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
     """How much later than ``end`` (s) a layer's compute ends because its matmuls and its demand
     jobs' page-cache copies share the machine's cores (:func:`compute_thread`); 0 when copies are
     not bounded by cores.
 
     ``busy`` is the layer's compute (``resident`` and every miss's matmul, s) and ``copies`` its
     copies' time on one core (s). When the OpenMP team keeps no core from the copies (``held``
-    0), the matmuls and the copies share the ``C`` cores: the layer ends no earlier than ``busy +
-    copies / C``. When it keeps ``held`` cores (``RuntimeConfig.team_held_cores``), the copies run
-    on the ``C' = C - held`` cores it leaves (``len(work.drives.copies)``), one of which the
-    compute thread's matmuls take while it computes: ``C' - 1`` cores while it computes and
-    ``C'`` while it waits, so the layer ends no earlier than ``busy + max(copies - (C' - 1)
-    busy, 0) / C'`` (with ``C'`` = 1: the matmuls, then the copies).
+    0), the matmuls and the copies share the ``C`` cores (``cores``): the layer ends no earlier
+    than ``busy + copies / C``. When it keeps ``held`` cores (``RuntimeConfig.team_held_cores``),
+    the copies run on the ``C' = C - held`` cores it leaves (``cores``), one of which the compute
+    thread's matmuls take while it computes: ``C' - 1`` cores while it computes and ``C'`` while
+    it waits, so the layer ends no earlier than ``busy + max(copies - (C' - 1) busy, 0) / C'``
+    (with ``C'`` = 1: the matmuls, then the copies). Fewer copying threads than cores
+    (``RuntimeConfig.copy_threads``) bound the copies' own timing (the copy slots), not this.
     """
-    slots = len(work.drives.copies)
-    if slots == 0:
+    if cores == 0 or len(work.drives.copies) == 0:
         return 0.0
+    slots = cores
     miss, jobs = work.miss, work.jobs
     busy = resident
     for p in range(k):

@@ -221,7 +221,7 @@ class Replay:
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device, layout)
         # a batch union holds at most E experts: working arrays for that serve every chunk
-        self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots, config.copy_cores)
+        self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots, config.copy_slots)
         self.totals = new_results(0, L, E, device.members)
 
     def run(self, inst: Instances) -> Results:
@@ -330,7 +330,8 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       candidates=int(config.prefetch_candidates), min_probability=float(config.prefetch_min_probability),
                       cancel_stale=bool(config.cancel_stale), adaptive_budget=bool(config.adaptive_budget),
                       backoff=bool(config.backoff), blocking=bool(config.blocking), routing_order=bool(config.routing_order),
-                      team_held_cores=int(config.team_held_cores))
+                      team_held_cores=int(config.team_held_cores),
+                      copy_cores=int(config.copy_cores))
 
 
 def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device:

@@ -44,7 +44,7 @@ address in the array's logical address space."""
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
                                       "min_probability cancel_stale adaptive_budget backoff blocking routing_order "
-                                      "team_held_cores")
+                                      "team_held_cores copy_cores")
 """How the runtime reads (:func:`replay.model.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
@@ -58,7 +58,8 @@ compute thread waits for all of a layer's demand loads before its first matmul) 
 computed between them in that order, as colibrì's ``moe()`` does; else physical order with the
 resident work first); ``team_held_cores`` (cores the OpenMP team keeps from page-cache copies:
 when not 0, copies run only on the cores it leaves, and beside the matmuls only on those the
-matmuls leave, :func:`replay.model.demand.compute_thread`)."""
+matmuls leave, :func:`replay.model.demand.compute_thread`); ``copy_cores`` (the cores copies may
+use, the machine's less those; 0: copies not bounded)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "

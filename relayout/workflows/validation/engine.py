@@ -316,21 +316,44 @@ def cell_copy_rate(stock_dir: Path, layout) -> float:
     return float(np.median(rates)) if rates else 0.0
 
 
-def cell_copy_rates(own: dict[str, float]) -> dict[str, tuple[float, str]]:
+def cell_copy_concurrency(stock_dir: Path, layout) -> int:
+    """How many page-cache copies the model runs at once in a cell (its first complete stock run's
+    configuration, on ``layout``): the copy slots (:attr:`replay.model.config.RuntimeConfig.copy_slots`),
+    at most the loads in flight; 0 when no run completed."""
+    from relayout.planning.replay_setup import RuntimeRequest, runtime_config
+    from replay.colibri.engine_output import read_runs
+    from replay.model.config import RuntimeConfig
+
+    for run in read_runs(stock_dir):
+        if run.identity is not None and run.identity.returncode == 0:
+            config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
+                                                   colibri_run=True, runtime_env_from=run.source), layout)
+            return min(config.copy_slots, config.in_flight)
+    return 0
+
+
+def cell_copy_rates(own: dict[str, tuple[float, int]]) -> dict[str, tuple[float, str]]:
     """Each cell's page-cache copy rate (bytes/s per thread) and where it comes from, given the
-    rate each cell's own stock runs measured (``own``, by cell name; 0.0 where they measured none
-    or one no faster than the drives).
+    rate each cell's own stock runs measured and how many copies the cell runs at once (``own``,
+    by cell name: a rate of 0.0 where they measured none, or one no faster than the drives;
+    :func:`cell_copy_concurrency`).
 
     A cell with its own rate takes it (``"its stock runs"``). A cell without one (URING=1 does not
-    time its loads; DIRECT=1 reads weights from the drives) takes the median of the other cells'
-    (``"the median of cells ..."``): the same kernel copies page-cache pages into the engine's
-    buffers in every read path, on the same machine and container, in the same validation. With
-    no cell measuring one, 0.0 and ``""`` (the device profile's rates).
+    time its loads; DIRECT=1 reads weights from the drives) takes the median of the cells that
+    measured one with as many copies at once (``"the median of cells ..."``): the same kernel
+    copies page-cache pages into the engine's buffers in every read path, and a thread copies as
+    fast as the copies beside it let it. With no such cell, 0.0 and ``""`` (the device profile's
+    rates, one thread copying alone).
     """
-    have = {n: r for n, r in own.items() if r > 0}
-    borrowed = float(np.median(list(have.values()))) if have else 0.0
-    source = f"the median of cells {', '.join(have)}" if have else ""
-    return {n: (r, "its stock runs") if r > 0 else (borrowed, source) for n, r in own.items()}
+    out = {}
+    for name, (rate, at_once) in own.items():
+        if rate > 0:
+            out[name] = (rate, "its stock runs")
+            continue
+        like = {n: r for n, (r, k) in own.items() if r > 0 and k == at_once}
+        out[name] = ((float(np.median(list(like.values()))), f"the median of cells {', '.join(like)}") if like
+                     else (0.0, ""))
+    return out
 
 
 def _run_results(arm: str, arm_dir: Path, layout, device, notify) -> list[RunResult]:
@@ -383,7 +406,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                     o.ngen, cells_dir / name, timeout_s=o.timeout_s, progress=notify))
                 own = cell_copy_rate(cells_dir / name / "stock", layouts["stock"])
                 own = own if at_engine_copy_rate(device, own, layouts["stock"]) is not device else 0.0
-                measured.append((name, env, probes, own))
+                measured.append((name, env, probes, (own, cell_copy_concurrency(cells_dir / name / "stock",
+                                                                                 layouts["stock"]))))
         copy_rates = cell_copy_rates({name: own for name, _, _, own in measured})
         cells, all_runs = [], []
         for name, env, probes, _ in measured:
