@@ -203,8 +203,8 @@ def test_each_engine_mode_maps_onto_its_read_path():
     assert held.team_held_cores == 1 and "less the 1 the OpenMP team keeps from them" in describe(held)
     free = model_config(parse_runtime_env("PIPE=1 COLI_NO_OMP_TUNE=1"), plain, 4, omp_threads=2, cores=2)
     assert free.team_held_cores == 0 and "copies at most 2 at once (the cores)" in describe(free)
-    with pytest.raises(InputError, match="COLI_MMAP"):
-        model_config(parse_runtime_env("COLI_MMAP=1"), base, 4)
+    with pytest.raises(InputError, match="PILOT"):
+        model_config(parse_runtime_env("PILOT=1"), base, 4)
 
 
 def test_cap_for_ram_lowers_and_raises_the_cap_as_the_engine_does():
@@ -346,6 +346,37 @@ def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
         res = cli(*common, *bad)
         assert res.returncode == 2 and word in res.stderr and "Traceback" not in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_coli_mmap_is_the_buffered_path_with_mapped_views_taken_from_a_run_of_it(tmp_path):
+    """COLI_MMAP=1: weights never O_DIRECT (the mapped branch comes first), the LRU's slots hold no
+    copies (the page cache left to the experts is what was available less resident), and the
+    cost of a page-cache hit only a PROF=1 run of it can give: without one, or from a run that
+    did not map, it is refused, naming the option."""
+    from relayout.planning.replay_setup import RuntimeRequest, runtime_config
+
+    m = model_config(parse_runtime_env("COLI_MMAP=1 DIRECT=1"), RuntimeConfig(), 4, omp_threads=2, cores=2)
+    assert m.mapped_views and not m.direct and m.blocking and "mapped views" in describe(m)
+    assert not model_config(parse_runtime_env("DIRECT=1"), RuntimeConfig(), 4).mapped_views
+    decode = ("PROFILE: expert-disk 0.200s service / 0.100s wait | expert-matmul 0.2s | attention 0.0s (including kvb "
+              "0.0s) | lm_head 0.0s | other 0.0s\n"
+              "PROFILE: expert-disk 0.022s service / 0.014s wait | expert-matmul 0.082s | attention 0.005s (including "
+              "kvb 0.000s) | lm_head 0.000s | other 0.027s\n"
+              "[PROF] expert I/O: 0.100 GB fetched (4.0 MB/token, 5.00 GB/s over the run) | hit 17.9% (0 pin + 99 "
+              "lru / 440 load) | 23.0 loads/token | 0.0s read service / 0.0s felt wait\n"
+              "[PROF] machine: AMD | 2 cores (2 omp threads) | RAM 24.7 GB total, 20.0 GB available | backend CPU\n")
+    lay = layout(4, [3 * MIB] * 4, [96 * 1024] * 4)
+    mapped_run, plain_run = tmp_path / "mmap.txt", tmp_path / "plain.txt"
+    mapped_run.write_text(CONFIG.replace("MMAP=0", "MMAP=1") + decode)
+    plain_run.write_text(CONFIG + decode)
+    req = dict(coalesce_max_mb=256, dense_ms=0.0, colibri_run=True)
+    c = runtime_config(RuntimeRequest(**req, runtime_env_from=str(mapped_run)), lay)
+    assert c.mapped_views and c.page_cache_bytes == int(20e9 - sum(lay.file_sizes) + lay.expert_bytes().sum())
+    buffered = runtime_config(RuntimeRequest(**req, runtime_env_from=str(plain_run)), lay)
+    assert buffered.page_cache_bytes < c.page_cache_bytes                 # the slots and slabs hold copies there
+    for bad in (dict(runtime_env="COLI_MMAP=1"), dict(runtime_env_from=str(plain_run), runtime_env="COLI_MMAP=1")):
+        with pytest.raises(InputError, match="COLI_MMAP=1 is modelled from a PROF=1 run of it"):
+            runtime_config(RuntimeRequest(**req, **bad), lay)
 
 
 def test_buffered_weight_reads_are_served_again_from_the_page_cache():

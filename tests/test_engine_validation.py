@@ -158,7 +158,7 @@ def _options(tmp_path: Path, **kw) -> EngineValidateOptions:
     ({"layouts": ("stock",)}, "must start with stock"),
     ({"reps": 1}, "--reps must be at least 2"),
     ({"caps": (0,)}, "--caps"),
-    ({"read_paths": ("COLI_MMAP=1",)}, "COLI_MMAP=1"),
+    ({"read_paths": ("PILOT=1",)}, "PILOT"),
     ({"read_paths": ("PIPE=3",)}, "PIPE must be 0 or 1"),
 ])
 def test_what_cannot_be_validated_is_refused_before_the_engine_runs(tmp_path, change, says):
@@ -184,9 +184,12 @@ def test_the_engine_env_passes_variables_the_model_does_not_read_and_read_paths_
 
 def test_a_cell_whose_runs_time_no_load_takes_the_other_cells_copy_rate():
     """URING=1 and DIRECT=1 cells measure no copy rate: they take the median of the cells that do
-    with as many copies at once, and say so; with none such, none is used (the device's rates)."""
-    rates = cell_copy_rates({"pipe-0-cap4": (8e9, 2), "pipe-1-cap4": (9e9, 1), "pipe-1-cap12": (10e9, 1),
-                             "uring-1-cap4": (0.0, 1), "pipe-0_direct-1-cap4": (0.0, 2), "uring-1-cap12": (0.0, 3)})
+    with as many copies at once, and say so, never a COLI_MMAP=1 cell's re-touches; with none
+    such, none is used (the device's rates)."""
+    rates = cell_copy_rates({"pipe-0-cap4": (8e9, (2, False)), "pipe-1-cap4": (9e9, (1, False)),
+                             "pipe-1-cap12": (10e9, (1, False)), "pipe-0_coli_mmap-1-cap4": (40e9, (2, True)),
+                             "uring-1-cap4": (0.0, (1, False)), "pipe-0_direct-1-cap4": (0.0, (2, False)),
+                             "uring-1-cap12": (0.0, (3, False))})
     assert rates["pipe-1-cap4"] == (9e9, "its stock runs")
     assert rates["uring-1-cap4"] == (9.5e9, "the median of cells pipe-1-cap4, pipe-1-cap12")
     assert rates["pipe-0_direct-1-cap4"] == (8e9, "the median of cells pipe-0-cap4")

@@ -102,8 +102,8 @@ def runtime_config(request: RuntimeRequest, layout=None):
     Raises
     ------
     containers.errors.InputError
-        When relayout's own read path and a colibrì run are both asked for, or a run's output
-        cannot be read.
+        When relayout's own read path and a colibrì run are both asked for, a run's output
+        cannot be read, or COLI_MMAP=1 is asked for without a run of it that timed its loads.
     """
     base = base_config(request)
     if not request.colibri_run:
@@ -120,7 +120,12 @@ def runtime_config(request: RuntimeRequest, layout=None):
     cfg, facts = None, None
     if env_from:
         cfg, facts = config_from_run(env_from)
+    run_mapped = cfg is not None and cfg.COLI_MMAP
     cfg = parse_runtime_env(env or "", base=cfg)
+    if cfg.COLI_MMAP and not (run_mapped and facts.decode_load_seconds):
+        raise InputError("--runtime-env", "COLI_MMAP=1 is modelled from a PROF=1 run of it: give --runtime-env-from RUN "
+                                          "(a page-cache hit then re-touches mapped pages, at the rate the run's decode "
+                                          "loads took; no calibration measures that)")
     if request.compute_gbps is None and facts and facts.matmul_bytes_per_second:
         base = replace(base, compute_bytes_per_second=facts.matmul_bytes_per_second)
     lru, page = memory_terms(cfg, facts, layout, base.pin_bytes) if layout is not None else (-1, 0)

@@ -459,7 +459,8 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
     ``RAM_GB`` is given (the container's bytes outside routed experts, plus ``pin_bytes``, as
     resident), else -1 (the model's ``ram_bytes`` then sizes it). The page cache: with buffered
     weights and a run that printed the memory available at its start, what the run left of it:
-    available less resident, the LRU's slots and the working slabs; else 0.
+    available less resident, the LRU's slots and the working slabs (under COLI_MMAP=1 the slots
+    are views of the page cache and hold no copies: available less resident); else 0.
     """
     eb = layout.expert_bytes().astype(float)
     row, widest = float(eb[:, 0].sum()), float(eb.max())
@@ -470,7 +471,9 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
     elif cfg.CAP or cfg.RAM_GB:
         lru = engine_cap(cfg, layout.n_experts, row, resident, widest)
     page = 0
-    if not cfg.DIRECT and facts is not None and facts.available_bytes:
+    if cfg.COLI_MMAP and facts is not None and facts.available_bytes:     # views: the slots hold no copies
+        page = int(max(facts.available_bytes - resident, 0.0))
+    elif not cfg.DIRECT and facts is not None and facts.available_bytes:
         page = int(max(facts.available_bytes - resident - max(lru, 0) * row - WORKING_SET_SLOTS * widest, 0.0))
     return lru, page
 
@@ -478,8 +481,6 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
 def not_modelled(cfg: EngineConfig) -> list[str]:
     """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
     out = []
-    if cfg.COLI_MMAP:
-        out.append("COLI_MMAP=1 (experts as mapped views, the page cache as the expert cache) is not modelled")
     if cfg.PILOT or cfg.PILOT_REAL:
         out.append("PILOT/PILOT_REAL (the router pilot's cross-layer loads) are not modelled")
     if cfg.COUPLE:
@@ -566,7 +567,9 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     PIPE=0: one blocking batch per layer on the OpenMP team (``omp_threads`` wide; default
     ``OMP_NUM_THREADS``, else this machine's cores). PIPE=1: PIPE_WORKERS loader threads (at most
     16), the compute thread waiting per expert. URING=1: up to 64 loads in flight, waits per
-    expert. DIRECT=1: O_DIRECT weight reads (scales stay buffered). Misses in routing order. The
+    expert. DIRECT=1: O_DIRECT weight reads (scales stay buffered). COLI_MMAP=1: buffered, the
+    experts views of the page cache (``RuntimeConfig.mapped_views``: a page-cache hit costs
+    re-touching mapped pages, at the rate a run of it measured; DIRECT is then moot). Misses in routing order. The
     LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). The
     page-cache copies run at most ``cores`` at once (``RuntimeConfig.cpu_cores``: the cores of the
     machine the run printed, else this machine's), less those the OpenMP team keeps from them
@@ -584,7 +587,8 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     else:
         workers, batched, blocking = team, False, True
     cpu_cores = int(cores or os.cpu_count() or 1)
-    return replace(base, workers=workers, batched=batched, blocking=blocking, direct=bool(cfg.DIRECT), routing_order=True,
+    return replace(base, workers=workers, batched=batched, blocking=blocking,
+                   direct=bool(cfg.DIRECT) and not cfg.COLI_MMAP, mapped_views=bool(cfg.COLI_MMAP), routing_order=True,
                    lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=cpu_cores,
                    team_held_cores=team_held_cores(cfg, team, cpu_cores), copy_threads=URING_COPY_THREADS if cfg.URING else 0,
                    engine_env=cfg.to_env() or "(defaults)")
@@ -626,4 +630,7 @@ def describe_mode(config: RuntimeConfig) -> str:
         mode = "URING=1: one submission, up to 64 loads in flight, waits per expert"
     else:
         mode = f"PIPE=1: {config.workers} loader threads, waits per expert"
+    if config.mapped_views:
+        return (f"{mode}, COLI_MMAP=1: experts as mapped views (a page-cache hit re-touches mapped pages, "
+                f"at the rate the run's decode loads took), routing order")
     return f"{mode}, {'O_DIRECT' if config.direct else 'buffered'} weights, routing order"

@@ -71,6 +71,7 @@ class RuntimeConfig:
     page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.model.weightcache), bytes; 0: every buffered weight read reaches the drive
     cpu_cores: int = 0                 # the machine's cores: at most this many page-cache copies run at once (replay.model.readers); 0 = not bounded
     team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
+    mapped_views: bool = False         # colibrì COLI_MMAP=1: experts are views of the page cache; a page-cache hit re-touches mapped pages (at the copy rates the caller gives, the rate a run of it measured)
     copy_threads: int = 0              # threads that copy page-cache hits, when fewer than the readers (URING=1's one io-wq worker): 0 = every reader copies its own
     lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
     engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.colibri.engine_config); "" = relayout's own read path

@@ -316,10 +316,11 @@ def cell_copy_rate(stock_dir: Path, layout) -> float:
     return float(np.median(rates)) if rates else 0.0
 
 
-def cell_copy_concurrency(stock_dir: Path, layout) -> int:
+def cell_copy_concurrency(stock_dir: Path, layout) -> tuple[int, bool]:
     """How many page-cache copies the model runs at once in a cell (its first complete stock run's
     configuration, on ``layout``): the copy slots (:attr:`replay.model.config.RuntimeConfig.copy_slots`),
-    at most the loads in flight; 0 when no run completed."""
+    at most the loads in flight, and whether they are re-touches of mapped pages (COLI_MMAP=1);
+    ``(0, False)`` when no run completed."""
     from relayout.planning.replay_setup import RuntimeRequest, runtime_config
     from replay.colibri.engine_output import read_runs
     from replay.model.config import RuntimeConfig
@@ -328,19 +329,19 @@ def cell_copy_concurrency(stock_dir: Path, layout) -> int:
         if run.identity is not None and run.identity.returncode == 0:
             config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
                                                    colibri_run=True, runtime_env_from=run.source), layout)
-            return min(config.copy_slots, config.in_flight)
-    return 0
+            return min(config.copy_slots, config.in_flight), config.mapped_views
+    return 0, False
 
 
-def cell_copy_rates(own: dict[str, tuple[float, int]]) -> dict[str, tuple[float, str]]:
+def cell_copy_rates(own: dict[str, tuple[float, tuple]]) -> dict[str, tuple[float, str]]:
     """Each cell's page-cache copy rate (bytes/s per thread) and where it comes from, given the
-    rate each cell's own stock runs measured and how many copies the cell runs at once (``own``,
-    by cell name: a rate of 0.0 where they measured none, or one no faster than the drives;
-    :func:`cell_copy_concurrency`).
+    rate each cell's own stock runs measured and how it copies (``own``, by cell name: a rate of
+    0.0 where they measured none, or one no faster than the drives; how many at once and whether
+    they are re-touches of mapped pages, :func:`cell_copy_concurrency`).
 
     A cell with its own rate takes it (``"its stock runs"``). A cell without one (URING=1 does not
     time its loads; DIRECT=1 reads weights from the drives) takes the median of the cells that
-    measured one with as many copies at once (``"the median of cells ..."``): the same kernel
+    measured one copying alike (``"the median of cells ..."``): the same kernel
     copies page-cache pages into the engine's buffers in every read path, and a thread copies as
     fast as the copies beside it let it. With no such cell, 0.0 and ``""`` (the device profile's
     rates, one thread copying alone).
