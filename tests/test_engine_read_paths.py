@@ -24,10 +24,8 @@ from replay.colibri.engine_config import (
     engine_cap,
     model_config,
     parse_runtime_env,
-    team_bound,
-    team_held_cores,
-    team_spin_iterations,
 )
+from replay.colibri.openmp_team import team_bound, team_held_cores, team_spin_iterations
 from replay.model.routing import RoutingTrace
 
 MIB = 1 << 20

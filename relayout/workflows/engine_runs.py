@@ -150,7 +150,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
             f.flush()
             os.fsync(f.fileno())
     wall = time.monotonic() - t0
-    from replay.colibri.engine_config import INHERITED_TEAM_VARIABLES
+    from replay.colibri.openmp_team import INHERITED_TEAM_VARIABLES
 
     inherited = {k: os.environ[k] for k in INHERITED_TEAM_VARIABLES if k in os.environ and k not in set_env}
     recorded_env = {**inherited, **{k: v for k, v in set_env.items() if k != "ROUTE_TRACE"}}

@@ -24,6 +24,7 @@ from containers.errors import InputError
 from containers.jsonfile import parse_json, read_bytes
 
 from replay.colibri.engine_output import RUN_FILE, RunIdentity, parse_engine_output
+from replay.colibri.openmp_team import OPENMP_VARIABLES, SPIN_COUNT_TEXT, URING_COPY_THREADS, team_held_cores
 from replay.model.config import RuntimeConfig
 
 FLAGS = ("PIPE", "URING", "DIRECT", "COLI_MMAP", "CAP_RAISE", "AUTOPIN", "PILOT", "PILOT_REAL", "COLI_PIPE_BLOCK")
@@ -35,18 +36,6 @@ NO_READ_EFFECT = ("SNAP", "COLI_MODEL", "PROMPT", "COLI_PROMPT", "NGEN", "PROF",
 
 PIPE_POOL_MAX = 16
 """colibrì's pthread loader pool holds at most this many workers (``pipe_init`` clamps PIPE_WORKERS)."""
-
-TUNED_SPIN_COUNT = "200000"
-"""The ``GOMP_SPINCOUNT`` colibrì sets, with ``OMP_WAIT_POLICY=active``, unless the user set them or
-``COLI_NO_OMP_TUNE`` is given (``main``'s hot-thread tuning, Linux CPU builds)."""
-
-LIBGOMP_SPIN_COUNT = 300000.0
-"""libgomp's spin iterations when neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT`` is set."""
-
-URING_COPY_THREADS = 1
-"""io-wq threads that copy URING=1's page-cache hits: io-wq starts another worker only when one
-blocks, and a read the page cache serves does not (docs/ENGINE_MODEL.md, "Who copies, on which
-cores")."""
 
 URING_LOADS = 64
 """Loads one io_uring submission holds (colibrì's ``URING_LOAD_MAX``): the model's batched queue depth."""
@@ -70,9 +59,9 @@ class EngineConfig:
     ``OMP_WAIT_POLICY`` ``ACTIVE``, ``PASSIVE`` or "" (not given), ``GOMP_SPINCOUNT`` a count
     (libgomp's ``k``/``M``/``G``/``T`` suffixes allowed) or ``infinite`` ("" not given), and
     ``COLI_NO_OMP_TUNE`` 1 when given with any value (the engine tests its presence): how long
-    the team's idle threads spin between regions (:func:`team_spin_iterations`).
+    the team's idle threads spin between regions (:func:`replay.colibri.openmp_team.team_spin_iterations`).
     ``OMP_PROC_BIND`` (libgomp's values, a comma list) and ``OMP_PLACES`` ("" not given): whether
-    the team is bound to cores (:func:`team_bound`).
+    the team is bound to cores (:func:`replay.colibri.openmp_team.team_bound`).
     """
 
     PIPE: int = 0
@@ -147,8 +136,6 @@ class RunFacts:
 
 
 _INT = re.compile(r"[0-9]+\Z")
-_SPIN_COUNT = re.compile(r"\s*([0-9]+\s*[kKmMgGtT]?|infinite|infinity)\s*\Z")
-_SPIN_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _FLOAT = re.compile(r"[0-9]+(\.[0-9]*)?\Z|\.[0-9]+\Z")
 
 
@@ -174,7 +161,7 @@ def _value(name: str, text: str, where: str):
             raise InputError(where, "OMP_PLACES needs a place list (got an empty value)")
         return text
     if name == "GOMP_SPINCOUNT":
-        if not _SPIN_COUNT.match(text):
+        if not SPIN_COUNT_TEXT.match(text):
             raise InputError(where, f"GOMP_SPINCOUNT must be a whole number (with k, M, G or T) or infinite (got {text!r})")
         return text
     if name in ("PIN", "COUPLE"):
@@ -311,13 +298,6 @@ _DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold .*?\
 
 
 _TUNING_LINE = re.compile(r"\[OMP\] hot-thread tuning: re-exec")
-
-OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND", "OMP_PLACES")
-"""The OpenMP variables a run's recorded environment gives the model (how the team waits, and where it runs)."""
-
-INHERITED_TEAM_VARIABLES = OPENMP_VARIABLES + ("COLI_NO_OMP_TUNE", "OMP_NUM_THREADS")
-"""Variables a run inherits from the shell that change how its OpenMP team runs: ``relayout measure
---engine`` records them with the run's own."""
 
 RUN_FILES = ("stdout.txt", "stderr.txt")
 """A run directory's output files (as ``relayout measure --engine`` keeps them)."""
@@ -489,76 +469,6 @@ def not_modelled(cfg: EngineConfig) -> list[str]:
     return out
 
 
-def team_spin_iterations(cfg: EngineConfig) -> float:
-    """How many iterations libgomp's idle OpenMP threads spin after a parallel region before they
-    sleep (``inf``: they never sleep), under ``cfg``.
-
-    colibrì's hot-thread tuning (Linux, unless ``COLI_NO_OMP_TUNE`` is given) sets
-    ``OMP_WAIT_POLICY=active`` and ``GOMP_SPINCOUNT=200000`` where the user did not. libgomp then
-    takes ``GOMP_SPINCOUNT`` when set, else spins without end under ``ACTIVE``, not at all under
-    ``PASSIVE``, and 300000 iterations when neither is set.
-
-    References
-    ----------
-    colibrì ``main`` (the ``COLI_OMP_TUNED`` re-exec); libgomp ``env.c`` (``initialize_env``).
-    """
-    tuned = not cfg.COLI_NO_OMP_TUNE
-    count = cfg.GOMP_SPINCOUNT or (TUNED_SPIN_COUNT if tuned else "")
-    policy = cfg.OMP_WAIT_POLICY or ("ACTIVE" if tuned else "")
-    if count:
-        text = count.strip().lower()
-        if text.startswith("infinit"):
-            return float("inf")
-        digits = text.rstrip("kmgt").strip()
-        return float(digits) * _SPIN_SUFFIX[text[len(text.rstrip("kmgt")):]]
-    if policy == "ACTIVE":
-        return float("inf")
-    return 0.0 if policy == "PASSIVE" else LIBGOMP_SPIN_COUNT
-
-
-def team_bound(cfg: EngineConfig) -> bool:
-    """Whether libgomp binds the OpenMP team's threads to places under ``cfg``: ``OMP_PROC_BIND``
-    other than ``false``, or ``OMP_PLACES`` given, or neither given and colibrì's hot-thread tuning
-    on (it sets ``OMP_PROC_BIND=close``). A bound process's main thread is bound from its start
-    (libgomp's constructor), so every thread it starts later (PIPE=1's loaders, URING=1's io-wq
-    workers) inherits that one core.
-
-    References
-    ----------
-    colibrì ``main`` (the hot-thread tuning, and its note on the inherited affinity mask);
-    libgomp ``env.c`` (``initialize_env``: ``OMP_PLACES`` implies binding).
-    """
-    if cfg.OMP_PROC_BIND:
-        return cfg.OMP_PROC_BIND.split(",")[0] != "false"
-    return bool(cfg.OMP_PLACES) or not cfg.COLI_NO_OMP_TUNE
-
-
-def team_held_cores(cfg: EngineConfig, team: int, cores: int) -> int:
-    """Cores the OpenMP team (``team`` threads on ``cores`` cores) keeps from the page-cache copies
-    of PIPE=1's loaders or URING=1's io-wq workers (:attr:`RuntimeConfig.team_held_cores`).
-
-    - A bound team (:func:`team_bound`, colibrì's default): the loaders and io-wq workers inherit
-      the main thread's one core, so they copy on that core only: ``cores - 1``.
-    - URING=1, a team not bound whose idle threads spin between regions
-      (:func:`team_spin_iterations` above 0, on a team no wider than the cores: libgomp spins only
-      briefly otherwise): the spinners' ``team - 1`` cores. io-wq adds a worker only when one
-      blocks, so the page-cache hits, which never block, are copied by one worker, which the
-      spinning team leaves one core.
-    - Otherwise 0: PIPE=1's loaders share every core with the team (measured no slower with the
-      team spinning than parked: docs/BENCHMARKS.md), and a team that sleeps between regions
-      leaves its cores to them.
-
-    PIPE=0 loads on the team itself: 0.
-    """
-    if not cfg.PIPE:
-        return 0
-    if team_bound(cfg):
-        return cores - 1
-    if cfg.URING and team <= cores and team_spin_iterations(cfg) > 0:
-        return min(team, cores) - 1
-    return 0
-
-
 def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_threads: int | None = None,
                  pin_bytes: int = 0, cores: int | None = None) -> RuntimeConfig:
     """The model's configuration for a colibrì run under ``cfg``: its read path named as the engine
@@ -573,7 +483,7 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). The
     page-cache copies run at most ``cores`` at once (``RuntimeConfig.cpu_cores``: the cores of the
     machine the run printed, else this machine's), less those the OpenMP team keeps from them
-    (:func:`team_held_cores`). Raises :class:`InputError` for what the model does not run
+    (:func:`replay.colibri.openmp_team.team_held_cores`). Raises :class:`InputError` for what the model does not run
     (:func:`not_modelled`).
     """
     missing = not_modelled(cfg)
