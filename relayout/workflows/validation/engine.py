@@ -316,7 +316,7 @@ def cell_copy_rate(stock_dir: Path, layout) -> float:
     return float(np.median(rates)) if rates else 0.0
 
 
-def cell_copy_concurrency(stock_dir: Path, layout) -> tuple[int, bool]:
+def cell_copy_kind(stock_dir: Path, layout) -> tuple[int, bool]:
     """How many page-cache copies the model runs at once in a cell (its first complete stock run's
     configuration, on ``layout``): the copy slots (:attr:`replay.model.config.RuntimeConfig.copy_slots`),
     at most the loads in flight, and whether they are re-touches of mapped pages (COLI_MMAP=1);
@@ -337,7 +337,7 @@ def cell_copy_rates(own: dict[str, tuple[float, tuple]]) -> dict[str, tuple[floa
     """Each cell's page-cache copy rate (bytes/s per thread) and where it comes from, given the
     rate each cell's own stock runs measured and how it copies (``own``, by cell name: a rate of
     0.0 where they measured none, or one no faster than the drives; how many at once and whether
-    they are re-touches of mapped pages, :func:`cell_copy_concurrency`).
+    they are re-touches of mapped pages, :func:`cell_copy_kind`).
 
     A cell with its own rate takes it (``"its stock runs"``). A cell without one (URING=1 does not
     time its loads; DIRECT=1 reads weights from the drives) takes the median of the cells that
@@ -347,11 +347,11 @@ def cell_copy_rates(own: dict[str, tuple[float, tuple]]) -> dict[str, tuple[floa
     rates, one thread copying alone).
     """
     out = {}
-    for name, (rate, at_once) in own.items():
+    for name, (rate, kind) in own.items():
         if rate > 0:
             out[name] = (rate, "its stock runs")
             continue
-        like = {n: r for n, (r, k) in own.items() if r > 0 and k == at_once}
+        like = {n: r for n, (r, k) in own.items() if r > 0 and k == kind}
         out[name] = ((float(np.median(list(like.values()))), f"the median of cells {', '.join(like)}") if like
                      else (0.0, ""))
     return out
@@ -407,7 +407,7 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                     o.ngen, cells_dir / name, timeout_s=o.timeout_s, progress=notify))
                 own = cell_copy_rate(cells_dir / name / "stock", layouts["stock"])
                 own = own if at_engine_copy_rate(device, own, layouts["stock"]) is not device else 0.0
-                measured.append((name, env, probes, (own, cell_copy_concurrency(cells_dir / name / "stock",
+                measured.append((name, env, probes, (own, cell_copy_kind(cells_dir / name / "stock",
                                                                                  layouts["stock"]))))
         copy_rates = cell_copy_rates({name: own for name, _, _, own in measured})
         cells, all_runs = [], []
