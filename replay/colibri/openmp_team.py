@@ -37,6 +37,7 @@ INHERITED_TEAM_VARIABLES = OPENMP_VARIABLES + ("COLI_NO_OMP_TUNE", "OMP_NUM_THRE
 """Variables a run inherits from the shell that change how its OpenMP team runs: ``relayout measure
 --engine`` records them with the run's own."""
 
+
 def team_spin_iterations(cfg) -> float:
     """How many iterations libgomp's idle OpenMP threads spin after a parallel region before they
     sleep (``inf``: they never sleep), under ``cfg``.
