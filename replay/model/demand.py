@@ -311,19 +311,19 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
     jobs' page-cache copies share the machine's cores (:func:`compute_thread`); 0 when copies are
     not bounded by cores.
 
-    ``busy`` is the layer's compute (``resident`` and every miss's matmul, s) and ``copies`` its
-    copies' time on one core (s). When the OpenMP team keeps no core from the copies (``held``
-    0), the matmuls and the copies share the ``C`` cores (``cores``): the layer ends no earlier
-    than ``busy + copies / C``. When it keeps ``held`` cores (``RuntimeConfig.team_held_cores``),
-    the copies run on the ``C' = C - held`` cores it leaves (``cores``), one of which the compute
-    thread's matmuls take while it computes: ``C' - 1`` cores while it computes and ``C'`` while
-    it waits, so the layer ends no earlier than ``busy + max(copies - (C' - 1) busy, 0) / C'``
-    (with ``C'`` = 1: the matmuls, then the copies). Fewer copying threads than cores
-    (``RuntimeConfig.copy_threads``) bound the copies' own timing (the copy slots), not this.
+    ``busy`` is the layer's compute (``resident`` and every miss's matmul, s), ``copies`` its
+    copies' time on one core (s) and ``cores`` the cores copies may use
+    (``RuntimeConfig.copy_cores``: the machine's less the ``held`` the OpenMP team keeps,
+    ``RuntimeConfig.team_held_cores``). When the team keeps none, the matmuls and the copies
+    share all the cores: the layer ends no earlier than ``busy + copies / cores``. When it keeps
+    some, the compute thread's matmuls take one of the ``cores`` while it computes, so the copies
+    get ``cores - 1`` then and ``cores`` while it waits: the layer ends no earlier than ``busy +
+    max(copies - (cores - 1) busy, 0) / cores`` (with one core: the matmuls, then the copies).
+    Fewer copying threads than cores (``RuntimeConfig.copy_threads``) bound the copies' own
+    timing (the copy slots), not this.
     """
-    if cores == 0 or len(work.drives.copies) == 0:
+    if cores == 0:
         return 0.0
-    slots = cores
     miss, jobs = work.miss, work.jobs
     busy = resident
     for p in range(k):
@@ -332,8 +332,8 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
     for j in range(n_jobs):
         copies += jobs.tail[j]
     if held == 0:
-        return max(busy + copies / slots - end, 0.0)
-    return max(busy + max(copies - (slots - 1) * busy, 0.0) / slots - end, 0.0)
+        return max(busy + copies / cores - end, 0.0)
+    return max(busy + max(copies - (cores - 1) * busy, 0.0) / cores - end, 0.0)
 
 
 @njit(**HELPER)
