@@ -8,8 +8,8 @@ Usage::
 For each cell, over its stock runs (medians):
 
 - the decode loads' rate: the container's mean expert over one decode load's thread time (the
-  decode ``PROFILE`` line's ``service`` over the ``[PROF] expert I/O`` line's loads), what the
-  model copies at (``replay.colibri.engine_config.engine_copy_rate``);
+  decode ``PROFILE`` line's ``service`` over the ``[PROF] expert I/O`` line's loads and the router
+  pilot's), what the model copies at (``replay.colibri.engine_config.engine_copy_rate``);
 - the ``[PROF] DISK-CLASS`` warm class's rate (the whole run's recently read experts), what it
   copied at before;
 
@@ -65,8 +65,10 @@ def main() -> int:
         if device is not None and runs:
             src = Path(runs[0].source)
             trace, _ = import_traces([src / ROUTE_FILE])
+            pilot = next((c.get("pilot_precision") for c in record["cells"] if c["name"] == cell.name), None)
             config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
-                                                   colibri_run=True, runtime_env_from=str(src)), layout)
+                                                   colibri_run=True, runtime_env_from=str(src),
+                                                   pilot_precision=pilot or None), layout)
             inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config)
             d = inst.forward != inst.forward.min()
             drive = f"{int(inst.drive_reads[d].sum())} drive reads over {int(inst.misses[d].sum())} loads ({src.name})"

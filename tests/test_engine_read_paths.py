@@ -19,12 +19,12 @@ from replay.colibri.engine_config import (
     aligned_copy_fraction,
     at_engine_copy_rate,
     config_from_run,
-    describe,
     engine_copy_rate,
     engine_cap,
     model_config,
     parse_runtime_env,
 )
+from replay.colibri.describe import describe
 from replay.colibri.openmp_team import team_bound, team_held_cores, team_spin_iterations
 from replay.model.routing import RoutingTrace
 

@@ -153,6 +153,6 @@ def test_cli_policy_over_two_sources_scores_them_and_their_fusion(case, tmp_path
     assert len({p["candidates"] for p in rec["predictors"]}) == 1
     assert [t["hypothesis"] for t in rec["tables"]] == ["H2", "H5", "H5"]
     r = cli("replay", *common, "--prefetch", "coupled+oracle", "--policy", "probability")
-    assert r.returncode == 2 and "not none or oracle" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "not none, oracle or pilot" in r.stderr and "Traceback" not in r.stderr
     r = cli("replay", *common, "--prefetch", "coupled+persistence", "--policy", "probability", "--source-caps", "0.5")
     assert r.returncode == 2 and "one per source" in r.stderr

@@ -95,7 +95,9 @@ def test_every_declared_output_is_filled_and_handed_over_with_its_shape():
                 RuntimeConfig(prefetch="coupled", prefetch_experts=5, ram_bytes=4 * 2 * 45056),
                 RuntimeConfig(prefetch="coupled", admission="probability", prefetch_experts=2, dense_seconds=1e-4),
                 RuntimeConfig(prefetch="coupled", admission="probability", prefetch_experts=2, source_caps=[0.5]),
-                RuntimeConfig(prefetch="coupled", admission="observe")):
+                RuntimeConfig(prefetch="coupled", admission="observe"),
+                RuntimeConfig(prefetch="pilot", pilot_precision=0.5, prefetch_experts=3, ram_bytes=4 * 2 * 45056,
+                              dense_seconds=1e-6, layer_barrier=True, evict_guard=True)):
         inst, usage = simulate(tr, ~train, lay, one_drive(), cfg,
                                coupling=learned if cfg.admission != "top-k" else table)
         I = len(inst.forward)

@@ -467,7 +467,7 @@ def test_a_wrong_prefetch_in_flight_delays_the_demand_it_did_not_predict():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True), st.integers(1, 8), st.integers(0, 2**31))
 def test_coupled_prediction_is_the_k_best_scores(union, k, seed):
-    from replay.model.prefetch import COUPLED, PairTable, Scratch, Selections, predict_next
+    from replay.model.prefetch import COUPLED, PairTable, RouterPilot, Scratch, Selections, predict_next
 
     rng = np.random.default_rng(seed)
     targets = np.full((1, 12, 4), -1, dtype=np.int32)
@@ -480,7 +480,8 @@ def test_coupled_prediction_is_the_k_best_scores(union, k, seed):
     sel_start = np.array([0, len(union), len(union) + 1])
     score, out = np.zeros(12, dtype=np.int64), np.empty(12, dtype=np.int64)
     n = predict_next(COUPLED, 0, 0, Selections(sel_start=sel_start, sel_e=sel_e, sel_mult=np.ones(len(sel_e), dtype=np.int64)),
-                     PairTable(targets=targets, counts=counts), k, Scratch(score=score, touched=np.empty(12, dtype=np.int64)), out)
+                     PairTable(targets=targets, counts=counts), k, Scratch(score=score, touched=np.empty(12, dtype=np.int64)), out,
+                     RouterPilot(precision=0.0, forward=0, positions=1, heat=np.zeros((1, 1), np.int64)))
     want = np.zeros(12, dtype=np.int64)
     for e in union:
         for f, c in zip(targets[0, e], counts[0, e]):

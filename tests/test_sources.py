@@ -218,7 +218,7 @@ def test_caps_never_delay_a_demand_read(first, second, dense, slots, budget, cap
 def test_settings_of_several_sources_are_checked():
     assert RuntimeConfig(prefetch="coupled+persistence").sources == ("coupled", "persistence")
     assert RuntimeConfig().sources == () and RuntimeConfig(prefetch="heat").sources == ("heat",)
-    for bad, words in (("coupled+coupled", "distinct"), ("oracle+heat", "not none or oracle"),
+    for bad, words in (("coupled+coupled", "distinct"), ("oracle+heat", "not none, oracle or pilot"),
                        ("heat+session+coupled+persistence", "combine 2-3"), ("heat+", "unknown prefetch source"),
                        ("warm", "unknown prefetch source")):
         with pytest.raises(InputError, match=words):

@@ -122,6 +122,10 @@ def _colibri_run_options(r) -> None:
                         "config line, its LRU cap, OpenMP team, the rate its threads copied page-cache hits (its DISK-CLASS "
                         "line's warm reads, when all buffered) and, unless --compute-gbps, its matmul rate); "
                         "--runtime-env adds to it")
+    r.add_argument("--pilot-precision", type=opt.number(0.0, 1.0, lo_open=True), metavar="P",
+                   help="PILOT_REAL=1: the share of the router pilot's predictions the next layer routes, 0-1 (default: "
+                        "the 'next layer (PILOT, stale)' line of a --runtime-env-from run made with LOOKA=1); its "
+                        "predictions are in no routing trace, so the model draws them at this precision")
     r.add_argument("--page-cache-gb", type=opt.gigabytes,
                    help="memory the kernel keeps expert weights in under buffered reads (DIRECT=0), GB (default: "
                         "what a --runtime-env-from run left of its available memory, else 0: every buffered weight "
@@ -158,6 +162,7 @@ def runtime_config(args, layout=None):
         source_caps=tuple(getattr(args, "source_caps", None) or ()),
         colibri_run=hasattr(args, "runtime_env_from"), runtime_env=getattr(args, "runtime_env", None),
         runtime_env_from=getattr(args, "runtime_env_from", None), page_cache_gb=getattr(args, "page_cache_gb", None),
+        pilot_precision=getattr(args, "pilot_precision", None),
     )
     return config_of(request, layout)
 

@@ -76,6 +76,11 @@ def format_engine_validation(rec) -> str:
         lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of a "
                      "decode load's bytes over its thread time, else of the DISK-CLASS warm reads, GB/s; the "
                      "device's calibrated rates where no cell measured one): " + ", ".join(rates))
+    pilots = [f"{c.name} {c.pilot_loads[0]}/{c.pilot_loads[1]}" for c in rec.cells if c.pilot_precision > 0]
+    if pilots:
+        lines.append(f"the router pilot (PILOT_REAL=1), its predictions drawn at the precision the training runs printed "
+                     f"(LOOKA=1: {max(c.pilot_precision for c in rec.cells):.1%} of the next layers' routed experts); "
+                     f"its loads, engine (whole runs) / model (decode): " + ", ".join(pilots))
     lines.append("")
     head = f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     loads"
     lines.append(head)
@@ -84,7 +89,7 @@ def format_engine_validation(rec) -> str:
             m = a.measured_s
             lines.append(f"{c.name:26} {a.arm:9} {m.estimate * ms:9.3f} [{m.low * ms:8.3f}, {m.high * ms:8.3f}] "
                          f"{a.predicted_s * ms:8.3f} {a.ratio:6.2f}  {a.agreement:10} "
-                         f"{'equal' if a.loads_agree else 'DIFFER'}")
+                         f"{'equal' if a.loads_agree else 'differ (drawn pilot)' if c.pilot_precision else 'DIFFER'}")
     lines += ["", f"{'cell':26} {'layout':9} {'measured saving [95% CI]':>28} {'predicted':>10}  {'judged':17} "
                   "gate / measured A/B decision"]
     for c in rec.cells:

@@ -7,7 +7,7 @@ rows, :class:`replay.evaluation.evidence.HeldOut`) and returns text; nothing her
 
 from __future__ import annotations
 
-from replay.colibri.engine_config import describe as describe_read_path
+from replay.colibri.describe import describe as describe_read_path
 
 from relayout.render.units import human_bytes
 

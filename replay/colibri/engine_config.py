@@ -27,11 +27,12 @@ from replay.colibri.engine_output import RUN_FILE, RunIdentity, parse_engine_out
 from replay.colibri.openmp_team import OPENMP_VARIABLES, SPIN_COUNT_TEXT, URING_COPY_THREADS, team_held_cores
 from replay.model.config import RuntimeConfig
 
-FLAGS = ("PIPE", "URING", "DIRECT", "COLI_MMAP", "CAP_RAISE", "AUTOPIN", "PILOT", "PILOT_REAL", "COLI_PIPE_BLOCK")
+FLAGS = ("PIPE", "URING", "DIRECT", "COLI_MMAP", "CAP_RAISE", "AUTOPIN", "PILOT", "PILOT_REAL", "PILOT_TWO",
+         "PILOT_EVICT_GUARD", "COLI_PIPE_BLOCK")
 """Variables that are 0 or 1."""
 
 NO_READ_EFFECT = ("SNAP", "COLI_MODEL", "PROMPT", "COLI_PROMPT", "NGEN", "PROF", "TOKENS", "ROUTE_TRACE",
-                  "STATS", "SEED", "TEMP", "COLI_TEMP", "CTX", "REF", "SERVE")
+                  "STATS", "SEED", "TEMP", "COLI_TEMP", "CTX", "REF", "SERVE", "LOOKA")
 """Variables a run's environment may carry that do not change how experts are read: accepted and ignored."""
 
 PIPE_POOL_MAX = 16
@@ -54,7 +55,9 @@ class EngineConfig:
     ``CAP`` is the requested experts per layer (argv[1] or the CAP variable; 0 = not given: 64 for a
     bare invocation). ``RAM_GB`` 0 = auto (0.88 x MemAvailable of the machine the engine runs on).
     ``PIN`` a pin file or ``auto`` ("" none), ``PIN_GB`` its budget (-1 = ``all``). ``COUPLE`` a
-    coupling file ("" none). ``PILOT_K`` 0 = not given (6 under PILOT_REAL, else 8).
+    coupling file ("" none). ``PILOT_K`` 0 = not given (6 under PILOT_REAL, else 8);
+    ``PILOT_WORKERS`` the router pilot's loading threads, ``PILOT_EVICT_GUARD`` its eviction guard,
+    ``PILOT_TWO`` its two-step prediction.
     ``OMP_NUM_THREADS`` 0 = not given (the OpenMP team is as wide as the machine's cores).
     ``OMP_WAIT_POLICY`` ``ACTIVE``, ``PASSIVE`` or "" (not given), ``GOMP_SPINCOUNT`` a count
     (libgomp's ``k``/``M``/``G``/``T`` suffixes allowed) or ``infinite`` ("" not given), and
@@ -82,6 +85,9 @@ class EngineConfig:
     PILOT: int = 0
     PILOT_REAL: int = 0
     PILOT_K: int = 0
+    PILOT_WORKERS: int = 1
+    PILOT_EVICT_GUARD: int = 1
+    PILOT_TWO: int = 0
     OMP_NUM_THREADS: int = 0
     OMP_WAIT_POLICY: str = ""
     GOMP_SPINCOUNT: str = ""
@@ -121,9 +127,16 @@ class RunFacts:
     line), the rate one of its threads read experts it had read recently when every such read
     was buffered (bytes/s per thread, the ``[PROF] DISK-CLASS`` line's warm class, over the whole
     run: page-cache copies, as the engine copies them) and the thread time of one decode load (s:
-    the decode ``PROFILE`` line's ``service`` over the ``[PROF] expert I/O`` line's loads; the
-    engine times each load whole, ``expert_load``; not under URING=1, which does not time them);
-    None where the output does not say."""
+    the decode ``PROFILE`` line's ``service`` over the ``[PROF] expert I/O`` line's loads and the
+    router pilot's (its ``PILOT_REAL:`` line: ``service`` times its loads too, and it loads only
+    in decode); the engine times each load whole, ``expert_load``; not under URING=1, which does
+    not time them),
+    the share of the router pilot's predictions the next layer routed (``LOOKA=1``'s ``next layer
+    (PILOT, stale)`` line: hits over the next layers' routed experts, the pilot predicting as many
+    as the router selects) and the main thread's time per decode forward outside expert waits,
+    expert matmuls and the LM head (s: the decode ``PROFILE`` line's attention and other over its
+    forwards, when the run printed them: when the router pilot loads between two layers' expert
+    work); None where the output does not say."""
 
     cap: int | None = None
     pinned: int | None = None
@@ -133,6 +146,8 @@ class RunFacts:
     cores: int | None = None
     warm_read_bytes_per_second: float | None = None
     decode_load_seconds: float | None = None
+    pilot_precision: float | None = None
+    between_layers_seconds: float | None = None
 
 
 _INT = re.compile(r"[0-9]+\Z")
@@ -178,7 +193,7 @@ def _value(name: str, text: str, where: str):
         raise InputError(where, f"{name} must be a whole number (got {text!r})")
     n = int(text)
     ranges = {"PIPE_WORKERS": (1, 64), "CAP": (0, 1 << 20), "COUPLE_K": (1, 32), "COUPLE_D": (1, 2), "PILOT_K": (1, 64),
-              "OMP_NUM_THREADS": (1, 1024)}
+              "PILOT_WORKERS": (1, 16), "OMP_NUM_THREADS": (1, 1024)}
     lo, hi = ranges[name]
     if not lo <= n <= hi:
         raise InputError(where, f"{name} must be {lo}-{hi} (got {n})")
@@ -298,6 +313,10 @@ _DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold .*?\
 
 
 _TUNING_LINE = re.compile(r"\[OMP\] hot-thread tuning: re-exec")
+_PILOT_K_LINE = re.compile(r"PILOT_REAL: \d+ load cross-layer completati, .*\| PILOT_K=(\d+)")
+
+PILOT_VARIABLES = ("PILOT_K", "PILOT_WORKERS", "PILOT_EVICT_GUARD", "PILOT_TWO", "COUPLE", "COUPLE_K", "COUPLE_D")
+"""The prefetchers' variables a run's output does not print, read from a measured run's recorded environment."""
 
 RUN_FILES = ("stdout.txt", "stderr.txt")
 """A run directory's output files (as ``relayout measure --engine`` keeps them)."""
@@ -306,12 +325,14 @@ RUN_FILES = ("stdout.txt", "stderr.txt")
 def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     """The effective configuration a colibrì run printed (its stdout and stderr in one file, or a
     directory holding :data:`RUN_FILES`; run with ``PROF=1``): the ``[PROF] config`` line (RAM_GB, cap, pins, PIPE, DIRECT, MMAP, PILOT),
+    the ``PILOT_REAL:`` line (PILOT_REAL=1 and its PILOT_K),
     the ``[PROF] machine`` line (the machine's cores, the OpenMP team, the memory available), the
     ``[URING]`` line (URING=1 and its workers, the smaller of PIPE_WORKERS and 64), the
     ``P0-EXEC`` line (the matmul rate) and the ``[PROF] DISK-CLASS`` line (the warm reads' rate
     per thread, when they were all buffered). How the OpenMP team waits: ``COLI_NO_OMP_TUNE=1``
     when the output lacks the engine's ``[OMP] hot-thread tuning`` line, and, from a run directory
-    ``relayout measure --engine`` made, the :data:`OPENMP_VARIABLES` its recorded environment set.
+    ``relayout measure --engine`` made, the :data:`OPENMP_VARIABLES` and :data:`PILOT_VARIABLES`
+    its recorded environment set.
     Variables the output does not show keep the engine's defaults. The cap the run resolved, and
     the rest the output says, are in ``RunFacts``. Raises :class:`InputError` when the file has
     no ``[PROF] config`` line."""
@@ -331,10 +352,13 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
                        CAP_RAISE=0, RAM_GB=0.0 if auto else float(ram))
     if not _TUNING_LINE.search(text):
         cfg = replace(cfg, COLI_NO_OMP_TUNE=1)
+    pk = _PILOT_K_LINE.search(text)
+    if pk:
+        cfg = replace(cfg, PILOT_REAL=1, PILOT_K=int(pk.group(1)))
     if p.is_dir() and (p / RUN_FILE).is_file():
         where = str(p / RUN_FILE)
         env = RunIdentity.from_json(parse_json(read_bytes(p / RUN_FILE)), where).env
-        cfg = replace(cfg, **{k: _value(k, str(env[k]), where) for k in OPENMP_VARIABLES if k in env})
+        cfg = replace(cfg, **{k: _value(k, str(env[k]), where) for k in OPENMP_VARIABLES + PILOT_VARIABLES if k in env})
     u = _URING_LINE.search(text)
     if u:
         cfg = replace(cfg, URING=1, PIPE=1, PIPE_WORKERS=max(1, min(int(u.group(1)), 64)))
@@ -345,11 +369,17 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     warm = (float(dc.group(2)) * 1e9 if dc and int(dc.group(1)) > 0 and int(dc.group(3)) == 0
             and float(dc.group(2)) > 0 else None)
     out = parse_engine_output(text, str(p)) if "PROFILE: expert-disk" in text else None
-    load = (out.decode.service_s / out.expert_io.loads if out is not None and out.decode is not None
-            and out.expert_io is not None and out.expert_io.loads > 0 and out.decode.service_s > 0 and not cfg.URING
-            else None)
+    loads = (out.expert_io.loads + (out.pilot_loads or 0)) if out is not None and out.expert_io is not None else 0
+    load = (out.decode.service_s / loads if out is not None and out.decode is not None
+            and loads > 0 and out.decode.service_s > 0 and not cfg.URING else None)
+    look = out.pilot_lookahead if out is not None else None
+    precision = look[0] / look[1] if look and look[1] > 0 else None
+    forwards = out.forwards.forwards if out is not None and out.forwards is not None else None
+    between = ((out.decode.attention_s + out.decode.other_s) / forwards
+               if forwards and out.decode is not None else None)
     return cfg, RunFacts(int(cap), int(pinned), int(mt.group(2)) if mt else None, rate,
-                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None, warm, load)
+                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None, warm, load,
+                         precision, between)
 
 
 def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
@@ -461,16 +491,24 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
 def not_modelled(cfg: EngineConfig) -> list[str]:
     """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
     out = []
-    if cfg.PILOT or cfg.PILOT_REAL:
-        out.append("PILOT/PILOT_REAL (the router pilot's cross-layer loads) are not modelled")
+    if cfg.PILOT and not cfg.PILOT_REAL:
+        out.append("PILOT=1 without PILOT_REAL only issues page-cache hints (WILLNEED) for the next layer, which the "
+                   "model does not have")
+    if cfg.PILOT_REAL and cfg.PILOT_TWO:
+        out.append("PILOT_TWO (the two-step router pilot) is not modelled")
+    if cfg.PILOT_REAL and cfg.URING:
+        out.append("PILOT_REAL under URING=1 (the pilot's loads batched on io_uring) is not modelled")
+    if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1:
+        out.append("PILOT_WORKERS above 1 is not modelled (one pilot thread)")
     if cfg.COUPLE:
         out.append("COUPLE without PILOT_REAL only issues page-cache hints (WILLNEED) for the next layer, which "
-                   "the model does not have" if not cfg.PILOT_REAL else "COUPLE with PILOT_REAL is not modelled")
+                   "the model does not have" if not cfg.PILOT_REAL else
+                   "COUPLE with PILOT_REAL (its table's loads beside the router pilot's) is not modelled")
     return out
 
 
 def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_threads: int | None = None,
-                 pin_bytes: int = 0, cores: int | None = None) -> RuntimeConfig:
+                 pin_bytes: int = 0, cores: int | None = None, pilot_precision: float | None = None) -> RuntimeConfig:
     """The model's configuration for a colibrì run under ``cfg``: its read path named as the engine
     runs it, the rest (compute model, dense time, relayout-only policies) from ``base``.
 
@@ -483,12 +521,23 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). The
     page-cache copies run at most ``cores`` at once (``RuntimeConfig.cpu_cores``: the cores of the
     machine the run printed, else this machine's), less those the OpenMP team keeps from them
-    (:func:`replay.colibri.openmp_team.team_held_cores`). Raises :class:`InputError` for what the model does not run
-    (:func:`not_modelled`).
+    (:func:`replay.colibri.openmp_team.team_held_cores`). PILOT_REAL=1: the router pilot's loads
+    (the ``pilot`` prefetch source, at ``pilot_precision``, PILOT_K per position, default 6; its
+    eviction guard as PILOT_EVICT_GUARD says; each layer waiting for the loads in flight on it,
+    ``RuntimeConfig.layer_barrier``). Raises :class:`InputError` for what the model does not run
+    (:func:`not_modelled`) and for PILOT_REAL=1 without a precision.
     """
     missing = not_modelled(cfg)
     if missing:
         raise InputError("--runtime-env", "; ".join(missing))
+    if cfg.PILOT_REAL and not pilot_precision:
+        raise InputError("--runtime-env", "PILOT_REAL=1: the router pilot's predictions are not in a routing trace; the "
+                                          "model draws them at the pilot's measured precision: give --pilot-precision, "
+                                          "or --runtime-env-from a PROF=1 run with LOOKA=1 (its 'next layer (PILOT, "
+                                          "stale)' line)")
+    if cfg.PILOT_REAL:
+        base = replace(base, prefetch="pilot", prefetch_experts=cfg.PILOT_K or 6, pilot_precision=float(pilot_precision),
+                       evict_guard=bool(cfg.PILOT_EVICT_GUARD), layer_barrier=True, admission="top-k")
     team = omp_threads or cfg.OMP_NUM_THREADS or os.cpu_count() or 1
     if cfg.URING:
         workers, batched, blocking = base.workers, True, False
@@ -502,45 +551,3 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
                    lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=cpu_cores,
                    team_held_cores=team_held_cores(cfg, team, cpu_cores), copy_threads=URING_COPY_THREADS if cfg.URING else 0,
                    engine_env=cfg.to_env() or "(defaults)")
-
-
-def describe(config: RuntimeConfig) -> str:
-    """One line naming the read path a configuration models: colibrì's variables, or relayout's own
-    read path, and what of it needs a runtime change."""
-    if config.engine_env:
-        lru = (f"LRU cap {config.lru_experts}/layer" if config.lru_experts >= 0 else
-               f"LRU from --ram-gb {config.ram_bytes / 1e9:g} (give CAP or RAM_GB for the engine's own sizing)")
-        head = f"colibrì {config.engine_env} ({describe_mode(config)}); {lru}"
-    else:
-        mode = "batched queue (64 in flight)" if config.batched else f"{config.workers} loader workers"
-        head = f"relayout's read path: {mode}, {'O_DIRECT' if config.direct else 'buffered'} weights"
-    if not config.direct:
-        head += (f"; page cache for weights {config.page_cache_bytes / 1e9:g} GB" if config.page_cache_bytes else
-                 "; no page cache for weights (every buffered weight read reaches the drive; --page-cache-gb)")
-    head += f"; expert matmuls at {config.compute_bytes_per_second / 1e9:g} GB/s of weights"
-    if config.cpu_cores:
-        head += f"; page-cache copies at most {config.copy_slots} at once"
-        if config.team_held_cores:
-            head += (f" (the {config.cpu_cores} cores less the {config.team_held_cores} the OpenMP team keeps from them; "
-                     "beside the matmuls only on the cores those leave)")
-        elif config.copy_threads and config.copy_threads < config.copy_cores:
-            head += f" (URING's io-wq copies on {config.copy_threads} thread, beside the matmuls on {config.cpu_cores} cores)"
-        else:
-            head += " (the cores)"
-    if config.runtime_changes:
-        head += " | NEEDS A RUNTIME CHANGE: " + "; ".join(config.runtime_changes)
-    return head
-
-
-def describe_mode(config: RuntimeConfig) -> str:
-    """How the model runs a colibrì configuration, in words."""
-    if config.blocking:
-        mode = f"PIPE=0: blocking batch on a team of {config.workers}"
-    elif config.batched:
-        mode = "URING=1: one submission, up to 64 loads in flight, waits per expert"
-    else:
-        mode = f"PIPE=1: {config.workers} loader threads, waits per expert"
-    if config.mapped_views:
-        return (f"{mode}, COLI_MMAP=1: experts as mapped views (a page-cache hit re-touches mapped pages, "
-                f"at the rate the run's decode loads took), routing order")
-    return f"{mode}, {'O_DIRECT' if config.direct else 'buffered'} weights, routing order"

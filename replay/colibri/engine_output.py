@@ -29,6 +29,11 @@ Lines read (each the engine's own words; times in seconds as printed, at millise
 stdout and stderr captured into one file interleave mid-line (the generated text has no final
 newline), so every line but serve's ``PROF`` is found anywhere in a line.
 - ``TOKENS=1`` (stderr): ``[PROMPT_TOKENS] <n>: <ids>`` and ``[TOKENS] <n> generated: <ids>``.
+- ``PILOT_REAL=1``: ``PILOT_REAL: <n> load cross-layer completati, <n> scartati ...``: the router
+  pilot's loads completed, and its predictions dropped (the layer already reached, no slot, or
+  the eviction guard).
+- ``LOOKA=1``: ``next layer (PILOT, stale) <pct>%  (<hits>/<total>)`` under ``LOOKAHEAD routing``:
+  of the next layers' routed experts, how many the router pilot's prediction held.
 
 S, the foreground stall per committed token, is the decode window's ``wait`` over its committed
 tokens (serve mode: the turns' summed ``ewait`` over their summed completion tokens).
@@ -73,6 +78,8 @@ _IO = re.compile(
 _SERVE = re.compile(rf"^PROF {_NUM} (\d+) (\d+) {_NUM} {_NUM} {_NUM} {_NUM} {_NUM} (\d+)\s*$")
 _PROMPT_TOKENS = re.compile(r"\[PROMPT_TOKENS\] (\d+):((?: -?\d+)*)\s*$")
 _TOKENS = re.compile(r"\[TOKENS\] (\d+) generated:((?: -?\d+)*)\s*$")
+_PILOT_REAL = re.compile(r"PILOT_REAL: (\d+) load cross-layer completati, (\d+) scartati")
+_LOOKAHEAD_PILOT = re.compile(r"next layer \(PILOT, stale\)\s+-?\d+(?:\.\d+)?%\s+\((\d+)/(\d+)\)")
 
 
 def _fits(value, hint) -> bool:
@@ -199,7 +206,10 @@ class EngineOutput:
     ``config`` holds the ``[PROF] config`` line's ``NAME=value`` pairs as printed, ``cap`` the
     expert cache's experts per layer after the RAM budget's adjustment and ``requested_cap``
     what was asked when the budget raised or lowered it; ``ram_gb`` the budget in GB and
-    ``ram_auto`` whether the engine chose it from available memory.
+    ``ram_auto`` whether the engine chose it from available memory. ``pilot_loads`` and
+    ``pilot_drops``: the router pilot's completed loads and dropped predictions (``PILOT_REAL=1``);
+    ``pilot_lookahead``: ``[hits, total]``, the next layers' routed experts its prediction held
+    (``LOOKA=1``).
     """
 
     decode: Profile | None
@@ -218,6 +228,9 @@ class EngineOutput:
     serve_turns: list = field(default_factory=list)
     prompt_tokens: list | None = None
     output_tokens: list | None = None
+    pilot_loads: int | None = None
+    pilot_drops: int | None = None
+    pilot_lookahead: list | None = None
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -265,7 +278,8 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
     after_prefill_mark = False
     out: dict = {"prefill_tokens": None, "decode_tokens": None, "decode_s": None, "config": {}, "config_line": None,
                  "cap": None, "requested_cap": None, "ram_gb": None, "ram_auto": None, "forwards": None,
-                 "expert_io": None, "serve_turns": [], "prompt_tokens": None, "output_tokens": None}
+                 "expert_io": None, "serve_turns": [], "prompt_tokens": None, "output_tokens": None,
+                 "pilot_loads": None, "pilot_drops": None, "pilot_lookahead": None}
     for raw in text.splitlines():
         line = raw.strip("\r")
         if _PREFILL_MARK.search(line):
@@ -310,6 +324,14 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
             g = m.groups()
             out["expert_io"] = ExpertIO(float(g[0]), float(g[1]), int(g[2]), int(g[3]), int(g[4]), float(g[5]),
                                         float(g[6]), float(g[7]))
+            continue
+        m = _PILOT_REAL.search(line)
+        if m:
+            out["pilot_loads"], out["pilot_drops"] = int(m[1]), int(m[2])
+            continue
+        m = _LOOKAHEAD_PILOT.search(line)
+        if m:
+            out["pilot_lookahead"] = [int(m[1]), int(m[2])]
             continue
         m = _SERVE.match(line)
         if m:

@@ -16,8 +16,16 @@ PREFETCH_SOURCES = ("none", "oracle", "coupled")
 """Prefetch sources the runtime (and so the measuring harness, :mod:`replay.physical.measure`) has (see
 :mod:`replay.model.prefetch`)."""
 
-MODEL_SOURCES = PREFETCH_SOURCES + ("heat", "persistence", "session")
-"""Prefetch sources the replay model has: the runtime's, and the probability sources of
+ENGINE_SOURCES = PREFETCH_SOURCES + ("pilot",)
+"""Prefetch sources colibrì has: the harness's, and its router pilot (``PILOT_REAL``), whose
+predictions no routing trace records: the model draws them at the precision the engine measured
+(``RuntimeConfig.pilot_precision``, :func:`replay.model.prefetch.predict_next`); the harness does not run it."""
+
+FUSABLE_SOURCES = ("coupled", "heat", "persistence", "session")
+"""The probability sources several of which one run may fuse (:mod:`replay.model.predictors`)."""
+
+MODEL_SOURCES = ENGINE_SOURCES + ("heat", "persistence", "session")
+"""Prefetch sources the replay model has: colibrì's, and the probability sources of
 :mod:`replay.model.predictors` (replay only). The compiled model takes a source as its index here."""
 
 SOURCE_SEPARATOR = "+"
@@ -72,6 +80,9 @@ class RuntimeConfig:
     cpu_cores: int = 0                 # the machine's cores: at most this many page-cache copies run at once (replay.model.readers); 0 = not bounded
     team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
     mapped_views: bool = False         # colibrì COLI_MMAP=1: experts are views of the page cache; a page-cache hit re-touches mapped pages (at the copy rates the caller gives, the rate a run of it measured)
+    pilot_precision: float = 0.0       # prefetch "pilot": the share of the router pilot's predictions the next layer routes (colibrì's LOOKA line), 0-1
+    evict_guard: bool = False          # colibrì PILOT_EVICT_GUARD: a prefetch load may evict a warm expert only when its own heat is clearly higher (replay.model.runtime.guard_protects)
+    layer_barrier: bool = False        # colibrì PILOT_REAL: a layer waits, whole, for the prefetch load in flight on it; the wait is other time, not stall; every started load enters the LRU
     copy_threads: int = 0              # threads that copy page-cache hits, when fewer than the readers (URING=1's one io-wq worker): 0 = every reader copies its own
     lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
     engine_env: str = ""               # the colibrì run configuration this models, in its own variables (replay.colibri.engine_config); "" = relayout's own read path
@@ -108,6 +119,10 @@ class RuntimeConfig:
                 raise InputError(None, f"--source-caps: every share must be in [0, 1] (got {list(self.source_caps)})")
             if self.admission == "observe":
                 raise InputError(None, "per-source caps share the prefetch budgets; admission 'observe' loads nothing")
+        if self.prefetch == "pilot" and not (0.0 < self.pilot_precision <= 1.0 and self.admission == "top-k"):
+            raise InputError(None, "the pilot prefetch source takes the router pilot's measured precision (0 < p <= 1; "
+                                   "colibrì prints it with LOOKA=1) and the runtime's top-k rule "
+                                   f"(got precision {self.pilot_precision!r}, admission {self.admission!r})")
         if not 1 <= self.prefetch_experts <= 64:
             raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
         if self.admission not in ADMISSION_POLICIES:
@@ -163,7 +178,7 @@ RUNTIME_CHANGES = {
 REPLAY_ONLY_FIELDS = ("prefetch", "admission", "prefetch_bytes", "cancel_stale", "adaptive_budget", "backoff",
                       "source_caps")
 """The :class:`RuntimeConfig` fields the runtime has only at one setting (its prefetch sources
-:data:`PREFETCH_SOURCES`, ``top-k`` admission, no byte budget, stale cancellation, adaptive budget,
+:data:`ENGINE_SOURCES`, ``top-k`` admission, no byte budget, stale cancellation, adaptive budget,
 backoff or per-source caps); any other setting exists in the replay model only
 (:func:`replay_only_settings`). Every other field is a knob the runtime, and so the measuring
 harness, has too."""
@@ -179,7 +194,7 @@ def replay_only_settings(config: "RuntimeConfig") -> list[tuple[str, str]]:
     []
     """
     settings = {
-        "prefetch": (config.prefetch not in PREFETCH_SOURCES, f"prefetch source {config.prefetch!r}"),
+        "prefetch": (config.prefetch not in ENGINE_SOURCES, f"prefetch source {config.prefetch!r}"),
         "admission": (config.admission != "top-k", f"admission policy {config.admission!r}"),
         "prefetch_bytes": (config.prefetch_bytes > 0, "a speculative-byte budget"),
         "cancel_stale": (config.cancel_stale, "stale cancellation"),
@@ -209,16 +224,16 @@ def runtime_changes(config: "RuntimeConfig") -> list[str]:
 def prefetch_sources(prefetch: str) -> tuple[str, ...]:
     """The source names of a ``prefetch`` setting: one of :data:`MODEL_SOURCES`, or 2 to
     :data:`MAX_SOURCES` distinct probability sources joined by :data:`SOURCE_SEPARATOR` (not
-    ``none`` or ``oracle``: the oracle is a bound, not a source to fuse)."""
+    ``none``, ``oracle`` or ``pilot``: :data:`FUSABLE_SOURCES`)."""
     if prefetch in MODEL_SOURCES:
         return (prefetch,)
     names = tuple(prefetch.split(SOURCE_SEPARATOR))
     if len(names) < 2 or any(n not in MODEL_SOURCES for n in names):
         raise InputError(None, f"unknown prefetch source {prefetch!r} (choose {', '.join(MODEL_SOURCES)}, or several of "
-                               f"{', '.join(MODEL_SOURCES[2:])} joined by {SOURCE_SEPARATOR!r})")
-    if {"none", "oracle"} & set(names) or len(set(names)) != len(names) or len(names) > MAX_SOURCES:
+                               f"{', '.join(FUSABLE_SOURCES)} joined by {SOURCE_SEPARATOR!r})")
+    if set(names) - set(FUSABLE_SOURCES) or len(set(names)) != len(names) or len(names) > MAX_SOURCES:
         raise InputError(None, f"prefetch sources {prefetch!r}: combine 2-{MAX_SOURCES} distinct sources of "
-                               f"{', '.join(MODEL_SOURCES[2:])} (not none or oracle)")
+                               f"{', '.join(FUSABLE_SOURCES)} (not none, oracle or pilot)")
     return names
 
 

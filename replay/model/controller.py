@@ -106,7 +106,7 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
         holder = prediction_source(None, layout, "fused")
         fusion = new_fusion(config, E, learned.coef, charged=True)
         return Prefetcher(source=holder, control=new_control(L, E), sources=sources, fusion=fusion, charge=fusion)
-    if kind in ("none", "oracle"):                # they learn nothing: whatever was learned is not theirs
+    if kind in ("none", "oracle", "pilot"):       # they learn nothing: whatever was learned is not theirs
         model = None
     elif isinstance(learned, SourceModel):
         if learned.name != kind:

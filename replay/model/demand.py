@@ -98,7 +98,7 @@ def select_misses(i, li, x, work, pf_n, out):
         e = pending.experts[p]
         if not is_selected(e, sel_e, a, b):
             pf.unused[i] += pf_bytes[e]
-            if pf_ready[e] > 0:
+            if pf_ready[e] > 0 and not pol.layer_barrier:    # in flight: it enters once loaded (with the barrier, it did)
                 lru_add(lru, li, e)
     res.hits[i] = hits
     res.union_experts[i] = b - a

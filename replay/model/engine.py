@@ -24,7 +24,7 @@ from replay.model.instance import simulate_instances
 from replay.model.jit import compile_notice
 from replay.model.pagecache import new_page_cache
 from replay.model.predictors import RELIABILITY_BINS
-from replay.model.runtime import new_lru
+from replay.model.runtime import new_heat, new_lru
 from replay.model.state import PREFETCH_SLOTS, Device, LayoutArrays, RamTiers, ReadPolicy, new_work
 from replay.model.storage import StorageProfile
 from replay.model.weightcache import new_weight_cache
@@ -73,8 +73,8 @@ class PrefetchResult:
     prefetch, or a demand load that finished early), as the STALL_TRACE analysis counts them.
     ``timely_n``, ``slack``: the timely prefetches and the sum of their lead slack (s).
     ``unused``: bytes prefetched for this layer that it did not select.
-    ``rejected``, ``capped``, ``cancelled``, ``demand_done`` and the late-need reliability sums (``late_*``,
-    [R], totals over the replay): see the fields and :mod:`replay.model.admission`.
+    ``rejected``, ``capped``, ``cancelled``, ``demand_done``, ``barrier`` and the late-need reliability
+    sums (``late_*``, [R], totals over the replay): see the fields and :mod:`replay.model.admission`.
     """
 
     loads: np.ndarray = output("I", np.int64)
@@ -88,6 +88,7 @@ class PrefetchResult:
     capped: np.ndarray = output("I", np.int64)     # candidates a per-source cap skipped (replay.model.admission)
     cancelled: np.ndarray = output("I", np.int64)  # admitted loads dropped (not started by the routing) or cut (cancel_stale)
     demand_done: np.ndarray = output("I")      # s after routing, when the instance's last demand load completed
+    barrier: np.ndarray = output("I")          # s the layer waited, whole, for the prefetch loads in flight on it (layer_barrier: other time, not stall)
     late_n: np.ndarray = output("R")           # policy observe: candidates per late-need probability bin
     late_p: np.ndarray = output("R")           # their summed q
     late_y: np.ndarray = output("R")           # of them, needed and not otherwise ready in time
@@ -216,7 +217,8 @@ class Replay:
             lru=new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0], config.lru_experts), E),
             pages=new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
                                  device.drive.max_request_bytes),
-            weights=new_weight_cache(0 if config.direct else config.page_cache_bytes, self.lay.wbytes))
+            weights=new_weight_cache(0 if config.direct else config.page_cache_bytes, self.lay.wbytes),
+            heat=new_heat(L, E))
         self.table = prefetcher_inputs(config, layout, coupling)
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device, layout)
@@ -331,7 +333,8 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       cancel_stale=bool(config.cancel_stale), adaptive_budget=bool(config.adaptive_budget),
                       backoff=bool(config.backoff), blocking=bool(config.blocking), routing_order=bool(config.routing_order),
                       team_held_cores=int(config.team_held_cores),
-                      copy_cores=int(config.copy_cores))
+                      copy_cores=int(config.copy_cores), pilot_precision=float(config.pilot_precision),
+                      evict_guard=bool(config.evict_guard), layer_barrier=bool(config.layer_barrier))
 
 
 def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device:

@@ -32,7 +32,7 @@ from replay.model.prefetching import (
     runtime_rule,
 )
 from replay.model.readers import reader_pool, shared_pool
-from replay.model.runtime import lru_start
+from replay.model.runtime import heat_route, lru_start
 from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, PILOT_POS, Inputs, Pool
 from replay.model.weightcache import wc_start
 
@@ -87,6 +87,7 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         elif pol.prefetch != 0:
             observe_union(table.source, li, inst_fwd[i], inst_session[i], inst.sel_e, inst.sel_start[i],
                           inst.sel_start[i + 1])
+        heat_route(ram.heat, li, inst_session[i], inst.sel_e, inst.sel_mult, inst.sel_start[i], inst.sel_start[i + 1])
         k, resident = select_misses(i, li, x, work, pf_n, out)
         if pol.backoff and pf_n > 0:
             prefetch_outcome(i, li, pf_n, x, work)
@@ -94,6 +95,10 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         for p in range(pf_n):
             pilot_free = max(pilot_free, pf_ready[pf_list[p]])
             pf_ready[pf_list[p]] = np.inf
+        if pol.layer_barrier and pilot_free > 0.0:   # the whole layer waits for it: other time, not stall
+            out.prefetch.barrier[i] = pilot_free
+            _advance(drives, dev, pilot_free)
+            pilot_free = 0.0
         has_next = i + 1 < I and inst_fwd[i + 1] == inst_fwd[i] and inst_li[i + 1] == li + 1
         n_jobs, end = 0, resident
         jobs.first_read[0] = 0
@@ -138,16 +143,23 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             lru_start(lru, li + 1, inst_session[i])
             pf_n = controlled_prefetch(i, li + 1, start, next_at, x, work, out)
             pf_for = i + 1
-        for m in range(dev.members):           # the drives' state, in the next instance's clock
-            mfree[m], sfree[m] = max(mfree[m] - next_at, 0.0), max(sfree[m] - next_at, 0.0)
-            for q in range(dev.queue_slots):
-                slots[m, q] = max(slots[m, q] - next_at, 0.0)
-        host[0], host[1] = max(host[0] - next_at, 0.0), max(host[1] - next_at, 0.0)
-        drives.busy[0] = max(drives.busy[0] - next_at, 0.0)
-        for c in range(len(drives.copies)):
-            drives.copies[c] = max(drives.copies[c] - next_at, 0.0)
+        _advance(drives, dev, next_at)          # the drives' state, in the next instance's clock
     for m in range(dev.members):
         usage.transfer_seconds[m] = drives.member_bytes[m] / dev.m_bandwidth[m]
+
+
+@njit(**HELPER)
+def _advance(drives, dev, dt):
+    """Move the drives' and the cores' state ``dt`` seconds on: their times, in a clock that
+    starts ``dt`` later (a time already past becomes 0)."""
+    for m in range(dev.members):
+        drives.free[m], drives.small_free[m] = max(drives.free[m] - dt, 0.0), max(drives.small_free[m] - dt, 0.0)
+        for q in range(dev.queue_slots):
+            drives.slots[m, q] = max(drives.slots[m, q] - dt, 0.0)
+    drives.host[0], drives.host[1] = max(drives.host[0] - dt, 0.0), max(drives.host[1] - dt, 0.0)
+    drives.busy[0] = max(drives.busy[0] - dt, 0.0)
+    for c in range(len(drives.copies)):
+        drives.copies[c] = max(drives.copies[c] - dt, 0.0)
 
 
 @njit(**STAGE)

@@ -26,12 +26,17 @@ from replay.model.predictors import (
     most_probable,
     next_layer_probabilities,
 )
-from replay.model.prefetch import COUPLED, ORACLE, PairTable, Scratch, Selections, predict_next
+from replay.model.prefetch import COUPLED, ORACLE, PILOT, PairTable, RouterPilot, Scratch, Selections, predict_next
 from replay.model.readers import copy_done, pilot_read, serve_read
 from replay.model.readplan import WEIGHT, Coalescing, layer_place, plan_layer
-from replay.model.runtime import lru_add
+from replay.model.runtime import guard_protects, lru_add
 from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, PILOT_POS, Load
 from replay.model.weightcache import wc_add, wc_hit
+
+
+PILOT_MAX_POSITIONS = 8
+"""colibrì prefetches for the next layer only in forwards of at most this many positions (``S<=8``
+in ``moe()``: decode and short drafts, never a long prefill)."""
 
 
 @njit(**HELPER)
@@ -46,15 +51,17 @@ def runtime_rule(pol, table):
 
 
 @njit(**STAGE)
-def _top_k(i, li, inst, table, pol, pending):
+def _top_k(i, li, inst, table, pol, pending, heat):
     """The top-K rule's list for layer ``li`` (the next one) while instance ``i`` runs, into
-    ``pending.experts``: :func:`replay.model.prefetch.predict_next` for the oracle and coupled sources
-    (the runtime's own lists), the K most probable for the others. Returns its length."""
+    ``pending.experts``: :func:`replay.model.prefetch.predict_next` for the oracle, coupled and
+    pilot sources (the runtime's own lists; ``heat``: the session's selections, [L, E]), the K
+    most probable for the others. Returns its length."""
     src = table.source
-    if pol.prefetch == ORACLE or pol.prefetch == COUPLED:
+    if pol.prefetch == ORACLE or pol.prefetch == COUPLED or pol.prefetch == PILOT:
         return predict_next(pol.prefetch, i, li - 1, Selections(inst.sel_start, inst.sel_e, inst.sel_mult),
                             PairTable(src.targets, src.counts), pol.prefetch_experts,
-                            Scratch(pending.score, pending.touched), pending.experts)
+                            Scratch(pending.score, pending.touched), pending.experts,
+                            RouterPilot(pol.pilot_precision, inst.forward[i], inst.positions[i], heat))
     if src.kind == FUSED:                        # several sources: their fused probability, each expert credited
         fused_probabilities(table.sources, src, table.fusion.coef, table.fusion.credit, i, li, inst)
     else:
@@ -70,17 +77,35 @@ def queue_at_routing(i, li, x, work, n_jobs, out):
     scales, :func:`replay.model.readplan.plan_layer`, the scales through the page cache) after the
     demand jobs ``[0, n_jobs)``. The list stays in ``pending.experts``; ``pilot`` gets the jobs
     and, per load, where the page cache's undo log stood before it. ``x``:
-    :class:`replay.model.state.Inputs`; ``work``: :class:`replay.model.state.Work`."""
+    :class:`replay.model.state.Inputs`; ``work``: :class:`replay.model.state.Work`.
+
+    Under ``pol.layer_barrier`` (colibrì's ``PILOT_REAL``) nothing is queued for a forward of
+    more than :data:`PILOT_MAX_POSITIONS` positions. Under ``pol.evict_guard`` a load that would
+    evict a warm expert the guard protects is dropped before it starts
+    (:func:`replay.model.runtime.guard_protects`; counted in ``rejected``): the loads take the
+    layer's free slots first, then evict its least recently used experts in turn."""
     ram, pending, jobs, reads, pilot = x.ram, work.pending, work.jobs, work.reads, work.pilot
     pf_list = pending.experts
-    n = _top_k(i, li, x.inst, x.table, x.pol, pending)
-    lru = ram.lru
+    pol, lru = x.pol, ram.lru
     n_reads = jobs.first_read[n_jobs]
     job = n_jobs
+    n = 0
+    if not pol.layer_barrier or x.inst.positions[i] <= PILOT_MAX_POSITIONS:
+        n = _top_k(i, li, x.inst, x.table, pol, pending, ram.heat.count)
+    free = lru.capacity[li] - lru.size[li]
+    victim = lru.oldest[li]
     for p in range(n):
         e = pf_list[p]
         if ram.pinned[li, e] or lru.cached[li, e]:
             continue
+        if pol.evict_guard and lru.capacity[li] > 0:
+            if free > 0:
+                free -= 1
+            elif victim < 0 or guard_protects(ram.heat, li, victim, e):    # no slot left to take, or a protected one
+                out.prefetch.rejected[i] += 1
+                continue
+            else:
+                victim = lru.newer[li, victim]
         q = job - n_jobs
         pf_list[q] = e
         pilot.mark[q] = checkpoint(ram.pages)
@@ -170,7 +195,8 @@ def _record_load(i, li, load, deadline, x, work, out, loaded):
     """A prefetch load (:class:`replay.model.state.Load`) of expert ``e`` of layer ``li`` for
     instance ``i``, ``n_plan`` preads of ``nbytes``, completed at ``done`` (s): count it, keep its ready time in the next instance's
     clock (that layer is routed at ``deadline``, s), list it ``loaded``-th in ``pending.experts``
-    and, when it completed before ``deadline``, put it in the LRU. Its weights enter the page
+    and, when it completed before ``deadline`` or the layer waits for it (``pol.layer_barrier``),
+    put it in the LRU. Its weights enter the page
     cache (buffered reads). Returns the loads listed."""
     e, n_plan, nbytes, done = load.expert, load.n_plan, load.nbytes, load.done
     lay, lru, weights, pending = x.lay, x.ram.lru, x.ram.weights, work.pending
@@ -183,7 +209,7 @@ def _record_load(i, li, load, deadline, x, work, out, loaded):
     pf.issued[i] += pending.nbytes[e]
     pending.experts[loaded] = e
     wc_add(weights, li, e)
-    if done <= deadline:
+    if done <= deadline or x.pol.layer_barrier:
         lru_add(lru, li, e)
     return loaded + 1
 
@@ -216,7 +242,7 @@ def controlled_prefetch(i, li, start, deadline, x, work, out):
     if backed_off(li, pol, ctl):
         return 0
     if pol.admission == TOP_K:
-        n = _top_k(i, li, inst, table, pol, pending)
+        n = _top_k(i, li, inst, table, pol, pending, ram.heat.count)
         if pol.prefetch_bytes > 0 or pol.adaptive_budget or fusion.caps:
             n = admit_listed(i, li, start, deadline, n, x, work, pf)
     else:

@@ -8,7 +8,8 @@ The LRU is a doubly linked list per layer in flat arrays (O(1) touch, add and ev
 timing model (:mod:`replay.model.instance`) runs it inside its loop over instances, in time order, so
 prefetched experts enter it too; :func:`lru_hits` is the same demand-only pass on its own (a
 reference the tests compare with an ``OrderedDict``). Each session starts with a cold LRU;
-pinned experts are loaded before the run starts. Knobs and budgets: :mod:`replay.model.config`.
+pinned experts are loaded before the run starts. :class:`Heat` keeps what colibrì's prefetch
+eviction guard weighs (:func:`guard_protects`). Knobs and budgets: :mod:`replay.model.config`.
 """
 
 from __future__ import annotations
@@ -147,3 +148,55 @@ def _append(lru, li, e):
     else:
         lru.oldest[li] = e
     lru.newest[li] = e
+
+
+Heat = namedtuple("Heat", "count last clock session")
+"""How often and how recently the session routed each expert, as colibrì keeps it (``eheat``,
+``elast``, ``eaccess_clock``): ``count`` [L, E] (positions that selected it), ``last`` [L, E] (the
+clock at its last selection), ``clock`` [1] (selections so far, every layer; one process, one
+session), ``session`` [1] (the session they belong to)."""
+
+GUARD_MIN_HEAT = 2
+"""A victim the guard may protect has been selected at least this often (colibrì's ``vh>=2``)."""
+
+
+def new_heat(n_layers: int, n_experts: int) -> Heat:
+    return Heat(np.zeros((n_layers, n_experts), np.int64), np.zeros((n_layers, n_experts), np.int64),
+                np.zeros(1, np.int64), np.full(1, -1, np.int64))
+
+
+@njit(**HELPER)
+def heat_route(heat, li, session, sel_e, sel_mult, a, b):
+    """Layer ``li`` routed the experts ``sel_e[a:b]``, each by ``sel_mult`` positions, in
+    ``session`` (a new session starts from nothing, as a new process does): count them and stamp
+    each with the clock after the layer's selections."""
+    if session != heat.session[0]:
+        heat.session[0] = session
+        heat.count[:, :] = 0
+        heat.last[:, :] = 0
+        heat.clock[0] = 0
+    for j in range(a, b):
+        heat.clock[0] += sel_mult[j]
+    for j in range(a, b):
+        heat.count[li, sel_e[j]] += sel_mult[j]
+        heat.last[li, sel_e[j]] = heat.clock[0]
+
+
+@njit(**HELPER)
+def _lfru_score(heat, li, e):
+    """colibrì's ``tier_lfru_score``: the selections, 256 points each, plus up to 255 points for
+    a selection among the last 255 of the clock."""
+    age = heat.clock[0] - heat.last[li, e]
+    return (heat.count[li, e] << 8) + (255 - age if age < 255 else 0)
+
+
+@njit(**HELPER)
+def guard_protects(heat, li, victim, e):
+    """colibrì's prefetch eviction guard (``PILOT_EVICT_GUARD``, on by default): a speculative
+    load of expert ``e`` of layer ``li`` does not evict ``victim`` when the victim is warm (selected
+    at least :data:`GUARD_MIN_HEAT` times) and its score (:func:`_lfru_score`) plus a quarter plus
+    four selections' worth is above ``e``'s; the load is then dropped."""
+    if heat.count[li, victim] < GUARD_MIN_HEAT:
+        return False
+    vs = _lfru_score(heat, li, victim)
+    return vs + (vs >> 2) + (4 << 8) > _lfru_score(heat, li, e)

@@ -44,7 +44,7 @@ address in the array's logical address space."""
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
                                       "min_probability cancel_stale adaptive_budget backoff blocking routing_order "
-                                      "team_held_cores copy_cores")
+                                      "team_held_cores copy_cores pilot_precision evict_guard layer_barrier")
 """How the runtime reads (:func:`replay.model.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
@@ -59,7 +59,11 @@ computed between them in that order, as colibrì's ``moe()`` does; else physical
 resident work first); ``team_held_cores`` (cores the OpenMP team keeps from page-cache copies:
 when not 0, copies run only on the cores it leaves, and beside the matmuls only on those the
 matmuls leave, :func:`replay.model.demand.compute_thread`); ``copy_cores`` (the cores copies may
-use, the machine's less those; 0: copies not bounded)."""
+use, the machine's less those; 0: copies not bounded); ``pilot_precision`` (the pilot source's
+share of correct predictions, 0-1: :func:`replay.model.prefetch.predict_next`); ``evict_guard`` (a
+prefetch load may evict a warm expert only when clearly hotter: :func:`replay.model.runtime.guard_protects`);
+``layer_barrier`` (a layer waits, whole, for the prefetch load in flight on it, as other time,
+and every started load enters the LRU: colibrì's ``PILOT_REAL``)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "
@@ -79,11 +83,12 @@ empty otherwise); ``memory_bandwidth`` and ``unaligned_memory_bandwidth`` (bytes
 copies a page-cache hit into its read buffer at, when the hit starts on a cache line and when not:
 :func:`replay.model.device.copy_seconds`)."""
 
-RamTiers = namedtuple("RamTiers", "pinned lru pages weights")
+RamTiers = namedtuple("RamTiers", "pinned lru pages weights heat")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
 ``lru`` (the per-layer LRUs, :class:`replay.model.runtime.Lru`), ``pages`` (the page cache under the
 buffered scale reads, with the kernel's readahead: :class:`replay.model.pagecache.PageCache`),
-``weights`` (the page cache under buffered weight reads: :class:`replay.model.weightcache.WeightCache`)."""
+``weights`` (the page cache under buffered weight reads: :class:`replay.model.weightcache.WeightCache`),
+``heat`` (how often and how recently the session routed each expert: :class:`replay.model.runtime.Heat`)."""
 
 Inputs = namedtuple("Inputs", "inst ram table lay pol dev")
 """What one call of the compiled loop reads, bundled for its stages: the instances

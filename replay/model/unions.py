@@ -23,10 +23,11 @@ from containers.layout import Layout
 from replay.model.jit import LOOP
 from replay.model.routing import RoutingTrace, RowBlock, whole_forward_runs
 
-Instances = namedtuple("Instances", "forward layer session sel_start sel_e sel_mult sel_order")
+Instances = namedtuple("Instances", "forward layer session positions sel_start sel_e sel_mult sel_order")
 """The instances of the selected forwards, in time order (forward, then layer), as the compiled
 model takes them. Per instance [I]: ``forward`` (int32, index into the trace's forwards),
-``layer`` (int32, layout layer index), ``session`` (int32). ``sel_start`` [I+1] (int64):
+``layer`` (int32, layout layer index), ``session`` (int32), ``positions`` (int32, the forward's
+positions: the instance's rows). ``sel_start`` [I+1] (int64):
 instance ``i``'s batch union is ``sel_e[sel_start[i]:sel_start[i+1]]`` (int16 expert ids, the
 trace format's range, ascending within an instance), each selected by ``sel_mult`` (int32)
 positions (at most the rows of one instance, fewer than the format's 2**31 rows). ``sel_order``
@@ -61,11 +62,12 @@ def rows_instances(row_forward: np.ndarray, row_layer: np.ndarray, experts: np.n
     if len(row_inst) > 1 and (np.diff(row_inst) < 0).any():
         by_inst = np.argsort(row_inst, kind="stable")
         rows, row_inst = rows[by_inst], row_inst[by_inst]
-    sel_start, sel_e, sel_mult = instance_unions(np.searchsorted(row_inst, np.arange(I + 1)), rows, experts, layout.n_experts)
-    sel_order = routing_order(np.searchsorted(row_inst, np.arange(I + 1)), rows, experts, sel_start, sel_e, layout.n_experts)
+    row_start = np.searchsorted(row_inst, np.arange(I + 1))
+    sel_start, sel_e, sel_mult = instance_unions(row_start, rows, experts, layout.n_experts)
+    sel_order = routing_order(row_start, rows, experts, sel_start, sel_e, layout.n_experts)
     fwd = inst_key // L
     return Instances(fwd.astype(np.int32), (inst_key % L).astype(np.int32), fwd_session[fwd].astype(np.int32),
-                     sel_start, sel_e, sel_mult, sel_order)
+                     np.diff(row_start).astype(np.int32), sel_start, sel_e, sel_mult, sel_order)
 
 
 def whole_forward_blocks(trace: RoutingTrace, chunk_forwards: int) -> Iterator[RowBlock]:

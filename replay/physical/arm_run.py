@@ -62,7 +62,10 @@ def assumed_committed_mask(trace: RoutingTrace) -> np.ndarray:
 
 def check_harness_config(config: RuntimeConfig, coupling) -> None:
     """Refuse a configuration the harness cannot perform: a replay-only setting
-    (:func:`replay.model.config.replay_only_settings`), or the coupled source without its table."""
+    (:func:`replay.model.config.replay_only_settings`), the pilot source, or the coupled source without its table."""
+    if config.prefetch == "pilot":
+        raise InputError(None, "the pilot prefetch source is colibrì's router pilot, whose predictions no routing trace "
+                               "records: the replay model draws them at a measured precision, the harness does not run it")
     if config.prefetch == "coupled" and coupling is None:
         raise InputError(None, "the coupled prefetch source needs a coupling table learned from training sessions")
     replay_only = replay_only_settings(config)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from replay.model.config import PREFETCH_SOURCES, RuntimeConfig
-from replay.model.prefetch import PairTable, Scratch, Selections, predict_next
+from replay.model.prefetch import PairTable, RouterPilot, Scratch, Selections, predict_next
 from replay.physical.reader import IO_ZERO
 from replay.physical.stall_writer import StallTraceWriter, StepId
 
@@ -52,6 +52,7 @@ class Prefetcher:
         self.score = np.zeros(n_experts, np.int64)
         self.touched = np.empty(n_experts, np.int64)
         self.out = np.empty(64, np.int64)
+        self.no_pilot = RouterPilot(precision=0.0, forward=0, positions=1, heat=np.zeros((1, 1), np.int64))
 
     def start(self, li, union, mult, next_union, next_mult, next_lru, reads_of) -> None:
         """Layer ``li`` is routed (``union``, ``mult``: its experts and their selections; the next
@@ -78,7 +79,7 @@ class Prefetcher:
         sel_start = np.array([0, len(union), len(sel_e)], dtype=np.int64)
         return predict_next(self.source, 0, li, Selections(sel_start=sel_start, sel_e=sel_e, sel_mult=sel_mult),
                             PairTable(targets=self.targets, counts=self.counts), self.k,
-                            Scratch(score=self.score, touched=self.touched), self.out)
+                            Scratch(score=self.score, touched=self.touched), self.out, self.no_pilot)
 
     def _load(self, reads, started, batch):
         with self.lock:

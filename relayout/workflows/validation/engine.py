@@ -104,7 +104,7 @@ def check_options(o: EngineValidateOptions) -> tuple[list[str], list[str]]:
         unreadable or overlapping prompt files, a layout not known or stock not first, a read path
         the model does not run, a cap below 1, fewer than 2 repetitions.
     """
-    from replay.colibri.engine_config import env_words, model_config, parse_runtime_env
+    from replay.colibri.engine_config import env_words, model_config, not_modelled, parse_runtime_env
     from replay.model.config import RuntimeConfig
 
     from ..engine_runs import container_files
@@ -125,7 +125,10 @@ def check_options(o: EngineValidateOptions) -> tuple[list[str], list[str]]:
     env_words(o.engine_env, "--engine-env", strict=False)       # passed to the engine as given (OMP_WAIT_POLICY, ...)
     for rp in o.read_paths:
         cfg = parse_runtime_env(cell_env(rp, o.caps[0]), "--read-paths")
-        model_config(cfg, RuntimeConfig(), o.caps[0])          # refuses what the model does not run, naming it
+        missing = not_modelled(cfg)                            # refuses what the model does not run, naming it
+        if missing:
+            raise InputError("--read-paths", "; ".join(missing))
+        model_config(cfg, RuntimeConfig(), o.caps[0], pilot_precision=1.0 if cfg.PILOT_REAL else None)
     prompts, train = read_prompts(o.prompts), read_prompts(o.train_prompts)
     shared = set(prompts) & set(train)
     if shared:
@@ -175,6 +178,27 @@ def _source_manifest(work: WorkDir, src: Path, notify) -> Path:
     return path
 
 
+def uses_pilot(o: EngineValidateOptions) -> bool:
+    """Whether a cell runs colibrì's router pilot (PILOT_REAL=1)."""
+    from replay.colibri.engine_config import parse_runtime_env
+
+    return any(parse_runtime_env(cell_env(rp, 1), "--read-paths").PILOT_REAL for rp in o.read_paths)
+
+
+def training_pilot_precision(train_dir: Path) -> float:
+    """The share of the router pilot's predictions the next layer routed over the training runs
+    (their ``LOOKA=1`` lines pooled: hits over the next layers' routed experts). Raises
+    :class:`InputError` when no training run printed one (runs recorded without LOOKA=1)."""
+    from replay.colibri.engine_output import read_runs
+
+    looks = [r.output.pilot_lookahead for r in read_runs(train_dir) if r.output.pilot_lookahead]
+    total = sum(t for _, t in looks)
+    if not total:
+        raise InputError(train_dir, "no training run printed the router pilot's precision (LOOKA=1): record the "
+                                    "training routing again in a new directory")
+    return sum(h for h, _ in looks) / total
+
+
 def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list[str], notify) -> tuple[dict, list[str]]:
     """Record the training routing, plan every layout from it and rewrite the plans.
 
@@ -193,8 +217,10 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
 
     train_dir = _reused(work, "train")
     notify(f"recording the routing of {len(train_prompts)} training prompt(s) on {o.container} ({train_dir})")
-    runs = measure_engine(o.engine, [EngineArm("train", o.container)], train_prompts, 1,
-                          env_words(cell_env(o.read_paths[0], o.caps[0], o.engine_env), strict=False), o.ngen, train_dir,
+    env = env_words(cell_env(o.read_paths[0], o.caps[0], o.engine_env), strict=False)
+    if uses_pilot(o):
+        env["LOOKA"] = "1"                    # the router pilot's precision, for the cells that run it
+    runs = measure_engine(o.engine, [EngineArm("train", o.container)], train_prompts, 1, env, o.ngen, train_dir,
                           timeout_s=o.timeout_s, progress=notify)
     traces = [r / ROUTE_FILE for r in runs if (r / ROUTE_FILE).is_file() and (r / ROUTE_FILE).stat().st_size]
     if len(traces) < 2:
@@ -224,13 +250,15 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
     return dirs, list(load_plan(work.path / f"plan-{PLACEMENT_COPY}.json").training.sessions)
 
 
-def predict_run(run_dir: Path, layout, device) -> tuple[float, int, int]:
+def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = None) -> tuple[float, int, int, int]:
     """The model's wait over a colibrì run's decode forwards (every forward but the first, the
-    prefill), replaying the run's own routing with the configuration it printed.
+    prefill), replaying the run's own routing with the configuration it printed (under
+    PILOT_REAL=1, the router pilot at ``pilot_precision``).
 
     Returns
     -------
-    ``(predicted wait in seconds, expert loads over the decode forwards, decode forwards)``.
+    ``(predicted wait in seconds, expert loads over the decode forwards, decode forwards, the
+    prefetch loads over them, -1 when no prefetcher runs)``.
     """
     from relayout.planning.replay_setup import RuntimeRequest, runtime_config
     from relayout.traces.importer import import_traces
@@ -243,10 +271,13 @@ def predict_run(run_dir: Path, layout, device) -> tuple[float, int, int]:
     # no coalescing under an engine configuration; the dense work precedes routing, so it never
     # overlaps the layer's loads: it does not change the wait
     config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
-                                           colibri_run=True, runtime_env_from=str(run_dir)), layout)
+                                           colibri_run=True, runtime_env_from=str(run_dir),
+                                           pilot_precision=pilot_precision), layout)
     inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config)
     decode = inst.forward != inst.forward.min()
-    return float(inst.stall[decode].sum()), int(inst.misses[decode].sum()), int(len(np.unique(inst.forward[decode])))
+    pilot = int(inst.prefetch.loads[decode].sum()) if inst.prefetch is not None else -1
+    return (float(inst.stall[decode].sum()), int(inst.misses[decode].sum()), int(len(np.unique(inst.forward[decode]))),
+            pilot)
 
 
 def _device(o: EngineValidateOptions, work: WorkDir, notify):
@@ -316,11 +347,11 @@ def cell_copy_rate(stock_dir: Path, layout) -> float:
     return float(np.median(rates)) if rates else 0.0
 
 
-def cell_copy_kind(stock_dir: Path, layout) -> tuple[int, bool]:
+def cell_copy_kind(stock_dir: Path, layout, pilot_precision: float | None = None) -> tuple[int, bool]:
     """How many page-cache copies the model runs at once in a cell (its first complete stock run's
-    configuration, on ``layout``): the copy slots (:attr:`replay.model.config.RuntimeConfig.copy_slots`),
-    at most the loads in flight, and whether they are re-touches of mapped pages (COLI_MMAP=1);
-    ``(0, False)`` when no run completed."""
+    configuration, on ``layout``; ``pilot_precision`` for a run of the router pilot): the copy
+    slots (:attr:`replay.model.config.RuntimeConfig.copy_slots`), at most the loads in flight, and
+    whether they are re-touches of mapped pages (COLI_MMAP=1); ``(0, False)`` when no run completed."""
     from relayout.planning.replay_setup import RuntimeRequest, runtime_config
     from replay.colibri.engine_output import read_runs
     from replay.model.config import RuntimeConfig
@@ -328,7 +359,8 @@ def cell_copy_kind(stock_dir: Path, layout) -> tuple[int, bool]:
     for run in read_runs(stock_dir):
         if run.identity is not None and run.identity.returncode == 0:
             config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
-                                                   colibri_run=True, runtime_env_from=run.source), layout)
+                                                   colibri_run=True, runtime_env_from=run.source,
+                                                   pilot_precision=pilot_precision), layout)
             return min(config.copy_slots, config.in_flight), config.mapped_views
     return 0, False
 
@@ -357,7 +389,7 @@ def cell_copy_rates(own: dict[str, tuple[float, tuple]]) -> dict[str, tuple[floa
     return out
 
 
-def _run_results(arm: str, arm_dir: Path, layout, device, notify) -> list[RunResult]:
+def _run_results(arm: str, arm_dir: Path, layout, device, notify, pilot_precision: float | None) -> list[RunResult]:
     from replay.colibri.engine_metrics import run_metrics
     from replay.colibri.engine_output import read_runs
 
@@ -368,20 +400,28 @@ def _run_results(arm: str, arm_dir: Path, layout, device, notify) -> list[RunRes
             notify(f"{run.source}: engine exit status {ident.returncode if ident else '?'}: left out")
             continue
         m = run_metrics(run, arm, "")
-        wait, loads, _ = predict_run(Path(run.source), layout, device)
+        wait, loads, _, pilot = predict_run(Path(run.source), layout, device, pilot_precision)
         io = run.output.expert_io
+        engine_pilot = run.output.pilot_loads
         out.append(RunResult(run.source, arm, ident.prompt, ident.repetition, m.committed_tokens, m.wait_s, wait,
-                             (m.tpot_ms or 0.0) / 1e3, io.loads if io is not None else -1, loads, ident.returncode))
+                             (m.tpot_ms or 0.0) / 1e3, io.loads if io is not None else -1, loads, ident.returncode,
+                             engine_pilot if engine_pilot is not None else -1, pilot))
     if len(out) < 2:
         raise InputError(arm_dir, f"only {len(out)} complete run(s) of {arm}: an interval needs at least 2")
     return out
+
+
+def _pilot_loads(runs: list[RunResult]) -> list[int]:
+    """The router pilot's loads over ``runs``: the engine's (runs that printed them) and the model's."""
+    return [sum(r.measured_pilot_loads for r in runs if r.measured_pilot_loads >= 0),
+            sum(r.predicted_pilot_loads for r in runs if r.predicted_pilot_loads >= 0)]
 
 
 def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationRecord:
     """Run the module's four steps and write the record (``o.output``, else PATH/:data:`RECORD_NAME`)."""
     from containers.container import Container
     from containers.layout import layout_from_container
-    from replay.colibri.engine_config import at_engine_copy_rate, env_words
+    from replay.colibri.engine_config import at_engine_copy_rate, env_words, parse_runtime_env
 
     from .prepare import probe_target
 
@@ -390,6 +430,7 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
     try:
         _check_setup(work, o)
         dirs, sessions = prepare_layouts(o, work, train, notify)
+        pilot_precision = training_pilot_precision(work.path / "train" / "train") if uses_pilot(o) else None
         device, device_source = _device(o, work, notify)
         layouts = {m: layout_from_container(Container.open(d)) for m, d in dirs.items()}
         probe = probe_target(o.container, layouts["stock"])
@@ -407,14 +448,15 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                     o.ngen, cells_dir / name, timeout_s=o.timeout_s, progress=notify))
                 own = cell_copy_rate(cells_dir / name / "stock", layouts["stock"])
                 own = own if at_engine_copy_rate(device, own, layouts["stock"]) is not device else 0.0
-                measured.append((name, env, probes, (own, cell_copy_kind(cells_dir / name / "stock",
-                                                                                 layouts["stock"]))))
+                measured.append((name, env, probes, (own, cell_copy_kind(cells_dir / name / "stock", layouts["stock"],
+                                                                                 pilot_precision))))
         copy_rates = cell_copy_rates({name: own for name, _, _, own in measured})
         cells, all_runs = [], []
         for name, env, probes, _ in measured:
             copy_rate, copy_source = copy_rates[name]
             cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
-            runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify) for m in arms}
+            pilot = pilot_precision if parse_runtime_env(env).PILOT_REAL else None
+            runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify, pilot) for m in arms}
             all_runs += [r for m in arms for r in runs[m]]
             control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
             bound = placement_bound(control)
@@ -422,7 +464,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                                     control.predicted.estimate, bound,
                                     [saving_result(m, runs["stock"], runs[m], placement_s=bound)
                                      for m in o.layouts[1:]], copy_rate, copy_source, probes,
-                                    float(np.mean(probes)) / profile_rate if probes else 0.0))
+                                    float(np.mean(probes)) / profile_rate if probes else 0.0, pilot or 0.0,
+                                    _pilot_loads([r for m in arms for r in runs[m]]) if pilot else []))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)
         record = EngineValidationRecord(
             format=ENGINE_VALIDATION_FORMAT, version=ENGINE_VALIDATION_VERSION, engine=str(o.engine),

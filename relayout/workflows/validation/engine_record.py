@@ -48,7 +48,7 @@ from replay.formats.interval import Interval
 from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over_repetitions
 
 ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
-ENGINE_VALIDATION_VERSION = 4
+ENGINE_VALIDATION_VERSION = 5
 PLACEMENT_COPY = "stock-copy"
 """The placement control's arm: the stock plan rewritten, stock's tensors in stock's order, each expert
 aligned to 4 KiB."""
@@ -69,6 +69,8 @@ class RunResult:
     measured_loads: int        # the engine's expert loads (its [PROF] expert I/O line; -1 when not printed)
     predicted_loads: int       # the model's LRU misses over the decode forwards
     returncode: int
+    measured_pilot_loads: int  # the router pilot's completed loads (its PILOT_REAL line, the whole run; -1 when not printed)
+    predicted_pilot_loads: int  # the model's prefetch loads over the decode forwards (-1 when no prefetcher runs)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class CellResult:
     copy_rate_source: str      # whose runs measured copy_rate: "its stock runs", "the median of cells ...", "" (none)
     disk_probe: list[float]    # bytes/s: the disk probed before and after the cell's runs (empty: not probed)
     disk_scale: float          # the probes' mean over the profile's rate for the same reads (0: not probed)
+    pilot_precision: float     # PILOT_REAL: the router pilot's share of right predictions, from the training runs (0: no pilot)
+    pilot_loads: list[int]     # PILOT_REAL: the pilot's loads over the cell's runs, the engine's (whole runs) and the model's (decode); [] without
 
 
 @dataclass(frozen=True)

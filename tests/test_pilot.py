@@ -1,0 +1,162 @@
+"""colibrì's router pilot (PILOT_REAL) in the replay model: its drawn predictions, its eviction
+guard, the barrier each layer waits at, and the engine configuration that turns them on."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_trace
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from containers.errors import InputError
+from replay.colibri.engine_config import EngineConfig, config_from_run, model_config, parse_runtime_env
+from replay.colibri.engine_output import read_run
+from replay.model.config import RuntimeConfig
+from replay.model.engine import simulate
+from replay.model.prefetch import PILOT, PairTable, RouterPilot, Scratch, Selections, predict_next
+from replay.model.runtime import Heat, guard_protects
+from test_replay import EXPERT, one_drive, simple_layout
+
+PILOT_RUN = Path(__file__).parent / "data" / "engine" / "pilot-looka"
+
+
+def _draw(truth, precision, k=6, E=32, forward=0, heat=None, positions=1):
+    """The pilot's list for layer 1 given layer 0's union (one expert, unused) and layer 1's ``truth``."""
+    sel_e = np.array([0] + sorted(truth), dtype=np.int64)
+    sel_start = np.array([0, 1, len(sel_e)], dtype=np.int64)
+    mult = np.ones(len(sel_e), dtype=np.int64)
+    heat = np.zeros((2, E), np.int64) if heat is None else heat
+    out = np.empty(64, np.int64)
+    score = np.zeros(E, np.int64)
+    n = predict_next(PILOT, 0, 0, Selections(sel_start, sel_e, mult), PairTable(np.full((1, 1, 1), -1), np.zeros((1, 1, 1))),
+                     k, Scratch(score, np.empty(E, np.int64)), out, RouterPilot(precision, forward, positions, heat))
+    assert not score.any()                       # the scratch is handed back clean
+    return out[:n].tolist()
+
+
+def test_a_pilot_that_is_always_right_predicts_the_next_layers_experts():
+    truth = [3, 7, 11, 20, 21, 30]
+    assert sorted(_draw(truth, 1.0)) == truth
+    assert _draw(truth, 1.0, forward=5) == _draw(truth, 1.0, forward=5)     # a draw is fixed by its forward
+    # PILOT_K below the router's top-k: that many per position, a share of them right
+    assert len(_draw(truth, 1.0, k=4)) == 4 and set(_draw(truth, 1.0, k=4)) <= set(truth)
+
+
+def test_a_pilot_that_is_never_right_draws_the_sessions_favourites():
+    truth = [3, 7, 11, 20, 21, 30]
+    wrong = _draw(truth, 1e-12)
+    assert len(wrong) == 6 and len(set(wrong)) == 6 and not set(wrong) & set(truth)
+    heat = np.zeros((2, 32), np.int64)
+    heat[1, 9] = 10**9                           # layer 1's expert 9: routed far more than any other
+    assert 9 in _draw(truth, 1e-12, heat=heat)
+    assert 9 not in _draw(truth, 1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.floats(0.1, 0.9))
+def test_the_share_of_right_predictions_is_the_precision_given(precision):
+    rng = np.random.default_rng(0)
+    right = total = 0
+    for f in range(1500):
+        truth = sorted(rng.choice(32, 6, replace=False).tolist())
+        got = _draw(truth, precision, forward=f)
+        right += len(set(got) & set(truth))
+        total += len(got)
+    assert total == 1500 * 6
+    assert right / total == pytest.approx(precision, abs=0.03)
+
+
+def _heat(count, last, clock):
+    return Heat(np.array([count], np.int64), np.array([last], np.int64), np.array([clock], np.int64), np.zeros(1, np.int64))
+
+
+def test_the_eviction_guard_keeps_a_warm_expert_from_a_colder_speculation():
+    # expert 0: 5 selections, the last 10 ago (score 5*256 + 245); expert 1: 3 selections, long ago
+    h = _heat([5, 3, 12, 1], [990, 0, 0, 1000], 1000)
+    assert guard_protects(h, 0, 0, 1)                  # 1525 + 381 + 1024 > 768
+    assert not guard_protects(h, 0, 0, 2)              # 12 selections: 3072 is above 2930
+    assert not guard_protects(h, 0, 3, 1)              # a victim selected once is never protected
+
+
+def _two_layers(forwards, ram_experts, **kw):
+    """Layers 3 and 4, one position per forward: layer 3 routes expert 0, layer 4 the given expert."""
+    lay = simple_layout(layers=(3, 4))
+    tr = make_trace([[[0]]] * len(forwards), layers=(3, 4))
+    for f, e in enumerate(forwards):
+        tr.experts[2 * f + 1] = [e]
+    cfg = RuntimeConfig(workers=1, ram_bytes=2 * ram_experts * EXPERT, dense_seconds=1e-5, compute_bytes_per_second=1e30,
+                        prefetch="pilot", prefetch_experts=1, **kw)
+    return lay, tr, cfg
+
+
+def test_a_layer_waits_whole_for_the_pilots_loads_as_other_time_not_stall():
+    lay, tr, cfg = _two_layers([2], ram_experts=2, pilot_precision=1.0)
+    pinned = np.zeros((2, 16), bool)
+    pinned[0, 0] = True                          # layer 3 reads nothing: layer 4 is routed while the pilot loads
+    waited, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, layer_barrier=True), pinned)
+    assert waited.prefetch.loads[0] == 1 and waited.hits[1] == 1 and waited.stall[1] == 0
+    assert waited.prefetch.barrier[1] > 0
+    # without the barrier the same load in flight is waited for by its expert's matmul: stall
+    felt, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), cfg, pinned)
+    assert felt.stall[1] > 0 and felt.prefetch.barrier.sum() == 0
+    assert felt.stall[1] == pytest.approx(waited.prefetch.barrier[1], rel=1e-9)
+
+
+def test_the_guard_drops_a_cold_speculation_that_would_evict_a_warm_expert():
+    # layer 4 keeps one expert and routes expert 2 every time; the pilot is always wrong
+    lay, tr, cfg = _two_layers([2, 2, 2, 2], ram_experts=1, pilot_precision=1e-12, layer_barrier=True)
+    guarded, _ = simulate(tr, np.ones(4, bool), lay, one_drive(), replace(cfg, evict_guard=True))
+    plain, _ = simulate(tr, np.ones(4, bool), lay, one_drive(), cfg)
+    layer4 = guarded.layer == 1
+    # forward 0 fills a free slot; forward 1's victim was selected once (not warm): both loads go
+    # ahead and evict expert 2; from forward 2 on expert 2 is warm and stays
+    assert guarded.prefetch.rejected.sum() == 2 and guarded.prefetch.loads.sum() == 2
+    assert guarded.hits[layer4].tolist() == [0, 0, 1, 1]
+    assert plain.hits[layer4].tolist() == [0, 0, 0, 0] and plain.prefetch.loads.sum() == 4
+
+
+def test_the_pilot_skips_forwards_of_more_than_eight_positions():
+    lay = simple_layout(layers=(3, 4))
+    cfg = RuntimeConfig(workers=1, ram_bytes=4 * EXPERT, dense_seconds=1e-5, compute_bytes_per_second=1e30,
+                        prefetch="pilot", prefetch_experts=1, pilot_precision=1.0, layer_barrier=True)
+    for positions, loads in ((8, 1), (9, 0)):
+        tr = make_trace([[[p % 16] for p in range(positions)]], layers=(3, 4))
+        inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), cfg)
+        assert (inst.prefetch.loads.sum() > 0) == bool(loads)
+
+
+def test_a_pilot_run_says_its_configuration_and_its_precision():
+    run = read_run(PILOT_RUN)
+    hits, total = run.output.pilot_lookahead
+    assert 0 < hits < total and run.output.pilot_loads > 0 and run.output.pilot_drops >= 0
+    cfg, facts = config_from_run(PILOT_RUN)
+    assert cfg.PILOT_REAL == 1 and cfg.PILOT == 1 and cfg.PILOT_K == 6 and cfg.PILOT_EVICT_GUARD == 1
+    assert facts.pilot_precision == pytest.approx(hits / total)
+    assert facts.between_layers_seconds > 0
+    m = model_config(cfg, RuntimeConfig(), 4, pilot_precision=facts.pilot_precision)
+    assert (m.prefetch, m.prefetch_experts, m.evict_guard, m.layer_barrier) == ("pilot", 6, True, True)
+    assert "PILOT_REAL" in m.engine_env and m.runtime_changes == []
+    off = model_config(parse_runtime_env("PILOT_REAL=1 PILOT_EVICT_GUARD=0 PILOT_K=3"), RuntimeConfig(), 4,
+                       pilot_precision=0.5)
+    assert (off.prefetch_experts, off.evict_guard) == (3, False)
+
+
+@pytest.mark.parametrize("env, words", [
+    ("PILOT=1", "WILLNEED"),
+    ("PILOT_REAL=1 PILOT_TWO=1", "PILOT_TWO"),
+    ("PILOT_REAL=1 URING=1", "URING=1"),
+    ("PILOT_REAL=1 PILOT_WORKERS=2", "PILOT_WORKERS"),
+    ("PILOT_REAL=1 COUPLE=pairs.txt", "COUPLE with PILOT_REAL"),
+])
+def test_what_the_model_does_not_run_of_the_prefetchers_is_refused_by_name(env, words):
+    with pytest.raises(InputError, match=words):
+        model_config(parse_runtime_env(env), RuntimeConfig(), 4, pilot_precision=0.5)
+
+
+def test_the_router_pilot_needs_its_measured_precision():
+    with pytest.raises(InputError, match="LOOKA=1"):
+        model_config(EngineConfig(PILOT_REAL=1), RuntimeConfig(), 4)
+    with pytest.raises(InputError, match="precision"):
+        RuntimeConfig(prefetch="pilot")
