@@ -148,7 +148,8 @@ def test_a_pilot_run_says_its_configuration_and_its_precision():
     ("PILOT_REAL=1 PILOT_TWO=1", "PILOT_TWO"),
     ("PILOT_REAL=1 URING=1", "URING=1"),
     ("PILOT_REAL=1 PILOT_WORKERS=2", "PILOT_WORKERS"),
-    ("PILOT_REAL=1 COUPLE=pairs.txt", "COUPLE with PILOT_REAL"),
+    ("PILOT_REAL=1 COUPLE=pairs.txt COUPLE_D=2", "COUPLE_D=2"),
+    ("COUPLE=pairs.txt", "WILLNEED"),
 ])
 def test_what_the_model_does_not_run_of_the_prefetchers_is_refused_by_name(env, words):
     with pytest.raises(InputError, match=words):
@@ -160,3 +161,103 @@ def test_the_router_pilot_needs_its_measured_precision():
         model_config(EngineConfig(PILOT_REAL=1), RuntimeConfig(), 4)
     with pytest.raises(InputError, match="precision"):
         RuntimeConfig(prefetch="pilot")
+
+
+def _pairs_file(path, lines):
+    from replay.formats.colipairs import write_coli_pairs_lines
+
+    write_coli_pairs_lines(path, lines)
+    return str(path)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 2), st.integers(0, 7),
+                          st.lists(st.tuples(st.integers(0, 7), st.integers(0, 2**31 - 1)), min_size=1, max_size=16)),
+                max_size=12, unique_by=lambda t: t[:3]))
+def test_a_pair_file_reads_back_as_its_next_layer_table(tmp_path_factory, lines):
+    from replay.formats.colipairs import read_coli_pairs
+
+    path = _pairs_file(tmp_path_factory.mktemp("pairs") / "t.coli_pairs", lines)
+    targets, counts = read_coli_pairs(path, [0, 1, 2], 8)
+    want_t, want_c = np.full((3, 8, 16), -1), np.zeros((3, 8, 16))
+    for layer, dl, e, pairs in lines:
+        if dl == 1 and layer < 2:                  # layer 2 has no next layer in the layout; distance 2 is not kept
+            for t, (f, c) in enumerate(pairs):
+                want_t[layer, e, t], want_c[layer, e, t] = f, c
+    assert (targets == want_t).all() and (counts == want_c).all()
+
+
+@pytest.mark.parametrize("text, words", [
+    ("PAIRS 1 0\n", "header"),
+    ("COLIPAIRS 1 2\n0 1 3 4:5\n", "announces 2"),
+    ("COLIPAIRS 1 1\n0 1 3 4=5\n", "line 2"),
+    ("COLIPAIRS 1 1\n0 3 3 4:5\n", "distance 1 or 2"),
+    ("COLIPAIRS 1 1\n0 1 9 4:5\n", "experts below 8"),
+    ("COLIPAIRS 1 2\n0 1 3 4:5\n0 1 3 5:5\n", "given twice"),
+])
+def test_a_bad_pair_file_is_refused_naming_its_line(tmp_path, text, words):
+    from replay.formats.colipairs import read_coli_pairs
+
+    (tmp_path / "bad").write_text(text)
+    with pytest.raises(InputError, match=words):
+        read_coli_pairs(tmp_path / "bad", [0, 1], 8)
+
+
+def test_couple_queues_its_tables_best_after_the_pilots(tmp_path):
+    # the pilot is always wrong; COUPLE's table says layer 4's expert 2 follows layer 3's expert 0
+    lay, tr, cfg = _two_layers([2], ram_experts=2, pilot_precision=1e-12, layer_barrier=True)
+    cfg = replace(cfg, dense_seconds=0.01)       # time for both loads before layer 4
+    path = _pairs_file(tmp_path / "p.coli_pairs", [(3, 1, 0, [(2, 9)])])
+    from replay.formats.colipairs import read_coli_pairs
+
+    table = read_coli_pairs(path, lay.layers, lay.n_experts)
+    pinned = np.zeros((2, 16), bool)
+    pinned[0, 0] = True
+    alone, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), cfg, pinned)
+    both, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, couple_file=path, couple_experts=8), pinned,
+                       coupling=table)
+    assert alone.prefetch.loads[0] == 1 and alone.hits[1] == 0
+    assert both.prefetch.loads[0] == 2 and both.hits[1] == 1 and both.stall[1] == 0
+    with pytest.raises(InputError, match="pair table is not given"):
+        simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, couple_file=path, couple_experts=8))
+
+
+def test_a_run_with_couple_models_the_table_it_loaded(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(PILOT_RUN, run)
+    with open(run / "stderr.txt", "a") as f:
+        f.write("[COUPLE] pairs.coli_pairs: 120 conditioning entries, K=5 depth=1\n")
+    cfg, _ = config_from_run(run)
+    assert (cfg.COUPLE, cfg.COUPLE_K, cfg.COUPLE_D) == (str(run / "pairs.coli_pairs"), 5, 1)
+    m = model_config(cfg, RuntimeConfig(), 4, pilot_precision=0.5)
+    assert (m.couple_file, m.couple_experts) == (str(run / "pairs.coli_pairs"), 5)
+    assert config_from_run(PILOT_RUN)[0].COUPLE == ""     # no [COUPLE] line: the engine ran without a table
+
+
+def test_the_gate_runs_the_router_pilot_and_its_table_as_the_engine_would(tmp_path):
+    import json
+
+    from conftest import cli
+
+    from containers.geometry import load_geometry
+    from relayout.planning.plan import make_plan, source_from_geometry
+    from relayout.traces.synth import synth_trace
+    from replay.formats.planfile import save_plan
+    from replay.formats.trace import save_trace
+
+    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
+    tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
+    save_plan(make_plan(tr, source_from_geometry(g), method="louvain", progress=False), tmp_path / "p.json")
+    save_trace(tr, tmp_path / "t.rt")
+    assert cli("export", "coli-pairs", tmp_path / "t.rt", "-o", tmp_path / "t.coli_pairs").returncode == 0
+    common = ["replay", "--layout", tmp_path / "p.json", "--trace", tmp_path / "t.rt", "--device", "single-nvme",
+              "--min-sessions", 1, "--runtime-env", f"PILOT_REAL=1 CAP=2 COUPLE={tmp_path / 't.coli_pairs'} COUPLE_K=4"]
+    res = cli(*common, "--json", "--pilot-precision", "0.5")
+    assert res.returncode == 0, res.stderr
+    rt = json.loads(res.stdout)["runtime"]
+    assert (rt["prefetch"], rt["pilot_precision"], rt["couple_experts"], rt["layer_barrier"]) == ("pilot", 0.5, 4, True)
+    assert rt["couple_file"] == str(tmp_path / "t.coli_pairs") and rt["runtime_changes"] == []
+    res = cli(*common)
+    assert res.returncode == 2 and "LOOKA=1" in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from containers.atomic import atomic_output
 from containers.errors import InputError
+from replay.formats.colipairs import write_coli_pairs_lines
 from replay.model.coupling import aligned_rows
 from replay.model.routing import RoutingTrace
 
@@ -256,8 +256,9 @@ def write_coli_pairs(trace: RoutingTrace, path: str | os.PathLike, max_targets: 
 
     Counted sparsely (memory grows with the rows, not with the square of the experts per layer).
 
-    Format: ``COLIPAIRS 1 <n_lines>`` then ``<L> <dL> <e> f1:c1 f2:c2 ...`` with dL in {1, 2}, at
-    most ``max_targets`` targets per line, raw counts, sorted by count (descending, then id).
+    Format (:mod:`replay.formats.colipairs`): ``COLIPAIRS 1 <n_lines>`` then ``<L> <dL> <e> f1:c1
+    f2:c2 ...`` with dL in {1, 2}, at most ``max_targets`` targets per line, raw counts, sorted by
+    count (descending, then id).
     """
     trace.require_rows("a coupling table")
     layers = set(int(x) for x in trace.layers)
@@ -280,10 +281,6 @@ def write_coli_pairs(trace: RoutingTrace, path: str | os.PathLike, max_targets: 
                 j = i
                 while j < len(e) and e[j] == e[i]:
                     j += 1
-                lines.append(f"{layer} {dl} {e[i]} " + " ".join(f"{f[t]}:{c[t]}" for t in range(i, j)))
+                lines.append((layer, dl, e[i], [(f[t], c[t]) for t in range(i, j)]))
                 i = j
-    with atomic_output(path, "w") as fh:
-        fh.write(f"COLIPAIRS 1 {len(lines)}\n")
-        for line in lines:
-            fh.write(line + "\n")
-    return len(lines)
+    return write_coli_pairs_lines(path, lines)

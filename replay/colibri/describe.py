@@ -50,6 +50,9 @@ def describe_mode(config: RuntimeConfig) -> str:
         mode += (f", PILOT_REAL: the router pilot loads {config.prefetch_experts} experts per position of the next layer "
                  f"on one thread, {config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)"
                  f"{', eviction guard on' if config.evict_guard else ''}, each layer waiting for the loads in flight on it")
+        if config.couple_file:
+            mode += (f", COUPLE: then the {config.couple_experts} best of the pair table {config.couple_file} per "
+                     "position")
     if config.mapped_views:
         return (f"{mode}, COLI_MMAP=1: experts as mapped views (a page-cache hit re-touches mapped pages, "
                 f"at the rate the run's decode loads took), routing order")

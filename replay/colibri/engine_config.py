@@ -314,6 +314,7 @@ _DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold .*?\
 
 _TUNING_LINE = re.compile(r"\[OMP\] hot-thread tuning: re-exec")
 _PILOT_K_LINE = re.compile(r"PILOT_REAL: \d+ load cross-layer completati, .*\| PILOT_K=(\d+)")
+_COUPLE_LINE = re.compile(r"\[COUPLE\] (.+): \d+ conditioning entries, K=(\d+) depth=(\d+)")
 
 PILOT_VARIABLES = ("PILOT_K", "PILOT_WORKERS", "PILOT_EVICT_GUARD", "PILOT_TWO", "COUPLE", "COUPLE_K", "COUPLE_D")
 """The prefetchers' variables a run's output does not print, read from a measured run's recorded environment."""
@@ -325,7 +326,8 @@ RUN_FILES = ("stdout.txt", "stderr.txt")
 def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     """The effective configuration a colibrì run printed (its stdout and stderr in one file, or a
     directory holding :data:`RUN_FILES`; run with ``PROF=1``): the ``[PROF] config`` line (RAM_GB, cap, pins, PIPE, DIRECT, MMAP, PILOT),
-    the ``PILOT_REAL:`` line (PILOT_REAL=1 and its PILOT_K),
+    the ``PILOT_REAL:`` line (PILOT_REAL=1 and its PILOT_K), the ``[COUPLE]`` line (the pair
+    table it loaded, COUPLE_K, COUPLE_D; without it, no COUPLE),
     the ``[PROF] machine`` line (the machine's cores, the OpenMP team, the memory available), the
     ``[URING]`` line (URING=1 and its workers, the smaller of PIPE_WORKERS and 64), the
     ``P0-EXEC`` line (the matmul rate) and the ``[PROF] DISK-CLASS`` line (the warm reads' rate
@@ -359,6 +361,13 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
         where = str(p / RUN_FILE)
         env = RunIdentity.from_json(parse_json(read_bytes(p / RUN_FILE)), where).env
         cfg = replace(cfg, **{k: _value(k, str(env[k]), where) for k in OPENMP_VARIABLES + PILOT_VARIABLES if k in env})
+    couple = _COUPLE_LINE.search(text)
+    if couple:                                # the table the engine loaded (a relative path is the run directory's)
+        table = Path(couple.group(1))
+        table = table if table.is_absolute() or not p.is_dir() else p / table
+        cfg = replace(cfg, COUPLE=str(table), COUPLE_K=int(couple.group(2)), COUPLE_D=int(couple.group(3)))
+    else:                                     # not loaded: the engine ran without it
+        cfg = replace(cfg, COUPLE="")
     u = _URING_LINE.search(text)
     if u:
         cfg = replace(cfg, URING=1, PIPE=1, PIPE_WORKERS=max(1, min(int(u.group(1)), 64)))
@@ -500,10 +509,11 @@ def not_modelled(cfg: EngineConfig) -> list[str]:
         out.append("PILOT_REAL under URING=1 (the pilot's loads batched on io_uring) is not modelled")
     if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1:
         out.append("PILOT_WORKERS above 1 is not modelled (one pilot thread)")
-    if cfg.COUPLE:
+    if cfg.COUPLE and not cfg.PILOT_REAL:
         out.append("COUPLE without PILOT_REAL only issues page-cache hints (WILLNEED) for the next layer, which "
-                   "the model does not have" if not cfg.PILOT_REAL else
-                   "COUPLE with PILOT_REAL (its table's loads beside the router pilot's) is not modelled")
+                   "the model does not have")
+    if cfg.COUPLE and cfg.COUPLE_D > 1:
+        out.append("COUPLE_D=2 (the table's loads two layers ahead) is not modelled")
     return out
 
 
@@ -524,7 +534,9 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     (:func:`replay.colibri.openmp_team.team_held_cores`). PILOT_REAL=1: the router pilot's loads
     (the ``pilot`` prefetch source, at ``pilot_precision``, PILOT_K per position, default 6; its
     eviction guard as PILOT_EVICT_GUARD says; each layer waiting for the loads in flight on it,
-    ``RuntimeConfig.layer_barrier``). Raises :class:`InputError` for what the model does not run
+    ``RuntimeConfig.layer_barrier``); with COUPLE, its table's COUPLE_K best per position queued
+    after the pilot's (``RuntimeConfig.couple_file``; the caller reads the table,
+    :func:`replay.formats.colipairs.read_coli_pairs`). Raises :class:`InputError` for what the model does not run
     (:func:`not_modelled`) and for PILOT_REAL=1 without a precision.
     """
     missing = not_modelled(cfg)
@@ -537,7 +549,8 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
                                           "stale)' line)")
     if cfg.PILOT_REAL:
         base = replace(base, prefetch="pilot", prefetch_experts=cfg.PILOT_K or 6, pilot_precision=float(pilot_precision),
-                       evict_guard=bool(cfg.PILOT_EVICT_GUARD), layer_barrier=True, admission="top-k")
+                       evict_guard=bool(cfg.PILOT_EVICT_GUARD), layer_barrier=True, admission="top-k",
+                       couple_file=cfg.COUPLE, couple_experts=cfg.COUPLE_K if cfg.COUPLE else 0)
     team = omp_threads or cfg.OMP_NUM_THREADS or os.cpu_count() or 1
     if cfg.URING:
         workers, batched, blocking = base.workers, True, False

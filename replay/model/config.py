@@ -81,6 +81,8 @@ class RuntimeConfig:
     team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
     mapped_views: bool = False         # colibrì COLI_MMAP=1: experts are views of the page cache; a page-cache hit re-touches mapped pages (at the copy rates the caller gives, the rate a run of it measured)
     pilot_precision: float = 0.0       # prefetch "pilot": the share of the router pilot's predictions the next layer routes (colibrì's LOOKA line), 0-1
+    couple_file: str = ""               # prefetch "pilot" with colibrì COUPLE: the .coli_pairs file whose table's loads join the pilot's ("" none)
+    couple_experts: int = 0            # COUPLE_K: the table's best experts queued per position after the pilot's (0: no COUPLE)
     evict_guard: bool = False          # colibrì PILOT_EVICT_GUARD: a prefetch load may evict a warm expert only when its own heat is clearly higher (replay.model.runtime.guard_protects)
     layer_barrier: bool = False        # colibrì PILOT_REAL: a layer waits, whole, for the prefetch load in flight on it; the wait is other time, not stall; every started load enters the LRU
     copy_threads: int = 0              # threads that copy page-cache hits, when fewer than the readers (URING=1's one io-wq worker): 0 = every reader copies its own
@@ -123,6 +125,10 @@ class RuntimeConfig:
             raise InputError(None, "the pilot prefetch source takes the router pilot's measured precision (0 < p <= 1; "
                                    "colibrì prints it with LOOKA=1) and the runtime's top-k rule "
                                    f"(got precision {self.pilot_precision!r}, admission {self.admission!r})")
+        if (self.couple_file or self.couple_experts) and not (self.prefetch == "pilot" and self.couple_file
+                                                               and 1 <= self.couple_experts <= 32):
+            raise InputError(None, "COUPLE's table joins the router pilot's loads (prefetch 'pilot'): give its file and "
+                                   f"COUPLE_K 1-32 (got {self.couple_file!r}, {self.couple_experts})")
         if not 1 <= self.prefetch_experts <= 64:
             raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
         if self.admission not in ADMISSION_POLICIES:

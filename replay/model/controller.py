@@ -91,8 +91,9 @@ the scale reads' page cache (:class:`replay.model.pagecache.PageCache`), the
 def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetcher:
     """The :data:`Prefetcher` of a replay under ``config``: ``learned`` is the source learned on
     training sessions (a :class:`replay.model.predictors.SourceModel`; for several sources, their
-    :class:`replay.model.predictors.FusedModel`), or, for ``coupled`` under ``top-k``, its
-    ``(targets, counts)`` pair table, or None for ``none`` and ``oracle``."""
+    :class:`replay.model.predictors.FusedModel`), or, for ``coupled`` under ``top-k`` and for
+    ``pilot`` with COUPLE (``config.couple_file``), its ``(targets, counts)`` pair table, or None
+    for ``none``, ``oracle`` and ``pilot`` alone."""
     L, E = len(layout.layers), layout.n_experts
     kind = config.prefetch
     names = config.sources
@@ -106,7 +107,14 @@ def prefetcher_inputs(config: RuntimeConfig, layout: Layout, learned) -> Prefetc
         holder = prediction_source(None, layout, "fused")
         fusion = new_fusion(config, E, learned.coef, charged=True)
         return Prefetcher(source=holder, control=new_control(L, E), sources=sources, fusion=fusion, charge=fusion)
-    if kind in ("none", "oracle", "pilot"):       # they learn nothing: whatever was learned is not theirs
+    if kind == "pilot" and config.couple_file:   # COUPLE's table, as colibrì read it from its file
+        if not isinstance(learned, tuple):
+            raise InputError(config.couple_file, "COUPLE's pair table is not given: read it with "
+                                                 "replay.formats.colipairs.read_coli_pairs and pass it as the coupling")
+        targets, counts = learned
+        model = SourceModel(name="pilot", targets=np.asarray(targets), counts=np.asarray(counts),
+                            selections=np.zeros((L, E)), heat=np.zeros((L, E)), calib=np.zeros((L, CALIBRATION_BINS)))
+    elif kind in ("none", "oracle", "pilot"):     # they learn nothing: whatever was learned is not theirs
         model = None
     elif isinstance(learned, SourceModel):
         if learned.name != kind:

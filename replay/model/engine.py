@@ -334,6 +334,7 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       backoff=bool(config.backoff), blocking=bool(config.blocking), routing_order=bool(config.routing_order),
                       team_held_cores=int(config.team_held_cores),
                       copy_cores=int(config.copy_cores), pilot_precision=float(config.pilot_precision),
+                      couple_experts=int(config.couple_experts),
                       evict_guard=bool(config.evict_guard), layer_barrier=bool(config.layer_barrier))
 
 

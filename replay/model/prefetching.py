@@ -54,19 +54,40 @@ def runtime_rule(pol, table):
 def _top_k(i, li, inst, table, pol, pending, heat):
     """The top-K rule's list for layer ``li`` (the next one) while instance ``i`` runs, into
     ``pending.experts``: :func:`replay.model.prefetch.predict_next` for the oracle, coupled and
-    pilot sources (the runtime's own lists; ``heat``: the session's selections, [L, E]), the K
-    most probable for the others. Returns its length."""
+    pilot sources (the runtime's own lists; ``heat``: the session's selections, [L, E]; with
+    ``pol.couple_experts``, the pair table's best after the pilot's, as colibrì's
+    ``couple_prefetch`` queues them after ``pilot_prefetch``'s), the K most probable for the
+    others. Returns its length."""
     src = table.source
     if pol.prefetch == ORACLE or pol.prefetch == COUPLED or pol.prefetch == PILOT:
-        return predict_next(pol.prefetch, i, li - 1, Selections(inst.sel_start, inst.sel_e, inst.sel_mult),
-                            PairTable(src.targets, src.counts), pol.prefetch_experts,
-                            Scratch(pending.score, pending.touched), pending.experts,
-                            RouterPilot(pol.pilot_precision, inst.forward[i], inst.positions[i], heat))
+        union, pairs = Selections(inst.sel_start, inst.sel_e, inst.sel_mult), PairTable(src.targets, src.counts)
+        scratch, out = Scratch(pending.score, pending.touched), pending.experts
+        router = RouterPilot(pol.pilot_precision, inst.forward[i], inst.positions[i], heat)
+        n = predict_next(pol.prefetch, i, li - 1, union, pairs, pol.prefetch_experts, scratch, out, router)
+        if pol.couple_experts > 0 and n < len(out):  # COUPLE's list, queued after the pilot's, less what it holds
+            m = predict_next(COUPLED, i, li - 1, union, pairs, min(pol.couple_experts, len(out) - n), scratch, out[n:],
+                             router)
+            kept = n
+            for q in range(n, n + m):
+                if not _listed(out, n, out[q]):
+                    out[kept] = out[q]
+                    kept += 1
+            n = kept
+        return n
     if src.kind == FUSED:                        # several sources: their fused probability, each expert credited
         fused_probabilities(table.sources, src, table.fusion.coef, table.fusion.credit, i, li, inst)
     else:
         next_layer_probabilities(src, i, li, inst)
     return most_probable(src.p, pol.prefetch_experts, pending.experts)
+
+
+@njit(**HELPER)
+def _listed(experts, n, e):
+    """Whether ``e`` is among ``experts[:n]``."""
+    for q in range(n):
+        if experts[q] == e:
+            return True
+    return False
 
 
 @njit(**STAGE)

@@ -44,7 +44,7 @@ address in the array's logical address space."""
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
                                       "min_probability cancel_stale adaptive_budget backoff blocking routing_order "
-                                      "team_held_cores copy_cores pilot_precision evict_guard layer_barrier")
+                                      "team_held_cores copy_cores pilot_precision couple_experts evict_guard layer_barrier")
 """How the runtime reads (:func:`replay.model.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
@@ -60,7 +60,8 @@ resident work first); ``team_held_cores`` (cores the OpenMP team keeps from page
 when not 0, copies run only on the cores it leaves, and beside the matmuls only on those the
 matmuls leave, :func:`replay.model.demand.compute_thread`); ``copy_cores`` (the cores copies may
 use, the machine's less those; 0: copies not bounded); ``pilot_precision`` (the pilot source's
-share of correct predictions, 0-1: :func:`replay.model.prefetch.predict_next`); ``evict_guard`` (a
+share of correct predictions, 0-1: :func:`replay.model.prefetch.predict_next`); ``couple_experts``
+(COUPLE_K: the pair table's best experts queued after the pilot's, 0 none); ``evict_guard`` (a
 prefetch load may evict a warm expert only when clearly hotter: :func:`replay.model.runtime.guard_protects`);
 ``layer_barrier`` (a layer waits, whole, for the prefetch load in flight on it, as other time,
 and every started load enters the LRU: colibrì's ``PILOT_REAL``)."""

@@ -90,8 +90,13 @@ def cell_env(read_path: str, cap: int, engine_env: str = "") -> str:
 
 
 def cell_name(read_path: str, cap: int) -> str:
-    """A cell's directory name: ``PIPE=1 DIRECT=1`` at cap 4 is ``pipe-1_direct-1-cap4``."""
-    return "_".join(w.lower().replace("=", "-") for w in read_path.split()) + f"-cap{cap}"
+    """A cell's directory name: ``PIPE=1 DIRECT=1`` at cap 4 is ``pipe-1_direct-1-cap4``; a file a
+    variable names is named by its file name (``COUPLE=/a/t.coli_pairs``: ``couple-t.coli_pairs``)."""
+    words = []
+    for w in read_path.split():
+        name, _, value = w.partition("=")
+        words.append(f"{name}-{Path(value).name}".lower())
+    return "_".join(words) + f"-cap{cap}"
 
 
 def check_options(o: EngineValidateOptions) -> tuple[list[str], list[str]]:
@@ -263,6 +268,7 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     from relayout.planning.replay_setup import RuntimeRequest, runtime_config
     from relayout.traces.importer import import_traces
     from replay.colibri.engine_output import ROUTE_FILE
+    from replay.formats.colipairs import read_coli_pairs
     from replay.model.engine import simulate
 
     trace, _ = import_traces([run_dir / ROUTE_FILE])
@@ -273,7 +279,8 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
                                            colibri_run=True, runtime_env_from=str(run_dir),
                                            pilot_precision=pilot_precision), layout)
-    inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config)
+    table = read_coli_pairs(config.couple_file, layout.layers, layout.n_experts) if config.couple_file else None
+    inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config, coupling=table)
     decode = inst.forward != inst.forward.min()
     pilot = int(inst.prefetch.loads[decode].sum()) if inst.prefetch is not None else -1
     return (float(inst.stall[decode].sum()), int(inst.misses[decode].sum()), int(len(np.unique(inst.forward[decode]))),
