@@ -37,6 +37,7 @@ from replay.colibri.engine_config import config_from_run, engine_copy_rate  # no
 from replay.colibri.engine_output import ROUTE_FILE, read_runs  # noqa: E402
 from replay.model.config import RuntimeConfig  # noqa: E402
 from replay.model.device import load_device  # noqa: E402
+from replay.formats.colipairs import configured_pair_table  # noqa: E402
 from replay.model.engine import simulate  # noqa: E402
 
 
@@ -69,7 +70,8 @@ def main() -> int:
             config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
                                                    colibri_run=True, runtime_env_from=str(src),
                                                    pilot_precision=pilot or None), layout)
-            inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config)
+            inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config,
+                               coupling=configured_pair_table(config, layout))
             d = inst.forward != inst.forward.min()
             drive = f"{int(inst.drive_reads[d].sum())} drive reads over {int(inst.misses[d].sum())} loads ({src.name})"
         print(f"{cell.name:28} {cols[0]:>24} {cols[1]:>27}  {drive}")

@@ -19,7 +19,7 @@ from containers.errors import InputError
 from containers.layout import Layout
 
 from replay.model.config import RuntimeConfig, pinned_experts
-from replay.formats.colipairs import read_coli_pairs
+from replay.formats.colipairs import configured_pair_table
 from replay.model.coupling import COUPLED_TARGETS, coupling_table
 from replay.model.device import ArrayProfile
 from replay.evaluation.evidence import (
@@ -232,9 +232,7 @@ def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: Runtim
     if split is not None:
         plan_config = replace(config, ram_bytes=max(0, config.ram_bytes - plan.split.ram_bytes))
     base_layout = baseline.layout if baseline is not None else plan.stock
-    coupling = (training_coupling(trace, plan) if config.prefetch == "coupled" else
-                read_coli_pairs(config.couple_file, plan.layout.layers, plan.layout.n_experts) if config.couple_file
-                else None)
+    coupling = training_coupling(trace, plan) if config.prefetch == "coupled" else configured_pair_table(config, plan.layout)
     base = run_layout("baseline", trace, mask, base_layout, device, config, pins, coupling=coupling)
     new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split, coupling=coupling)
     repack = None

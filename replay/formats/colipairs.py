@@ -108,3 +108,10 @@ def read_coli_pairs(path: str | os.PathLike, layers, n_experts: int) -> tuple[np
         for t, p in enumerate(pairs):
             targets[li, e, t], counts[li, e, t] = int(p[1]), int(p[2])
     return targets, counts
+
+
+def configured_pair_table(config, layout) -> tuple[np.ndarray, np.ndarray] | None:
+    """The pair table a configuration's COUPLE names (``config.couple_file``, a
+    :class:`replay.model.config.RuntimeConfig`), on ``layout``'s layers
+    (:func:`read_coli_pairs`); None when it names none."""
+    return read_coli_pairs(config.couple_file, layout.layers, layout.n_experts) if config.couple_file else None

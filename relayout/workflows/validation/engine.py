@@ -268,7 +268,7 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     from relayout.planning.replay_setup import RuntimeRequest, runtime_config
     from relayout.traces.importer import import_traces
     from replay.colibri.engine_output import ROUTE_FILE
-    from replay.formats.colipairs import read_coli_pairs
+    from replay.formats.colipairs import configured_pair_table
     from replay.model.engine import simulate
 
     trace, _ = import_traces([run_dir / ROUTE_FILE])
@@ -279,8 +279,8 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
                                            colibri_run=True, runtime_env_from=str(run_dir),
                                            pilot_precision=pilot_precision), layout)
-    table = read_coli_pairs(config.couple_file, layout.layers, layout.n_experts) if config.couple_file else None
-    inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config, coupling=table)
+    inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config,
+                       coupling=configured_pair_table(config, layout))
     decode = inst.forward != inst.forward.min()
     pilot = int(inst.prefetch.loads[decode].sum()) if inst.prefetch is not None else -1
     return (float(inst.stall[decode].sum()), int(inst.misses[decode].sum()), int(len(np.unique(inst.forward[decode]))),
