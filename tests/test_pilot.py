@@ -261,3 +261,19 @@ def test_the_gate_runs_the_router_pilot_and_its_table_as_the_engine_would(tmp_pa
     assert rt["couple_file"] == str(tmp_path / "t.coli_pairs") and rt["runtime_changes"] == []
     res = cli(*common)
     assert res.returncode == 2 and "LOOKA=1" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_pilots_copies_take_the_cores_the_layers_work_needs():
+    """A layer ends no earlier than its matmuls and every copy on the cores they share: its demand
+    jobs' and the prefetch loads completed while they ran (one core here, the team keeping the other)."""
+    from replay.model.demand import _shared_cores
+    from replay.model.state import PILOT_FIRST, PILOT_NEXT, new_work
+
+    work = new_work(4, 8, 2, 1, 4, 1)
+    work.miss.comp[0], work.miss.top[0] = 1e-3, False
+    work.jobs.tail[0] = 2e-3                          # the demand job's copy
+    work.jobs.tail[1] = 3e-3                          # the prefetch thread's load, done while the layer ran
+    work.pilot.state[PILOT_FIRST], work.pilot.state[PILOT_NEXT] = 1, 2
+    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(5e-3)
+    work.pilot.state[PILOT_NEXT] = 1                  # none done yet: the demand copy alone
+    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(2e-3)

@@ -17,7 +17,7 @@ from replay.model.jit import HELPER, STAGE
 from replay.model.pagecache import PAGE_BYTES, buffered_read, cached_read, note_settled, scales_settled
 from replay.model.readplan import SCALE, WEIGHT, Coalescing, layer_place, plan_layer
 from replay.model.runtime import lru_add, lru_touch
-from replay.model.state import WARM_BUCKETS
+from replay.model.state import PILOT_FIRST, PILOT_NEXT, WARM_BUCKETS
 from replay.model.weightcache import wc_add, wc_hit
 
 
@@ -312,7 +312,8 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
     not bounded by cores.
 
     ``busy`` is the layer's compute (``resident`` and every miss's matmul, s), ``copies`` its
-    copies' time on one core (s) and ``cores`` the cores copies may use
+    copies' time on one core (s: its demand jobs', and the prefetch thread's loads completed
+    while its demand jobs ran, which take the same cores) and ``cores`` the cores copies may use
     (``RuntimeConfig.copy_cores``: the machine's less the ``held`` the OpenMP team keeps,
     ``RuntimeConfig.team_held_cores``). When the team keeps none, the matmuls and the copies
     share all the cores: the layer ends no earlier than ``busy + copies / cores``. When it keeps
@@ -330,6 +331,8 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
         busy += miss.comp[p] * keep_top if miss.top[p] else miss.comp[p]
     copies = 0.0
     for j in range(n_jobs):
+        copies += jobs.tail[j]
+    for j in range(work.pilot.state[PILOT_FIRST], work.pilot.state[PILOT_NEXT]):   # the prefetch thread's, done by now
         copies += jobs.tail[j]
     if held == 0:
         return max(busy + copies / cores - end, 0.0)
