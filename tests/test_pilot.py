@@ -120,11 +120,15 @@ def test_the_guard_drops_a_cold_speculation_that_would_evict_a_warm_expert():
 def test_the_pilot_skips_forwards_of_more_than_eight_positions():
     lay = simple_layout(layers=(3, 4))
     cfg = RuntimeConfig(workers=1, ram_bytes=4 * EXPERT, dense_seconds=1e-5, compute_bytes_per_second=1e30,
-                        prefetch="pilot", prefetch_experts=1, pilot_precision=1.0, layer_barrier=True)
+                        prefetch="pilot", prefetch_experts=1, pilot_precision=1.0, layer_barrier=True,
+                        engine_env="PILOT_REAL=1")
     for positions, loads in ((8, 1), (9, 0)):
         tr = make_trace([[[p % 16] for p in range(positions)]], layers=(3, 4))
         inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), cfg)
         assert (inst.prefetch.loads.sum() > 0) == bool(loads)
+    # relayout's own prefetch thread (no colibrì configuration) works for every forward
+    inst, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, engine_env=""))
+    assert inst.prefetch.loads.sum() > 0
 
 
 def test_a_pilot_run_says_its_configuration_and_its_precision():
@@ -144,12 +148,10 @@ def test_a_pilot_run_says_its_configuration_and_its_precision():
 
 
 @pytest.mark.parametrize("env, words", [
-    ("PILOT=1", "WILLNEED"),
-    ("PILOT_REAL=1 PILOT_TWO=1", "PILOT_TWO"),
+    ("PILOT=1 PILOT_TWO=1", "PILOT_TWO"),
     ("PILOT_REAL=1 URING=1", "URING=1"),
     ("PILOT_REAL=1 PILOT_WORKERS=2", "PILOT_WORKERS"),
     ("PILOT_REAL=1 COUPLE=pairs.txt COUPLE_D=2", "COUPLE_D=2"),
-    ("COUPLE=pairs.txt", "WILLNEED"),
 ])
 def test_what_the_model_does_not_run_of_the_prefetchers_is_refused_by_name(env, words):
     with pytest.raises(InputError, match=words):
@@ -277,3 +279,34 @@ def test_the_pilots_copies_take_the_cores_the_layers_work_needs():
     assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(5e-3)
     work.pilot.state[PILOT_NEXT] = 1                  # none done yet: the demand copy alone
     assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(2e-3)
+
+
+def test_hints_bring_pages_into_the_page_cache_and_nothing_into_the_lru():
+    """PILOT=1 without PILOT_REAL (and COUPLE alone): the prefetch thread's loads are WILLNEED hints."""
+    lay, tr, cfg = _two_layers([2], ram_experts=2, pilot_precision=1.0)
+    cfg = replace(cfg, dense_seconds=0.01, direct=False, page_cache_bytes=10**9)
+    pinned = np.zeros((2, 16), bool)
+    pinned[0, 0] = True
+    none, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, prefetch="none", pilot_precision=0.0), pinned)
+    hints, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, prefetch_hints=True), pinned)
+    assert none.drive_reads[1] > 0 and none.hits[1] == 0
+    assert hints.prefetch.loads[0] == 1 and hints.hits[1] == 0       # not in the LRU: a miss, copied from the page cache
+    assert hints.drive_reads[1] == 0 and hints.stall[1] < none.stall[1]
+    real, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, layer_barrier=True), pinned)
+    assert real.hits[1] == 1                                         # PILOT_REAL's load is in the LRU
+    # O_DIRECT weights are not hinted: only the scales, whose pages the demand load then finds
+    direct, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, prefetch_hints=True, direct=True), pinned)
+    plain, _ = simulate(tr, np.ones(1, bool), lay, one_drive(), replace(cfg, prefetch="none", pilot_precision=0.0,
+                                                                     direct=True), pinned)
+    assert 0 < direct.drive_reads[1] < plain.drive_reads[1]
+
+
+def test_hint_configurations_map_to_the_engines_lists():
+    m = model_config(parse_runtime_env("PILOT=1"), RuntimeConfig(), 4, pilot_precision=0.5)
+    assert (m.prefetch, m.prefetch_experts, m.prefetch_hints, m.layer_barrier, m.evict_guard) == ("pilot", 8, True,
+                                                                                                   False, False)
+    c = model_config(parse_runtime_env("COUPLE=t.coli_pairs COUPLE_K=3"), RuntimeConfig(), 4)
+    assert (c.prefetch, c.prefetch_experts, c.couple_file, c.couple_experts, c.prefetch_hints) == ("coupled", 3,
+                                                                                                   "t.coli_pairs", 0, True)
+    with pytest.raises(InputError, match="LOOKA=1"):
+        model_config(parse_runtime_env("PILOT=1"), RuntimeConfig(), 4)

@@ -76,11 +76,12 @@ def format_engine_validation(rec) -> str:
         lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of a "
                      "decode load's bytes over its thread time, else of the DISK-CLASS warm reads, GB/s; the "
                      "device's calibrated rates where no cell measured one): " + ", ".join(rates))
-    pilots = [f"{c.name} {c.pilot_loads[0]}/{c.pilot_loads[1]}" for c in rec.cells if c.pilot_precision > 0]
+    pilots = [f"{c.name} {c.pilot_loads[0] if c.pilot_loads[0] >= 0 else '-'}/{c.pilot_loads[1]}"
+              for c in rec.cells if c.pilot_precision > 0]
     if pilots:
-        lines.append(f"the router pilot (PILOT_REAL=1), its predictions drawn at the precision the training runs printed "
+        lines.append(f"the router pilot (PILOT=1 or PILOT_REAL=1), its predictions drawn at the precision the training runs printed "
                      f"(LOOKA=1: {max(c.pilot_precision for c in rec.cells):.1%} of the next layers' routed experts); "
-                     f"its loads, engine (whole runs) / model (decode): " + ", ".join(pilots))
+                     f"its loads, engine (whole runs; - for hints, which it does not count) / model (decode): " + ", ".join(pilots))
     lines.append("")
     head = f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     loads"
     lines.append(head)

@@ -46,13 +46,17 @@ def describe_mode(config: RuntimeConfig) -> str:
         mode = "URING=1: one submission, up to 64 loads in flight, waits per expert"
     else:
         mode = f"PIPE=1: {config.workers} loader threads, waits per expert"
-    if config.prefetch == "pilot":
+    if config.prefetch == "pilot" and config.prefetch_hints:
+        mode += (f", PILOT=1: page-cache hints for the router pilot's {config.prefetch_experts} experts per position of "
+                 f"the next layer, {config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)")
+    elif config.prefetch == "pilot":
         mode += (f", PILOT_REAL: the router pilot loads {config.prefetch_experts} experts per position of the next layer "
                  f"on one thread, {config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)"
                  f"{', eviction guard on' if config.evict_guard else ''}, each layer waiting for the loads in flight on it")
-        if config.couple_file:
-            mode += (f", COUPLE: then the {config.couple_experts} best of the pair table {config.couple_file} per "
-                     "position")
+    elif config.prefetch == "coupled" and config.prefetch_hints:
+        mode += f", COUPLE: page-cache hints for the {config.prefetch_experts} best of the pair table {config.couple_file}"
+    if config.prefetch == "pilot" and config.couple_file:
+        mode += f", COUPLE: then the {config.couple_experts} best of the pair table {config.couple_file} per position"
     if config.mapped_views:
         return (f"{mode}, COLI_MMAP=1: experts as mapped views (a page-cache hit re-touches mapped pages, "
                 f"at the rate the run's decode loads took), routing order")

@@ -500,18 +500,12 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
 def not_modelled(cfg: EngineConfig) -> list[str]:
     """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
     out = []
-    if cfg.PILOT and not cfg.PILOT_REAL:
-        out.append("PILOT=1 without PILOT_REAL only issues page-cache hints (WILLNEED) for the next layer, which the "
-                   "model does not have")
-    if cfg.PILOT_REAL and cfg.PILOT_TWO:
+    if cfg.PILOT_TWO:
         out.append("PILOT_TWO (the two-step router pilot) is not modelled")
     if cfg.PILOT_REAL and cfg.URING:
         out.append("PILOT_REAL under URING=1 (the pilot's loads batched on io_uring) is not modelled")
     if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1:
         out.append("PILOT_WORKERS above 1 is not modelled (one pilot thread)")
-    if cfg.COUPLE and not cfg.PILOT_REAL:
-        out.append("COUPLE without PILOT_REAL only issues page-cache hints (WILLNEED) for the next layer, which "
-                   "the model does not have")
     if cfg.COUPLE and cfg.COUPLE_D > 1:
         out.append("COUPLE_D=2 (the table's loads two layers ahead) is not modelled")
     return out
@@ -536,21 +530,28 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     eviction guard as PILOT_EVICT_GUARD says; each layer waiting for the loads in flight on it,
     ``RuntimeConfig.layer_barrier``); with COUPLE, its table's COUPLE_K best per position queued
     after the pilot's (``RuntimeConfig.couple_file``; the caller reads the table,
-    :func:`replay.formats.colipairs.read_coli_pairs`). Raises :class:`InputError` for what the model does not run
+    :func:`replay.formats.colipairs.configured_pair_table`). PILOT=1 without PILOT_REAL: the same
+    lists as page-cache hints (``RuntimeConfig.prefetch_hints``, PILOT_K default 8); COUPLE alone:
+    the ``coupled`` source on its file's table, as hints. Raises :class:`InputError` for what the model does not run
     (:func:`not_modelled`) and for PILOT_REAL=1 without a precision.
     """
     missing = not_modelled(cfg)
     if missing:
         raise InputError("--runtime-env", "; ".join(missing))
-    if cfg.PILOT_REAL and not pilot_precision:
-        raise InputError("--runtime-env", "PILOT_REAL=1: the router pilot's predictions are not in a routing trace; the "
-                                          "model draws them at the pilot's measured precision: give --pilot-precision, "
-                                          "or --runtime-env-from a PROF=1 run with LOOKA=1 (its 'next layer (PILOT, "
-                                          "stale)' line)")
-    if cfg.PILOT_REAL:
-        base = replace(base, prefetch="pilot", prefetch_experts=cfg.PILOT_K or 6, pilot_precision=float(pilot_precision),
-                       evict_guard=bool(cfg.PILOT_EVICT_GUARD), layer_barrier=True, admission="top-k",
+    pilot = cfg.PILOT or cfg.PILOT_REAL
+    if pilot and not pilot_precision:
+        raise InputError("--runtime-env", f"{'PILOT_REAL' if cfg.PILOT_REAL else 'PILOT'}=1: the router pilot's "
+                                          "predictions are not in a routing trace; the model draws them at the pilot's "
+                                          "measured precision: give --pilot-precision, or --runtime-env-from a PROF=1 "
+                                          "run with LOOKA=1 (its 'next layer (PILOT, stale)' line)")
+    if pilot:
+        base = replace(base, prefetch="pilot", prefetch_experts=cfg.PILOT_K or (6 if cfg.PILOT_REAL else 8),
+                       pilot_precision=float(pilot_precision), evict_guard=bool(cfg.PILOT_REAL and cfg.PILOT_EVICT_GUARD),
+                       layer_barrier=bool(cfg.PILOT_REAL), prefetch_hints=not cfg.PILOT_REAL, admission="top-k",
                        couple_file=cfg.COUPLE, couple_experts=cfg.COUPLE_K if cfg.COUPLE else 0)
+    elif cfg.COUPLE:
+        base = replace(base, prefetch="coupled", prefetch_experts=cfg.COUPLE_K, couple_file=cfg.COUPLE,
+                       prefetch_hints=True, admission="top-k")
     team = omp_threads or cfg.OMP_NUM_THREADS or os.cpu_count() or 1
     if cfg.URING:
         workers, batched, blocking = base.workers, True, False

@@ -232,7 +232,8 @@ def compare(plan: Plan, trace: TraceSource, device: ArrayProfile, config: Runtim
     if split is not None:
         plan_config = replace(config, ram_bytes=max(0, config.ram_bytes - plan.split.ram_bytes))
     base_layout = baseline.layout if baseline is not None else plan.stock
-    coupling = training_coupling(trace, plan) if config.prefetch == "coupled" else configured_pair_table(config, plan.layout)
+    coupling = (configured_pair_table(config, plan.layout) if config.couple_file else
+                training_coupling(trace, plan) if config.prefetch == "coupled" else None)
     base = run_layout("baseline", trace, mask, base_layout, device, config, pins, coupling=coupling)
     new = run_layout("plan", trace, mask, plan.layout, device, plan_config, pins, split, coupling=coupling)
     repack = None

@@ -84,6 +84,7 @@ class RuntimeConfig:
     couple_file: str = ""               # prefetch "pilot" with colibrì COUPLE: the .coli_pairs file whose table's loads join the pilot's ("" none)
     couple_experts: int = 0            # COUPLE_K: the table's best experts queued per position after the pilot's (0: no COUPLE)
     evict_guard: bool = False          # colibrì PILOT_EVICT_GUARD: a prefetch load may evict a warm expert only when its own heat is clearly higher (replay.model.runtime.guard_protects)
+    prefetch_hints: bool = False       # colibrì PILOT=1 or COUPLE without PILOT_REAL: the prefetch thread's loads are page-cache hints (WILLNEED): drive reads into the page cache, no copy, not into the LRU
     layer_barrier: bool = False        # colibrì PILOT_REAL: a layer waits, whole, for the prefetch load in flight on it; the wait is other time, not stall; every started load enters the LRU
     copy_threads: int = 0              # threads that copy page-cache hits, when fewer than the readers (URING=1's one io-wq worker): 0 = every reader copies its own
     lru_experts: int = -1              # experts each layer's LRU holds (colibrì's resolved cap); -1: ram_bytes shared evenly by the layers
@@ -125,10 +126,17 @@ class RuntimeConfig:
             raise InputError(None, "the pilot prefetch source takes the router pilot's measured precision (0 < p <= 1; "
                                    "colibrì prints it with LOOKA=1) and the runtime's top-k rule "
                                    f"(got precision {self.pilot_precision!r}, admission {self.admission!r})")
-        if (self.couple_file or self.couple_experts) and not (self.prefetch == "pilot" and self.couple_file
-                                                               and 1 <= self.couple_experts <= 32):
+        if self.couple_experts and not (self.prefetch == "pilot" and self.couple_file and self.couple_experts <= 32):
             raise InputError(None, "COUPLE's table joins the router pilot's loads (prefetch 'pilot'): give its file and "
                                    f"COUPLE_K 1-32 (got {self.couple_file!r}, {self.couple_experts})")
+        if self.couple_file and self.prefetch not in ("pilot", "coupled"):
+            raise InputError(None, f"a COUPLE file ({self.couple_file}) is read by the pilot or coupled prefetch source, "
+                                   f"not {self.prefetch!r}")
+        if (self.prefetch_hints or self.layer_barrier) and self.prefetch not in ("pilot", "coupled"):
+            raise InputError(None, "page-cache hints and the layer barrier are colibrì's prefetch thread's: prefetch "
+                                   f"'pilot' or 'coupled' (got {self.prefetch!r})")
+        if self.prefetch_hints and (self.layer_barrier or self.evict_guard):
+            raise InputError(None, "page-cache hints take no LRU slot: no eviction guard, no layer barrier")
         if not 1 <= self.prefetch_experts <= 64:
             raise InputError(None, f"--prefetch-experts must be 1-64 (got {self.prefetch_experts})")
         if self.admission not in ADMISSION_POLICIES:

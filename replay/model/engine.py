@@ -335,7 +335,8 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       team_held_cores=int(config.team_held_cores),
                       copy_cores=int(config.copy_cores), pilot_precision=float(config.pilot_precision),
                       couple_experts=int(config.couple_experts),
-                      evict_guard=bool(config.evict_guard), layer_barrier=bool(config.layer_barrier))
+                      evict_guard=bool(config.evict_guard), prefetch_hints=bool(config.prefetch_hints),
+                      layer_barrier=bool(config.layer_barrier), short_forwards=bool(config.engine_env))
 
 
 def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device:

@@ -100,8 +100,10 @@ def queue_at_routing(i, li, x, work, n_jobs, out):
     and, per load, where the page cache's undo log stood before it. ``x``:
     :class:`replay.model.state.Inputs`; ``work``: :class:`replay.model.state.Work`.
 
-    Under ``pol.layer_barrier`` (colibrì's ``PILOT_REAL``) nothing is queued for a forward of
-    more than :data:`PILOT_MAX_POSITIONS` positions. Under ``pol.evict_guard`` a load that would
+    Under a colibrì configuration (``pol.short_forwards``) nothing is queued for a forward of
+    more than :data:`PILOT_MAX_POSITIONS` positions. Under ``pol.prefetch_hints`` a load is a
+    page-cache hint: only its drive reads, none for an expert whose pages are cached, no copy
+    (and, under ``pol.direct``, its scales only). Under ``pol.evict_guard`` a load that would
     evict a warm expert the guard protects is dropped before it starts
     (:func:`replay.model.runtime.guard_protects`; counted in ``rejected``): the loads take the
     layer's free slots first, then evict its least recently used experts in turn."""
@@ -111,7 +113,7 @@ def queue_at_routing(i, li, x, work, n_jobs, out):
     n_reads = jobs.first_read[n_jobs]
     job = n_jobs
     n = 0
-    if not pol.layer_barrier or x.inst.positions[i] <= PILOT_MAX_POSITIONS:
+    if not pol.short_forwards or x.inst.positions[i] <= PILOT_MAX_POSITIONS:
         n = _top_k(i, li, x.inst, x.table, pol, pending, ram.heat.count)
     free = lru.capacity[li] - lru.size[li]
     victim = lru.oldest[li]
@@ -119,6 +121,8 @@ def queue_at_routing(i, li, x, work, n_jobs, out):
         e = pf_list[p]
         if ram.pinned[li, e] or lru.cached[li, e]:
             continue
+        if pol.prefetch_hints and (pol.direct or ram.weights.cached[li, e]) and scales_settled(ram.pages, li, e):
+            continue                             # a hint for cached pages reads nothing
         if pol.evict_guard and lru.capacity[li] > 0:
             if free > 0:
                 free -= 1
@@ -157,8 +161,11 @@ def _plan_load(li, e, x, work, n_reads):
     tail, scale_tail, total = 0.0, 0.0, 0
     settled = scales_settled(pages, li, e)
     cached = wc_hit(weights, li, e)
+    hint = pol.prefetch_hints
     for r in range(n_plan):
         f, nb = plan.file[r], plan.length[r]
+        if plan.kind[r] == WEIGHT and hint and (cached or pol.direct):   # a hint: no copy; O_DIRECT weights not hinted
+            continue
         if plan.kind[r] == WEIGHT and cached:
             tail += copy_seconds(nb, plan.offset[r], dev)
         elif plan.kind[r] == WEIGHT:
@@ -168,7 +175,7 @@ def _plan_load(li, e, x, work, n_reads):
             if not queued:
                 scale_tail += copy_seconds(nb, plan.offset[r], dev)
         total += nb
-    return n_plan, n_reads, tail + scale_tail, total
+    return n_plan, n_reads, 0.0 if hint else tail + scale_tail, total
 
 
 @njit(**STAGE)
@@ -224,6 +231,12 @@ def _record_load(i, li, load, deadline, x, work, out, loaded):
     res, pf = out.instance, out.prefetch
     res.reads[i] += n_plan
     res.read_bytes[i] += nbytes
+    if x.pol.prefetch_hints:                     # a hint: its pages are in the page cache now, nothing else
+        pf.loads[i] += 1
+        pf.issued[i] += nbytes
+        if not x.pol.direct:
+            wc_add(weights, li, e)
+        return loaded
     pending.ready[e] = done - deadline
     pending.nbytes[e] = lay.ebytes[li, e]
     pf.loads[i] += 1

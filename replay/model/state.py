@@ -44,7 +44,8 @@ address in the array's logical address space."""
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
                                       "min_probability cancel_stale adaptive_budget backoff blocking routing_order "
-                                      "team_held_cores copy_cores pilot_precision couple_experts evict_guard layer_barrier")
+                                      "team_held_cores copy_cores pilot_precision couple_experts evict_guard prefetch_hints layer_barrier "
+                                      "short_forwards")
 """How the runtime reads (:func:`replay.model.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
 ``alignment`` bytes; ``workers`` (loads in flight); ``warm_fraction`` (the device's declared
@@ -63,8 +64,11 @@ use, the machine's less those; 0: copies not bounded); ``pilot_precision`` (the 
 share of correct predictions, 0-1: :func:`replay.model.prefetch.predict_next`); ``couple_experts``
 (COUPLE_K: the pair table's best experts queued after the pilot's, 0 none); ``evict_guard`` (a
 prefetch load may evict a warm expert only when clearly hotter: :func:`replay.model.runtime.guard_protects`);
-``layer_barrier`` (a layer waits, whole, for the prefetch load in flight on it, as other time,
-and every started load enters the LRU: colibrì's ``PILOT_REAL``)."""
+``prefetch_hints`` (the prefetch thread's loads are page-cache hints: colibrì's ``PILOT=1`` or
+``COUPLE`` without ``PILOT_REAL``); ``layer_barrier`` (a layer waits, whole, for the prefetch
+load in flight on it, as other time, and every started load enters the LRU: colibrì's
+``PILOT_REAL``); ``short_forwards`` (the prefetch thread works for forwards of at most
+:data:`replay.model.prefetching.PILOT_MAX_POSITIONS` positions only: every colibrì configuration)."""
 
 Device = namedtuple("Device", "members chunk rule request_seconds bandwidth queue_slots host_bandwidth full_bandwidth "
                                "stream_bandwidth max_request shared request_channel m_request m_bandwidth m_stream "

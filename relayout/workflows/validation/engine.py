@@ -133,7 +133,7 @@ def check_options(o: EngineValidateOptions) -> tuple[list[str], list[str]]:
         missing = not_modelled(cfg)                            # refuses what the model does not run, naming it
         if missing:
             raise InputError("--read-paths", "; ".join(missing))
-        model_config(cfg, RuntimeConfig(), o.caps[0], pilot_precision=1.0 if cfg.PILOT_REAL else None)
+        model_config(cfg, RuntimeConfig(), o.caps[0], pilot_precision=1.0 if cfg.PILOT or cfg.PILOT_REAL else None)
     prompts, train = read_prompts(o.prompts), read_prompts(o.train_prompts)
     shared = set(prompts) & set(train)
     if shared:
@@ -184,10 +184,14 @@ def _source_manifest(work: WorkDir, src: Path, notify) -> Path:
 
 
 def uses_pilot(o: EngineValidateOptions) -> bool:
-    """Whether a cell runs colibrì's router pilot (PILOT_REAL=1)."""
+    """Whether a cell runs colibrì's router pilot (PILOT=1 or PILOT_REAL=1)."""
     from replay.colibri.engine_config import parse_runtime_env
 
-    return any(parse_runtime_env(cell_env(rp, 1), "--read-paths").PILOT_REAL for rp in o.read_paths)
+    return any(_runs_pilot(parse_runtime_env(cell_env(rp, 1), "--read-paths")) for rp in o.read_paths)
+
+
+def _runs_pilot(cfg) -> bool:
+    return bool(cfg.PILOT or cfg.PILOT_REAL)
 
 
 def training_pilot_precision(train_dir: Path) -> float:
@@ -258,7 +262,7 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
 def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = None) -> tuple[float, int, int, int]:
     """The model's wait over a colibrì run's decode forwards (every forward but the first, the
     prefill), replaying the run's own routing with the configuration it printed (under
-    PILOT_REAL=1, the router pilot at ``pilot_precision``).
+    PILOT=1 or PILOT_REAL=1, the router pilot at ``pilot_precision``).
 
     Returns
     -------
@@ -419,9 +423,10 @@ def _run_results(arm: str, arm_dir: Path, layout, device, notify, pilot_precisio
 
 
 def _pilot_loads(runs: list[RunResult]) -> list[int]:
-    """The router pilot's loads over ``runs``: the engine's (runs that printed them) and the model's."""
-    return [sum(r.measured_pilot_loads for r in runs if r.measured_pilot_loads >= 0),
-            sum(r.predicted_pilot_loads for r in runs if r.predicted_pilot_loads >= 0)]
+    """The router pilot's loads over ``runs``: the engine's (runs that printed them; -1 when none
+    did: hints are not counted) and the model's."""
+    printed = [r.measured_pilot_loads for r in runs if r.measured_pilot_loads >= 0]
+    return [sum(printed) if printed else -1, sum(r.predicted_pilot_loads for r in runs if r.predicted_pilot_loads >= 0)]
 
 
 def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationRecord:
@@ -462,7 +467,7 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
         for name, env, probes, _ in measured:
             copy_rate, copy_source = copy_rates[name]
             cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
-            pilot = pilot_precision if parse_runtime_env(env).PILOT_REAL else None
+            pilot = pilot_precision if _runs_pilot(parse_runtime_env(env)) else None
             runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify, pilot) for m in arms}
             all_runs += [r for m in arms for r in runs[m]]
             control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])

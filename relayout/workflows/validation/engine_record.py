@@ -69,7 +69,7 @@ class RunResult:
     measured_loads: int        # the engine's expert loads (its [PROF] expert I/O line; -1 when not printed)
     predicted_loads: int       # the model's LRU misses over the decode forwards
     returncode: int
-    measured_pilot_loads: int  # the router pilot's completed loads (its PILOT_REAL line, the whole run; -1 when not printed)
+    measured_pilot_loads: int  # the router pilot's completed loads (its PILOT_REAL line, the whole run; -1 when not printed: no PILOT_REAL)
     predicted_pilot_loads: int  # the model's prefetch loads over the decode forwards (-1 when no prefetcher runs)
 
 
@@ -118,7 +118,7 @@ class CellResult:
     copy_rate_source: str      # whose runs measured copy_rate: "its stock runs", "the median of cells ...", "" (none)
     disk_probe: list[float]    # bytes/s: the disk probed before and after the cell's runs (empty: not probed)
     disk_scale: float          # the probes' mean over the profile's rate for the same reads (0: not probed)
-    pilot_precision: float     # PILOT_REAL: the router pilot's share of right predictions, from the training runs (0: no pilot)
+    pilot_precision: float     # PILOT or PILOT_REAL: the router pilot's share of right predictions, from the training runs (0: no pilot)
     pilot_loads: list[int]     # PILOT_REAL: the pilot's loads over the cell's runs, the engine's (whole runs) and the model's (decode); [] without
 
 
