@@ -148,7 +148,6 @@ def test_a_pilot_run_says_its_configuration_and_its_precision():
 
 
 @pytest.mark.parametrize("env, words", [
-    ("PILOT=1 PILOT_TWO=1", "PILOT_TWO"),
     ("PILOT_REAL=1 URING=1", "URING=1"),
     ("PILOT_REAL=1 PILOT_WORKERS=2", "PILOT_WORKERS"),
     ("PILOT_REAL=1 COUPLE=pairs.txt COUPLE_D=2", "COUPLE_D=2"),
@@ -310,3 +309,18 @@ def test_hint_configurations_map_to_the_engines_lists():
                                                                                                    "t.coli_pairs", 0, True)
     with pytest.raises(InputError, match="LOOKA=1"):
         model_config(parse_runtime_env("PILOT=1"), RuntimeConfig(), 4)
+
+
+def test_the_two_step_pilot_takes_its_own_precision(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(PILOT_RUN, run)
+    with open(run / "stdout.txt", "a") as f:
+        f.write("PILOT_TWO: two-step shared-expert-corrected prefetch active (3 extra matmuls/prediction)\n"
+                "  next layer (two-step, shared-expert)        68.0%  (313/460)\n")
+    cfg, facts = config_from_run(run)
+    assert cfg.PILOT_TWO == 1 and facts.pilot_precision == pytest.approx(313 / 460)
+    assert parse_runtime_env("PILOT_TWO=1").PILOT == 1      # the engine: PILOT_TWO implies the pilot
+    m = model_config(cfg, RuntimeConfig(), 4, pilot_precision=facts.pilot_precision)
+    assert m.prefetch == "pilot" and m.pilot_precision == pytest.approx(313 / 460) and m.layer_barrier

@@ -136,7 +136,7 @@ class RunFacts:
     as the router selects) and the main thread's time per decode forward outside expert waits,
     expert matmuls and the LM head (s: the decode ``PROFILE`` line's attention and other over its
     forwards, when the run printed them: when the router pilot loads between two layers' expert
-    work); None where the output does not say."""
+    work); under PILOT_TWO the precision is its two-step line's; None where the output does not say."""
 
     cap: int | None = None
     pinned: int | None = None
@@ -266,8 +266,8 @@ def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfi
     """An :class:`EngineConfig` from ``NAME=VALUE`` words (:func:`env_words`, strict: an unknown
     variable or a malformed value is one error naming it; :data:`NO_READ_EFFECT` variables are
     ignored). Rules the engine applies when it starts: ``URING=1`` implies ``PIPE=1``;
-    ``PIPE_WORKERS`` given without ``PIPE`` implies ``PIPE=1``; ``URING=1`` with ``COLI_MMAP=1``
-    is refused (the engine exits).
+    ``PIPE_WORKERS`` given without ``PIPE`` implies ``PIPE=1``; ``PILOT_TWO=1`` implies ``PILOT=1``;
+    ``URING=1`` with ``COLI_MMAP=1`` is refused (the engine exits).
 
     Parameters
     ----------
@@ -299,6 +299,8 @@ def parse_runtime_env(text: str, where: str = "--runtime-env", base: EngineConfi
         raise InputError(where, "URING=1 with COLI_MMAP=1: the engine refuses this combination")
     if cfg.URING or ("PIPE_WORKERS" in given and "PIPE" not in given and base is None):
         cfg = replace(cfg, PIPE=1)
+    if cfg.PILOT_TWO:
+        cfg = replace(cfg, PILOT=1)
     return cfg
 
 
@@ -313,6 +315,7 @@ _DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold .*?\
 
 
 _TUNING_LINE = re.compile(r"\[OMP\] hot-thread tuning: re-exec")
+_PILOT_TWO_LINE = re.compile(r"PILOT_TWO: two-step shared-expert-corrected prefetch active")
 _PILOT_K_LINE = re.compile(r"PILOT_REAL: \d+ load cross-layer completati, .*\| PILOT_K=(\d+)")
 _COUPLE_LINE = re.compile(r"\[COUPLE\] (.+): \d+ conditioning entries, K=(\d+) depth=(\d+)")
 
@@ -357,6 +360,8 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     pk = _PILOT_K_LINE.search(text)
     if pk:
         cfg = replace(cfg, PILOT_REAL=1, PILOT_K=int(pk.group(1)))
+    if _PILOT_TWO_LINE.search(text):
+        cfg = replace(cfg, PILOT_TWO=1)
     if p.is_dir() and (p / RUN_FILE).is_file():
         where = str(p / RUN_FILE)
         env = RunIdentity.from_json(parse_json(read_bytes(p / RUN_FILE)), where).env
@@ -381,7 +386,7 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     loads = (out.expert_io.loads + (out.pilot_loads or 0)) if out is not None and out.expert_io is not None else 0
     load = (out.decode.service_s / loads if out is not None and out.decode is not None
             and loads > 0 and out.decode.service_s > 0 and not cfg.URING else None)
-    look = out.pilot_lookahead if out is not None else None
+    look = (out.pilot_two_lookahead if cfg.PILOT_TWO else out.pilot_lookahead) if out is not None else None
     precision = look[0] / look[1] if look and look[1] > 0 else None
     forwards = out.forwards.forwards if out is not None and out.forwards is not None else None
     between = ((out.decode.attention_s + out.decode.other_s) / forwards
@@ -500,8 +505,6 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
 def not_modelled(cfg: EngineConfig) -> list[str]:
     """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
     out = []
-    if cfg.PILOT_TWO:
-        out.append("PILOT_TWO (the two-step router pilot) is not modelled")
     if cfg.PILOT_REAL and cfg.URING:
         out.append("PILOT_REAL under URING=1 (the pilot's loads batched on io_uring) is not modelled")
     if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1:

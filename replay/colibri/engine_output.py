@@ -33,7 +33,8 @@ newline), so every line but serve's ``PROF`` is found anywhere in a line.
   pilot's loads completed, and its predictions dropped (the layer already reached, no slot, or
   the eviction guard).
 - ``LOOKA=1``: ``next layer (PILOT, stale) <pct>%  (<hits>/<total>)`` under ``LOOKAHEAD routing``:
-  of the next layers' routed experts, how many the router pilot's prediction held.
+  of the next layers' routed experts, how many the router pilot's prediction held; ``next layer
+  (two-step, shared-expert) ...`` the same for its two-step prediction (``PILOT_TWO``).
 
 S, the foreground stall per committed token, is the decode window's ``wait`` over its committed
 tokens (serve mode: the turns' summed ``ewait`` over their summed completion tokens).
@@ -80,6 +81,7 @@ _PROMPT_TOKENS = re.compile(r"\[PROMPT_TOKENS\] (\d+):((?: -?\d+)*)\s*$")
 _TOKENS = re.compile(r"\[TOKENS\] (\d+) generated:((?: -?\d+)*)\s*$")
 _PILOT_REAL = re.compile(r"PILOT_REAL: (\d+) load cross-layer completati, (\d+) scartati")
 _LOOKAHEAD_PILOT = re.compile(r"next layer \(PILOT, stale\)\s+-?\d+(?:\.\d+)?%\s+\((\d+)/(\d+)\)")
+_LOOKAHEAD_TWO = re.compile(r"next layer \(two-step, shared-expert\)\s+-?\d+(?:\.\d+)?%\s+\((\d+)/(\d+)\)")
 
 
 def _fits(value, hint) -> bool:
@@ -209,7 +211,7 @@ class EngineOutput:
     ``ram_auto`` whether the engine chose it from available memory. ``pilot_loads`` and
     ``pilot_drops``: the router pilot's completed loads and dropped predictions (``PILOT_REAL=1``);
     ``pilot_lookahead``: ``[hits, total]``, the next layers' routed experts its prediction held
-    (``LOOKA=1``).
+    (``LOOKA=1``); ``pilot_two_lookahead`` the same for its two-step prediction.
     """
 
     decode: Profile | None
@@ -231,6 +233,7 @@ class EngineOutput:
     pilot_loads: int | None = None
     pilot_drops: int | None = None
     pilot_lookahead: list | None = None
+    pilot_two_lookahead: list | None = None
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -279,7 +282,7 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
     out: dict = {"prefill_tokens": None, "decode_tokens": None, "decode_s": None, "config": {}, "config_line": None,
                  "cap": None, "requested_cap": None, "ram_gb": None, "ram_auto": None, "forwards": None,
                  "expert_io": None, "serve_turns": [], "prompt_tokens": None, "output_tokens": None,
-                 "pilot_loads": None, "pilot_drops": None, "pilot_lookahead": None}
+                 "pilot_loads": None, "pilot_drops": None, "pilot_lookahead": None, "pilot_two_lookahead": None}
     for raw in text.splitlines():
         line = raw.strip("\r")
         if _PREFILL_MARK.search(line):
@@ -332,6 +335,10 @@ def parse_engine_output(text: str, where: str = "engine output") -> EngineOutput
         m = _LOOKAHEAD_PILOT.search(line)
         if m:
             out["pilot_lookahead"] = [int(m[1]), int(m[2])]
+            continue
+        m = _LOOKAHEAD_TWO.search(line)
+        if m:
+            out["pilot_two_lookahead"] = [int(m[1]), int(m[2])]
             continue
         m = _SERVE.match(line)
         if m:

@@ -194,13 +194,25 @@ def _runs_pilot(cfg) -> bool:
     return bool(cfg.PILOT or cfg.PILOT_REAL)
 
 
-def training_pilot_precision(train_dir: Path) -> float:
+def _cell_precision(env: str, precisions: dict) -> float | None:
+    """The router pilot's precision for a cell of variables ``env`` (None: no pilot): the training
+    runs' two-step one under PILOT_TWO, else their stale one (``precisions`` by ``two_step``)."""
+    from replay.colibri.engine_config import env_words
+
+    words = env_words(env, "--read-paths", strict=False)         # the engine's words: --engine-env's too
+    on = {name for name in ("PILOT", "PILOT_REAL", "PILOT_TWO") if words.get(name) == "1"}
+    return precisions["PILOT_TWO" in on] if on else None
+
+
+def training_pilot_precision(train_dir: Path, two_step: bool = False) -> float:
     """The share of the router pilot's predictions the next layer routed over the training runs
-    (their ``LOOKA=1`` lines pooled: hits over the next layers' routed experts). Raises
-    :class:`InputError` when no training run printed one (runs recorded without LOOKA=1)."""
+    (their ``LOOKA=1`` lines pooled: hits over the next layers' routed experts; ``two_step``: of its
+    two-step prediction, PILOT_TWO's). Raises :class:`InputError` when no training run printed one
+    (runs recorded without LOOKA=1)."""
     from replay.colibri.engine_output import read_runs
 
-    looks = [r.output.pilot_lookahead for r in read_runs(train_dir) if r.output.pilot_lookahead]
+    looks = [look for r in read_runs(train_dir)
+             if (look := r.output.pilot_two_lookahead if two_step else r.output.pilot_lookahead)]
     total = sum(t for _, t in looks)
     if not total:
         raise InputError(train_dir, "no training run printed the router pilot's precision (LOOKA=1): record the "
@@ -433,7 +445,7 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
     """Run the module's four steps and write the record (``o.output``, else PATH/:data:`RECORD_NAME`)."""
     from containers.container import Container
     from containers.layout import layout_from_container
-    from replay.colibri.engine_config import at_engine_copy_rate, env_words, parse_runtime_env
+    from replay.colibri.engine_config import at_engine_copy_rate, env_words
 
     from .prepare import probe_target
 
@@ -442,7 +454,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
     try:
         _check_setup(work, o)
         dirs, sessions = prepare_layouts(o, work, train, notify)
-        pilot_precision = training_pilot_precision(work.path / "train" / "train") if uses_pilot(o) else None
+        precisions = ({two: training_pilot_precision(work.path / "train" / "train", two) for two in (False, True)}
+                      if uses_pilot(o) else {})
         device, device_source = _device(o, work, notify)
         layouts = {m: layout_from_container(Container.open(d)) for m, d in dirs.items()}
         probe = probe_target(o.container, layouts["stock"])
@@ -461,13 +474,13 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                 own = cell_copy_rate(cells_dir / name / "stock", layouts["stock"])
                 own = own if at_engine_copy_rate(device, own, layouts["stock"]) is not device else 0.0
                 measured.append((name, env, probes, (own, cell_copy_kind(cells_dir / name / "stock", layouts["stock"],
-                                                                                 pilot_precision))))
+                                                                                 _cell_precision(env, precisions)))))
         copy_rates = cell_copy_rates({name: own for name, _, _, own in measured})
         cells, all_runs = [], []
         for name, env, probes, _ in measured:
             copy_rate, copy_source = copy_rates[name]
             cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
-            pilot = pilot_precision if _runs_pilot(parse_runtime_env(env)) else None
+            pilot = _cell_precision(env, precisions)
             runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify, pilot) for m in arms}
             all_runs += [r for m in arms for r in runs[m]]
             control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
