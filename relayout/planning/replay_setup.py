@@ -107,9 +107,10 @@ def runtime_config(request: RuntimeRequest, layout=None):
         cannot be read, COLI_MMAP=1 is asked for without a run of it that timed its loads, or
         PILOT_REAL=1 without the router pilot's precision.
 
-    Under PILOT_REAL=1 a run's decode time outside expert waits, matmuls and the LM head, per
-    forward and MoE layer (:attr:`replay.colibri.engine_config.RunFacts.between_layers_seconds`),
-    is the time between two layers' expert work (``dense_seconds``): the pilot loads through it.
+    Under colibrì's prefetchers (PILOT, PILOT_REAL, COUPLE) a run's decode time outside expert
+    waits, matmuls and the LM head, per forward and MoE layer
+    (:attr:`replay.colibri.engine_config.RunFacts.between_layers_seconds`), is the time between
+    two layers' expert work (``dense_seconds``): the prefetch thread loads through it.
     """
     base = base_config(request)
     if not request.colibri_run:
@@ -137,7 +138,7 @@ def runtime_config(request: RuntimeRequest, layout=None):
     lru, page = memory_terms(cfg, facts, layout, base.pin_bytes) if layout is not None else (-1, 0)
     if request.page_cache_gb is None:
         base = replace(base, page_cache_bytes=page)
-    if cfg.PILOT_REAL and facts and facts.between_layers_seconds and layout is not None:
+    if (cfg.PILOT or cfg.PILOT_REAL or cfg.COUPLE) and facts and facts.between_layers_seconds and layout is not None:
         base = replace(base, dense_seconds=facts.between_layers_seconds / len(layout.layers))
     precision = request.pilot_precision or (facts.pilot_precision if facts else None)
     return model_config(cfg, base, lru, facts.omp_threads if facts else None, base.pin_bytes,
