@@ -324,3 +324,15 @@ def test_the_two_step_pilot_takes_its_own_precision(tmp_path):
     assert parse_runtime_env("PILOT_TWO=1").PILOT == 1      # the engine: PILOT_TWO implies the pilot
     m = model_config(cfg, RuntimeConfig(), 4, pilot_precision=facts.pilot_precision)
     assert m.prefetch == "pilot" and m.pilot_precision == pytest.approx(313 / 460) and m.layer_barrier
+
+
+def test_the_report_of_a_pilot_run_gives_its_loads_and_its_precision():
+    from replay.colibri.engine_metrics import engine_report
+
+    arm = engine_report([PILOT_RUN])["arms"][0]
+    run = read_run(PILOT_RUN).output
+    tokens = run.committed_tokens
+    assert arm["pilot_loads_per_token"] == pytest.approx(run.pilot_loads / tokens)
+    assert arm["pilot_drops_per_token"] == pytest.approx(run.pilot_drops / tokens)
+    assert arm["pilot_precision"] == pytest.approx(run.pilot_lookahead[0] / run.pilot_lookahead[1])
+    assert "PILOT=1" in arm["configurations"][0]

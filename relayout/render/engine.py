@@ -27,6 +27,12 @@ def format_engine_report(r: dict) -> str:
             f"{_ms(a['loads_per_token'])} | decode forward latency p50 {_ms(a['forward_latency_p50_ms_mean_over_runs'])} "
             f"p99 {_ms(a['forward_latency_p99_ms_mean_over_runs'])} ms (means over runs)",
         ]
+        if a.get("pilot_loads_per_token") is not None or a.get("pilot_precision") is not None:
+            lines.append(f"  router pilot: {_ms(a.get('pilot_loads_per_token'))} loads and "
+                         f"{_ms(a.get('pilot_drops_per_token'))} dropped predictions per committed token (its PILOT_REAL "
+                         f"line, whole runs)"
+                         + (f" | its prediction held {a['pilot_precision']:.1%} of the next layers' routed experts "
+                            f"(LOOKA=1; --pilot-precision for the gate)" if a.get("pilot_precision") is not None else ""))
         lines += [f"  configuration: {c}" for c in a["configurations"]]
         lines += [f"  FAILED RUN (engine exit status non-zero): {f}" for f in a["failed_runs"]]
     return "\n".join(lines)

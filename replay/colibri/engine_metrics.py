@@ -65,6 +65,9 @@ class EngineRunMetrics:
     configuration: str
     returncode: int | None
     load_average: float | None
+    pilot_loads: int | None = None      # the router pilot's completed loads (PILOT_REAL=1's line), the whole run
+    pilot_drops: int | None = None      # its predictions dropped (layer reached, no slot, eviction guard)
+    pilot_lookahead: list | None = None  # LOOKA=1: [hits, total] of its prediction against the next layers' experts
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,7 +87,7 @@ def configuration_label(run: EngineRun) -> str:
     env = run.identity.env if run.identity else {}
     parts += [f"{k}={env[k]}" for k in RUNTIME_VARIABLES if k in env]
     out = run.output
-    printed = [f"{k}={out.config[k]}" for k in ("PIPE", "DIRECT", "MMAP", "DRAFT") if k in out.config]
+    printed = [f"{k}={out.config[k]}" for k in ("PIPE", "DIRECT", "MMAP", "DRAFT", "PILOT") if k in out.config]
     if printed:
         parts.append("[config " + " ".join(printed) + "]")
     if out.cap is not None:
@@ -135,7 +138,8 @@ def run_metrics(run: EngineRun, arm: str, key: str) -> EngineRunMetrics:
         forward_p99_ms=out.forwards.p99_ms if out.forwards else None,
         configuration=configuration_label(run),
         returncode=run.identity.returncode if run.identity else None,
-        load_average=run.identity.load_average if run.identity else None)
+        load_average=run.identity.load_average if run.identity else None,
+        pilot_loads=out.pilot_loads, pilot_drops=out.pilot_drops, pilot_lookahead=out.pilot_lookahead)
 
 
 def _arm_name(path: str | Path, runs: list[EngineRun]) -> str:
@@ -163,6 +167,18 @@ def _weighted(metrics: list[EngineRunMetrics], name: str) -> float | None:
     return float(sum(v * t for v, t in pairs) / sum(t for _, t in pairs))
 
 
+def _per_token(metrics: list[EngineRunMetrics], name: str) -> float | None:
+    """A count the runs printed (``name``), summed over them, per committed token of those runs."""
+    runs = [(getattr(m, name), m.committed_tokens) for m in metrics if getattr(m, name) is not None]
+    return float(sum(v for v, _ in runs) / sum(t for _, t in runs)) if runs else None
+
+
+def _pooled_share(pairs: list) -> float | None:
+    """``[hits, total]`` pairs pooled: hits over total (None for none)."""
+    total = sum(t for _, t in pairs)
+    return float(sum(h for h, _ in pairs) / total) if total else None
+
+
 def arm_summary(path: str | Path, arm: str, metrics: list[EngineRunMetrics]) -> dict:
     tokens = sum(m.committed_tokens for m in metrics)
     s = sum(m.wait_s for m in metrics) / tokens * 1e3
@@ -183,6 +199,9 @@ def arm_summary(path: str | Path, arm: str, metrics: list[EngineRunMetrics]) -> 
         "configurations": sorted({m.configuration for m in metrics}),
         "failed_runs": [m.source for m in metrics if m.returncode not in (None, 0)],
         "load_average": _mean(m.load_average for m in metrics),
+        "pilot_loads_per_token": _per_token(metrics, "pilot_loads"),
+        "pilot_drops_per_token": _per_token(metrics, "pilot_drops"),
+        "pilot_precision": _pooled_share([m.pilot_lookahead for m in metrics if m.pilot_lookahead]),
         "per_run": [m.to_json() for m in metrics],
     }
 
