@@ -148,7 +148,6 @@ def test_a_pilot_run_says_its_configuration_and_its_precision():
 
 
 @pytest.mark.parametrize("env, words", [
-    ("PILOT_REAL=1 URING=1", "URING=1"),
     ("PILOT_REAL=1 PILOT_WORKERS=2", "PILOT_WORKERS"),
     ("PILOT_REAL=1 COUPLE=pairs.txt COUPLE_D=2", "COUPLE_D=2"),
 ])
@@ -336,3 +335,11 @@ def test_the_report_of_a_pilot_run_gives_its_loads_and_its_precision():
     assert arm["pilot_drops_per_token"] == pytest.approx(run.pilot_drops / tokens)
     assert arm["pilot_precision"] == pytest.approx(run.pilot_lookahead[0] / run.pilot_lookahead[1])
     assert "PILOT=1" in arm["configurations"][0]
+
+
+def test_the_pilot_under_uring_is_its_one_thread_beside_the_batched_demand_loads():
+    from replay.colibri.describe import describe
+
+    m = model_config(parse_runtime_env("URING=1 PILOT_REAL=1"), RuntimeConfig(), 4, pilot_precision=0.5)
+    assert m.batched and m.prefetch == "pilot" and m.layer_barrier and m.copy_threads == 1
+    assert "io_uring batches taken as its loads in turn" in describe(m)

@@ -52,7 +52,8 @@ def describe_mode(config: RuntimeConfig) -> str:
     elif config.prefetch == "pilot":
         mode += (f", PILOT_REAL: the router pilot loads {config.prefetch_experts} experts per position of the next layer "
                  f"on one thread, {config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)"
-                 f"{', eviction guard on' if config.evict_guard else ''}, each layer waiting for the loads in flight on it")
+                 f"{', eviction guard on' if config.evict_guard else ''}, each layer waiting for the loads in flight on it"
+                 f"{' (its io_uring batches taken as its loads in turn)' if config.batched else ''}")
     elif config.prefetch == "coupled" and config.prefetch_hints:
         mode += f", COUPLE: page-cache hints for the {config.prefetch_experts} best of the pair table {config.couple_file}"
     if config.prefetch == "pilot" and config.couple_file:

@@ -505,8 +505,6 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
 def not_modelled(cfg: EngineConfig) -> list[str]:
     """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
     out = []
-    if cfg.PILOT_REAL and cfg.URING:
-        out.append("PILOT_REAL under URING=1 (the pilot's loads batched on io_uring) is not modelled")
     if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1:
         out.append("PILOT_WORKERS above 1 is not modelled (one pilot thread)")
     if cfg.COUPLE and cfg.COUPLE_D > 1:
