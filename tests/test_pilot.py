@@ -343,3 +343,18 @@ def test_the_pilot_under_uring_is_its_one_thread_beside_the_batched_demand_loads
     m = model_config(parse_runtime_env("URING=1 PILOT_REAL=1"), RuntimeConfig(), 4, pilot_precision=0.5)
     assert m.batched and m.prefetch == "pilot" and m.layer_barrier and m.copy_threads == 1
     assert "io_uring batches taken as its loads in turn" in describe(m)
+
+
+def test_a_changed_pair_file_is_read_again(tmp_path):
+    from replay.formats.colipairs import configured_pair_table
+
+    lay = simple_layout(layers=(3, 4))
+    path = _pairs_file(tmp_path / "p.coli_pairs", [(3, 1, 0, [(2, 9)])])
+    cfg = RuntimeConfig(prefetch="pilot", pilot_precision=0.5, couple_file=path, couple_experts=2)
+    first = configured_pair_table(cfg, lay)
+    assert first[0][0, 0, 0] == 2
+    first[0][0, 0, 0] = 7                              # the caller's copy: the next read is not changed
+    assert configured_pair_table(cfg, lay)[0][0, 0, 0] == 2
+    _pairs_file(tmp_path / "p.coli_pairs", [(3, 1, 0, [(5, 9), (6, 1)])])
+    assert configured_pair_table(cfg, lay)[0][0, 0, :2].tolist() == [5, 6]
+    assert configured_pair_table(RuntimeConfig(), lay) is None

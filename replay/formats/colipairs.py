@@ -15,6 +15,7 @@ line it cannot parse, the model refuses the file, naming the line.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -113,5 +114,20 @@ def read_coli_pairs(path: str | os.PathLike, layers, n_experts: int) -> tuple[np
 def configured_pair_table(config, layout) -> tuple[np.ndarray, np.ndarray] | None:
     """The pair table a configuration's COUPLE names (``config.couple_file``, a
     :class:`replay.model.config.RuntimeConfig`), on ``layout``'s layers
-    (:func:`read_coli_pairs`); None when it names none."""
-    return read_coli_pairs(config.couple_file, layout.layers, layout.n_experts) if config.couple_file else None
+    (:func:`read_coli_pairs`); None when it names none. A file read before and unchanged since
+    (same size and modification time) is not parsed again: a validation replays hundreds of runs
+    with one table."""
+    if not config.couple_file:
+        return None
+    try:
+        st = os.stat(config.couple_file)
+    except OSError as exc:
+        raise InputError(config.couple_file, f"cannot read the COUPLE file: {exc.strerror or exc}") from None
+    targets, counts = _read_once(str(config.couple_file), st.st_size, st.st_mtime_ns,
+                                 tuple(int(x) for x in layout.layers), int(layout.n_experts))
+    return targets.copy(), counts.copy()
+
+
+@functools.lru_cache(maxsize=4)
+def _read_once(path: str, size: int, mtime_ns: int, layers: tuple, n_experts: int):
+    return read_coli_pairs(path, layers, n_experts)
