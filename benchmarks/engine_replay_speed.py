@@ -8,8 +8,8 @@ VDIR is a ``relayout validate --engine`` directory (its ``cells/<cell>/<layout>/
 ``relayout measure --engine`` keeps them, and its ``device.json``). For every run, side by side:
 the engine's wall time (its ``engine-run.json``), and relayout's time to read the run's output
 (``replay.colibri.engine_output.read_run``), import its ROUTE_TRACE and replay it through the
-model with the configuration it printed
-(:func:`relayout.workflows.validation.engine.predict_run`), in this process after one untimed
+model with the configuration it printed (the router pilot at the cell's precision, from the
+record) (:func:`relayout.workflows.validation.engine.predict_run`), in this process after one untimed
 replay that loads the compiled model. Prints the totals, the ratio, and the slowest run's.
 """
 
@@ -43,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"{vdir}: no engine runs under cells/", file=sys.stderr)
         return 2
-    predict_run(runs[0], layouts[runs[0].parent.name], device)          # loads the compiled model
+    precision = {c["name"]: c.get("pilot_precision") or None for c in setup["cells"]}   # the router pilot's, per cell
+    predict_run(runs[0], layouts[runs[0].parent.name], device, precision.get(runs[0].parent.parent.name))  # compiles
     engine_s, ours_s, worst = 0.0, 0.0, (0.0, None)
     for run_dir in runs:
         t = time.perf_counter()
         run = read_run(run_dir)
-        predict_run(run_dir, layouts[run_dir.parent.name], device)
+        predict_run(run_dir, layouts[run_dir.parent.name], device, precision.get(run_dir.parent.parent.name))
         took = time.perf_counter() - t
         wall = run.identity.wall_s
         engine_s, ours_s = engine_s + wall, ours_s + took
