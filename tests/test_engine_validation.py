@@ -272,3 +272,15 @@ def test_a_cells_disk_probe_brackets_its_runs_and_is_kept_for_a_resumed_cell(tmp
     assert probe_cell(cell, (data, 1 << 20), lambda: order.append("resumed")) == []
     assert not (cell / DISK_PROBE_NAME).exists()
     assert probe_cell(tmp_path / "none", (None, 0), lambda: order.append("unprobed")) == []
+
+
+def test_a_cell_runs_the_router_pilot_whether_its_read_path_or_the_engine_env_sets_it(tmp_path):
+    from relayout.workflows.validation.engine import _cell_precision, uses_pilot
+
+    assert not uses_pilot(_options(tmp_path))
+    assert uses_pilot(_options(tmp_path, read_paths=("PIPE=0 PILOT_REAL=1",)))
+    assert uses_pilot(_options(tmp_path, engine_env="PILOT_REAL=1 DRAFT=4"))
+    precisions = {False: 0.5, True: 0.7}
+    assert _cell_precision("PIPE=0 PILOT_REAL=1 PILOT_TWO=1 CAP=4", precisions) == 0.7
+    assert _cell_precision("PIPE=1 PILOT=1", precisions) == 0.5
+    assert _cell_precision("PIPE=1 PILOT_REAL=0", precisions) is None

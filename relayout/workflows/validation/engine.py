@@ -184,23 +184,22 @@ def _source_manifest(work: WorkDir, src: Path, notify) -> Path:
 
 
 def uses_pilot(o: EngineValidateOptions) -> bool:
-    """Whether a cell runs colibrì's router pilot (PILOT=1 or PILOT_REAL=1)."""
-    from replay.colibri.engine_config import parse_runtime_env
-
-    return any(_runs_pilot(parse_runtime_env(cell_env(rp, 1), "--read-paths")) for rp in o.read_paths)
+    """Whether a cell runs colibrì's router pilot (PILOT, PILOT_REAL or PILOT_TWO set to 1)."""
+    return any(_pilot_variables(cell_env(rp, 1, o.engine_env)) for rp in o.read_paths)
 
 
-def _runs_pilot(cfg) -> bool:
-    return bool(cfg.PILOT or cfg.PILOT_REAL)
+def _pilot_variables(env: str) -> set[str]:
+    """The router pilot's variables set to 1 among a cell's engine words (``--engine-env``'s too)."""
+    from replay.colibri.engine_config import env_words
+
+    words = env_words(env, "--read-paths", strict=False)
+    return {name for name in ("PILOT", "PILOT_REAL", "PILOT_TWO") if words.get(name) == "1"}
 
 
 def _cell_precision(env: str, precisions: dict) -> float | None:
     """The router pilot's precision for a cell of variables ``env`` (None: no pilot): the training
     runs' two-step one under PILOT_TWO, else their stale one (``precisions`` by ``two_step``)."""
-    from replay.colibri.engine_config import env_words
-
-    words = env_words(env, "--read-paths", strict=False)         # the engine's words: --engine-env's too
-    on = {name for name in ("PILOT", "PILOT_REAL", "PILOT_TWO") if words.get(name) == "1"}
+    on = _pilot_variables(env)
     return precisions["PILOT_TWO" in on] if on else None
 
 
