@@ -158,7 +158,7 @@ def _options(tmp_path: Path, **kw) -> EngineValidateOptions:
     ({"layouts": ("stock",)}, "must start with stock"),
     ({"reps": 1}, "--reps must be at least 2"),
     ({"caps": (0,)}, "--caps"),
-    ({"read_paths": ("PILOT_REAL=1 PILOT_WORKERS=2",)}, "PILOT_WORKERS"),
+    ({"read_paths": ("PILOT_REAL=1 COUPLE=pairs.txt COUPLE_D=2",)}, "COUPLE_D=2"),
     ({"read_paths": ("PIPE=3",)}, "PIPE must be 0 or 1"),
 ])
 def test_what_cannot_be_validated_is_refused_before_the_engine_runs(tmp_path, change, says):

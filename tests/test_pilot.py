@@ -147,13 +147,71 @@ def test_a_pilot_run_says_its_configuration_and_its_precision():
     assert (off.prefetch_experts, off.evict_guard) == (3, False)
 
 
-@pytest.mark.parametrize("env, words", [
-    ("PILOT_REAL=1 PILOT_WORKERS=2", "PILOT_WORKERS"),
-    ("PILOT_REAL=1 COUPLE=pairs.txt COUPLE_D=2", "COUPLE_D=2"),
+def test_what_the_model_does_not_run_of_the_prefetchers_is_refused_by_name():
+    with pytest.raises(InputError, match="COUPLE_D=2"):
+        model_config(parse_runtime_env("PILOT_REAL=1 COUPLE=pairs.txt COUPLE_D=2"), RuntimeConfig(), 4, pilot_precision=0.5)
+
+
+@pytest.mark.parametrize("env, threads", [
+    ("PILOT_REAL=1 PILOT_WORKERS=4", 4),
+    ("PILOT_REAL=1", 1),
+    ("PILOT_REAL=1 PILOT_WORKERS=4 URING=1", 1),       # colibrì drains its ring with one io_uring thread
+    ("PILOT=1 PILOT_WORKERS=4", 1),                    # hints: one fadvise thread
 ])
-def test_what_the_model_does_not_run_of_the_prefetchers_is_refused_by_name(env, words):
-    with pytest.raises(InputError, match=words):
-        model_config(parse_runtime_env(env), RuntimeConfig(), 4, pilot_precision=0.5)
+def test_pilot_workers_load_the_pilots_queue_only_where_colibri_fans_out(env, threads):
+    assert model_config(parse_runtime_env(env), RuntimeConfig(), 4, pilot_precision=0.5).pilot_workers == threads
+
+
+def test_several_pilot_threads_need_the_router_pilot_on_a_blocking_read_path():
+    with pytest.raises(InputError, match="PILOT_WORKERS"):
+        RuntimeConfig(prefetch="pilot", pilot_precision=0.5, pilot_workers=2)
+    with pytest.raises(InputError, match="1-16"):
+        RuntimeConfig(prefetch="pilot", pilot_precision=0.5, layer_barrier=True, pilot_workers=17)
+
+
+@pytest.mark.parametrize("service", ["in-order", "shared"])
+def test_pilot_threads_start_as_many_loads_as_they_are_before_the_next_layer(service):
+    """Layer 3 reads nothing, so layer 4 is routed almost at once: one pilot thread has started one
+    of its four loads by then, four threads all four. The loads in flight overlap on the drive, so
+    the layer's barrier for four is well under four loads' time, and nothing is left to stall."""
+    lay = simple_layout(layers=(3, 4))
+    tr = make_trace([[[0, 1, 6, 7]]], layers=(3, 4))
+    tr.experts[1] = [2, 3, 4, 5]
+    pinned = np.zeros((2, 16), bool)
+    pinned[0, [0, 1, 6, 7]] = True
+    cfg = RuntimeConfig(workers=1, ram_bytes=2 * 8 * EXPERT, dense_seconds=1e-5, compute_bytes_per_second=1e30,
+                        prefetch="pilot", prefetch_experts=4, pilot_precision=1.0, layer_barrier=True)
+    drive = one_drive()
+    drive = replace(drive, drive=replace(drive.drive, service=service))
+    one, _ = simulate(tr, np.ones(1, bool), lay, drive, cfg, pinned)
+    four, _ = simulate(tr, np.ones(1, bool), lay, drive, replace(cfg, pilot_workers=4), pinned)
+    assert (one.prefetch.loads.sum(), one.prefetch.cancelled.sum(), one.hits[1]) == (1, 3, 1)
+    assert (four.prefetch.loads.sum(), four.prefetch.cancelled.sum(), four.hits[1]) == (4, 0, 4)
+    assert one.stall[1] > 0 and four.stall[1] == 0
+    assert 0 < four.prefetch.barrier[1] < 2 * one.prefetch.barrier[1]
+
+
+@pytest.mark.parametrize("service", ["in-order", "shared"])
+def test_pilot_threads_share_the_drive_with_the_layers_demand_loads(service):
+    """The pilot threads' reads interleave with the demand worker's: every queued load completes
+    while layer 3 loads its own four experts, and layer 4 finds all four. Drives that serve reads
+    in order make the demand loads wait longer beside four pilot threads than beside one; drives
+    that share their channel fairly finish the same bytes at the same time either way."""
+    lay = simple_layout(layers=(3, 4))
+    tr = make_trace([[[0, 1, 6, 7]]], layers=(3, 4))
+    tr.experts[1] = [2, 3, 4, 5]
+    cfg = RuntimeConfig(workers=1, ram_bytes=2 * 8 * EXPERT, dense_seconds=1e-5, compute_bytes_per_second=1e30,
+                        prefetch="pilot", prefetch_experts=4, pilot_precision=1.0, layer_barrier=True)
+    drive = one_drive(latency=1e-5, bw=2e8)
+    drive = replace(drive, drive=replace(drive.drive, service=service))
+    one, _ = simulate(tr, np.ones(1, bool), lay, drive, cfg)
+    four, _ = simulate(tr, np.ones(1, bool), lay, drive, replace(cfg, pilot_workers=4))
+    for r in (one, four):
+        assert (r.prefetch.loads.sum(), r.prefetch.cancelled.sum(), r.hits[1], r.stall[1]) == (4, 0, 4, 0)
+    if service == "in-order":
+        assert four.stall[0] > one.stall[0]
+    else:
+        assert four.stall[0] == pytest.approx(one.stall[0], rel=1e-12)
 
 
 def test_the_router_pilot_needs_its_measured_precision():
@@ -276,6 +334,8 @@ def test_the_pilots_copies_take_the_cores_the_layers_work_needs():
     work.pilot.state[PILOT_FIRST], work.pilot.state[PILOT_NEXT] = 1, 2
     assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(5e-3)
     work.pilot.state[PILOT_NEXT] = 1                  # none done yet: the demand copy alone
+    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(2e-3)
+    work.pilot.state[PILOT_NEXT], work.pilot.job[0] = 2, 1   # taken, still under way: not done by now
     assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(2e-3)
 
 

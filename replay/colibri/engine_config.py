@@ -505,8 +505,6 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
 def not_modelled(cfg: EngineConfig) -> list[str]:
     """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
     out = []
-    if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1:
-        out.append("PILOT_WORKERS above 1 is not modelled (one pilot thread)")
     if cfg.COUPLE and cfg.COUPLE_D > 1:
         out.append("COUPLE_D=2 (the table's loads two layers ahead) is not modelled")
     return out
@@ -529,12 +527,13 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     (:func:`replay.colibri.openmp_team.team_held_cores`). PILOT_REAL=1: the router pilot's loads
     (the ``pilot`` prefetch source, at ``pilot_precision``, PILOT_K per position, default 6; its
     eviction guard as PILOT_EVICT_GUARD says; each layer waiting for the loads in flight on it,
-    ``RuntimeConfig.layer_barrier``); with COUPLE, its table's COUPLE_K best per position queued
-    after the pilot's (``RuntimeConfig.couple_file``; the caller reads the table,
+    ``RuntimeConfig.layer_barrier``; PILOT_WORKERS threads loading its queue, one under URING=1);
+    with COUPLE, its table's COUPLE_K best per position queued after the pilot's
+    (``RuntimeConfig.couple_file``; the caller reads the table,
     :func:`replay.formats.colipairs.configured_pair_table`). PILOT=1 without PILOT_REAL: the same
     lists as page-cache hints (``RuntimeConfig.prefetch_hints``, PILOT_K default 8); COUPLE alone:
-    the ``coupled`` source on its file's table, as hints. Raises :class:`InputError` for what the model does not run
-    (:func:`not_modelled`) and for PILOT_REAL=1 without a precision.
+    the ``coupled`` source on its file's table, as hints. Raises :class:`InputError` for what the
+    model does not run (:func:`not_modelled`) and for PILOT_REAL=1 without a precision.
     """
     missing = not_modelled(cfg)
     if missing:
@@ -565,4 +564,5 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
                    direct=bool(cfg.DIRECT) and not cfg.COLI_MMAP, mapped_views=bool(cfg.COLI_MMAP), routing_order=True,
                    lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=cpu_cores,
                    team_held_cores=team_held_cores(cfg, team, cpu_cores), copy_threads=URING_COPY_THREADS if cfg.URING else 0,
+                   pilot_workers=cfg.PILOT_WORKERS if cfg.PILOT_REAL and not cfg.URING else 1,
                    engine_env=cfg.to_env() or "(defaults)")

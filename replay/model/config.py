@@ -81,6 +81,7 @@ class RuntimeConfig:
     team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
     mapped_views: bool = False         # colibrì COLI_MMAP=1: experts are views of the page cache; a page-cache hit re-touches mapped pages (at the copy rates the caller gives, the rate a run of it measured)
     pilot_precision: float = 0.0       # prefetch "pilot": the share of the router pilot's predictions the next layer routes (colibrì's LOOKA line), 0-1
+    pilot_workers: int = 1             # prefetch "pilot": the threads loading its queue, in queue order (colibrì PILOT_WORKERS under PILOT_REAL), 1-16
     couple_file: str = ""               # prefetch "pilot" with colibrì COUPLE: the .coli_pairs file whose table's loads join the pilot's ("" none)
     couple_experts: int = 0            # COUPLE_K: the table's best experts queued per position after the pilot's (0: no COUPLE)
     evict_guard: bool = False          # colibrì PILOT_EVICT_GUARD: a prefetch load may evict a warm expert only when its own heat is clearly higher (replay.model.runtime.guard_protects)
@@ -126,6 +127,14 @@ class RuntimeConfig:
             raise InputError(None, "the pilot prefetch source takes the router pilot's measured precision (0 < p <= 1; "
                                    "colibrì prints it with LOOKA=1) and the runtime's top-k rule "
                                    f"(got precision {self.pilot_precision!r}, admission {self.admission!r})")
+        if (isinstance(self.pilot_workers, bool) or not isinstance(self.pilot_workers, int)
+                or not 1 <= self.pilot_workers <= 16):
+            raise InputError(None, f"the pilot's loading threads must be a whole number of 1-16 (got {self.pilot_workers!r})")
+        if self.pilot_workers > 1 and not (self.prefetch == "pilot" and self.layer_barrier and not self.batched):
+            raise InputError(None, "several threads load the router pilot's queue only under PILOT_REAL (prefetch "
+                                   "'pilot' with the layer barrier) and not batched, as colibrì runs PILOT_WORKERS (got "
+                                   f"{self.pilot_workers} threads, prefetch {self.prefetch!r}, layer barrier "
+                                   f"{self.layer_barrier}, batched {self.batched})")
         if self.couple_experts and not (self.prefetch == "pilot" and self.couple_file and self.couple_experts <= 32):
             raise InputError(None, "COUPLE's table joins the router pilot's loads (prefetch 'pilot'): give its file and "
                                    f"COUPLE_K 1-32 (got {self.couple_file!r}, {self.couple_experts})")

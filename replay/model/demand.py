@@ -332,11 +332,22 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
     copies = 0.0
     for j in range(n_jobs):
         copies += jobs.tail[j]
-    for j in range(work.pilot.state[PILOT_FIRST], work.pilot.state[PILOT_NEXT]):   # the prefetch thread's, done by now
-        copies += jobs.tail[j]
+    pilot = work.pilot
+    for j in range(pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT]):   # the prefetch threads', done by now
+        if not _under_way(pilot.job, j):
+            copies += jobs.tail[j]
     if held == 0:
         return max(busy + copies / cores - end, 0.0)
     return max(busy + max(copies - (cores - 1) * busy, 0.0) / cores - end, 0.0)
+
+
+@njit(**HELPER)
+def _under_way(threads, job):
+    """Whether a prefetch thread (``threads``: each one's job under way, -1 none) has ``job`` under way."""
+    for v in range(len(threads)):
+        if threads[v] == job:
+            return True
+    return False
 
 
 @njit(**HELPER)

@@ -223,7 +223,8 @@ class Replay:
         self.pol = read_policy(config, device)
         self.dev = device_numbers(device, layout)
         # a batch union holds at most E experts: working arrays for that serve every chunk
-        self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots, config.copy_slots)
+        self.work = new_work(max(E, 1), E, self.pol.workers, self.dev.members, self.dev.queue_slots, config.copy_slots,
+                             config.pilot_workers)
         self.totals = new_results(0, L, E, device.members)
 
     def run(self, inst: Instances) -> Results:

@@ -33,7 +33,7 @@ from replay.model.prefetching import (
 )
 from replay.model.readers import reader_pool, shared_pool
 from replay.model.runtime import heat_route, lru_start
-from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, PILOT_POS, Inputs, Pool
+from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, Inputs, Pool
 from replay.model.weightcache import wc_start
 
 
@@ -105,8 +105,8 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
         if k > 0:
             n_jobs = plan_reads(i, li, k, x, work, res)
         pilot.state[PILOT_FIRST], pilot.state[PILOT_NEXT], pilot.state[PILOT_END] = n_jobs, n_jobs, n_jobs
-        pilot.state[PILOT_POS] = 0
-        pilot.free[0] = pilot_free
+        pilot.free[:] = pilot_free
+        pilot.job[:] = -1
         if at_routing and has_next:              # the runtime queues L+1's predictions when L is routed
             lru_start(lru, li + 1, inst_session[i])
             queue_at_routing(i, li + 1, x, work, n_jobs, out)

@@ -27,10 +27,10 @@ from replay.model.predictors import (
     next_layer_probabilities,
 )
 from replay.model.prefetch import COUPLED, ORACLE, PILOT, PairTable, RouterPilot, Scratch, Selections, predict_next
-from replay.model.readers import copy_done, pilot_read, serve_read
+from replay.model.readers import copy_done, pilot_issuer, pilot_read, serve_read
 from replay.model.readplan import WEIGHT, Coalescing, layer_place, plan_layer
 from replay.model.runtime import guard_protects, lru_add
-from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, PILOT_POS, Load
+from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, Load
 from replay.model.weightcache import wc_add, wc_hit
 
 
@@ -180,13 +180,14 @@ def _plan_load(li, e, x, work, n_reads):
 
 @njit(**STAGE)
 def pilot_rest(deadline, jobs, reads, pilot, dev, drives, usage):
-    """The prefetch thread's reads after the layer's last demand read, until ``deadline`` (the
-    next layer is routed, s): a load not started by then is dropped, one under way completes."""
-    state = pilot.state
-    while state[PILOT_NEXT] < state[PILOT_END]:
-        if state[PILOT_POS] == 0 and pilot.free[0] >= deadline:
+    """The prefetch threads' reads after the layer's last demand read, until ``deadline`` (the
+    next layer is routed, s): a load no thread has started by then is dropped, one under way
+    completes."""
+    while True:
+        v, _ = pilot_issuer(pilot, deadline)
+        if v < 0:
             return
-        pilot_read(jobs, reads, pilot, dev, drives, usage)
+        pilot_read(jobs, reads, pilot, v, dev, drives, usage)
 
 
 @njit(**STAGE)

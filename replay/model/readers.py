@@ -1,6 +1,6 @@
 """The reader pool and the drives that serve its reads, in the compiled model.
 
-Workers (and the prefetch thread) take one instance's jobs in issue order and issue their reads
+Workers (and the prefetch threads) take one instance's jobs in issue order and issue their reads
 in time order (:func:`reader_pool`); each read is split over the array's members and served by
 their queues, in order (:func:`serve_read`) or sharing each drive's channel fairly among the reads
 in it (:func:`shared_pool`, an event simulation): the queue model and service disciplines of
@@ -18,7 +18,7 @@ from numba import njit
 
 from replay.model.device import copy_seconds, largest_request, split_device
 from replay.model.jit import HELPER, STAGE
-from replay.model.state import PILOT_END, PILOT_NEXT, PILOT_POS, SMALL_READ_BYTES
+from replay.model.state import PILOT_END, PILOT_NEXT, SMALL_READ_BYTES
 
 
 @njit(**STAGE)
@@ -31,11 +31,11 @@ def reader_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
     issues its next read, so reads reach the drives in time order. After a job's last read the
     worker copies what the page cache served (the job's ``tail``, :func:`copy_done`); when the
     copies are bounded by the cores, that copy takes its core in time order too, as one more
-    event of the worker at its reads' end. The prefetch thread
-    (``pilot``), when loads were queued at routing, is one more such reader with its own jobs: it
-    issues its next read when it is free first (it wins ties: its loads were queued before the
-    demand loads). Returns once every demand job's completion is known; the prefetch thread's remaining
-    reads are :func:`replay.model.prefetching.pilot_rest`'s. The drives' state (``drives``) is the caller's; ``usage``
+    event of the worker at its reads' end. The prefetch threads
+    (``pilot``), when loads were queued at routing, are more such readers with their own jobs
+    (:func:`pilot_issuer`): one issues its next read when it is free first (they win ties: their
+    loads were queued before the demand loads). Returns once every demand job's completion is
+    known; the prefetch threads' remaining reads are :func:`replay.model.prefetching.pilot_rest`'s. The drives' state (``drives``) is the caller's; ``usage``
     (the device outputs) accumulates per member.
     """
     jobs, workers, pilot, drives = pool.jobs, pool.workers, pool.pilot, pool.drives
@@ -51,8 +51,9 @@ def reader_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
                 w, t = v, wfree[v]
         if w < 0:
             return
-        if pilot.state[PILOT_NEXT] < pilot.state[PILOT_END] and pilot.free[0] <= t:
-            pilot_read(jobs, reads, pilot, dev, drives, usage)
+        v, tv = pilot_issuer(pilot, np.inf)
+        if v >= 0 and tv <= t:
+            pilot_read(jobs, reads, pilot, v, dev, drives, usage)
             continue
         if wjob[w] < 0:
             wjob[w], wpos[w] = next_job, 0
@@ -74,25 +75,43 @@ def reader_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
 
 
 @njit(**HELPER)
-def pilot_read(jobs, reads, pilot, dev, drives, usage):
-    """The prefetch thread issues its next read at its free time; a load's last read, then its
-    page-cache copies (its job's ``tail``, :func:`copy_done`: when they wait for a core, as the
-    thread's next step), complete the load's job."""
-    state = pilot.state
-    job = state[PILOT_NEXT]
-    r = jobs.first_read[job] + state[PILOT_POS]
+def pilot_issuer(pilot, deadline):
+    """The prefetch thread (``pilot``: :class:`replay.model.state.Pilot`) that issues next: of
+    those with a load under way, and, while loads wait in the queue, those free before
+    ``deadline`` (s; inf: none), the one free first (lowest index on ties; one with a read in
+    flight is free at inf). Returns the thread and its free time (s), or -1 and inf."""
+    w, t = -1, np.inf
+    queued = pilot.state[PILOT_NEXT] < pilot.state[PILOT_END]
+    for v in range(len(pilot.free)):
+        f = pilot.free[v]
+        if f < t and (pilot.job[v] >= 0 or (queued and f < deadline)):
+            w, t = v, f
+    return w, t
+
+
+@njit(**HELPER)
+def pilot_read(jobs, reads, pilot, v, dev, drives, usage):
+    """Prefetch thread ``v`` issues its next read at its free time, taking the next queued load
+    when it has none under way; a load's last read, then its page-cache copies (its job's
+    ``tail``, :func:`copy_done`: when they wait for a core, as the thread's next step), complete
+    the load's job."""
+    if pilot.job[v] < 0:
+        pilot.job[v], pilot.pos[v] = pilot.state[PILOT_NEXT], 0
+        pilot.state[PILOT_NEXT] += 1
+    job, t = pilot.job[v], pilot.free[v]
+    r = jobs.first_read[job] + pilot.pos[v]
     if r == jobs.first_read[job + 1]:            # its reads are done: its copies take a core
-        done = copy_done(pilot.free[0], jobs.tail[job], drives.copies)
+        done = copy_done(t, jobs.tail[job], drives.copies)
     else:
-        done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], pilot.free[0], dev, drives, usage)
-        state[PILOT_POS] += 1
+        done = serve_read(reads.addr[r], reads.length[r], reads.warm[r], t, dev, drives, usage)
+        pilot.pos[v] += 1
         if r + 1 < jobs.first_read[job + 1] or copy_waits(jobs.tail[job], drives.copies):
-            pilot.free[0] = done
+            pilot.free[v] = done
             return
         done += jobs.tail[job]
     jobs.done[job] = done
-    state[PILOT_NEXT], state[PILOT_POS] = job + 1, 0
-    pilot.free[0] = done
+    pilot.job[v] = -1
+    pilot.free[v] = done
 
 
 @njit(**HELPER)
@@ -238,12 +257,12 @@ def _command(m, t, dev, drives):
 
 @njit(**HELPER)
 def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
-    """The reader pool (:func:`reader_pool`: the same workers, jobs and prefetch thread) on shared
+    """The reader pool (:func:`reader_pool`: the same workers, jobs and prefetch threads) on shared
     drives (:mod:`replay.model.device`'s service discipline), as an event simulation: a read's
     completion depends on the reads issued after it, so it is known only when it happens.
 
     Events, earliest first (on a tie: a read leaving a channel, then one entering, then an issue):
-    an issuer (a worker, or the prefetch thread when its next load is queued and it is free first)
+    an issuer (a worker, or a prefetch thread, :func:`pilot_issuer`, when it is free first)
     issues its next read, which holds a command slot on each member for the latency ``a``
     (:func:`_command`); its bytes there then enter the member's channel; the ``n``
     reads in a channel share its rate ``C`` fairly, each passing ``min(cap, level)`` of its work
@@ -252,16 +271,16 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
     :func:`_member_events`); a read completes when its work has left every member's channel,
     its issuer is then free (after its job's page-cache copies, when it was the job's last read;
     when they wait for a core, :func:`copy_done`, they are the issuer's next event).
-    Runs until every demand job is done and the prefetch thread's read in flight, if any, has
-    completed (the prefetch thread issues no read after the last demand job: its remaining loads
-    are :func:`replay.model.prefetching.pilot_rest`'s). A channel serves nothing before the reads issued before the pool
+    Runs until every demand job is done and the prefetch threads' reads in flight, if any, have
+    completed (they issue no read after the last demand job: their remaining loads are
+    :func:`replay.model.prefetching.pilot_rest`'s). A channel serves nothing before the reads issued before the pool
     have left it (``drives.free``), which then holds when this pool's last read left.
     """
     jobs, workers, pilot, drives, share = pool.jobs, pool.workers, pool.pilot, pool.drives, pool.share
     job_read, wfree, wjob, wpos = jobs.first_read, workers.free, workers.job, workers.pos
     rem, enter = share.rem, share.enter
     W = min(n_workers, n_jobs)
-    P = len(share.parts) - 1                     # the prefetch thread's issuer index
+    P = len(share.parts) - len(pilot.free)       # the first prefetch thread's issuer index
     M = dev.members
     for w in range(W):
         wfree[w], wjob[w], wpos[w] = start, -1, 0
@@ -272,7 +291,7 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
         for j in range(P + 1):
             enter[m, j], rem[m, j] = np.inf, np.inf
     share.busy[0] = 0.0
-    next_job, left, pilot_busy = 0, n_jobs, False
+    next_job, left = 0, n_jobs
     while True:
         tc, mc, te, me = np.inf, -1, np.inf, -1  # the next read to leave a channel, and to enter one
         for m in range(M):
@@ -285,8 +304,9 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
             for v in range(W):
                 if wfree[v] < ti and (wjob[v] >= 0 or next_job < n_jobs):
                     w, ti = v, wfree[v]
-            if not pilot_busy and pilot.state[PILOT_NEXT] < pilot.state[PILOT_END] and pilot.free[0] <= ti:
-                w, ti = P, pilot.free[0]
+            v, tv = pilot_issuer(pilot, np.inf)
+            if v >= 0 and tv <= ti:
+                w, ti = P + v, tv
         if tc <= te and tc <= ti:
             if tc == np.inf:
                 break
@@ -299,8 +319,6 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
             _member_events(share, mc, _channel_rate(dev, mc))
             share.parts[jc] -= 1
             if share.parts[jc] == 0:
-                if jc == P:
-                    pilot_busy = False
                 left -= _shared_read_done(jc, P, tc, True, pool, usage)
         elif te <= ti:
             je = share.enter_by[me]
@@ -310,9 +328,13 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
             enter[me, je] = np.inf
             _member_events(share, me, _channel_rate(dev, me))
         else:
-            if w == P:
-                job = pilot.state[PILOT_NEXT]
-                r = job_read[job] + pilot.state[PILOT_POS]
+            if w >= P:
+                v = w - P
+                if pilot.job[v] < 0:
+                    pilot.job[v], pilot.pos[v] = pilot.state[PILOT_NEXT], 0
+                    pilot.state[PILOT_NEXT] += 1
+                job = pilot.job[v]
+                r = job_read[job] + pilot.pos[v]
             else:
                 if wjob[w] < 0:
                     wjob[w], wpos[w] = next_job, 0
@@ -325,9 +347,8 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
                 d = copy_done(ti, copy_seconds(reads.length[r], reads.addr[r], dev), drives.copies)
                 left -= _shared_read_done(w, P, d, False, pool, usage)
             else:
-                if w == P:
-                    pilot_busy = True
-                    pilot.free[0] = np.inf
+                if w >= P:
+                    pilot.free[w - P] = np.inf
                 else:
                     wfree[w] = np.inf
     for m in range(M):
@@ -422,17 +443,17 @@ def _shared_read_done(j, P, d, drive, pool, usage):
         share.busy[0] -= 1
         if share.busy[0] == 0:
             _count_busy(share.busy[1], d, drives, usage)
-    if j == P:
-        job = pilot.state[PILOT_NEXT]
-        pilot.state[PILOT_POS] += 1
-        last = jobs.first_read[job] + pilot.state[PILOT_POS] == jobs.first_read[job + 1]
+    if j >= P:
+        job = pilot.job[j - P]
+        pilot.pos[j - P] += 1
+        last = jobs.first_read[job] + pilot.pos[j - P] == jobs.first_read[job + 1]
     else:
         job = workers.job[j]
         workers.pos[j] += 1
         last = jobs.first_read[job] + workers.pos[j] == jobs.first_read[job + 1]
     if not last or copy_waits(jobs.tail[job], drives.copies):
-        if j == P:
-            pilot.free[0] = d
+        if j >= P:
+            pilot.free[j - P] = d
         else:
             workers.free[j] = d
         return 0
@@ -444,11 +465,10 @@ def _shared_job_done(j, P, d, pool):
     """Issuer ``j``'s job completed at ``d`` (s), its copies included: the issuer is free then.
     Returns 1 when it was a demand job, else 0."""
     jobs, workers, pilot = pool.jobs, pool.workers, pool.pilot
-    if j == P:
-        job = pilot.state[PILOT_NEXT]
-        jobs.done[job] = d
-        pilot.state[PILOT_NEXT], pilot.state[PILOT_POS] = job + 1, 0
-        pilot.free[0] = d
+    if j >= P:
+        jobs.done[pilot.job[j - P]] = d
+        pilot.job[j - P] = -1
+        pilot.free[j - P] = d
         return 0
     jobs.done[workers.job[j]] = d
     workers.job[j] = -1

@@ -144,20 +144,21 @@ clock, s; inf: none), ``nbytes`` (expert bytes). ``experts`` [64]: the list, in 
 Single = namedtuple("Single", "expert skip top wlen")
 """One prefetch load as :func:`replay.model.readplan.plan_layer` takes it: arrays [1]."""
 
-Pilot = namedtuple("Pilot", "state free mark n_plan nbytes")
-"""The prefetch thread's loads queued at routing (:func:`replay.model.prefetching.queue_at_routing`), as jobs after the
-layer's demand jobs. ``state`` [4]: the first of its jobs, the next to start (or under way), one
-past the last, and the next read's place in the job under way; ``free`` [1]: when it issues its
-next read (s); per queued load [64]: the page cache's undo-log position before it was planned
-(:func:`replay.model.pagecache.checkpoint`: a dropped load's scale reads are undone), its planned
-preads and bytes."""
+Pilot = namedtuple("Pilot", "state free job pos mark n_plan nbytes")
+"""The prefetch threads' loads queued at routing (:func:`replay.model.prefetching.queue_at_routing`), as jobs after the
+layer's demand jobs, taken in queue order by the first thread free (colibrì's ring: one thread, or
+PILOT_WORKERS under PILOT_REAL). ``state`` [3]: the first of its jobs, the next no thread has taken,
+one past the last. Per thread [T]: ``free`` (when it issues its next read, s), ``job`` (the job it
+has under way, -1 none), ``pos`` (the next read's place in it). Per queued load [64]: the page
+cache's undo-log position before it was planned (:func:`replay.model.pagecache.checkpoint`: a dropped
+load's scale reads are undone), its planned preads and bytes."""
 
-PILOT_FIRST, PILOT_NEXT, PILOT_END, PILOT_POS = 0, 1, 2, 3
+PILOT_FIRST, PILOT_NEXT, PILOT_END = 0, 1, 2
 
 Sharing = namedtuple("Sharing", "enter size cap rem clock level active last next_done done_by next_enter enter_by "
                                  "parts issued busy")
 """Shared drives' channels while the reader pool runs (:func:`replay.model.readers.shared_pool`). Per member and
-issuer [M, W+1] (the workers, then the prefetch thread), for the read the issuer has in flight:
+issuer [M, W+T] (the workers, then the prefetch threads), for the read the issuer has in flight:
 ``enter`` (when its bytes enter the member's channel, s; inf: not waiting), ``size`` (its work
 on the member: its bytes and ``c C`` for each of its ``p`` requests, bytes), ``cap`` (its own rate
 there, in work per s: its bytes in the time of its largest request at ``b_1``, ``p b_1`` when its
@@ -168,7 +169,7 @@ issued before the pool), ``level`` (the fair share, work/s: a read in the channe
 ``min(cap, level)``), ``active`` (reads in the channel), ``last`` (when its last read left, s),
 and its next events as they stand (:func:`replay.model.readers._member_events`): ``next_done`` (s) when the first
 read, issuer ``done_by``'s, leaves it, ``next_enter`` (s) when the first waiting one,
-``enter_by``'s, enters it. Per issuer [W+1]: ``parts`` (members its read is still on),
+``enter_by``'s, enters it. Per issuer [W+T]: ``parts`` (members its read is still on),
 ``issued`` (s). ``busy`` [2]: drive reads in flight, and when the array last became busy (s)."""
 
 Work = namedtuple("Work", "miss jobs reads workers drives pending plan single pilot share")
@@ -186,9 +187,10 @@ Load = namedtuple("Load", "expert n_plan nbytes done")
 
 
 @njit(**LOOP)
-def new_work(K, E, W, M, Q, C):
+def new_work(K, E, W, M, Q, C, T=1):
     """Working arrays for batch unions of up to ``K`` experts out of ``E``, ``W`` workers, ``M``
-    array members of ``Q`` queue slots and ``C`` cores for copies (0: copies not bounded). A job
+    array members of ``Q`` queue slots, ``C`` cores for copies (0: copies not bounded) and ``T``
+prefetch threads. A job
     has at most three weight reads or one span, and three scale reads; the prefetch thread's
     queued loads, up to :data:`PREFETCH_SLOTS` of at most eight reads each, follow the demand jobs."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
@@ -207,12 +209,13 @@ def new_work(K, E, W, M, Q, C):
     plan = ReadPlan(np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64),
                     np.empty(R, np.int64), np.empty(R, np.int64), np.empty(R, np.int64))
     single = Single(np.empty(1, np.int64), np.zeros(1, np.bool_), np.empty(1, np.bool_), np.empty(1, np.int64))
-    pilot = Pilot(np.zeros(4, np.int64), np.zeros(1), np.empty(PREFETCH_SLOTS, np.int64),
+    pilot = Pilot(np.zeros(3, np.int64), np.zeros(T), np.full(T, -1, np.int64), np.zeros(T, np.int64),
+                  np.empty(PREFETCH_SLOTS, np.int64),
                   np.empty(PREFETCH_SLOTS, np.int64), np.empty(PREFETCH_SLOTS, np.int64))
-    share = Sharing(np.full((M, W + 1), np.inf), np.zeros((M, W + 1)), np.zeros((M, W + 1)),
-                    np.full((M, W + 1), np.inf), np.zeros(M), np.zeros(M), np.zeros(M, np.int64), np.zeros(M),
+    share = Sharing(np.full((M, W + T), np.inf), np.zeros((M, W + T)), np.zeros((M, W + T)),
+                    np.full((M, W + T), np.inf), np.zeros(M), np.zeros(M), np.zeros(M, np.int64), np.zeros(M),
                     np.full(M, np.inf), np.zeros(M, np.int64), np.full(M, np.inf), np.zeros(M, np.int64),
-                    np.zeros(W + 1, np.int64), np.zeros(W + 1), np.zeros(2))
+                    np.zeros(W + T, np.int64), np.zeros(W + T), np.zeros(2))
     return Work(miss, jobs, reads, workers, drives, pending, plan, single, pilot, share)
 
 
