@@ -76,12 +76,14 @@ def format_engine_validation(rec) -> str:
         lines.append("the disk probed before and after each cell (one expert-sized O_DIRECT read at a time, GB/s; "
                      "x the profile's rate for the same reads): " + ", ".join(probes))
     rates = [f"{c.name} {c.copy_rate / 1e9:.2f}" + ("" if c.copy_rate_source == "its stock runs" else
-                                                    f" ({c.copy_rate_source}: its runs do not time their loads)")
+                                                    f" ({c.copy_rate_source}: no rate of its own)")
              for c in rec.cells if c.copy_rate > 0]
     if rates:
         lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of a "
-                     "decode load's bytes over its thread time, else of the DISK-CLASS warm reads, GB/s; the "
-                     "device's calibrated rates where no cell measured one): " + ", ".join(rates))
+                     "decode load's bytes over its thread time, else of the DISK-CLASS warm reads, GB/s; a cell "
+                     "whose runs give no rate of their own, as URING=1 and DIRECT=1 time no page-cache load and "
+                     "several pilot threads time their waits for each other, takes the median of the cells that copy "
+                     "alike; the device's calibrated rates where no cell measured one): " + ", ".join(rates))
     pilots = [f"{c.name} {c.pilot_loads[0] if c.pilot_loads[0] >= 0 else '-'}/{c.pilot_loads[1]}"
               for c in rec.cells if c.pilot_precision > 0]
     if pilots:

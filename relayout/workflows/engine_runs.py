@@ -33,6 +33,7 @@ from pathlib import Path
 from containers.atomic import create_exclusive, fsync_dir, make_dirs, open_dir
 from containers.errors import InputError
 from replay.colibri.engine_output import ROUTE_FILE, RUN_FILE, STDERR_FILE, STDOUT_FILE, RunIdentity, write_run_identity
+from relayout.workflows.memory_room import memory_room
 
 FIXED_ENV = {"PROF": "1", "TOKENS": "1", "TEMP": "0"}
 _OURS = (STDOUT_FILE, STDERR_FILE, ROUTE_FILE, RUN_FILE)
@@ -134,6 +135,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     from replay.physical.measure import drop_cache        # the harness's module compiles the model: loaded only to run
 
     cold = drop_cache(model_files(arm.container, set_env))
+    room = memory_room()
     load = os.getloadavg()[0]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t0 = time.monotonic()
@@ -157,7 +159,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     recorded_env["ROUTE_TRACE"] = ROUTE_FILE
     identity = RunIdentity(arm=arm.name, container=str(arm.container), prompt=prompt_index, repetition=repetition,
                            env=recorded_env, argv=argv, cold=cold, returncode=code, wall_s=wall, load_average=load,
-                           started_utc=started)
+                           started_utc=started, memory_room=room)
     write_run_identity(partial, identity)
     os.replace(partial, final)
     fsync_dir(arm_dir)

@@ -123,7 +123,8 @@ class RunFacts:
     the experts it pinned, its OpenMP team's width, its expert matmuls' rate (bytes of weights
     per second, from the last ``P0-EXEC`` line: weight bytes per expert call over the calls'
     seconds, the model's per-position rate where each call has one row, as in decode), the
-    memory available when it started (bytes), the machine's cores (the ``[PROF] machine``
+    memory available when it started (bytes: the ``[PROF] machine`` line's, at most what the
+    run's memory control group left it), the machine's cores (the ``[PROF] machine``
     line), the rate one of its threads read experts it had read recently when every such read
     was buffered (bytes/s per thread, the ``[PROF] DISK-CLASS`` line's warm class, over the whole
     run: page-cache copies, as the engine copies them) and the thread time of one decode load (s:
@@ -337,7 +338,8 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     per thread, when they were all buffered). How the OpenMP team waits: ``COLI_NO_OMP_TUNE=1``
     when the output lacks the engine's ``[OMP] hot-thread tuning`` line, and, from a run directory
     ``relayout measure --engine`` made, the :data:`OPENMP_VARIABLES` and :data:`PILOT_VARIABLES`
-    its recorded environment set.
+    its recorded environment set, and the memory its control group left it
+    (``RunIdentity.memory_room``), which bounds the memory available.
     Variables the output does not show keep the engine's defaults. The cap the run resolved, and
     the rest the output says, are in ``RunFacts``. Raises :class:`InputError` when the file has
     no ``[PROF] config`` line."""
@@ -362,9 +364,11 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
         cfg = replace(cfg, PILOT_REAL=1, PILOT_K=int(pk.group(1)))
     if _PILOT_TWO_LINE.search(text):
         cfg = replace(cfg, PILOT_TWO=1)
+    room = None
     if p.is_dir() and (p / RUN_FILE).is_file():
         where = str(p / RUN_FILE)
-        env = RunIdentity.from_json(parse_json(read_bytes(p / RUN_FILE)), where).env
+        identity = RunIdentity.from_json(parse_json(read_bytes(p / RUN_FILE)), where)
+        env, room = identity.env, identity.memory_room
         cfg = replace(cfg, **{k: _value(k, str(env[k]), where) for k in OPENMP_VARIABLES + PILOT_VARIABLES if k in env})
     couple = _COUPLE_LINE.search(text)
     if couple:                                # the table the engine loaded (a relative path is the run directory's)
@@ -391,9 +395,11 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     forwards = out.forwards.forwards if out is not None and out.forwards is not None else None
     between = ((out.decode.attention_s + out.decode.other_s) / forwards
                if forwards and out.decode is not None else None)
-    return cfg, RunFacts(int(cap), int(pinned), int(mt.group(2)) if mt else None, rate,
-                         float(mt.group(3)) * 1e9 if mt else None, int(mt.group(1)) if mt else None, warm, load,
-                         precision, between)
+    available = float(mt.group(3)) * 1e9 if mt else None
+    if room is not None:                      # a memory limit bounds the page cache the run kept
+        available = float(room) if available is None else min(available, float(room))
+    return cfg, RunFacts(int(cap), int(pinned), int(mt.group(2)) if mt else None, rate, available,
+                         int(mt.group(1)) if mt else None, warm, load, precision, between)
 
 
 def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
@@ -406,8 +412,13 @@ def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
     and the time is the engine's whole load, in the window S is taken over. Else the
     ``[PROF] DISK-CLASS`` warm class's rate (:attr:`RunFacts.warm_read_bytes_per_second`, the
     whole run). A decode whose loads mostly reach the drives gives a rate no faster than the
-    drives, which :func:`at_engine_copy_rate` sets aside.
+    drives, which :func:`at_engine_copy_rate` sets aside. A run of several router-pilot threads
+    (PILOT_WORKERS > 1 under PILOT_REAL, not URING) gives none: its loading threads outnumber the
+    cores they share, and a load's thread time includes the time it waited for the others
+    (measured: 4.5 GB/s per thread against 7.0 with one pilot thread, docs/BENCHMARKS.md).
     """
+    if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1 and not cfg.URING:
+        return 0.0
     if not cfg.DIRECT and facts.decode_load_seconds:
         return float(layout.expert_bytes().astype(float).mean()) / facts.decode_load_seconds
     return facts.warm_read_bytes_per_second or 0.0

@@ -56,7 +56,8 @@ STDOUT_FILE = "stdout.txt"
 STDERR_FILE = "stderr.txt"
 ROUTE_FILE = "route-trace.txt"
 RUN_FORMAT = "relayout-colibri-run"
-RUN_VERSION = 1
+RUN_VERSION = 2
+"""Version 2 added ``memory_room``; a version 1 record (without it) reads with it None."""
 _MAX_OUTPUT_BYTES = 256 << 20
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
@@ -368,7 +369,10 @@ class RunIdentity:
     engine's environment variables the run set (the runtime configuration in the engine's terms,
     plus ``SNAP``, ``PROMPT`` and the like); ``argv`` the command; ``cold`` how the page cache was
     controlled; ``returncode`` the engine's exit status; ``wall_s`` the run's wall time;
-    ``load_average`` the 1-minute load average when it started (a shared machine).
+    ``load_average`` the 1-minute load average when it started (a shared machine);
+    ``memory_room`` the bytes its memory control group let the engine add when it started (the
+    group's limit less the anonymous memory already charged to it: a bound on the page cache the
+    run could keep, ``relayout.workflows.memory_room``), None when no limit applied.
     """
 
     arm: str
@@ -382,15 +386,25 @@ class RunIdentity:
     wall_s: float
     load_average: float
     started_utc: str
+    memory_room: int | None = None
 
     def to_json(self) -> dict:
         return {"format": RUN_FORMAT, "version": RUN_VERSION, **asdict(self)}
 
     @classmethod
     def from_json(cls, d, where: str = RUN_FILE) -> "RunIdentity":
-        if not isinstance(d, dict) or d.get("format") != RUN_FORMAT or d.get("version") != RUN_VERSION:
-            raise InputError(where, f"not a {RUN_FORMAT} version {RUN_VERSION} record")
-        return _strict(cls, {k: v for k, v in d.items() if k not in ("format", "version")}, where)
+        if not isinstance(d, dict) or d.get("format") != RUN_FORMAT or d.get("version") not in (1, RUN_VERSION):
+            raise InputError(where, f"not a {RUN_FORMAT} version 1 or {RUN_VERSION} record")
+        body = {k: v for k, v in d.items() if k not in ("format", "version")}
+        if d["version"] == 1:
+            if "memory_room" in body:
+                raise InputError(where, "RunIdentity: unknown ['memory_room'] in a version 1 record")
+            body["memory_room"] = None
+        if body.get("memory_room") is not None and not (isinstance(body["memory_room"], int)
+                                                        and not isinstance(body["memory_room"], bool)
+                                                        and body["memory_room"] >= 0):
+            raise InputError(where, f"RunIdentity.memory_room: bytes >= 0 or null (got {body['memory_room']!r})")
+        return _strict(cls, body, where)
 
 
 @dataclass(frozen=True)

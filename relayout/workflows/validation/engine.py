@@ -394,7 +394,8 @@ def cell_copy_rates(own: dict[str, tuple[float, tuple]]) -> dict[str, tuple[floa
     they are re-touches of mapped pages, :func:`cell_copy_kind`).
 
     A cell with its own rate takes it (``"its stock runs"``). A cell without one (URING=1 does not
-    time its loads; DIRECT=1 reads weights from the drives) takes the median of the cells that
+    time its loads; DIRECT=1 reads weights from the drives; several router-pilot threads time
+    their waits for each other, :func:`replay.colibri.engine_config.engine_copy_rate`) takes the median of the cells that
     measured one copying alike (``"the median of cells ..."``): the same kernel
     copies page-cache pages into the engine's buffers in every read path, and a thread copies as
     fast as the copies beside it let it. With no such cell, 0.0 and ``""`` (the device profile's

@@ -1,0 +1,99 @@
+"""The memory a run's control group leaves the engine (``relayout.workflows.memory_room``), the
+run record that keeps it, and the page cache the model gives a run under a memory limit."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from containers.errors import InputError
+from relayout.workflows.memory_room import memory_room
+from replay.colibri.engine_config import config_from_run, engine_copy_rate
+from replay.colibri.engine_output import RUN_FILE, RunIdentity
+
+PILOT_RUN = Path(__file__).parent / "data" / "engine" / "pilot-looka"
+MiB = 1 << 20
+
+
+def _proc(tmp_path, lines):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("\n".join(lines) + "\n")
+    return proc
+
+
+def _v1(tmp_path, group, limit, rss):
+    d = tmp_path / "cg" / "memory" / group.lstrip("/")
+    d.mkdir(parents=True)
+    (d / "memory.stat").write_text(f"cache 5153697792\nrss {rss}\nhierarchical_memory_limit {limit}\n"
+                                   f"total_cache 5153697792\ntotal_rss {rss}\n")
+    return tmp_path / "cg"
+
+
+def test_a_v1_limit_less_the_anonymous_memory_charged_beside_the_engine(tmp_path):
+    root = _v1(tmp_path, "/jobs/a", 600 * MiB, 200 * MiB)
+    proc = _proc(tmp_path, ["9:name=systemd:/", "4:memory:/jobs/a", "0::/"])
+    assert memory_room(proc, root) == 400 * MiB
+
+
+def test_no_limit_is_none_and_so_is_a_machine_without_control_groups(tmp_path):
+    root = _v1(tmp_path, "/", 9223372036854771712, 200 * MiB)
+    assert memory_room(_proc(tmp_path, ["4:memory:/"]), root) is None
+    assert memory_room(tmp_path / "no-proc", root) is None
+
+
+def test_a_group_outside_the_mount_is_read_at_the_mount_as_in_a_cgroup_namespace(tmp_path):
+    root = _v1(tmp_path, "/", 300 * MiB, 100 * MiB)
+    assert memory_room(_proc(tmp_path, ["4:memory,hugetlb:/outside/ns"]), root) == 200 * MiB
+
+
+def test_v2_takes_the_smallest_limit_of_the_group_and_its_ancestors_and_the_anon_where_it_is_set(tmp_path):
+    root = tmp_path / "cg"
+    leaf = root / "slice" / "job"
+    leaf.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (root / "slice" / "memory.max").write_text(f"{500 * MiB}\n")
+    (root / "slice" / "memory.stat").write_text(f"anon {120 * MiB}\nfile {900 * MiB}\n")
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.stat").write_text(f"anon {20 * MiB}\n")
+    proc = _proc(tmp_path, ["0::/slice/job"])
+    assert memory_room(proc, root) == 380 * MiB
+    (leaf / "memory.max").write_text(f"{100 * MiB}\n")
+    assert memory_room(proc, root) == 80 * MiB
+    (leaf / "memory.max").write_text("max\n")
+    (root / "slice" / "memory.max").write_text("max\n")
+    assert memory_room(proc, root) is None
+
+
+def test_the_run_record_keeps_the_room_and_reads_version_1_records_without_it():
+    old = json.loads((PILOT_RUN / RUN_FILE).read_text())
+    assert old["version"] == 1 and RunIdentity.from_json(old).memory_room is None
+    new = replace(RunIdentity.from_json(old), memory_room=400 * MiB)
+    assert RunIdentity.from_json(new.to_json()) == new and new.to_json()["version"] == 2
+    for bad in ({**new.to_json(), "memory_room": -1}, {**new.to_json(), "memory_room": True},
+                {**old, "memory_room": 5}, {k: v for k, v in new.to_json().items() if k != "memory_room"}):
+        with pytest.raises(InputError):
+            RunIdentity.from_json(bad)
+
+
+def test_a_memory_limit_bounds_the_memory_the_model_gives_a_run(tmp_path):
+    _, free = config_from_run(PILOT_RUN)
+    run = tmp_path / "run"
+    shutil.copytree(PILOT_RUN, run)
+    identity = RunIdentity.from_json(json.loads((run / RUN_FILE).read_text()))
+    (run / RUN_FILE).write_text(json.dumps(replace(identity, memory_room=300 * MiB).to_json()))
+    _, bound = config_from_run(run)
+    assert free.available_bytes > 1e9 and bound.available_bytes == 300 * MiB
+
+
+def test_several_pilot_threads_give_no_copy_rate_of_their_own():
+    """Their loads' thread times include waiting for each other on the cores they share."""
+    from test_pilot import _two_layers
+
+    cfg, facts = config_from_run(PILOT_RUN)
+    lay, _, _ = _two_layers([2], ram_experts=1, pilot_precision=1.0)
+    assert engine_copy_rate(cfg, facts, lay) > 0
+    assert engine_copy_rate(replace(cfg, PILOT_WORKERS=4), facts, lay) == 0.0
+    assert engine_copy_rate(replace(cfg, PILOT_WORKERS=4, URING=1), facts, lay) > 0
