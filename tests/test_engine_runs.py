@@ -208,3 +208,37 @@ def test_each_arm_gets_its_own_variables_and_its_split_directories_are_dropped_c
     assert dropped == [[even / "out-00000.safetensors", slow_even / "out-00000.safetensors"],
                        [planned / "out-00000.safetensors", slow_planned / "out-00000.safetensors"]]
     assert json.loads((tmp_path / "runs" / "container" / "p00-r00" / RUN_FILE).read_text())["env"]["COLI_MODEL_DIRS"] == f" {slow_planned} ;"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore on files is Linux's")
+def test_every_arms_pages_are_evicted_before_each_run(tmp_path):
+    """Under a memory limit the pages of the arm run before would keep part of the page cache
+    from the next run: each run starts with no container's pages cached, not only its own. The
+    stand-in engine reads its container whole, so after two runs the second arm's file is
+    cached and the first's, read by the first run, is not."""
+    from conftest import page_cache_evicts
+
+    from replay.physical.residency import open_residency
+
+    script = tmp_path / "engine.sh"
+    script.write_text("#!/bin/sh\ncat \"$SNAP\"/*.safetensors > /dev/null\n"
+                      f"cat '{RECORDED / 'stderr.txt'}' >&2\ncp '{RECORDED / 'route-trace.txt'}' \"$ROUTE_TRACE\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    arms = []
+    for name in ("baseline", "container"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "out-00000.safetensors").write_bytes(os.urandom(64 * 4096))
+        arms.append(EngineArm(name, d))
+    first = arms[0].container / "out-00000.safetensors"
+    if not page_cache_evicts(first):
+        pytest.skip("this file system keeps its pages in memory")
+    measure_engine(script, arms, ["p"], 1, {}, 3, tmp_path / "runs", progress=lambda _: None)
+    files = [a.container / "out-00000.safetensors" for a in arms]
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    try:
+        res = open_residency(fds, files)
+        assert res[1].cached(0, 64 * 4096) and res[0].cached_run(0, 64 * 4096) == 0
+    finally:
+        for fd in fds:
+            os.close(fd)

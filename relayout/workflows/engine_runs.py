@@ -113,8 +113,12 @@ def _clear_partial(partial: Path) -> None:
 
 
 def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str, repetition: int, *,
-                    runtime_env: dict, ngen: int, out_dir: Path, timeout_s: float | None) -> tuple[Path, RunIdentity]:
-    """One cold run into ``out_dir/<arm>/pPP-rRR``; returns the directory and its record."""
+                    runtime_env: dict, ngen: int, out_dir: Path, timeout_s: float | None,
+                    also_cold: tuple[Path, ...] = ()) -> tuple[Path, RunIdentity]:
+    """One cold run into ``out_dir/<arm>/pPP-rRR``; returns the directory and its record. Cold:
+    the arm's shards, and those of the containers ``also_cold`` (the other arms), are evicted
+    from the page cache first: under a memory limit the pages of the arm run before would
+    otherwise keep part of the page cache from this run."""
     arm_dir = make_dirs(out_dir / arm.name)
     final = arm_dir / run_name(prompt_index, repetition)
     partial = arm_dir / f".{final.name}.partial"
@@ -134,7 +138,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     argv = [str(engine)]
     from replay.physical.measure import drop_cache        # the harness's module compiles the model: loaded only to run
 
-    cold = drop_cache(model_files(arm.container, set_env))
+    cold = drop_cache(model_files(arm.container, set_env) + [f for c in also_cold for f in container_files(c)])
     room = memory_room()
     load = os.getloadavg()[0]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -205,8 +209,9 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
             progress(f"[{i}/{len(plan)}] {arm.name} {final.name}: kept (complete)")
             done.append(final)
             continue
+        others = tuple(a.container for a in arms if a.container != arm.container)
         path, ident = run_engine_once(engine, arm, p, prompts[p], rep, runtime_env=runtime_env, ngen=ngen, out_dir=out_dir,
-                                      timeout_s=timeout_s)
+                                      timeout_s=timeout_s, also_cold=others)
         status = "ok" if ident.returncode == 0 else f"engine exit status {ident.returncode}"
         progress(f"[{i}/{len(plan)}] {arm.name} {path.name}: {status}, {ident.wall_s:.1f} s, load {ident.load_average:.2f}")
         done.append(path)
