@@ -215,7 +215,8 @@ def test_every_arms_pages_are_evicted_before_each_run(tmp_path):
     """Under a memory limit the pages of the arm run before would keep part of the page cache
     from the next run: each run starts with no container's pages cached, not only its own. The
     stand-in engine reads its container whole, so after two runs the second arm's file is
-    cached and the first's, read by the first run, is not."""
+    cached and the first's, read by the first run, is not; each run's reads from the drive are
+    counted in its record."""
     from conftest import page_cache_evicts
 
     from replay.physical.residency import open_residency
@@ -233,7 +234,9 @@ def test_every_arms_pages_are_evicted_before_each_run(tmp_path):
     first = arms[0].container / "out-00000.safetensors"
     if not page_cache_evicts(first):
         pytest.skip("this file system keeps its pages in memory")
-    measure_engine(script, arms, ["p"], 1, {}, 3, tmp_path / "runs", progress=lambda _: None)
+    dirs = measure_engine(script, arms, ["p"], 1, {}, 3, tmp_path / "runs", progress=lambda _: None)
+    for d in dirs:                           # each read its evicted container from the drive, and it was counted
+        assert json.loads((d / RUN_FILE).read_text())["drive_read_bytes"] >= 64 * 4096
     files = [a.container / "out-00000.safetensors" for a in arms]
     fds = [os.open(f, os.O_RDONLY) for f in files]
     try:

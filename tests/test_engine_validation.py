@@ -21,7 +21,7 @@ from relayout.workflows.validation.engine_record import (CellResult, EngineValid
 
 def _run(arm, prompt, rep, measured, predicted, tokens=20, tpot=0.010, loads=(30, 30)):
     return RunResult(f"/runs/{arm}/p{prompt:02d}-r{rep:02d}", arm, prompt, rep, tokens, measured, predicted, tpot,
-                     loads[0], loads[1], 0, -1, -1)
+                     loads[0], loads[1], 0, -1, -1, -1, 0)
 
 
 def _arm(arm, per_prompt, scale=1.0, prompts=6, reps=2, jitter=0.002):
@@ -50,7 +50,7 @@ def test_savings_are_judged_per_prompt_and_the_gates_rule_is_applied_to_both_sid
     assert s.gate_decision == s.measured_decision == "pass" and s.decisions_agree
     # predicted to lose where the engine measured a clear saving: the sign and the decision differ
     wrong = [RunResult(r.run, r.arm, r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, 0.3, r.tpot_s,
-                       r.measured_loads, r.predicted_loads, 0, -1, -1) for r in better]
+                       r.measured_loads, r.predicted_loads, 0, -1, -1, -1, 0) for r in better]
     w = saving_result("louvain", stock, wrong)
     assert w.sign_agrees is False and w.gate_decision == "fail" and w.measured_decision == "pass" and not w.decisions_agree
     assert w.agreement == "disagrees" and "CONTRADICTS" in w.words
@@ -70,7 +70,7 @@ def test_no_saving_is_a_result_the_validation_can_give():
 def _predicting(runs, like):
     """``runs`` with the predicted waits of ``like`` (run for run)."""
     return [RunResult(r.run, r.arm, r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, o.predicted_wait_s,
-                      r.tpot_s, r.measured_loads, r.predicted_loads, 0, -1, -1) for r, o in zip(runs, like)]
+                      r.tpot_s, r.measured_loads, r.predicted_loads, 0, -1, -1, -1, 0) for r, o in zip(runs, like)]
 
 
 def test_a_saving_no_larger_than_placement_is_not_held_against_the_model():
@@ -103,16 +103,16 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
     control = saving_result("stock-copy", stock, _arm("stock-copy", lambda p: 0.2 + 0.01 * p))
     ok = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm_result("stock", stock), arm_result("louvain", new)],
                     control.measured, control.predicted.estimate, placement_bound(control),
-                    [saving_result("louvain", stock, new)], 8.6e9, "its stock runs", [1.0e9, 1.1e9], 1.05, 0.0, [])
+                    [saving_result("louvain", stock, new)], 8.6e9, "its stock runs", [1.0e9, 1.1e9], 1.05, 0.0, [], [3.0e8, 2.5e8])
     agree, disagree, unresolved, decided, decisions, verdict, words = summarize([ok])
     assert (agree, disagree, decided, decisions, verdict) == (2, 0, 1, 1, "holds")
     off = CellResult("pipe-1-cap4", cell_env("PIPE=1", 4), [arm_result("stock", _arm("stock", lambda p: 0.2, scale=0.5))],
-                     control.measured, 0.0, 0.0, [], 0.0, "", [2.0e9, 1.6e9], 1.8, 0.0, [])
+                     control.measured, 0.0, 0.0, [], 0.0, "", [2.0e9, 1.6e9], 1.8, 0.0, [], [-1.0, 1.0e8])
     *_, verdict2, words2 = summarize([ok, off])
     assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
     assert "disk ran beyond" in words2 and "pipe-1-cap4 (1.80x)" in words2 and "pipe-0-cap4 (" not in words2
     assert "disk ran beyond" not in words                   # 1.05x: within the tolerance
-    rec = EngineValidationRecord(format="relayout-engine-validation", version=5, engine="colibri", container="m",
+    rec = EngineValidationRecord(format="relayout-engine-validation", version=6, engine="colibri", container="m",
                                  device="d", device_source="given", layouts={"stock": "m"}, training_sessions=["a"],
                                  prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[ok, off], runs=stock + new,
                                  cells_agree=agree, cells_disagree=1, cells_unresolved=0, decisions_agree=1, decisions=1,

@@ -73,6 +73,7 @@ def test_the_run_record_keeps_the_room_and_reads_version_1_records_without_it():
     new = replace(RunIdentity.from_json(old), memory_room=400 * MiB)
     assert RunIdentity.from_json(new.to_json()) == new and new.to_json()["version"] == 2
     for bad in ({**new.to_json(), "memory_room": -1}, {**new.to_json(), "memory_room": True},
+                {**new.to_json(), "drive_read_bytes": -1}, {**new.to_json(), "drive_read_bytes": 1.5},
                 {**old, "memory_room": 5}, {k: v for k, v in new.to_json().items() if k != "memory_room"}):
         with pytest.raises(InputError):
             RunIdentity.from_json(bad)

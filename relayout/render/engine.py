@@ -90,6 +90,11 @@ def format_engine_validation(rec) -> str:
         lines.append(f"the router pilot (PILOT=1 or PILOT_REAL=1), its predictions drawn at the precision the training runs printed "
                      f"(LOOKA=1: {max(c.pilot_precision for c in rec.cells):.1%} of the next layers' routed experts); "
                      f"its loads, engine (whole runs; - for hints, which it does not count) / model (decode): " + ", ".join(pilots))
+    drives = [f"{c.name} {c.drive_bytes[0] / 1e6:.0f}/{c.drive_bytes[1] / 1e6:.0f}"
+              for c in rec.cells if c.drive_bytes and c.drive_bytes[0] >= 0]
+    if drives:
+        lines.append("bytes read from the drives per run, MB, engine (its process's block input: the dense weights "
+                     "too) / model (experts): " + ", ".join(drives))
     lines.append("")
     head = f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     loads"
     lines.append(head)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     load = os.getloadavg()[0]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t0 = time.monotonic()
+    blocks = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
     with os.fdopen(out_fd, "wb") as out, os.fdopen(err_fd, "wb") as err:
         try:
             proc = subprocess.run(argv, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -156,6 +158,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
             f.flush()
             os.fsync(f.fileno())
     wall = time.monotonic() - t0
+    drive = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - blocks) * 512 if code != -9 else None
     from replay.colibri.openmp_team import INHERITED_TEAM_VARIABLES
 
     inherited = {k: os.environ[k] for k in INHERITED_TEAM_VARIABLES if k in os.environ and k not in set_env}
@@ -163,7 +166,7 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     recorded_env["ROUTE_TRACE"] = ROUTE_FILE
     identity = RunIdentity(arm=arm.name, container=str(arm.container), prompt=prompt_index, repetition=repetition,
                            env=recorded_env, argv=argv, cold=cold, returncode=code, wall_s=wall, load_average=load,
-                           started_utc=started, memory_room=room)
+                           started_utc=started, memory_room=room, drive_read_bytes=drive)
     write_run_identity(partial, identity)
     os.replace(partial, final)
     fsync_dir(arm_dir)

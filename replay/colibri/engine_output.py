@@ -57,7 +57,8 @@ STDERR_FILE = "stderr.txt"
 ROUTE_FILE = "route-trace.txt"
 RUN_FORMAT = "relayout-colibri-run"
 RUN_VERSION = 2
-"""Version 2 added ``memory_room``; a version 1 record (without it) reads with it None."""
+"""Version 2 added ``memory_room`` and ``drive_read_bytes``; a version 1 record (without them)
+reads with them None."""
 _MAX_OUTPUT_BYTES = 256 << 20
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
@@ -372,7 +373,9 @@ class RunIdentity:
     ``load_average`` the 1-minute load average when it started (a shared machine);
     ``memory_room`` the bytes its memory control group let the engine add when it started (the
     group's limit less the anonymous memory already charged to it: a bound on the page cache the
-    run could keep, ``relayout.workflows.memory_room``), None when no limit applied.
+    run could keep, ``relayout.workflows.memory_room``), None when no limit applied;
+    ``drive_read_bytes`` the bytes the engine process read from storage (its block input, as the
+    kernel counts it for a child waited for: page-cache hits excluded), None where not counted.
     """
 
     arm: str
@@ -387,6 +390,7 @@ class RunIdentity:
     load_average: float
     started_utc: str
     memory_room: int | None = None
+    drive_read_bytes: int | None = None
 
     def to_json(self) -> dict:
         return {"format": RUN_FORMAT, "version": RUN_VERSION, **asdict(self)}
@@ -396,14 +400,15 @@ class RunIdentity:
         if not isinstance(d, dict) or d.get("format") != RUN_FORMAT or d.get("version") not in (1, RUN_VERSION):
             raise InputError(where, f"not a {RUN_FORMAT} version 1 or {RUN_VERSION} record")
         body = {k: v for k, v in d.items() if k not in ("format", "version")}
+        added = ("memory_room", "drive_read_bytes")
         if d["version"] == 1:
-            if "memory_room" in body:
-                raise InputError(where, "RunIdentity: unknown ['memory_room'] in a version 1 record")
-            body["memory_room"] = None
-        if body.get("memory_room") is not None and not (isinstance(body["memory_room"], int)
-                                                        and not isinstance(body["memory_room"], bool)
-                                                        and body["memory_room"] >= 0):
-            raise InputError(where, f"RunIdentity.memory_room: bytes >= 0 or null (got {body['memory_room']!r})")
+            if any(k in body for k in added):
+                raise InputError(where, f"RunIdentity: unknown {[k for k in added if k in body]} in a version 1 record")
+            body.update({k: None for k in added})
+        for k in added:
+            v = body.get(k)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise InputError(where, f"RunIdentity.{k}: bytes >= 0 or null (got {v!r})")
         return _strict(cls, body, where)
 
 

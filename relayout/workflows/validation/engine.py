@@ -270,7 +270,7 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
     return dirs, list(load_plan(work.path / f"plan-{PLACEMENT_COPY}.json").training.sessions)
 
 
-def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = None) -> tuple[float, int, int, int]:
+def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = None) -> tuple[float, int, int, int, int]:
     """The model's wait over a colibrì run's decode forwards (every forward but the first, the
     prefill), replaying the run's own routing with the configuration it printed (under
     PILOT=1 or PILOT_REAL=1, the router pilot at ``pilot_precision``).
@@ -278,7 +278,8 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     Returns
     -------
     ``(predicted wait in seconds, expert loads over the decode forwards, decode forwards, the
-    prefetch loads over them, -1 when no prefetcher runs)``.
+    prefetch loads over them, -1 when no prefetcher runs, the bytes read from the drives over the
+    whole run, prefill included)``.
     """
     from relayout.planning.replay_setup import RuntimeRequest, runtime_config
     from relayout.traces.importer import import_traces
@@ -294,12 +295,20 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
                                            colibri_run=True, runtime_env_from=str(run_dir),
                                            pilot_precision=pilot_precision), layout)
-    inst, _ = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config,
-                       coupling=configured_pair_table(config, layout))
+    inst, usage = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config,
+                           coupling=configured_pair_table(config, layout))
+    drive = int(round(float(np.dot(usage.transfer_seconds, _member_bandwidths(device, layout)))))
     decode = inst.forward != inst.forward.min()
     pilot = int(inst.prefetch.loads[decode].sum()) if inst.prefetch is not None else -1
     return (float(inst.stall[decode].sum()), int(inst.misses[decode].sum()), int(len(np.unique(inst.forward[decode]))),
-            pilot)
+            pilot, drive)
+
+
+def _member_bandwidths(device, layout) -> np.ndarray:
+    """Each member's transfer rate (bytes/s), as the replay's ``transfer_seconds`` divide by it."""
+    from replay.model.engine import device_numbers
+
+    return np.asarray(device_numbers(device, layout).m_bandwidth, dtype=np.float64)
 
 
 def _device(o: EngineValidateOptions, work: WorkDir, notify):
@@ -423,12 +432,13 @@ def _run_results(arm: str, arm_dir: Path, layout, device, notify, pilot_precisio
             notify(f"{run.source}: engine exit status {ident.returncode if ident else '?'}: left out")
             continue
         m = run_metrics(run, arm, "")
-        wait, loads, _, pilot = predict_run(Path(run.source), layout, device, pilot_precision)
+        wait, loads, _, pilot, drive = predict_run(Path(run.source), layout, device, pilot_precision)
         io = run.output.expert_io
         engine_pilot = run.output.pilot_loads
         out.append(RunResult(run.source, arm, ident.prompt, ident.repetition, m.committed_tokens, m.wait_s, wait,
                              (m.tpot_ms or 0.0) / 1e3, io.loads if io is not None else -1, loads, ident.returncode,
-                             engine_pilot if engine_pilot is not None else -1, pilot))
+                             engine_pilot if engine_pilot is not None else -1, pilot,
+                             ident.drive_read_bytes if ident.drive_read_bytes is not None else -1, drive))
     if len(out) < 2:
         raise InputError(arm_dir, f"only {len(out)} complete run(s) of {arm}: an interval needs at least 2")
     return out
@@ -439,6 +449,13 @@ def _pilot_loads(runs: list[RunResult]) -> list[int]:
     did: hints are not counted) and the model's."""
     printed = [r.measured_pilot_loads for r in runs if r.measured_pilot_loads >= 0]
     return [sum(printed) if printed else -1, sum(r.predicted_pilot_loads for r in runs if r.predicted_pilot_loads >= 0)]
+
+
+def _drive_bytes(runs: list[RunResult]) -> list[float]:
+    """Bytes read from storage per run over ``runs``: the engine's (the runs that counted them; -1
+    when none did) and the model's."""
+    counted = [r.measured_drive_bytes for r in runs if r.measured_drive_bytes >= 0]
+    return [float(np.mean(counted)) if counted else -1.0, float(np.mean([r.predicted_drive_bytes for r in runs]))]
 
 
 def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationRecord:
@@ -490,7 +507,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
                                     [saving_result(m, runs["stock"], runs[m], placement_s=bound)
                                      for m in o.layouts[1:]], copy_rate, copy_source, probes,
                                     float(np.mean(probes)) / profile_rate if probes else 0.0, pilot or 0.0,
-                                    _pilot_loads([r for m in arms for r in runs[m]]) if pilot else []))
+                                    _pilot_loads([r for m in arms for r in runs[m]]) if pilot else [],
+                                    _drive_bytes([r for m in arms for r in runs[m]])))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)
         record = EngineValidationRecord(
             format=ENGINE_VALIDATION_FORMAT, version=ENGINE_VALIDATION_VERSION, engine=str(o.engine),

@@ -48,7 +48,7 @@ from replay.formats.interval import Interval
 from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over_repetitions
 
 ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
-ENGINE_VALIDATION_VERSION = 5
+ENGINE_VALIDATION_VERSION = 6
 PLACEMENT_COPY = "stock-copy"
 """The placement control's arm: the stock plan rewritten, stock's tensors in stock's order, each expert
 aligned to 4 KiB."""
@@ -71,6 +71,8 @@ class RunResult:
     returncode: int
     measured_pilot_loads: int  # the router pilot's completed loads (its PILOT_REAL line, the whole run; -1 when not printed: no PILOT_REAL)
     predicted_pilot_loads: int  # the model's prefetch loads over the decode forwards (-1 when no prefetcher runs)
+    measured_drive_bytes: int  # bytes the engine process read from storage, the whole run (-1 when not counted)
+    predicted_drive_bytes: int  # bytes the model's reads took from the drives, the whole run (experts only)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class CellResult:
     disk_scale: float          # the probes' mean over the profile's rate for the same reads (0: not probed)
     pilot_precision: float     # PILOT or PILOT_REAL: the router pilot's share of right predictions, from the training runs (0: no pilot)
     pilot_loads: list[int]     # PILOT_REAL: the pilot's loads over the cell's runs, the engine's (whole runs) and the model's (decode); [] without
+    drive_bytes: list[float]   # bytes read from storage per run, whole runs: the engine's (-1: not counted) and the model's
 
 
 @dataclass(frozen=True)
