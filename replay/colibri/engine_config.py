@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from containers.errors import InputError
+from containers.layout import WEIGHT_SLOTS
 from containers.jsonfile import parse_json, read_bytes
 
 from replay.colibri.engine_output import RUN_FILE, RunIdentity, parse_engine_output
@@ -498,9 +499,10 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
     ``RAM_GB`` is given (the container's bytes outside routed experts, plus ``pin_bytes``, as
     resident), else -1 (the model's ``ram_bytes`` then sizes it). The page cache: with buffered
     weights and a run that printed the memory available at its start, what the run left of it:
-    available less resident, the LRU's slots and the working slabs (one per expert a layer's
-    misses can load at once, at most ``WORKING_SET_SLOTS``: colibrì allocates a slab when a load
-    first uses it; under COLI_MMAP=1 the slots are views of the page cache and hold no copies:
+    available less resident, the LRU's slots, the working slabs (one per expert a layer's misses
+    can load at once, at most ``WORKING_SET_SLOTS``: colibrì allocates a slab when a load first
+    uses it) and the experts' scales (their pages share the page cache; the model keeps them
+    apart, ``replay.model.pagecache``): the weights' share; under COLI_MMAP=1 the slots are views of the page cache and hold no copies:
     available less resident); else 0.
     """
     eb = layout.expert_bytes().astype(float)
@@ -516,7 +518,8 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
         page = int(max(facts.available_bytes - resident, 0.0))
     elif not cfg.DIRECT and facts is not None and facts.available_bytes:
         slabs = min(WORKING_SET_SLOTS, layout.n_experts)
-        page = int(max(facts.available_bytes - resident - max(lru, 0) * row - slabs * widest, 0.0))
+        scales = float(eb.sum()) - float(layout.expert_loc[:, :, list(WEIGHT_SLOTS), 2].sum())
+        page = int(max(facts.available_bytes - resident - max(lru, 0) * row - slabs * widest - scales, 0.0))
     return lru, page
 
 
