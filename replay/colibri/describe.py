@@ -51,7 +51,8 @@ def describe_mode(config: RuntimeConfig) -> str:
                  f"the next layer, {config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)")
     elif config.prefetch == "pilot":
         mode += (f", PILOT_REAL: the router pilot loads {config.prefetch_experts} experts per position of the next layer "
-                 f"on one thread, {config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)"
+                 f"on {config.pilot_workers} thread{'s' if config.pilot_workers > 1 else ''}, "
+                 f"{config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)"
                  f"{', eviction guard on' if config.evict_guard else ''}, each layer waiting for the loads in flight on it"
                  f"{' (its io_uring batches taken as its loads in turn)' if config.batched else ''}")
     elif config.prefetch == "coupled" and config.prefetch_hints:
