@@ -7,9 +7,11 @@ through :mod:`relayout.planning.replay_setup`). Options are in the units the use
 from __future__ import annotations
 
 import argparse
+import sys
 
 from containers.container import MANIFEST_NAME
 from containers.geometry import load_geometry
+from containers.layout import WEIGHT_SLOTS
 from replay.model.config import PREFETCH_SOURCES
 
 from . import options as opt
@@ -164,7 +166,15 @@ def runtime_config(args, layout=None):
         runtime_env_from=getattr(args, "runtime_env_from", None), page_cache_gb=getattr(args, "page_cache_gb", None),
         pilot_precision=getattr(args, "pilot_precision", None),
     )
-    return config_of(request, layout)
+    config = config_of(request, layout)
+    if layout is not None and config.engine_env and not config.direct:
+        weights = float(layout.expert_loc[:, :, list(WEIGHT_SLOTS), 2].sum())
+        if 0 < config.page_cache_bytes < weights:
+            print(f"relayout: the page cache for weights ({config.page_cache_bytes / 1e9:.3g} GB) holds less than the "
+                  f"container's expert weights ({weights / 1e9:.3g} GB): there the model predicted 0.3-0.6 of colibrì's "
+                  "measured stall (docs/ENGINE_MODEL.md, 'Where the page cache cannot hold the experts'); measure "
+                  "with relayout measure --engine", file=sys.stderr)
+    return config
 
 
 def rewrite_options(c: argparse.ArgumentParser, src_flag: bool) -> None:
