@@ -186,3 +186,18 @@ def make_trace(rows, layers=(3,), committed=None, evaluated=None, sessions=None,
         fwd_session=sess, fwd_kind=np.zeros(F, dtype=np.int8), fwd_evaluated=ev,
         fwd_committed=np.array(committed or [1] * F, dtype=np.int32),
     )
+
+
+def louvain_plan_and_trace(tmp_path: Path) -> tuple[Path, Path]:
+    """A Louvain plan for a two-layer Qwen3 geometry and the synthetic trace it was made from,
+    saved as ``tmp_path/p.json`` and ``tmp_path/t.rt``: what a gate CLI test replays."""
+    from relayout.planning.plan import make_plan, source_from_geometry
+    from relayout.traces.synth import synth_trace
+    from replay.formats.planfile import save_plan
+    from replay.formats.trace import save_trace
+
+    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
+    tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
+    save_plan(make_plan(tr, source_from_geometry(g), method="louvain", progress=False), tmp_path / "p.json")
+    save_trace(tr, tmp_path / "t.rt")
+    return tmp_path / "p.json", tmp_path / "t.rt"

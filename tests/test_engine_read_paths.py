@@ -306,19 +306,10 @@ def test_the_engines_copy_rate_moves_both_rates_by_one_factor_for_the_container_
 # ------------------------------------------------------------------------ the command line
 
 def test_the_gate_models_the_engine_configuration_it_is_given(tmp_path):
-    from conftest import cli
+    from conftest import cli, louvain_plan_and_trace
 
-    from containers.geometry import load_geometry
-    from relayout.planning.plan import make_plan, source_from_geometry
-    from relayout.traces.synth import synth_trace
-    from replay.formats.planfile import save_plan
-    from replay.formats.trace import save_trace
-
-    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
-    tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
-    save_plan(make_plan(tr, source_from_geometry(g), method="louvain", progress=False), tmp_path / "p.json")
-    save_trace(tr, tmp_path / "t.rt")
-    common = ["replay", "--layout", tmp_path / "p.json", "--trace", tmp_path / "t.rt", "--device", "single-nvme",
+    plan, trace = louvain_plan_and_trace(tmp_path)
+    common = ["replay", "--layout", plan, "--trace", trace, "--device", "single-nvme",
               "--min-sessions", 1]
     res = cli(*common, "--json")
     assert res.returncode == 0, res.stderr

@@ -117,19 +117,10 @@ def test_the_weights_page_cache_is_what_the_engines_memory_and_the_scales_leave(
 
 
 def test_a_gate_whose_page_cache_cannot_hold_the_weights_says_the_model_is_not_validated_there(tmp_path):
-    from conftest import cli
+    from conftest import cli, louvain_plan_and_trace
 
-    from containers.geometry import load_geometry
-    from relayout.planning.plan import make_plan, source_from_geometry
-    from relayout.traces.synth import synth_trace
-    from replay.formats.planfile import save_plan
-    from replay.formats.trace import save_trace
-
-    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
-    tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
-    save_plan(make_plan(tr, source_from_geometry(g), method="louvain", progress=False), tmp_path / "p.json")
-    save_trace(tr, tmp_path / "t.rt")
-    common = ["replay", "--layout", tmp_path / "p.json", "--trace", tmp_path / "t.rt", "--device", "single-nvme",
+    plan, trace = louvain_plan_and_trace(tmp_path)
+    common = ["replay", "--layout", plan, "--trace", trace, "--device", "single-nvme",
               "--min-sessions", 1, "--runtime-env", "PIPE=0 CAP=2"]
     small = cli(*common, "--page-cache-gb", "0.000001")
     assert small.returncode == 0, small.stderr

@@ -297,20 +297,11 @@ def test_a_run_with_couple_models_the_table_it_loaded(tmp_path):
 def test_the_gate_runs_the_router_pilot_and_its_table_as_the_engine_would(tmp_path):
     import json
 
-    from conftest import cli
+    from conftest import cli, louvain_plan_and_trace
 
-    from containers.geometry import load_geometry
-    from relayout.planning.plan import make_plan, source_from_geometry
-    from relayout.traces.synth import synth_trace
-    from replay.formats.planfile import save_plan
-    from replay.formats.trace import save_trace
-
-    g = load_geometry("qwen3-30b-a3b").scaled(moe_layers=2, ffn=128)
-    tr = synth_trace(g.moe_layers, 32, 4, 400, 8, seed=3)
-    save_plan(make_plan(tr, source_from_geometry(g), method="louvain", progress=False), tmp_path / "p.json")
-    save_trace(tr, tmp_path / "t.rt")
-    assert cli("export", "coli-pairs", tmp_path / "t.rt", "-o", tmp_path / "t.coli_pairs").returncode == 0
-    common = ["replay", "--layout", tmp_path / "p.json", "--trace", tmp_path / "t.rt", "--device", "single-nvme",
+    plan, trace = louvain_plan_and_trace(tmp_path)
+    assert cli("export", "coli-pairs", trace, "-o", tmp_path / "t.coli_pairs").returncode == 0
+    common = ["replay", "--layout", plan, "--trace", trace, "--device", "single-nvme",
               "--min-sessions", 1, "--runtime-env", f"PILOT_REAL=1 CAP=2 COUPLE={tmp_path / 't.coli_pairs'} COUPLE_K=4"]
     res = cli(*common, "--json", "--pilot-precision", "0.5")
     assert res.returncode == 0, res.stderr
