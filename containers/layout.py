@@ -62,6 +62,10 @@ class Layout:
         """Bytes of each expert [L, E] (weights plus scales)."""
         return self.expert_loc[:, :, :, 2].sum(axis=2)
 
+    def weight_bytes(self) -> np.ndarray:
+        """Bytes of each expert's weights [L, E] (its scales not included)."""
+        return self.expert_loc[:, :, list(WEIGHT_SLOTS), 2].sum(axis=2)
+
     def weight_extents(self, li: int, e: int) -> list[tuple[int, int, int]]:
         """The reads that fetch an expert's weights: one when byte-adjacent in one file, else three."""
         loc = self.expert_loc[li, e, list(WEIGHT_SLOTS)]

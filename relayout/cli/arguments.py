@@ -11,7 +11,6 @@ import sys
 
 from containers.container import MANIFEST_NAME
 from containers.geometry import load_geometry
-from containers.layout import WEIGHT_SLOTS
 from replay.model.config import PREFETCH_SOURCES
 
 from . import options as opt
@@ -168,7 +167,7 @@ def runtime_config(args, layout=None):
     )
     config = config_of(request, layout)
     if layout is not None and config.engine_env and not config.direct:
-        weights = float(layout.expert_loc[:, :, list(WEIGHT_SLOTS), 2].sum())
+        weights = float(layout.weight_bytes().sum())
         if 0 < config.page_cache_bytes < weights:
             print(f"relayout: the page cache for weights ({config.page_cache_bytes / 1e9:.3g} GB) holds less than the "
                   f"container's expert weights ({weights / 1e9:.3g} GB): there the model predicted 0.3-0.6 of colibrì's "

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from containers.errors import InputError
-from containers.layout import WEIGHT_SLOTS
 from containers.jsonfile import parse_json, read_bytes
 
 from replay.colibri.engine_output import RUN_FILE, RunIdentity, parse_engine_output
@@ -417,12 +416,12 @@ def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
     (PILOT_WORKERS > 1 under PILOT_REAL, not URING) gives none: its loading threads outnumber the
     cores they share, and a load's thread time includes the time it waited for the others
     (measured: 4.5 GB/s per thread against 7.0 with one pilot thread, docs/BENCHMARKS.md). Nor
-    does a run whose page cache could not hold the container's experts (:func:`memory_terms`,
+    does a run whose page cache could not hold the container's expert weights (:func:`memory_terms`,
     e.g. under a memory limit): its decode loads mix page-cache copies with drive reads.
     """
     if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1 and not cfg.URING:
         return 0.0
-    if not cfg.DIRECT and facts.available_bytes and memory_terms(cfg, facts, layout, 0)[1] < layout.expert_bytes().sum():
+    if not cfg.DIRECT and facts.available_bytes and memory_terms(cfg, facts, layout, 0)[1] < layout.weight_bytes().sum():
         return 0.0
     if not cfg.DIRECT and facts.decode_load_seconds:
         return float(layout.expert_bytes().astype(float).mean()) / facts.decode_load_seconds
@@ -518,7 +517,7 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
         page = int(max(facts.available_bytes - resident, 0.0))
     elif not cfg.DIRECT and facts is not None and facts.available_bytes:
         slabs = min(WORKING_SET_SLOTS, layout.n_experts)
-        scales = float(eb.sum()) - float(layout.expert_loc[:, :, list(WEIGHT_SLOTS), 2].sum())
+        scales = float(eb.sum()) - float(layout.weight_bytes().sum())
         page = int(max(facts.available_bytes - resident - max(lru, 0) * row - slabs * widest - scales, 0.0))
     return lru, page
 
