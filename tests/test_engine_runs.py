@@ -237,6 +237,8 @@ def test_every_arms_pages_are_evicted_before_each_run(tmp_path):
     dirs = measure_engine(script, arms, ["p"], 1, {}, 3, tmp_path / "runs", progress=lambda _: None)
     for d in dirs:                           # each read its evicted container from the drive, and it was counted
         assert json.loads((d / RUN_FILE).read_text())["drive_read_bytes"] >= 64 * 4096
+    arm = engine_report([tmp_path / "runs" / "baseline"])["arms"][0]
+    assert arm["drive_read_bytes_per_token"] * arm["committed_tokens"] >= 64 * 4096
     files = [a.container / "out-00000.safetensors" for a in arms]
     fds = [os.open(f, os.O_RDONLY) for f in files]
     try:

@@ -33,6 +33,11 @@ def format_engine_report(r: dict) -> str:
                          f"line, whole runs)"
                          + (f" | its prediction held {a['pilot_precision']:.1%} of the next layers' routed experts "
                             f"(LOOKA=1; --pilot-precision for the gate)" if a.get("pilot_precision") is not None else ""))
+        if a.get("drive_read_bytes_per_token") is not None:
+            lines.append(f"  read from storage {a['drive_read_bytes_per_token'] / 1e6:.2f} MB per committed token (the "
+                         "engine process's block input, whole runs: prefill and dense weights too, page-cache hits not)"
+                         + (f" | its memory control group left it {a['memory_room_bytes'] / 1e9:.3g} GB"
+                            if a.get("memory_room_bytes") is not None else ""))
         lines += [f"  configuration: {c}" for c in a["configurations"]]
         lines += [f"  FAILED RUN (engine exit status non-zero): {f}" for f in a["failed_runs"]]
     return "\n".join(lines)

@@ -68,6 +68,8 @@ class EngineRunMetrics:
     pilot_loads: int | None = None      # the router pilot's completed loads (PILOT_REAL=1's line), the whole run
     pilot_drops: int | None = None      # its predictions dropped (layer reached, no slot, eviction guard)
     pilot_lookahead: list | None = None  # LOOKA=1: [hits, total] of its prediction against the next layers' experts
+    drive_read_bytes: int | None = None  # bytes the engine process read from storage, the whole run (relayout measure counted them)
+    memory_room: int | None = None       # bytes its memory control group left it (None: no limit, or not measured by relayout)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -139,7 +141,9 @@ def run_metrics(run: EngineRun, arm: str, key: str) -> EngineRunMetrics:
         configuration=configuration_label(run),
         returncode=run.identity.returncode if run.identity else None,
         load_average=run.identity.load_average if run.identity else None,
-        pilot_loads=out.pilot_loads, pilot_drops=out.pilot_drops, pilot_lookahead=out.pilot_lookahead)
+        pilot_loads=out.pilot_loads, pilot_drops=out.pilot_drops, pilot_lookahead=out.pilot_lookahead,
+        drive_read_bytes=run.identity.drive_read_bytes if run.identity else None,
+        memory_room=run.identity.memory_room if run.identity else None)
 
 
 def _arm_name(path: str | Path, runs: list[EngineRun]) -> str:
@@ -202,6 +206,8 @@ def arm_summary(path: str | Path, arm: str, metrics: list[EngineRunMetrics]) -> 
         "pilot_loads_per_token": _per_token(metrics, "pilot_loads"),
         "pilot_drops_per_token": _per_token(metrics, "pilot_drops"),
         "pilot_precision": _pooled_share([m.pilot_lookahead for m in metrics if m.pilot_lookahead]),
+        "drive_read_bytes_per_token": _per_token(metrics, "drive_read_bytes"),
+        "memory_room_bytes": _mean(m.memory_room for m in metrics),
         "per_run": [m.to_json() for m in metrics],
     }
 
