@@ -223,7 +223,8 @@ def test_every_arms_pages_are_evicted_before_each_run(tmp_path):
 
     script = tmp_path / "engine.sh"
     script.write_text("#!/bin/sh\ncat \"$SNAP\"/*.safetensors > /dev/null\n"
-                      f"cat '{RECORDED / 'stderr.txt'}' >&2\ncp '{RECORDED / 'route-trace.txt'}' \"$ROUTE_TRACE\"\n")
+                      f"cat '{RECORDED / 'stdout.txt'}'\ncat '{RECORDED / 'stderr.txt'}' >&2\n"
+                      f"cp '{RECORDED / 'route-trace.txt'}' \"$ROUTE_TRACE\"\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     arms = []
     for name in ("baseline", "container"):
