@@ -3,14 +3,15 @@
 Usage::
 
     python benchmarks/engine_page_cache.py CELL --container STOCK --device PROFILE.json \
-        [--gb 0,0.1,0.15,0.2] [--runs 6]
+        [--gb 0,0.1,0.15,0.2,0.25] [--runs 6] [--pilot-precision P]
 
 CELL is one cell of a ``relayout validate --engine`` directory (``cells/<cell>``) whose runs were
 measured by relayout (``engine-run.json`` with ``drive_read_bytes``). For its first ``--runs``
 stock runs, side by side: the engine's bytes read from storage per run (its block input, dense
 weights included) and S (decode wait per committed token), then, per budget, the model's bytes
 read from the drives per run and S when its page cache for weights holds that many GB (the rest
-of each run's configuration as it printed it). Where the model's bytes meet the engine's, the
+of each run's configuration as it printed it; a router-pilot cell needs ``--pilot-precision``, its
+training runs' LOOKA share, and a COUPLE cell's table is read as the run names it). Where the model's bytes meet the engine's, the
 budget is the page cache the run had in effect for weights; where S then differs, the drive
 reads themselves took longer than the profile says.
 """
@@ -31,6 +32,7 @@ from relayout.planning.replay_setup import RuntimeRequest, runtime_config  # noq
 from relayout.traces.importer import import_traces  # noqa: E402
 from replay.colibri.engine_metrics import run_metrics  # noqa: E402
 from replay.colibri.engine_output import ROUTE_FILE, read_runs  # noqa: E402
+from replay.formats.colipairs import configured_pair_table  # noqa: E402
 from replay.model.config import RuntimeConfig  # noqa: E402
 from replay.model.device import load_device  # noqa: E402
 from replay.model.engine import device_numbers, simulate  # noqa: E402
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", required=True, help="the device profile the validation used")
     ap.add_argument("--gb", default="0,0.1,0.15,0.2,0.25", help="page-cache budgets for weights, GB, comma-separated")
     ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--pilot-precision", type=float, help="a router-pilot cell's precision (its training runs' LOOKA share)")
     args = ap.parse_args(argv)
     layout = layout_from_container(Container.open(args.container))
     device = load_device(args.device)
@@ -63,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             d = Path(r.source)
             config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6,
                                                    dense_ms=0.0, colibri_run=True, runtime_env_from=str(d),
-                                                   page_cache_gb=gb), layout)
+                                                   page_cache_gb=gb, pilot_precision=args.pilot_precision), layout)
             trace, _ = import_traces([d / ROUTE_FILE])
-            inst, usage = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config)
+            inst, usage = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config,
+                                   coupling=configured_pair_table(config, layout))
             drive += float(np.dot(usage.transfer_seconds, bandwidths))
             wait += float(inst.stall[inst.forward != inst.forward.min()].sum())
         print(f"  model, page cache for weights {gb:.3f} GB: {drive / len(runs) / 1e6:.0f} MB from the drives per run, "

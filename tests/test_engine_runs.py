@@ -183,10 +183,9 @@ def test_the_real_engine_measured_cold_twice_agrees_with_itself(tmp_path):
 def test_each_arm_gets_its_own_variables_and_its_split_directories_are_dropped_cold(tmp_path, monkeypatch):
     """A split layout per arm (``--baseline-env`` / ``--container-env``): the engine gets the arm's
     ``COLI_MODEL_DIRS`` over the common variables, with absolute paths though the command was given
-    relative ones (the engine runs in the run's directory), and the split directories' shards are
-    evicted with the container's before each run."""
-    from relayout.workflows import engine_runs
-    from relayout.workflows.engine_runs import model_files
+    relative ones (the engine runs in the run's directory), and every arm's shards, its split
+    directories' with its container's, are evicted before each run."""
+    from replay.physical import measure
 
     script = tmp_path / "engine.sh"
     script.write_text("#!/bin/sh\n"
@@ -197,16 +196,16 @@ def test_each_arm_gets_its_own_variables_and_its_split_directories_are_dropped_c
     even, planned = _container(tmp_path / "even"), _container(tmp_path / "planned")
     slow_even, slow_planned = _container(tmp_path / "slow-even"), _container(tmp_path / "slow-planned")
     dropped = []
-    real_models = model_files
-    monkeypatch.setattr(engine_runs, "model_files", lambda c, env: dropped.append(real_models(c, env)) or dropped[-1])
+    real_drop = measure.drop_cache
+    monkeypatch.setattr(measure, "drop_cache", lambda files: dropped.append(set(files)) or real_drop(files))
     monkeypatch.chdir(tmp_path)
     arms = [EngineArm("baseline", Path("even"), {"COLI_MODEL_DIRS": str(slow_even)}),
             EngineArm("container", Path("planned"), {"COLI_MODEL_DIRS": f" {slow_planned} ;", "CAP": "8"})]
     measure_engine(Path("engine.sh"), arms, ["p"], 1, {"CAP": "4"}, 3, "runs", progress=lambda _: None)
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert calls == [f"{even}|{slow_even}|4", f"{planned}| {slow_planned} ;|8"]
-    assert dropped == [[even / "out-00000.safetensors", slow_even / "out-00000.safetensors"],
-                       [planned / "out-00000.safetensors", slow_planned / "out-00000.safetensors"]]
+    every = {d / "out-00000.safetensors" for d in (even, slow_even, planned, slow_planned)}
+    assert dropped == [every, every]
     assert json.loads((tmp_path / "runs" / "container" / "p00-r00" / RUN_FILE).read_text())["env"]["COLI_MODEL_DIRS"] == f" {slow_planned} ;"
 
 

@@ -129,3 +129,16 @@ def test_a_gate_whose_page_cache_cannot_hold_the_weights_says_the_model_is_not_v
     assert large.returncode == 0 and "holds less" not in large.stderr
     direct = cli(*common[:-1], "PIPE=0 CAP=2 DIRECT=1", "--page-cache-gb", "0.000001")
     assert direct.returncode == 0 and "holds less" not in direct.stderr
+
+
+def test_v1_takes_the_anonymous_memory_of_the_ancestor_that_sets_the_limit(tmp_path):
+    """A limit set on a parent group bounds its children together: the anonymous memory of the
+    parent's whole subtree counts, not only the process's own group's."""
+    root = tmp_path / "cg"
+    parent, leaf = root / "memory" / "jobs", root / "memory" / "jobs" / "a"
+    leaf.mkdir(parents=True)
+    (parent / "memory.limit_in_bytes").write_text(f"{600 * MiB}\n")
+    (parent / "memory.stat").write_text(f"hierarchical_memory_limit {600 * MiB}\ntotal_rss {250 * MiB}\n")
+    (leaf / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (leaf / "memory.stat").write_text(f"hierarchical_memory_limit {600 * MiB}\ntotal_rss {50 * MiB}\n")
+    assert memory_room(_proc(tmp_path, ["4:memory:/jobs/a"]), root) == 350 * MiB

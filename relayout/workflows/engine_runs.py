@@ -117,8 +117,8 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
                     runtime_env: dict, ngen: int, out_dir: Path, timeout_s: float | None,
                     also_cold: tuple[Path, ...] = ()) -> tuple[Path, RunIdentity]:
     """One cold run into ``out_dir/<arm>/pPP-rRR``; returns the directory and its record. Cold:
-    the arm's shards, and those of the containers ``also_cold`` (the other arms), are evicted
-    from the page cache first: under a memory limit the pages of the arm run before would
+    the arm's shards (:func:`model_files`), and the files ``also_cold`` (the other arms'), are
+    evicted from the page cache first: under a memory limit the pages of the arm run before would
     otherwise keep part of the page cache from this run."""
     arm_dir = make_dirs(out_dir / arm.name)
     final = arm_dir / run_name(prompt_index, repetition)
@@ -139,26 +139,26 @@ def run_engine_once(engine: Path, arm: EngineArm, prompt_index: int, prompt: str
     argv = [str(engine)]
     from replay.physical.measure import drop_cache        # the harness's module compiles the model: loaded only to run
 
-    cold = drop_cache(model_files(arm.container, set_env) + [f for c in also_cold for f in container_files(c)])
+    cold = drop_cache(model_files(arm.container, set_env) + list(also_cold))
     room = memory_room()
     load = os.getloadavg()[0]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t0 = time.monotonic()
-    blocks = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
+    blocks, timed_out = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock, False
     with os.fdopen(out_fd, "wb") as out, os.fdopen(err_fd, "wb") as err:
         try:
             proc = subprocess.run(argv, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                   cwd=str(partial), timeout=timeout_s)
             code = proc.returncode
         except subprocess.TimeoutExpired:
-            code = -9
+            code, timed_out = -9, True
         except OSError as exc:
             raise InputError(engine, f"cannot run the engine ({exc.strerror or exc})") from None
         for f in (out, err):
             f.flush()
             os.fsync(f.fileno())
     wall = time.monotonic() - t0
-    drive = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - blocks) * 512 if code != -9 else None
+    drive = None if timed_out else (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - blocks) * 512
     from replay.colibri.openmp_team import INHERITED_TEAM_VARIABLES
 
     inherited = {k: os.environ[k] for k in INHERITED_TEAM_VARIABLES if k in os.environ and k not in set_env}
@@ -212,7 +212,7 @@ def measure_engine(engine: str | Path, arms: list[EngineArm], prompts: list[str]
             progress(f"[{i}/{len(plan)}] {arm.name} {final.name}: kept (complete)")
             done.append(final)
             continue
-        others = tuple(a.container for a in arms if a.container != arm.container)
+        others = tuple(f for a in arms if a is not arm for f in model_files(a.container, {**runtime_env, **a.env}))
         path, ident = run_engine_once(engine, arm, p, prompts[p], rep, runtime_env=runtime_env, ngen=ngen, out_dir=out_dir,
                                       timeout_s=timeout_s, also_cold=others)
         status = "ok" if ident.returncode == 0 else f"engine exit status {ident.returncode}"

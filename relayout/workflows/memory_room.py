@@ -51,7 +51,7 @@ def memory_room(proc: str | Path = "/proc/self", cgroup_root: str | Path = "/sys
             v2 = parts[2]
     root = Path(cgroup_root)
     if v1 is not None:
-        return _room_v1(_group_dir(root / "memory", v1))
+        return _room_v1(root / "memory", _group_dir(root / "memory", v1))
     if v2 is not None and (root / "cgroup.controllers").is_file():
         return _room_v2(root, _group_dir(root, v2))
     return None
@@ -78,12 +78,24 @@ def _stat(directory: Path) -> dict[str, int]:
     return out
 
 
-def _room_v1(group: Path) -> int | None:
-    stat = _stat(group)
-    limit = stat.get("hierarchical_memory_limit")
+def _room_v1(mount: Path, group: Path) -> int | None:
+    limit = _stat(group).get("hierarchical_memory_limit")
     if limit is None or limit >= UNLIMITED:
         return None
-    return max(limit - stat.get("total_rss", 0), 0)
+    d = group                                  # the group that sets the limit: its own, or an ancestor's
+    while _limit_v1(d) != limit and d != mount and mount in d.parents:
+        d = d.parent
+    if _limit_v1(d) != limit:                  # no group says it: the process's own
+        d = group
+    return max(limit - _stat(d).get("total_rss", 0), 0)
+
+
+def _limit_v1(directory: Path) -> int | None:
+    try:
+        text = (directory / "memory.limit_in_bytes").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _room_v2(root: Path, group: Path) -> int | None:

@@ -288,7 +288,7 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
         share.clock[m], share.active[m] = max(start, drives.free[m]), 0
         share.last[m] = drives.free[m]
         share.next_done[m], share.next_enter[m] = np.inf, np.inf
-        for j in range(P + 1):
+        for j in range(rem.shape[1]):
             enter[m, j], rem[m, j] = np.inf, np.inf
     share.busy[0] = 0.0
     next_job, left = 0, n_jobs

@@ -190,9 +190,9 @@ Load = namedtuple("Load", "expert n_plan nbytes done")
 def new_work(K, E, W, M, Q, C, T=1):
     """Working arrays for batch unions of up to ``K`` experts out of ``E``, ``W`` workers, ``M``
     array members of ``Q`` queue slots, ``C`` cores for copies (0: copies not bounded) and ``T``
-prefetch threads. A job
-    has at most three weight reads or one span, and three scale reads; the prefetch thread's
-    queued loads, up to :data:`PREFETCH_SLOTS` of at most eight reads each, follow the demand jobs."""
+    prefetch threads. A job has at most three weight reads or one span, and three scale reads;
+    the prefetch threads' queued loads, up to :data:`PREFETCH_SLOTS` of at most eight reads each,
+    follow the demand jobs."""
     miss = Misses(np.empty(K, np.int64), np.empty(K, np.bool_), np.empty(K), np.empty(K, np.bool_), np.empty(K),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K, np.bool_),
                   np.empty(K, np.int64), np.empty(K, np.int64), np.empty(K), np.zeros(K), np.zeros(K, np.bool_))

@@ -452,10 +452,13 @@ def _pilot_loads(runs: list[RunResult]) -> list[int]:
 
 
 def _drive_bytes(runs: list[RunResult]) -> list[float]:
-    """Bytes read from storage per run over ``runs``: the engine's (the runs that counted them; -1
-    when none did) and the model's."""
-    counted = [r.measured_drive_bytes for r in runs if r.measured_drive_bytes >= 0]
-    return [float(np.mean(counted)) if counted else -1.0, float(np.mean([r.predicted_drive_bytes for r in runs]))]
+    """Bytes read from storage per run: the engine's and the model's over the runs that counted
+    them (the engine's -1 and the model's over all ``runs`` when none did)."""
+    counted = [r for r in runs if r.measured_drive_bytes >= 0]
+    if not counted:
+        return [-1.0, float(np.mean([r.predicted_drive_bytes for r in runs]))]
+    return [float(np.mean([r.measured_drive_bytes for r in counted])),
+            float(np.mean([r.predicted_drive_bytes for r in counted]))]
 
 
 def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationRecord:
