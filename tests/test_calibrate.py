@@ -90,7 +90,9 @@ def test_the_page_cache_copy_rate_is_measured_on_a_real_file_and_leaves_it_as_it
                for r in c["rates"])
     assert c["bytes_per_second"] == c["rates"][0]["bytes_per_second"]
     assert c["resident_fraction"] in (None, 1.0) and c["cores"] >= 1
-    assert c["unaligned_shift"] == copy_rate.UNALIGNED_SHIFT and c["unaligned_bytes_per_second"] > 0
+    assert c["unaligned_shift"] == copy_rate.UNALIGNED_SHIFT and len(c["unaligned_ratios"]) == copy_rate.PAIRED_TRIALS
+    assert c["unaligned_bytes_per_second"] == pytest.approx(
+        c["bytes_per_second"] * copy_rate.unaligned_factor(c["unaligned_ratios"]), rel=1e-12)
     assert f.read_bytes() == data and f.stat().st_mtime_ns == before.st_mtime_ns
     tiny = tmp_path / "tiny.bin"
     tiny.write_bytes(b"x" * 4096)
@@ -175,6 +177,9 @@ def test_the_copy_sentence_gives_each_thread_counts_rate():
     assert "on 2 cores" in text and "waited" not in text and "cache line" not in text
     text = copy_sentence({"calibration": {"page_cache_copy": {**c, "unaligned_shift": 8, "unaligned_bytes_per_second": 4e9}}})
     assert "reads starting 8 B into a cache line 4.00 GB/s on 1 thread (x0.80: unaligned_memory_bandwidth)" in text
+    text = copy_sentence({"calibration": {"page_cache_copy": {**c, "unaligned_shift": 8, "unaligned_bytes_per_second": 5e9,
+                                                              "unaligned_ratios": [0.97, 1.04, 1.08]}}})
+    assert "(x1.00: unaligned_memory_bandwidth), 3 paired trials x0.97-x1.08: no difference told apart" in text
     text = copy_sentence({"calibration": {"page_cache_copy": {**c, "resident_fraction": 0.5}}})
     assert "only 50% of the region" in text
     assert copy_sentence({"calibration": {}}) is None
@@ -218,3 +223,12 @@ def test_calibrate_refuses_an_unknown_buffer_kind(capsys, tmp_path):
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "--buffers" in err
     assert not (tmp_path / "d.json").exists()
+
+
+def test_an_unaligned_difference_is_given_only_when_every_paired_trial_says_it():
+    """Pairs of one thread's unaligned and aligned copies, back to back: their median ratio when
+    all lie on one side of 1, else none (noise between the trials, not a difference)."""
+    assert copy_rate.unaligned_factor([0.80, 0.82, 0.79, 0.85, 0.81]) == pytest.approx(0.81)
+    assert copy_rate.unaligned_factor([1.10, 1.20]) == pytest.approx(1.15)
+    assert copy_rate.unaligned_factor([0.97, 1.02, 1.06, 1.05, 1.04]) == 1.0
+    assert copy_rate.unaligned_factor([1.0, 1.1]) == 1.0 and copy_rate.unaligned_factor([]) == 1.0

@@ -56,6 +56,11 @@ def copy_sentence(profile: dict) -> str | None:
         u = c["unaligned_bytes_per_second"]
         text += (f"; reads starting {c['unaligned_shift']} B into a cache line {u / 1e9:.2f} GB/s on 1 thread "
                  f"(x{u / first['bytes_per_second']:.2f}: unaligned_memory_bandwidth)")
+        ratios = c.get("unaligned_ratios")
+        if ratios:
+            told = min(ratios) > 1.0 or max(ratios) < 1.0
+            text += (f", {len(ratios)} paired trials x{min(ratios):.2f}-x{max(ratios):.2f}"
+                     + ("" if told else ": no difference told apart from their noise, so none given"))
     if c.get("resident_fraction") is not None and c["resident_fraction"] < 1:
         text += (f"; only {c['resident_fraction']:.0%} of the region was in the page cache afterwards: some reads "
                  "waited for the drive, so these rates are low")
