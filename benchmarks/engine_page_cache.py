@@ -28,14 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from containers.container import Container  # noqa: E402
 from containers.layout import layout_from_container  # noqa: E402
-from relayout.planning.replay_setup import RuntimeRequest, runtime_config  # noqa: E402
-from relayout.traces.importer import import_traces  # noqa: E402
+from relayout.workflows.validation.engine import predict_run  # noqa: E402
 from replay.colibri.engine_metrics import run_metrics  # noqa: E402
-from replay.colibri.engine_output import ROUTE_FILE, read_runs  # noqa: E402
-from replay.formats.colipairs import configured_pair_table  # noqa: E402
-from replay.model.config import RuntimeConfig  # noqa: E402
+from replay.colibri.engine_output import read_runs  # noqa: E402
 from replay.model.device import load_device  # noqa: E402
-from replay.model.engine import device_numbers, simulate  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     layout = layout_from_container(Container.open(args.container))
     device = load_device(args.device)
-    bandwidths = np.asarray(device_numbers(device, layout).m_bandwidth, dtype=np.float64)
     runs = [r for r in read_runs(Path(args.cell) / "stock") if r.identity and r.identity.drive_read_bytes is not None]
     runs = runs[:args.runs]
     if not runs:
@@ -61,17 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{Path(args.cell).name}, {len(runs)} stock runs: engine {engine_mb:.0f} MB read from storage per run, "
           f"S {sum(m.wait_s for m in metrics) / tokens * 1e3:.2f} ms/token")
     for gb in (float(x) for x in args.gb.split(",")):
-        drive = wait = 0.0
-        for r in runs:
-            d = Path(r.source)
-            config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6,
-                                                   dense_ms=0.0, colibri_run=True, runtime_env_from=str(d),
-                                                   page_cache_gb=gb, pilot_precision=args.pilot_precision), layout)
-            trace, _ = import_traces([d / ROUTE_FILE])
-            inst, usage = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config,
-                                   coupling=configured_pair_table(config, layout))
-            drive += float(np.dot(usage.transfer_seconds, bandwidths))
-            wait += float(inst.stall[inst.forward != inst.forward.min()].sum())
+        predicted = [predict_run(Path(r.source), layout, device, args.pilot_precision, page_cache_gb=gb) for r in runs]
+        drive = sum(p[4] for p in predicted)
+        wait = sum(p[0] for p in predicted)
         print(f"  model, page cache for weights {gb:.3f} GB: {drive / len(runs) / 1e6:.0f} MB from the drives per run, "
               f"S {wait / tokens * 1e3:.2f} ms/token")
     return 0

@@ -90,15 +90,21 @@ def pilot_issuer(pilot, deadline):
 
 
 @njit(**HELPER)
+def pilot_job(pilot, v):
+    """Prefetch thread ``v``'s job under way, taking the next queued load when it has none."""
+    if pilot.job[v] < 0:
+        pilot.job[v], pilot.pos[v] = pilot.state[PILOT_NEXT], 0
+        pilot.state[PILOT_NEXT] += 1
+    return pilot.job[v]
+
+
+@njit(**HELPER)
 def pilot_read(jobs, reads, pilot, v, dev, drives, usage):
     """Prefetch thread ``v`` issues its next read at its free time, taking the next queued load
     when it has none under way; a load's last read, then its page-cache copies (its job's
     ``tail``, :func:`copy_done`: when they wait for a core, as the thread's next step), complete
     the load's job."""
-    if pilot.job[v] < 0:
-        pilot.job[v], pilot.pos[v] = pilot.state[PILOT_NEXT], 0
-        pilot.state[PILOT_NEXT] += 1
-    job, t = pilot.job[v], pilot.free[v]
+    job, t = pilot_job(pilot, v), pilot.free[v]
     r = jobs.first_read[job] + pilot.pos[v]
     if r == jobs.first_read[job + 1]:            # its reads are done: its copies take a core
         done = copy_done(t, jobs.tail[job], drives.copies)
@@ -330,10 +336,7 @@ def shared_pool(n_jobs, n_workers, start, pool, reads, dev, usage):
         else:
             if w >= P:
                 v = w - P
-                if pilot.job[v] < 0:
-                    pilot.job[v], pilot.pos[v] = pilot.state[PILOT_NEXT], 0
-                    pilot.state[PILOT_NEXT] += 1
-                job = pilot.job[v]
+                job = pilot_job(pilot, v)
                 r = job_read[job] + pilot.pos[v]
             else:
                 if wjob[w] < 0:

@@ -270,10 +270,12 @@ def prepare_layouts(o: EngineValidateOptions, work: WorkDir, train_prompts: list
     return dirs, list(load_plan(work.path / f"plan-{PLACEMENT_COPY}.json").training.sessions)
 
 
-def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = None) -> tuple[float, int, int, int, int]:
+def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = None,
+                page_cache_gb: float | None = None) -> tuple[float, int, int, int, int]:
     """The model's wait over a colibrì run's decode forwards (every forward but the first, the
     prefill), replaying the run's own routing with the configuration it printed (under
-    PILOT=1 or PILOT_REAL=1, the router pilot at ``pilot_precision``).
+    PILOT=1 or PILOT_REAL=1, the router pilot at ``pilot_precision``; with ``page_cache_gb``, that
+    page cache for weights instead of what the run left of its memory).
 
     Returns
     -------
@@ -294,7 +296,7 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     # overlaps the layer's loads: it does not change the wait
     config = runtime_config(RuntimeRequest(coalesce_max_mb=RuntimeConfig().coalesce_max_bytes / 1e6, dense_ms=0.0,
                                            colibri_run=True, runtime_env_from=str(run_dir),
-                                           pilot_precision=pilot_precision), layout)
+                                           pilot_precision=pilot_precision, page_cache_gb=page_cache_gb), layout)
     inst, usage = simulate(trace, np.ones(trace.n_forwards, bool), layout, device, config,
                            coupling=configured_pair_table(config, layout))
     drive = int(round(float(np.dot(usage.transfer_seconds, _member_bandwidths(device, layout)))))
