@@ -100,19 +100,19 @@ def test_several_pilot_threads_give_no_copy_rate_of_their_own():
     assert engine_copy_rate(replace(cfg, PILOT_WORKERS=4, URING=1), facts, lay) > 0
 
 
-def test_the_weights_page_cache_is_what_the_engines_memory_and_the_scales_leave():
-    """Available memory less the container's dense bytes, the LRU's slots, one working slab per
-    expert of a layer (16 here, under colibrì's 64) and every expert's scales, whose pages the
-    model keeps apart: the rest caches weights."""
+def test_the_experts_page_cache_is_what_the_engines_memory_leaves():
+    """Available memory less the container's dense bytes, the LRU's slots and one working slab
+    per expert of a layer (16 here, under colibrì's 64): the rest caches experts' pages, weights
+    and scales alike."""
     from replay.colibri.engine_config import EngineConfig, RunFacts, memory_terms
     from test_replay import simple_layout
 
     lay = simple_layout(E=16, wbytes=(8192, 8192, 16384), sbytes=(4096, 4096, 4096), layers=(3, 4))
-    expert, scales = 32768 + 12288, 12288
+    expert = 32768 + 12288
     dense = sum(lay.file_sizes) - 2 * 16 * expert
     lru, page = memory_terms(EngineConfig(CAP=4), RunFacts(cap=4, available_bytes=50e6), lay, 0)
     assert lru == 4
-    assert page == int(50e6 - dense - 4 * 2 * expert - 16 * expert - 2 * 16 * scales)
+    assert page == int(50e6 - dense - 4 * 2 * expert - 16 * expert)
     assert memory_terms(EngineConfig(CAP=4, DIRECT=1), RunFacts(cap=4, available_bytes=50e6), lay, 0)[1] == 0
 
 

@@ -416,12 +416,12 @@ def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
     (PILOT_WORKERS > 1 under PILOT_REAL, not URING) gives none: its loading threads outnumber the
     cores they share, and a load's thread time includes the time it waited for the others
     (measured: 4.5 GB/s per thread against 7.0 with one pilot thread, docs/BENCHMARKS.md). Nor
-    does a run whose page cache could not hold the container's expert weights (:func:`memory_terms`,
+    does a run whose page cache could not hold the container's experts (:func:`memory_terms`,
     e.g. under a memory limit): its decode loads mix page-cache copies with drive reads.
     """
     if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1 and not cfg.URING:
         return 0.0
-    if not cfg.DIRECT and facts.available_bytes and memory_terms(cfg, facts, layout, 0)[1] < layout.weight_bytes().sum():
+    if not cfg.DIRECT and facts.available_bytes and memory_terms(cfg, facts, layout, 0)[1] < layout.expert_bytes().sum():
         return 0.0
     if not cfg.DIRECT and facts.decode_load_seconds:
         return float(layout.expert_bytes().astype(float).mean()) / facts.decode_load_seconds
@@ -491,18 +491,17 @@ def engine_cap(cfg: EngineConfig, n_experts: int, row_bytes: float, resident_byt
 
 
 def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: int) -> tuple[int, int]:
-    """The LRU's experts per layer and the page cache's bytes for weights a colibrì run has on
-    ``layout`` (a :class:`containers.layout.Layout`).
+    """The LRU's experts per layer and the page cache's bytes for experts (weights and scales) a
+    colibrì run has on ``layout`` (a :class:`containers.layout.Layout`).
 
     The LRU: the cap the run printed (``facts``), else :func:`engine_cap` when ``CAP`` or
     ``RAM_GB`` is given (the container's bytes outside routed experts, plus ``pin_bytes``, as
     resident), else -1 (the model's ``ram_bytes`` then sizes it). The page cache: with buffered
     weights and a run that printed the memory available at its start, what the run left of it:
-    available less resident, the LRU's slots, the working slabs (one per expert a layer's misses
-    can load at once, at most ``WORKING_SET_SLOTS``: colibrì allocates a slab when a load first
-    uses it) and the experts' scales (their pages share the page cache; the model keeps them
-    apart, ``replay.model.pagecache``): the weights' share; under COLI_MMAP=1 the slots are views of the page cache and hold no copies:
-    available less resident); else 0.
+    available less resident, the LRU's slots and the working slabs (one per expert a layer's
+    misses can load at once, at most ``WORKING_SET_SLOTS``: colibrì allocates a slab when a load
+    first uses it); under COLI_MMAP=1 the slots are views of the page cache and hold no copies:
+    available less resident; else 0.
     """
     eb = layout.expert_bytes().astype(float)
     row, widest = float(eb[:, 0].sum()), float(eb.max())
@@ -517,8 +516,7 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
         page = int(max(facts.available_bytes - resident, 0.0))
     elif not cfg.DIRECT and facts is not None and facts.available_bytes:
         slabs = min(WORKING_SET_SLOTS, layout.n_experts)
-        scales = float(eb.sum()) - float(layout.weight_bytes().sum())
-        page = int(max(facts.available_bytes - resident - max(lru, 0) * row - slabs * widest - scales, 0.0))
+        page = int(max(facts.available_bytes - resident - max(lru, 0) * row - slabs * widest, 0.0))
     return lru, page
 
 

@@ -76,7 +76,7 @@ class RuntimeConfig:
     source_caps: list[float] = field(default_factory=list)  # per source of `prefetch`, in order: the most of B and of Q it takes per layer (share, 0-1); [] = no caps
     blocking: bool = False             # colibrì PIPE=0: a layer's misses load as one batch on `workers` threads (the OpenMP team), the compute thread blocked until all are in
     routing_order: bool = False        # misses issued, waited for and promoted into the LRU in routing order, hits computed between them in that order (colibrì's moe()); False: physical order, resident matmuls first
-    page_cache_bytes: int = 0          # the page cache under buffered weight reads (replay.model.weightcache), bytes; 0: every buffered weight read reaches the drive
+    page_cache_bytes: int = 0          # the page cache for the experts' pages, weights and scales (replay.model.pagecache), bytes; 0: every buffered weight read reaches the drive
     cpu_cores: int = 0                 # the machine's cores: at most this many page-cache copies run at once (replay.model.readers); 0 = not bounded
     team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
     mapped_views: bool = False         # colibrì COLI_MMAP=1: experts are views of the page cache; a page-cache hit re-touches mapped pages (at the copy rates the caller gives, the rate a run of it measured)
@@ -97,7 +97,7 @@ class RuntimeConfig:
         if not self.batched and not 1 <= self.workers <= limit:
             raise InputError(None, f"--workers must be 1-{limit} (got {self.workers})")
         if self.page_cache_bytes < 0:
-            raise InputError(None, f"the page cache for weights must be >= 0 bytes (got {self.page_cache_bytes})")
+            raise InputError(None, f"the page cache for experts must be >= 0 bytes (got {self.page_cache_bytes})")
         if isinstance(self.cpu_cores, bool) or not isinstance(self.cpu_cores, int) or not 0 <= self.cpu_cores <= MAX_TEAM:
             raise InputError(None, f"the machine's cores must be a whole number of 0-{MAX_TEAM} (got {self.cpu_cores!r})")
         if (isinstance(self.team_held_cores, bool) or not isinstance(self.team_held_cores, int)

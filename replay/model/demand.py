@@ -14,11 +14,11 @@ from numba import njit
 
 from replay.model.device import copy_seconds
 from replay.model.jit import HELPER, STAGE
-from replay.model.pagecache import PAGE_BYTES, buffered_read, cached_read, note_settled, scales_settled
+from replay.model.pagecache import (PAGE_BYTES, buffered_read, cached_pages, cached_read, exact_read, note_settled,
+                                    pages_cached, scales_settled)
 from replay.model.readplan import SCALE, WEIGHT, Coalescing, layer_place, plan_layer
 from replay.model.runtime import lru_add, lru_touch
 from replay.model.state import PILOT_FIRST, PILOT_NEXT, WARM_BUCKETS
-from replay.model.weightcache import wc_add, wc_hit
 
 
 @njit(**STAGE)
@@ -127,18 +127,19 @@ def plan_reads(i, li, k, x, work, res):
     cache ``pages`` cannot serve it (:func:`replay.model.pagecache.buffered_read`, in issue order), as
     one read of the pages the kernel's readahead reads for it; otherwise it, like a warm weight
     read, costs memory time at the end of its job. A job left with no drive read keeps one empty
-    warm read to carry it. A buffered weight read of experts whose weights the page cache
-    ``weights`` holds (:mod:`replay.model.weightcache`) is served from memory; the others, once read,
-    enter it. Reads, the reads that reach the drives, and bytes read
+    warm read to carry it. When the page cache tracks weights, a buffered weight read goes
+    through it too (:func:`paged_weight_read`); ``miss.cached``: every page of the miss's weight
+    reads was cached when planned. Reads, the reads that reach the drives, and bytes read
     (O_DIRECT-widened weights, whole scales) go into ``res`` (the instance outputs).
     """
-    lay, pol, dev, pages, weights = x.lay, x.pol, x.dev, x.ram.pages, x.ram.weights
+    lay, pol, dev, pages = x.lay, x.pol, x.dev, x.ram.pages
+    paged = pages.weights[0] > 0
     miss, plan, jobs, reads = work.miss, work.plan, work.jobs, work.reads
     miss_e, wjob, sjob, sbytes, skip = miss.expert, miss.wjob, miss.sjob, miss.sbytes, miss.skip
     for p in range(k):
         skip[p] = miss.ready[p] >= 0
         wjob[p], sjob[p], sbytes[p], miss.first[p] = -1, -1, 0, False
-        miss.cached[p] = not skip[p] and wc_hit(weights, li, miss_e[p])
+        miss.cached[p] = not skip[p] and paged
     n_plan, n_jobs = plan_layer(miss_e, k, skip, miss.top, layer_place(lay, li),
                                 Coalescing(pol.coalesce, pol.gap_bytes, pol.span_bytes), miss.wlen, plan)
     bases = lay.bases
@@ -156,15 +157,15 @@ def plan_reads(i, li, k, x, work, res):
             wtail, scale_tail = 0.0, 0.0
         f, n, a = plan.file[r], plan.length[r], plan.first[r]
         if plan.kind[r] == WEIGHT:
-            cached = True
-            for m in range(a, plan.last[r] + 1):
-                cached = cached and miss.cached[m]
-            if cached:
-                wtail += copy_seconds(n, plan.offset[r], dev)
+            queued = n_reads
+            if paged:
+                hit = pages_cached(pages, f, plan.offset[r], n)
+                for m in range(a, plan.last[r] + 1):
+                    miss.cached[m] = miss.cached[m] and hit
+                n_reads, wtail = paged_weight_read(f, plan.offset[r], n, pages, dev, bases, n_reads, wtail, reads)
             else:
-                queued = n_reads
                 n_reads, wtail, n = weight_read(f, plan.offset[r], n, bases, pol, dev, n_reads, wtail, reads)
-                drive_reads += n_reads - queued
+            drive_reads += n_reads - queued
             for m in range(a, plan.last[r] + 1):
                 wjob[m] = job
         else:
@@ -185,9 +186,6 @@ def plan_reads(i, li, k, x, work, res):
         job_tail[job] = wtail + scale_tail
         n_reads = close_job(job, job_read, n_reads, reads)
     job_read[n_jobs] = n_reads
-    for p in range(k):
-        if not skip[p] and not miss.cached[p]:
-            wc_add(weights, li, miss_e[p])
     res.reads[i] = n_plan
     res.drive_reads[i] = drive_reads
     res.read_bytes[i] = read_bytes
@@ -208,6 +206,27 @@ def weight_read(file, off, n, bases, pol, dev, n_reads, wtail, reads):
         return n_reads, wtail + copy_seconds(n, addr, dev), n
     reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = addr, n, False
     return n_reads + 1, wtail, n
+
+
+@njit(**HELPER)
+def paged_weight_read(file, off, n, pages, dev, bases, n_reads, wtail, reads):
+    """One weight read of ``n`` bytes at ``off`` in ``file`` through the page cache ``pages``:
+    a buffered pread (:func:`replay.model.pagecache.buffered_read`, with the kernel's readahead)
+    or, when its weights are mapped views (``pages.weights`` 2, colibrì's COLI_MMAP=1), a touch
+    of mapped pages after ``MADV_WILLNEED`` (:func:`replay.model.pagecache.exact_read`).
+    The pages it waits for from the drive make one drive read; the pages the cache held cost
+    their copy time (added to ``wtail``). Returns the new read count and tail (s)."""
+    warm = cached_pages(pages, file, off, n)
+    if pages.weights[0] == 2:
+        waited, page = exact_read(pages, file, off, n)
+    else:
+        waited, page = buffered_read(pages, file, off, n)
+    if warm:
+        wtail += copy_seconds(min(warm * PAGE_BYTES, n), off, dev)
+    if waited:
+        reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[file] + page * PAGE_BYTES, waited * PAGE_BYTES, False
+        n_reads += 1
+    return n_reads, wtail
 
 
 @njit(**HELPER)

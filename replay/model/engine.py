@@ -22,12 +22,11 @@ from replay.model.controller import prefetcher_inputs
 from replay.model.device import SPLIT_RULES, ArrayProfile
 from replay.model.instance import simulate_instances
 from replay.model.jit import compile_notice
-from replay.model.pagecache import new_page_cache
+from replay.model.pagecache import PageCache, new_page_cache
 from replay.model.predictors import RELIABILITY_BINS
 from replay.model.runtime import new_heat, new_lru
 from replay.model.state import PREFETCH_SLOTS, Device, LayoutArrays, RamTiers, ReadPolicy, new_work
 from replay.model.storage import StorageProfile
-from replay.model.weightcache import new_weight_cache
 from replay.model.routing import RoutingTrace
 from replay.model.unions import (
     DEFAULT_CHUNK_FORWARDS,
@@ -36,9 +35,9 @@ from replay.model.unions import (
     whole_forward_blocks,
 )
 
-UNDO_READS = PREFETCH_SLOTS * 3
-"""Scale preads one undo-logged stretch of the page cache may hold: the prefetch thread's loads
-queued at one routing, three scale preads each (:func:`replay.model.readplan.plan_layer`;
+UNDO_READS = PREFETCH_SLOTS * 6
+"""Preads one undo-logged stretch of the page cache may hold: the prefetch thread's loads
+queued at one routing, at most three weight and three scale preads each (:func:`replay.model.readplan.plan_layer`;
 :func:`replay.model.pagecache.new_page_cache`)."""
 
 FILE_ALIGNMENT = 1 << 20
@@ -215,9 +214,7 @@ class Replay:
         self.ram = RamTiers(
             pinned=np.asarray(pinned if pinned is not None else np.zeros((L, E)), dtype=bool),
             lru=new_lru(lru_capacities(config.ram_bytes, layout.expert_bytes()[:, 0], config.lru_experts), E),
-            pages=new_page_cache(self.lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
-                                 device.drive.max_request_bytes),
-            weights=new_weight_cache(0 if config.direct else config.page_cache_bytes, self.lay.wbytes),
+            pages=page_cache(self.lay, layout, device, config),
             heat=new_heat(L, E))
         self.table = prefetcher_inputs(config, layout, coupling)
         self.pol = read_policy(config, device)
@@ -299,6 +296,17 @@ def simulate(
     return (InstanceResult(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                            **joined("instance", InstanceResult), prefetch=prefetch),
             replay.usage())
+
+
+def page_cache(lay: LayoutArrays, layout: Layout, device: ArrayProfile, config: RuntimeConfig) -> PageCache:
+    """The page cache a replay starts each session with (:func:`replay.model.pagecache.new_page_cache`):
+    it tracks the experts' scale pages and, when the run reads weights through the page cache
+    (buffered, or as COLI_MMAP's mapped views) and gives it memory (``config.page_cache_bytes``),
+    their weight pages too, weights and scales then sharing that budget."""
+    weights = (config.mapped_views or not config.direct) and config.page_cache_bytes > 0
+    return new_page_cache(lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
+                          device.drive.max_request_bytes, wloc=lay.wloc if weights else None,
+                          budget_bytes=config.page_cache_bytes if weights else -1, mapped=config.mapped_views)
 
 
 def layout_arrays(layout: Layout, config: RuntimeConfig, split: SplitState | None) -> LayoutArrays:

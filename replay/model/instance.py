@@ -34,7 +34,6 @@ from replay.model.prefetching import (
 from replay.model.readers import reader_pool, shared_pool
 from replay.model.runtime import heat_route, lru_start
 from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, Inputs, Pool
-from replay.model.weightcache import wc_start
 
 
 @njit(**LOOP)
@@ -78,7 +77,6 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             _fetch_rows(i + 1, inst, table.source, ram, lay, learning, out)
         lru_start(lru, li, inst_session[i])
         start_session(ram.pages, inst_session[i])
-        wc_start(ram.weights, inst_session[i])
         if pf_for != i:
             pf_n = 0
         if pol.prefetch == FUSED:

@@ -1,10 +1,15 @@
-"""The page cache under the runtime's buffered scale reads, with Linux's readahead.
+"""The page cache under the runtime's buffered reads, with Linux's readahead and a memory budget.
 
-:func:`buffered_read` decides, pread by pread, which scale reads reach the drive and which pages
-the kernel's readahead brings in with them; :func:`checkpoint` and :func:`undo` let a dropped
-prefetch load leave no trace. docs/MODEL.md ("The page cache and readahead") states the rules,
-after Linux's ``mm/readahead.c`` and ``mm/filemap.c``. Units: pages of 4 KiB (:data:`PAGE_BYTES`)
-and bytes.
+:func:`buffered_read` decides, pread by pread, which reads reach the drive and which pages the
+kernel's readahead brings in with them; :func:`exact_read` caches just the pages asked for (a
+``MADV_WILLNEED`` or a mapped view's touch). It always tracks the experts' scale pages and,
+when the run reads weights buffered with a page cache for them, their weight pages too. With a
+budget smaller than the pages tracked, the least recently read 64 KiB blocks
+(:data:`BLOCK_PAGES`) are evicted first once a read is done (Linux keeps an active and an
+inactive list; one recency order is the approximation). :func:`checkpoint` and :func:`undo` let
+a dropped prefetch load leave no trace; nothing is evicted while they log. docs/MODEL.md ("The
+page cache and readahead") states the rules, after Linux's ``mm/readahead.c`` and
+``mm/filemap.c``. Units: pages of 4 KiB (:data:`PAGE_BYTES`) and bytes.
 """
 
 from __future__ import annotations
@@ -28,8 +33,15 @@ MAX_FOLIO_ORDER = 9
 """The largest folio the page cache builds a readahead window of: 2 MiB of 4 KiB pages (ext4 and
 XFS on x86-64, Linux 6.16 on)."""
 
+BLOCK_PAGES = 16
+"""The pages evicted together: a 64 KiB block of ``state``."""
+
+RUN, MARKED, PAGE = 0, 1, 2
+"""Kinds of an undo-log entry for pages: a run of pages that were not cached, a run that was
+cached and marked, one page with its old bits."""
+
 PageCache = namedtuple("PageCache", "state first offset count file_pages ra max_pages session log_key log_old log_n "
-                                     "settled epoch")
+                                     "settled epoch weights budget stamp ring")
 """The page cache of a layout's files (see the module docstring). ``state`` [P] uint8 (bits
 :data:`CACHED`, :data:`MARK`) for every tracked page; per file [F]: ``first`` (its first tracked
 page), ``offset`` (where its pages start in ``state``), ``count`` (tracked pages),
@@ -41,36 +53,50 @@ place in ``state``, or ``-1 - (5 f + field)`` for a window field, and the value 
 ``log_n`` [1] (entries; -1: not logging); ``settled`` [L, E] and ``epoch`` [1]: the experts whose
 scale pages are all cached and unmarked since the page cache was last emptied (``settled`` holds
 the ``epoch`` it was so in), whose scale reads the cache then serves without looking at a page
-(:func:`scales_settled`)."""
+(:func:`scales_settled`); ``weights`` [1] (0: weight reads bypass it; 1: it tracks the
+weights' pages, read by buffered preads; 2: the same, read as mapped views); ``budget`` [5]: the pages it may hold (-1: no bound), the pages cached, the
+ring's oldest entry and its entries, the last stamp; ``stamp`` [B] (each block's last use) and
+``ring`` [R, 3] (uses in order: first block, blocks, stamp; an entry whose blocks were used
+again since is stale).
+
+A log entry for pages has ``log_key`` = its first place in ``state`` and ``log_old`` = 4 n +
+kind (:data:`RUN`, :data:`MARKED`: n pages; :data:`PAGE`: n the page's old bits)."""
+
+CAP, USED, TAIL, ENTRIES, CLOCK = 0, 1, 2, 3, 4
 
 
 def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_reads: int,
-                   max_request_bytes: int | None = None) -> PageCache:
+                   max_request_bytes: int | None = None, wloc: np.ndarray | None = None,
+                   budget_bytes: int = -1, mapped: bool = False) -> PageCache:
     """An empty page cache for a layout whose scale tensors sit at ``sloc`` [L, E, 3, (file,
-    offset, bytes)], with files of ``file_sizes`` (bytes) read with a readahead maximum of
+    offset, bytes)] and, when ``wloc`` (the same for the weight tensors) is given, whose weight
+    pages it tracks too, with files of ``file_sizes`` (bytes) read with a readahead maximum of
     ``read_ahead_bytes`` on a device whose largest request is ``max_request_bytes`` (Linux
     ``io_pages``: a read larger than the readahead maximum may have a window that large; None:
-    no larger). ``undo_reads`` sizes the undo log: the scale preads one logged stretch may hold.
+    no larger). ``budget_bytes``: the memory it may hold (-1: no bound); ``mapped``: the weights
+    are mapped views (``weights`` 2). ``undo_reads`` sizes the
+    undo log: the preads one logged stretch may hold.
 
-    A pread of r pages caches pages only in [i, j + 2W), W = max(M, r) the largest window
-    (synchronous windows start before j and take at most W pages; asynchronous ones start within
-    W of a mark before j and take at most W), each page logged at most twice (cached with its
-    mark, the mark cleared); its loop meets each page once, a synchronous and an asynchronous
-    window each (four window fields apiece), and sets ``prev_pos``: at most 10 r + 4 W + 1 log
-    entries, which bounds the log (the largest scale pread of the layout).
+    A pread of r pages caches pages only in [i, j + 2W), W = max(M, r) the largest window; the
+    log keeps runs of pages, at most one per window or folio read and per marked folio met, and
+    the window fields it sets: at most 10 r + 4 W + 1 entries for the largest scale pread, which
+    bounds the log (a weight pread's runs are as few: its windows are as many).
 
-    Memory: one byte per tracked page (a file's scale extent plus the largest window either
-    side: for the converter's layouts, which keep scales together, about the scales' size /
-    4096) and 16 bytes per log entry."""
+    Memory: one byte per tracked page (each file's scale and, when tracked, weight extents plus
+    the largest window either side), 16 bytes per log entry and, under a budget, 8 bytes per
+    block tracked and 24 per ring entry (twice the blocks the budget holds)."""
     F = len(file_sizes)
     M = max(int(read_ahead_bytes) // PAGE_BYTES, 0)
     io = max(int(max_request_bytes or 0) // PAGE_BYTES, M)
     r = int(((sloc[..., 1] % PAGE_BYTES + sloc[..., 2] + PAGE_BYTES - 1) // PAGE_BYTES).max(initial=1))
     W = max(M, min(r, io), 1)
+    if wloc is not None:
+        wr = int(((wloc[..., 1] % PAGE_BYTES + wloc[..., 2] + PAGE_BYTES - 1) // PAGE_BYTES).max(initial=1))
+        W = max(W, min(wr, io))
     file_pages = np.array([-(-int(s) // PAGE_BYTES) for s in file_sizes], dtype=np.int64)
     first = np.zeros(F, dtype=np.int64)
     count = np.zeros(F, dtype=np.int64)
-    loc = sloc.reshape(-1, 3)
+    loc = sloc.reshape(-1, 3) if wloc is None else np.concatenate([sloc.reshape(-1, 3), wloc.reshape(-1, 3)])
     loc = loc[loc[:, 2] > 0]
     for f in range(F):
         mine = loc[loc[:, 0] == f]
@@ -82,10 +108,16 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     ra = np.zeros((F, 5), dtype=np.int64)
     ra[:, RA_PREV] = -1
     cap = max(1, int(undo_reads) * (10 * r + 4 * W + 1))
-    return PageCache(np.zeros(int(count.sum()), dtype=np.uint8), first, offset, count, file_pages, ra,
+    pages = int(count.sum())
+    limit = -1 if budget_bytes < 0 or budget_bytes // PAGE_BYTES >= pages else int(budget_bytes) // PAGE_BYTES
+    blocks = -(-pages // BLOCK_PAGES) if limit >= 0 else 0
+    ring = 2 * (limit // BLOCK_PAGES + 1) + 8 * max(int(undo_reads), 1) + 64 if limit >= 0 else 1
+    return PageCache(np.zeros(pages, dtype=np.uint8), first, offset, count, file_pages, ra,
                      np.array([M, io], dtype=np.int64), np.array([-1], dtype=np.int64),
                      np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.array([-1], dtype=np.int64),
-                     np.full(sloc.shape[:2], -1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+                     np.full(sloc.shape[:2], -1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                     np.array([0 if wloc is None else 2 if mapped else 1], dtype=np.int64), np.array([limit, 0, 0, 0, 0], dtype=np.int64),
+                     np.zeros(blocks, dtype=np.int64), np.zeros((ring, 3), dtype=np.int64))
 
 
 @njit(**HELPER)
@@ -95,6 +127,7 @@ def start_session(pc, session):
         pc.state[:] = 0
         pc.session[0] = session
         pc.epoch[0] += 1
+        pc.budget[USED] = pc.budget[TAIL] = pc.budget[ENTRIES] = 0
 
 
 @njit(**HELPER)
@@ -109,19 +142,25 @@ def checkpoint(pc):
 def undo(pc, mark):
     """Revert every change logged since ``mark`` (a :func:`checkpoint`), newest first."""
     for q in range(pc.log_n[0] - 1, mark - 1, -1):
-        key = pc.log_key[q]
-        if key >= 0:
-            pc.state[key] = pc.log_old[q]
-        else:
+        key, old = pc.log_key[q], pc.log_old[q]
+        if key < 0:
             k = -1 - key
-            pc.ra[k // 5, k % 5] = pc.log_old[q]
+            pc.ra[k // 5, k % 5] = old
+            continue
+        n, kind = old >> 2, old & 3
+        if kind == PAGE:
+            _put(pc, key, n)
+        else:
+            for s in range(key, key + n):
+                _put(pc, s, 0 if kind == RUN else pc.state[s] | MARK)
     pc.log_n[0] = mark
 
 
 @njit(**HELPER)
 def stop_logging(pc):
-    """Drop the log (its changes stay)."""
+    """Drop the log (its changes stay) and evict what the budget no longer holds."""
     pc.log_n[0] = -1
+    _evict(pc)
 
 
 @njit(**HELPER)
@@ -129,9 +168,100 @@ def _log(pc, key, old):
     n = pc.log_n[0]
     if n >= 0:
         if n == len(pc.log_key):
-            raise RuntimeError("the page cache's undo log is full: more scale preads were logged than it was sized for")
+            raise RuntimeError("the page cache's undo log is full: more preads were logged than it was sized for")
         pc.log_key[n], pc.log_old[n] = key, old
         pc.log_n[0] = n + 1
+
+
+@njit(**HELPER)
+def _log_pages(pc, s, n, kind):
+    """Log that ``n`` pages from place ``s`` were :data:`RUN` or :data:`MARKED` (a run following
+    the last entry's, of its kind, extends it)."""
+    q = pc.log_n[0] - 1
+    if q >= 0 and pc.log_key[q] >= 0 and pc.log_old[q] & 3 == kind and pc.log_key[q] + (pc.log_old[q] >> 2) == s:
+        pc.log_old[q] += 4 * n
+        return
+    _log(pc, s, 4 * n + kind)
+
+
+@njit(**HELPER)
+def _put(pc, s, bits):
+    """Set place ``s`` of ``state`` to ``bits``, counting the pages cached (not logged)."""
+    pc.budget[USED] += (bits & CACHED) - (pc.state[s] & CACHED)
+    pc.state[s] = bits
+
+
+@njit(**HELPER)
+def _touch(pc, f, p, n):
+    """Pages [p, p + n) of file ``f`` were used: their blocks become the most recently used."""
+    if pc.budget[CAP] < 0:
+        return
+    lo = max(p - pc.first[f], 0)
+    hi = min(p + n - pc.first[f], pc.count[f])
+    if hi <= lo:
+        return
+    b0 = (pc.offset[f] + lo) // BLOCK_PAGES
+    b1 = (pc.offset[f] + hi - 1) // BLOCK_PAGES
+    if pc.budget[ENTRIES] == len(pc.ring):
+        _compact(pc)
+        if pc.budget[ENTRIES] == len(pc.ring):
+            _evict_oldest(pc)
+    pc.budget[CLOCK] += 1
+    t = pc.budget[CLOCK]
+    pc.stamp[b0:b1 + 1] = t
+    at = (pc.budget[TAIL] + pc.budget[ENTRIES]) % len(pc.ring)
+    pc.ring[at, 0], pc.ring[at, 1], pc.ring[at, 2] = b0, b1 - b0 + 1, t
+    pc.budget[ENTRIES] += 1
+
+
+@njit(**HELPER)
+def _live(pc, at):
+    b0, nb, t = pc.ring[at, 0], pc.ring[at, 1], pc.ring[at, 2]
+    for b in range(b0, b0 + nb):
+        if pc.stamp[b] == t:
+            return True
+    return False
+
+
+@njit(**HELPER)
+def _compact(pc):
+    """Drop the ring's stale entries, keeping the others in order from place 0."""
+    R, kept = len(pc.ring), 0
+    for q in range(pc.budget[ENTRIES]):
+        at = (pc.budget[TAIL] + q) % R
+        if _live(pc, at):
+            kept_at = (pc.budget[TAIL] + kept) % R
+            pc.ring[kept_at, 0], pc.ring[kept_at, 1], pc.ring[kept_at, 2] = pc.ring[at, 0], pc.ring[at, 1], pc.ring[at, 2]
+            kept += 1
+    pc.budget[ENTRIES] = kept
+
+
+@njit(**HELPER)
+def _evict_oldest(pc):
+    """Evict the blocks of the ring's oldest entry not used since (logged while logging)."""
+    at = pc.budget[TAIL]
+    b0, nb, t = pc.ring[at, 0], pc.ring[at, 1], pc.ring[at, 2]
+    pc.budget[TAIL] = (at + 1) % len(pc.ring)
+    pc.budget[ENTRIES] -= 1
+    dropped = False
+    for b in range(b0, b0 + nb):
+        if pc.stamp[b] != t:
+            continue
+        for s in range(b * BLOCK_PAGES, min((b + 1) * BLOCK_PAGES, len(pc.state))):
+            if pc.state[s]:
+                if pc.log_n[0] >= 0:
+                    _log(pc, s, 4 * pc.state[s] + PAGE)
+                _put(pc, s, 0)
+                dropped = True
+    if dropped:
+        pc.epoch[0] += 1
+
+
+@njit(**HELPER)
+def _evict(pc):
+    """Evict the least recently used blocks until the budget holds (not while logging)."""
+    while pc.log_n[0] < 0 and pc.budget[USED] > pc.budget[CAP] >= 0 and pc.budget[ENTRIES] > 0:
+        _evict_oldest(pc)
 
 
 @njit(**HELPER)
@@ -163,8 +293,8 @@ def _bits(pc, f, p):
 def _set(pc, f, p, bits):
     s = _slot(pc, f, p)
     if s >= 0 and pc.state[s] != bits:
-        _log(pc, s, pc.state[s])
-        pc.state[s] = bits
+        _log(pc, s, 4 * pc.state[s] + PAGE)
+        _put(pc, s, bits)
 
 
 @njit(**HELPER)
@@ -211,13 +341,34 @@ def _read_pages(pc, f, start, n, lookahead):
     exceeds ``n``). Returns the pages read."""
     n = min(n, pc.file_pages[f] - start)
     mark = n - lookahead if lookahead <= n else -1
+    _touch(pc, f, start, n)
     read = 0
     for q in range(max(n, 0)):
         if _bits(pc, f, start + q) & CACHED:
             continue
-        _set(pc, f, start + q, CACHED | (MARK if q == mark else 0))
+        _fill(pc, f, start + q, CACHED | (MARK if q == mark else 0))
         read += 1
     return read
+
+
+@njit(**HELPER)
+def _fill(pc, f, p, bits):
+    """Cache page ``p`` of file ``f`` (not cached) with ``bits``, logged as part of a run."""
+    s = _slot(pc, f, p)
+    if s >= 0:
+        if pc.log_n[0] >= 0:
+            _log_pages(pc, s, 1, RUN)
+        _put(pc, s, bits)
+
+
+@njit(**HELPER)
+def _unmark(pc, f, p):
+    """Clear page ``p``'s mark, logged as part of a run."""
+    s = _slot(pc, f, p)
+    if s >= 0 and pc.state[s] & MARK:
+        if pc.log_n[0] >= 0:
+            _log_pages(pc, s, 1, MARKED)
+        pc.state[s] &= ~MARK
 
 
 @njit(**HELPER)
@@ -233,6 +384,7 @@ def _window(pc, f, start, size, lookahead, order):
     _set_ra(pc, f, RA_ORDER, order)
     limit = min(pc.file_pages[f] - 1, start + size - 1)
     mark = start + size - lookahead
+    _touch(pc, f, start, size)
     index, read = start, 0
     while index <= limit:
         o = order
@@ -246,7 +398,7 @@ def _window(pc, f, start, size, lookahead, order):
                 return read + _read_pages(pc, f, index, size - (index - start), lookahead)
         marked = index == mark // n * n
         for q in range(n):
-            _set(pc, f, index + q, CACHED | (MARK if marked else 0))
+            _fill(pc, f, index + q, CACHED | (MARK if marked else 0))
         read += n
         index += n
     return read
@@ -278,7 +430,7 @@ def _async_readahead(pc, f, p, n, r):
     """The kernel's readahead on reaching the marked folio of ``n`` pages at page ``p``, with
     ``r`` pages of the read from ``p`` on (its mark is cleared). Returns the pages it read."""
     for q in range(n):
-        _set(pc, f, p + q, _bits(pc, f, p + q) & ~MARK)
+        _unmark(pc, f, p + q)
     if pc.max_pages[0] <= 0:
         return 0
     M = _max_pages(pc, r)
@@ -338,7 +490,29 @@ def buffered_read(pc, f, off, n):
             last = b
         p = last + 1
     _set_ra(pc, f, RA_PREV, off + n)
+    _touch(pc, f, i, j - i)
+    _evict(pc)
     return waited, first_wait
+
+
+@njit(**HELPER)
+def exact_read(pc, f, off, n):
+    """A read of just bytes [off, off + n) of file ``f``, no readahead (``MADV_WILLNEED``, or a
+    mapped view's pages touched after it): caches the pages not cached. Returns the pages from
+    the first not cached to the last (the drive read that brings them in; 0: all cached) and
+    the first of them."""
+    i = off // PAGE_BYTES
+    j = -(-(off + n) // PAGE_BYTES)
+    lo, hi = -1, -1
+    for p in range(i, j):
+        if not _bits(pc, f, p) & CACHED:
+            if lo < 0:
+                lo = p
+            hi = p
+            _fill(pc, f, p, CACHED)
+    _touch(pc, f, i, j - i)
+    _evict(pc)
+    return (hi - lo + 1 if lo >= 0 else 0), lo
 
 
 @njit(**HELPER)
@@ -365,7 +539,7 @@ def scales_settled(pc, li, e):
     """Whether expert ``e`` of layer index ``li`` has every scale page cached and unmarked: then
     each of its scale preads is served from the cache and changes only ``prev_pos``
     (:func:`cached_read`), as :func:`buffered_read` would find. (A cached page is never marked
-    again and, outside an undo, never dropped within a session.)"""
+    again; an eviction moves ``epoch`` on.)"""
     return pc.settled[li, e] == pc.epoch[0]
 
 
@@ -373,6 +547,24 @@ def scales_settled(pc, li, e):
 def cached_read(pc, f, off, n):
     """:func:`buffered_read` of a pread known to be served from the cache with no mark on its way."""
     _set_ra(pc, f, RA_PREV, off + n)
+    _touch(pc, f, off // PAGE_BYTES, -(-(off + n) // PAGE_BYTES) - off // PAGE_BYTES)
+
+
+@njit(**HELPER)
+def cached_pages(pc, f, off, n):
+    """How many pages of bytes [off, off + n) of file ``f`` are cached (changes nothing)."""
+    k = 0
+    for p in range(off // PAGE_BYTES, -(-(off + n) // PAGE_BYTES)):
+        if _bits(pc, f, p) & CACHED:
+            k += 1
+    return k
+
+
+@njit(**HELPER)
+def weights_cached(pc, wloc):
+    """Whether the page cache tracks weights and holds all of one expert's weight tensors,
+    ``wloc`` [3, (file, offset, bytes)] (changes nothing)."""
+    return pc.weights[0] > 0 and scales_cached(pc, wloc)
 
 
 @njit(**HELPER)

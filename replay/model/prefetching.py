@@ -15,10 +15,11 @@ from numba import njit
 
 from replay.model.admission import admit_listed, choose
 from replay.model.controller import OBSERVE, TOP_K, backed_off, load_seconds, record_demand, record_outcome
-from replay.model.demand import close_job, is_selected, scale_read, weight_read
+from replay.model.demand import close_job, is_selected, paged_weight_read, scale_read, weight_read
 from replay.model.device import copy_seconds
 from replay.model.jit import HELPER, STAGE
-from replay.model.pagecache import checkpoint, note_settled, scales_settled, stop_logging, undo
+from replay.model.pagecache import (PAGE_BYTES, checkpoint, exact_read, note_settled, pages_cached, scales_settled,
+                                    stop_logging, undo, weights_cached)
 from replay.model.predictors import (
     FUSED,
     add_reliability,
@@ -31,7 +32,6 @@ from replay.model.readers import copy_done, pilot_issuer, pilot_read, serve_read
 from replay.model.readplan import WEIGHT, Coalescing, layer_place, plan_layer
 from replay.model.runtime import guard_protects, lru_add
 from replay.model.state import PILOT_END, PILOT_FIRST, PILOT_NEXT, Load
-from replay.model.weightcache import wc_add, wc_hit
 
 
 PILOT_MAX_POSITIONS = 8
@@ -121,7 +121,8 @@ def queue_at_routing(i, li, x, work, n_jobs, out):
         e = pf_list[p]
         if ram.pinned[li, e] or lru.cached[li, e]:
             continue
-        if pol.prefetch_hints and (pol.direct or ram.weights.cached[li, e]) and scales_settled(ram.pages, li, e):
+        if pol.prefetch_hints and (pol.direct or weights_cached(ram.pages, x.lay.wloc[li, e])) and \
+                scales_settled(ram.pages, li, e):
             continue                             # a hint for cached pages reads nothing
         if pol.evict_guard and lru.capacity[li] > 0:
             if free > 0:
@@ -149,9 +150,10 @@ def _plan_load(li, e, x, work, n_reads):
     weights and its scales, :func:`replay.model.readplan.plan_layer`) into ``reads`` from ``n_reads``
     on, its scale preads through the page cache ``pages`` as :func:`replay.model.demand.plan_reads` does. Returns
     the preads planned, the reads queued so far, the page-cache time after its drive reads (warm
-    weights and scales, s) and its bytes. Its weights come from the page cache ``weights`` when
-    it holds them; they enter it when the load completes (:func:`_record_load`)."""
-    lay, pol, pages, weights = x.lay, x.pol, x.ram.pages, x.ram.weights
+    weights and scales, s) and its bytes. When the page cache tracks weights its weight reads go
+    through it too (:func:`replay.model.demand.paged_weight_read`; a hint's as ``MADV_WILLNEED``,
+    :func:`replay.model.pagecache.exact_read`), logged like its scale reads."""
+    lay, pol, pages = x.lay, x.pol, x.ram.pages
     plan, single, reads = work.plan, work.single, work.reads
     dev = x.dev
     single.expert[0], single.top[0] = e, lay.top_resident[li, e]
@@ -160,20 +162,25 @@ def _plan_load(li, e, x, work, n_reads):
     bases = lay.bases
     tail, scale_tail, total = 0.0, 0.0, 0
     settled = scales_settled(pages, li, e)
-    cached = wc_hit(weights, li, e)
+    paged = pages.weights[0] > 0
     hint = pol.prefetch_hints
     for r in range(n_plan):
-        f, nb = plan.file[r], plan.length[r]
-        if plan.kind[r] == WEIGHT and hint and (cached or pol.direct):   # a hint: no copy; O_DIRECT weights not hinted
-            continue
-        if plan.kind[r] == WEIGHT and cached:
-            tail += copy_seconds(nb, plan.offset[r], dev)
+        f, nb, off = plan.file[r], plan.length[r], plan.offset[r]
+        if plan.kind[r] == WEIGHT and hint and (pol.direct or paged and pages_cached(pages, f, off, nb)):
+            continue                             # a hint: no copy; O_DIRECT weights not hinted
+        if plan.kind[r] == WEIGHT and paged and hint:
+            waited, page = exact_read(pages, f, off, nb)
+            if waited:
+                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES, False
+                n_reads += 1
+        elif plan.kind[r] == WEIGHT and paged:
+            n_reads, tail = paged_weight_read(f, off, nb, pages, dev, bases, n_reads, tail, reads)
         elif plan.kind[r] == WEIGHT:
-            n_reads, tail, nb = weight_read(f, plan.offset[r], nb, bases, pol, dev, n_reads, tail, reads)
+            n_reads, tail, nb = weight_read(f, off, nb, bases, pol, dev, n_reads, tail, reads)
         else:
-            n_reads, queued = scale_read(f, plan.offset[r], nb, settled, pages, bases, n_reads, reads)
+            n_reads, queued = scale_read(f, off, nb, settled, pages, bases, n_reads, reads)
             if not queued:
-                scale_tail += copy_seconds(nb, plan.offset[r], dev)
+                scale_tail += copy_seconds(nb, off, dev)
         total += nb
     return n_plan, n_reads, 0.0 if hint else tail + scale_tail, total
 
@@ -225,25 +232,21 @@ def _record_load(i, li, load, deadline, x, work, out, loaded):
     instance ``i``, ``n_plan`` preads of ``nbytes``, completed at ``done`` (s): count it, keep its ready time in the next instance's
     clock (that layer is routed at ``deadline``, s), list it ``loaded``-th in ``pending.experts``
     and, when it completed before ``deadline`` or the layer waits for it (``pol.layer_barrier``),
-    put it in the LRU. Its weights enter the page
-    cache (buffered reads). Returns the loads listed."""
+    put it in the LRU (its pages entered the page cache when it was planned). Returns the loads listed."""
     e, n_plan, nbytes, done = load.expert, load.n_plan, load.nbytes, load.done
-    lay, lru, weights, pending = x.lay, x.ram.lru, x.ram.weights, work.pending
+    lay, lru, pending = x.lay, x.ram.lru, work.pending
     res, pf = out.instance, out.prefetch
     res.reads[i] += n_plan
     res.read_bytes[i] += nbytes
     if x.pol.prefetch_hints:                     # a hint: its pages are in the page cache now, nothing else
         pf.loads[i] += 1
         pf.issued[i] += nbytes
-        if not x.pol.direct:
-            wc_add(weights, li, e)
         return loaded
     pending.ready[e] = done - deadline
     pending.nbytes[e] = lay.ebytes[li, e]
     pf.loads[i] += 1
     pf.issued[i] += pending.nbytes[e]
     pending.experts[loaded] = e
-    wc_add(weights, li, e)
     if done <= deadline or x.pol.layer_barrier:
         lru_add(lru, li, e)
     return loaded + 1

@@ -88,12 +88,11 @@ empty otherwise); ``memory_bandwidth`` and ``unaligned_memory_bandwidth`` (bytes
 copies a page-cache hit into its read buffer at, when the hit starts on a cache line and when not:
 :func:`replay.model.device.copy_seconds`)."""
 
-RamTiers = namedtuple("RamTiers", "pinned lru pages weights heat")
+RamTiers = namedtuple("RamTiers", "pinned lru pages heat")
 """What is in RAM, carried from instance to instance: ``pinned`` [L, E] bool (the pinned store),
 ``lru`` (the per-layer LRUs, :class:`replay.model.runtime.Lru`), ``pages`` (the page cache under the
-buffered scale reads, with the kernel's readahead: :class:`replay.model.pagecache.PageCache`),
-``weights`` (the page cache under buffered weight reads: :class:`replay.model.weightcache.WeightCache`),
-``heat`` (how often and how recently the session routed each expert: :class:`replay.model.runtime.Heat`)."""
+buffered scale reads and, when it has memory for them, the weight reads, with the kernel's
+readahead: :class:`replay.model.pagecache.PageCache`), ``heat`` (how often and how recently the session routed each expert: :class:`replay.model.runtime.Heat`)."""
 
 Inputs = namedtuple("Inputs", "inst ram table lay pol dev")
 """What one call of the compiled loop reads, bundled for its stages: the instances
@@ -112,7 +111,8 @@ prefetch of it is in flight and completes then, s; -1: a demand load); ``wlen`` 
 it reads); ``sbytes`` (its scale bytes); ``skip`` (its prefetch is in flight: nothing to read); ``wjob``,
 ``sjob`` (the jobs carrying its weights and its scales); ``wait`` (s the compute thread waited for
 it); ``pre`` (under ``ReadPolicy.routing_order``: the resident work routed between the previous miss and
-this one, s); ``cached`` (its weights are in the page cache: :mod:`replay.model.weightcache`)."""
+this one, s); ``cached`` (every page of its weight reads was in the page cache when they were planned:
+:mod:`replay.model.pagecache`)."""
 
 Jobs = namedtuple("Jobs", "first_read tail done")
 """The reader pool's jobs [2K]: ``first_read`` [2K+1] (each job's first read; one past the
