@@ -456,8 +456,11 @@ def _async_readahead(pc, f, p, n, r):
 @njit(**HELPER)
 def buffered_read(pc, f, off, n):
     """One buffered pread of ``n`` bytes at byte ``off`` of file ``f``, as the kernel serves it
-    (the module docstring). Returns the pages the pread waited for from the drive (0: the page
-    cache served it) and the first of them."""
+    (the module docstring). Returns the pages it read from the drive and the first of them: its
+    synchronous windows and the asynchronous ones it started on reaching a mark (0: the page
+    cache served it and it started none). The kernel does not wait for an asynchronous window
+    the pread does not need, but the drive serves it all the same: the model makes them one read
+    with the rest, which the pread waits for."""
     i = off // PAGE_BYTES
     j = -(-(off + n) // PAGE_BYTES)
     waited, first_wait = 0, -1
@@ -483,10 +486,10 @@ def buffered_read(pc, f, off, n):
             while missing < j and _bits(pc, f, missing) & CACHED:
                 missing += 1
             got = _async_readahead(pc, f, a, b - a + 1, j - a)
-            if missing < j and _bits(pc, f, missing) & CACHED:   # the read waits for that window
+            if got:
                 waited += got
                 if first_wait < 0:
-                    first_wait = missing
+                    first_wait = missing if missing < j else pc.ra[f, RA_START]
             last = b
         p = last + 1
     _set_ra(pc, f, RA_PREV, off + n)

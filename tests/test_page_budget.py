@@ -1,0 +1,123 @@
+"""The page cache under a memory budget (replay.model.pagecache): weight pages tracked, the least
+recently used 64 KiB blocks evicted first, nothing evicted while a prefetch's reads are logged,
+an undo leaving the count of cached pages true."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay.model.pagecache import (
+    BLOCK_PAGES,
+    CACHED,
+    PAGE_BYTES,
+    buffered_read,
+    checkpoint,
+    exact_read,
+    new_page_cache,
+    pages_cached,
+    stop_logging,
+    undo,
+    weights_cached,
+)
+
+P = PAGE_BYTES
+EXPERTS = 8
+EXPERT_PAGES = 4 * BLOCK_PAGES          # 256 KiB of weights each, 64 KiB apart
+
+
+def layout():
+    """One layer of ``EXPERTS`` experts: weights (three tensors, one after another) at page 16
+    plus 80 pages per expert, scales (three 256-byte tensors an expert) in the file's first pages."""
+    wloc = np.zeros((1, EXPERTS, 3, 3), dtype=np.int64)
+    sloc = np.zeros((1, EXPERTS, 3, 3), dtype=np.int64)
+    third = EXPERT_PAGES * P // 4
+    for e in range(EXPERTS):
+        base = (16 + e * (EXPERT_PAGES + BLOCK_PAGES)) * P
+        wloc[0, e] = [(0, base, third), (0, base + third, third), (0, base + 2 * third, 2 * third)]
+        sloc[0, e] = [(0, e * 1024, 256), (0, e * 1024 + 256, 256), (0, e * 1024 + 512, 256)]
+    size = (16 + EXPERTS * (EXPERT_PAGES + BLOCK_PAGES)) * P
+    return wloc, sloc, size
+
+
+def budget_cache(budget_pages, read_ahead_kb=0, undo_reads=0, mapped=False):
+    wloc, sloc, size = layout()
+    return new_page_cache(sloc, [size], read_ahead_kb * 1024, undo_reads, wloc=wloc,
+                          budget_bytes=budget_pages * P, mapped=mapped), wloc
+
+
+def read_weights(pc, wloc, e):
+    off = int(wloc[0, e, 0, 1])
+    return buffered_read(pc, 0, off, int(wloc[0, e, :, 2].sum()))
+
+
+def cached_count(pc):
+    return int(np.count_nonzero(pc.state & CACHED))
+
+
+def test_without_a_budget_nothing_is_evicted_and_weights_are_tracked():
+    wloc, sloc, size = layout()
+    pc = new_page_cache(sloc, [size], 0, 0, wloc=wloc)
+    for e in range(EXPERTS):
+        read_weights(pc, wloc, e)
+    assert all(weights_cached(pc, wloc[0, e]) for e in range(EXPERTS))
+    assert pc.budget[1] == cached_count(pc) == EXPERTS * EXPERT_PAGES
+    untracked = new_page_cache(sloc, [size], 0, 0)
+    read_weights(untracked, wloc, 0)
+    assert not weights_cached(untracked, wloc[0, 0])
+
+
+def test_the_least_recently_used_expert_is_evicted_first():
+    """Room for three experts: read 0, 1, 2, read 0 again, then 3: expert 1 goes, 0 stays."""
+    pc, wloc = budget_cache(3 * EXPERT_PAGES)
+    for e in (0, 1, 2):
+        assert read_weights(pc, wloc, e)[0] == EXPERT_PAGES
+    assert read_weights(pc, wloc, 0)[0] == 0            # a hit: the most recently used now
+    read_weights(pc, wloc, 3)
+    assert [weights_cached(pc, wloc[0, e]) for e in range(4)] == [True, False, True, True]
+    assert pc.budget[1] == cached_count(pc) <= 3 * EXPERT_PAGES
+    assert read_weights(pc, wloc, 1)[0] == EXPERT_PAGES  # read again from the drive
+
+
+def test_a_logged_stretch_evicts_nothing_until_it_stops_and_an_undo_restores_the_count():
+    pc, wloc = budget_cache(2 * EXPERT_PAGES, undo_reads=8)
+    read_weights(pc, wloc, 0)
+    read_weights(pc, wloc, 1)
+    before = pc.state.copy()
+    mark = checkpoint(pc)
+    read_weights(pc, wloc, 2)
+    read_weights(pc, wloc, 3)
+    assert pc.budget[1] == cached_count(pc) == 4 * EXPERT_PAGES      # over the budget while logging
+    undo(pc, mark)
+    stop_logging(pc)
+    assert (pc.state == before).all() and pc.budget[1] == cached_count(pc) == 2 * EXPERT_PAGES
+    mark = checkpoint(pc)
+    read_weights(pc, wloc, 2)
+    stop_logging(pc)                                    # kept: now the budget is enforced
+    assert pc.budget[1] == cached_count(pc) <= 2 * EXPERT_PAGES
+    assert weights_cached(pc, wloc[0, 2]) and not weights_cached(pc, wloc[0, 0])
+
+
+def test_an_exact_read_reads_from_its_first_missing_page_to_its_last():
+    pc, wloc = budget_cache(EXPERTS * EXPERT_PAGES, read_ahead_kb=8192, mapped=True)
+    off = int(wloc[0, 0, 0, 1])
+    assert exact_read(pc, 0, off + 4 * P, 2 * P) == (2, off // P + 4)
+    waited, first = exact_read(pc, 0, off, 10 * P)
+    assert (waited, first) == (10, off // P)            # pages 0-3 and 6-9 missing: one read across
+    assert pages_cached(pc, 0, off, 10 * P) and not pages_cached(pc, 0, off, 11 * P)
+    assert exact_read(pc, 0, off, 10 * P) == (0, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(0, EXPERTS * EXPERT_PAGES), ra=st.sampled_from([0, 16, 128, 8192]),
+       reads=st.lists(st.tuples(st.integers(0, EXPERTS - 1), st.booleans()), min_size=1, max_size=40))
+def test_the_count_of_cached_pages_is_true_and_within_the_budget_after_every_read(budget, ra, reads):
+    pc, wloc = budget_cache(budget, read_ahead_kb=ra)
+    for e, weights in reads:
+        if weights:
+            read_weights(pc, wloc, e)
+        else:
+            buffered_read(pc, 0, e * 1024, 768)
+        assert pc.budget[1] == cached_count(pc)
+        assert pc.budget[0] < 0 or pc.budget[1] <= pc.budget[0]
