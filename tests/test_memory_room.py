@@ -142,3 +142,23 @@ def test_v1_takes_the_anonymous_memory_of_the_ancestor_that_sets_the_limit(tmp_p
     (leaf / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (leaf / "memory.stat").write_text(f"hierarchical_memory_limit {600 * MiB}\ntotal_rss {50 * MiB}\n")
     assert memory_room(_proc(tmp_path, ["4:memory:/jobs/a"]), root) == 350 * MiB
+
+
+def test_a_memory_limited_run_gives_its_warm_class_rate_only_when_it_is_far_above_its_cold_class():
+    """Its decode loads mix copies with drive reads; its warm class is taken for the copies only
+    when it read at least MIXED_CLASS_FACTOR times as fast as its cold class; the run's own
+    output gives both rates (the DISK-CLASS line)."""
+    from replay.colibri.engine_config import MIXED_CLASS_FACTOR, EngineConfig, RunFacts
+    from test_replay import simple_layout
+
+    lay = simple_layout(E=16, wbytes=(8192, 8192, 16384), sbytes=(4096, 4096, 4096), layers=(3, 4))
+    limited = RunFacts(cap=4, available_bytes=1e5, decode_load_seconds=1e-3, cold_read_bytes_per_second=1.5e9,
+                       warm_read_bytes_per_second=MIXED_CLASS_FACTOR * 1.5e9)
+    assert engine_copy_rate(EngineConfig(CAP=4), limited, lay) == MIXED_CLASS_FACTOR * 1.5e9
+    mixed = replace(limited, warm_read_bytes_per_second=MIXED_CLASS_FACTOR * 1.5e9 * 0.99)
+    assert engine_copy_rate(EngineConfig(CAP=4), mixed, lay) == 0.0
+    assert engine_copy_rate(EngineConfig(CAP=4), replace(limited, cold_read_bytes_per_second=None), lay) == 0.0
+    roomy = replace(limited, available_bytes=1e9)        # the page cache holds the experts: the decode loads' rate
+    assert engine_copy_rate(EngineConfig(CAP=4), roomy, lay) == pytest.approx(lay.expert_bytes().mean() / 1e-3)
+    _, facts = config_from_run(Path(__file__).parent / "data" / "engine" / "stock-louvain" / "baseline" / "p00-r00")
+    assert (facts.cold_read_bytes_per_second, facts.warm_read_bytes_per_second) == (0.33e9, 0.29e9)

@@ -288,3 +288,21 @@ def test_a_read_larger_than_the_readahead_maximum_takes_a_window_up_to_the_large
     small = new_page_cache(sloc, [4096 * P], 128 * 1024, 0)         # no larger request: 32-page windows
     buffered_read(small, 0, 0, 192 * P)
     assert small.ra[0, 1] == 32
+
+
+def test_the_readahead_request_is_the_systems_and_falls_back_to_the_drives_largest_request(tmp_path):
+    """Linux sizes a large read's readahead window by the queue's max_sectors_kb (io_pages), not
+    by the request the engine's buffers allow: a profile keeps it apart, round trip and checks."""
+    old = load_device("single-nvme")
+    assert old.readahead_request_bytes is None and old.readahead_request == old.drive.max_request_bytes
+    assert "readahead_request_bytes" not in old.to_json()
+    vm = replace(old, readahead_request_bytes=4 << 20)
+    p = tmp_path / "io.json"
+    p.write_text(json.dumps(vm.to_json()))
+    back = load_device(str(p))
+    assert back == vm and back.readahead_request == 4 << 20 and back.digest() != old.digest()
+    for bad in (0, 1.5, True, "4M"):
+        obj = dict(vm.to_json(), readahead_request_bytes=bad)
+        p.write_text(json.dumps(obj))
+        with pytest.raises(InputError, match="readahead_request_bytes"):
+            load_device(str(p))

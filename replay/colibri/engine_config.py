@@ -127,7 +127,8 @@ class RunFacts:
     run's memory control group left it), the machine's cores (the ``[PROF] machine``
     line), the rate one of its threads read experts it had read recently when every such read
     was buffered (bytes/s per thread, the ``[PROF] DISK-CLASS`` line's warm class, over the whole
-    run: page-cache copies, as the engine copies them) and the thread time of one decode load (s:
+    run: page-cache copies, as the engine copies them), the same for the experts it had not read
+    recently (the cold class: mostly drive reads) and the thread time of one decode load (s:
     the decode ``PROFILE`` line's ``service`` over the ``[PROF] expert I/O`` line's loads and the
     router pilot's (its ``PILOT_REAL:`` line: ``service`` times its loads too, and it loads only
     in decode); the engine times each load whole, ``expert_load``; not under URING=1, which does
@@ -146,6 +147,7 @@ class RunFacts:
     available_bytes: float | None = None
     cores: int | None = None
     warm_read_bytes_per_second: float | None = None
+    cold_read_bytes_per_second: float | None = None
     decode_load_seconds: float | None = None
     pilot_precision: float | None = None
     between_layers_seconds: float | None = None
@@ -311,7 +313,8 @@ _MACHINE_LINE = re.compile(r"\[PROF\] machine: .*\| (\d+) cores \((\d+) omp thre
                            r"([0-9.]+) GB available")
 _URING_LINE = re.compile(r"\[URING\] queued expert I/O active \(depth=\d+, workers=(\d+)")
 _EXEC_LINE = re.compile(r"P0-EXEC: routed CPU ([0-9.]+)s / ([0-9.]+) GB/s")
-_DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold .*?\| warm (\d+) x [0-9.]+ GB @ ([0-9.]+) "
+_DISK_CLASS_LINE = re.compile(r"\[PROF\] DISK-CLASS \(recency split\): cold (\d+) x [0-9.]+ GB @ ([0-9.]+) "
+                              r"GB/s-thread, .*?\(direct (\d+)/\d+\) \| warm (\d+) x [0-9.]+ GB @ ([0-9.]+) "
                               r"GB/s-thread, .*?\(direct (\d+)/(\d+)\)")
 
 
@@ -384,7 +387,9 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     ex = ([None] + list(_EXEC_LINE.finditer(text)))[-1]
     rate = float(ex.group(2)) * 1e9 if ex and float(ex.group(2)) > 0 else None
     dc = ([None] + list(_DISK_CLASS_LINE.finditer(text)))[-1]
-    warm = (float(dc.group(2)) * 1e9 if dc and int(dc.group(1)) > 0 and int(dc.group(3)) == 0
+    warm = (float(dc.group(5)) * 1e9 if dc and int(dc.group(4)) > 0 and int(dc.group(6)) == 0
+            and float(dc.group(5)) > 0 else None)
+    cold = (float(dc.group(2)) * 1e9 if dc and int(dc.group(1)) > 0 and int(dc.group(3)) == 0
             and float(dc.group(2)) > 0 else None)
     out = parse_engine_output(text, str(p)) if "PROFILE: expert-disk" in text else None
     loads = (out.expert_io.loads + (out.pilot_loads or 0)) if out is not None and out.expert_io is not None else 0
@@ -399,7 +404,12 @@ def config_from_run(path: str | Path) -> tuple[EngineConfig, RunFacts]:
     if room is not None:                      # a memory limit bounds the page cache the run kept
         available = float(room) if available is None else min(available, float(room))
     return cfg, RunFacts(int(cap), int(pinned), int(mt.group(2)) if mt else None, rate, available,
-                         int(mt.group(1)) if mt else None, warm, load, precision, between)
+                         int(mt.group(1)) if mt else None, warm, cold, load, precision, between)
+
+
+MIXED_CLASS_FACTOR = 4.0
+"""How much faster than its cold class a memory-limited run's warm class must have read for its
+rate to be taken as the page-cache copies' (:func:`engine_copy_rate`)."""
 
 
 def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
@@ -415,14 +425,18 @@ def engine_copy_rate(cfg: EngineConfig, facts: RunFacts, layout) -> float:
     drives, which :func:`at_engine_copy_rate` sets aside. A run of several router-pilot threads
     (PILOT_WORKERS > 1 under PILOT_REAL, not URING) gives none: its loading threads outnumber the
     cores they share, and a load's thread time includes the time it waited for the others
-    (measured: 4.5 GB/s per thread against 7.0 with one pilot thread, docs/BENCHMARKS.md). Nor
-    does a run whose page cache could not hold the container's experts (:func:`memory_terms`,
-    e.g. under a memory limit): its decode loads mix page-cache copies with drive reads.
+    (measured: 4.5 GB/s per thread against 7.0 with one pilot thread, docs/BENCHMARKS.md). A run
+    whose page cache could not hold the container's experts (:func:`memory_terms`, e.g. under a
+    memory limit) mixes page-cache copies with drive reads in its decode loads and in either
+    class: it gives its warm class's rate only when that is at least :data:`MIXED_CLASS_FACTOR`
+    times its cold class's (then at most a quarter of the warm class's bytes, read no faster
+    than the cold class's, came from the drives), else none.
     """
     if cfg.PILOT_REAL and cfg.PILOT_WORKERS > 1 and not cfg.URING:
         return 0.0
     if not cfg.DIRECT and facts.available_bytes and memory_terms(cfg, facts, layout, 0)[1] < layout.expert_bytes().sum():
-        return 0.0
+        warm, cold = facts.warm_read_bytes_per_second, facts.cold_read_bytes_per_second
+        return warm if warm and cold and warm >= MIXED_CLASS_FACTOR * cold else 0.0
     if not cfg.DIRECT and facts.decode_load_seconds:
         return float(layout.expert_bytes().astype(float).mean()) / facts.decode_load_seconds
     return facts.warm_read_bytes_per_second or 0.0

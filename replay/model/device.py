@@ -168,7 +168,10 @@ class ArrayProfile:
     :data:`COPY_ALIGNMENT`; a page-cache hit's rate; ``relayout calibrate`` measures it, 10e9 where
     a profile does not give it). ``unaligned_memory_bandwidth``: the same for a read starting
     elsewhere in a cache line, as safetensors tensors usually do (the kernel's copy into a
-    page-aligned buffer is then slower; None: as ``memory_bandwidth``).
+    page-aligned buffer is then slower; None: as ``memory_bandwidth``). ``readahead_request_bytes``:
+    the largest readahead window a read larger than ``read_ahead_bytes`` may take, Linux's
+    ``io_pages`` (``queue/max_sectors_kb`` x 1024, whatever the buffers' segments); None: as the
+    drive's ``max_request_bytes``.
     """
 
     name: str
@@ -183,6 +186,7 @@ class ArrayProfile:
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
     memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
     unaligned_memory_bandwidth: float | None = None
+    readahead_request_bytes: int | None = None
 
     def __post_init__(self):
         for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
@@ -216,6 +220,10 @@ class ArrayProfile:
         r = self.read_ahead_bytes
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 1 << 30:
             raise InputError(self.name, f"read_ahead_bytes is {r!r}, not an integer of 0 to 1 GiB")
+        io = self.readahead_request_bytes
+        if io is not None and (isinstance(io, bool) or not isinstance(io, int) or not 512 <= io <= 1 << 34):
+            raise InputError(self.name, f"readahead_request_bytes is {io!r}, not an integer of 512 bytes to 16 GiB "
+                                        "(or null: the drive's max_request_bytes)")
         if self.drive.request_seconds < 0 or self.drive.bandwidth <= 0 or self.host_bandwidth <= 0 or self.drive.queue_slots < 1:
             raise InputError(self.name, "request cost must be >= 0, bandwidths and queue slots positive")
         b1 = self.drive.stream_bandwidth
@@ -238,6 +246,11 @@ class ArrayProfile:
                                or not 0 < ub <= MAX_RATE):
             raise InputError(self.name, f"unaligned_memory_bandwidth is {ub!r}, not a finite number of bytes/s above 0 "
                                         f"and at most {_plain(MAX_RATE)} (or null: as memory_bandwidth)")
+
+    @property
+    def readahead_request(self) -> int | None:
+        """The largest readahead window a large read may take (bytes; None: no larger than the readahead maximum)."""
+        return self.readahead_request_bytes if self.readahead_request_bytes is not None else self.drive.max_request_bytes
 
     @property
     def unaligned_copy_rate(self) -> float:
@@ -274,7 +287,7 @@ class ArrayProfile:
     def to_json(self) -> dict:
         """The profile as JSON; a drive without request channel time (``c = 0``), a profile
         with Linux's default readahead (128 KiB) and one with the default page-cache copy rate
-        (10e9 bytes/s) or none for unaligned copies are written without the field, as profiles were
+        (10e9 bytes/s) or none for unaligned copies or for the readahead's request are written without the field, as profiles were
         before it existed, so that their digests stay what they were."""
         obj = asdict(self)
         if not self.drive.request_channel_seconds:
@@ -285,6 +298,8 @@ class ArrayProfile:
             del obj["memory_bandwidth"]
         if self.unaligned_memory_bandwidth is None:
             del obj["unaligned_memory_bandwidth"]
+        if self.readahead_request_bytes is None:
+            del obj["readahead_request_bytes"]
         return obj
 
     def digest(self) -> str:

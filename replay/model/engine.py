@@ -302,10 +302,11 @@ def page_cache(lay: LayoutArrays, layout: Layout, device: ArrayProfile, config: 
     """The page cache a replay starts each session with (:func:`replay.model.pagecache.new_page_cache`):
     it tracks the experts' scale pages and, when the run reads weights through the page cache
     (buffered, or as COLI_MMAP's mapped views) and gives it memory (``config.page_cache_bytes``),
-    their weight pages too, weights and scales then sharing that budget."""
-    weights = (config.mapped_views or not config.direct) and config.page_cache_bytes > 0
+    their weight pages too, weights and scales then sharing that budget (not for a profile that
+    declares a share of weight reads warm, ``page_cache_fraction``: that share stands for it)."""
+    weights = (config.mapped_views or not config.direct) and config.page_cache_bytes > 0 and not device.page_cache_fraction
     return new_page_cache(lay.sloc, layout.file_sizes, device.read_ahead_bytes, UNDO_READS,
-                          device.drive.max_request_bytes, wloc=lay.wloc if weights else None,
+                          device.readahead_request, wloc=lay.wloc if weights else None,
                           budget_bytes=config.page_cache_bytes if weights else -1, mapped=config.mapped_views)
 
 

@@ -83,7 +83,7 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     bounds the log (a weight pread's runs are as few: its windows are as many).
 
     Memory: one byte per tracked page (each file's scale and, when tracked, weight extents plus
-    the largest window either side), 16 bytes per log entry and, under a budget, 8 bytes per
+    the largest window either side, from a 64 KiB block's start), 16 bytes per log entry and, under a budget, 8 bytes per
     block tracked and 24 per ring entry (twice the blocks the budget holds)."""
     F = len(file_sizes)
     M = max(int(read_ahead_bytes) // PAGE_BYTES, 0)
@@ -101,15 +101,16 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     for f in range(F):
         mine = loc[loc[:, 0] == f]
         if len(mine):
-            lo = max(int(mine[:, 1].min()) // PAGE_BYTES - W, 0)
+            lo = max(int(mine[:, 1].min()) // PAGE_BYTES - W, 0) // BLOCK_PAGES * BLOCK_PAGES
             hi = min(-(-int((mine[:, 1] + mine[:, 2]).max()) // PAGE_BYTES) + W, int(file_pages[f]))
             first[f], count[f] = lo, hi - lo
-    offset = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+    spans = -(-count // BLOCK_PAGES) * BLOCK_PAGES          # each file's blocks start where its pages' do
+    offset = np.concatenate([[0], np.cumsum(spans)[:-1]]).astype(np.int64)
     ra = np.zeros((F, 5), dtype=np.int64)
     ra[:, RA_PREV] = -1
     cap = max(1, int(undo_reads) * (10 * r + 4 * W + 1))
-    pages = int(count.sum())
-    limit = -1 if budget_bytes < 0 or budget_bytes // PAGE_BYTES >= pages else int(budget_bytes) // PAGE_BYTES
+    pages = int(spans.sum())
+    limit = -1 if budget_bytes < 0 or budget_bytes // PAGE_BYTES >= count.sum() else int(budget_bytes) // PAGE_BYTES
     blocks = -(-pages // BLOCK_PAGES) if limit >= 0 else 0
     ring = 2 * (limit // BLOCK_PAGES + 1) + 8 * max(int(undo_reads), 1) + 64 if limit >= 0 else 1
     return PageCache(np.zeros(pages, dtype=np.uint8), first, offset, count, file_pages, ra,

@@ -465,6 +465,7 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None, buffe
         "read_ahead_bytes": read_ahead if read_ahead is not None else DEFAULT_READ_AHEAD_BYTES,
         "memory_bandwidth": copy["bytes_per_second"],
         "unaligned_memory_bandwidth": copy["unaligned_bytes_per_second"],
+        "readahead_request_bytes": system_request,
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
                   "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service,
                   "request_channel_seconds": c},
