@@ -9,11 +9,11 @@ CELL is one cell of a ``relayout validate --engine`` directory (``cells/<cell>``
 measured by relayout (``engine-run.json`` with ``drive_read_bytes``). For its first ``--runs``
 stock runs, side by side: the engine's bytes read from storage per run (its block input, dense
 weights included) and S (decode wait per committed token), then, per budget, the model's bytes
-read from the drives per run and S when its page cache for weights holds that many GB (the rest
-of each run's configuration as it printed it; a router-pilot cell needs ``--pilot-precision``, its
-training runs' LOOKA share, and a COUPLE cell's table is read as the run names it). Where the model's bytes meet the engine's, the
-budget is the page cache the run had in effect for weights; where S then differs, the drive
-reads themselves took longer than the profile says.
+read from the drives per run and S when its page cache for experts (weights and scales) holds
+that many GB (the rest of each run's configuration as it printed it; a router-pilot cell needs
+``--pilot-precision``, its training runs' LOOKA share, and a COUPLE cell's table is read as the
+run names it). Where the model's bytes meet the engine's, the budget is the page cache the run
+had in effect for experts; where S then differs, the loads took longer than the profile says.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("cell")
     ap.add_argument("--container", required=True, help="the stock container the cell's stock runs read")
     ap.add_argument("--device", required=True, help="the device profile the validation used")
-    ap.add_argument("--gb", default="0,0.1,0.15,0.2,0.25", help="page-cache budgets for weights, GB, comma-separated")
+    ap.add_argument("--gb", default="0,0.1,0.15,0.2,0.25", help="page-cache budgets for experts (weights and scales), GB, comma-separated")
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--pilot-precision", type=float, help="a router-pilot cell's precision (its training runs' LOOKA share)")
     args = ap.parse_args(argv)
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted = [predict_run(Path(r.source), layout, device, args.pilot_precision, page_cache_gb=gb) for r in runs]
         drive = sum(p[4] for p in predicted)
         wait = sum(p[0] for p in predicted)
-        print(f"  model, page cache for weights {gb:.3f} GB: {drive / len(runs) / 1e6:.0f} MB from the drives per run, "
+        print(f"  model, page cache for experts {gb:.3f} GB: {drive / len(runs) / 1e6:.0f} MB from the drives per run, "
               f"S {wait / tokens * 1e3:.2f} ms/token")
     return 0
 

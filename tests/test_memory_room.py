@@ -116,7 +116,7 @@ def test_the_experts_page_cache_is_what_the_engines_memory_leaves():
     assert memory_terms(EngineConfig(CAP=4, DIRECT=1), RunFacts(cap=4, available_bytes=50e6), lay, 0)[1] == 0
 
 
-def test_a_gate_whose_page_cache_cannot_hold_the_weights_says_the_model_is_not_validated_there(tmp_path):
+def test_a_gate_whose_page_cache_cannot_hold_the_experts_says_its_copies_are_at_the_profiles_rate(tmp_path):
     from conftest import cli, louvain_plan_and_trace
 
     plan, trace = louvain_plan_and_trace(tmp_path)
@@ -124,7 +124,7 @@ def test_a_gate_whose_page_cache_cannot_hold_the_weights_says_the_model_is_not_v
               "--min-sessions", 1, "--runtime-env", "PIPE=0 CAP=2"]
     small = cli(*common, "--page-cache-gb", "0.000001")
     assert small.returncode == 0, small.stderr
-    assert "holds less than the container's expert weights" in small.stderr
+    assert "holds less than the container's experts" in small.stderr
     large = cli(*common, "--page-cache-gb", "100")
     assert large.returncode == 0 and "holds less" not in large.stderr
     direct = cli(*common[:-1], "PIPE=0 CAP=2 DIRECT=1", "--page-cache-gb", "0.000001")

@@ -128,9 +128,9 @@ def _colibri_run_options(r) -> None:
                         "the 'next layer (PILOT, stale)' line of a --runtime-env-from run made with LOOKA=1); its "
                         "predictions are in no routing trace, so the model draws them at this precision")
     r.add_argument("--page-cache-gb", type=opt.gigabytes,
-                   help="memory the kernel keeps expert weights in under buffered reads (DIRECT=0), GB (default: "
-                        "what a --runtime-env-from run left of its available memory, else 0: every buffered weight "
-                        "read reaches the drive)")
+                   help="memory the kernel's page cache keeps experts' pages in (weights and scales) under buffered "
+                        "reads (DIRECT=0), GB (default: what a --runtime-env-from run left of its available memory, "
+                        "else 0: every buffered weight read reaches the drive)")
 
 
 def engine_device(args, device, layout):
@@ -166,13 +166,14 @@ def runtime_config(args, layout=None):
         pilot_precision=getattr(args, "pilot_precision", None),
     )
     config = config_of(request, layout)
-    if layout is not None and config.engine_env and not config.direct:
-        weights = float(layout.weight_bytes().sum())
-        if 0 < config.page_cache_bytes < weights:
-            print(f"relayout: the page cache for weights ({config.page_cache_bytes / 1e9:.3g} GB) holds less than the "
-                  f"container's expert weights ({weights / 1e9:.3g} GB): there the model predicted 0.3-0.6 of colibrì's "
-                  "measured stall (docs/ENGINE_MODEL.md, 'Where the page cache cannot hold the experts'); measure "
-                  "with relayout measure --engine", file=sys.stderr)
+    if layout is not None and config.engine_env and not config.direct and not request.runtime_env_from:
+        experts = float(layout.expert_bytes().sum())
+        if 0 < config.page_cache_bytes < experts:
+            print(f"relayout: the page cache for experts ({config.page_cache_bytes / 1e9:.3g} GB) holds less than the "
+                  f"container's experts ({experts / 1e9:.3g} GB): its hits are timed at the device profile's copy "
+                  "rate, which on the machine of docs/BENCHMARKS.md was 1.7-3.9x colibrì's own (docs/ENGINE_MODEL.md, "
+                  "'Where the page cache cannot hold the experts'); give --runtime-env-from a PROF=1 run of colibrì "
+                  "on this machine, or measure with relayout measure --engine", file=sys.stderr)
     return config
 
 

@@ -275,7 +275,7 @@ def predict_run(run_dir: Path, layout, device, pilot_precision: float | None = N
     """The model's wait over a colibrì run's decode forwards (every forward but the first, the
     prefill), replaying the run's own routing with the configuration it printed (under
     PILOT=1 or PILOT_REAL=1, the router pilot at ``pilot_precision``; with ``page_cache_gb``, that
-    page cache for weights instead of what the run left of its memory).
+    page cache for experts instead of what the run left of its memory).
 
     Returns
     -------
