@@ -194,7 +194,8 @@ def _put(pc, s, bits):
 
 @njit(**HELPER)
 def _touch(pc, f, p, n):
-    """Pages [p, p + n) of file ``f`` were used: their blocks become the most recently used."""
+    """Pages [p, p + n) of file ``f`` were used: their blocks become the most recently used (a
+    ring full of live uses first evicts its oldest, which bounds the ring's memory)."""
     if pc.budget[CAP] < 0:
         return
     lo = max(p - pc.first[f], 0)
