@@ -121,3 +121,27 @@ def test_the_count_of_cached_pages_is_true_and_within_the_budget_after_every_rea
             buffered_read(pc, 0, e * 1024, 768)
         assert pc.budget[1] == cached_count(pc)
         assert pc.budget[0] < 0 or pc.budget[1] <= pc.budget[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(EXPERT_PAGES, EXPERTS * EXPERT_PAGES), ra=st.sampled_from([0, 16, 128, 8192]),
+       before=st.lists(st.integers(0, EXPERTS - 1), max_size=12),
+       logged=st.lists(st.tuples(st.integers(0, EXPERTS - 1), st.booleans()), min_size=1, max_size=12))
+def test_an_undo_restores_every_page_window_and_count_after_any_logged_reads(budget, ra, before, logged):
+    """Reads under a budget, then a logged stretch of weight, scale and exact reads: the undo
+    gives back the pages, their marks, the readahead windows and the count of cached pages."""
+    pc, wloc = budget_cache(budget, read_ahead_kb=ra, undo_reads=2 * len(logged))
+    for e in before:
+        read_weights(pc, wloc, e)
+    state, ra_state, used = pc.state.copy(), pc.ra.copy(), int(pc.budget[1])
+    mark = checkpoint(pc)
+    for e, exact in logged:
+        if exact:
+            exact_read(pc, 0, int(wloc[0, e, 0, 1]), int(wloc[0, e, :, 2].sum()))
+        else:
+            read_weights(pc, wloc, e)
+        buffered_read(pc, 0, e * 1024, 768)
+    undo(pc, mark)
+    assert (pc.state == state).all() and (pc.ra == ra_state).all() and pc.budget[1] == used == cached_count(pc)
+    stop_logging(pc)
+    assert pc.budget[1] <= pc.budget[0]

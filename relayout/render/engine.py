@@ -85,7 +85,9 @@ def format_engine_validation(rec) -> str:
              for c in rec.cells if c.copy_rate > 0]
     if rates:
         lines.append("page-cache copies as the engine measured them per thread in each cell's stock runs (median of a "
-                     "decode load's bytes over its thread time, else of the DISK-CLASS warm reads, GB/s; a cell "
+                     "decode load's bytes over its thread time, else of the DISK-CLASS warm reads; a run whose page "
+                     "cache could not hold the experts: its warm reads, when at least 4x as fast as its cold ones; "
+                     "GB/s; a cell "
                      "whose runs give no rate of their own, as URING=1 and DIRECT=1 time no page-cache load and "
                      "several pilot threads time their waits for each other, takes the median of the cells that copy "
                      "alike; the device's calibrated rates where no cell measured one): " + ", ".join(rates))

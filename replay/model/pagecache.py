@@ -78,9 +78,12 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     undo log: the preads one logged stretch may hold.
 
     A pread of r pages caches pages only in [i, j + 2W), W = max(M, r) the largest window; the
-    log keeps runs of pages, at most one per window or folio read and per marked folio met, and
-    the window fields it sets: at most 10 r + 4 W + 1 entries for the largest scale pread, which
-    bounds the log (a weight pread's runs are as few: its windows are as many).
+    log keeps runs of pages (one per window or folio read and per marked folio met, more where
+    cached pages interrupt them) and the window fields it sets: at most 10 r + 4 W + 1 entries
+    for the largest scale pread. A weight pread of r pages meets at most log2(M) + r / M + 2
+    windows (they grow to M or more), each at most 8 entries, and the log allows its runs one
+    interruption by cached pages per 64 KiB block: the larger of the two sizes the log per
+    pread, and a stretch beyond it raises.
 
     Memory: one byte per tracked page (each file's scale and, when tracked, weight extents plus
     the largest window either side, from a 64 KiB block's start), 16 bytes per log entry and, under a budget, 8 bytes per
@@ -90,9 +93,12 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     io = max(int(max_request_bytes or 0) // PAGE_BYTES, M)
     r = int(((sloc[..., 1] % PAGE_BYTES + sloc[..., 2] + PAGE_BYTES - 1) // PAGE_BYTES).max(initial=1))
     W = max(M, min(r, io), 1)
+    per_read = 10 * r + 4 * W + 1
     if wloc is not None:
         wr = int(((wloc[..., 1] % PAGE_BYTES + wloc[..., 2] + PAGE_BYTES - 1) // PAGE_BYTES).max(initial=1))
         W = max(W, min(wr, io))
+        step = max(M, 1)
+        per_read = max(per_read, 8 * (int(np.log2(step)) + -(-wr // step) + 2) + 2 * -(-(wr + 2 * W) // BLOCK_PAGES) + 1)
     file_pages = np.array([-(-int(s) // PAGE_BYTES) for s in file_sizes], dtype=np.int64)
     first = np.zeros(F, dtype=np.int64)
     count = np.zeros(F, dtype=np.int64)
@@ -108,7 +114,7 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     offset = np.concatenate([[0], np.cumsum(spans)[:-1]]).astype(np.int64)
     ra = np.zeros((F, 5), dtype=np.int64)
     ra[:, RA_PREV] = -1
-    cap = max(1, int(undo_reads) * (10 * r + 4 * W + 1))
+    cap = max(1, int(undo_reads) * per_read)
     pages = int(spans.sum())
     limit = -1 if budget_bytes < 0 or budget_bytes // PAGE_BYTES >= count.sum() else int(budget_bytes) // PAGE_BYTES
     blocks = -(-pages // BLOCK_PAGES) if limit >= 0 else 0
