@@ -145,3 +145,54 @@ def test_an_undo_restores_every_page_window_and_count_after_any_logged_reads(bud
     assert (pc.state == state).all() and (pc.ra == ra_state).all() and pc.budget[1] == used == cached_count(pc)
     stop_logging(pc)
     assert pc.budget[1] <= pc.budget[0]
+
+
+def live_blocks(pc):
+    """The blocks whose last use a ring entry still holds."""
+    live = set()
+    for q in range(pc.budget[3]):
+        b0, nb, t = pc.ring[(pc.budget[2] + q) % len(pc.ring)]
+        live.update(b for b in range(b0, b0 + nb) if pc.stamp[b] == t)
+    return live
+
+
+def test_a_full_ring_of_uses_evicts_nothing_and_an_undo_leaves_no_block_out_of_reach():
+    """One scale page per 64 KiB block, 250 of them read under a 300-page budget (the ring holds
+    many more uses than the budget holds blocks), then a dropped prefetch of three more: nothing
+    was evicted below the budget, and every block with a cached page is still one an eviction
+    can reach."""
+    E = 400
+    sloc = np.zeros((1, E, 3, 3), dtype=np.int64)
+    wloc = np.zeros((1, E, 3, 3), dtype=np.int64)
+    for e in range(E):
+        sloc[0, e, 0] = (0, e * BLOCK_PAGES * P, 256)
+        wloc[0, e, 0] = (0, (E + 1) * BLOCK_PAGES * P + e * 16 * P, 16 * P)
+    pc = new_page_cache(sloc, [(2 * E + 2) * BLOCK_PAGES * P], 0, 1, wloc=wloc, budget_bytes=300 * P)
+    for e in range(250):
+        buffered_read(pc, 0, int(sloc[0, e, 0, 1]), 256)
+    assert pc.budget[1] == cached_count(pc) == 250                  # all held: the budget is 300
+    mark = checkpoint(pc)
+    for e in range(250, 253):
+        buffered_read(pc, 0, int(sloc[0, e, 0, 1]), 256)
+    undo(pc, mark)
+    stop_logging(pc)
+    cached_blocks = {s // BLOCK_PAGES for s in np.nonzero(pc.state & CACHED)[0]}
+    assert pc.budget[1] == cached_count(pc) == 250 and cached_blocks <= live_blocks(pc)
+
+
+def test_an_undo_to_a_later_checkpoint_reverts_a_run_that_continues_an_earlier_load():
+    """Two loads read adjacent pages as mapped views, a checkpoint before each: undoing the
+    second leaves the first cached and the second not (its run is not merged into the first's)."""
+    wloc = np.zeros((1, 2, 3, 3), dtype=np.int64)
+    sloc = np.zeros((1, 2, 3, 3), dtype=np.int64)
+    wloc[0, 0, 0], wloc[0, 1, 0] = (0, 64 * P, 32 * P), (0, 96 * P, 32 * P)
+    sloc[0, 0, 0], sloc[0, 1, 0] = (0, 200 * P, 100), (0, 201 * P, 100)
+    pc = new_page_cache(sloc, [300 * P], 128 * 1024, 8, wloc=wloc, budget_bytes=100 * P, mapped=True)
+    first = checkpoint(pc)
+    exact_read(pc, 0, 64 * P, 32 * P)
+    second = checkpoint(pc)
+    exact_read(pc, 0, 96 * P, 32 * P)
+    undo(pc, second)
+    assert pages_cached(pc, 0, 64 * P, 32 * P) and not pages_cached(pc, 0, 96 * P, P)
+    undo(pc, first)
+    assert cached_count(pc) == 0 == pc.budget[1]

@@ -373,9 +373,10 @@ def _under_way(threads, job):
 def _oracle_seconds(miss, p, dev):
     """The oracle's time for miss ``p``'s bytes from the drives (s): its weights (unless the page
     cache holds them) and its scales read for the first time, at the array's full bandwidth with
-    no per-request cost. Weights the page cache serves cost the oracle nothing: their copies
-    overlap in the read path, and no layout changes them, so the bound stays at or below every
-    layout's stall."""
+    no per-request cost. Weights the page cache serves whole cost the oracle nothing: their
+    copies overlap in the read path. Which those are depends on the layout (the readahead of a
+    neighbour's read may have cached them), so the oracle bounds the stall of this layout's
+    replay; a miss partly cached counts all its weight bytes."""
     scales = miss.sbytes[p] if miss.first[p] else 0
     weights = 0 if miss.cached[p] else miss.wlen[p]
     return (weights + scales) / dev.full_bandwidth

@@ -54,15 +54,16 @@ place in ``state``, or ``-1 - (5 f + field)`` for a window field, and the value 
 scale pages are all cached and unmarked since the page cache was last emptied (``settled`` holds
 the ``epoch`` it was so in), whose scale reads the cache then serves without looking at a page
 (:func:`scales_settled`); ``weights`` [1] (0: weight reads bypass it; 1: it tracks the
-weights' pages, read by buffered preads; 2: the same, read as mapped views); ``budget`` [5]: the pages it may hold (-1: no bound), the pages cached, the
-ring's oldest entry and its entries, the last stamp; ``stamp`` [B] (each block's last use) and
-``ring`` [R, 3] (uses in order: first block, blocks, stamp; an entry whose blocks were used
-again since is stale).
+weights' pages, read by buffered preads; 2: the same, read as mapped views); ``budget`` [6]: the pages it may hold (-1: no bound), the pages cached, the
+ring's oldest entry and its entries, the last stamp, the log position of the last
+:func:`checkpoint`; ``stamp`` [B] (each block's last use) and ``ring`` [B + 1, 3] (uses in
+order: first block, blocks, stamp; an entry whose blocks were used again since is stale, so at
+most one per block is not).
 
 A log entry for pages has ``log_key`` = its first place in ``state`` and ``log_old`` = 4 n +
 kind (:data:`RUN`, :data:`MARKED`: n pages; :data:`PAGE`: n the page's old bits)."""
 
-CAP, USED, TAIL, ENTRIES, CLOCK = 0, 1, 2, 3, 4
+CAP, USED, TAIL, ENTRIES, CLOCK, MARK_AT = 0, 1, 2, 3, 4, 5
 
 
 def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_reads: int,
@@ -86,8 +87,8 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     pread, and a stretch beyond it raises.
 
     Memory: one byte per tracked page (each file's scale and, when tracked, weight extents plus
-    the largest window either side, from a 64 KiB block's start), 16 bytes per log entry and, under a budget, 8 bytes per
-    block tracked and 24 per ring entry (twice the blocks the budget holds)."""
+    the largest window either side, from a 64 KiB block's start), 16 bytes per log entry and,
+    under a budget, 32 bytes per 64 KiB block tracked (its stamp and a ring entry)."""
     F = len(file_sizes)
     M = max(int(read_ahead_bytes) // PAGE_BYTES, 0)
     io = max(int(max_request_bytes or 0) // PAGE_BYTES, M)
@@ -97,8 +98,8 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     if wloc is not None:
         wr = int(((wloc[..., 1] % PAGE_BYTES + wloc[..., 2] + PAGE_BYTES - 1) // PAGE_BYTES).max(initial=1))
         W = max(W, min(wr, io))
-        step = max(M, 1)
-        per_read = max(per_read, 8 * (int(np.log2(step)) + -(-wr // step) + 2) + 2 * -(-(wr + 2 * W) // BLOCK_PAGES) + 1)
+        windows = int(np.log2(M)) + -(-wr // M) + 2 if M > 0 else 0
+        per_read = max(per_read, 8 * windows + 2 * -(-(wr + 2 * W) // BLOCK_PAGES) + 1)
     file_pages = np.array([-(-int(s) // PAGE_BYTES) for s in file_sizes], dtype=np.int64)
     first = np.zeros(F, dtype=np.int64)
     count = np.zeros(F, dtype=np.int64)
@@ -118,12 +119,12 @@ def new_page_cache(sloc: np.ndarray, file_sizes, read_ahead_bytes: int, undo_rea
     pages = int(spans.sum())
     limit = -1 if budget_bytes < 0 or budget_bytes // PAGE_BYTES >= count.sum() else int(budget_bytes) // PAGE_BYTES
     blocks = -(-pages // BLOCK_PAGES) if limit >= 0 else 0
-    ring = 2 * (limit // BLOCK_PAGES + 1) + 8 * max(int(undo_reads), 1) + 64 if limit >= 0 else 1
+    ring = blocks + 1 if limit >= 0 else 1
     return PageCache(np.zeros(pages, dtype=np.uint8), first, offset, count, file_pages, ra,
                      np.array([M, io], dtype=np.int64), np.array([-1], dtype=np.int64),
                      np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64), np.array([-1], dtype=np.int64),
                      np.full(sloc.shape[:2], -1, dtype=np.int64), np.zeros(1, dtype=np.int64),
-                     np.array([0 if wloc is None else 2 if mapped else 1], dtype=np.int64), np.array([limit, 0, 0, 0, 0], dtype=np.int64),
+                     np.array([0 if wloc is None else 2 if mapped else 1], dtype=np.int64), np.array([limit, 0, 0, 0, 0, 0], dtype=np.int64),
                      np.zeros(blocks, dtype=np.int64), np.zeros((ring, 3), dtype=np.int64))
 
 
@@ -142,6 +143,7 @@ def checkpoint(pc):
     """Start (or continue) logging changes; returns the log position to :func:`undo` to."""
     if pc.log_n[0] < 0:
         pc.log_n[0] = 0
+    pc.budget[MARK_AT] = pc.log_n[0]
     return pc.log_n[0]
 
 
@@ -183,9 +185,9 @@ def _log(pc, key, old):
 @njit(**HELPER)
 def _log_pages(pc, s, n, kind):
     """Log that ``n`` pages from place ``s`` were :data:`RUN` or :data:`MARKED` (a run following
-    the last entry's, of its kind, extends it)."""
+    the last entry's, of its kind, since the last :func:`checkpoint`, extends it)."""
     q = pc.log_n[0] - 1
-    if q >= 0 and pc.log_key[q] >= 0 and pc.log_old[q] & 3 == kind and pc.log_key[q] + (pc.log_old[q] >> 2) == s:
+    if q >= pc.budget[MARK_AT] and pc.log_key[q] >= 0 and pc.log_old[q] & 3 == kind and pc.log_key[q] + (pc.log_old[q] >> 2) == s:
         pc.log_old[q] += 4 * n
         return
     _log(pc, s, 4 * n + kind)
@@ -200,8 +202,9 @@ def _put(pc, s, bits):
 
 @njit(**HELPER)
 def _touch(pc, f, p, n):
-    """Pages [p, p + n) of file ``f`` were used: their blocks become the most recently used (a
-    ring full of live uses first evicts its oldest, which bounds the ring's memory)."""
+    """Pages [p, p + n) of file ``f`` were used: their blocks become the most recently used. The
+    ring holds one entry more than there are blocks, and at most one live entry per block, so
+    a full ring always has a stale entry to drop."""
     if pc.budget[CAP] < 0:
         return
     lo = max(p - pc.first[f], 0)
@@ -212,8 +215,6 @@ def _touch(pc, f, p, n):
     b1 = (pc.offset[f] + hi - 1) // BLOCK_PAGES
     if pc.budget[ENTRIES] == len(pc.ring):
         _compact(pc)
-        if pc.budget[ENTRIES] == len(pc.ring):
-            _evict_oldest(pc)
     pc.budget[CLOCK] += 1
     t = pc.budget[CLOCK]
     pc.stamp[b0:b1 + 1] = t
@@ -246,7 +247,7 @@ def _compact(pc):
 
 @njit(**HELPER)
 def _evict_oldest(pc):
-    """Evict the blocks of the ring's oldest entry not used since (logged while logging)."""
+    """Evict the blocks of the ring's oldest entry not used since (never while logging)."""
     at = pc.budget[TAIL]
     b0, nb, t = pc.ring[at, 0], pc.ring[at, 1], pc.ring[at, 2]
     pc.budget[TAIL] = (at + 1) % len(pc.ring)
@@ -257,8 +258,6 @@ def _evict_oldest(pc):
             continue
         for s in range(b * BLOCK_PAGES, min((b + 1) * BLOCK_PAGES, len(pc.state))):
             if pc.state[s]:
-                if pc.log_n[0] >= 0:
-                    _log(pc, s, 4 * pc.state[s] + PAGE)
                 _put(pc, s, 0)
                 dropped = True
     if dropped:
