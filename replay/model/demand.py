@@ -223,10 +223,17 @@ def paged_weight_read(file, off, n, pages, dev, bases, n_reads, wtail, reads):
         waited, page = buffered_read(pages, file, off, n)
     if warm:
         wtail += copy_seconds(min(warm * PAGE_BYTES, n), off, dev)
-    if waited:
-        reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[file] + page * PAGE_BYTES, waited * PAGE_BYTES, False
-        n_reads += 1
-    return n_reads, wtail
+    return queue_pages(file, page, waited, bases, n_reads, reads), wtail
+
+
+@njit(**HELPER)
+def queue_pages(file, page, count, bases, n_reads, reads):
+    """Queue the drive read of ``count`` pages of ``file`` from ``page`` on (what a page-cache
+    read waited for; none when ``count`` is 0). Returns the new read count."""
+    if count == 0:
+        return n_reads
+    reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[file] + page * PAGE_BYTES, count * PAGE_BYTES, False
+    return n_reads + 1
 
 
 @njit(**HELPER)
@@ -239,10 +246,7 @@ def scale_read(file, off, n, settled, pages, bases, n_reads, reads):
         cached_read(pages, file, off, n)
         return n_reads, False
     waited, page = buffered_read(pages, file, off, n)
-    if waited == 0:
-        return n_reads, False
-    reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[file] + page * PAGE_BYTES, waited * PAGE_BYTES, False
-    return n_reads + 1, True
+    return queue_pages(file, page, waited, bases, n_reads, reads), waited > 0
 
 
 @njit(**HELPER)

@@ -15,10 +15,10 @@ from numba import njit
 
 from replay.model.admission import admit_listed, choose
 from replay.model.controller import OBSERVE, TOP_K, backed_off, load_seconds, record_demand, record_outcome
-from replay.model.demand import close_job, is_selected, paged_weight_read, scale_read, weight_read
+from replay.model.demand import close_job, is_selected, paged_weight_read, queue_pages, scale_read, weight_read
 from replay.model.device import copy_seconds
 from replay.model.jit import HELPER, STAGE
-from replay.model.pagecache import (PAGE_BYTES, checkpoint, exact_read, note_settled, pages_cached, scales_settled,
+from replay.model.pagecache import (checkpoint, exact_read, note_settled, pages_cached, scales_settled,
                                     stop_logging, undo, weights_cached)
 from replay.model.predictors import (
     FUSED,
@@ -170,9 +170,7 @@ def _plan_load(li, e, x, work, n_reads):
             continue                             # a hint: no copy; O_DIRECT weights not hinted
         if plan.kind[r] == WEIGHT and paged and hint:
             waited, page = exact_read(pages, f, off, nb)
-            if waited:
-                reads.addr[n_reads], reads.length[n_reads], reads.warm[n_reads] = bases[f] + page * PAGE_BYTES, waited * PAGE_BYTES, False
-                n_reads += 1
+            n_reads = queue_pages(f, page, waited, bases, n_reads, reads)
         elif plan.kind[r] == WEIGHT and paged:
             n_reads, tail = paged_weight_read(f, off, nb, pages, dev, bases, n_reads, tail, reads)
         elif plan.kind[r] == WEIGHT:
