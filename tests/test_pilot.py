@@ -323,11 +323,11 @@ def test_the_pilots_copies_take_the_cores_the_layers_work_needs():
     work.jobs.tail[0] = 2e-3                          # the demand job's copy
     work.jobs.tail[1] = 3e-3                          # the prefetch thread's load, done while the layer ran
     work.pilot.state[PILOT_FIRST], work.pilot.state[PILOT_NEXT] = 1, 2
-    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(5e-3)
+    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, 0.0, work) == pytest.approx(5e-3)
     work.pilot.state[PILOT_NEXT] = 1                  # none done yet: the demand copy alone
-    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(2e-3)
+    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, 0.0, work) == pytest.approx(2e-3)
     work.pilot.state[PILOT_NEXT], work.pilot.job[0] = 2, 1   # taken, still under way: not done by now
-    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, work) == pytest.approx(2e-3)
+    assert _shared_cores(1e-3, 0.0, 1, 1, 1.0, 1, 1, 0.0, work) == pytest.approx(2e-3)
 
 
 def test_hints_bring_pages_into_the_page_cache_and_nothing_into_the_lru():

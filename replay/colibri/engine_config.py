@@ -24,7 +24,7 @@ from containers.errors import InputError
 from containers.jsonfile import parse_json, read_bytes
 
 from replay.colibri.engine_output import RUN_FILE, RunIdentity, parse_engine_output
-from replay.colibri.openmp_team import OPENMP_VARIABLES, SPIN_COUNT_TEXT, URING_COPY_THREADS, team_held_cores
+from replay.colibri.openmp_team import OPENMP_VARIABLES, SPIN_COUNT_TEXT, URING_COPY_THREADS, loaders_on_compute_core, team_held_cores
 from replay.model.config import RuntimeConfig
 
 FLAGS = ("PIPE", "URING", "DIRECT", "COLI_MMAP", "CAP_RAISE", "AUTOPIN", "PILOT", "PILOT_REAL", "PILOT_TWO",
@@ -536,10 +536,7 @@ def memory_terms(cfg: EngineConfig, facts: RunFacts | None, layout, pin_bytes: i
 
 def not_modelled(cfg: EngineConfig) -> list[str]:
     """The variables of ``cfg`` the model has no read path for (each a sentence); empty when it models them all."""
-    out = []
-    if cfg.COUPLE and cfg.COUPLE_D > 1:
-        out.append("COUPLE_D=2 (the table's loads two layers ahead) is not modelled")
-    return out
+    return ["COUPLE_D=2 (the table's loads two layers ahead) is not modelled"] if cfg.COUPLE and cfg.COUPLE_D > 1 else []
 
 
 def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_threads: int | None = None,
@@ -549,23 +546,23 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
 
     PIPE=0: one blocking batch per layer on the OpenMP team (``omp_threads`` wide; default
     ``OMP_NUM_THREADS``, else this machine's cores). PIPE=1: PIPE_WORKERS loader threads (at most
-    16), the compute thread waiting per expert. URING=1: up to 64 loads in flight, waits per
-    expert. DIRECT=1: O_DIRECT weight reads (scales stay buffered). COLI_MMAP=1: buffered, the
-    experts views of the page cache (``RuntimeConfig.mapped_views``: a page-cache hit costs
-    re-touching mapped pages, at the rate a run of it measured; DIRECT is then moot). Misses in routing order. The
-    LRU holds ``lru_experts`` per layer (:func:`engine_cap`, or the cap a run printed). The
-    page-cache copies run at most ``cores`` at once (``RuntimeConfig.cpu_cores``: the cores of the
+    16), the compute thread waiting per expert, each block handed over at the cost the device profile
+    measured when they share its core. URING=1: up to 64 loads in flight, waits per expert. DIRECT=1:
+    O_DIRECT weight reads (scales stay buffered). COLI_MMAP=1: buffered, the experts views of the page
+    cache (``RuntimeConfig.mapped_views``: a page-cache hit costs re-touching mapped pages, at the rate a
+    run of it measured; DIRECT is then moot). Misses in routing order. The LRU holds ``lru_experts`` per
+    layer (:func:`engine_cap`, or the cap a run printed). The page-cache copies run at most ``cores``
+    at once (``RuntimeConfig.cpu_cores``: the cores of the
     machine the run printed, else this machine's), less those the OpenMP team keeps from them
     (:func:`replay.colibri.openmp_team.team_held_cores`). PILOT_REAL=1: the router pilot's loads
     (the ``pilot`` prefetch source, at ``pilot_precision``, PILOT_K per position, default 6; its
     eviction guard as PILOT_EVICT_GUARD says; each layer waiting for the loads in flight on it,
     ``RuntimeConfig.layer_barrier``; PILOT_WORKERS threads loading its queue, one under URING=1);
     with COUPLE, its table's COUPLE_K best per position queued after the pilot's
-    (``RuntimeConfig.couple_file``; the caller reads the table,
-    :func:`replay.formats.colipairs.configured_pair_table`). PILOT=1 without PILOT_REAL: the same
-    lists as page-cache hints (``RuntimeConfig.prefetch_hints``, PILOT_K default 8); COUPLE alone:
-    the ``coupled`` source on its file's table, as hints. Raises :class:`InputError` for what the
-    model does not run (:func:`not_modelled`) and for PILOT_REAL=1 without a precision.
+    (``RuntimeConfig.couple_file``; the caller reads the table, :func:`replay.formats.colipairs.configured_pair_table`).
+    PILOT=1 without PILOT_REAL: the same lists as page-cache hints (``RuntimeConfig.prefetch_hints``,
+    PILOT_K default 8); COUPLE alone: the ``coupled`` source on its file's table, as hints. Raises
+    :class:`InputError` for what the model does not run (:func:`not_modelled`) and for PILOT_REAL=1 without a precision.
     """
     missing = not_modelled(cfg)
     if missing:
@@ -595,6 +592,7 @@ def model_config(cfg: EngineConfig, base: RuntimeConfig, lru_experts: int, omp_t
     return replace(base, workers=workers, batched=batched, blocking=blocking,
                    direct=bool(cfg.DIRECT) and not cfg.COLI_MMAP, mapped_views=bool(cfg.COLI_MMAP), routing_order=True,
                    lru_experts=int(lru_experts), pin_bytes=int(pin_bytes), cpu_cores=cpu_cores,
-                   team_held_cores=team_held_cores(cfg, team, cpu_cores), copy_threads=URING_COPY_THREADS if cfg.URING else 0,
+                   team_held_cores=team_held_cores(cfg, team, cpu_cores), loaders_on_compute_core=loaders_on_compute_core(cfg),
+                   copy_threads=URING_COPY_THREADS if cfg.URING else 0,
                    pilot_workers=cfg.PILOT_WORKERS if cfg.PILOT_REAL and not cfg.URING else 1,
                    engine_env=cfg.to_env() or "(defaults)")

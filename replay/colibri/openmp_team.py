@@ -106,3 +106,12 @@ def team_held_cores(cfg, team: int, cores: int) -> int:
     if cfg.URING and team <= cores and team_spin_iterations(cfg) > 0:
         return min(team, cores) - 1
     return 0
+
+
+def loaders_on_compute_core(cfg) -> bool:
+    """Whether PIPE=1's loader pool is parked on the compute thread's core
+    (:attr:`RuntimeConfig.loaders_on_compute_core`): its pthreads, started by the compute thread
+    after libgomp bound it (:func:`team_bound`), inherit its one core. Each block of demand loads
+    then costs the pool's handoff there (:mod:`replay.physical.loader_handoff`). URING=1's io-wq
+    workers are not that pool."""
+    return bool(cfg.PIPE and not cfg.URING and team_bound(cfg))

@@ -79,6 +79,7 @@ class RuntimeConfig:
     page_cache_bytes: int = 0          # the page cache for the experts' pages, weights and scales (replay.model.pagecache), bytes; 0: every buffered weight read reaches the drive
     cpu_cores: int = 0                 # the machine's cores: at most this many page-cache copies run at once (replay.model.readers); 0 = not bounded
     team_held_cores: int = 0           # cores the OpenMP team keeps from page-cache copies (replay.model.demand): 0 = copies use every core, beside the matmuls
+    loaders_on_compute_core: bool = False  # colibrì PIPE=1 under its bound team: the loader pool is parked on the compute thread's core, so each block of demand loads waits the pool's handoff first (the device profile's loader_handoff)
     mapped_views: bool = False         # colibrì COLI_MMAP=1: experts are views of the page cache; a page-cache hit re-touches mapped pages (at the copy rates the caller gives, the rate a run of it measured)
     pilot_precision: float = 0.0       # prefetch "pilot": the share of the router pilot's predictions the next layer routes (colibrì's LOOKA line), 0-1
     pilot_workers: int = 1             # prefetch "pilot": the threads loading its queue, in queue order (colibrì PILOT_WORKERS under PILOT_REAL), 1-16

@@ -317,7 +317,7 @@ def compute_thread(i, li, k, resident, n_jobs, x, work, out):
         oracle += wait
     if routed:
         t += max(resident - done_pre, 0.0)
-    extra = _shared_cores(t, resident, k, n_jobs, keep_top, pol.team_held_cores, pol.copy_cores, work)
+    extra = _shared_cores(t, resident, k, n_jobs, keep_top, pol.team_held_cores, pol.copy_cores, pol.handoff, work)
     if extra > 0.0:
         miss.wait[k - 1] += extra
         expert_wait[miss_e[k - 1]] += extra
@@ -329,7 +329,7 @@ def compute_thread(i, li, k, resident, n_jobs, x, work, out):
 
 
 @njit(**HELPER)
-def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
+def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, handoff, work):
     """How much later than ``end`` (s) a layer's compute ends because its matmuls and its demand
     jobs' page-cache copies share the machine's cores (:func:`compute_thread`); 0 when copies are
     not bounded by cores.
@@ -344,7 +344,8 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
     get ``cores - 1`` then and ``cores`` while it waits: the layer ends no earlier than ``busy +
     max(copies - (cores - 1) busy, 0) / cores`` (with one core: the matmuls, then the copies).
     Fewer copying threads than cores (``RuntimeConfig.copy_threads``) bound the copies' own
-    timing (the copy slots), not this.
+    timing (the copy slots), not this. The loader pool's ``handoff`` (s, once for the block)
+    counts as copy time: its wake-ups run on the cores the copies take.
     """
     if cores == 0:
         return 0.0
@@ -352,7 +353,7 @@ def _shared_cores(end, resident, k, n_jobs, keep_top, held, cores, work):
     busy = resident
     for p in range(k):
         busy += miss.comp[p] * keep_top if miss.top[p] else miss.comp[p]
-    copies = 0.0
+    copies = handoff if n_jobs > 0 else 0.0
     for j in range(n_jobs):
         copies += jobs.tail[j]
     pilot = work.pilot

@@ -159,6 +159,32 @@ def read_alone_seconds(drive: DriveProfile, size: int) -> float:
 
 
 @dataclass(frozen=True)
+class LoaderHandoff:
+    """What handing a block of loads to a parked loader pool on the compute thread's core costs
+    (colibrì's PIPE=1 under its bound OpenMP team), by pool size: ``seconds[i]`` for a pool of
+    ``workers[i]`` threads, ascending (:mod:`replay.physical.loader_handoff` measures it)."""
+
+    workers: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        w, s = tuple(self.workers), tuple(self.seconds)
+        object.__setattr__(self, "workers", w)
+        object.__setattr__(self, "seconds", s)
+        if (not w or len(w) != len(s) or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64 for n in w)
+                or list(w) != sorted(set(w))):
+            raise InputError(None, f"loader_handoff.workers is {list(w)!r}: pool sizes of 1-64, ascending, one per "
+                                   f"handoff in seconds")
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not 0 <= x <= 0.01 for x in s):
+            raise InputError(None, f"loader_handoff.seconds is {list(s)!r}: finite times of 0 to 0.01 s")
+
+    def for_pool(self, workers: int) -> float:
+        """The handoff (s) for a pool of ``workers`` threads: linear between the measured sizes,
+        the nearest one's beyond them."""
+        return float(np.interp(workers, self.workers, self.seconds))
+
+
+@dataclass(frozen=True)
 class ArrayProfile:
     """A RAID-0 array (or a single drive) behind a host link.
 
@@ -171,7 +197,9 @@ class ArrayProfile:
     page-aligned buffer is then slower; None: as ``memory_bandwidth``). ``readahead_request_bytes``:
     the largest readahead window a read larger than ``read_ahead_bytes`` may take, Linux's
     ``io_pages`` (``queue/max_sectors_kb`` x 1024, whatever the buffers' segments); None: as the
-    drive's ``max_request_bytes``.
+    drive's ``max_request_bytes``. ``loader_handoff``: what a block of loads handed to a parked
+    loader pool on the compute thread's core costs on this host (:class:`LoaderHandoff`; None: not
+    measured, no cost).
     """
 
     name: str
@@ -187,8 +215,21 @@ class ArrayProfile:
     memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
     unaligned_memory_bandwidth: float | None = None
     readahead_request_bytes: int | None = None
+    loader_handoff: LoaderHandoff | None = None
 
     def __post_init__(self):
+        if isinstance(self.loader_handoff, dict):
+            h = self.loader_handoff
+            if set(h) != {"workers", "seconds"}:
+                raise InputError(self.name, f"loader_handoff has {sorted(h)}, not workers and seconds")
+            try:
+                object.__setattr__(self, "loader_handoff", LoaderHandoff(h["workers"], h["seconds"]))
+            except InputError as exc:
+                raise InputError(self.name, exc.problem) from None
+            except TypeError:
+                raise InputError(self.name, "loader_handoff's workers and seconds must be lists") from None
+        elif self.loader_handoff is not None and not isinstance(self.loader_handoff, LoaderHandoff):
+            raise InputError(self.name, f"loader_handoff is {self.loader_handoff!r}, not workers and seconds")
         for what, value, kind in (("members", self.members, int), ("chunk_bytes", self.chunk_bytes, int),
                                   ("direct_alignment", self.direct_alignment, int), ("queue_slots", self.drive.queue_slots, int),
                                   ("host_bandwidth", self.host_bandwidth, float), ("page_cache_fraction", self.page_cache_fraction, float),
@@ -287,7 +328,7 @@ class ArrayProfile:
     def to_json(self) -> dict:
         """The profile as JSON; a drive without request channel time (``c = 0``), a profile
         with Linux's default readahead (128 KiB) and one with the default page-cache copy rate
-        (10e9 bytes/s) or none for unaligned copies or for the readahead's request are written without the field, as profiles were
+        (10e9 bytes/s) or none for unaligned copies, the readahead's request or the loader handoff are written without the field, as profiles were
         before it existed, so that their digests stay what they were."""
         obj = asdict(self)
         if not self.drive.request_channel_seconds:
@@ -300,6 +341,11 @@ class ArrayProfile:
             del obj["unaligned_memory_bandwidth"]
         if self.readahead_request_bytes is None:
             del obj["readahead_request_bytes"]
+        if self.loader_handoff is None:
+            del obj["loader_handoff"]
+        else:
+            obj["loader_handoff"] = {"workers": list(self.loader_handoff.workers),
+                                     "seconds": list(self.loader_handoff.seconds)}
         return obj
 
     def digest(self) -> str:

@@ -342,11 +342,20 @@ def read_policy(config: RuntimeConfig, device: ArrayProfile) -> ReadPolicy:
                       candidates=int(config.prefetch_candidates), min_probability=float(config.prefetch_min_probability),
                       cancel_stale=bool(config.cancel_stale), adaptive_budget=bool(config.adaptive_budget),
                       backoff=bool(config.backoff), blocking=bool(config.blocking), routing_order=bool(config.routing_order),
-                      team_held_cores=int(config.team_held_cores),
+                      team_held_cores=int(config.team_held_cores), handoff=_handoff_seconds(config, device),
                       copy_cores=int(config.copy_cores), pilot_precision=float(config.pilot_precision),
                       couple_experts=int(config.couple_experts),
                       evict_guard=bool(config.evict_guard), prefetch_hints=bool(config.prefetch_hints),
                       layer_barrier=bool(config.layer_barrier), short_forwards=bool(config.engine_env))
+
+
+def _handoff_seconds(config: RuntimeConfig, device: ArrayProfile) -> float:
+    """What handing each block of demand loads to the loader pool costs (s): the device profile's
+    measured handoff for ``config.workers`` loaders when they are parked on the compute thread's
+    core (``RuntimeConfig.loaders_on_compute_core``), else 0."""
+    if not config.loaders_on_compute_core or device.loader_handoff is None:
+        return 0.0
+    return device.loader_handoff.for_pool(config.workers)
 
 
 def device_numbers(device: ArrayProfile, layout: Layout | None = None) -> Device:

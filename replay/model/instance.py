@@ -109,10 +109,11 @@ def _run(inst, ram, table, lay, pol, dev, work, out):
             lru_start(lru, li + 1, inst_session[i])
             queue_at_routing(i, li + 1, x, work, n_jobs, out)
         if k > 0:
+            start = pilot_free + pol.handoff if n_jobs > 0 else pilot_free    # the loader pool's handoff
             if dev.shared:
-                shared_pool(n_jobs, pol.workers, pilot_free, pool, reads, dev, usage)
+                shared_pool(n_jobs, pol.workers, start, pool, reads, dev, usage)
             else:
-                reader_pool(n_jobs, pol.workers, pilot_free, pool, reads, dev, usage)
+                reader_pool(n_jobs, pol.workers, start, pool, reads, dev, usage)
             end = compute_thread(i, li, k, resident, n_jobs, x, work, out)
             for j in range(n_jobs):
                 out.prefetch.demand_done[i] = max(out.prefetch.demand_done[i], job_done[j])

@@ -44,7 +44,7 @@ address in the array's logical address space."""
 ReadPolicy = namedtuple("ReadPolicy", "coalesce gap_bytes span_bytes direct alignment workers warm_fraction "
                                       "dense_seconds prefetch prefetch_experts admission prefetch_bytes candidates "
                                       "min_probability cancel_stale adaptive_budget backoff blocking routing_order "
-                                      "team_held_cores copy_cores pilot_precision couple_experts evict_guard prefetch_hints layer_barrier "
+                                      "team_held_cores handoff copy_cores pilot_precision couple_experts evict_guard prefetch_hints layer_barrier "
                                       "short_forwards")
 """How the runtime reads (:func:`replay.model.engine.read_policy`): ``coalesce`` (bool) with its largest
 ``gap_bytes`` and ``span_bytes``; ``direct`` (O_DIRECT weight reads, bool) widened to
@@ -59,7 +59,9 @@ compute thread waits for all of a layer's demand loads before its first matmul) 
 computed between them in that order, as colibrì's ``moe()`` does; else physical order with the
 resident work first); ``team_held_cores`` (cores the OpenMP team keeps from page-cache copies:
 when not 0, copies run only on the cores it leaves, and beside the matmuls only on those the
-matmuls leave, :func:`replay.model.demand.compute_thread`); ``copy_cores`` (the cores copies may
+matmuls leave, :func:`replay.model.demand.compute_thread`); ``handoff`` (s: what handing a
+block of demand loads to the loader pool costs, before its first load starts and on the core
+its copies take, 0 none: ``RuntimeConfig.loaders_on_compute_core``); ``copy_cores`` (the cores copies may
 use, the machine's less those; 0: copies not bounded); ``pilot_precision`` (the pilot source's
 share of correct predictions, 0-1: :func:`replay.model.prefetch.predict_next`); ``couple_experts``
 (COUPLE_K: the pair table's best experts queued after the pilot's, 0 none); ``evict_guard`` (a

@@ -412,8 +412,9 @@ def even_split(layout: Layout, record: StorageRecord) -> StorageRecord:
 
 def storage_profile(path: str | os.PathLike) -> StorageProfile:
     """A storage description as a device for the compiled timing model (:class:`StorageProfile`);
-    its readahead (``read_ahead_bytes``, ``readahead_request_bytes``) and copy rates
-    (``memory_bandwidth``, ``unaligned_memory_bandwidth``) are the first drive's profile's."""
+    its readahead (``read_ahead_bytes``, ``readahead_request_bytes``), copy rates
+    (``memory_bandwidth``, ``unaligned_memory_bandwidth``) and ``loader_handoff`` (the host's)
+    are the first drive's profile's."""
     rec, profiles = load_storage(path)
     drives = tuple(profiles[d.name] for d in rec.drives)
     for p in drives:
@@ -431,5 +432,6 @@ def storage_profile(path: str | os.PathLike) -> StorageProfile:
                           memory_bandwidth=drives[0].memory_bandwidth,
                           unaligned_memory_bandwidth=drives[0].unaligned_memory_bandwidth,
                           readahead_request_bytes=drives[0].readahead_request_bytes,
+                          loader_handoff=drives[0].loader_handoff,
                           description="independent drives: " + ", ".join(f"{d.name} ({p.name})" for d, p in zip(rec.drives, drives)),
                           record=rec, drives=drives)

@@ -26,7 +26,9 @@ what the fitted model predicts for it, which is what coalescing's gain rests on;
 use it. The page-cache copy rate (:func:`page_cache_copy`: buffered reads the page cache serves,
 copied into read buffers by one thread, and by 2 and 4 at once) is measured last; its one-thread
 rate is the profile's ``memory_bandwidth``, and one thread's rate for reads that start inside a
-cache line, as most safetensors tensors do, its ``unaligned_memory_bandwidth``.
+cache line, as most safetensors tensors do, its ``unaligned_memory_bandwidth``. Then what handing
+a block of loads to colibrì's PIPE=1 loader pool costs on this host, by pool size
+(:func:`replay.physical.loader_handoff.loader_handoff`), the profile's ``loader_handoff``.
 
 The reads land in buffers of the kind asked for (:data:`replay.physical.buffers.BUFFER_KINDS`):
 ``engine``, as colibrì's (``posix_memalign``, no huge pages asked for), or ``huge-pages``, the
@@ -56,6 +58,7 @@ from containers.errors import InputError
 
 from replay.physical.buffers import BUFFER_KINDS, read_buffer
 from replay.physical.copy_rate import page_cache_copy
+from replay.physical.loader_handoff import loader_handoff
 from replay.physical.request_limits import (BUFFER_REASONS, buffer_request_limit, small_page_request_limit,
                                             system_max_request_bytes, system_read_ahead_bytes)
 from replay.model.device import DEFAULT_READ_AHEAD_BYTES, DriveProfile, queue_throughput, read_alone_seconds
@@ -441,6 +444,7 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None, buffe
     spread = completion_spread(path, huge_pages=huge)
     merge = merge_saving(path, min(max_request or MERGE_BYTES, MERGE_BYTES) // 2, huge_pages=huge)   # merged: one request
     copy = page_cache_copy(path, seconds, huge)
+    handoff = loader_handoff()
     service = drive_service(spread)
     fit = fit_queue_model([c.size for c in cells], [c.depth for c in cells], [c.throughput for c in cells],
                           max_request or 0, shared=service == "shared")
@@ -466,6 +470,8 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None, buffe
         "memory_bandwidth": copy["bytes_per_second"],
         "unaligned_memory_bandwidth": copy["unaligned_bytes_per_second"],
         "readahead_request_bytes": system_request,
+        **({"loader_handoff": {"workers": handoff["workers"], "seconds": handoff["seconds"]}}
+           if handoff and handoff["seconds"] else {}),
         "drive": {"name": "calibrated", "request_seconds": a, "bandwidth": bandwidth, "queue_slots": slots,
                   "stream_bandwidth": b1, "max_request_bytes": max_request, "service": service,
                   "request_channel_seconds": c},
@@ -481,6 +487,7 @@ def _calibrate(path: Path, target: Path, seconds: float, name: str | None, buffe
             "completion_spread": spread,
             "merge": merge,
             "page_cache_copy": copy,
+            "loader_handoff": handoff or {"workers": [], "seconds": [], "error": "not measured off Linux"},
         },
     }
 
