@@ -148,6 +148,15 @@ def engine_device(args, device, layout):
     return at_engine_copy_rate(device, rate, layout) if rate else device
 
 
+def handoff_note(config, device) -> None:
+    """Say on stderr when ``config`` hands loads to PIPE=1's pool on the compute thread's core and
+    ``device`` did not measure what that costs (:data:`replay.colibri.openmp_team.HANDOFF_NOTE`)."""
+    from replay.colibri.openmp_team import HANDOFF_NOTE
+
+    if config.loaders_on_compute_core and device.loader_handoff is None:
+        print(f"relayout: the device profile {device.name} {HANDOFF_NOTE}", file=sys.stderr)
+
+
 def runtime_config(args, layout=None):
     """The model's configuration the options of :func:`runtime_options` describe
     (:func:`relayout.planning.replay_setup.runtime_config`; ``layout`` sizes a colibrì run's LRU from CAP and RAM_GB)."""

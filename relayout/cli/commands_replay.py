@@ -24,7 +24,7 @@ from relayout.planning.replay_setup import (
     runtime_pins,
     sweep_ram_gb,
 )
-from .arguments import engine_device, runtime_config
+from .arguments import engine_device, handoff_note, runtime_config
 from .output import print_rewrite_files, say, verify_and_report
 
 EXIT_FAIL = 3
@@ -55,6 +55,7 @@ def cmd_replay(args) -> int:
     check_ram(config.ram_bytes, routed_bytes(plan))
     baseline = None if args.baseline == "stock" else load_plan(args.baseline)
     device = engine_device(args, device, baseline.layout if baseline is not None else plan.stock)
+    handoff_note(config, device)
     if hypotheses:
         return _replay_hypotheses(args, plan, trace, device, config)
     if args.sweep:

@@ -46,6 +46,8 @@ def describe_mode(config: RuntimeConfig) -> str:
         mode = "URING=1: one submission, up to 64 loads in flight, waits per expert"
     else:
         mode = f"PIPE=1: {config.workers} loader threads, waits per expert"
+        if config.loaders_on_compute_core:
+            mode += " (on the compute thread's core: each block of loads waits the device profile's loader handoff)"
     if config.prefetch == "pilot" and config.prefetch_hints:
         mode += (f", PILOT=1: page-cache hints for the router pilot's {config.prefetch_experts} experts per position of "
                  f"the next layer, {config.pilot_precision:.0%} of them right (drawn: its predictions are in no trace)")

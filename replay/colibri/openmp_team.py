@@ -108,6 +108,12 @@ def team_held_cores(cfg, team: int, cores: int) -> int:
     return 0
 
 
+HANDOFF_NOTE = ("has no loader handoff (it was made before relayout calibrate measured one): the wake-ups each "
+                "block of PIPE=1 loads costs on the compute thread's core (about 40 us for 8 loaders on the machine of "
+                "docs/BENCHMARKS.md) are not counted; run relayout calibrate again")
+"""What ``replay`` and ``validate --engine`` say of a device profile without ``loader_handoff``."""
+
+
 def loaders_on_compute_core(cfg) -> bool:
     """Whether PIPE=1's loader pool is parked on the compute thread's core
     (:attr:`RuntimeConfig.loaders_on_compute_core`): its pthreads, started by the compute thread

@@ -467,7 +467,8 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
     """Run the module's four steps and write the record (``o.output``, else PATH/:data:`RECORD_NAME`)."""
     from containers.container import Container
     from containers.layout import layout_from_container
-    from replay.colibri.engine_config import at_engine_copy_rate, env_words
+    from replay.colibri.engine_config import at_engine_copy_rate, env_words, parse_runtime_env
+    from replay.colibri.openmp_team import HANDOFF_NOTE, loaders_on_compute_core
 
     from .prepare import probe_target
 
@@ -479,6 +480,9 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
         precisions = ({two: training_pilot_precision(work.path / "train" / "train", two) for two in (False, True)}
                       if uses_pilot(o) else {})
         device, device_source = _device(o, work, notify)
+        if device.loader_handoff is None and any(loaders_on_compute_core(parse_runtime_env(cell_env(rp, o.caps[0])))
+                                                 for rp in o.read_paths):
+            notify(f"the device profile {device.name} {HANDOFF_NOTE}")
         layouts = {m: layout_from_container(Container.open(d)) for m, d in dirs.items()}
         probe = probe_target(o.container, layouts["stock"])
         profile_rate = device.steady_rate(probe[1], PROBE_DEPTH) if probe[0] is not None else 0.0
