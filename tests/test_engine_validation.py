@@ -15,13 +15,13 @@ from conftest import REPO
 from containers.errors import InputError
 from relayout.workflows.validation.engine import (EngineValidateOptions, cell_copy_rates, cell_env, cell_name,
                                                   check_options)
-from relayout.workflows.validation.engine_record import (CellResult, EngineValidationRecord, RunResult, arm_result,
-                                                         placement_bound, saving_result, summarize)
+from relayout.workflows.validation.engine_record import (ENGINE_VALIDATION_VERSION, CellResult, EngineValidationRecord,
+                                                         RunResult, arm_result, placement_bound, saving_result, summarize)
 
 
 def _run(arm, prompt, rep, measured, predicted, tokens=20, tpot=0.010, loads=(30, 30)):
     return RunResult(f"/runs/{arm}/p{prompt:02d}-r{rep:02d}", arm, prompt, rep, tokens, measured, predicted, tpot,
-                     loads[0], loads[1], 0, -1, -1, -1, 0)
+                     loads[0], loads[1], 0, -1, -1, -1, 0, predicted)
 
 
 def _arm(arm, per_prompt, scale=1.0, prompts=6, reps=2, jitter=0.002):
@@ -50,7 +50,7 @@ def test_savings_are_judged_per_prompt_and_the_gates_rule_is_applied_to_both_sid
     assert s.gate_decision == s.measured_decision == "pass" and s.decisions_agree
     # predicted to lose where the engine measured a clear saving: the sign and the decision differ
     wrong = [RunResult(r.run, r.arm, r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, 0.3, r.tpot_s,
-                       r.measured_loads, r.predicted_loads, 0, -1, -1, -1, 0) for r in better]
+                       r.measured_loads, r.predicted_loads, 0, -1, -1, -1, 0, 0.3) for r in better]
     w = saving_result("louvain", stock, wrong)
     assert w.sign_agrees is False and w.gate_decision == "fail" and w.measured_decision == "pass" and not w.decisions_agree
     assert w.agreement == "disagrees" and "CONTRADICTS" in w.words
@@ -70,7 +70,8 @@ def test_no_saving_is_a_result_the_validation_can_give():
 def _predicting(runs, like):
     """``runs`` with the predicted waits of ``like`` (run for run)."""
     return [RunResult(r.run, r.arm, r.prompt, r.repetition, r.committed_tokens, r.measured_wait_s, o.predicted_wait_s,
-                      r.tpot_s, r.measured_loads, r.predicted_loads, 0, -1, -1, -1, 0) for r, o in zip(runs, like)]
+                      r.tpot_s, r.measured_loads, r.predicted_loads, 0, -1, -1, -1, 0, o.predicted_wait_s)
+            for r, o in zip(runs, like)]
 
 
 def test_a_saving_no_larger_than_placement_is_not_held_against_the_model():
@@ -112,7 +113,7 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
     assert verdict2 == "does not hold" and "pipe-1-cap4" in words2 and "0.50" in words2
     assert "disk ran beyond" in words2 and "pipe-1-cap4 (1.80x)" in words2 and "pipe-0-cap4 (" not in words2
     assert "disk ran beyond" not in words                   # 1.05x: within the tolerance
-    rec = EngineValidationRecord(format="relayout-engine-validation", version=6, engine="colibri", container="m",
+    rec = EngineValidationRecord(format="relayout-engine-validation", version=ENGINE_VALIDATION_VERSION, engine="colibri", container="m",
                                  device="d", device_source="given", layouts={"stock": "m"}, training_sessions=["a"],
                                  prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[ok, off], runs=stock + new,
                                  cells_agree=agree, cells_disagree=1, cells_unresolved=0, decisions_agree=1, decisions=1,
@@ -128,6 +129,38 @@ def test_the_verdict_counts_every_layout_cell_and_the_record_round_trips():
         EngineValidationRecord.from_json({**rec.to_json(), "version": 99})
     with pytest.raises(InputError):
         EngineValidationRecord.from_json({**rec.to_json(), "cells_agree": True})
+
+
+def test_a_cell_on_a_drifted_disk_is_also_judged_at_the_speed_it_probed():
+    """The model at half the engine's S on the profile's drive rates, and equal to it with the
+    drives at the speed the disk probed (half the profile's): the verdict stays the profile's
+    (ruled out), the summary counts the cell as agreeing at the probed speed, and the table shows
+    both ratios."""
+    from dataclasses import replace as with_
+
+    from relayout.render.engine import format_engine_validation
+
+    runs = [with_(r, predicted_wait_probed_s=r.measured_wait_s) for r in _arm("stock", lambda p: 0.2, scale=0.5)]
+    arm = arm_result("stock", runs)
+    assert (arm.agreement, arm.agreement_probed) == ("disagrees", "agrees")
+    assert abs(arm.ratio - 0.5) < 1e-9 and abs(arm.ratio_probed - 1) < 1e-9
+    stock = _arm("stock", lambda p: 0.2 + 0.01 * p)
+    control = saving_result("stock-copy", stock, stock)
+    cell = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm], control.measured, 0.0, 0.0, [], 0.0, "",
+                      [1.0e9, 1.0e9], 0.5, 0.0, [], [-1.0, 1.0e8])
+    agree, *_, verdict, words = summarize([cell])
+    assert verdict == "does not hold" and agree == 0
+    assert "at the speed the disk probed around each cell, 1 of 1 layout-cells are within +/-20%" in words
+    steady = CellResult("pipe-0-cap4", cell_env("PIPE=0", 4), [arm], control.measured, 0.0, 0.0, [], 0.0, "",
+                        [2.0e9, 2.0e9], 1.0, 0.0, [], [-1.0, 1.0e8])
+    assert "probed around each cell" not in summarize([steady])[-1]     # no drift: nothing more to say
+    rec = EngineValidationRecord(format="relayout-engine-validation", version=ENGINE_VALIDATION_VERSION, engine="e",
+                                 container="m", device="d", device_source="given", layouts={"stock": "m"},
+                                 training_sessions=["a"], prompts=6, reps=2, ngen=24, tolerance=0.2, cells=[cell],
+                                 runs=runs, cells_agree=0, cells_disagree=1, cells_unresolved=0, decisions_agree=0,
+                                 decisions=0, verdict=verdict, summary=words)
+    row = next(line for line in format_engine_validation(rec).splitlines() if line.startswith("pipe-0-cap4") and "stock" in line)
+    assert "0.50  disagrees      1.00" in row
 
 
 def test_cells_are_named_and_configured_in_the_engines_words():

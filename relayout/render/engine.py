@@ -74,7 +74,8 @@ def format_engine_validation(rec) -> str:
              f"{rec.reps} repetitions per layout and cell, cold, NGEN={rec.ngen}; device {rec.device} ({rec.device_source})",
              f"plans trained on {len(rec.training_sessions)} recorded session(s) of other prompts",
              "S = the engine's expert wait per committed token (its PROFILE line, decode window); predicted = the model "
-             "replaying each run's own routing with the configuration it printed; ms per committed token"]
+             "replaying each run's own routing with the configuration it printed; ms per committed token; at probe = "
+             "its ratio with the profile's drive rates at the speed the disk probed around the cell"]
     probes = [f"{c.name} {c.disk_probe[0] / 1e9:.2f} -> {c.disk_probe[1] / 1e9:.2f} ({c.disk_scale:.2f}x)"
               for c in rec.cells if c.disk_probe]
     if probes:
@@ -103,13 +104,14 @@ def format_engine_validation(rec) -> str:
         lines.append("bytes read from the drives per run, MB, engine (its process's block input: the dense weights "
                      "too) / model (experts): " + ", ".join(drives))
     lines.append("")
-    head = f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     loads"
+    head = (f"{'cell':26} {'layout':9} {'engine S [95% CI over runs]':>30} {'model S':>8} {'ratio':>6}  judged     "
+            f"{'at probe':>8}  loads")
     lines.append(head)
     for c in rec.cells:
         for a in c.arms:
             m = a.measured_s
             lines.append(f"{c.name:26} {a.arm:9} {m.estimate * ms:9.3f} [{m.low * ms:8.3f}, {m.high * ms:8.3f}] "
-                         f"{a.predicted_s * ms:8.3f} {a.ratio:6.2f}  {a.agreement:10} "
+                         f"{a.predicted_s * ms:8.3f} {a.ratio:6.2f}  {a.agreement:10} {a.ratio_probed:8.2f}  "
                          f"{'equal' if a.loads_agree else 'differ (drawn pilot)' if c.pilot_precision else 'DIFFER'}")
     lines += ["", f"{'cell':26} {'layout':9} {'measured saving [95% CI]':>28} {'predicted':>10}  {'judged':17} "
                   "gate / measured A/B decision"]

@@ -423,7 +423,10 @@ def cell_copy_rates(own: dict[str, tuple[float, tuple]]) -> dict[str, tuple[floa
     return out
 
 
-def _run_results(arm: str, arm_dir: Path, layout, device, notify, pilot_precision: float | None) -> list[RunResult]:
+def _run_results(arm: str, arm_dir: Path, layout, device, probed, notify, pilot_precision: float | None) -> list[RunResult]:
+    """The runs of ``arm`` in ``arm_dir`` (left out: those the engine did not complete), each with the
+    model's prediction on ``device`` and on ``probed`` (the same with its drives at the speed the
+    disk probed around the cell; ``device`` itself where not probed)."""
     from replay.colibri.engine_metrics import run_metrics
     from replay.colibri.engine_output import read_runs
 
@@ -435,12 +438,13 @@ def _run_results(arm: str, arm_dir: Path, layout, device, notify, pilot_precisio
             continue
         m = run_metrics(run, arm, "")
         wait, loads, _, pilot, drive = predict_run(Path(run.source), layout, device, pilot_precision)
+        at_probe = wait if probed is device else predict_run(Path(run.source), layout, probed, pilot_precision)[0]
         io = run.output.expert_io
         engine_pilot = run.output.pilot_loads
         out.append(RunResult(run.source, arm, ident.prompt, ident.repetition, m.committed_tokens, m.wait_s, wait,
                              (m.tpot_ms or 0.0) / 1e3, io.loads if io is not None else -1, loads, ident.returncode,
                              engine_pilot if engine_pilot is not None else -1, pilot,
-                             ident.drive_read_bytes if ident.drive_read_bytes is not None else -1, drive))
+                             ident.drive_read_bytes if ident.drive_read_bytes is not None else -1, drive, at_probe))
     if len(out) < 2:
         raise InputError(arm_dir, f"only {len(out)} complete run(s) of {arm}: an interval needs at least 2")
     return out
@@ -507,15 +511,16 @@ def validate_engine(o: EngineValidateOptions, notify=print) -> EngineValidationR
             copy_rate, copy_source = copy_rates[name]
             cell_device = at_engine_copy_rate(device, copy_rate, layouts["stock"]) if copy_rate else device
             pilot = _cell_precision(env, precisions)
-            runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, notify, pilot) for m in arms}
+            scale = float(np.mean(probes)) / profile_rate if probes else 0.0
+            probed = cell_device.scaled(scale) if scale else cell_device
+            runs = {m: _run_results(m, cells_dir / name / m, layouts[m], cell_device, probed, notify, pilot) for m in arms}
             all_runs += [r for m in arms for r in runs[m]]
             control = saving_result(PLACEMENT_COPY, runs["stock"], runs[PLACEMENT_COPY])
             bound = placement_bound(control)
             cells.append(CellResult(name, env, [arm_result(m, runs[m]) for m in arms], control.measured,
                                     control.predicted.estimate, bound,
                                     [saving_result(m, runs["stock"], runs[m], placement_s=bound)
-                                     for m in o.layouts[1:]], copy_rate, copy_source, probes,
-                                    float(np.mean(probes)) / profile_rate if probes else 0.0, pilot or 0.0,
+                                     for m in o.layouts[1:]], copy_rate, copy_source, probes, scale, pilot or 0.0,
                                     _pilot_loads([r for m in arms for r in runs[m]]) if pilot else [],
                                     _drive_bytes([r for m in arms for r in runs[m]])))
         agree, disagree, unresolved, decided, decisions, verdict, summary = summarize(cells)

@@ -13,7 +13,10 @@ printed configuration (:class:`RunResult`). Judged here, all pure functions:
   the same rate for every layout;
 - the disk probed around each cell's runs against the profile's rate for the same reads
   (:attr:`CellResult.disk_scale`): a cell whose disk ran beyond the tolerance from the profile
-  is named in the summary;
+  is named in the summary, and every run is also predicted with the profile's drive rates at
+  that speed (:meth:`replay.model.device.ArrayProfile.scaled`; :attr:`ArmResult.ratio_probed`),
+  which the summary counts beside the verdict when a cell drifted; the verdict stays the
+  profile's own;
 - per layout (:class:`ArmResult`): the predicted S (summed predicted wait over summed tokens)
   against the measured S and its 95% interval over runs (Student t), with
   :func:`.rules.cell_agreement` at the ``+/-`` :data:`.rules.TOLERANCE` band: ``agrees``,
@@ -48,7 +51,7 @@ from replay.formats.interval import Interval
 from .rules import GATE_THRESHOLD, TOLERANCE, cell_agreement, judge_saving, over_repetitions
 
 ENGINE_VALIDATION_FORMAT = "relayout-engine-validation"
-ENGINE_VALIDATION_VERSION = 6
+ENGINE_VALIDATION_VERSION = 7
 PLACEMENT_COPY = "stock-copy"
 """The placement control's arm: the stock plan rewritten, stock's tensors in stock's order, each expert
 aligned to 4 KiB."""
@@ -73,6 +76,7 @@ class RunResult:
     predicted_pilot_loads: int  # the model's prefetch loads over the decode forwards (-1 when no prefetcher runs)
     measured_drive_bytes: int  # bytes the engine process read from storage, the whole run (-1 when not counted)
     predicted_drive_bytes: int  # bytes the model's reads took from the drives, the whole run (experts only)
+    predicted_wait_probed_s: float  # the model's stall with the profile's drive rates at the speed the disk probed around the run's cell (= predicted_wait_s where not probed)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,9 @@ class ArmResult:
     ratio: float               # predicted / measured S
     agreement: str             # agrees, unresolved or disagrees (rules.cell_agreement)
     loads_agree: bool          # the model's expert loads equal the engine's in every run that printed them
+    predicted_probed_s: float  # predicted S with the drives at the speed the disk probed around the cell
+    ratio_probed: float        # predicted_probed_s / measured S
+    agreement_probed: str      # rules.cell_agreement of predicted_probed_s
 
 
 @dataclass(frozen=True)
@@ -172,9 +179,11 @@ def arm_result(arm: str, runs: list[RunResult]) -> ArmResult:
     half = (iv.high - iv.low) / 2
     m = Interval(measured, measured - half, measured + half, "run", len(runs), "Student t")
     predicted = sum(r.predicted_wait_s for r in runs) / tokens
+    probed = sum(r.predicted_wait_probed_s for r in runs) / tokens
     loads = all(r.measured_loads == r.predicted_loads for r in runs if r.measured_loads >= 0)
-    return ArmResult(arm, len(runs), m, predicted, predicted / measured if measured > 0 else float("inf"),
-                     cell_agreement(predicted, measured, m.low, m.high), loads)
+    ratio = (lambda s: s / measured if measured > 0 else float("inf"))
+    return ArmResult(arm, len(runs), m, predicted, ratio(predicted), cell_agreement(predicted, measured, m.low, m.high),
+                     loads, probed, ratio(probed), cell_agreement(probed, measured, m.low, m.high))
 
 
 def _per_prompt(runs: list[RunResult], what: str) -> dict[int, tuple[float, int]]:
@@ -255,6 +264,11 @@ def summarize(cells: list[CellResult]) -> tuple[int, int, int, int, int, str, st
                + (f" ({placed_differ} of the differing within placement)" if placed_differ else "") + ".")
     drifted = [f"{c.name} ({c.disk_scale:.2f}x)" for c in cells if c.disk_probe and abs(c.disk_scale - 1) > TOLERANCE]
     if drifted:
+        probed = sum(a.agreement_probed == "agrees" for a in arms)
+        far = max(arms, key=lambda a: abs(np.log(a.ratio_probed)) if a.ratio_probed > 0 and np.isfinite(a.ratio_probed) else np.inf)
         summary += (f" The disk ran beyond +/-{TOLERANCE:.0%} of the profile's speed during {', '.join(drifted)}: "
-                    "there a ratio says as much about the disk that day as about the model.")
+                    "there a ratio says as much about the disk that day as about the model. With the profile's drive "
+                    f"rates at the speed the disk probed around each cell, {probed} of {len(arms)} layout-cells are "
+                    f"within +/-{TOLERANCE:.0%} (the farthest {far.arm} in {next(c.name for c in cells if far in c.arms)}, "
+                    f"{far.ratio_probed:.2f}).")
     return agree, disagree, unresolved, decided, len(savings), verdict, summary
