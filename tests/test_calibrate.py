@@ -16,6 +16,8 @@ from replay.model.device import DEFAULT_MEMORY_BANDWIDTH, ArrayProfile, load_dev
 from replay.physical import calibrate as cal
 from replay.physical import copy_rate, request_limits
 from replay.physical.buffers import HUGE_PAGE, read_buffer
+from replay.physical.loader_handoff import POOL_SIZES
+from relayout.render.measurements import format_calibration
 
 MIB = 1 << 20
 SMALL = {"max_segments": 254, "page_bytes": 4096, "bytes": 254 * 4096, "transparent_hugepage": "madvise"}
@@ -145,6 +147,13 @@ def test_the_page_cache_copy_rate_is_the_profiles_memory_bandwidth_and_loads(pro
     back = tmp_path / "again.json"
     back.write_text(json.dumps(dev.to_json()))
     assert load_device(str(back)) == dev and load_device(str(back)).digest() == dev.digest()
+    handoff = profile["calibration"]["loader_handoff"]               # the host's loader pool, measured too
+    if sys.platform.startswith("linux"):
+        assert handoff["workers"] == list(POOL_SIZES) and len(handoff["seconds"]) == len(POOL_SIZES)
+        assert dev.loader_handoff.workers == POOL_SIZES and list(dev.loader_handoff.seconds) == handoff["seconds"]
+        assert "loader pool" in format_calibration(profile)
+    else:
+        assert dev.loader_handoff is None and handoff["error"]
 
 
 @pytest.mark.slow

@@ -163,6 +163,14 @@ def format_calibration(profile: dict) -> str:
     merge = merge_sentence(profile)
     if merge:
         lines.append(merge[0])
+    handoff = profile.get("calibration", {}).get("loader_handoff")
+    if handoff and handoff["seconds"]:
+        lines.append("handing a block of loads to colibrì's PIPE=1 loader pool on the compute thread's core took "
+                     + ", ".join(f"{s * 1e6:.0f} us for {n}" for n, s in zip(handoff["workers"], handoff["seconds"]))
+                     + " loaders (the profile's loader_handoff)")
+    elif handoff:
+        lines.append(f"the loader pool's handoff was not measured ({handoff.get('error', 'no reason given')}): the model "
+                     "counts none for PIPE=1")
     return "\n".join(lines)
 
 
