@@ -53,8 +53,8 @@ _MONOTONIC = 1
 
 
 def _native():
-    """The compiled probe: (worker, spinner, blocks) and the C functions they call. Built on first
-    use, in the child process only."""
+    """The compiled probe: (worker, spinner, blocks) and the C functions the caller needs (create,
+    join, lock, unlock, broadcast). Built in the child process only."""
     from numba import carray, cfunc, njit, types
     from numba.extending import intrinsic
 
@@ -136,17 +136,14 @@ def _native():
             out[k] = now(s, address, _MAIN_SLOT) - t0
         return 0
 
-    return worker, spinner, blocks, libc
+    create = c_function("pthread_create", [word, word, word, word])
+    join = c_function("pthread_join", [ctypes.c_ulong, word])
+    return worker, spinner, blocks, (create, join, lock, unlock, broadcast)
 
 
 def _probe(pool_sizes: tuple[int, ...], blocks: int) -> list[float]:
     """In this (child) process: the median handoff (s) for each pool size."""
-    worker, spinner, run_blocks, libc = _native()
-    word = ctypes.c_size_t
-    create = libc.pthread_create
-    create.argtypes, create.restype = [word, word, word, word], ctypes.c_int
-    join = libc.pthread_join
-    join.argtypes, join.restype = [ctypes.c_ulong, word], ctypes.c_int
+    worker, spinner, run_blocks, (create, join, lock, unlock, broadcast) = _native()
     cpus = sorted(os.sched_getaffinity(0))
     compute_core, others = cpus[0], cpus[1:]
     medians = []
@@ -157,13 +154,13 @@ def _probe(pool_sizes: tuple[int, ...], blocks: int) -> list[float]:
         threads = np.zeros(n + len(others), np.uint64)
         started = 0
         try:
-            for i, core in enumerate(others):        # the OpenMP team's spinning threads, one per other core
+            for core in others:                      # the OpenMP team's spinning threads, one per other core
                 os.sched_setaffinity(0, {core})
                 if create(threads.ctypes.data + 8 * started, 0, spinner.address, s.ctypes.data) != 0:
                     raise OSError("pthread_create failed")
                 started += 1
             os.sched_setaffinity(0, {compute_core})      # the pool inherits the compute thread's core
-            for i in range(n):
+            for _ in range(n):
                 if create(threads.ctypes.data + 8 * started, 0, worker.address, s.ctypes.data) != 0:
                     raise OSError("pthread_create failed")
                 started += 1
@@ -171,12 +168,6 @@ def _probe(pool_sizes: tuple[int, ...], blocks: int) -> list[float]:
             run_blocks(s.ctypes.data, int(BLOCK_GAP_SECONDS * 1e9), out)
             medians.append(float(np.median(out[WARMUP_BLOCKS:])) / 1e9)
         finally:
-            lock = libc.pthread_mutex_lock
-            lock.argtypes = [word]
-            unlock = libc.pthread_mutex_unlock
-            unlock.argtypes = [word]
-            broadcast = libc.pthread_cond_broadcast
-            broadcast.argtypes = [word]
             lock(int(s[_MUTEX]))
             s[_STOP] = 1
             broadcast(int(s[_COND]))

@@ -181,9 +181,9 @@ def arm_result(arm: str, runs: list[RunResult]) -> ArmResult:
     predicted = sum(r.predicted_wait_s for r in runs) / tokens
     probed = sum(r.predicted_wait_probed_s for r in runs) / tokens
     loads = all(r.measured_loads == r.predicted_loads for r in runs if r.measured_loads >= 0)
-    ratio = (lambda s: s / measured if measured > 0 else float("inf"))
-    return ArmResult(arm, len(runs), m, predicted, ratio(predicted), cell_agreement(predicted, measured, m.low, m.high),
-                     loads, probed, ratio(probed), cell_agreement(probed, measured, m.low, m.high))
+    ratio, ratio_probed = ((s / measured if measured > 0 else float("inf")) for s in (predicted, probed))
+    return ArmResult(arm, len(runs), m, predicted, ratio, cell_agreement(predicted, measured, m.low, m.high),
+                     loads, probed, ratio_probed, cell_agreement(probed, measured, m.low, m.high))
 
 
 def _per_prompt(runs: list[RunResult], what: str) -> dict[int, tuple[float, int]]:
