@@ -87,3 +87,18 @@ def test_the_probe_times_a_real_pool_on_this_host():
     assert got["workers"] == [1, 4] and len(got["seconds"]) == 2, got
     assert all(0 < s < 0.01 for s in got["seconds"]), got
     LoaderHandoff(tuple(got["workers"]), tuple(got["seconds"]))      # what calibrate writes, a profile accepts
+
+
+def test_replay_says_when_the_profile_did_not_measure_the_handoff(tmp_path):
+    """A shipped profile has no loader handoff: under PIPE=1 (the loaders on the compute thread's
+    core) replay says the handoff is not counted, in one line; under PIPE=0 it says nothing."""
+    from conftest import cli, louvain_plan_and_trace
+
+    plan, trace = louvain_plan_and_trace(tmp_path)
+    common = ["replay", "--layout", plan, "--trace", trace, "--device", "single-nvme", "--min-sessions", 1]
+    pipe1 = cli(*common, "--runtime-env", "PIPE=1 CAP=2")
+    assert pipe1.returncode in (0, 1), pipe1.stderr
+    notes = [line for line in pipe1.stderr.splitlines() if "loader handoff" in line]
+    assert len(notes) == 1 and "single-nvme" in notes[0] and "relayout calibrate again" in notes[0]
+    pipe0 = cli(*common, "--runtime-env", "PIPE=0 CAP=2")
+    assert pipe0.returncode in (0, 1) and "loader handoff" not in pipe0.stderr
