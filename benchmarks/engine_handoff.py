@@ -11,8 +11,9 @@ layers of decode forwards with a miss, counted by replaying the run's routing th
 whose loads equal the engine's). Under a bound team the compute thread waits each block's
 dispatch through its loads (they preempt it on its core), so this is what a block costs beyond
 its loads. Cells run under a memory limit are left out: there loads wait for the drive side by
-side, and the service they sum is not their time on the core. Beside it, the handoff :func:`replay.physical.loader_handoff.loader_handoff` measures
-on this host now for the cell's pool size, and their ratio. Only reads; runs the probe once.
+side, and the service they sum is not their time on the core. Beside it, the handoff
+:func:`replay.physical.loader_handoff.loader_handoff` measures on this host now for the cell's
+pool size, and their ratio. Only reads; runs the probe once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from containers.jsonfile import parse_json  # noqa: E402
 from containers.layout import layout_from_container  # noqa: E402
 from relayout.planning.replay_setup import RuntimeRequest, runtime_config  # noqa: E402
 from relayout.traces.importer import import_traces  # noqa: E402
-from replay.colibri.engine_config import config_from_run  # noqa: E402
+from replay.colibri.engine_config import PIPE_POOL_MAX, config_from_run  # noqa: E402
 from replay.colibri.engine_output import ROUTE_FILE, read_runs  # noqa: E402
 from replay.colibri.openmp_team import loaders_on_compute_core  # noqa: E402
 from replay.model.config import RuntimeConfig  # noqa: E402
@@ -85,7 +86,7 @@ def main() -> int:
                 n_blocks += b
                 n_loads += n
             engine = excess / n_blocks
-            mine = host.for_pool(max(1, min(cfg.PIPE_WORKERS, 16)))
+            mine = host.for_pool(max(1, min(cfg.PIPE_WORKERS, PIPE_POOL_MAX)))
             print(f"{vdir.name + ' / ' + cell.name:52} {len(runs):4d} {n_blocks:7d} {n_loads:6d} {engine * 1e6:16.1f} "
                   f"{mine * 1e6:9.1f} {mine / engine:6.2f}")
     return 0
